@@ -1,0 +1,91 @@
+"""fsdp-core: the base layer for sharding models with PyTorch FSDP2.
+
+Process-group and mesh set-up, mixed-precision policies, dtype-safe units,
+torch capability flags, and the :class:`ModelParallelizer` strategy base.
+"""
+
+from fsdp_core import compat
+from fsdp_core.__about__ import __version__
+from fsdp_core.containers import container_items, is_module_container, iter_layer_items
+from fsdp_core.distributed import (
+    VALID_BACKENDS,
+    DistributedContext,
+    destroy_distributed,
+    device_type_for_backend,
+    init_distributed,
+)
+from fsdp_core.dtype_units import (
+    DtypeIsland,
+    MixedDtypeError,
+    dominant_dtype,
+    find_dtype_islands,
+    fully_shard_dtype_safe,
+    group_islands,
+)
+from fsdp_core.mesh import MeshShape, build_mesh, resolve_mesh_shape
+from fsdp_core.parallelizer import ModelParallelizer, PlanContext, parameter_names
+from fsdp_core.plan import (
+    ShardCall,
+    ShardingPlan,
+    UnitPlan,
+    format_policy,
+    unit_parameters,
+)
+from fsdp_core.precision import (
+    DTYPE_ALIASES,
+    compute_dtype,
+    default_mp_policy,
+    fp32_island_policy,
+    island_policy,
+    mixed_precision_policy,
+    parse_dtype,
+)
+from fsdp_core.sharding import (
+    apply_fully_shard,
+    check_reshard_after_forward,
+    is_sharded,
+    owned_ignored_params,
+    shard_group_size,
+)
+
+__all__ = [
+    "DTYPE_ALIASES",
+    "VALID_BACKENDS",
+    "DistributedContext",
+    "DtypeIsland",
+    "MeshShape",
+    "MixedDtypeError",
+    "ModelParallelizer",
+    "PlanContext",
+    "ShardCall",
+    "ShardingPlan",
+    "UnitPlan",
+    "__version__",
+    "apply_fully_shard",
+    "build_mesh",
+    "check_reshard_after_forward",
+    "compat",
+    "compute_dtype",
+    "container_items",
+    "default_mp_policy",
+    "destroy_distributed",
+    "device_type_for_backend",
+    "dominant_dtype",
+    "find_dtype_islands",
+    "format_policy",
+    "fp32_island_policy",
+    "fully_shard_dtype_safe",
+    "group_islands",
+    "init_distributed",
+    "is_module_container",
+    "is_sharded",
+    "island_policy",
+    "iter_layer_items",
+    "mixed_precision_policy",
+    "owned_ignored_params",
+    "parameter_names",
+    "parse_dtype",
+    "resolve_mesh_shape",
+    "shard_group_size",
+    "unit_parameters",
+]

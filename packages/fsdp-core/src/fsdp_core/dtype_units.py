@@ -1,0 +1,206 @@
+"""Dtype-safe FSDP units.
+
+FSDP2 requires every trainable parameter of a unit to have the same dtype and
+only says so at the first forward (``AssertionError: FSDP expects uniform
+original parameter dtype``). This module finds mixed modules before sharding,
+splits the odd-dtype submodules ("islands", e.g. fp32 norms in a bf16 model)
+into units of their own, and names the parameters when a split is impossible.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+from fsdp_core import compat
+from fsdp_core.containers import join_path
+from fsdp_core.precision import island_policy
+from fsdp_core.sharding import apply_fully_shard, is_sharded
+
+__all__ = [
+    "DtypeIsland",
+    "MixedDtypeError",
+    "dominant_dtype",
+    "find_dtype_islands",
+    "group_islands",
+    "fully_shard_dtype_safe",
+]
+
+#: Decides whether a submodule is already a unit of its own (its parameters leave this one).
+SkipPredicate = Callable[[str, nn.Module], bool]
+
+
+class MixedDtypeError(ValueError):
+    """A module holds parameters of several dtypes directly, so no split can separate them."""
+
+
+@dataclass(frozen=True)
+class DtypeIsland:
+    """A maximal submodule whose considered parameters share one non-dominant dtype."""
+
+    path: str
+    dtype: torch.dtype
+
+
+def _never(path: str, module: nn.Module) -> bool:
+    return False
+
+
+def _considered(
+    module: nn.Module,
+    prefix: str,
+    *,
+    trainable_only: bool,
+    skip: SkipPredicate,
+    ignored: frozenset[str],
+) -> Iterable[tuple[str, nn.Parameter]]:
+    """Parameters that will land in ``module``'s unit (recursively, minus skipped subtrees)."""
+    for name, param in module.named_parameters(prefix=prefix, recurse=False):
+        if name in ignored or (trainable_only and not param.requires_grad):
+            continue
+        yield name, param
+    for child_name, child in module.named_children():
+        child_path = join_path(prefix, child_name)
+        if skip(child_path, child):
+            continue
+        yield from _considered(
+            child, child_path, trainable_only=trainable_only, skip=skip, ignored=ignored
+        )
+
+
+def dominant_dtype(params: Iterable[nn.Parameter]) -> torch.dtype | None:
+    """The dtype holding the most elements (first seen wins a tie); ``None`` when empty."""
+    counts: Counter[torch.dtype] = Counter()
+    for param in params:
+        counts[param.dtype] += param.numel()
+    if not counts:
+        return None
+    return max(counts, key=lambda dtype: counts[dtype])
+
+
+def find_dtype_islands(
+    module: nn.Module,
+    *,
+    prefix: str = "",
+    trainable_only: bool = True,
+    skip: SkipPredicate | None = None,
+    ignored_param_names: Iterable[str] = (),
+) -> tuple[torch.dtype | None, tuple[DtypeIsland, ...]]:
+    """The dominant dtype of ``module``'s unit and the islands to split off.
+
+    Only trainable parameters count by default, matching FSDP's rule (frozen
+    ones may mix). Raises :class:`MixedDtypeError` listing the offending
+    parameters when a module holds odd-dtype parameters directly.
+    """
+    skip_fn = skip or _never
+    ignored = frozenset(ignored_param_names)
+
+    def considered(sub: nn.Module, path: str) -> list[tuple[str, nn.Parameter]]:
+        return list(
+            _considered(sub, path, trainable_only=trainable_only, skip=skip_fn, ignored=ignored)
+        )
+
+    dominant = dominant_dtype(p for _, p in considered(module, prefix))
+    if dominant is None:
+        return None, ()
+    islands: list[DtypeIsland] = []
+    offenders: list[str] = []
+
+    def visit(sub: nn.Module, path: str) -> None:
+        for name, param in sub.named_parameters(prefix=path, recurse=False):
+            if name in ignored or (trainable_only and not param.requires_grad):
+                continue
+            if param.dtype != dominant:
+                offenders.append(f"{name or '<param>'} ({param.dtype})")
+        for child_name, child in sub.named_children():
+            child_path = join_path(path, child_name)
+            if skip_fn(child_path, child):
+                continue
+            dtypes = {p.dtype for _, p in considered(child, child_path)}
+            if not dtypes or dtypes == {dominant}:
+                continue
+            if len(dtypes) == 1:
+                islands.append(DtypeIsland(child_path, dtypes.pop()))
+            else:
+                visit(child, child_path)
+
+    visit(module, prefix)
+    if offenders:
+        where = prefix or type(module).__name__
+        raise MixedDtypeError(
+            f"cannot make dtype-safe FSDP units for {where!r}: parameters "
+            f"{', '.join(offenders)} are held directly next to {dominant} parameters. "
+            "Move them into a submodule, cast them to one dtype, or freeze them "
+            "(FSDP only requires uniform dtypes among trainable parameters)."
+        )
+    return dominant, tuple(islands)
+
+
+def group_islands(
+    islands: Iterable[DtypeIsland], *, grouped: bool | None = None
+) -> list[tuple[torch.dtype, tuple[str, ...]]]:
+    """Islands bundled into units: one per dtype when torch can cast per module in a
+    group, else one per island (each tiny unit costs an all-gather and a reduce-scatter)."""
+    can_group = compat.GROUPED_PER_MODULE_CASTING if grouped is None else grouped
+    if grouped and not compat.GROUPED_PER_MODULE_CASTING:
+        raise ValueError(
+            f"this torch ({torch.__version__}) cannot cast per module inside a grouped unit; "
+            "pass grouped=False"
+        )
+    items = list(islands)
+    if not can_group:
+        return [(island.dtype, (island.path,)) for island in items]
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for island in items:
+        by_dtype.setdefault(island.dtype, []).append(island.path)
+    return [(dtype, tuple(paths)) for dtype, paths in by_dtype.items()]
+
+
+def fully_shard_dtype_safe(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy | None = None,
+    reshard_after_forward: bool | int | None = None,
+    ignored_params: set[nn.Parameter] | None = None,
+    grouped: bool | None = None,
+) -> nn.Module:
+    """Shard ``module`` as one unit after splitting off its odd-dtype islands.
+
+    Islands get :func:`fsdp_core.precision.island_policy` (their own dtype for
+    params and reduction, output cast to the surrounding compute dtype).
+    """
+    ignored_names = {
+        name for name, p in module.named_parameters() if ignored_params and p in ignored_params
+    }
+    dominant, islands = find_dtype_islands(
+        module,
+        skip=lambda _path, sub: is_sharded(sub),
+        ignored_param_names=ignored_names,
+    )
+    for dtype, paths in group_islands(islands, grouped=grouped):
+        members = [module.get_submodule(path) for path in paths]
+        apply_fully_shard(
+            members[0] if len(members) == 1 else members,
+            mesh=mesh,
+            mp_policy=island_policy(dtype, mp_policy, surrounding_dtype=dominant),
+            offload_policy=offload_policy,
+            reshard_after_forward=reshard_after_forward,
+            ignored_params=ignored_params,
+        )
+    apply_fully_shard(
+        module,
+        mesh=mesh,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        reshard_after_forward=reshard_after_forward,
+        ignored_params=ignored_params,
+    )
+    return module

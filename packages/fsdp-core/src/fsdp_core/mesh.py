@@ -1,0 +1,106 @@
+"""DeviceMesh construction for FSDP (1-D) and HSDP (2-D) data parallelism."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fsdp_core.distributed import device_type_for_backend
+
+__all__ = [
+    "SHARD_DIM",
+    "REPLICATE_DIM",
+    "MeshShape",
+    "resolve_mesh_shape",
+    "build_mesh",
+]
+
+SHARD_DIM: Final[str] = "dp_shard"
+REPLICATE_DIM: Final[str] = "dp_replicate"
+
+
+def _check_size(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value == 0 or value < -1:
+        raise ValueError(f"{name}={value} is invalid: use a positive size or -1 to infer it")
+    return value
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """Resolved data-parallel sizes; ``dp_replicate == 1`` means a plain 1-D FSDP mesh."""
+
+    dp_replicate: int
+    dp_shard: int
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def is_hsdp(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dim_names(self) -> tuple[str, ...]:
+        return (REPLICATE_DIM, SHARD_DIM) if self.is_hsdp else (SHARD_DIM,)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return (self.dp_replicate, self.dp_shard) if self.is_hsdp else (self.dp_shard,)
+
+
+def resolve_mesh_shape(*, world_size: int, dp_replicate: int = 1, dp_shard: int = -1) -> MeshShape:
+    """Fill in a ``-1`` size from ``world_size`` and check that the sizes multiply to it."""
+    _check_size("world_size", world_size)
+    if world_size < 1:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    replicate = _check_size("dp_replicate", dp_replicate)
+    shard = _check_size("dp_shard", dp_shard)
+    if replicate == -1 and shard == -1:
+        raise ValueError("at most one of dp_replicate and dp_shard may be -1 (inferred)")
+    if replicate == -1 or shard == -1:
+        known = shard if replicate == -1 else replicate
+        if world_size % known:
+            raise ValueError(
+                f"cannot infer a mesh size: world size {world_size} is not divisible by {known}"
+            )
+        inferred = world_size // known
+        replicate, shard = (inferred, shard) if replicate == -1 else (replicate, inferred)
+    if replicate * shard != world_size:
+        raise ValueError(
+            f"dp_replicate ({replicate}) * dp_shard ({shard}) = {replicate * shard} "
+            f"does not match the world size {world_size}"
+        )
+    return MeshShape(dp_replicate=replicate, dp_shard=shard)
+
+
+def build_mesh(
+    *,
+    dp_replicate: int = 1,
+    dp_shard: int = -1,
+    device_type: str | None = None,
+) -> DeviceMesh:
+    """Build the data-parallel mesh over the default process group.
+
+    The device type follows the process group's backend (``cuda`` for NCCL,
+    ``cpu`` for gloo and the fake backend); an explicit ``device_type`` that
+    disagrees with the backend is refused instead of producing a mesh whose
+    collectives cannot run.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("build_mesh() needs a process group: call init_distributed() first")
+    shape = resolve_mesh_shape(
+        world_size=dist.get_world_size(), dp_replicate=dp_replicate, dp_shard=dp_shard
+    )
+    backend_device = device_type_for_backend(str(dist.get_backend()))
+    if device_type is not None and device_type != backend_device:
+        raise ValueError(
+            f"device_type {device_type!r} does not match the {dist.get_backend()!r} process "
+            f"group (which runs on {backend_device!r}); pass {backend_device!r} or None"
+        )
+    return init_device_mesh(backend_device, shape.sizes, mesh_dim_names=shape.dim_names)

@@ -1,0 +1,302 @@
+"""``ModelParallelizer``: decide the FSDP units of a model, then apply them.
+
+Planning walks the model and returns a :class:`~fsdp_core.plan.ShardingPlan`
+with no side effects; applying it sends every call through the single
+overridable method :meth:`ModelParallelizer._fully_shard_module`. Model
+packages subclass this and override the planning hooks and that method.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+from fsdp_core.containers import iter_layer_items
+from fsdp_core.dtype_units import find_dtype_islands, group_islands
+from fsdp_core.plan import ShardCall, ShardingPlan, UnitPlan
+from fsdp_core.precision import island_policy
+from fsdp_core.sharding import (
+    ShardTarget,
+    apply_fully_shard,
+    check_reshard_after_forward,
+    shard_group_size,
+)
+
+__all__ = ["PlanContext", "ModelParallelizer", "parameter_names"]
+
+logger = logging.getLogger(__name__)
+
+
+def parameter_names(model: nn.Module, params: Iterable[nn.Parameter] | None) -> tuple[str, ...]:
+    """Qualified names of ``params`` in ``model``; a parameter it does not own is an error."""
+    if not params:
+        return ()
+    wanted = set(params)
+    names = tuple(name for name, p in model.named_parameters() if p in wanted)
+    found = {p for _, p in model.named_parameters() if p in wanted}
+    missing = len(wanted - found)
+    if missing:
+        raise ValueError(f"{missing} of the ignored_params are not parameters of the model")
+    return names
+
+
+@dataclass
+class PlanContext:
+    """What planning hooks may read, and the modules already given to a unit."""
+
+    model: nn.Module
+    mp_policy: MixedPrecisionPolicy
+    reshard_after_forward: bool | int | None
+    ignored_param_names: frozenset[str]
+    planned: set[int] = field(default_factory=set)
+
+    def is_planned(self, module: nn.Module) -> bool:
+        return id(module) in self.planned
+
+    def mark(self, paths: Iterable[str]) -> None:
+        for path in paths:
+            self.planned.add(id(self.module(path)))
+
+    def module(self, path: str) -> nn.Module:
+        return self.model.get_submodule(path) if path else self.model
+
+    def ignored_under(self, paths: Iterable[str]) -> tuple[str, ...]:
+        prefixes = tuple(paths)
+        if "" in prefixes:
+            return tuple(sorted(self.ignored_param_names))
+        return tuple(
+            sorted(
+                name
+                for name in self.ignored_param_names
+                if any(name.startswith(prefix + ".") for prefix in prefixes)
+            )
+        )
+
+    def has_unplanned_params(self, path: str) -> bool:
+        """Whether a unit at ``path`` would own any parameter (not ignored, not taken)."""
+
+        def visit(module: nn.Module, prefix: str) -> bool:
+            if self.is_planned(module):
+                return False
+            for name, _ in module.named_parameters(prefix=prefix, recurse=False):
+                if name not in self.ignored_param_names:
+                    return True
+            return any(
+                visit(child, f"{prefix}.{key}" if prefix else key)
+                for key, child in module.named_children()
+            )
+
+        return visit(self.module(path), path)
+
+
+class ModelParallelizer:
+    """Shard each layer-container item as an FSDP unit, then the root.
+
+    Every unit is made dtype-safe (odd-dtype islands split off, see
+    :mod:`fsdp_core.dtype_units`) unless ``dtype_safe=False``.
+    """
+
+    def __init__(self, *, dtype_safe: bool = True) -> None:
+        if not isinstance(dtype_safe, bool):
+            raise TypeError(f"dtype_safe must be a bool, got {dtype_safe!r}")
+        self.dtype_safe = dtype_safe
+
+    # ----------------------------------------------------------------- public API
+    def parallelize(
+        self,
+        model: nn.Module,
+        *,
+        mesh: DeviceMesh,
+        mp_policy: MixedPrecisionPolicy | None = None,
+        offload_policy: OffloadPolicy | None = None,
+        reshard_after_forward: bool | int | None = None,
+        ignored_params: set[nn.Parameter] | None = None,
+    ) -> nn.Module:
+        """Plan and apply in one step; returns ``model`` (sharded in place)."""
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
+        check_reshard_after_forward(reshard_after_forward, shard_group_size(mesh))
+        plan = self.plan(
+            model,
+            mp_policy=mp_policy,
+            reshard_after_forward=reshard_after_forward,
+            ignored_params=ignored_params,
+        )
+        return self.apply_plan(model, plan, mesh=mesh, offload_policy=offload_policy)
+
+    def plan(
+        self,
+        model: nn.Module,
+        *,
+        mp_policy: MixedPrecisionPolicy | None = None,
+        reshard_after_forward: bool | int | None = None,
+        ignored_params: set[nn.Parameter] | None = None,
+    ) -> ShardingPlan:
+        """Decide the units without touching the model or needing a process group."""
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        policy = MixedPrecisionPolicy() if mp_policy is None else mp_policy
+        if not isinstance(policy, MixedPrecisionPolicy):
+            raise TypeError(
+                f"mp_policy must be a MixedPrecisionPolicy, got {type(policy).__name__}"
+            )
+        check_reshard_after_forward(
+            reshard_after_forward, shard_size=_any_divisor(reshard_after_forward)
+        )
+        ctx = PlanContext(
+            model=model,
+            mp_policy=policy,
+            reshard_after_forward=reshard_after_forward,
+            ignored_param_names=frozenset(
+                self._ignored_param_names(model, parameter_names(model, ignored_params))
+            ),
+        )
+        calls: list[ShardCall] = list(self._plan_leading_calls(ctx))
+        for path in self._unit_paths(ctx):
+            if ctx.is_planned(ctx.module(path)) or not ctx.has_unplanned_params(path):
+                continue
+            calls.extend(self._plan_calls(path, ctx, reshard_after_forward=reshard_after_forward))
+        calls.extend(self._plan_calls("", ctx, reshard_after_forward=reshard_after_forward))
+        return ShardingPlan(
+            calls=tuple(calls),
+            ignored_param_names=tuple(sorted(ctx.ignored_param_names)),
+            notes=tuple(self._plan_notes(ctx)),
+        )
+
+    def apply_plan(
+        self,
+        model: nn.Module,
+        plan: ShardingPlan,
+        *,
+        mesh: DeviceMesh,
+        offload_policy: OffloadPolicy | None = None,
+    ) -> nn.Module:
+        """Shard ``model`` in place as ``plan`` says; every call goes through
+        :meth:`_fully_shard_module`."""
+        if not isinstance(plan, ShardingPlan):
+            raise TypeError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
+        named = dict(model.named_parameters())
+        self._before_apply(model, plan, mesh=mesh)
+        for call in plan.calls:
+            members = [model.get_submodule(path) if path else model for path in call.paths]
+            ignored = {named[name] for name in call.ignored_param_names}
+            target: ShardTarget = members[0] if len(members) == 1 else members
+            self._fully_shard_module(
+                target,
+                mesh=mesh,
+                mp_policy=call.mp_policy,
+                offload_policy=offload_policy,
+                reshard_after_forward=call.reshard_after_forward,
+                ignored_params=ignored or None,
+            )
+        logger.info("applied %d FSDP units in %d calls", len(plan.units), len(plan.calls))
+        return model
+
+    # ------------------------------------------------------------ hooks to override
+    def _fully_shard_module(self, module: ShardTarget, **kwargs: object) -> None:
+        """Make one unit; the single method model packages override."""
+        apply_fully_shard(module, **kwargs)  # type: ignore[arg-type]
+
+    def _unit_paths(self, ctx: PlanContext) -> list[str]:
+        """Paths of the modules that become units before the root (layer-container items)."""
+        return [path for path, _ in iter_layer_items(ctx.model)]
+
+    def _ignored_param_names(self, model: nn.Module, names: tuple[str, ...]) -> Iterable[str]:
+        """All parameters kept out of FSDP (subclasses add replicated modules)."""
+        return names
+
+    def _plan_leading_calls(self, ctx: PlanContext) -> list[ShardCall]:
+        """Calls planned before any layer item (e.g. units shared by several layers)."""
+        return []
+
+    def _plan_notes(self, ctx: PlanContext) -> list[str]:
+        return []
+
+    def _before_apply(self, model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> None:
+        """Runs once before the first unit is made (e.g. to place replicated parameters)."""
+
+    def _plan_calls(
+        self,
+        path: str,
+        ctx: PlanContext,
+        *,
+        reshard_after_forward: bool | int | None,
+        role: str | None = None,
+    ) -> list[ShardCall]:
+        """The calls that make ``path`` a unit: its dtype islands first, then itself."""
+        module = ctx.module(path)
+        role = role or ("root" if path == "" else "layer")
+        calls: list[ShardCall] = []
+        if self.dtype_safe:
+            dominant, islands = find_dtype_islands(
+                module,
+                prefix=path,
+                skip=lambda _p, sub: ctx.is_planned(sub),
+                ignored_param_names=ctx.ignored_param_names,
+            )
+            for dtype, paths in group_islands(islands):
+                calls.append(
+                    self._make_call(
+                        paths,
+                        ctx,
+                        mp_policy=island_policy(dtype, ctx.mp_policy, surrounding_dtype=dominant),
+                        reshard_after_forward=None,
+                        role="dtype_island",
+                    )
+                )
+        calls.append(
+            self._make_call(
+                (path,),
+                ctx,
+                mp_policy=ctx.mp_policy,
+                reshard_after_forward=reshard_after_forward,
+                role=role,
+            )
+        )
+        return calls
+
+    # ------------------------------------------------------------------- helpers
+    def _make_call(
+        self,
+        paths: tuple[str, ...],
+        ctx: PlanContext,
+        *,
+        mp_policy: MixedPrecisionPolicy,
+        reshard_after_forward: bool | int | None,
+        role: str,
+        units: tuple[UnitPlan, ...] | None = None,
+    ) -> ShardCall:
+        """A call with one unit (or the given expansion), marking its members as planned."""
+        ignored = ctx.ignored_under(paths)
+        if units is None:
+            units = (
+                UnitPlan(
+                    paths=paths,
+                    mp_policy=mp_policy,
+                    reshard_after_forward=reshard_after_forward,
+                    ignored_param_names=ignored,
+                    role=role,
+                ),
+            )
+        for unit in units:
+            ctx.mark(unit.paths)
+        ctx.mark(paths)
+        return ShardCall(
+            paths=paths,
+            mp_policy=mp_policy,
+            reshard_after_forward=reshard_after_forward,
+            ignored_param_names=ignored,
+            units=units,
+        )
+
+
+def _any_divisor(value: object) -> int:
+    """Plans are mesh-free: accept any positive int here; the mesh check runs at apply."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return 1

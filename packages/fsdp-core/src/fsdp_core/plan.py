@@ -1,0 +1,136 @@
+"""Sharding plans as data: which modules become FSDP units, with which settings.
+
+A plan is built without a process group and without touching the model, so
+it can be printed, compared in tests and costed before a job starts. Applying
+it is a separate step (:meth:`fsdp_core.ModelParallelizer.apply_plan`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+__all__ = ["UnitPlan", "ShardCall", "ShardingPlan", "unit_parameters", "format_policy"]
+
+ROOT_LABEL = "<root>"
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """One FSDP unit: its member modules (one, or several sharing one all-gather)."""
+
+    paths: tuple[str, ...]
+    mp_policy: MixedPrecisionPolicy
+    reshard_after_forward: bool | int | None = None
+    ignored_param_names: tuple[str, ...] = ()
+    role: str = "layer"
+
+    def __post_init__(self) -> None:
+        if not self.paths:
+            raise ValueError("a unit needs at least one module path")
+
+    @property
+    def label(self) -> str:
+        """Short readable name: the path, or the common prefix and count for groups."""
+        if len(self.paths) == 1:
+            return self.paths[0] or ROOT_LABEL
+        head = self.paths[0].split(".")[0] or ROOT_LABEL
+        return f"{head}[{len(self.paths)} modules]"
+
+    @property
+    def is_root(self) -> bool:
+        return self.paths == ("",)
+
+
+@dataclass(frozen=True)
+class ShardCall:
+    """One call of a parallelizer's ``_fully_shard_module`` and the units it creates."""
+
+    paths: tuple[str, ...]
+    mp_policy: MixedPrecisionPolicy
+    reshard_after_forward: bool | int | None
+    ignored_param_names: tuple[str, ...]
+    units: tuple[UnitPlan, ...]
+
+    @property
+    def is_group(self) -> bool:
+        return len(self.paths) > 1
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """The ordered calls (children before parents) and the units they produce."""
+
+    calls: tuple[ShardCall, ...]
+    ignored_param_names: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def units(self) -> tuple[UnitPlan, ...]:
+        return tuple(unit for call in self.calls for unit in call.units)
+
+    def unit_labels(self) -> list[str]:
+        return [unit.label for unit in self.units]
+
+    def role_counts(self) -> dict[str, int]:
+        return dict(Counter(unit.role for unit in self.units))
+
+    def format(self, model: nn.Module | None = None) -> str:
+        """A readable table of units; with ``model`` also parameter counts and dtypes."""
+        owned = unit_parameters(self, model) if model is not None else None
+        lines = [f"{len(self.units)} FSDP units"]
+        for index, unit in enumerate(self.units):
+            text = (
+                f"  [{index:>3}] {unit.label:<40} {unit.role:<12} {format_policy(unit.mp_policy)}"
+            )
+            if unit.reshard_after_forward is not None:
+                text += f" reshard={unit.reshard_after_forward}"
+            if owned is not None:
+                params = owned[index]
+                numel = sum(p.numel() for _, p in params)
+                dtypes = ",".join(sorted({_short(p.dtype) for _, p in params})) or "-"
+                frozen = all(not p.requires_grad for _, p in params) and bool(params)
+                text += f" params={numel:,} dtype={dtypes}" + (" frozen" if frozen else "")
+            lines.append(text)
+        if self.ignored_param_names:
+            lines.append(f"  ignored (replicated) parameters: {len(self.ignored_param_names)}")
+        lines.extend(f"  note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+
+def _short(dtype: torch.dtype | None) -> str:
+    return "-" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def format_policy(policy: MixedPrecisionPolicy) -> str:
+    """``param/reduce->output`` in short dtype names, e.g. ``fp32/fp32->bfloat16``."""
+    text = f"param={_short(policy.param_dtype)} reduce={_short(policy.reduce_dtype)}"
+    if policy.output_dtype is not None:
+        text += f" out={_short(policy.output_dtype)}"
+    return text
+
+
+def unit_parameters(plan: ShardingPlan, model: nn.Module) -> list[list[tuple[str, nn.Parameter]]]:
+    """For each unit (in plan order), the parameters it manages.
+
+    A unit manages the parameters of its members that no earlier unit took and
+    that are not ignored, which is exactly how ``fully_shard`` assigns them.
+    """
+    ignored = set(plan.ignored_param_names)
+    taken: set[int] = set()
+    result: list[list[tuple[str, nn.Parameter]]] = []
+    for unit in plan.units:
+        params: list[tuple[str, nn.Parameter]] = []
+        for path in unit.paths:
+            module = model.get_submodule(path) if path else model
+            for name, param in module.named_parameters(prefix=path):
+                if id(param) in taken or name in ignored or name in unit.ignored_param_names:
+                    continue
+                taken.add(id(param))
+                params.append((name, param))
+        result.append(params)
+    return result

@@ -1,0 +1,154 @@
+"""The one call site of ``torch.distributed.fsdp.fully_shard`` in the project.
+
+Everything that turns modules into FSDP units comes through
+:func:`apply_fully_shard`, so the checks FSDP2 itself makes late (or not at
+all) are made here, before any state changes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+from fsdp_core import compat
+
+__all__ = [
+    "ShardTarget",
+    "apply_fully_shard",
+    "owned_ignored_params",
+    "shard_group_size",
+    "is_sharded",
+    "check_reshard_after_forward",
+]
+
+logger = logging.getLogger(__name__)
+
+#: One module, or several modules that share one unit (one all-gather).
+ShardTarget = nn.Module | Sequence[nn.Module]
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` already is (or belongs to a group that is) an FSDP unit."""
+    return isinstance(module, FSDPModule)
+
+
+def _as_modules(target: object) -> list[nn.Module]:
+    if isinstance(target, nn.Module):
+        return [target]
+    if isinstance(target, (str, bytes)) or not isinstance(target, Sequence):
+        raise TypeError(f"expected an nn.Module or a sequence of them, got {type(target).__name__}")
+    modules = list(target)
+    if not modules:
+        raise ValueError("cannot shard an empty group of modules")
+    for item in modules:
+        if not isinstance(item, nn.Module):
+            raise TypeError(f"group members must be nn.Module, got {type(item).__name__}")
+    return modules
+
+
+def owned_ignored_params(
+    modules: Iterable[nn.Module], ignored_params: Iterable[nn.Parameter] | None
+) -> set[nn.Parameter] | None:
+    """The subset of ``ignored_params`` that ``modules`` own; ``None`` when empty."""
+    if not ignored_params:
+        return None
+    wanted = set(ignored_params)
+    owned = {p for m in modules for p in m.parameters() if p in wanted}
+    return owned or None
+
+
+def shard_group_size(mesh: DeviceMesh) -> int:
+    """Number of ranks a parameter is sharded over (the last mesh dimension)."""
+    return int(mesh.size(mesh.ndim - 1))
+
+
+def check_reshard_after_forward(value: object, shard_size: int) -> None:
+    """Validate ``reshard_after_forward`` before FSDP sees it."""
+    if value is None or isinstance(value, bool):
+        return
+    if not isinstance(value, int):
+        raise TypeError(
+            "reshard_after_forward must be a bool, an int or None, "
+            f"got {type(value).__name__} ({value!r})"
+        )
+    if value < 1 or shard_size % value:
+        raise ValueError(
+            f"reshard_after_forward={value} must be a positive divisor of the shard group "
+            f"size {shard_size} (or True/False/None)"
+        )
+
+
+def _usable_offload(policy: OffloadPolicy | None) -> OffloadPolicy:
+    if policy is None:
+        return OffloadPolicy()
+    if not isinstance(policy, OffloadPolicy):
+        raise TypeError(f"offload_policy must be an OffloadPolicy, got {type(policy).__name__}")
+    if (
+        isinstance(policy, CPUOffloadPolicy)
+        and policy.pin_memory
+        and not torch.accelerator.is_available()
+    ):
+        logger.info("no accelerator: CPU offload runs without pinned memory")
+        return CPUOffloadPolicy(pin_memory=False)
+    return policy
+
+
+def apply_fully_shard(
+    target: ShardTarget,
+    *,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy | None = None,
+    reshard_after_forward: bool | int | None = None,
+    ignored_params: set[nn.Parameter] | None = None,
+) -> None:
+    """Make ``target`` one FSDP unit, after checking what FSDP would reject later.
+
+    Passes only the ignored parameters that ``target`` owns (and none when that
+    set is empty), disables pinned memory for CPU offload without an
+    accelerator, and refuses modules that are already units instead of
+    wrapping them twice.
+    """
+    modules = _as_modules(target)
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    check_reshard_after_forward(reshard_after_forward, shard_group_size(mesh))
+    for module in modules:
+        if is_sharded(module):
+            raise ValueError(
+                f"{type(module).__name__} is already an FSDP unit; sharding it again would "
+                "wrap it twice"
+            )
+    if len(modules) > 1 and not compat.FULLY_SHARD_GROUPED_MODULES:
+        raise ValueError(
+            f"this torch ({torch.__version__}) cannot put several modules in one FSDP unit; "
+            "shard them one by one"
+        )
+    owned = owned_ignored_params(modules, ignored_params)
+    if owned is not None and not compat.FULLY_SHARD_IGNORED_PARAMS:
+        raise ValueError(
+            f"this torch ({torch.__version__}) has no fully_shard(ignored_params=...); "
+            "use a frozen-tower policy other than 'replicate'"
+        )
+    kwargs: dict[str, object] = {
+        "mesh": mesh,
+        "mp_policy": mp_policy,
+        "offload_policy": _usable_offload(offload_policy),
+        "reshard_after_forward": reshard_after_forward,
+    }
+    if owned is not None:
+        kwargs["ignored_params"] = owned
+    fully_shard(modules[0] if len(modules) == 1 else modules, **kwargs)  # type: ignore[call-overload]
