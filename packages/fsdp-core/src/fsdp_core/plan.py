@@ -68,6 +68,9 @@ class ShardingPlan:
     calls: tuple[ShardCall, ...]
     ignored_param_names: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    #: Ignored parameters that the parallelizer keeps whole on every rank itself
+    #: (placed, cast and synchronised before sharding); a subset of the ignored ones.
+    replicated_param_names: tuple[str, ...] = ()
 
     @property
     def units(self) -> tuple[UnitPlan, ...]:
@@ -97,7 +100,10 @@ class ShardingPlan:
                 text += f" params={numel:,} dtype={dtypes}" + (" frozen" if frozen else "")
             lines.append(text)
         if self.ignored_param_names:
-            lines.append(f"  ignored (replicated) parameters: {len(self.ignored_param_names)}")
+            lines.append(
+                f"  ignored parameters: {len(self.ignored_param_names)}"
+                f" ({len(self.replicated_param_names)} replicated by the parallelizer)"
+            )
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
 

@@ -1,0 +1,55 @@
+"""multimodal-fsdp: FSDP2 sharding for vision/audio-language models.
+
+Finds towers and projectors, applies the frozen-tower policy (``root``,
+``per_layer``, ``replicate``) and shards layer containers item by item.
+"""
+
+from multimodal_fsdp.__about__ import __version__
+from multimodal_fsdp.discovery import (
+    MULTIMODAL_MODULE_NAMES,
+    MULTIMODAL_PROJECTOR_NAMES,
+    MULTIMODAL_TOWER_NAMES,
+    MultimodalModule,
+    is_multimodal_module_name,
+    iter_multimodal_modules,
+    resolve_multimodal_modules,
+)
+from multimodal_fsdp.layers import (
+    _container_items,
+    _is_module_container,
+    _shard_layer_containers_recursively,
+    shard_multimodal_module,
+)
+from multimodal_fsdp.parallelizer import MultimodalParallelizer, MultimodalParts, split_frozen_parts
+from multimodal_fsdp.policy import (
+    VALID_FROZEN_MULTIMODAL_SHARDING,
+    FrozenMultimodalSharding,
+    ignored_params_for_root,
+    module_is_fully_frozen,
+    module_parameters,
+    normalize_frozen_multimodal_sharding,
+)
+
+__all__ = [
+    "MULTIMODAL_MODULE_NAMES",
+    "MULTIMODAL_PROJECTOR_NAMES",
+    "MULTIMODAL_TOWER_NAMES",
+    "VALID_FROZEN_MULTIMODAL_SHARDING",
+    "FrozenMultimodalSharding",
+    "MultimodalModule",
+    "MultimodalParallelizer",
+    "MultimodalParts",
+    "__version__",
+    "_container_items",
+    "_is_module_container",
+    "_shard_layer_containers_recursively",
+    "ignored_params_for_root",
+    "is_multimodal_module_name",
+    "iter_multimodal_modules",
+    "module_is_fully_frozen",
+    "module_parameters",
+    "normalize_frozen_multimodal_sharding",
+    "resolve_multimodal_modules",
+    "shard_multimodal_module",
+    "split_frozen_parts",
+]

@@ -1,0 +1,385 @@
+"""Find the modality towers and multimodal projectors of a vision/audio-language model.
+
+Sharding frameworks treat these modules differently from the text decoder (their own FSDP
+unit, their own mixed-precision policy, often frozen), so they need to be located by
+qualified name in an arbitrary ``nn.Module`` tree.
+
+Discovery is name based: a submodule is a candidate when the attribute name under which it
+is registered (the last component of its qualified name) is a known tower or projector name.
+Three structural rules turn candidates into results:
+
+* **Maximality** -- the walk is ``model.named_modules()`` in pre-order, and a match hides its
+  whole subtree, so ``model.vision_tower`` is reported but ``model.vision_tower.vision_model``
+  is not, and a tower's internal ``merger`` (Qwen2-VL) is never mistaken for a projector.
+* **Repeated-block guard** -- nothing inside a *numbered item* of an ``nn.ModuleList``,
+  ``nn.Sequential`` or ``nn.ModuleDict`` (a child registered under an integer key such as
+  ``layers.3``) can match. Such items are one of N identical blocks (decoder layers,
+  cross-attention layers, resampler stages); a modality tower or projector is a singleton
+  wired in by attribute, never the inside of the k-th layer of a stack. This is structural,
+  so it covers decoder layers whatever the language model is called (``model.layers.N``,
+  ``transformer.h.N``, Mllama's ``language_model.layers.N.cross_attn``).
+* **Language-model guard** -- nothing strictly below a module registered under a
+  language-model name (:data:`LANGUAGE_MODEL_NAMES`, e.g. ``language_model``) can match,
+  so helper modules that a text decoder keeps outside its layer stack are not mistaken for
+  towers either.
+
+The root module is never reported: discovery is about parts of a model, not the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from torch import nn
+
+__all__ = [
+    "LANGUAGE_MODEL_NAMES",
+    "MULTIMODAL_MODULE_NAMES",
+    "MULTIMODAL_PROJECTOR_NAMES",
+    "MULTIMODAL_TOWER_NAMES",
+    "Modality",
+    "MultimodalModule",
+    "Role",
+    "is_multimodal_module_name",
+    "iter_multimodal_modules",
+    "resolve_multimodal_modules",
+]
+
+logger = logging.getLogger(__name__)
+
+Role = Literal["tower", "projector"]
+Modality = Literal["vision", "audio", "video", "unknown"]
+
+# Tower name -> modality. Order matters only for readability of the exported tuple: the
+# generic names come first, model-specific names (with the family that uses them) after.
+_TOWER_MODALITY: Mapping[str, Modality] = {
+    # Generic vision towers: Qwen*-VL / GLM-4V / Omni thinkers ("visual"); LLaVA family,
+    # Gemma 3/4, InternVL, PaliGemma, Mistral3 ("vision_tower"); Idefics*, SmolVLM, Mllama,
+    # Llama 4, BLIP-2, Kosmos-2, DeepSeek-VL ("vision_model"); LightOnOCR ("vision_encoder");
+    # GIT ("image_encoder"); "vit_model" is common outside transformers.
+    "visual": "vision",
+    "vision_tower": "vision",
+    "vision_model": "vision",
+    "vit_model": "vision",
+    "image_encoder": "vision",
+    "vision_encoder": "vision",
+    # Generic audio towers: Qwen2-Audio, Voxtral, Gemma 4, Omni thinkers ("audio_tower").
+    "audio_tower": "audio",
+    "audio_model": "audio",
+    "audio_encoder": "audio",
+    # Video-LLaVA keeps separate image and video towers.
+    "image_tower": "vision",
+    "video_tower": "video",
+    # SeamlessM4T speech-to-text.
+    "speech_encoder": "audio",
+    # DeepSeek-VL hybrid: SAM high-resolution encoder and its neck.
+    "high_res_vision_model": "vision",
+    "high_res_vision_neck": "vision",
+    # Discrete image tokenizers (VQ-VAE): Chameleon, Emu3, Janus, GLM-Image, Apertus 1.5.
+    "vqmodel": "vision",
+    "vision_tokenizer": "vision",
+    # Discrete / continuous audio tokenizers: Apertus 1.5, VibeVoice, Kyutai STT, CSM.
+    "audio_tokenizer": "audio",
+    "acoustic_tokenizer_encoder": "audio",
+    "semantic_tokenizer_encoder": "audio",
+    "codec_model": "audio",
+    # Phi-4-multimodal: encoder + projection bundled under the text model's embedding.
+    "image_embed": "vision",
+    "audio_embed": "audio",
+}
+
+# Projector name -> modality ("unknown" = modality-neutral name; the resolver infers it
+# from sibling towers, see ``_infer_projector_modality``).
+_PROJECTOR_MODALITY: Mapping[str, Modality] = {
+    # Gemma 3n / Gemma 4 embedders.
+    "embed_vision": "vision",
+    "embed_audio": "audio",
+    # LLaVA-style names (most VLMs and audio LMs in transformers use the second one).
+    "mm_projector": "unknown",
+    "multi_modal_projector": "unknown",
+    "multimodal_projector": "unknown",
+    # DeepSeek-VL / Janus ("aligner"), Idefics2/3 and SmolVLM ("connector"), MiniCPM-V
+    # ("merger" next to the tower; Qwen's merger lives inside the tower and stays hidden),
+    # VideoLLaMA3 / PaddleOCR-VL / Granite Speech / Cosmos3 ("projector").
+    "aligner": "unknown",
+    "connector": "unknown",
+    "merger": "unknown",
+    "projector": "unknown",
+    # BLIP-2 / InstructBLIP: Q-Former plus the linear map into the language model.
+    "qformer": "unknown",
+    "language_projection": "unknown",
+    # Kosmos-2, LightOnOCR / Muse, Fuyu (patch projection straight into the decoder).
+    "image_to_text_projection": "vision",
+    "vision_projection": "vision",
+    "vision_embed_tokens": "vision",
+    # Muse adapters, LLaVA-NeXT-Video pooler, ERNIE-4.5-VL resampler.
+    "vision_adapter": "vision",
+    "vision_resampler": "vision",
+    "resampler_model": "unknown",
+    # Ovis2 visual embedding table, Janus generation aligner, DeepSeek-VL hybrid SAM proj.
+    "visual_embeddings_table": "vision",
+    "generation_aligner": "vision",
+    "high_res_vision_proj": "vision",
+    # VibeVoice semantic connector.
+    "semantic_connector": "audio",
+    # Granite 4 Vision deepstack / spatial projector stacks (ModuleLists of projectors).
+    "layerwise_projectors": "vision",
+    "spatial_projectors": "vision",
+}
+
+MULTIMODAL_TOWER_NAMES: tuple[str, ...] = tuple(_TOWER_MODALITY)
+"""Attribute names under which models register modality encoders (towers)."""
+
+MULTIMODAL_PROJECTOR_NAMES: tuple[str, ...] = tuple(_PROJECTOR_MODALITY)
+"""Attribute names under which models register modality-to-text projectors."""
+
+MULTIMODAL_MODULE_NAMES: tuple[str, ...] = MULTIMODAL_TOWER_NAMES + MULTIMODAL_PROJECTOR_NAMES
+"""Towers first, then projectors."""
+
+LANGUAGE_MODEL_NAMES: tuple[str, ...] = ("language_model", "text_model", "text_decoder", "llm")
+"""Attribute names of text decoders; nothing strictly below them is a tower or projector.
+
+A whole VLM registered under one of these names would therefore be hidden; pass the inner
+model itself to discovery in that case.
+"""
+
+_BLOCK_CONTAINERS: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+# Keyword -> modality, for names the user adds (built-in names use the tables above).
+_MODALITY_KEYWORDS: tuple[tuple[str, Modality], ...] = (
+    ("video", "video"),
+    ("audio", "audio"),
+    ("speech", "audio"),
+    ("acoustic", "audio"),
+    ("whisper", "audio"),
+    ("wav", "audio"),
+    ("vision", "vision"),
+    ("visual", "vision"),
+    ("image", "vision"),
+    ("img", "vision"),
+    ("vit", "vision"),
+    ("pixel", "vision"),
+)
+
+
+@dataclass(frozen=True)
+class MultimodalModule:
+    """One discovered tower or projector.
+
+    ``modality`` comes from the matched name (caller-supplied names are read for keywords
+    such as "audio" or "image"); a modality-neutral projector name such as
+    ``multi_modal_projector`` takes the modality of the towers registered beside it, and is
+    "unknown" when they disagree (Video-LLaVA) or there are none. ``rule`` records why it
+    matched (``"name:<attr>"`` for a built-in name, ``"extra:<attr>"`` for a caller-supplied
+    one) so that surprising results can be traced.
+    """
+
+    path: str
+    module: nn.Module
+    role: Role
+    modality: Modality
+    rule: str
+
+
+@dataclass(frozen=True)
+class _Rule:
+    role: Role
+    modality: Modality
+    label: str
+
+
+def _builtin_rules() -> dict[str, _Rule]:
+    rules = {name: _Rule("tower", mod, f"name:{name}") for name, mod in _TOWER_MODALITY.items()}
+    for name, modality in _PROJECTOR_MODALITY.items():
+        rules[name] = _Rule("projector", modality, f"name:{name}")
+    return rules
+
+
+_BUILTIN_RULES: Mapping[str, _Rule] = _builtin_rules()
+
+
+def is_multimodal_module_name(name: str) -> bool:
+    """Whether the last component of a (possibly dotted) qualified name is a known name.
+
+    Only the name is checked; the structural guards of :func:`iter_multimodal_modules` need
+    the module tree and are not applied here.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}: {name!r}")
+    return name.rpartition(".")[2] in _BUILTIN_RULES
+
+
+def iter_multimodal_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Yield ``(qualified_name, module)`` for the maximal towers and projectors of ``model``.
+
+    Same walk and rules as :func:`resolve_multimodal_modules` with no extra names or
+    excludes; results come lazily in ``named_modules()`` pre-order.
+    """
+    _check_model(model)
+    return ((found.path, found.module) for found in _walk(model, _BUILTIN_RULES, frozenset()))
+
+
+def resolve_multimodal_modules(
+    model: nn.Module,
+    *,
+    extra_tower_names: Iterable[str] = (),
+    extra_projector_names: Iterable[str] = (),
+    exclude: Iterable[str] = (),
+) -> tuple[MultimodalModule, ...]:
+    """Return the maximal towers and projectors of ``model`` with their role and modality.
+
+    ``extra_tower_names`` / ``extra_projector_names`` add attribute names (not dotted paths)
+    for models whose towers use names this module does not know; they obey the same
+    maximality and guard rules as the built-in names. ``exclude`` lists qualified paths
+    whose whole subtree is skipped; every entry must name a module of ``model`` (as reported
+    by ``named_modules()``), otherwise a ``ValueError`` names it, so a typo cannot silently
+    disable the exclusion.
+    """
+    _check_model(model)
+    rules = dict(_BUILTIN_RULES)
+    extra_towers = _check_names(extra_tower_names, "extra_tower_names")
+    extra_projectors = _check_names(extra_projector_names, "extra_projector_names")
+    both = sorted(set(extra_towers) & set(extra_projectors))
+    if both:
+        raise ValueError(f"names given as both extra tower and extra projector names: {both}")
+    extras: tuple[tuple[Role, tuple[str, ...]], ...] = (
+        ("tower", extra_towers),
+        ("projector", extra_projectors),
+    )
+    for role, names in extras:
+        for name in names:
+            builtin = _BUILTIN_RULES.get(name)
+            if builtin is None:
+                rules[name] = _Rule(role, _modality_from_keywords(name), f"extra:{name}")
+            elif builtin.role != role:
+                raise ValueError(
+                    f"{name!r} is already a built-in {builtin.role} name; "
+                    f"it cannot also be an extra {role} name"
+                )
+    excluded = frozenset(_check_paths(exclude))
+    seen_excludes: set[str] = set()
+    found = tuple(_walk(model, rules, excluded, seen_excludes))
+    unmatched = sorted(excluded - seen_excludes)
+    if unmatched:
+        raise ValueError(
+            f"exclude paths {unmatched} do not name any submodule of "
+            f"{type(model).__name__} (paths are qualified names from named_modules())"
+        )
+    return found
+
+
+def _walk(
+    model: nn.Module,
+    rules: Mapping[str, _Rule],
+    excluded: frozenset[str],
+    seen_excludes: set[str] | None = None,
+) -> Iterator[MultimodalModule]:
+    """The single pre-order walk behind both public entry points.
+
+    ``closed`` holds, for every visited path, whether its subtree is already decided:
+    it was matched, excluded, or is inside a guarded region (repeated block or language
+    model). Parents are always visited before children, so one dict lookup per module
+    propagates the state without re-scanning ancestors.
+    """
+    closed: dict[str, bool] = {}
+    modules: dict[str, nn.Module] = {}
+    for path, module in model.named_modules():
+        modules[path] = module
+        if not path:
+            closed[path] = False
+            continue
+        parent_path, _, name = path.rpartition(".")
+        if path in excluded:
+            if seen_excludes is not None:
+                seen_excludes.add(path)
+            logger.debug("skipping excluded subtree %s", path)
+            closed[path] = True
+            continue
+        if closed[parent_path]:
+            closed[path] = True
+            continue
+        parent = modules[parent_path]
+        if isinstance(parent, _BLOCK_CONTAINERS) and name.isdecimal():
+            # Entering the k-th block of a stack: nothing in here is a tower.
+            closed[path] = True
+            continue
+        rule = rules.get(name)
+        if rule is not None:
+            closed[path] = True
+            modality = rule.modality
+            if rule.role == "projector" and modality == "unknown":
+                modality = _infer_projector_modality(parent, rules)
+            logger.debug("found %s %s (%s, %s)", rule.role, path, modality, rule.label)
+            yield MultimodalModule(path, module, rule.role, modality, rule.label)
+            continue
+        # Entering a language model: its descendants are never candidates.
+        closed[path] = name in LANGUAGE_MODEL_NAMES
+
+
+def _infer_projector_modality(parent: nn.Module, rules: Mapping[str, _Rule]) -> Modality:
+    """Modality of a neutrally named projector, taken from the towers next to it.
+
+    A projector maps the output of the towers registered beside it (LLaVA's
+    ``multi_modal_projector`` sits next to ``vision_tower``, Qwen2-Audio's next to
+    ``audio_tower``). When those towers disagree or are absent the answer is "unknown".
+    """
+    modalities = {
+        rule.modality
+        for child_name, _ in parent.named_children()
+        if (rule := rules.get(child_name)) is not None and rule.role == "tower"
+    }
+    modalities.discard("unknown")
+    if len(modalities) == 1:
+        return modalities.pop()
+    return "unknown"
+
+
+def _modality_from_keywords(name: str) -> Modality:
+    lowered = name.lower()
+    for keyword, modality in _MODALITY_KEYWORDS:
+        if keyword in lowered:
+            return modality
+    return "unknown"
+
+
+def _check_model(model: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+
+
+def _check_names(names: Iterable[str], argument: str) -> tuple[str, ...]:
+    """Attribute names: a collection of non-empty str without dots."""
+    checked = _check_str_collection(names, argument)
+    for name in checked:
+        if not name or "." in name:
+            raise ValueError(
+                f"{argument} entries must be attribute names without dots, got {name!r}"
+            )
+    return checked
+
+
+def _check_paths(paths: Iterable[str], argument: str = "exclude") -> tuple[str, ...]:
+    """Qualified paths: a collection of non-empty str (the root cannot be excluded)."""
+    checked = _check_str_collection(paths, argument)
+    for path in checked:
+        if not path or path.startswith(".") or path.endswith(".") or ".." in path:
+            raise ValueError(f"{argument} entries must be qualified module paths, got {path!r}")
+    return checked
+
+
+def _check_str_collection(values: Iterable[str], argument: str) -> tuple[str, ...]:
+    # A bare str is iterable too; treating "vision" as ("v", "i", ...) would be a silent bug.
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(
+            f"{argument} must be a collection of str, got {type(values).__name__}: {values!r}"
+        )
+    checked = tuple(values)
+    for value in checked:
+        if not isinstance(value, str):
+            raise TypeError(
+                f"{argument} entries must be str, got {type(value).__name__}: {value!r}"
+            )
+    return checked

@@ -1,0 +1,70 @@
+"""Layer-container sharding: each ``nn.ModuleList`` / ``nn.ModuleDict`` item is a unit."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from fsdp_core.containers import container_items, is_module_container
+
+__all__ = [
+    "shard_multimodal_module",
+    "_container_items",
+    "_is_module_container",
+    "_shard_layer_containers_recursively",
+]
+
+
+def _is_module_container(module: nn.Module) -> bool:
+    """Whether ``module`` is an ``nn.ModuleList`` or ``nn.ModuleDict`` of layers."""
+    return is_module_container(module)
+
+
+def _container_items(module: nn.Module) -> list[tuple[object, nn.Module]]:
+    """``(key, item)`` pairs of a container: list indices as ``int``, dict keys as ``str``."""
+    items = container_items(module)
+    if isinstance(module, nn.ModuleList):
+        return [(int(key), item) for key, item in items]
+    return [(key, item) for key, item in items]
+
+
+def _shard_layer_containers_recursively(
+    module: nn.Module, shard_module: Callable[[nn.Module], object]
+) -> bool:
+    """Call ``shard_module`` on every leaf item of every container below ``module``.
+
+    Containers are searched at any depth outside items; lists nested directly
+    in lists are flattened, and items are not searched further (their inner
+    lists belong to their unit). Returns whether anything was sharded.
+    """
+    if _is_module_container(module):
+        return _shard_container(module, shard_module)
+    sharded = False
+    for child in module.children():
+        if _is_module_container(child):
+            sharded = _shard_container(child, shard_module) or sharded
+        else:
+            sharded = _shard_layer_containers_recursively(child, shard_module) or sharded
+    return sharded
+
+
+def _shard_container(container: nn.Module, shard_module: Callable[[nn.Module], object]) -> bool:
+    sharded = False
+    for _, item in _container_items(container):
+        if _is_module_container(item):
+            sharded = _shard_container(item, shard_module) or sharded
+        else:
+            shard_module(item)
+            sharded = True
+    return sharded
+
+
+def shard_multimodal_module(module: nn.Module, shard_module: Callable[[nn.Module], object]) -> None:
+    """Shard ``module`` at layer-container granularity, or whole when it has no containers."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    if not callable(shard_module):
+        raise TypeError(f"shard_module must be callable, got {type(shard_module).__name__}")
+    if not _shard_layer_containers_recursively(module, shard_module):
+        shard_module(module)

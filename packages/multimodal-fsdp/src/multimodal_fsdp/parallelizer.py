@@ -1,0 +1,270 @@
+"""``MultimodalParallelizer``: the frozen-tower policy on top of layer-container sharding.
+
+How a multimodal module (tower or projector, see :mod:`multimodal_fsdp.discovery`)
+is planned:
+
+1. Its *frozen parts* are its maximal fully frozen submodules (the module itself
+   when all of it is frozen). Each frozen part follows the policy:
+   ``root`` - no unit, its parameters fall to the root unit;
+   ``per_layer`` - :func:`shard_multimodal_module` (one unit per layer item, or
+   the part as one unit when it has no layer container);
+   ``replicate`` - not sharded: its parameters are ignored by every unit that
+   owns them, placed on the mesh device and cast to the compute dtype (odd-dtype
+   islands such as fp32 norms keep their dtype), and made equal on every rank.
+2. Its *trainable parts* (maximal submodules without any frozen parameter) are
+   sharded normally with :func:`shard_multimodal_module`, so a tower whose only
+   trainable piece is its projector (``visual.merger``) gets a unit for that piece.
+3. Everything outside multimodal modules follows :class:`fsdp_core.ModelParallelizer`:
+   one unit per layer-container item, then the root.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections import Counter
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp_core import ModelParallelizer, PlanContext, ShardingPlan, iter_layer_items
+from fsdp_core.containers import join_path
+from multimodal_fsdp.discovery import MultimodalModule, resolve_multimodal_modules
+from multimodal_fsdp.layers import shard_multimodal_module
+from multimodal_fsdp.policy import (
+    FrozenMultimodalSharding,
+    module_is_fully_frozen,
+    normalize_frozen_multimodal_sharding,
+)
+
+__all__ = ["MultimodalParallelizer", "MultimodalParts", "split_frozen_parts"]
+
+logger = logging.getLogger(__name__)
+
+
+class MultimodalParts:
+    """A multimodal module split into maximal frozen and trainable submodule paths."""
+
+    def __init__(self, found: MultimodalModule, frozen: list[str], trainable: list[str]) -> None:
+        self.found = found
+        self.frozen = frozen
+        self.trainable = trainable
+
+    def __repr__(self) -> str:
+        return (
+            f"MultimodalParts({self.found.path!r}, frozen={self.frozen}, "
+            f"trainable={self.trainable})"
+        )
+
+
+def _has_frozen_param(module: nn.Module) -> bool:
+    return any(not p.requires_grad for p in module.parameters())
+
+
+def split_frozen_parts(module: nn.Module, path: str) -> tuple[list[str], list[str]]:
+    """Maximal fully frozen and maximal fully trainable submodules of ``module``.
+
+    Parameters held directly by a mixed module stay with the enclosing unit.
+    """
+    if module_is_fully_frozen(module):
+        return [path], []
+    if not _has_frozen_param(module):
+        return [], ([path] if any(True for _ in module.parameters()) else [])
+    frozen: list[str] = []
+    trainable: list[str] = []
+    for name, child in module.named_children():
+        child_frozen, child_trainable = split_frozen_parts(child, join_path(path, name))
+        frozen.extend(child_frozen)
+        trainable.extend(child_trainable)
+    return frozen, trainable
+
+
+class MultimodalParallelizer(ModelParallelizer):
+    """A :class:`~fsdp_core.ModelParallelizer` that applies the frozen-tower policy."""
+
+    def __init__(
+        self,
+        *,
+        frozen_multimodal_sharding: str = "root",
+        extra_tower_names: Iterable[str] = (),
+        extra_projector_names: Iterable[str] = (),
+        exclude: Iterable[str] = (),
+        sync_replicated: bool = True,
+        dtype_safe: bool = True,
+    ) -> None:
+        super().__init__(dtype_safe=dtype_safe)
+        self.frozen_multimodal_sharding: FrozenMultimodalSharding = (
+            normalize_frozen_multimodal_sharding(frozen_multimodal_sharding)
+        )
+        self.extra_tower_names = tuple(extra_tower_names)
+        self.extra_projector_names = tuple(extra_projector_names)
+        self.exclude = tuple(exclude)
+        if not isinstance(sync_replicated, bool):
+            raise TypeError(f"sync_replicated must be a bool, got {sync_replicated!r}")
+        self.sync_replicated = sync_replicated
+
+    def with_options(self, *, frozen_multimodal_sharding: str) -> MultimodalParallelizer:
+        """A copy of this parallelizer with another frozen-tower policy."""
+        clone = copy.copy(self)
+        clone.frozen_multimodal_sharding = normalize_frozen_multimodal_sharding(
+            frozen_multimodal_sharding
+        )
+        return clone
+
+    # ------------------------------------------------------------ discovery
+    def multimodal_parts(self, model: nn.Module) -> list[MultimodalParts]:
+        """Discovered multimodal modules with their frozen and trainable parts."""
+        found = resolve_multimodal_modules(
+            model,
+            extra_tower_names=self.extra_tower_names,
+            extra_projector_names=self.extra_projector_names,
+            exclude=self.exclude,
+        )
+        result = []
+        for item in found:
+            frozen, trainable = split_frozen_parts(item.module, item.path)
+            result.append(MultimodalParts(item, frozen, trainable))
+        return result
+
+    def _replicated_paths(self, model: nn.Module) -> list[str]:
+        if self.frozen_multimodal_sharding != "replicate":
+            return []
+        return [path for parts in self.multimodal_parts(model) for path in parts.frozen]
+
+    # ------------------------------------------------------- planning hooks
+    def _ignored_param_names(self, model: nn.Module, names: tuple[str, ...]) -> Iterable[str]:
+        replicated = _param_names_under(model, self._replicated_paths(model))
+        return (*names, *replicated)
+
+    def _unit_paths(self, ctx: PlanContext) -> list[str]:
+        model = ctx.model
+        parts = self.multimodal_parts(model)
+        roots = [p.found.path for p in parts]
+        paths = [
+            path
+            for path, _ in iter_layer_items(model)
+            if not any(_is_under(path, root) for root in roots)
+        ]
+        ids = {id(module): name for name, module in model.named_modules()}
+        for part in parts:
+            for trainable in part.trainable:
+                paths.extend(_layer_unit_paths(model, trainable, ids))
+            if self.frozen_multimodal_sharding == "per_layer":
+                for frozen in part.frozen:
+                    paths.extend(_layer_unit_paths(model, frozen, ids))
+        return paths
+
+    def _plan_notes(self, ctx: PlanContext) -> list[str]:
+        notes = []
+        for part in self.multimodal_parts(ctx.model):
+            kind = "frozen" if part.frozen and not part.trainable else "mixed"
+            if not part.frozen:
+                kind = "trainable"
+            notes.append(
+                f"{part.found.role} {part.found.path!r} ({part.found.modality}, {kind}): "
+                f"policy {self.frozen_multimodal_sharding!r} for frozen parts {part.frozen}"
+            )
+        return notes
+
+    def plan(
+        self,
+        model: nn.Module,
+        *,
+        mp_policy: torch.distributed.fsdp.MixedPrecisionPolicy | None = None,
+        reshard_after_forward: bool | int | None = None,
+        ignored_params: set[nn.Parameter] | None = None,
+    ) -> ShardingPlan:
+        plan = super().plan(
+            model,
+            mp_policy=mp_policy,
+            reshard_after_forward=reshard_after_forward,
+            ignored_params=ignored_params,
+        )
+        replicated = tuple(sorted(_param_names_under(model, self._replicated_paths(model))))
+        return ShardingPlan(
+            calls=plan.calls,
+            ignored_param_names=plan.ignored_param_names,
+            notes=plan.notes,
+            replicated_param_names=replicated,
+        )
+
+    # -------------------------------------------------------- apply hooks
+    def _before_apply(self, model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> None:
+        """Place replicated parameters: mesh device, compute dtype, same values everywhere."""
+        if not plan.replicated_param_names:
+            return
+        compute = _plan_compute_dtype(plan)
+        named = dict(model.named_parameters())
+        keep = set(self._replicated_keep_dtype(model, plan.replicated_param_names))
+        device = _mesh_device(mesh.device_type)
+        for name in plan.replicated_param_names:
+            param = named[name]
+            dtype = param.dtype if compute is None or name in keep else compute
+            if param.device != device or param.dtype != dtype:
+                param.data = param.data.to(device=device, dtype=dtype)
+        if self.sync_replicated and dist.is_initialized() and dist.get_world_size() > 1:
+            for name in plan.replicated_param_names:
+                param = named[name]
+                if param.device.type != "meta":
+                    dist.broadcast(param.data, src=0)
+        logger.info(
+            "replicated %d parameters on %s (compute dtype %s, %d kept in their own dtype)",
+            len(plan.replicated_param_names),
+            device,
+            compute,
+            len(keep),
+        )
+
+    def _replicated_keep_dtype(self, model: nn.Module, names: Iterable[str]) -> Iterator[str]:
+        """Replicated parameters that keep their dtype: odd-dtype islands of each module.
+
+        Within each replicated module the dtype holding most elements is the
+        module's own; parameters of another floating dtype (fp32 norms in a bf16
+        tower) are islands and are not cast. Subclasses may add more.
+        """
+        named = dict(model.named_parameters())
+        wanted = list(names)
+        for root in self._replicated_paths(model):
+            under = [n for n in wanted if _is_under(n, root)]
+            counts: Counter[torch.dtype] = Counter()
+            for n in under:
+                counts[named[n].dtype] += named[n].numel()
+            if not counts:
+                continue
+            dominant = max(counts, key=lambda d: counts[d])
+            yield from (n for n in under if named[n].dtype != dominant)
+
+
+def _is_under(path: str, root: str) -> bool:
+    return root == "" or path == root or path.startswith(root + ".")
+
+
+def _param_names_under(model: nn.Module, roots: Iterable[str]) -> list[str]:
+    prefixes = list(roots)
+    if not prefixes:
+        return []
+    return [
+        name for name, _ in model.named_parameters() if any(_is_under(name, r) for r in prefixes)
+    ]
+
+
+def _layer_unit_paths(model: nn.Module, path: str, ids: dict[int, str]) -> list[str]:
+    """Paths :func:`shard_multimodal_module` would shard for the module at ``path``."""
+    chosen: list[str] = []
+    module = model.get_submodule(path) if path else model
+    shard_multimodal_module(module, lambda m: chosen.append(ids[id(m)]))
+    return chosen
+
+
+def _plan_compute_dtype(plan: ShardingPlan) -> torch.dtype | None:
+    roots = [call for call in plan.calls if call.paths == ("",)]
+    return roots[-1].mp_policy.param_dtype if roots else None
+
+
+def _mesh_device(device_type: str) -> torch.device:
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)

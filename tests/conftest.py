@@ -1,0 +1,58 @@
+"""Shared fixtures: one torchrun launch per world size runs every scenario of the suite.
+
+torchrun start-up costs ~5 s, so instead of one launch per assertion the suite
+launches ``tests/mp/worker.py`` once per world size (and backend) with all the
+scenarios listed in ``mp/launches.py``, and the tests read the saved results.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+MP_DIR = Path(__file__).parent / "mp"
+sys.path.insert(0, str(MP_DIR))
+
+from launches import LAUNCHES, MP_TIMEOUT_S, MpResults  # noqa: E402
+
+from fsdp_core.testing import run_torchrun  # noqa: E402
+
+
+def _launch(world_size: int, out: Path, backend: str | None) -> None:
+    env = {"FSDP_TEST_BACKEND": backend} if backend else {}
+    run_torchrun(
+        str(MP_DIR / "worker.py"),
+        nproc=world_size,
+        args=[str(out), *LAUNCHES[world_size]],
+        timeout_s=MP_TIMEOUT_S,
+        env=env,
+    )
+
+
+def _results_fixture(world_size: int) -> Any:
+    @pytest.fixture(scope="session")
+    def fixture(tmp_path_factory: pytest.TempPathFactory) -> MpResults:
+        out = tmp_path_factory.mktemp(f"mp{world_size}")
+        backend = os.environ.get("FSDP_TEST_BACKEND") or None
+        _launch(world_size, out, backend)
+
+        def load(name: str) -> dict[str, Any]:
+            if name not in LAUNCHES[world_size]:
+                raise KeyError(f"scenario {name!r} is not launched on {world_size} ranks")
+            result: dict[str, Any] = torch.load(out / f"{name}.pt", weights_only=False)
+            if "error" in result:
+                pytest.fail(f"scenario {name} failed on the ranks:\n{result['error']}")
+            return result
+
+        return load
+
+    return fixture
+
+
+mp2 = _results_fixture(2)
+mp4 = _results_fixture(4)

@@ -1,0 +1,16 @@
+"""Which scenarios each torchrun launch runs (one launch per world size)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+#: Loads one scenario's saved result (the fixtures ``mp2`` / ``mp4`` return one).
+MpResults = Callable[[str], dict[str, Any]]
+
+MP_TIMEOUT_S = 600.0
+
+LAUNCHES: dict[int, list[str]] = {
+    2: ["core_fp32_1d", "core_bf16_1d", "core_bf16_fp32_norms"],
+    4: ["core_fp32_1d", "core_bf16_1d", "core_fp32_hsdp", "core_bf16_hsdp"],
+}

@@ -1,0 +1,63 @@
+"""torchrun entry point: run the named scenarios in one process group, save results.
+
+Usage: torchrun --nproc-per-node N worker.py OUT_DIR scenario [scenario ...]
+Rank 0 writes OUT_DIR/<scenario>.pt; a scenario that raises is recorded as an
+error (the others still run), so one launch serves many tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import scenarios_core  # noqa: F401  (registers scenarios)
+from registry import SCENARIOS
+
+from fsdp_core import destroy_distributed, init_distributed
+
+for optional in ("scenarios_multimodal", "scenarios_deepseek", "scenarios_training"):
+    try:
+        __import__(optional)
+    except ModuleNotFoundError as exc:
+        if exc.name != optional:
+            raise
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    names = sys.argv[2:]
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        raise SystemExit(f"unknown scenarios {unknown}; known: {sorted(SCENARIOS)}")
+    logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING"))
+    backend = os.environ.get("FSDP_TEST_BACKEND") or None
+    ctx = init_distributed(backend=backend)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        torch.manual_seed(0)
+        start = time.perf_counter()
+        try:
+            result = SCENARIOS[name](ctx, out)
+        except Exception:  # recorded for the test to report, the job continues
+            result = {"error": traceback.format_exc()}
+            if ctx.world_size > 1:
+                # A rank that failed mid-collective may leave the group unusable.
+                torch.save(result, out / f"{name}.rank{ctx.rank}.pt")
+                raise
+        result["seconds"] = time.perf_counter() - start
+        result["world_size"] = ctx.world_size
+        if ctx.rank == 0:
+            torch.save(result, out / f"{name}.pt")
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
