@@ -349,7 +349,7 @@ def test_vision_attention_is_bidirectional_and_aligner_pads() -> None:
     changed = pixels.clone()
     changed[..., 16:, 16:] += 1.0  # last patch only
     assert not torch.allclose(model.vision(changed)[0, 0, 0], grid[0, 0, 0])
-    assert model.aligner(grid).shape == (1, 4, config.text_hidden)
+    assert model.aligner(grid).shape == (4, config.text_hidden)
     batch = make_batch(config, batch_size=1, seq_len=12, num_images_per_sample=2)
     assert torch.isfinite(model(**batch))
 

@@ -286,7 +286,7 @@ class DeepseekV41Aligner(nn.Module):
         self.fc2 = nn.Linear(config.text_hidden, config.text_hidden, bias=True)
 
     def forward(self, grid_features: Tensor) -> Tensor:
-        """[N, gh, gw, D] -> [N, ceil(gh/r) * ceil(gw/r), text_hidden]."""
+        """[N, gh, gw, D] -> [N * ceil(gh/r) * ceil(gw/r), text_hidden], image-major."""
         n, gh, gw, d = grid_features.shape
         r = self.ratio
         pad_h, pad_w = (-gh) % r, (-gw) % r
@@ -294,7 +294,9 @@ class DeepseekV41Aligner(nn.Module):
         if pad_h or pad_w:
             x = functional.pad(x, (0, 0, 0, pad_w, 0, pad_h))
         mh, mw = (gh + pad_h) // r, (gw + pad_w) // r
-        x = x.reshape(n, mh, r, mw, r, d).permute(0, 1, 3, 2, 4, 5).reshape(n, mh * mw, r * r * d)
+        x = x.reshape(n, mh, r, mw, r, d).permute(0, 1, 3, 2, 4, 5).reshape(n * mh * mw, r * r * d)
+        # 2-D through the MLP so the result is a fresh tensor, not a view: FSDP2 hooks the
+        # unit's output for backward, and a view invites in-place edits that bypass the hook.
         out: Tensor = self.fc2(self.act(self.fc1(x)))
         return out
 
