@@ -6,6 +6,7 @@ torch capability flags, and the :class:`ModelParallelizer` strategy base.
 
 from fsdp_core import compat
 from fsdp_core.__about__ import __version__
+from fsdp_core.comm import CollectiveRecord, CommCounter, collective_kind
 from fsdp_core.containers import container_items, is_module_container, iter_layer_items
 from fsdp_core.distributed import (
     VALID_BACKENDS,
@@ -49,6 +50,9 @@ from fsdp_core.sharding import (
 )
 
 __all__ = [
+    "CollectiveRecord",
+    "CommCounter",
+    "collective_kind",
     "DTYPE_ALIASES",
     "VALID_BACKENDS",
     "DistributedContext",
