@@ -11,6 +11,17 @@ MpResults = Callable[[str], dict[str, Any]]
 MP_TIMEOUT_S = 600.0
 
 LAUNCHES: dict[int, list[str]] = {
-    2: ["core_fp32_1d", "core_bf16_1d", "core_bf16_fp32_norms"],
+    2: [
+        "core_fp32_1d",
+        "core_bf16_1d",
+        "core_bf16_fp32_norms",
+        "mm_frozen_root",
+        "mm_frozen_per_layer",
+        "mm_frozen_replicate",
+        "ds_frozen_root",
+        "ds_frozen_per_layer",
+        "ds_frozen_replicate",
+        "ds_trainable",
+    ],
     4: ["core_fp32_1d", "core_bf16_1d", "core_fp32_hsdp", "core_bf16_hsdp"],
 }

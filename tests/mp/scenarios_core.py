@@ -32,7 +32,7 @@ def train(
     grads0: dict[str, torch.Tensor] = {}
     for step in range(steps):
         x, y = batches[step][ctx.rank]
-        loss = toy_loss(model, x.to(ctx.device), y.to(ctx.device))
+        loss = toy_loss(model, (x.to(ctx.device), y.to(ctx.device)))
         loss.backward()
         if step == 0:
             grads0 = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
@@ -83,7 +83,7 @@ def core_bf16_fp32_norms(ctx: DistributedContext, out: Path) -> dict[str, Any]:
     ModelParallelizer(dtype_safe=False).parallelize(plain, mesh=mesh, mp_policy=policy)
     plain_error = ""
     try:
-        toy_loss(plain, *toy_batches(1, ctx.world_size)[0][ctx.rank]).backward()
+        toy_loss(plain, toy_batches(1, ctx.world_size)[0][ctx.rank]).backward()
     except AssertionError as exc:  # FSDP2's own check, raised at the first forward
         plain_error = str(exc)
     dist.barrier()

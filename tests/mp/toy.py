@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -84,14 +85,15 @@ def toy_batches(
     ]
 
 
-def toy_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def toy_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
     out = model(x.to(next(model.parameters()).dtype))
     return F.mse_loss(out.float(), y)
 
 
 def reference_run(
     build: Callable[[], nn.Module],
-    batches: list[list[tuple[torch.Tensor, ...]]],
+    batches: list[list[Any]],
     loss_fn: Callable[..., torch.Tensor],
     *,
     compute_dtype: torch.dtype | None,
@@ -129,7 +131,7 @@ def reference_run(
                     )
                     p.data = src.detach().to(target)
                     p.requires_grad_(name in grads)
-            loss = loss_fn(worker, *batch)
+            loss = loss_fn(worker, batch)
             loss.backward()
             step_losses.append(loss.item())
             for name, p in worker.named_parameters():

@@ -15,6 +15,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -23,7 +24,7 @@ from registry import SCENARIOS
 
 from fsdp_core import destroy_distributed, init_distributed
 
-for optional in ("scenarios_multimodal", "scenarios_deepseek", "scenarios_training"):
+for optional in ("scenarios_vlm", "scenarios_training", "scenarios_init"):
     try:
         __import__(optional)
     except ModuleNotFoundError as exc:
@@ -56,7 +57,13 @@ def main() -> None:
         result["world_size"] = ctx.world_size
         if ctx.rank == 0:
             torch.save(result, out / f"{name}.pt")
+    dist.barrier()
     destroy_distributed()
+    # Skip interpreter teardown: gloo's background threads occasionally abort there
+    # ("terminate called without an active exception") after all work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

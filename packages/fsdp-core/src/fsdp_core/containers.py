@@ -31,8 +31,12 @@ def iter_layer_items(module: nn.Module, prefix: str = "") -> Iterator[tuple[str,
 
     Containers are found at any depth outside items; an item is not searched
     further (its inner lists belong to its unit), except that containers nested
-    directly in containers are flattened so every leaf item is yielded.
+    directly in containers are flattened so every leaf item is yielded. A
+    container passed itself yields its own items.
     """
+    if is_module_container(module):
+        yield from _iter_container(module, prefix)
+        return
     for name, child in module.named_children():
         path = join_path(prefix, name)
         if is_module_container(child):

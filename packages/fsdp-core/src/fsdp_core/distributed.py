@@ -51,18 +51,22 @@ class DistributedContext:
 
 
 def device_type_for_backend(backend: str) -> str:
-    """The mesh device type that matches ``backend`` (a ``cuda`` mesh never sits on gloo)."""
-    name = backend.lower()
-    for part in name.split(","):
-        # Multi-backend strings such as "cpu:gloo,cuda:nccl" use the accelerator when present.
-        if part.endswith("nccl"):
-            return "cuda"
-    try:
-        return _DEVICE_FOR_BACKEND[name]
-    except KeyError:
-        raise ValueError(
-            f"no mesh device known for backend {backend!r}; valid backends: {VALID_BACKENDS}"
-        ) from None
+    """The mesh device type that matches ``backend`` (a ``cuda`` mesh never sits on gloo).
+
+    Accepts plain names ("gloo", "nccl", "fake") and torch's device-qualified
+    form ("cpu:gloo", "cpu:gloo,cuda:nccl"); the accelerator wins when present.
+    """
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+    devices: list[str] = []
+    for part in backend.lower().replace(" ", "").split(","):
+        device, _, name = part.rpartition(":")
+        if name not in _DEVICE_FOR_BACKEND:
+            raise ValueError(
+                f"no mesh device known for backend {backend!r}; valid backends: {VALID_BACKENDS}"
+            )
+        devices.append(device or _DEVICE_FOR_BACKEND[name])
+    return "cuda" if "cuda" in devices else devices[0]
 
 
 def _env_int(name: str, default: int) -> int:
@@ -123,6 +127,8 @@ def init_distributed(
     one-process group, so the same script runs under ``python``. Calling it again
     returns the existing context (and refuses a different explicit backend).
     """
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
     if timeout is not None and not isinstance(timeout, timedelta):
         raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
     if dist.is_initialized():

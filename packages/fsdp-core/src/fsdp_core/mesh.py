@@ -56,7 +56,8 @@ class MeshShape:
 
 def resolve_mesh_shape(*, world_size: int, dp_replicate: int = 1, dp_shard: int = -1) -> MeshShape:
     """Fill in a ``-1`` size from ``world_size`` and check that the sizes multiply to it."""
-    _check_size("world_size", world_size)
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
     replicate = _check_size("dp_replicate", dp_replicate)

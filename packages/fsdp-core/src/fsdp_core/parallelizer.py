@@ -80,6 +80,11 @@ class PlanContext:
     def has_unplanned_params(self, path: str) -> bool:
         """Whether a unit at ``path`` would own any parameter (not ignored, not taken)."""
 
+        parts = path.split(".") if path else []
+        for depth in range(len(parts)):
+            if self.is_planned(self.module(".".join(parts[:depth]))):
+                return False  # an ancestor unit already owns everything below it
+
         def visit(module: nn.Module, prefix: str) -> bool:
             if self.is_planned(module):
                 return False
@@ -245,7 +250,7 @@ class ModelParallelizer:
                         paths,
                         ctx,
                         mp_policy=island_policy(dtype, ctx.mp_policy, surrounding_dtype=dominant),
-                        reshard_after_forward=None,
+                        reshard_after_forward=reshard_after_forward,
                         role="dtype_island",
                     )
                 )

@@ -39,7 +39,8 @@ def fake_process_group(world_size: int, *, rank: int = 0) -> Iterator[None]:
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def free_port() -> int:
@@ -102,6 +103,19 @@ def run_on_gloo_ranks(
         )
 
 
+def _stop(process: subprocess.Popen[str]) -> tuple[str, str]:
+    """End a torchrun job: SIGTERM lets torchrun stop its workers (which run in their
+    own sessions), SIGKILL follows if it does not finish in time."""
+    for sig, grace in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+        try:
+            return process.communicate(timeout=grace)
+        except subprocess.TimeoutExpired:
+            continue
+    return "", "(output lost: torchrun did not stop)"
+
+
 def run_torchrun(
     script: str,
     *,
@@ -136,9 +150,7 @@ def run_torchrun(
     try:
         stdout, stderr = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        # Kill torchrun and every worker it started (they share its session).
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
+        stdout, stderr = _stop(process)
         raise AssertionError(
             f"torchrun {script} did not finish within {timeout_s:.0f} s (hang?)\n"
             f"{stdout[-20000:]}\n{stderr[-20000:]}"

@@ -217,11 +217,16 @@ class VisionAttention(nn.Module):
         super().__init__()
         self.num_heads = config.vision_heads
         self.head_dim = config.vision_head_dim
+        self.rope_theta = config.rope_theta
         self.qkv = nn.Linear(config.vision_hidden, 3 * config.vision_hidden, bias=True)
         self.proj = nn.Linear(config.vision_hidden, config.vision_hidden, bias=True)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
+    def forward(self, x: Tensor, grid: tuple[int, int]) -> Tensor:
+        """``grid`` is the (rows, cols) patch grid; the rotary tables are built here in fp32
+        from integers, so a mixed-precision wrapper that casts floating inputs cannot
+        round them."""
         n, length, dim = x.shape
+        rope = _grid_rope_tables(grid[0], grid[1], self.head_dim, self.rope_theta, x.device)
         qkv = self.qkv(x).view(n, length, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         q, k = _apply_rope_2d(q, rope), _apply_rope_2d(k, rope)
@@ -240,8 +245,8 @@ class VisionBlock(nn.Module):
         self.norm2 = RMSNorm(config.vision_hidden, config.norm_eps)
         self.mlp = SwiGLU(config.vision_hidden, config.vision_intermediate, bias=True)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
-        x = x + self.attn(self.norm1(x), rope)
+    def forward(self, x: Tensor, grid: tuple[int, int]) -> Tensor:
+        x = x + self.attn(self.norm1(x), grid)
         out: Tensor = x + self.mlp(self.norm2(x))
         return out
 
@@ -265,11 +270,8 @@ class DeepseekV41VisionTower(nn.Module):
         p = self.config.patch_size
         grid_h, grid_w = pixel_values.shape[-2] // p, pixel_values.shape[-1] // p
         x = self.patch_embed(pixel_values)
-        rope = _grid_rope_tables(
-            grid_h, grid_w, self.config.vision_head_dim, self.config.rope_theta, x.device
-        )
         for block in self.blocks:
-            x = block(x, rope)
+            x = block(x, (grid_h, grid_w))
         out: Tensor = self.norm(x)
         return out.view(out.shape[0], grid_h, grid_w, out.shape[-1])
 
@@ -311,13 +313,15 @@ class TextAttention(nn.Module):
         super().__init__()
         self.num_heads = config.text_heads
         self.head_dim = config.text_head_dim
+        self.rope_theta = config.rope_theta
         self.qkv = nn.Linear(config.text_hidden, 3 * config.text_hidden, bias=False)
         self.o_proj = nn.Linear(config.text_hidden, config.text_hidden, bias=False)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        """``positions`` are integer token positions; rotary tables are built here in fp32."""
         b, s, dim = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        cos, sin = rope
+        cos, sin = _rope_tables(positions, self.head_dim, self.rope_theta)
         q, k = _apply_rope_1d(q, cos, sin), _apply_rope_1d(k, cos, sin)
         out = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         result: Tensor = self.o_proj(out.transpose(1, 2).reshape(b, s, dim))
@@ -332,8 +336,8 @@ class TextDecoderLayer(nn.Module):
         self.post_attention_layernorm = TextRMSNorm(config.text_hidden, config.norm_eps)
         self.mlp = SwiGLU(config.text_hidden, config.text_intermediate, bias=False)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope)
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions)
         out: Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return out
 
@@ -374,9 +378,8 @@ class DeepseekV41TextModel(nn.Module):
             # Out of place so the embedding output (and its autograd graph) stays intact.
             x = x.masked_scatter(image_mask.unsqueeze(-1), image_features.to(x.dtype))
         positions = torch.arange(seq_len, device=input_ids.device)
-        rope = _rope_tables(positions, self.config.text_head_dim, self.config.rope_theta)
         for layer in self.layers:
-            x = layer(x, rope)
+            x = layer(x, positions)
         out: Tensor = self.norm(x)
         return out
 

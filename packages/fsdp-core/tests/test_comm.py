@@ -1,0 +1,113 @@
+"""fsdp_core.comm: counting c10d collectives (exact under the fake process group)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp_core.comm import CollectiveRecord, CommCounter, collective_kind
+from fsdp_core.precision import default_mp_policy
+from fsdp_core.sharding import apply_fully_shard
+
+
+@pytest.mark.parametrize(
+    ("op", "kind"),
+    [
+        ("_allgather_base_", "all_gather"),
+        ("allgather_", "all_gather"),
+        ("allgather_into_tensor_coalesced_", "all_gather"),
+        ("_reduce_scatter_base_", "reduce_scatter"),
+        ("reduce_scatter_", "reduce_scatter"),
+        ("reduce_scatter_tensor_coalesced_", "reduce_scatter"),
+        ("allreduce_", "all_reduce"),
+        ("allreduce_coalesced_", "all_reduce"),
+        ("broadcast_", "broadcast"),
+        ("barrier", "barrier"),
+        ("send", "send"),
+    ],
+)
+def test_collective_kind(op: str, kind: str) -> None:
+    assert collective_kind(op) == kind
+
+
+def test_collective_record_is_frozen() -> None:
+    record = CollectiveRecord(kind="all_gather", phase="forward", nbytes=8, dtype=torch.float32)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        record.nbytes = 0  # type: ignore[misc]
+
+
+def test_counter_starts_empty() -> None:
+    counter = CommCounter()
+    assert counter.records == []
+    assert counter.counts() == {}
+    assert counter.bytes() == {}
+
+
+def test_counter_ignores_non_collective_ops(fake_pg2: None) -> None:
+    with CommCounter() as counter:
+        (torch.ones(3) * 2).sum()
+        dist.barrier()  # a c10d op, but not a counted collective
+    assert counter.records == []
+
+
+def test_counter_records_plain_collectives(fake_pg2: None) -> None:
+    counter = CommCounter()
+    with counter:
+        dist.all_reduce(torch.ones(5))
+        dist.broadcast(torch.ones(3, dtype=torch.bfloat16), 0)
+    assert counter.records == [
+        CollectiveRecord("all_reduce", "unspecified", 20, torch.float32),
+        CollectiveRecord("broadcast", "unspecified", 6, torch.bfloat16),
+    ]
+
+
+def test_counter_fsdp_forward_backward(mesh4: DeviceMesh) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    apply_fully_shard(model[0], mesh=mesh4, mp_policy=default_mp_policy())
+    apply_fully_shard(model, mesh=mesh4, mp_policy=default_mp_policy())
+    counter = CommCounter()
+    with counter:
+        with counter.phase("forward"):
+            out = model(torch.randn(2, 8))
+        with counter.phase("backward"):
+            out.float().sum().backward()
+    # Each unit holds one Linear(8, 8): 72 parameters, gathered in bf16 and reduced in fp32.
+    assert counter.counts("forward") == {"all_gather": 2}
+    assert counter.bytes("forward") == {"all_gather": 2 * 72 * 2}
+    # The root keeps its parameters after forward; the inner unit gathers again.
+    assert counter.counts("backward") == {"all_gather": 1, "reduce_scatter": 2}
+    assert counter.bytes("backward") == {"all_gather": 72 * 2, "reduce_scatter": 2 * 72 * 4}
+    assert counter.counts() == {"all_gather": 3, "reduce_scatter": 2}
+    assert counter.counts("optimizer") == {}
+    assert {r.dtype for r in counter.records if r.kind == "all_gather"} == {torch.bfloat16}
+    assert {r.dtype for r in counter.records if r.kind == "reduce_scatter"} == {torch.float32}
+
+
+def test_counter_phases_nest_and_restore(fake_pg2: None) -> None:
+    counter = CommCounter()
+    with counter:
+        with counter.phase("outer"):
+            with counter.phase("inner"):
+                dist.all_reduce(torch.ones(1))
+            dist.all_reduce(torch.ones(1))
+        with pytest.raises(RuntimeError), counter.phase("failing"):
+            raise RuntimeError("boom")
+        dist.all_reduce(torch.ones(1))
+    assert [r.phase for r in counter.records] == ["inner", "outer", "unspecified"]
+
+
+def test_counter_clear(fake_pg2: None) -> None:
+    counter = CommCounter()
+    with counter:
+        dist.all_reduce(torch.ones(2))
+    assert counter.counts() == {"all_reduce": 1}
+    counter.clear()
+    assert counter.records == []
+    with counter:
+        dist.all_reduce(torch.ones(2))
+    assert counter.counts() == {"all_reduce": 1}

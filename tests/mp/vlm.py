@@ -1,0 +1,54 @@
+"""The small VLM of the multi-process tests (the tiny DeepSeek-V4.1 reference model)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from model_deepseek_v41 import Batch, DeepseekV41Config, build_deepseek_v41, make_batch
+
+CONFIG = DeepseekV41Config.tiny()
+SEQ = 16
+LR = 0.05
+
+
+def build_vlm(*, dtype: torch.dtype, frozen_tower: bool, device: str = "cpu") -> nn.Module:
+    model = build_deepseek_v41(CONFIG, seed=0, dtype=dtype, device=device)
+    if frozen_tower:
+        model.vision.requires_grad_(False)
+    return model
+
+
+def vlm_batches(
+    steps: int, world: int, *, images: list[int] | None = None, base_seed: int = 1000
+) -> list[list[Batch]]:
+    """``batches[step][rank]``; ``images[rank]`` images per sample (default 1 everywhere)."""
+    per_rank = images or [1] * world
+    return [
+        [
+            make_batch(
+                CONFIG,
+                batch_size=2,
+                seq_len=SEQ,
+                num_images_per_sample=per_rank[rank],
+                seed=base_seed + 97 * step + rank,
+            )
+            for rank in range(world)
+        ]
+        for step in range(steps)
+    ]
+
+
+def to_device(batch: Batch, device: torch.device) -> dict[str, Any]:
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+def vlm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    loss: torch.Tensor = model(**batch)
+    return loss
+
+
+def is_vision_norm(name: str) -> bool:
+    return name.startswith("vision.") and name.split(".")[-2] in ("norm1", "norm2", "norm")
