@@ -199,6 +199,7 @@ class ModelParallelizer:
                 reshard_after_forward=call.reshard_after_forward,
                 ignored_params=ignored or None,
             )
+        self._after_apply(model, plan, mesh=mesh)
         logger.info("applied %d FSDP units in %d calls", len(plan.units), len(plan.calls))
         return model
 
@@ -224,6 +225,9 @@ class ModelParallelizer:
 
     def _before_apply(self, model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> None:
         """Runs once before the first unit is made (e.g. to place replicated parameters)."""
+
+    def _after_apply(self, model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> None:
+        """Runs once after the last unit is made (e.g. to tune prefetching or add guards)."""
 
     def _plan_calls(
         self,

@@ -218,6 +218,9 @@ class MultimodalParallelizer(ModelParallelizer):
             len(keep),
         )
 
+    def _after_apply(self, model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> None:
+        """Post-sharding adjustments; each lives in its own module."""
+
     def _replicated_keep_dtype(self, model: nn.Module, names: Iterable[str]) -> Iterator[str]:
         """Replicated parameters that keep their dtype: odd-dtype islands of each module.
 
