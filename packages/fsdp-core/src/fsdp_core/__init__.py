@@ -6,6 +6,11 @@ torch capability flags, and the :class:`ModelParallelizer` strategy base.
 
 from fsdp_core import compat
 from fsdp_core.__about__ import __version__
+from fsdp_core.accumulation import (
+    install_unshard_warmup,
+    make_accumulation_safe,
+    reduce_scatter_unused_params,
+)
 from fsdp_core.comm import CollectiveRecord, CommCounter, collective_kind
 from fsdp_core.containers import container_items, is_module_container, iter_layer_items
 from fsdp_core.distributed import (
@@ -50,6 +55,9 @@ from fsdp_core.sharding import (
 )
 
 __all__ = [
+    "install_unshard_warmup",
+    "make_accumulation_safe",
+    "reduce_scatter_unused_params",
     "CollectiveRecord",
     "CommCounter",
     "collective_kind",

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
+from fsdp_core.accumulation import make_accumulation_safe
 from fsdp_core.containers import iter_layer_items
 from fsdp_core.dtype_units import find_dtype_islands, group_islands
 from fsdp_core.plan import ShardCall, ShardingPlan, UnitPlan
@@ -199,6 +200,7 @@ class ModelParallelizer:
                 reshard_after_forward=call.reshard_after_forward,
                 ignored_params=ignored or None,
             )
+        make_accumulation_safe(model)
         self._after_apply(model, plan, mesh=mesh)
         logger.info("applied %d FSDP units in %d calls", len(plan.units), len(plan.calls))
         return model

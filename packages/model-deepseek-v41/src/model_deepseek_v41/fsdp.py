@@ -36,10 +36,12 @@ from fsdp_core import (
     PlanContext,
     ShardCall,
     apply_fully_shard,
+    check_reshard_after_forward,
     compat,
     dominant_dtype,
     fp32_island_policy,
     is_sharded,
+    shard_group_size,
 )
 from fsdp_core.containers import is_module_container, join_path
 from multimodal_fsdp import MultimodalParallelizer
@@ -159,6 +161,8 @@ def plan_fp32_norm_groups(
     norms share one unit; otherwise each norm is its own unit. Norms that are
     already units, already planned, or ignored (replicated) are left out.
     """
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     surrounding = dominant_dtype(p for p in module.parameters() if p.dim() > 1) or dominant_dtype(
         module.parameters()
     )
@@ -200,6 +204,12 @@ def fully_shard_deepseek_v41(
         return module
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    # Check everything before the first unit is made, so a bad call shards nothing.
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    check_reshard_after_forward(reshard_after_forward, shard_group_size(mesh))
     if is_sharded(module):
         logger.info("%s is already an FSDP unit; leaving it as it is", type(module).__name__)
         return module
@@ -287,6 +297,24 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
                     )
                 )
         return calls
+
+    def _replicated_param_names(self, model: nn.Module) -> list[str]:
+        """Also replicate frozen fp32 vision norms, whatever the policy.
+
+        A frozen norm needs no gradient reduction, and kept whole in fp32 on
+        every rank it costs no collective at all (2L+1 vectors of the tower
+        width), computes in fp32, and cannot make ranks diverge when only
+        some of them see images. Trainable norms keep their fp32 unit.
+        """
+        names = super()._replicated_param_names(model)
+        seen = set(names)
+        for tower in find_vision_towers(model):
+            for path in _fp32_norm_paths(model.get_submodule(tower), tower, set(), set()):
+                for name, param in model.get_submodule(path).named_parameters(prefix=path):
+                    if not param.requires_grad and name not in seen:
+                        seen.add(name)
+                        names.append(name)
+        return names
 
     def _replicated_keep_dtype(self, model: nn.Module, names: Iterable[str]) -> Iterator[str]:
         wanted = list(names)

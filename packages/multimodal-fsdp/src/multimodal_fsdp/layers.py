@@ -38,23 +38,29 @@ def _shard_layer_containers_recursively(
     in lists are flattened, and items are not searched further (their inner
     lists belong to their unit). Returns whether anything was sharded.
     """
+    return _shard_below(module, shard_module, set())
+
+
+def _shard_below(
+    module: nn.Module, shard_module: Callable[[nn.Module], object], seen: set[int]
+) -> bool:
     if _is_module_container(module):
-        return _shard_container(module, shard_module)
+        return _shard_container(module, shard_module, seen)
     sharded = False
     for child in module.children():
-        if _is_module_container(child):
-            sharded = _shard_container(child, shard_module) or sharded
-        else:
-            sharded = _shard_layer_containers_recursively(child, shard_module) or sharded
+        sharded = _shard_below(child, shard_module, seen) or sharded
     return sharded
 
 
-def _shard_container(container: nn.Module, shard_module: Callable[[nn.Module], object]) -> bool:
+def _shard_container(
+    container: nn.Module, shard_module: Callable[[nn.Module], object], seen: set[int]
+) -> bool:
     sharded = False
     for _, item in _container_items(container):
         if _is_module_container(item):
-            sharded = _shard_container(item, shard_module) or sharded
-        else:
+            sharded = _shard_container(item, shard_module, seen) or sharded
+        elif id(item) not in seen:  # a layer registered in two containers is one unit
+            seen.add(id(item))
             shard_module(item)
             sharded = True
     return sharded

@@ -12,8 +12,10 @@ is planned:
    owns them, placed on the mesh device and cast to the compute dtype (odd-dtype
    islands such as fp32 norms keep their dtype), and made equal on every rank.
 2. Its *trainable parts* (maximal submodules without any frozen parameter) are
-   sharded normally with :func:`shard_multimodal_module`, so a tower whose only
-   trainable piece is its projector (``visual.merger``) gets a unit for that piece.
+   sharded normally, as any other module: the items of their layer containers
+   become units, and what is left (a projector MLP, ``visual.merger``, a patch
+   embedding) stays in the enclosing unit - the root - which every rank runs,
+   so a text-only batch on one rank cannot make the ranks' collectives diverge.
 3. Everything outside multimodal modules follows :class:`fsdp_core.ModelParallelizer`:
    one unit per layer-container item, then the root.
 """
@@ -32,13 +34,19 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_core import ModelParallelizer, PlanContext, ShardingPlan, iter_layer_items
 from fsdp_core.containers import join_path
-from multimodal_fsdp.discovery import MultimodalModule, resolve_multimodal_modules
+from multimodal_fsdp.discovery import (
+    MultimodalModule,
+    _check_names,
+    _check_paths,
+    resolve_multimodal_modules,
+)
 from multimodal_fsdp.layers import shard_multimodal_module
 from multimodal_fsdp.policy import (
     FrozenMultimodalSharding,
     module_is_fully_frozen,
     normalize_frozen_multimodal_sharding,
 )
+from multimodal_fsdp.uneven import install_uneven_media_guard
 
 __all__ = ["MultimodalParallelizer", "MultimodalParts", "split_frozen_parts"]
 
@@ -99,9 +107,9 @@ class MultimodalParallelizer(ModelParallelizer):
         self.frozen_multimodal_sharding: FrozenMultimodalSharding = (
             normalize_frozen_multimodal_sharding(frozen_multimodal_sharding)
         )
-        self.extra_tower_names = tuple(extra_tower_names)
-        self.extra_projector_names = tuple(extra_projector_names)
-        self.exclude = tuple(exclude)
+        self.extra_tower_names = _check_names(extra_tower_names, "extra_tower_names")
+        self.extra_projector_names = _check_names(extra_projector_names, "extra_projector_names")
+        self.exclude = _check_paths(exclude, "exclude")
         if not isinstance(sync_replicated, bool):
             raise TypeError(f"sync_replicated must be a bool, got {sync_replicated!r}")
         self.sync_replicated = sync_replicated
@@ -134,10 +142,13 @@ class MultimodalParallelizer(ModelParallelizer):
             return []
         return [path for parts in self.multimodal_parts(model) for path in parts.frozen]
 
+    def _replicated_param_names(self, model: nn.Module) -> list[str]:
+        """Parameters kept whole on every rank (subclasses may add more)."""
+        return _param_names_under(model, self._replicated_paths(model))
+
     # ------------------------------------------------------- planning hooks
     def _ignored_param_names(self, model: nn.Module, names: tuple[str, ...]) -> Iterable[str]:
-        replicated = _param_names_under(model, self._replicated_paths(model))
-        return (*names, *replicated)
+        return (*names, *(n for n in self._replicated_param_names(model) if n not in names))
 
     def _unit_paths(self, ctx: PlanContext) -> list[str]:
         model = ctx.model
@@ -151,7 +162,8 @@ class MultimodalParallelizer(ModelParallelizer):
         ids = {id(module): name for name, module in model.named_modules()}
         for part in parts:
             for trainable in part.trainable:
-                paths.extend(_layer_unit_paths(model, trainable, ids))
+                module = model.get_submodule(trainable) if trainable else model
+                paths.extend(join_path(trainable, p) for p, _ in iter_layer_items(module))
             if self.frozen_multimodal_sharding == "per_layer":
                 for frozen in part.frozen:
                     paths.extend(_layer_unit_paths(model, frozen, ids))
@@ -183,13 +195,37 @@ class MultimodalParallelizer(ModelParallelizer):
             reshard_after_forward=reshard_after_forward,
             ignored_params=ignored_params,
         )
-        replicated = tuple(sorted(_param_names_under(model, self._replicated_paths(model))))
+        replicated = tuple(sorted(set(self._replicated_param_names(model))))
         return ShardingPlan(
             calls=plan.calls,
             ignored_param_names=plan.ignored_param_names,
             notes=plan.notes,
             replicated_param_names=replicated,
         )
+
+    def apply_plan(
+        self,
+        model: nn.Module,
+        plan: ShardingPlan,
+        *,
+        mesh: DeviceMesh,
+        offload_policy: torch.distributed.fsdp.OffloadPolicy | None = None,
+    ) -> nn.Module:
+        """Shard as planned, then guard against uneven media where units make it unsafe."""
+        super().apply_plan(model, plan, mesh=mesh, offload_policy=offload_policy)
+        owners = self.modules_with_units(model, plan)
+        if owners:
+            install_uneven_media_guard(model, modules=owners, device=_mesh_device(mesh.device_type))
+        return model
+
+    def modules_with_units(self, model: nn.Module, plan: ShardingPlan) -> list[str]:
+        """Multimodal modules that own FSDP units: only ranks with media would run them."""
+        roots = [part.found.path for part in self.multimodal_parts(model)]
+        return [
+            root
+            for root in roots
+            if any(_is_under(path, root) for unit in plan.units for path in unit.paths)
+        ]
 
     # -------------------------------------------------------- apply hooks
     def _before_apply(self, model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> None:
@@ -203,8 +239,10 @@ class MultimodalParallelizer(ModelParallelizer):
         for name in plan.replicated_param_names:
             param = named[name]
             dtype = param.dtype if compute is None or name in keep else compute
-            if param.device != device or param.dtype != dtype:
-                param.data = param.data.to(device=device, dtype=dtype)
+            # A meta parameter stays on meta (materialised later with the rest).
+            target = param.device if param.device.type == "meta" else device
+            if param.device != target or param.dtype != dtype:
+                param.data = param.data.to(device=target, dtype=dtype)
         if self.sync_replicated and dist.is_initialized() and dist.get_world_size() > 1:
             for name in plan.replicated_param_names:
                 param = named[name]
@@ -228,17 +266,18 @@ class MultimodalParallelizer(ModelParallelizer):
         module's own; parameters of another floating dtype (fp32 norms in a bf16
         tower) are islands and are not cast. Subclasses may add more.
         """
-        named = dict(model.named_parameters())
-        wanted = list(names)
-        for root in self._replicated_paths(model):
-            under = [n for n in wanted if _is_under(n, root)]
+        wanted = set(names)
+        for part in self.multimodal_parts(model):
+            # The module's own dtype is judged over all of it, trainable parts included,
+            # so a LoRA-split tower still sees its fp32 norms as islands.
+            params = list(part.found.module.named_parameters(prefix=part.found.path))
             counts: Counter[torch.dtype] = Counter()
-            for n in under:
-                counts[named[n].dtype] += named[n].numel()
+            for _, param in params:
+                counts[param.dtype] += param.numel()
             if not counts:
                 continue
             dominant = max(counts, key=lambda d: counts[d])
-            yield from (n for n in under if named[n].dtype != dominant)
+            yield from (n for n, p in params if n in wanted and p.dtype != dominant)
 
 
 def _is_under(path: str, root: str) -> bool:
