@@ -11,6 +11,12 @@ from fsdp_core.accumulation import (
     make_accumulation_safe,
     reduce_scatter_unused_params,
 )
+from fsdp_core.checkpoint import (
+    export_full_state_dict,
+    load_checkpoint,
+    load_checkpoint_unsharded,
+    save_checkpoint,
+)
 from fsdp_core.comm import CollectiveRecord, CommCounter, collective_kind
 from fsdp_core.containers import container_items, is_module_container, iter_layer_items
 from fsdp_core.distributed import (
@@ -28,6 +34,7 @@ from fsdp_core.dtype_units import (
     fully_shard_dtype_safe,
     group_islands,
 )
+from fsdp_core.materialize import copy_full_into_, load_full_state_dict, materialize_from_full
 from fsdp_core.mesh import MeshShape, build_mesh, resolve_mesh_shape
 from fsdp_core.parallelizer import ModelParallelizer, PlanContext, parameter_names
 from fsdp_core.plan import (
@@ -55,6 +62,13 @@ from fsdp_core.sharding import (
 )
 
 __all__ = [
+    "copy_full_into_",
+    "export_full_state_dict",
+    "load_checkpoint",
+    "load_checkpoint_unsharded",
+    "load_full_state_dict",
+    "materialize_from_full",
+    "save_checkpoint",
     "install_unshard_warmup",
     "make_accumulation_safe",
     "reduce_scatter_unused_params",

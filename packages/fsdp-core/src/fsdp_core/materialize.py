@@ -1,0 +1,96 @@
+"""Materialise a model built on the meta device and sharded, with the right values.
+
+Building on ``meta`` and sharding before allocating is how large models fit,
+but the usual next step, ``reset_parameters()`` on the sharded DTensors, draws
+random numbers per shard: on a CPU mesh every rank draws the *same* shard, so
+the full parameter is wrong. Two correct ways:
+
+- :func:`materialize_from_full` - every rank computes the full initial tensors
+  deterministically (same seed, CPU generator) and keeps only its own shard.
+  No communication; each full tensor exists once at a time on each rank.
+- :func:`load_full_state_dict` - rank 0 holds a full state dict (a checkpoint
+  or an unsharded init) and broadcasts it into the shards.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+__all__ = ["copy_full_into_", "load_full_state_dict", "materialize_from_full"]
+
+logger = logging.getLogger(__name__)
+
+
+def copy_full_into_(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Write a full tensor into ``param``: only the local shard when it is a DTensor."""
+    if tuple(full.shape) != tuple(param.shape):
+        raise ValueError(
+            f"full tensor of shape {tuple(full.shape)} for a parameter of {tuple(param.shape)}"
+        )
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            local = distribute_tensor(
+                full.to(device=param.device_mesh.device_type, dtype=param.dtype),
+                param.device_mesh,
+                param.placements,
+                src_data_rank=None,  # every rank holds the same full tensor: slice, no comms
+            ).to_local()
+            param.to_local().copy_(local)
+        else:
+            param.copy_(full.to(device=param.device, dtype=param.dtype))
+
+
+def materialize_from_full(
+    model: nn.Module,
+    full_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    device: torch.device | str,
+    buffers: Mapping[str, torch.Tensor] | None = None,
+) -> nn.Module:
+    """Allocate ``model`` on ``device`` and fill it from ``(name, full tensor)`` pairs.
+
+    Every parameter must receive a value (a ``ValueError`` names the missing
+    ones); the result is bit-identical to loading the same full tensors into an
+    unsharded model.
+    """
+    model.to_empty(device=device)
+    named = dict(model.named_parameters())
+    seen: set[str] = set()
+    for name, full in full_tensors:
+        if name not in named:
+            raise ValueError(f"{name!r} is not a parameter of {type(model).__name__}")
+        copy_full_into_(named[name], full)
+        seen.add(name)
+    missing = sorted(set(named) - seen)
+    if missing:
+        raise ValueError(f"no initial value for {len(missing)} parameters: {missing[:8]}")
+    for name, value in (buffers or {}).items():
+        buffer = model.get_buffer(name)
+        with torch.no_grad():
+            buffer.copy_(value.to(device=buffer.device, dtype=buffer.dtype))
+    logger.info("materialised %d parameters on %s", len(named), device)
+    return model
+
+
+def load_full_state_dict(
+    model: nn.Module,
+    state_dict: Mapping[str, torch.Tensor] | None,
+    *,
+    broadcast_from_rank0: bool = True,
+    strict: bool = True,
+) -> None:
+    """Load an unsharded state dict into a sharded ``model``.
+
+    With ``broadcast_from_rank0`` only rank 0 needs the tensors (others may pass
+    ``None`` or ``{}``), which keeps host memory at one copy per node.
+    """
+    options = StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0, strict=strict
+    )
+    set_model_state_dict(model, dict(state_dict or {}), options=options)
