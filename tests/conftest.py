@@ -23,8 +23,10 @@ from launches import LAUNCHES, MP_TIMEOUT_S, MpResults  # noqa: E402
 from fsdp_core.testing import run_torchrun  # noqa: E402
 
 
-def _launch(world_size: int, out: Path, backend: str | None) -> None:
+def _launch(world_size: int, out: Path, backend: str | None, previous: Path | None) -> None:
     env = {"FSDP_TEST_BACKEND": backend} if backend else {}
+    if previous is not None:
+        env["FSDP_TEST_PREVIOUS_OUT"] = str(previous)
     run_torchrun(
         str(MP_DIR / "worker.py"),
         nproc=world_size,
@@ -34,12 +36,22 @@ def _launch(world_size: int, out: Path, backend: str | None) -> None:
     )
 
 
-def _results_fixture(world_size: int) -> Any:
+def _results_fixture(world_size: int, after: str | None = None) -> Any:
+    """A session fixture launching ``world_size`` ranks once; ``after`` names the fixture
+    whose launch must finish first (its output directory is passed on, e.g. for loading
+    a checkpoint saved on another number of ranks)."""
+
     @pytest.fixture(scope="session")
-    def fixture(tmp_path_factory: pytest.TempPathFactory) -> MpResults:
+    def fixture(
+        request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+    ) -> MpResults:
+        previous = None
+        if after is not None:
+            previous = request.getfixturevalue(after).out  # type: ignore[attr-defined]
         out = tmp_path_factory.mktemp(f"mp{world_size}")
         backend = os.environ.get("FSDP_TEST_BACKEND") or None
-        _launch(world_size, out, backend)
+        _skip_without_gpus(backend, world_size)
+        _launch(world_size, out, backend, previous)
 
         def load(name: str) -> dict[str, Any]:
             if name not in LAUNCHES[world_size]:
@@ -49,10 +61,21 @@ def _results_fixture(world_size: int) -> Any:
                 pytest.fail(f"scenario {name} failed on the ranks:\n{result['error']}")
             return result
 
+        load.out = out  # type: ignore[attr-defined]
         return load
 
     return fixture
 
 
-mp2 = _results_fixture(2)
+def _skip_without_gpus(backend: str | None, world_size: int) -> None:
+    if backend != "nccl":
+        return
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < world_size:
+        pytest.skip(
+            f"FSDP_TEST_BACKEND=nccl needs {world_size} CUDA GPUs for this launch, found {gpus}"
+        )
+
+
 mp4 = _results_fixture(4)
+mp2 = _results_fixture(2, after="mp4")

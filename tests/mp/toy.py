@@ -131,12 +131,19 @@ def reference_run(
                     )
                     p.data = src.detach().to(target)
                     p.requires_grad_(name in grads)
-            loss = loss_fn(worker, batch)
-            loss.backward()
-            step_losses.append(loss.item())
-            for name, p in worker.named_parameters():
-                if p.grad is not None:
-                    grads[name] += p.grad.float()
+            # A list of micro-batches: one backward each, gradients accumulated in fp32
+            # (as FSDP does with an fp32 reduce dtype when it does not sync).
+            micro_batches = batch if isinstance(batch, list) else [batch]
+            total = 0.0
+            for micro in micro_batches:
+                loss = loss_fn(worker, micro)
+                loss.backward()
+                total += loss.item()
+                for name, p in worker.named_parameters():
+                    if p.grad is not None:
+                        grads[name] += p.grad.float()
+                        p.grad = None
+            step_losses.append(total)
         losses.append(sum(step_losses) / len(step_losses))
         with torch.no_grad():
             for name, p in master.named_parameters():

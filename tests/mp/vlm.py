@@ -52,3 +52,35 @@ def vlm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 def is_vision_norm(name: str) -> bool:
     return name.startswith("vision.") and name.split(".")[-2] in ("norm1", "norm2", "norm")
+
+
+def global_batches(
+    steps: int, *, per_step: int = 8, images: int = 1, base_seed: int = 5000
+) -> list[Batch]:
+    """One global batch per step, to be split evenly over any number of ranks."""
+    return [
+        make_batch(
+            CONFIG,
+            batch_size=per_step,
+            seq_len=SEQ,
+            num_images_per_sample=images,
+            seed=base_seed + step,
+        )
+        for step in range(steps)
+    ]
+
+
+def split_batch(batch: Batch, world: int, rank: int) -> Batch:
+    """Rank ``rank``'s equal share of a global batch (samples and their images)."""
+    samples = batch["input_ids"].shape[0]
+    if samples % world:
+        raise ValueError(f"{samples} samples do not split over {world} ranks")
+    per = samples // world
+    rows = slice(rank * per, (rank + 1) * per)
+    pixels = batch["pixel_values"]
+    if pixels is not None:
+        per_sample = pixels.shape[0] // samples
+        pixels = pixels[rank * per * per_sample : (rank + 1) * per * per_sample]
+    return Batch(
+        input_ids=batch["input_ids"][rows], pixel_values=pixels, labels=batch["labels"][rows]
+    )

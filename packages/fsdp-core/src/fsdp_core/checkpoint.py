@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -79,7 +80,10 @@ def load_checkpoint(
 def load_checkpoint_unsharded(path: PathLike, model: nn.Module) -> None:
     """Load the model part of a sharded checkpoint into a plain model in one process."""
     state = {"model": model.state_dict()}
-    dcp_load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    with warnings.catch_warnings():
+        # DCP warns that it "assumes" a single process: that is exactly the intent here.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp_load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     model.load_state_dict(state["model"])
 
 
