@@ -96,7 +96,207 @@ def build(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
-    """The main job: what exists of the product, run end to end."""
+    """The main job: train DeepSeek-V4.1 with FSDP2 on torchrun ranks, check a reference.
+
+    Options after ``--``: --policy root|per_layer|replicate, --nproc N, --steps N,
+    --precision bf16|fp32, --size tiny|small|base (``nox -s demo -- --help``).
+    """
     _install_torch(session)
     session.install(*_package_paths(*PACKAGES))
-    session.run("python", "-c", "import fsdp_core; print(fsdp_core.compat.capabilities())")
+    session.run("python", "-m", "model_deepseek_v41.demo", *session.posargs)
+
+
+# --------------------------------------------------------------- releases and documentation
+# Release tooling lives in tools/ (see docs/releasing.md); these sessions only call it.
+
+TOOLS = ROOT / "tools"
+DIST = ROOT / "dist"
+RELEASE_TOOLS = ("hatch>=1.12", "twine>=5")
+DOCS_DEPS = ("mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "mkdocstrings[python]>=0.27")
+
+
+def _release_posargs(session: nox.Session) -> tuple[str, str | None]:
+    """``<package> [--tag <package>-vX.Y.Z]`` from the command line."""
+    args = list(session.posargs)
+    tag = None
+    if "--tag" in args:
+        index = args.index("--tag")
+        if index + 1 >= len(args):
+            session.error("--tag needs a value, e.g. --tag multimodal-fsdp-v0.2.0")
+        tag = args[index + 1]
+        del args[index : index + 2]
+    if len(args) != 1 or args[0] not in PACKAGES:
+        session.error(
+            f"usage: nox -s release -- <package> [--tag <package>-vX.Y.Z]; "
+            f"packages: {', '.join(PACKAGES)}"
+        )
+    return args[0], tag
+
+
+def _build_tools(session: nox.Session) -> Path:
+    """A separate environment with hatch and twine, so the one under test holds only
+    what the package declares. Returns its ``bin`` directory (reused between runs)."""
+    venv = Path(session.create_tmp()).resolve() / "build-tools"
+    bin_dir = venv / "bin"
+    if not (bin_dir / "twine").exists() or not (bin_dir / "hatch").exists():
+        session.run("python", "-m", "venv", "--clear", str(venv))
+        session.run(
+            str(bin_dir / "python"),
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            *RELEASE_TOOLS,
+            external=True,
+        )
+    return bin_dir
+
+
+def _build_package(session: nox.Session, tools: Path, name: str) -> None:
+    """Wheel and sdist of one package into dist/<name>/, then twine's strict check."""
+    target = DIST / name
+    shutil.rmtree(target, ignore_errors=True)
+    session.chdir(ROOT / "packages" / name)
+    session.run(
+        str(tools / "hatch"), "build", "-t", "wheel", "-t", "sdist", str(target), external=True
+    )
+    session.chdir(ROOT)
+    session.run(
+        str(tools / "twine"),
+        "check",
+        "--strict",
+        *(str(p) for p in sorted(target.iterdir())),
+        external=True,
+    )
+
+
+@nox.session(python=PYTHON)
+def release(session: nox.Session) -> None:
+    """Build one package and its lower layers, then test the built wheel in this clean venv.
+
+    ``nox -s release -- <package> [--tag <package>-vX.Y.Z]``. With ``--tag`` (the
+    release workflow) it also checks the tag against the version, the CHANGELOG and
+    the package index. Nothing is published here.
+    """
+    import hashlib
+    import json
+
+    package, tag = _release_posargs(session)
+    siblings = PACKAGES[package]
+    tools = _build_tools(session)
+    tools_python = str(tools / "python")
+    if tag is not None:
+        session.run(
+            tools_python,
+            str(TOOLS / "release_check.py"),
+            "tag",
+            tag,
+            "--package",
+            package,
+            external=True,
+        )
+    session.run(tools_python, str(TOOLS / "check_ranges.py"), external=True)
+
+    # 1. Artefacts: the package and every sibling it needs, built from this tree.
+    for name in (*reversed(siblings), package):
+        _build_package(session, tools, name)
+    report_file = Path(session.create_tmp()).resolve() / "artefacts.json"
+    session.run(
+        tools_python,
+        str(TOOLS / "release_check.py"),
+        "artefacts",
+        package,
+        "--dist",
+        str(DIST),
+        "--out",
+        str(report_file),
+        external=True,
+    )
+    report = json.loads(report_file.read_text())
+
+    # 2. This session's venv is the clean one: torch first, the other declared
+    #    requirements from the index, then the wheels with the index off, so a
+    #    sibling can only come from dist/ and only through the declared ranges.
+    session.run("python", "-m", "pip", "uninstall", "--yes", "--quiet", *PACKAGES, silent=True)
+    _install_torch(session)
+    if report["external_requirements"]:
+        session.install(*report["external_requirements"])
+    find_links = [arg for name in siblings for arg in ("--find-links", str(DIST / name))]
+    session.install("--no-index", *find_links, report["wheels"][package])
+    session.run("python", "-m", "pip", "check")
+    expected = [f"{item['name']}={item['version']}" for item in report["artefacts"]]
+    session.run("python", "-I", str(TOOLS / "release_check.py"), "installed", package, *expected)
+
+    # 3. The package's own tests and API snapshot, against the installed wheel,
+    #    from outside the source tree.
+    session.install(*TEST_DEPS)
+    session.run("python", "-I", str(TOOLS / "api_snapshot.py"), "--check", package)
+    session.chdir(session.create_tmp())
+    session.run(
+        "python",
+        "-I",
+        "-m",
+        "pytest",
+        str(ROOT / "packages" / package / "tests"),
+        "-c",
+        str(ROOT / "pyproject.toml"),
+        "--rootdir",
+        str(ROOT),
+        "--import-mode=importlib",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+    )
+    session.chdir(ROOT)
+
+    # 4. What was built.
+    for item in report["artefacts"]:
+        for key in ("wheel", "sdist"):
+            path = Path(item[key])
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            session.log(
+                f"{item['name']} {item['version']}: {path} ({path.stat().st_size:,} bytes, "
+                f"sha256 {digest[:16]}…)"
+            )
+    session.log(
+        f"release check of {package} passed; tag: {package}-v{report['artefacts'][0]['version']}"
+    )
+
+
+@nox.session(python=PYTHON)
+def bump(session: nox.Session) -> None:
+    """``nox -s bump -- <package> <major|minor|patch|X.Y.Z>``: version, CHANGELOG, snapshot."""
+    if len(session.posargs) < 2:
+        session.error("usage: nox -s bump -- <package> <major|minor|patch|X.Y.Z> [--date D]")
+    session.install("hatch>=1.12", "packaging>=24")
+    session.run("python", str(TOOLS / "bump.py"), *session.posargs)
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def check_ranges(session: nox.Session) -> None:
+    """Each package's range of a sibling admits the sibling's current version."""
+    session.install("packaging>=24")
+    session.run(
+        "python",
+        str(TOOLS / "check_ranges.py"),
+        *(f"--expect={name}={','.join(deps)}" for name, deps in PACKAGES.items()),
+    )
+
+
+@nox.session(python=PYTHON)
+def api_snapshot(session: nox.Session) -> None:
+    """Rewrite packages/*/api-snapshot.json from the code (``-- --check`` only checks)."""
+    _install_torch(session)
+    session.install("packaging>=24")
+    session.install(*_package_paths(*PACKAGES))
+    session.run("python", str(TOOLS / "api_snapshot.py"), *session.posargs)
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def docs(session: nox.Session) -> None:
+    """The documentation site into site/ (MkDocs, API pages from docstrings); warnings fail.
+
+    The code examples of the pages run in ``tests/test_docs_examples.py``.
+    """
+    session.install(*DOCS_DEPS)
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site"), *session.posargs)

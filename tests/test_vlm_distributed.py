@@ -91,12 +91,15 @@ def test_per_layer_tower_has_one_unit_per_block(prefix: str, mp2: MpResults) -> 
     assert blocks == [f"vision.blocks.{i}" for i in range(BLOCKS)]
 
 
-def test_root_policy_gives_the_tower_no_layer_units(mp2: MpResults) -> None:
+def test_root_policy_gives_the_tower_no_units(mp2: MpResults) -> None:
     assert mp2("mm_frozen_root")["vision_units"] == []
-    # DeepSeek keeps one fp32 unit for the tower's norms (a grouped unit of 2L+1 norms).
-    ds_units = mp2("ds_frozen_root")["vision_units"]
-    assert not any(u.startswith("vision.blocks.") and u.count(".") == 2 for u in ds_units)
-    assert mp2("ds_frozen_root")["roles"]["fp32_norms"] == 1
+    # DeepSeek: the frozen tower's fp32 norms are replicated (no unit, no collective).
+    ds = mp2("ds_frozen_root")
+    assert ds["vision_units"] == []
+    assert "fp32_norms" not in ds["roles"]
+    assert ds["replicated_dtypes"]
+    assert all(is_vision_norm(n) for n in ds["replicated_dtypes"])
+    assert set(ds["replicated_dtypes"].values()) == {torch.float32}
 
 
 def test_deepseek_trainable_tower_matches_reference(mp2: MpResults) -> None:

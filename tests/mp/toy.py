@@ -1,13 +1,14 @@
-"""A tiny model and the single-process references the multi-process tests compare to."""
+"""A tiny model for the multi-process tests (the reference lives in fsdp_core.reference)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
+
+from fsdp_core.reference import emulate_data_parallel
 
 
 class MixedRMSNorm(nn.Module):
@@ -91,69 +92,7 @@ def toy_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torc
     return F.mse_loss(out.float(), y)
 
 
-def reference_run(
-    build: Callable[[], nn.Module],
-    batches: list[list[Any]],
-    loss_fn: Callable[..., torch.Tensor],
-    *,
-    compute_dtype: torch.dtype | None,
-    lr: float,
-    keep_fp32: Callable[[str], bool] = lambda name: False,
-) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Emulate data-parallel FSDP training in one process.
-
-    Each "rank" computes its loss and gradients with parameters cast to
-    ``compute_dtype`` (except those ``keep_fp32`` selects), gradients are
-    upcast to fp32 and averaged over ranks, and SGD updates the master copy
-    in its storage dtype: the same arithmetic FSDP2 with a
-    ``MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=fp32)`` does,
-    up to the order of the fp32 additions. Returns per-step mean losses, the
-    final parameters and the first step's averaged gradients.
-    """
-    master = build()
-    losses: list[float] = []
-    first_grads: dict[str, torch.Tensor] = {}
-    for step, per_rank in enumerate(batches):
-        grads = {
-            name: torch.zeros_like(p, dtype=torch.float32)
-            for name, p in master.named_parameters()
-            if p.requires_grad
-        }
-        step_losses = []
-        for batch in per_rank:
-            worker = build()
-            masters = dict(master.named_parameters())
-            with torch.no_grad():
-                for name, p in worker.named_parameters():
-                    src = masters[name]
-                    target = (
-                        src.dtype if compute_dtype is None or keep_fp32(name) else compute_dtype
-                    )
-                    p.data = src.detach().to(target)
-                    p.requires_grad_(name in grads)
-            # A list of micro-batches: one backward each, gradients accumulated in fp32
-            # (as FSDP does with an fp32 reduce dtype when it does not sync).
-            micro_batches = batch if isinstance(batch, list) else [batch]
-            total = 0.0
-            for micro in micro_batches:
-                loss = loss_fn(worker, micro)
-                loss.backward()
-                total += loss.item()
-                for name, p in worker.named_parameters():
-                    if p.grad is not None:
-                        grads[name] += p.grad.float()
-                        p.grad = None
-            step_losses.append(total)
-        losses.append(sum(step_losses) / len(step_losses))
-        with torch.no_grad():
-            for name, p in master.named_parameters():
-                if name not in grads:
-                    continue
-                g = grads[name] / len(per_rank)
-                if step == 0:
-                    first_grads[name] = g.to(p.dtype)
-                p.add_(g.to(p.dtype), alpha=-lr)
-    return losses, {n: p.detach().clone() for n, p in master.named_parameters()}, first_grads
+reference_run = emulate_data_parallel
 
 
 def named_items(d: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:

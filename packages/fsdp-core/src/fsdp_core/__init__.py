@@ -53,6 +53,7 @@ from fsdp_core.precision import (
     mixed_precision_policy,
     parse_dtype,
 )
+from fsdp_core.reference import ReferenceResult, emulate_data_parallel
 from fsdp_core.sharding import (
     apply_fully_shard,
     check_reshard_after_forward,
@@ -62,6 +63,8 @@ from fsdp_core.sharding import (
 )
 
 __all__ = [
+    "ReferenceResult",
+    "emulate_data_parallel",
     "copy_full_into_",
     "export_full_state_dict",
     "load_checkpoint",
