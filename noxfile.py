@@ -95,6 +95,29 @@ def build(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def distributed_nccl(session: nox.Session) -> None:
+    """The multi-process suite under NCCL (skips with a message without enough GPUs).
+
+    Needs a CUDA build of torch: e.g. ``FSDP_TORCH_SPEC="torch==2.13.0" PIP_INDEX_URL=...``
+    on a GPU host. World size 1 runs with one GPU; 2 and 4 need as many GPUs.
+    """
+    _install_torch(session)
+    session.install(*TEST_DEPS)
+    session.install(*_package_paths(*PACKAGES))
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-m",
+        "distributed",
+        "-rs",
+        "tests",
+        *session.posargs,
+        env={"FSDP_TEST_BACKEND": "nccl"},
+    )
+
+
+@nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
     """The main job: train DeepSeek-V4.1 with FSDP2 on torchrun ranks, check a reference.
 

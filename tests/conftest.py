@@ -69,6 +69,8 @@ def _results_fixture(world_size: int, after: str | None = None) -> Any:
 
 def _skip_without_gpus(backend: str | None, world_size: int) -> None:
     if backend != "nccl":
+        if world_size == 1:
+            pytest.skip("world-size-1 launches run only under FSDP_TEST_BACKEND=nccl")
         return
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus < world_size:
@@ -77,5 +79,6 @@ def _skip_without_gpus(backend: str | None, world_size: int) -> None:
         )
 
 
+mp1 = _results_fixture(1)
 mp4 = _results_fixture(4)
 mp2 = _results_fixture(2, after="mp4")

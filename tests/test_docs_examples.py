@@ -8,9 +8,10 @@ on the line before a block changes that:
 
 ``<!-- docs-test: world_size=4 -->``
     a fake group of 4 ranks (any size);
-``<!-- docs-test: gloo -->``
-    no group is made; the example calls ``init_distributed()`` itself, which
-    starts a one-rank gloo group (the test tears it down afterwards);
+``<!-- docs-test: gloo -->`` (or ``own-group``)
+    no group is made; the example starts its own: ``init_distributed()`` starts a
+    one-rank gloo group, ``fake_process_group(n)`` a fake one (the test tears down
+    whatever is left);
 ``<!-- docs-test: continue -->``
     the block continues the previous one on the page (same namespace, same run);
 ``<!-- docs-test: skip (reason) -->``
@@ -21,7 +22,6 @@ Blocks that import transformers are skipped when it is not installed.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,12 +33,20 @@ import torch.distributed as dist
 
 from fsdp_core.testing import fake_process_group
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+TORCHRUN_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 _FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})\s*(?P<lang>[\w+-]*)")
 _MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<spec>.*?)\s*-->\s*$")
-_OPTION = re.compile(r"^(world_size=\d+|gloo|continue|skip\b.*)$")
+_OPTION = re.compile(r"^(world_size=\d+|gloo|own-group|continue|skip\b.*)$")
 
 
 @dataclass
@@ -49,7 +57,7 @@ class Example:
     line: int
     code: str
     world_size: int = 2
-    mode: str = "fake"  # "fake" or "gloo"
+    mode: str = "fake"  # "fake" (a group is made for it) or "own" (it makes its own)
     skip: str | None = None
     lines: list[int] = field(default_factory=list)
 
@@ -102,8 +110,8 @@ def collect(docs: Path = DOCS) -> list[Example]:
             for option in options:
                 if option.startswith("world_size="):
                     example.world_size = int(option.partition("=")[2])
-                elif option == "gloo":
-                    example.mode = "gloo"
+                elif option in ("gloo", "own-group"):
+                    example.mode = "own"
                 elif option.startswith("skip"):
                     example.skip = option.removeprefix("skip").strip(" ()") or "marked skip"
             examples.append(example)
@@ -155,9 +163,7 @@ def _run(example: Example, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[e.id for e in EXAMPLES])
-def test_docs_example(
-    example: Example, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_docs_example(example: Example, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if example.skip:
         pytest.skip(example.skip)
     if re.search(r"^\s*(import|from)\s+transformers\b", example.code, re.MULTILINE):
@@ -173,3 +179,25 @@ def test_docs_example(
     finally:
         torch.set_default_dtype(dtype)
     assert not dist.is_initialized()
+
+
+def _public_modules(package_dir: Path) -> list[str]:
+    """Public modules of a package, from its source tree (no import needed)."""
+    src = package_dir / "src"
+    modules = []
+    for path in sorted(src.rglob("*.py")):
+        parts = path.relative_to(src).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if parts and not any(part.startswith("_") for part in parts):
+            modules.append(".".join(parts))
+    return modules
+
+
+@pytest.mark.parametrize("package", ["fsdp-core", "multimodal-fsdp", "model-deepseek-v41"])
+def test_api_pages_cover_every_public_module(package: str) -> None:
+    page = (DOCS / "api" / f"{package}.md").read_text(encoding="utf-8")
+    rendered = set(re.findall(r"^:::\s*([\w.]+)", page, re.MULTILINE))
+    modules = _public_modules(ROOT / "packages" / package)
+    missing = [m for m in modules if m not in rendered]
+    assert not missing, f"docs/api/{package}.md has no '::: module' entry for {missing}"

@@ -13,6 +13,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,36 @@ for optional in ("scenarios_vlm", "scenarios_training", "scenarios_init"):
             raise
 
 
+def _install_sabotage(kind: str) -> None:
+    """Deliberately break FSDP (to prove the tests catch it): ``reduction`` sums
+    gradients instead of averaging; ``layout`` swaps two elements of every local shard
+    on rank 0 after sharding."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_core import ModelParallelizer
+
+    original = ModelParallelizer.apply_plan
+
+    def apply_plan(self: Any, model: Any, plan: Any, **kwargs: Any) -> Any:
+        result = original(self, model, plan, **kwargs)
+        if kind == "reduction":
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_force_sum_reduction_for_comms(True)
+                    module.set_gradient_divide_factor(1.0)  # sum, not mean
+        elif kind == "layout" and dist.get_rank() == 0:
+            with torch.no_grad():
+                for param in model.parameters():
+                    if isinstance(param, DTensor) and param.to_local().numel() > 1:
+                        flat = param.to_local().view(-1)
+                        flat[:2] = flat[:2].flip(0).clone()
+        return result
+
+    ModelParallelizer.apply_plan = apply_plan  # type: ignore[method-assign]
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     names = sys.argv[2:]
@@ -39,6 +70,8 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown scenarios {unknown}; known: {sorted(SCENARIOS)}")
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING"))
+    if os.environ.get("FSDP_TEST_SABOTAGE"):
+        _install_sabotage(os.environ["FSDP_TEST_SABOTAGE"])
     backend = os.environ.get("FSDP_TEST_BACKEND") or None
     ctx = init_distributed(backend=backend)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,188 @@
+"""``python -m multimodal_fsdp plan``: run in-process through ``main(argv)``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from multimodal_fsdp.__main__ import main
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    assert main(["plan", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def fail(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", *argv])
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_deepseek_tree_with_totals(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run(capsys, "--model", "deepseek-v41-tiny", "--world-size", "8")
+    assert out.startswith("DeepseekV41ForCausalLM: ")
+    assert "world size 8 (dp_shard 8)" in out
+    assert "frozen-tower policy root" in out
+    assert "<root>" in out
+    assert "fp32_norms" in out  # the trainable tower's grouped fp32 norm unit
+    assert "totals per rank and step" in out
+    assert "peak gathered params" in out
+    assert "nothing frozen" in out
+
+
+def test_frozen_tower_per_layer(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run(
+        capsys,
+        "--model",
+        "deepseek-v41-tiny",
+        "--world-size",
+        "8",
+        "--policy",
+        "per_layer",
+        "--freeze",
+        "vision",
+    )
+    assert "frozen (no bwd)" in out
+    assert "{0..1} x2" in out
+    assert "implicit-prefetch waste   1 all-gathers" in out
+    assert "note: frozen: vision" in out
+
+
+def test_json_output(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run(
+        capsys,
+        "--model",
+        "deepseek-v41-tiny",
+        "--world-size",
+        "8",
+        "--dp-replicate",
+        "2",
+        "--freeze",
+        "vision",
+        "--policy",
+        "replicate",
+        "--json",
+    )
+    data = json.loads(out)
+    assert (data["world_size"], data["dp_replicate"], data["dp_shard"]) == (8, 2, 4)
+    assert data["policy"] == "replicate"
+    totals = data["totals"]
+    assert totals["units"] == len(data["units"])
+    assert totals["collectives"]["backward"]["all_reduce"]["count"] > 0
+    assert not any(p.startswith("vision") for u in data["units"] for p in u["paths"])
+
+
+def test_unguarded_and_reshard_options(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--model", "deepseek-v41-tiny", "--freeze", "vision", "--policy", "per_layer"]
+    guarded = json.loads(run(capsys, *base, "--json"))
+    default = json.loads(run(capsys, *base, "--json", "--no-prefetch-guard"))
+    count = "count"
+    bwd = "backward"
+    assert (
+        default["totals"]["collectives"][bwd]["all_gather"][count]
+        == guarded["totals"]["collectives"][bwd]["all_gather"][count] + 1
+    )
+    kept = json.loads(run(capsys, *base, "--json", "--reshard-after-forward", "false"))
+    assert "all_gather" not in kept["totals"]["collectives"].get(bwd, {})
+    out = run(capsys, *base, "--reshard-after-forward", "2", "--no-collapse")
+    assert "to 2" in out
+    assert "blocks" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--policy", "sideways"], "invalid choice: 'sideways'"),
+        (["--freeze", "everything"], "invalid choice: 'everything'"),
+        (["--precision", "bf17"], "unknown dtype 'bf17'; valid names:"),
+        (["--world-size", "0"], "expected a positive integer, got '0'"),
+        (["--world-size", "8", "--dp-replicate", "3"], "not divisible by 3"),
+        (["--reshard-after-forward", "maybe"], "invalid reshard setting 'maybe'"),
+        (["--world-size", "8", "--reshard-after-forward", "3"], "positive divisor"),
+        (["--freeze", "audio"], "--freeze audio: no such module"),
+    ],
+)
+def test_bad_arguments_fail_with_a_message(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    err = fail(capsys, "--model", "deepseek-v41-tiny", *argv)
+    assert message in err
+
+
+def test_missing_command_and_model(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main([])
+    assert "required" in capsys.readouterr().err
+    assert "--model" in fail(capsys)
+
+
+def test_missing_deepseek_package(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "model_deepseek_v41", None)
+    err = fail(capsys, "--model", "deepseek-v41-base")
+    assert "pip install model-deepseek-v41" in err
+
+
+def test_missing_transformers_names_the_extra(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    err = fail(capsys, "--model", "llava")
+    assert "multimodal-fsdp[transformers]" in err
+
+
+@pytest.fixture
+def transformers() -> Any:
+    return pytest.importorskip("transformers")
+
+
+@pytest.mark.transformers
+def test_transformers_model_type(capsys: pytest.CaptureFixture[str], transformers: Any) -> None:
+    out = run(capsys, "--model", "llava", "--world-size", "8", "--freeze", "vision")
+    assert out.startswith("LlavaForConditionalGeneration: ")
+    assert "language_model" in out
+    assert "note: frozen: model.vision_tower" in out
+
+
+@pytest.mark.transformers
+def test_transformers_config_json(
+    capsys: pytest.CaptureFixture[str], transformers: Any, tmp_path: Path
+) -> None:
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2
+    )
+    text = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        vocab_size=100,
+    )
+    transformers.LlavaConfig(vision_config=vision, text_config=text).save_pretrained(tmp_path)
+    config = tmp_path / "config.json"
+    data = json.loads(
+        run(capsys, "--model", str(config), "--world-size", "4", "--policy", "per_layer", "--json")
+    )
+    assert data["model"] == "LlavaForConditionalGeneration"
+    labels = [u["label"] for u in data["units"]]
+    assert "model.language_model.layers.2" in labels
+    assert run(capsys, "--model", str(tmp_path), "--world-size", "4").startswith("Llava")
+
+
+@pytest.mark.transformers
+def test_unknown_model_suggests_names(
+    capsys: pytest.CaptureFixture[str], transformers: Any
+) -> None:
+    err = fail(capsys, "--model", "lava")
+    assert "unknown --model 'lava'" in err
+    assert "did you mean" in err
+    assert "llava" in err
