@@ -10,6 +10,9 @@ MpResults = Callable[[str], dict[str, Any]]
 
 MP_TIMEOUT_S = 600.0
 
+#: Scenarios that read the output of an earlier launch (FSDP_TEST_PREVIOUS_OUT).
+NEEDS_PREVIOUS = frozenset({"ckpt_load_other_world"})
+
 LAUNCHES: dict[int, list[str]] = {
     # World size 1 runs only under NCCL (FSDP_TEST_BACKEND=nccl) with one GPU or more.
     1: ["core_fp32_1d", "core_bf16_1d", "mm_frozen_root", "ds_trainable", "init_meta"],
