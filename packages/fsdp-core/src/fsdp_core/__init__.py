@@ -33,6 +33,7 @@ from fsdp_core.dtype_units import (
     find_dtype_islands,
     fully_shard_dtype_safe,
     group_islands,
+    shard_groups_then_module,
 )
 from fsdp_core.materialize import copy_full_into_, load_full_state_dict, materialize_from_full
 from fsdp_core.mesh import MeshShape, build_mesh, resolve_mesh_shape
@@ -63,6 +64,7 @@ from fsdp_core.sharding import (
 )
 
 __all__ = [
+    "shard_groups_then_module",
     "ReferenceResult",
     "emulate_data_parallel",
     "copy_full_into_",

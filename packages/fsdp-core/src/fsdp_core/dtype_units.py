@@ -10,7 +10,7 @@ into units of their own, and names the parameters when a split is impossible.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +30,7 @@ __all__ = [
     "find_dtype_islands",
     "group_islands",
     "fully_shard_dtype_safe",
+    "shard_groups_then_module",
 ]
 
 #: Decides whether a submodule is already a unit of its own (its parameters leave this one).
@@ -162,6 +163,39 @@ def group_islands(
     return [(dtype, tuple(paths)) for dtype, paths in by_dtype.items()]
 
 
+def shard_groups_then_module(
+    module: nn.Module,
+    groups: Sequence[tuple[Sequence[str], MixedPrecisionPolicy]],
+    *,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy | None = None,
+    reshard_after_forward: bool | int | None = None,
+    ignored_params: set[nn.Parameter] | None = None,
+) -> None:
+    """Make each group of submodules (paths under ``module``) a unit with its own
+    policy, then ``module`` itself a unit with ``mp_policy``: the order that keeps
+    the groups' parameters out of the parent unit."""
+    for paths, policy in groups:
+        members = [module.get_submodule(path) for path in paths]
+        apply_fully_shard(
+            members[0] if len(members) == 1 else members,
+            mesh=mesh,
+            mp_policy=policy,
+            offload_policy=offload_policy,
+            reshard_after_forward=reshard_after_forward,
+            ignored_params=ignored_params,
+        )
+    apply_fully_shard(
+        module,
+        mesh=mesh,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        reshard_after_forward=reshard_after_forward,
+        ignored_params=ignored_params,
+    )
+
+
 def fully_shard_dtype_safe(
     module: nn.Module,
     *,
@@ -185,18 +219,13 @@ def fully_shard_dtype_safe(
         skip=lambda _path, sub: is_sharded(sub),
         ignored_param_names=ignored_names,
     )
-    for dtype, paths in group_islands(islands, grouped=grouped):
-        members = [module.get_submodule(path) for path in paths]
-        apply_fully_shard(
-            members[0] if len(members) == 1 else members,
-            mesh=mesh,
-            mp_policy=island_policy(dtype, mp_policy, surrounding_dtype=dominant),
-            offload_policy=offload_policy,
-            reshard_after_forward=reshard_after_forward,
-            ignored_params=ignored_params,
-        )
-    apply_fully_shard(
+    groups = [
+        (paths, island_policy(dtype, mp_policy, surrounding_dtype=dominant))
+        for dtype, paths in group_islands(islands, grouped=grouped)
+    ]
+    shard_groups_then_module(
         module,
+        groups,
         mesh=mesh,
         mp_policy=mp_policy,
         offload_policy=offload_policy,

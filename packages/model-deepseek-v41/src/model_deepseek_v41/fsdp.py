@@ -42,6 +42,7 @@ from fsdp_core import (
     fp32_island_policy,
     is_sharded,
     shard_group_size,
+    shard_groups_then_module,
 )
 from fsdp_core.containers import is_module_container, join_path
 from multimodal_fsdp import MultimodalParallelizer
@@ -213,24 +214,20 @@ def fully_shard_deepseek_v41(
     if is_sharded(module):
         logger.info("%s is already an FSDP unit; leaving it as it is", type(module).__name__)
         return module
+    groups: list[tuple[Sequence[str], MixedPrecisionPolicy]] = []
     if is_vision_tower(module) or is_vision_block(module):
         ignored_names = [
             name for name, p in module.named_parameters() if ignored_params and p in ignored_params
         ]
-        for group in plan_fp32_norm_groups(
-            module, mp_policy=mp_policy, ignored_param_names=ignored_names
-        ):
-            members = [module.get_submodule(path) for path in group.paths]
-            apply_fully_shard(
-                members[0] if len(members) == 1 else members,
-                mesh=mesh,
-                mp_policy=group.mp_policy,
-                offload_policy=offload_policy,
-                reshard_after_forward=reshard_after_forward,
-                ignored_params=ignored_params,
+        groups = [
+            (group.paths, group.mp_policy)
+            for group in plan_fp32_norm_groups(
+                module, mp_policy=mp_policy, ignored_param_names=ignored_names
             )
-    apply_fully_shard(
+        ]
+    shard_groups_then_module(
         module,
+        groups,
         mesh=mesh,
         mp_policy=mp_policy,
         offload_policy=offload_policy,
