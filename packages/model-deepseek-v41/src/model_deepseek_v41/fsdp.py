@@ -46,6 +46,7 @@ from fsdp_core import (
 )
 from fsdp_core.containers import is_module_container, join_path
 from multimodal_fsdp import MultimodalParallelizer
+from multimodal_fsdp.discovery import _check_names
 
 __all__ = [
     "DeepseekV41ModelParallelizer",
@@ -261,9 +262,10 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
         sync_replicated: bool = True,
         dtype_safe: bool = True,
     ) -> None:
+        towers = _check_names(extra_tower_names, "extra_tower_names")
         super().__init__(
             frozen_multimodal_sharding=frozen_multimodal_sharding,
-            extra_tower_names=("vision", *(t for t in extra_tower_names if t != "vision")),
+            extra_tower_names=("vision", *(t for t in towers if t != "vision")),
             extra_projector_names=extra_projector_names,
             exclude=exclude,
             sync_replicated=sync_replicated,

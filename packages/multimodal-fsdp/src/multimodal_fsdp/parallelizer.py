@@ -258,6 +258,9 @@ class MultimodalParallelizer(ModelParallelizer):
 
     def _after_apply(self, model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> None:
         """Post-sharding adjustments; each lives in its own module."""
+        from multimodal_fsdp.prefetch import guard_backward_prefetch
+
+        guard_backward_prefetch(model, plan)
 
     def _replicated_keep_dtype(self, model: nn.Module, names: Iterable[str]) -> Iterator[str]:
         """Replicated parameters that keep their dtype: odd-dtype islands of each module.

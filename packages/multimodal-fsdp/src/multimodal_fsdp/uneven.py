@@ -74,8 +74,9 @@ def batch_has_media(
         bound = None
     values = dict(bound.arguments) if bound is not None else dict(kwargs)
     params = inspect.signature(forward).parameters if callable(forward) else {}
-    if not any(name in names for name in (*params, *values)):
+    if not any(name in names for name in (*params, *values, *kwargs)):
         return None
+    values = {**kwargs, **values}
     return any(_present(values.get(name)) for name in names)
 
 
@@ -100,11 +101,14 @@ def install_uneven_media_guard(
         params = inspect.signature(root.forward).parameters
     except (TypeError, ValueError):
         params = {}  # type: ignore[assignment]
-    if not any(name in params for name in names):
+    takes_any_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if not takes_any_keyword and not any(name in params for name in names):
+        # FSDP2 swaps the class for a subclass named "FSDP<name>": report the model's own.
+        cls = next(c for c in type(root).__mro__ if not c.__name__.startswith("FSDP"))
         logger.warning(
             "%s.forward takes none of %s; uneven media across ranks cannot be detected and "
             "would hang the units of %s",
-            type(root).__name__,
+            cls.__name__,
             names,
             list(modules),
         )
@@ -114,6 +118,7 @@ def install_uneven_media_guard(
     def guard(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return
+        # None (no media argument in this call's signature) counts as "no media".
         has = batch_has_media(module.forward, args, kwargs, names)
         flag = 1.0 if has else 0.0
         both = torch.tensor([flag, -flag], device=device)

@@ -1,0 +1,934 @@
+"""Unit tests for multimodal_fsdp.parallelizer: plans per frozen-tower policy, then apply.
+
+Plans are checked without a process group; applying runs under the single-process
+``fake`` backend (real layouts and collectives, meaningless numbers), with a
+forward and backward step per policy and exact collective accounting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from fsdp_core import (
+    CommCounter,
+    ModelParallelizer,
+    ShardingPlan,
+    build_mesh,
+    mixed_precision_policy,
+)
+from fsdp_core.testing import fake_process_group
+from multimodal_fsdp import (
+    VALID_FROZEN_MULTIMODAL_SHARDING,
+    MultimodalParallelizer,
+    MultimodalParts,
+    split_frozen_parts,
+)
+
+DIM = 8
+PATCH = 4
+VOCAB = 16
+TOWER_DEPTH = 3
+TEXT_DEPTH = 2
+POLICIES = VALID_FROZEN_MULTIMODAL_SHARDING
+
+TEXT_UNITS = [f"language_model.layers.{i}" for i in range(TEXT_DEPTH)]
+TOWER_BLOCKS = [f"vision_tower.blocks.{i}" for i in range(TOWER_DEPTH)]
+QWEN_BLOCKS = [f"visual.blocks.{i}" for i in range(TOWER_DEPTH)]
+
+# The toy models return lm_head's output directly; FSDP warns that it is a view.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:FSDP2-wrapped module .* returned a view tensor:UserWarning"
+)
+
+
+# --- models ------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.fc = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.norm(x))
+
+
+class VisionTower(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch_embed = nn.Linear(PATCH, DIM)
+        self.blocks = nn.ModuleList([Block() for _ in range(TOWER_DEPTH)])
+        self.post_norm = nn.LayerNorm(DIM)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        hidden = self.patch_embed(pixels)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return self.post_norm(hidden)
+
+
+class LanguageModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList([Block() for _ in range(TEXT_DEPTH)])
+        self.norm = nn.LayerNorm(DIM)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            hidden = layer(hidden)
+        return self.norm(hidden)
+
+
+class Vlm(nn.Module):
+    """LLaVA-shaped: vision_tower, multi_modal_projector, language_model, lm_head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vision_tower = VisionTower()
+        self.multi_modal_projector = nn.Sequential(
+            nn.Linear(DIM, DIM), nn.GELU(), nn.Linear(DIM, DIM)
+        )
+        self.language_model = LanguageModel()
+        self.lm_head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, pixel_values: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor:
+        if pixel_values is None:  # a text-only batch
+            return self.lm_head(self.language_model(self.language_model.embed_tokens(input_ids)))
+        image = self.multi_modal_projector(self.vision_tower(pixel_values))
+        text = self.language_model.embed_tokens(input_ids).to(image.dtype)
+        return self.lm_head(self.language_model(torch.cat([image, text], dim=1)))
+
+
+class VlmWithoutMediaArgument(Vlm):
+    """The same VLM, but its forward names no media argument the guard knows."""
+
+    def forward(self, pixels: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(pixels, input_ids)
+
+
+class QwenVisual(nn.Module):
+    """Qwen-VL style tower: the projector (``merger``) lives inside the tower."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch_embed = nn.Linear(PATCH, DIM)
+        self.blocks = nn.ModuleList([Block() for _ in range(TOWER_DEPTH)])
+        self.merger = nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, DIM))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        hidden = self.patch_embed(pixels)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return self.merger(hidden)
+
+
+class QwenVlm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.visual = QwenVisual()
+        self.language_model = LanguageModel()
+        self.lm_head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        image = self.visual(pixel_values)
+        text = self.language_model.embed_tokens(input_ids).to(image.dtype)
+        return self.lm_head(self.language_model(torch.cat([image, text], dim=1)))
+
+
+def frozen_vlm() -> Vlm:
+    model = Vlm()
+    model.vision_tower.requires_grad_(False)
+    return model
+
+
+def merger_trainable_vlm() -> QwenVlm:
+    model = QwenVlm()
+    model.visual.requires_grad_(False)
+    model.visual.merger.requires_grad_(True)
+    return model
+
+
+def unit_paths(plan: ShardingPlan) -> list[str]:
+    return [path for unit in plan.units for path in unit.paths]
+
+
+def param_names(model: nn.Module, prefix: str) -> list[str]:
+    return sorted(name for name, _ in model.named_parameters() if name.startswith(prefix + "."))
+
+
+def owned_param_names(model: nn.Module, paths: tuple[str, ...]) -> set[str]:
+    names: set[str] = set()
+    for path in paths:
+        module = model.get_submodule(path) if path else model
+        names.update(name for name, _ in module.named_parameters(prefix=path))
+    return names
+
+
+def step(model: nn.Module) -> torch.Tensor:
+    """One forward and backward with fp32 inputs; returns the logits."""
+    pixels = torch.randn(2, 3, PATCH)
+    input_ids = torch.randint(0, VOCAB, (2, 5))
+    logits = model(pixels, input_ids)
+    logits.float().pow(2).mean().backward()
+    return logits
+
+
+# --- fixtures ------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_leak() -> Iterator[None]:
+    """Fail (and clean up) a test that leaves a process group initialised."""
+    assert not dist.is_initialized(), "a process group leaked into this test"
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("the test left a process group initialised")
+
+
+@pytest.fixture
+def mesh2() -> Iterator[DeviceMesh]:
+    """A 1-D CPU mesh of size 2 over the fake process group (destroyed afterwards)."""
+    with fake_process_group(2):
+        yield build_mesh()
+
+
+# --- constructor and with_options ----------------------------------------------------------
+
+
+def test_is_a_model_parallelizer_with_root_as_default() -> None:
+    parallelizer = MultimodalParallelizer()
+    assert isinstance(parallelizer, ModelParallelizer)
+    assert parallelizer.frozen_multimodal_sharding == "root"
+    assert parallelizer.sync_replicated is True
+    assert parallelizer.dtype_safe is True
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("Per-Layer", "per_layer"), (" REPLICATE ", "replicate"), ("root", "root")],
+)
+def test_constructor_normalizes_the_policy(value: str, expected: str) -> None:
+    parallelizer = MultimodalParallelizer(frozen_multimodal_sharding=value)
+    assert parallelizer.frozen_multimodal_sharding == expected
+
+
+def test_constructor_rejects_an_unknown_policy() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"unknown frozen multimodal sharding 'shard'; valid choices: root, per_layer, "
+        r"replicate",
+    ):
+        MultimodalParallelizer(frozen_multimodal_sharding="shard")
+
+
+def test_constructor_rejects_a_non_string_policy() -> None:
+    with pytest.raises(TypeError, match=r"must be a str, got NoneType.*valid choices: root"):
+        MultimodalParallelizer(frozen_multimodal_sharding=None)  # type: ignore[arg-type]
+
+
+def test_constructor_rejects_a_non_bool_sync_replicated() -> None:
+    with pytest.raises(TypeError, match="sync_replicated must be a bool, got 1"):
+        MultimodalParallelizer(sync_replicated=1)  # type: ignore[arg-type]
+
+
+def test_constructor_rejects_a_non_bool_dtype_safe() -> None:
+    with pytest.raises(TypeError, match="dtype_safe must be a bool, got 'yes'"):
+        MultimodalParallelizer(dtype_safe="yes")  # type: ignore[arg-type]
+
+
+def test_constructor_options_are_keyword_only() -> None:
+    with pytest.raises(TypeError, match="positional argument"):
+        MultimodalParallelizer("replicate")  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("argument", ["extra_tower_names", "extra_projector_names", "exclude"])
+def test_name_options_reject_a_bare_string(argument: str) -> None:
+    with pytest.raises(TypeError, match=f"{argument} must be a collection of str"):
+        MultimodalParallelizer(**{argument: "vision_tower"}).plan(Vlm())
+
+
+def test_with_options_returns_a_copy_with_the_new_policy() -> None:
+    original = MultimodalParallelizer(
+        frozen_multimodal_sharding="root",
+        extra_tower_names=("my_encoder",),
+        sync_replicated=False,
+        dtype_safe=False,
+    )
+    clone = original.with_options(frozen_multimodal_sharding="Per-Layer")
+    assert clone is not original
+    assert type(clone) is MultimodalParallelizer
+    assert clone.frozen_multimodal_sharding == "per_layer"
+    assert original.frozen_multimodal_sharding == "root"
+    assert clone.extra_tower_names == ("my_encoder",)
+    assert clone.sync_replicated is False
+    assert clone.dtype_safe is False
+
+
+def test_with_options_plans_differ_only_through_the_policy() -> None:
+    root = MultimodalParallelizer()
+    replicate = root.with_options(frozen_multimodal_sharding="replicate")
+    model = frozen_vlm()
+    assert root.plan(model).replicated_param_names == ()
+    assert replicate.plan(model).replicated_param_names == tuple(param_names(model, "vision_tower"))
+
+
+def test_with_options_rejects_bad_values() -> None:
+    parallelizer = MultimodalParallelizer(frozen_multimodal_sharding="replicate")
+    with pytest.raises(ValueError, match=r"unknown frozen multimodal sharding 'layerwise'"):
+        parallelizer.with_options(frozen_multimodal_sharding="layerwise")
+    with pytest.raises(TypeError, match=r"must be a str, got int \(2\)"):
+        parallelizer.with_options(frozen_multimodal_sharding=2)  # type: ignore[arg-type]
+    assert parallelizer.frozen_multimodal_sharding == "replicate"
+
+
+# --- split_frozen_parts and multimodal_parts -----------------------------------------------
+
+
+def test_split_frozen_parts_of_a_fully_frozen_module() -> None:
+    model = frozen_vlm()
+    assert split_frozen_parts(model.vision_tower, "vision_tower") == (["vision_tower"], [])
+
+
+def test_split_frozen_parts_of_a_trainable_module() -> None:
+    model = Vlm()
+    assert split_frozen_parts(model.vision_tower, "vision_tower") == ([], ["vision_tower"])
+
+
+def test_split_frozen_parts_of_a_parameterless_module() -> None:
+    assert split_frozen_parts(nn.GELU(), "act") == ([], [])
+
+
+def test_split_frozen_parts_of_a_tower_with_a_trainable_merger() -> None:
+    model = merger_trainable_vlm()
+    assert split_frozen_parts(model.visual, "visual") == (
+        ["visual.patch_embed", "visual.blocks"],
+        ["visual.merger"],
+    )
+
+
+def test_split_frozen_parts_recurses_into_mixed_children() -> None:
+    model = Vlm()
+    model.vision_tower.requires_grad_(False)
+    model.vision_tower.blocks[1].fc.requires_grad_(True)
+    frozen, trainable = split_frozen_parts(model.vision_tower, "vision_tower")
+    assert frozen == [
+        "vision_tower.patch_embed",
+        "vision_tower.blocks.0",
+        "vision_tower.blocks.1.norm",
+        "vision_tower.blocks.2",
+        "vision_tower.post_norm",
+    ]
+    assert trainable == ["vision_tower.blocks.1.fc"]
+
+
+def test_split_frozen_parts_leaves_direct_parameters_of_mixed_modules_out() -> None:
+    tower = nn.Module()
+    tower.pos_embed = nn.Parameter(torch.zeros(DIM), requires_grad=False)
+    tower.proj = nn.Linear(DIM, DIM)
+    assert split_frozen_parts(tower, "t") == ([], ["t.proj"])
+
+
+def test_multimodal_parts_reports_each_found_module() -> None:
+    parts = MultimodalParallelizer().multimodal_parts(frozen_vlm())
+    assert [type(p) for p in parts] == [MultimodalParts, MultimodalParts]
+    tower, projector = parts
+    assert (tower.found.path, tower.found.role) == ("vision_tower", "tower")
+    assert (tower.frozen, tower.trainable) == (["vision_tower"], [])
+    assert (projector.found.path, projector.found.role) == ("multi_modal_projector", "projector")
+    assert (projector.frozen, projector.trainable) == ([], ["multi_modal_projector"])
+    assert repr(tower) == "MultimodalParts('vision_tower', frozen=['vision_tower'], trainable=[])"
+
+
+# --- plan() without a process group: a frozen tower ----------------------------------------
+
+
+def test_plan_root_gives_the_frozen_tower_no_unit() -> None:
+    model = frozen_vlm()
+    plan = MultimodalParallelizer(frozen_multimodal_sharding="root").plan(model)
+    assert not dist.is_initialized()
+    # The trainable projector has no layer container: it stays in the root unit.
+    assert unit_paths(plan) == [*TEXT_UNITS, ""]
+    assert plan.ignored_param_names == ()
+    assert plan.replicated_param_names == ()
+    assert all(call.ignored_param_names == () for call in plan.calls)
+    assert plan.role_counts() == {"layer": TEXT_DEPTH, "root": 1}
+
+
+def test_plan_per_layer_gives_one_unit_per_tower_block() -> None:
+    model = frozen_vlm()
+    plan = MultimodalParallelizer(frozen_multimodal_sharding="per_layer").plan(model)
+    assert unit_paths(plan) == [*TEXT_UNITS, *TOWER_BLOCKS, ""]
+    assert plan.ignored_param_names == ()
+    assert plan.replicated_param_names == ()
+    # patch_embed and post_norm (outside the block list) fall to the root unit.
+    tower_units = [path for path in unit_paths(plan) if path.startswith("vision_tower")]
+    assert tower_units == TOWER_BLOCKS
+
+
+def test_plan_replicate_ignores_the_tower_in_every_call_that_owns_it() -> None:
+    model = frozen_vlm()
+    plan = MultimodalParallelizer(frozen_multimodal_sharding="replicate").plan(model)
+    tower = tuple(param_names(model, "vision_tower"))
+    assert unit_paths(plan) == [*TEXT_UNITS, ""]
+    assert plan.replicated_param_names == tower
+    assert plan.ignored_param_names == tower
+    (root_call,) = [call for call in plan.calls if call.paths == ("",)]
+    assert set(tower) <= set(root_call.ignored_param_names)
+    for call in plan.calls:
+        owned = owned_param_names(model, call.paths) & set(tower)
+        assert owned <= set(call.ignored_param_names), call.paths
+        for unit in call.units:
+            assert owned <= set(unit.ignored_param_names)
+    assert not any(path.startswith("vision_tower") for path in unit_paths(plan))
+
+
+def test_plan_replicate_keeps_user_ignored_params_apart() -> None:
+    model = frozen_vlm()
+    plan = MultimodalParallelizer(frozen_multimodal_sharding="replicate").plan(
+        model, ignored_params={model.lm_head.bias}
+    )
+    tower = param_names(model, "vision_tower")
+    assert plan.replicated_param_names == tuple(tower)
+    assert plan.ignored_param_names == tuple(sorted([*tower, "lm_head.bias"]))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_plan_does_not_touch_the_model(policy: str) -> None:
+    model = frozen_vlm()
+    before = {name: (p.dtype, p.device, type(p)) for name, p in model.named_parameters()}
+    MultimodalParallelizer(frozen_multimodal_sharding=policy).plan(
+        model, mp_policy=mixed_precision_policy("bf16", "fp32")
+    )
+    after = {name: (p.dtype, p.device, type(p)) for name, p in model.named_parameters()}
+    assert after == before
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_plan_notes_name_the_policy_and_the_frozen_parts(policy: str) -> None:
+    plan = MultimodalParallelizer(frozen_multimodal_sharding=policy).plan(frozen_vlm())
+    assert plan.notes == (
+        f"tower 'vision_tower' (vision, frozen): policy {policy!r} for frozen parts "
+        "['vision_tower']",
+        f"projector 'multi_modal_projector' (vision, trainable): policy {policy!r} for "
+        "frozen parts []",
+    )
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_plan_of_a_trainable_tower_is_the_same_under_every_policy(policy: str) -> None:
+    model = Vlm()
+    plan = MultimodalParallelizer(frozen_multimodal_sharding=policy).plan(model)
+    # The trainable tower's blocks are units; patch_embed, post_norm and the projector
+    # (no layer container) stay in the root unit.
+    assert unit_paths(plan) == [*TEXT_UNITS, *TOWER_BLOCKS, ""]
+    assert plan.ignored_param_names == ()
+    assert plan.replicated_param_names == ()
+
+
+def test_frozen_projector_follows_the_policy_too() -> None:
+    model = frozen_vlm()
+    model.multi_modal_projector.requires_grad_(False)
+    replicate = MultimodalParallelizer(frozen_multimodal_sharding="replicate").plan(model)
+    assert unit_paths(replicate) == [*TEXT_UNITS, ""]
+    assert set(replicate.replicated_param_names) == set(
+        param_names(model, "vision_tower") + param_names(model, "multi_modal_projector")
+    )
+    per_layer = MultimodalParallelizer(frozen_multimodal_sharding="per_layer").plan(model)
+    # No layer container in the projector: it is one unit.
+    assert unit_paths(per_layer) == [*TEXT_UNITS, *TOWER_BLOCKS, "multi_modal_projector", ""]
+    root = MultimodalParallelizer(frozen_multimodal_sharding="root").plan(model)
+    assert unit_paths(root) == [*TEXT_UNITS, ""]
+
+
+def test_plan_per_layer_gives_a_block_shared_by_two_lists_one_unit() -> None:
+    model = frozen_vlm()
+    tower = model.vision_tower
+    tower.extra_blocks = nn.ModuleList([tower.blocks[0]])
+    plan = MultimodalParallelizer(frozen_multimodal_sharding="per_layer").plan(model)
+    assert unit_paths(plan) == [*TEXT_UNITS, *TOWER_BLOCKS, ""]
+    assert plan.role_counts() == {"layer": TEXT_DEPTH + TOWER_DEPTH, "root": 1}
+
+
+def test_apply_per_layer_shards_a_block_shared_by_two_lists_once(mesh2: DeviceMesh) -> None:
+    model = frozen_vlm()
+    tower = model.vision_tower
+    tower.extra_blocks = nn.ModuleList([tower.blocks[0]])
+    apply("per_layer", model, mesh2)
+    assert tower.extra_blocks[0] is tower.blocks[0]
+    assert all(isinstance(block, FSDPModule) for block in tower.blocks)
+    # Wrapped once: one FSDP class in the MRO below FSDPModule itself.
+    mro = type(tower.blocks[0]).__mro__
+    wrappers = [c for c in mro if issubclass(c, FSDPModule) and c is not FSDPModule]
+    assert len(wrappers) == 1, wrappers
+    states = {id(m._get_fsdp_state()) for m in model.modules() if isinstance(m, FSDPModule)}
+    assert len(states) == TEXT_DEPTH + TOWER_DEPTH + 1
+    step(model)
+
+
+# --- plan(): a tower frozen except its merger (Qwen-VL) ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("policy", "tower_units"),
+    [
+        ("root", []),
+        # The frozen patch embedding has no layer container: it is one unit.
+        ("per_layer", ["visual.patch_embed", *QWEN_BLOCKS]),
+        ("replicate", []),
+    ],
+)
+def test_plan_of_a_tower_with_a_trainable_merger(policy: str, tower_units: list[str]) -> None:
+    model = merger_trainable_vlm()
+    plan = MultimodalParallelizer(frozen_multimodal_sharding=policy).plan(model)
+    assert unit_paths(plan) == [*TEXT_UNITS, *tower_units, ""]
+    frozen = tuple(param_names(model, "visual.patch_embed") + param_names(model, "visual.blocks"))
+    expected_replicated = tuple(sorted(frozen)) if policy == "replicate" else ()
+    assert plan.replicated_param_names == expected_replicated
+    # The trainable merger is no unit of its own, nor ignored: the root unit owns it.
+    assert not any(name.startswith("visual.merger") for name in plan.ignored_param_names)
+    assert plan.notes == (
+        f"tower 'visual' (vision, mixed): policy {policy!r} for frozen parts "
+        "['visual.patch_embed', 'visual.blocks']",
+    )
+
+
+# --- apply under the fake process group ----------------------------------------------------
+
+
+def bf16_tower_with_fp32_norm() -> Vlm:
+    """A frozen tower stored in bf16 except its fp32 ``post_norm``; the rest fp32."""
+    model = frozen_vlm()
+    model.vision_tower.to(torch.bfloat16)
+    model.vision_tower.post_norm.float()
+    return model
+
+
+def apply(policy: str, model: nn.Module, mesh: DeviceMesh, **options: bool) -> nn.Module:
+    parallelizer = MultimodalParallelizer(frozen_multimodal_sharding=policy, **options)
+    return parallelizer.parallelize(
+        model, mesh=mesh, mp_policy=mixed_precision_policy("bf16", "fp32")
+    )
+
+
+def check_trained(model: nn.Module, frozen_prefix: str) -> None:
+    for name, param in model.named_parameters():
+        if name.startswith(frozen_prefix + "."):
+            assert param.grad is None, name
+        else:
+            assert param.grad is not None, name
+
+
+def test_apply_replicate_keeps_the_tower_whole_in_compute_dtype(mesh2: DeviceMesh) -> None:
+    model = apply("replicate", bf16_tower_with_fp32_norm(), mesh2)
+    for name, param in model.vision_tower.named_parameters():
+        assert not isinstance(param, DTensor), name
+        assert isinstance(param, nn.Parameter), name
+        assert param.device.type == "cpu"
+        expected = torch.float32 if name.startswith("post_norm.") else torch.bfloat16
+        assert param.dtype == expected, name
+    for name, param in model.named_parameters():
+        if not name.startswith("vision_tower."):
+            assert isinstance(param, DTensor), name
+    assert not any(isinstance(m, FSDPModule) for m in model.vision_tower.modules())
+    assert isinstance(model, FSDPModule)
+    logits = step(model)
+    assert logits.dtype == torch.bfloat16
+    assert logits.shape == (2, 8, VOCAB)
+    check_trained(model, "vision_tower")
+
+
+def test_apply_replicate_keeps_islands_of_a_partly_trainable_tower(mesh2: DeviceMesh) -> None:
+    model = bf16_tower_with_fp32_norm()
+    model.vision_tower.blocks[0].fc.requires_grad_(True)
+    parallelizer = MultimodalParallelizer(frozen_multimodal_sharding="replicate")
+    plan = parallelizer.plan(model, mp_policy=mixed_precision_policy("bf16", "fp32"))
+    assert "vision_tower.post_norm.weight" in plan.replicated_param_names
+    parallelizer.apply_plan(model, plan, mesh=mesh2)
+    assert model.vision_tower.post_norm.weight.dtype == torch.float32
+    assert model.vision_tower.patch_embed.weight.dtype == torch.bfloat16
+
+
+def test_apply_replicate_casts_an_fp32_tower_to_the_compute_dtype(mesh2: DeviceMesh) -> None:
+    model = apply("replicate", frozen_vlm(), mesh2)
+    assert {p.dtype for p in model.vision_tower.parameters()} == {torch.bfloat16}
+    step(model)
+
+
+def test_apply_replicate_without_mixed_precision_keeps_dtypes(mesh2: DeviceMesh) -> None:
+    model = bf16_tower_with_fp32_norm()
+    MultimodalParallelizer(frozen_multimodal_sharding="replicate").parallelize(model, mesh=mesh2)
+    dtypes = {name: p.dtype for name, p in model.vision_tower.named_parameters()}
+    assert dtypes["post_norm.weight"] == torch.float32
+    assert dtypes["patch_embed.weight"] == torch.bfloat16
+
+
+def test_apply_per_layer_makes_each_tower_block_an_fsdp_module(mesh2: DeviceMesh) -> None:
+    model = apply("per_layer", bf16_tower_with_fp32_norm(), mesh2)
+    for block in model.vision_tower.blocks:
+        assert isinstance(block, FSDPModule)
+    assert not isinstance(model.vision_tower, FSDPModule)
+    assert not isinstance(model.vision_tower.patch_embed, FSDPModule)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    step(model)
+    check_trained(model, "vision_tower")
+
+
+def test_apply_root_leaves_tower_blocks_inside_the_root_unit(mesh2: DeviceMesh) -> None:
+    model = apply("root", bf16_tower_with_fp32_norm(), mesh2)
+    assert not any(isinstance(m, FSDPModule) for m in model.vision_tower.modules())
+    assert isinstance(model, FSDPModule)
+    assert all(isinstance(p, DTensor) for p in model.vision_tower.parameters())
+    step(model)
+    check_trained(model, "vision_tower")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_apply_a_tower_with_a_trainable_merger(policy: str) -> None:
+    with fake_process_group(4):
+        mesh = build_mesh()
+        model = merger_trainable_vlm()
+        apply(policy, model, mesh)
+        # The trainable merger is sharded inside the root unit.
+        assert not isinstance(model.visual.merger, FSDPModule)
+        assert all(isinstance(p, DTensor) for p in model.visual.merger.parameters())
+        assert all(isinstance(b, FSDPModule) for b in model.visual.blocks) == (
+            policy == "per_layer"
+        )
+        assert isinstance(model.visual.patch_embed, FSDPModule) == (policy == "per_layer")
+        frozen = [*model.visual.patch_embed.parameters(), *model.visual.blocks.parameters()]
+        assert all(isinstance(p, DTensor) for p in frozen) == (policy != "replicate")
+        step(model)
+        for name, param in model.named_parameters():
+            trainable = not name.startswith("visual.") or name.startswith("visual.merger.")
+            assert (param.grad is not None) == trainable, name
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_apply_replicate_broadcasts_each_replicated_parameter_once(
+    mesh2: DeviceMesh, sync: bool
+) -> None:
+    model = frozen_vlm()
+    replicated = len(param_names(model, "vision_tower"))
+    with CommCounter() as counter:
+        apply("replicate", model, mesh2, sync_replicated=sync)
+    assert counter.counts().get("broadcast", 0) == (replicated if sync else 0)
+    assert counter.counts().get("all_gather", 0) == 0
+    tower_bf16_bytes = 2 * sum(p.numel() for p in model.vision_tower.parameters())
+    assert counter.bytes().get("broadcast", 0) == (tower_bf16_bytes if sync else 0)
+
+
+def test_apply_replicate_on_the_meta_device(mesh2: DeviceMesh) -> None:
+    with torch.device("meta"):
+        model = Vlm()
+    model.vision_tower.requires_grad_(False)
+    apply("replicate", model, mesh2)
+    for param in model.vision_tower.parameters():
+        assert not isinstance(param, DTensor)
+        assert param.device.type == "meta"
+        assert param.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("policy", ["root", "per_layer"])
+def test_apply_on_the_meta_device(mesh2: DeviceMesh, policy: str) -> None:
+    with torch.device("meta"):
+        model = Vlm()
+    model.vision_tower.requires_grad_(False)
+    apply(policy, model, mesh2)
+    assert all(isinstance(p, DTensor) and p.device.type == "meta" for p in model.parameters())
+
+
+def test_apply_replicate_judges_fp32_islands_per_multimodal_module(mesh2: DeviceMesh) -> None:
+    """A frozen fp32 projector is cast (fp32 is its own dtype), the fp32 norm of a bf16
+    tower is not (an island in its tower), though bf16 dominates the replicated set."""
+    model = bf16_tower_with_fp32_norm()
+    model.multi_modal_projector.requires_grad_(False)
+    replicated = [*model.vision_tower.parameters(), *model.multi_modal_projector.parameters()]
+    bf16 = sum(p.numel() for p in replicated if p.dtype == torch.bfloat16)
+    assert bf16 > sum(p.numel() for p in replicated if p.dtype == torch.float32)
+    assert {p.dtype for p in model.multi_modal_projector.parameters()} == {torch.float32}
+    apply("replicate", model, mesh2)
+    assert {p.dtype for p in model.multi_modal_projector.parameters()} == {torch.bfloat16}
+    for name, param in model.vision_tower.named_parameters():
+        expected = torch.float32 if name.startswith("post_norm.") else torch.bfloat16
+        assert param.dtype == expected, name
+    assert not any(isinstance(p, DTensor) for p in replicated)
+    step(model)
+
+
+def fsdp_units(model: nn.Module) -> list[FSDPModule]:
+    """One module per distinct FSDP state."""
+    units: dict[int, FSDPModule] = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            units.setdefault(id(module._get_fsdp_state()), module)
+    return list(units.values())
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_apply_makes_every_unit_reduce_scatter_unused_params(
+    mesh2: DeviceMesh, policy: str
+) -> None:
+    model = apply(policy, merger_trainable_vlm(), mesh2)
+    units = fsdp_units(model)
+    assert len(units) == (TEXT_DEPTH + 1 + TOWER_DEPTH + 1 if policy == "per_layer" else 3)
+    for unit in units:
+        group = unit._get_fsdp_state()._fsdp_param_group
+        assert group is not None
+        assert group.reduce_scatter_unused_params is True
+
+
+def test_apply_accumulates_over_a_micro_batch_that_skips_the_projector(mesh2: DeviceMesh) -> None:
+    """Gradient accumulation: a text-only micro-batch (no image, so the projector in the
+    root unit gets no gradient) before an image one; both steps complete."""
+    model = apply("root", frozen_vlm(), mesh2)
+    input_ids = torch.randint(0, VOCAB, (2, 5))
+    model.set_requires_gradient_sync(False)
+    model(None, input_ids).float().pow(2).mean().backward()
+    assert model.multi_modal_projector[0].weight.grad is None
+    model.set_requires_gradient_sync(True)
+    step(model)
+    check_trained(model, "vision_tower")
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            assert param.grad.dtype == param.dtype == torch.float32, name
+
+
+#: (model, policy) -> the multimodal modules owning units, which the media guard names.
+GUARDED: list[tuple[str, str, list[str]]] = [
+    ("frozen", "root", []),
+    ("frozen", "per_layer", ["vision_tower"]),
+    ("frozen", "replicate", []),
+    ("trainable", "root", ["vision_tower"]),
+    ("trainable", "per_layer", ["vision_tower"]),
+    ("trainable", "replicate", ["vision_tower"]),
+    ("merger", "root", []),
+    ("merger", "per_layer", ["visual"]),
+    ("merger", "replicate", []),
+]
+MODELS = {"frozen": frozen_vlm, "trainable": Vlm, "merger": merger_trainable_vlm}
+
+
+@pytest.mark.parametrize(("kind", "policy", "owners"), GUARDED)
+def test_uneven_media_guard_only_where_multimodal_modules_own_units(
+    mesh2: DeviceMesh, kind: str, policy: str, owners: list[str]
+) -> None:
+    model = MODELS[kind]()
+    parallelizer = MultimodalParallelizer(frozen_multimodal_sharding=policy)
+    plan = parallelizer.plan(model, mp_policy=mixed_precision_policy("bf16", "fp32"))
+    assert parallelizer.modules_with_units(model, plan) == owners
+    parallelizer.apply_plan(model, plan, mesh=mesh2)
+    counter = CommCounter()
+    with counter:
+        for _ in range(2):
+            with counter.phase("forward"):
+                logits = model(torch.randn(2, 3, PATCH), torch.randint(0, VOCAB, (2, 5)))
+            with counter.phase("backward"):
+                logits.float().pow(2).mean().backward()
+    # One 2-element all-reduce per forward where guarded (the fake group's all-reduce
+    # returns the local values, so the ranks "agree"), none otherwise.
+    guard = [(r.phase, r.nbytes) for r in counter.records if r.kind == "all_reduce"]
+    assert guard == ([("forward", 8)] * 2 if owners else [])
+
+
+def test_uneven_media_guard_warns_when_forward_names_no_media(
+    mesh2: DeviceMesh, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = VlmWithoutMediaArgument()
+    model.vision_tower.requires_grad_(False)
+    with caplog.at_level("WARNING", logger="multimodal_fsdp.uneven"):
+        apply("per_layer", model, mesh2)
+    (record,) = [r for r in caplog.records if r.name == "multimodal_fsdp.uneven"]
+    message = record.getMessage()
+    assert message.startswith("VlmWithoutMediaArgument.forward takes none of ")
+    assert "cannot be detected and would hang the units of ['vision_tower']" in message
+    with CommCounter() as counter:
+        step(model)
+    assert "all_reduce" not in counter.counts()
+
+
+# --- communication per policy --------------------------------------------------------------
+
+
+def count_one_step(policy: str) -> CommCounter:
+    """Collectives of one training step of the fp32 VLM (tower frozen) on 2 fake ranks."""
+    with fake_process_group(2):
+        model = apply(policy, frozen_vlm(), build_mesh())
+        counter = CommCounter()
+        with counter:
+            with counter.phase("forward"):
+                logits = model(torch.randn(2, 3, PATCH), torch.randint(0, VOCAB, (2, 5)))
+            with counter.phase("backward"):
+                logits.float().pow(2).mean().backward()
+        return counter
+
+
+@pytest.fixture(scope="module")
+def step_counters() -> dict[str, CommCounter]:
+    return {policy: count_one_step(policy) for policy in POLICIES}
+
+
+def bf16_bytes(model: nn.Module, *, tower: bool) -> int:
+    # Every dim 0 is even, so nothing is padded on 2 ranks: bytes are exact.
+    return 2 * sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if name.startswith("vision_tower.") == tower
+    )
+
+
+def test_replicate_moves_no_tower_bytes(step_counters: dict[str, CommCounter]) -> None:
+    model = frozen_vlm()
+    tower, rest = bf16_bytes(model, tower=True), bf16_bytes(model, tower=False)
+    replicate, root, per_layer = (step_counters[p] for p in ("replicate", "root", "per_layer"))
+    # Forward gathers every sharded parameter once: all of them, or all but the tower.
+    assert replicate.bytes("forward")["all_gather"] == rest
+    assert root.bytes("forward")["all_gather"] == rest + tower
+    assert per_layer.bytes("forward")["all_gather"] == rest + tower
+    # Over the whole step, replicate moves exactly the tower less than root.
+    assert root.bytes()["all_gather"] - replicate.bytes()["all_gather"] == tower
+    assert replicate.bytes("backward")["all_gather"] == root.bytes("backward")["all_gather"]
+
+
+def test_per_layer_runs_the_most_all_gathers(step_counters: dict[str, CommCounter]) -> None:
+    counts = {policy: step_counters[policy].counts()["all_gather"] for policy in POLICIES}
+    assert counts["root"] == counts["replicate"]
+    assert counts["per_layer"] > counts["root"]
+    forward = {p: step_counters[p].counts("forward")["all_gather"] for p in POLICIES}
+    # One all-gather per frozen tower block in forward ...
+    assert forward["per_layer"] - forward["root"] == TOWER_DEPTH
+    # ... beside one per text layer and one for the root (which holds the projector).
+    assert forward["root"] == forward["replicate"] == TEXT_DEPTH + 1
+    # In backward only the text layers are re-gathered under every policy (the root keeps
+    # its parameters after forward): no gradient reaches the frozen tower blocks, and the
+    # backward-prefetch guard keeps FSDP's implicit prefetch from re-gathering the last one.
+    backward = {p: step_counters[p].counts("backward")["all_gather"] for p in POLICIES}
+    assert backward == dict.fromkeys(POLICIES, TEXT_DEPTH)
+    # The same bytes as root in total: the tower is gathered once, block by block.
+    per_layer_bytes = step_counters["per_layer"].bytes()["all_gather"]
+    assert per_layer_bytes == step_counters["root"].bytes()["all_gather"]
+
+
+def test_frozen_units_are_never_reduce_scattered(step_counters: dict[str, CommCounter]) -> None:
+    # Trainable units: the text layers and the root (which holds the projector).
+    trainable_units = TEXT_DEPTH + 1
+    for policy, counter in step_counters.items():
+        assert counter.counts()["reduce_scatter"] == trainable_units, policy
+        assert counter.counts("forward").get("reduce_scatter", 0) == 0, policy
+        assert {r.dtype for r in counter.records if r.kind == "reduce_scatter"} == {torch.float32}
+    reduce_bytes = {counter.bytes()["reduce_scatter"] for counter in step_counters.values()}
+    assert len(reduce_bytes) == 1
+
+
+def test_a_step_runs_only_all_gathers_and_reduce_scatters_and_the_media_guard(
+    step_counters: dict[str, CommCounter],
+) -> None:
+    for policy, counter in step_counters.items():
+        expected = {"all_gather", "reduce_scatter"}
+        if policy == "per_layer":
+            # The tower owns units, so the uneven-media guard runs: one 2-element fp32
+            # all-reduce per forward, before any all-gather.
+            expected.add("all_reduce")
+            guard = [r for r in counter.records if r.kind == "all_reduce"]
+            assert [(r.phase, r.nbytes, r.dtype) for r in guard] == [("forward", 8, torch.float32)]
+            assert counter.records[0].kind == "all_reduce"
+        assert set(counter.counts()) == expected, policy
+        assert {r.dtype for r in counter.records if r.kind == "all_gather"} == {torch.bfloat16}
+
+
+# --- real transformers models built on the meta device -------------------------------------
+
+
+def meta_model(class_name: str, config_name: str) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, config_name)()
+    with torch.device("meta"):
+        model: nn.Module = getattr(transformers, class_name)._from_config(config)
+    return model
+
+
+@pytest.mark.transformers
+@pytest.mark.parametrize("policy", POLICIES)
+def test_llava_plans(policy: str) -> None:
+    model = meta_model("LlavaForConditionalGeneration", "LlavaConfig")
+    tower_path = "model.vision_tower"
+    model.get_submodule(tower_path).requires_grad_(False)
+    depth = model.config.vision_config.num_hidden_layers
+    plan = MultimodalParallelizer(frozen_multimodal_sharding=policy).plan(model)
+    tower_units = [p for p in unit_paths(plan) if p.startswith(tower_path + ".")]
+    tower_params = param_names(model, tower_path)
+    if policy == "per_layer":
+        assert tower_units == [f"{tower_path}.encoder.layers.{i}" for i in range(depth)]
+        assert len(tower_units) == depth == 24
+        assert {type(model.get_submodule(p)).__name__ for p in tower_units} == {"CLIPEncoderLayer"}
+    else:
+        assert tower_units == []
+    assert plan.replicated_param_names == (tuple(tower_params) if policy == "replicate" else ())
+    # The trainable projector (two Linears, no layer container) stays in the root unit.
+    projector = "model.multi_modal_projector"
+    assert not any(p == projector or p.startswith(projector + ".") for p in unit_paths(plan))
+    assert not any(name.startswith(projector + ".") for name in plan.ignored_param_names)
+    text_layers = model.config.text_config.num_hidden_layers
+    assert sum(".language_model.layers." in p for p in unit_paths(plan)) == text_layers
+    assert unit_paths(plan)[-1] == ""
+
+
+@pytest.mark.transformers
+@pytest.mark.parametrize("policy", POLICIES)
+def test_qwen2_vl_plans(policy: str) -> None:
+    model = meta_model("Qwen2VLForConditionalGeneration", "Qwen2VLConfig")
+    tower_path = "model.visual"
+    model.get_submodule(tower_path).requires_grad_(False)
+    depth = model.config.vision_config.depth
+    plan = MultimodalParallelizer(frozen_multimodal_sharding=policy).plan(model)
+    tower_units = [p for p in unit_paths(plan) if p.startswith(tower_path + ".")]
+    if policy == "per_layer":
+        assert tower_units == [f"{tower_path}.blocks.{i}" for i in range(depth)]
+        assert len(tower_units) == depth == 32
+    else:
+        assert tower_units == []
+    expected = tuple(param_names(model, tower_path)) if policy == "replicate" else ()
+    assert plan.replicated_param_names == expected
+    if policy == "replicate":
+        (root_call,) = [call for call in plan.calls if call.paths == ("",)]
+        assert set(expected) <= set(root_call.ignored_param_names)
+
+
+@pytest.mark.transformers
+@pytest.mark.parametrize(
+    ("policy", "tower_units"),
+    [
+        ("root", []),
+        ("per_layer", ["model.visual.patch_embed", "blocks"]),
+        ("replicate", []),
+    ],
+)
+def test_qwen2_vl_with_a_trainable_merger_plans(policy: str, tower_units: list[str]) -> None:
+    model = meta_model("Qwen2VLForConditionalGeneration", "Qwen2VLConfig")
+    visual = model.get_submodule("model.visual")
+    visual.requires_grad_(False)
+    visual.merger.requires_grad_(True)
+    depth = model.config.vision_config.depth
+    if "blocks" in tower_units:
+        tower_units = [*tower_units[:-1], *(f"model.visual.blocks.{i}" for i in range(depth))]
+    plan = MultimodalParallelizer(frozen_multimodal_sharding=policy).plan(model)
+    assert [p for p in unit_paths(plan) if p.startswith("model.visual.")] == tower_units
+    frozen = sorted(
+        name
+        for name, p in model.named_parameters()
+        if name.startswith("model.visual.") and not name.startswith("model.visual.merger.")
+    )
+    assert plan.replicated_param_names == (tuple(frozen) if policy == "replicate" else ())
+    # The trainable merger is no unit of its own under any policy, nor ignored: the root
+    # unit owns it.
+    assert not any(name.startswith("model.visual.merger.") for name in plan.ignored_param_names)
