@@ -135,7 +135,12 @@ def demo(session: nox.Session) -> None:
 TOOLS = ROOT / "tools"
 DIST = ROOT / "dist"
 RELEASE_TOOLS = ("hatch>=1.12", "twine>=5")
-DOCS_DEPS = ("mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "mkdocstrings[python]>=0.27")
+DOCS_DEPS = (
+    "mkdocs>=1.6,<2",
+    "mkdocs-material>=9.5,<10",
+    "mkdocstrings[python]>=0.27",
+    "ruff>=0.6",  # formats the signatures on the API pages
+)
 
 
 def _release_posargs(session: nox.Session) -> tuple[str, str | None]:
@@ -322,4 +327,20 @@ def docs(session: nox.Session) -> None:
     The code examples of the pages run in ``tests/test_docs_examples.py``.
     """
     session.install(*DOCS_DEPS)
-    session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site"), *session.posargs)
+    session.run(
+        "mkdocs",
+        "build",
+        "--strict",
+        "--site-dir",
+        str(ROOT / "site"),
+        *session.posargs,
+        env={"NO_MKDOCS_2_WARNING": "1"},
+    )
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """The benchmark: collectives, memory and time of each sharding plan (docs/benchmark.md)."""
+    _install_torch(session)
+    session.install(*_package_paths(*PACKAGES))
+    session.run("python", "benchmarks/bench.py", *session.posargs)

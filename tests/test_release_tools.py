@@ -185,6 +185,14 @@ def test_bump_to_the_current_unreleased_version_only_dates_it(repo: Path) -> Non
     assert "## 0.2.0 - 2026-03-01" in package.changelog.read_text()
 
 
+def test_bump_without_unreleased_entries_changes_nothing(repo: Path) -> None:
+    package = monorepo.get_package("low")
+    package.changelog.write_text(monorepo.release_changelog(CHANGELOG, "0.1.1", "2026-03-01"))
+    with pytest.raises(ValueError, match="nothing to release"):
+        bump.bump(package, "patch", "2026-03-02")
+    assert package.version == "0.1.0"
+
+
 def test_bump_to_a_released_version_is_refused(repo: Path) -> None:
     _git(repo, "init", "-q")
     _git(repo, "add", ".")

@@ -291,7 +291,7 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
                         group.paths,
                         ctx,
                         mp_policy=group.mp_policy,
-                        reshard_after_forward=None,
+                        reshard_after_forward=ctx.reshard_after_forward,
                         role="fp32_norms",
                     )
                 )

@@ -5,6 +5,14 @@ Finds towers and projectors, applies the frozen-tower policy (``root``,
 """
 
 from multimodal_fsdp.__about__ import __version__
+from multimodal_fsdp.costs import (
+    CommTally,
+    PlanCosts,
+    UnitCost,
+    inspect_model,
+    plan_costs,
+    ungroup_units,
+)
 from multimodal_fsdp.discovery import (
     MULTIMODAL_MODULE_NAMES,
     MULTIMODAL_PROJECTOR_NAMES,
@@ -20,6 +28,7 @@ from multimodal_fsdp.layers import (
     _shard_layer_containers_recursively,
     shard_multimodal_module,
 )
+from multimodal_fsdp.measure import Comparison, Measurement, compare, measure_plan, measure_step
 from multimodal_fsdp.parallelizer import MultimodalParallelizer, MultimodalParts, split_frozen_parts
 from multimodal_fsdp.policy import (
     VALID_FROZEN_MULTIMODAL_SHARDING,
@@ -29,8 +38,34 @@ from multimodal_fsdp.policy import (
     module_parameters,
     normalize_frozen_multimodal_sharding,
 )
+from multimodal_fsdp.prefetch import guard_backward_prefetch, remove_backward_prefetch_guard
+from multimodal_fsdp.uneven import (
+    DEFAULT_MEDIA_INPUTS,
+    UnevenMediaError,
+    batch_has_media,
+    forward_may_take_media,
+    install_uneven_media_guard,
+)
 
 __all__ = [
+    "CommTally",
+    "PlanCosts",
+    "UnitCost",
+    "inspect_model",
+    "plan_costs",
+    "ungroup_units",
+    "Comparison",
+    "Measurement",
+    "compare",
+    "measure_plan",
+    "measure_step",
+    "guard_backward_prefetch",
+    "remove_backward_prefetch_guard",
+    "DEFAULT_MEDIA_INPUTS",
+    "UnevenMediaError",
+    "batch_has_media",
+    "forward_may_take_media",
+    "install_uneven_media_guard",
     "MULTIMODAL_MODULE_NAMES",
     "MULTIMODAL_PROJECTOR_NAMES",
     "MULTIMODAL_TOWER_NAMES",

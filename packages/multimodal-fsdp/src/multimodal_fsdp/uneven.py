@@ -80,6 +80,21 @@ def batch_has_media(
     return any(_present(values.get(name)) for name in names)
 
 
+def forward_may_take_media(
+    root: nn.Module, media_inputs: Iterable[str] = DEFAULT_MEDIA_INPUTS
+) -> bool:
+    """Whether ``root.forward`` names a media argument or takes ``**kwargs``: the
+    condition for installing the guard (and for costing its all-reduce)."""
+    try:
+        params = inspect.signature(root.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return True
+    names = set(media_inputs)
+    return any(name in names for name in params)
+
+
 def install_uneven_media_guard(
     root: nn.Module,
     *,
@@ -97,12 +112,7 @@ def install_uneven_media_guard(
     if getattr(root, _GUARD_ATTR, False) or not modules:
         return False
     names = tuple(media_inputs)
-    try:
-        params = inspect.signature(root.forward).parameters
-    except (TypeError, ValueError):
-        params = {}  # type: ignore[assignment]
-    takes_any_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    if not takes_any_keyword and not any(name in params for name in names):
+    if not forward_may_take_media(root, names):
         # FSDP2 swaps the class for a subclass named "FSDP<name>": report the model's own.
         cls = next(c for c in type(root).__mro__ if not c.__name__.startswith("FSDP"))
         logger.warning(

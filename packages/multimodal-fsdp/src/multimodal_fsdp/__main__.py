@@ -1,0 +1,314 @@
+"""Command line: what a sharding plan costs, before a job is launched.
+
+    python -m multimodal_fsdp plan --model deepseek-v41-base --world-size 8 \\
+        --policy per_layer --freeze vision
+    multimodal-fsdp plan --model llava --world-size 64 --dp-replicate 8 --json
+    multimodal-fsdp plan --model path/to/config.json --world-size 8
+
+The model is built on the meta device (no memory, no weights). ``--model``
+takes a DeepSeek-V4.1 reference preset (needs ``model-deepseek-v41``), a
+transformers ``model_type`` or a local ``config.json`` / model directory
+(needs the ``multimodal-fsdp[transformers]`` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_core import DTYPE_ALIASES, parse_dtype, resolve_mesh_shape
+from multimodal_fsdp.costs import PlanCosts, inspect_model
+from multimodal_fsdp.parallelizer import MultimodalParallelizer
+from multimodal_fsdp.policy import VALID_FROZEN_MULTIMODAL_SHARDING
+
+__all__ = ["DEEPSEEK_MODELS", "FREEZE_CHOICES", "build_parser", "main"]
+
+logger = logging.getLogger(__name__)
+
+#: ``--model`` names served by the DeepSeek-V4.1 reference package, with their presets.
+DEEPSEEK_MODELS: dict[str, str] = {
+    "deepseek-v41-tiny": "tiny",
+    "deepseek-v41-small": "small",
+    "deepseek-v41-base": "base",
+}
+#: What ``--freeze`` can freeze: nothing, the towers of one modality, all towers,
+#: or all towers and projectors.
+FREEZE_CHOICES: tuple[str, ...] = ("none", "vision", "audio", "video", "towers", "multimodal")
+_TRANSFORMERS_EXTRA = "pip install 'multimodal-fsdp[transformers]'"
+
+
+class CliError(Exception):
+    """A user error: printed as ``error: ...`` with exit status 2."""
+
+
+def _dtype_name(value: str) -> str:
+    try:
+        parse_dtype(value)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"unknown dtype {value!r}; valid names: {', '.join(sorted(DTYPE_ALIASES))}"
+        ) from None
+    return value
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return number
+
+
+def _reshard(value: str) -> bool | int | None:
+    key = value.strip().lower()
+    if key in ("auto", "none", "default"):
+        return None
+    if key in ("true", "yes", "1x", "on"):
+        return True
+    if key in ("false", "no", "off"):
+        return False
+    try:
+        number = int(key)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid reshard setting {value!r}; valid choices: auto, true, false or a "
+            "positive divisor of the shard-group size"
+        ) from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"reshard group size must be positive, got {value!r}")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``multimodal-fsdp`` argument parser (one sub-command: ``plan``)."""
+    parser = argparse.ArgumentParser(
+        prog="multimodal-fsdp",
+        description="Inspect FSDP2 sharding plans of multimodal models before launching a job.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    plan = commands.add_parser(
+        "plan",
+        help="print the FSDP units of a model and what they cost per rank and step",
+        description=(
+            "Plan a model on the meta device and print every FSDP unit with its per-rank "
+            "sharded bytes and collectives per training step (one forward + backward), "
+            "with totals and peak gathered parameter memory."
+        ),
+    )
+    plan.add_argument(
+        "--model",
+        required=True,
+        help=(
+            f"{' | '.join(DEEPSEEK_MODELS)} | a transformers model_type (e.g. llava, "
+            "qwen2_vl) | path to a config.json or model directory"
+        ),
+    )
+    plan.add_argument("--world-size", type=_positive_int, default=8, help="ranks (default 8)")
+    plan.add_argument(
+        "--dp-replicate",
+        type=_positive_int,
+        default=1,
+        help="HSDP replicas; the shard group is world-size / dp-replicate (default 1)",
+    )
+    plan.add_argument(
+        "--precision",
+        type=_dtype_name,
+        default="bf16",
+        help="compute (all-gather) dtype of the mixed-precision policy (default bf16)",
+    )
+    plan.add_argument(
+        "--reduce-precision",
+        type=_dtype_name,
+        default="fp32",
+        help="gradient reduction dtype (default fp32)",
+    )
+    plan.add_argument(
+        "--storage-dtype",
+        type=_dtype_name,
+        default="fp32",
+        help="dtype the model's parameters are stored in (default fp32)",
+    )
+    plan.add_argument(
+        "--policy",
+        choices=VALID_FROZEN_MULTIMODAL_SHARDING,
+        default="root",
+        help="frozen-tower policy (default root)",
+    )
+    plan.add_argument(
+        "--freeze",
+        choices=FREEZE_CHOICES,
+        default="none",
+        help="freeze these multimodal modules before planning (default none)",
+    )
+    plan.add_argument(
+        "--reshard-after-forward",
+        type=_reshard,
+        default=None,
+        metavar="{auto,true,false,N}",
+        help="FSDP reshard_after_forward for every unit (default auto)",
+    )
+    plan.add_argument(
+        "--no-prefetch-guard",
+        action="store_true",
+        help="count FSDP2's default backward prefetch of frozen units (the waste)",
+    )
+    plan.add_argument(
+        "--no-collapse",
+        action="store_true",
+        help="list identical numbered layers one by one",
+    )
+    plan.add_argument("--json", action="store_true", help="print JSON instead of the tree")
+    return parser
+
+
+# --------------------------------------------------------------------------- models
+def _deepseek(name: str, storage: torch.dtype) -> tuple[nn.Module, MultimodalParallelizer]:
+    try:
+        import model_deepseek_v41 as ds
+    except ImportError:
+        raise CliError(
+            f"--model {name} needs the DeepSeek-V4.1 reference package: "
+            "pip install model-deepseek-v41"
+        ) from None
+    config = ds.DeepseekV41Config.preset(DEEPSEEK_MODELS[name])
+    model = ds.build_deepseek_v41(config, dtype=storage, device="meta")
+    parallelizer = ds.PARALLELIZER
+    assert isinstance(parallelizer, MultimodalParallelizer)
+    return model, parallelizer
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise CliError(
+            "transformers models need the optional dependency: " + _TRANSFORMERS_EXTRA
+        ) from None
+    return transformers
+
+
+def _hf_config(name: str) -> Any:
+    transformers = _transformers()
+    path = Path(name)
+    if path.exists():
+        try:
+            return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError, KeyError) as error:
+            raise CliError(f"cannot read a transformers config from {name!r}: {error}") from None
+    known = sorted(transformers.CONFIG_MAPPING.keys())
+    if name not in known:
+        close = difflib.get_close_matches(name, [*DEEPSEEK_MODELS, *known], n=5)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise CliError(
+            f"unknown --model {name!r}: not a path, not one of {', '.join(DEEPSEEK_MODELS)}, "
+            f"and not one of the {len(known)} transformers model types{hint}"
+        )
+    return transformers.AutoConfig.for_model(name)
+
+
+def _hf_model(name: str, storage: torch.dtype) -> nn.Module:
+    transformers = _transformers()
+    config = _hf_config(name)
+    errors = []
+    for auto in ("AutoModelForImageTextToText", "AutoModelForCausalLM", "AutoModel"):
+        cls = getattr(transformers, auto, None)
+        if cls is None:
+            continue
+        try:
+            with torch.device("meta"):
+                model: nn.Module = cls.from_config(config, dtype=storage)
+        except (ValueError, KeyError) as error:
+            errors.append(f"{auto}: {error}")
+            continue
+        return model
+    raise CliError(f"no transformers model class for {name!r}: " + "; ".join(errors))
+
+
+def build_model(name: str, storage: torch.dtype) -> tuple[nn.Module, MultimodalParallelizer]:
+    """The meta-device model for ``--model`` and the parallelizer that serves it."""
+    if name in DEEPSEEK_MODELS:
+        return _deepseek(name, storage)
+    return _hf_model(name, storage), MultimodalParallelizer()
+
+
+def freeze(model: nn.Module, parallelizer: MultimodalParallelizer, what: str) -> list[str]:
+    """Freeze the multimodal modules ``what`` names; returns their paths."""
+    if what not in FREEZE_CHOICES:
+        raise ValueError(f"unknown freeze choice {what!r}; valid choices: {FREEZE_CHOICES}")
+    if what == "none":
+        return []
+    found = [part.found for part in parallelizer.multimodal_parts(model)]
+    if what == "multimodal":
+        chosen = found
+    elif what == "towers":
+        chosen = [m for m in found if m.role == "tower"]
+    else:
+        chosen = [m for m in found if m.role == "tower" and m.modality == what]
+    if not chosen:
+        listed = ", ".join(f"{m.path} ({m.role}, {m.modality})" for m in found) or "none"
+        raise CliError(
+            f"--freeze {what}: no such module in {type(model).__name__}; found: {listed}"
+        )
+    for module in chosen:
+        module.module.requires_grad_(False)
+    return [m.path for m in chosen]
+
+
+# --------------------------------------------------------------------------- main
+def _plan(args: argparse.Namespace) -> PlanCosts:
+    try:
+        mesh = resolve_mesh_shape(world_size=args.world_size, dp_replicate=args.dp_replicate)
+    except ValueError as error:
+        raise CliError(str(error)) from None
+    model, parallelizer = build_model(args.model, parse_dtype(args.storage_dtype))
+    frozen = freeze(model, parallelizer, args.freeze)
+    try:
+        costs = inspect_model(
+            model,
+            mesh=mesh,
+            precision=args.precision,
+            reduce_precision=args.reduce_precision,
+            policy=args.policy,
+            parallelizer=parallelizer,
+            reshard_after_forward=args.reshard_after_forward,
+            prefetch_guard=not args.no_prefetch_guard,
+        )
+    except ValueError as error:
+        raise CliError(str(error)) from None
+    notes = list(costs.notes)
+    if frozen:
+        notes.insert(0, f"frozen: {', '.join(frozen)}")
+    else:
+        notes.insert(0, "nothing frozen: the frozen-tower policy changes nothing (see --freeze)")
+    return dataclasses.replace(costs, notes=tuple(notes))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m multimodal_fsdp`` and the ``multimodal-fsdp`` script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        costs = _plan(args)
+    except CliError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    if args.json:
+        print(json.dumps(costs.as_dict(), indent=2))
+    else:
+        print(costs.format(collapse=not args.no_collapse))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

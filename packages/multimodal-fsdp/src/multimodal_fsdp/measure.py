@@ -1,0 +1,220 @@
+"""The measured counterpart of :mod:`multimodal_fsdp.costs`: count a real step.
+
+:func:`measure_step` runs one forward and one backward of an already sharded
+model inside :class:`fsdp_core.CommCounter` (a dispatch mode over the ``c10d``
+ops), tagging each collective with its phase. :func:`measure_plan` does the
+whole round trip in one process: cost the plan analytically, shard the model
+under the fake process group (or the process group already initialised, e.g.
+real gloo ranks), run the step and compare. Under the fake group the numbers
+the model computes are meaningless, but the collectives and their sizes are
+exactly those of a real job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from fsdp_core import CommCounter, ShardingPlan, build_mesh, resolve_mesh_shape
+from fsdp_core.testing import fake_process_group
+from multimodal_fsdp.costs import KINDS, PHASES, CommTally, PlanCosts, plan_costs
+from multimodal_fsdp.parallelizer import MultimodalParallelizer
+from multimodal_fsdp.prefetch import backward_prefetch_guard, remove_backward_prefetch_guard
+
+__all__ = [
+    "Comparison",
+    "Measurement",
+    "MeasuredStep",
+    "compare",
+    "measure_plan",
+    "measure_step",
+    "tally_from_counter",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Runs the forward of one batch on the sharded model and returns the scalar loss.
+LossFn = Callable[[nn.Module], torch.Tensor]
+
+
+def tally_from_counter(counter: CommCounter) -> CommTally:
+    """A :class:`~multimodal_fsdp.costs.CommTally` of everything ``counter`` recorded."""
+    tally = CommTally()
+    for record in counter.records:
+        tally.add(record.phase, record.kind, record.nbytes)
+    return tally
+
+
+@dataclass(frozen=True)
+class MeasuredStep:
+    """Collectives of one measured step, and the units the prefetch guard kept sharded."""
+
+    comm: CommTally
+    blocked_units: tuple[str, ...] = ()
+
+
+def measure_step(model: nn.Module, loss_fn: LossFn, *, steps: int = 1) -> MeasuredStep:
+    """Run ``steps`` forward+backward passes of a sharded ``model``; count the last one.
+
+    Earlier steps (if any) only warm up; gradients accumulate in the sharded
+    parameters, which does not change the collectives.
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    for _ in range(steps - 1):
+        torch.autograd.backward(loss_fn(model))
+    counter = CommCounter()
+    with counter:
+        with counter.phase("forward"):
+            loss = loss_fn(model)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError("loss_fn must return a scalar tensor (the loss of one batch)")
+        with counter.phase("backward"):
+            torch.autograd.backward(loss)
+    guard = backward_prefetch_guard(model)
+    blocked = tuple(guard.blocked_units()) if guard is not None else ()
+    return MeasuredStep(comm=tally_from_counter(counter), blocked_units=blocked)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Expected (analytic) against measured collectives, per phase and kind."""
+
+    rows: tuple[tuple[str, str, int, int, int, int], ...]  # phase, kind, n_exp, b_exp, n, b
+
+    @property
+    def matches(self) -> bool:
+        return all(r[2] == r[4] and r[3] == r[5] for r in self.rows)
+
+    def differences(self) -> list[str]:
+        return [
+            f"{phase} {kind}: expected {n0} ({b0} B), measured {n1} ({b1} B)"
+            for phase, kind, n0, b0, n1, b1 in self.rows
+            if (n0, b0) != (n1, b1)
+        ]
+
+    def format(self) -> str:
+        head = ("phase", "kind", "plan", "measured", "plan B", "measured B")
+        lines = ["{:<9} {:<15} {:>6} {:>9} {:>12} {:>12}".format(*head)]
+        for phase, kind, n0, b0, n1, b1 in self.rows:
+            mark = "" if (n0, b0) == (n1, b1) else "  <-- differs"
+            lines.append(f"{phase:<9} {kind:<15} {n0:>6} {n1:>9} {b0:>12} {b1:>12}{mark}")
+        return "\n".join(lines)
+
+
+def compare(expected: CommTally | PlanCosts, measured: CommTally | MeasuredStep) -> Comparison:
+    """Row per (phase, kind) seen on either side, in phase then kind order."""
+    plan = expected.comm if isinstance(expected, PlanCosts) else expected
+    seen = measured.comm if isinstance(measured, MeasuredStep) else measured
+    order = {name: i for i, name in enumerate((*PHASES, *KINDS))}
+    keys = sorted(
+        set(plan.counts) | set(seen.counts),
+        key=lambda k: (order.get(k[0], 99), order.get(k[1], 99), k),
+    )
+    return Comparison(
+        rows=tuple(
+            (
+                phase,
+                kind,
+                plan.counts.get((phase, kind), 0),
+                plan.nbytes.get((phase, kind), 0),
+                seen.counts.get((phase, kind), 0),
+                seen.nbytes.get((phase, kind), 0),
+            )
+            for phase, kind in keys
+        )
+    )
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One plan, costed and measured."""
+
+    plan: ShardingPlan
+    costs: PlanCosts
+    measured: MeasuredStep
+    comparison: Comparison = field(repr=False)
+
+    @property
+    def matches(self) -> bool:
+        return self.comparison.matches
+
+
+@contextlib.contextmanager
+def _process_group(world_size: int) -> Iterator[None]:
+    """The current process group if one is initialised (its size must match), else a fake one."""
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise ValueError(
+                f"world_size={world_size} does not match the initialised process group "
+                f"({dist.get_world_size()} ranks)"
+            )
+        yield
+        return
+    with fake_process_group(world_size):
+        yield
+
+
+def measure_plan(
+    build_model: Callable[[], nn.Module],
+    parallelizer: MultimodalParallelizer,
+    loss_fn: LossFn,
+    *,
+    world_size: int,
+    dp_replicate: int = 1,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool | int | None = None,
+    prefetch_guard: bool = True,
+    transform_plan: Callable[[ShardingPlan], ShardingPlan] | None = None,
+    no_backward: Iterable[str] | None = None,
+    steps: int = 1,
+) -> Measurement:
+    """Plan, cost, shard and run one step of the model ``build_model()`` returns.
+
+    Runs under the initialised process group, or else under the fake group of
+    ``world_size`` ranks. ``transform_plan`` may rewrite the plan before it is
+    costed and applied (e.g. one unit per norm); ``prefetch_guard=False``
+    removes the guard after sharding, to show what FSDP2 does by default.
+    """
+    if not isinstance(parallelizer, MultimodalParallelizer):
+        raise TypeError(
+            f"parallelizer must be a MultimodalParallelizer, got {type(parallelizer).__name__}"
+        )
+    shape = resolve_mesh_shape(world_size=world_size, dp_replicate=dp_replicate)
+    with _process_group(world_size):
+        mesh = build_mesh(dp_replicate=shape.dp_replicate, dp_shard=shape.dp_shard)
+        model = build_model()
+        plan = parallelizer.plan(
+            model, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
+        )
+        if transform_plan is not None:
+            plan = transform_plan(plan)
+        costs = plan_costs(
+            plan,
+            model,
+            mesh=shape,
+            parallelizer=parallelizer,
+            prefetch_guard=prefetch_guard,
+            no_backward=no_backward,
+        )
+        parallelizer.apply_plan(model, plan, mesh=mesh)
+        if not prefetch_guard:
+            remove_backward_prefetch_guard(model)
+        measured = measure_step(model, loss_fn, steps=steps)
+    comparison = compare(costs, measured)
+    if not comparison.matches:
+        logger.warning(
+            "plan and measurement differ for %s:\n%s",
+            type(model).__name__,
+            "\n".join(comparison.differences()),
+        )
+    return Measurement(plan=plan, costs=costs, measured=measured, comparison=comparison)
