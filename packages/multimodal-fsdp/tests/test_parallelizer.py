@@ -418,10 +418,8 @@ def test_plan_does_not_touch_the_model(policy: str) -> None:
 def test_plan_notes_name_the_policy_and_the_frozen_parts(policy: str) -> None:
     plan = MultimodalParallelizer(frozen_multimodal_sharding=policy).plan(frozen_vlm())
     assert plan.notes == (
-        f"tower 'vision_tower' (vision, frozen): policy {policy!r} for frozen parts "
-        "['vision_tower']",
-        f"projector 'multi_modal_projector' (vision, trainable): policy {policy!r} for "
-        "frozen parts []",
+        f"tower 'vision_tower' (vision): frozen, policy {policy!r}",
+        "projector 'multi_modal_projector' (vision): trainable, sharded like any other module",
     )
 
 
@@ -498,8 +496,9 @@ def test_plan_of_a_tower_with_a_trainable_merger(policy: str, tower_units: list[
     # The trainable merger is no unit of its own, nor ignored: the root unit owns it.
     assert not any(name.startswith("visual.merger") for name in plan.ignored_param_names)
     assert plan.notes == (
-        f"tower 'visual' (vision, mixed): policy {policy!r} for frozen parts "
-        "['visual.patch_embed', 'visual.blocks']",
+        f"tower 'visual' (vision): frozen parts ['visual.patch_embed', 'visual.blocks'] "
+        f"follow {policy!r}, trainable parts ['visual.merger'] are sharded like any other "
+        "module",
     )
 
 

@@ -74,7 +74,7 @@ def test_readme_example_runs_on_one_gloo_rank(
     assert "ignored parameters: 16 (16 replicated by the parallelizer)" in replicate
     assert "tower sharded: False, tower units: 0, tower dtype: torch.bfloat16" in replicate
     for section in (root, per_layer, replicate):
-        assert "note: tower 'vision_tower' (vision, frozen)" in section
+        assert "note: tower 'vision_tower' (vision): frozen" in section
         assert re.search(r"loss: \d+\.\d{4}", section)
 
 

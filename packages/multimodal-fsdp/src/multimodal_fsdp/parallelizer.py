@@ -26,6 +26,7 @@ import copy
 import logging
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -53,13 +54,13 @@ __all__ = ["MultimodalParallelizer", "MultimodalParts", "split_frozen_parts"]
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, repr=False)
 class MultimodalParts:
     """A multimodal module split into maximal frozen and trainable submodule paths."""
 
-    def __init__(self, found: MultimodalModule, frozen: list[str], trainable: list[str]) -> None:
-        self.found = found
-        self.frozen = frozen
-        self.trainable = trainable
+    found: MultimodalModule
+    frozen: list[str]
+    trainable: list[str]
 
     def __repr__(self) -> str:
         return (
@@ -171,14 +172,18 @@ class MultimodalParallelizer(ModelParallelizer):
 
     def _plan_notes(self, ctx: PlanContext) -> list[str]:
         notes = []
+        policy = self.frozen_multimodal_sharding
         for part in self.multimodal_parts(ctx.model):
-            kind = "frozen" if part.frozen and not part.trainable else "mixed"
+            head = f"{part.found.role} {part.found.path!r} ({part.found.modality})"
             if not part.frozen:
-                kind = "trainable"
-            notes.append(
-                f"{part.found.role} {part.found.path!r} ({part.found.modality}, {kind}): "
-                f"policy {self.frozen_multimodal_sharding!r} for frozen parts {part.frozen}"
-            )
+                notes.append(f"{head}: trainable, sharded like any other module")
+            elif not part.trainable:
+                notes.append(f"{head}: frozen, policy {policy!r}")
+            else:
+                notes.append(
+                    f"{head}: frozen parts {part.frozen} follow {policy!r}, "
+                    f"trainable parts {part.trainable} are sharded like any other module"
+                )
         return notes
 
     def plan(
