@@ -125,6 +125,7 @@ def demo(session: nox.Session) -> None:
     --precision bf16|fp32, --size tiny|small|base (``nox -s demo -- --help``).
     """
     _install_torch(session)
+    session.install("numpy")  # torch warns at import without it
     session.install(*_package_paths(*PACKAGES))
     session.run("python", "-m", "model_deepseek_v41.demo", *session.posargs)
 
