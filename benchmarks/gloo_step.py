@@ -34,7 +34,7 @@ from torch.distributed.fsdp import fully_shard
 from fsdp_core import (
     CommCounter,
     build_mesh,
-    destroy_distributed,
+    exit_rank,
     init_distributed,
     mixed_precision_policy,
 )
@@ -72,10 +72,8 @@ def manual(model: nn.Module, policy: str, mesh: Any) -> None:
     named = dict(model.named_parameters())
     # Replicated parameters (frozen fp32 norms, a replicated tower) stay plain tensors,
     # cast to the compute dtype unless they are fp32 islands - as a user would do by hand.
-    keep = set(parallelizer._replicated_keep_dtype(model, plan.replicated_param_names))
-    for name in plan.replicated_param_names:
-        if name not in keep and MP.param_dtype is not None:
-            named[name].data = named[name].data.to(MP.param_dtype)
+    for name, dtype in parallelizer.replicated_param_dtypes(model, plan).items():
+        named[name].data = named[name].data.to(dtype)
     for call in plan.calls:
         members = [model.get_submodule(p) if p else model for p in call.paths]
         ignored = {named[n] for n in call.ignored_param_names}
@@ -170,7 +168,7 @@ def main() -> None:
             "manual_differences": manual_expected.differences(comm["manual"]),
         }
         Path(args.out).write_text(json.dumps(result, indent=2))
-    destroy_distributed()
+    exit_rank(0)
 
 
 class _Null:

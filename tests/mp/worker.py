@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import scenarios_core  # noqa: F401  (registers scenarios)
 from registry import SCENARIOS
 
-from fsdp_core import destroy_distributed, init_distributed
+from fsdp_core import exit_rank, init_distributed
 
 for optional in ("scenarios_vlm", "scenarios_training", "scenarios_init"):
     try:
@@ -37,7 +37,6 @@ def _install_sabotage(kind: str) -> None:
     """Deliberately break FSDP (to prove the tests catch it): ``reduction`` sums
     gradients instead of averaging; ``layout`` swaps two elements of every local shard
     on rank 0 after sharding."""
-    import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
@@ -90,13 +89,7 @@ def main() -> None:
         result["world_size"] = ctx.world_size
         if ctx.rank == 0:
             torch.save(result, out / f"{name}.pt")
-    dist.barrier()
-    destroy_distributed()
-    # Skip interpreter teardown: gloo's background threads occasionally abort there
-    # ("terminate called without an active exception") after all work is done.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_rank(0)
 
 
 if __name__ == "__main__":

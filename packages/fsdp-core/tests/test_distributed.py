@@ -265,3 +265,30 @@ def test_destroy_twice_is_safe(clean_env: pytest.MonkeyPatch) -> None:
 def test_destroy_without_group_is_a_no_op() -> None:
     destroy_distributed()
     assert not dist.is_initialized()
+
+
+def test_exit_rank_flushes_output_and_exits_with_the_code() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "from fsdp_core import exit_rank, init_distributed\n"
+        "init_distributed(backend='gloo')\n"
+        "print('done', end='')\n"
+        "exit_rank(3)\n"
+    )
+    env = {
+        k: v
+        for k, v in __import__("os").environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK")
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    assert result.returncode == 3, result.stderr
+    assert result.stdout == "done"

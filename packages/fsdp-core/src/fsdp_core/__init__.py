@@ -24,6 +24,7 @@ from fsdp_core.distributed import (
     DistributedContext,
     destroy_distributed,
     device_type_for_backend,
+    exit_rank,
     init_distributed,
 )
 from fsdp_core.dtype_units import (
@@ -64,6 +65,7 @@ from fsdp_core.sharding import (
 )
 
 __all__ = [
+    "exit_rank",
     "shard_groups_then_module",
     "ReferenceResult",
     "emulate_data_parallel",

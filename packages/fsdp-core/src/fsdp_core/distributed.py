@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Final
+from typing import Final, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -16,6 +18,7 @@ __all__ = [
     "DistributedContext",
     "init_distributed",
     "destroy_distributed",
+    "exit_rank",
     "device_type_for_backend",
 ]
 
@@ -180,3 +183,21 @@ def destroy_distributed() -> None:
     """Tear down the default process group if one exists (safe to call twice)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_rank(code: int = 0) -> NoReturn:
+    """End a torchrun worker: wait for the others, tear down, exit without interpreter
+    teardown.
+
+    With gloo (torch 2.13) a rank whose work is complete occasionally aborts while the
+    interpreter shuts down ("terminate called without an active exception"), turning a
+    successful job into a failed one; leaving with ``os._exit`` after the barrier and
+    the tear-down skips that phase. Output is flushed first.
+    """
+    if dist.is_initialized():
+        with contextlib.suppress(RuntimeError):
+            dist.barrier()
+        destroy_distributed()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -29,8 +29,8 @@ from fsdp_core import (
     CommCounter,
     DistributedContext,
     build_mesh,
-    destroy_distributed,
     emulate_data_parallel,
+    exit_rank,
     init_distributed,
     materialize_from_full,
     mixed_precision_policy,
@@ -240,8 +240,7 @@ def worker(args: argparse.Namespace) -> int:
         print(f"trained {args.steps} steps in {elapsed:.1f} s")
         if not args.no_reference:
             status = _check_reference(config, args, dtype, losses, ctx.world_size, batches)
-    destroy_distributed()
-    return status
+    exit_rank(status)
 
 
 def _check_reference(

@@ -672,19 +672,13 @@ def _replicated(
     """Elements and per-rank bytes of parameters kept whole (ignored) on every rank."""
     named = dict(model.named_parameters())
     names = [n for n in plan.ignored_param_names if n in named]
-    roots = [u for u in plan.units if u.is_root]
-    compute = roots[-1].mp_policy.param_dtype if roots else None
-    keep: set[str] = set()
+    dtypes: dict[str, torch.dtype] = {}
     if parallelizer is not None and plan.replicated_param_names:
-        keep = set(parallelizer._replicated_keep_dtype(model, plan.replicated_param_names))
-    replicated = set(plan.replicated_param_names)
+        dtypes = parallelizer.replicated_param_dtypes(model, plan)
     total = 0
     for name in names:
         param = named[name]
-        dtype = param.dtype
-        if name in replicated and compute is not None and name not in keep:
-            dtype = compute if param.dtype.is_floating_point else param.dtype
-        total += param.numel() * dtype.itemsize
+        total += param.numel() * dtypes.get(name, param.dtype).itemsize
     return sum(named[n].numel() for n in names), total
 
 

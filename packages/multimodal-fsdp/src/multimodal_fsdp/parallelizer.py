@@ -233,17 +233,30 @@ class MultimodalParallelizer(ModelParallelizer):
         ]
 
     # -------------------------------------------------------- apply hooks
+    def replicated_param_dtypes(
+        self, model: nn.Module, plan: ShardingPlan
+    ) -> dict[str, torch.dtype]:
+        """The dtype each replicated parameter has once the plan is applied: the plan's
+        compute dtype, except odd-dtype islands (fp32 norms), which keep their own."""
+        compute = _plan_compute_dtype(plan)
+        named = dict(model.named_parameters())
+        keep = set(self._replicated_keep_dtype(model, plan.replicated_param_names))
+        return {
+            name: named[name].dtype
+            if compute is None or name in keep or not named[name].dtype.is_floating_point
+            else compute
+            for name in plan.replicated_param_names
+        }
+
     def _before_apply(self, model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> None:
         """Place replicated parameters: mesh device, compute dtype, same values everywhere."""
         if not plan.replicated_param_names:
             return
-        compute = _plan_compute_dtype(plan)
         named = dict(model.named_parameters())
-        keep = set(self._replicated_keep_dtype(model, plan.replicated_param_names))
+        dtypes = self.replicated_param_dtypes(model, plan)
         device = _mesh_device(mesh.device_type)
-        for name in plan.replicated_param_names:
+        for name, dtype in dtypes.items():
             param = named[name]
-            dtype = param.dtype if compute is None or name in keep else compute
             # A meta parameter stays on meta (materialised later with the rest).
             target = param.device if param.device.type == "meta" else device
             if param.device != target or param.dtype != dtype:
@@ -254,11 +267,10 @@ class MultimodalParallelizer(ModelParallelizer):
                 if param.device.type != "meta":
                     dist.broadcast(param.data, src=0)
         logger.info(
-            "replicated %d parameters on %s (compute dtype %s, %d kept in their own dtype)",
-            len(plan.replicated_param_names),
+            "replicated %d parameters on %s (dtypes %s)",
+            len(dtypes),
             device,
-            compute,
-            len(keep),
+            sorted({str(d) for d in dtypes.values()}),
         )
 
     def _after_apply(self, model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> None:
