@@ -207,9 +207,12 @@ def test_run_torchrun_timeout_kills_workers(tmp_path: Path, sleeper: Path) -> No
 @pytest.mark.distributed
 def test_run_torchrun_success(tmp_path: Path) -> None:
     script = tmp_path / "ok.py"
+    # One os.write per line: the two ranks share the pipe, and print() may split a line.
     script.write_text(
-        "import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'],"
-        " os.environ['OMP_NUM_THREADS'], os.environ['EXTRA'])\n"
+        "import os\n"
+        "line = f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} "
+        "{os.environ['OMP_NUM_THREADS']} {os.environ['EXTRA']}\\n\"\n"
+        "os.write(1, line.encode())\n"
     )
     result = run_torchrun(str(script), nproc=2, timeout_s=60, env={"EXTRA": "yes"})
     assert result.returncode == 0
