@@ -77,7 +77,9 @@ def test_uneven_media_under_per_layer_fails_fast_with_advice(
     assert "'vision'" in message
     assert "'root'" in message
     assert "'replicate'" in message
-    assert result["seconds_to_fail"] < 10.0
+    # Raised by the guard before the first step's collectives, on every rank (the launch
+    # itself has a hard timeout, so a hang would fail the whole launch instead).
+    assert result["steps_done"] == 0
 
 
 # ------------------------------------------------------- gradient accumulation

@@ -8,7 +8,8 @@ from typing import Any
 #: Loads one scenario's saved result (the fixtures ``mp2`` / ``mp4`` return one).
 MpResults = Callable[[str], dict[str, Any]]
 
-MP_TIMEOUT_S = 600.0
+#: Hard limit of one launch: a hang fails the launch (and its tests) instead of stalling CI.
+MP_TIMEOUT_S = 300.0
 
 #: Scenarios that read the output of an earlier launch (FSDP_TEST_PREVIOUS_OUT).
 NEEDS_PREVIOUS = frozenset({"ckpt_load_other_world"})

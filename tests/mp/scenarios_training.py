@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,13 +76,15 @@ def init_meta(ctx: DistributedContext, out: Path) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ uneven media
-def _uneven(ctx: DistributedContext, policy: str) -> dict[str, Any]:
+def _uneven(
+    ctx: DistributedContext, policy: str, on_step: Callable[[int], object] | None = None
+) -> dict[str, Any]:
     model = build_vlm(dtype=torch.bfloat16, frozen_tower=True).to(ctx.device)
     PARALLELIZER.with_options(frozen_multimodal_sharding=policy).parallelize(
         model, mesh=build_mesh(), mp_policy=BF16
     )
     images = [1 if rank % 2 == 0 else 0 for rank in range(ctx.world_size)]
-    return train_vlm(model, ctx, vlm_batches(3, ctx.world_size, images=images))
+    return train_vlm(model, ctx, vlm_batches(3, ctx.world_size, images=images), on_step=on_step)
 
 
 @scenario("uneven_root")
@@ -97,12 +100,17 @@ def uneven_replicate(ctx: DistributedContext, out: Path) -> dict[str, Any]:
 @scenario("uneven_per_layer")
 def uneven_per_layer(ctx: DistributedContext, out: Path) -> dict[str, Any]:
     """Must fail fast on every rank with a message, not hang."""
+    steps: list[int] = []
     start = time.perf_counter()
     try:
-        _uneven(ctx, "per_layer")
+        _uneven(ctx, "per_layer", on_step=steps.append)
     except UnevenMediaError as exc:
-        return {"error_message": str(exc), "seconds_to_fail": time.perf_counter() - start}
-    return {"error_message": "", "seconds_to_fail": time.perf_counter() - start}
+        return {
+            "error_message": str(exc),
+            "steps_done": len(steps),
+            "seconds_to_fail": time.perf_counter() - start,
+        }
+    return {"error_message": "", "steps_done": len(steps)}
 
 
 # ------------------------------------------------------- gradient accumulation

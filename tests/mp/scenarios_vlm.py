@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ def train_vlm(
     batches: list[list[Any]],
     *,
     lr: float = LR,
+    on_step: Callable[[int], object] | None = None,
 ) -> dict[str, Any]:
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(trainable, lr=lr)
@@ -42,6 +44,8 @@ def train_vlm(
         total = loss.detach().float().clone()
         dist.all_reduce(total)
         losses.append(total.item() / ctx.world_size)
+        if on_step is not None:
+            on_step(step)
     params = {n: full(p) for n, p in model.named_parameters()}
     return {"losses": losses, "grads0": grads0, "params": params}
 
