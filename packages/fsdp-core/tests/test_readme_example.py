@@ -2,31 +2,30 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
+
+from fsdp_core.testing import python_blocks, run_markdown_example
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def _example() -> str:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
-    assert blocks, "README has no python example"
-    return blocks[0]
+def test_python_blocks() -> None:
+    assert python_blocks("x\n```bash\nls\n```\n```python\na = 1\n```\n") == ["a = 1\n"]
+    assert python_blocks("```bash\nls\n```\n") == []
 
 
-def test_readme_example_runs(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
-        monkeypatch.delenv(name, raising=False)
-    try:
-        exec(compile(_example(), str(README), "exec"), {"__name__": "__readme__"})
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def test_run_markdown_example_without_a_block(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("no code here\n")
+    with pytest.raises(LookupError, match=r"has 0 python blocks"):
+        run_markdown_example(page)
+
+
+def test_readme_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    run = run_markdown_example(README, module_name="__readme__")
+    assert not run.left_process_group  # the example tears its group down itself
     out = capsys.readouterr().out
     assert "5 FSDP units" in out
     assert "layers.3" in out

@@ -3,44 +3,20 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
+
+from fsdp_core.testing import python_blocks, run_markdown_example
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
-#: Variables that would make ``init_distributed`` wait for other torchrun ranks.
-TORCHRUN_ENV = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
-
 
 def first_python_block(text: str) -> str:
-    match = re.search(r"^```python\n(.*?)^```$", text, flags=re.DOTALL | re.MULTILINE)
-    if match is None:
+    blocks = python_blocks(text)
+    if not blocks:
         raise AssertionError(f"no ```python block in {README}")
-    return match.group(1)
-
-
-@pytest.fixture
-def one_rank_gloo_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """No torchrun variables, so the example starts one gloo rank; destroyed afterwards."""
-    for name in TORCHRUN_ENV:
-        monkeypatch.delenv(name, raising=False)
-    assert not dist.is_initialized(), "a process group leaked into this test"
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-            pytest.fail("the README example left a process group initialised")
+    return blocks[0]
 
 
 def test_readme_has_one_example_block_that_compiles() -> None:
@@ -52,12 +28,8 @@ def test_readme_has_one_example_block_that_compiles() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor:UserWarning")
-def test_readme_example_runs_on_one_gloo_rank(
-    one_rank_gloo_env: None, capsys: pytest.CaptureFixture[str]
-) -> None:
-    code = first_python_block(README.read_text(encoding="utf-8"))
-    exec(compile(code, str(README), "exec"), {"__name__": "__main__"})
-    assert not dist.is_initialized()
+def test_readme_example_runs_on_one_gloo_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    assert not run_markdown_example(README).left_process_group
     out = capsys.readouterr().out
 
     sections = re.split(r"^=== frozen_multimodal_sharding=", out, flags=re.MULTILINE)[1:]
@@ -79,9 +51,7 @@ def test_readme_example_runs_on_one_gloo_rank(
 
 
 @pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor:UserWarning")
-def test_readme_example_runs_twice_in_one_process(one_rank_gloo_env: None) -> None:
+def test_readme_example_runs_twice_in_one_process() -> None:
     """The example cleans up after itself, so a second run starts a fresh group."""
-    code = compile(first_python_block(README.read_text(encoding="utf-8")), str(README), "exec")
     for _ in range(2):
-        exec(code, {"__name__": "__main__"})
-        assert not dist.is_initialized()
+        assert not run_markdown_example(README).left_process_group

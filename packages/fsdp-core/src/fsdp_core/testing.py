@@ -11,19 +11,41 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["fake_process_group", "free_port", "run_on_gloo_ranks", "run_torchrun"]
+__all__ = [
+    "TORCHRUN_ENV",
+    "ExampleRun",
+    "fake_process_group",
+    "free_port",
+    "python_blocks",
+    "run_markdown_example",
+    "run_on_gloo_ranks",
+    "run_torchrun",
+]
+
+#: Variables that make ``init_distributed`` expect a torchrun launch.
+TORCHRUN_ENV: tuple[str, ...] = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 @contextlib.contextmanager
@@ -163,3 +185,45 @@ def run_torchrun(
             f"--- stderr ---\n{result.stderr[-20000:]}"
         )
     return result
+
+
+def python_blocks(markdown: str) -> list[str]:
+    """The bodies of the fenced ```python blocks of a Markdown text, in order."""
+    return re.findall(
+        r"^```python[ \t]*\n(.*?)^```[ \t]*$", markdown, flags=re.DOTALL | re.MULTILINE
+    )
+
+
+@dataclass(frozen=True)
+class ExampleRun:
+    """What a Markdown example left: its globals, and whether it left a process group."""
+
+    namespace: dict[str, Any]
+    left_process_group: bool
+
+
+def run_markdown_example(
+    path: str | os.PathLike[str], *, index: int = 0, module_name: str = "__main__"
+) -> ExampleRun:
+    """Execute the ``index``-th ```python block of ``path`` as a one-rank program.
+
+    The torchrun variables are hidden while it runs (so ``init_distributed`` starts
+    a one-process group), and a process group the example leaves behind is
+    destroyed (and reported). Raises ``LookupError`` when the file has no such block.
+    """
+    blocks = python_blocks(Path(path).read_text(encoding="utf-8"))
+    if index >= len(blocks):
+        raise LookupError(f"{path} has {len(blocks)} python blocks, wanted block {index}")
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised; destroy it first")
+    saved = {name: os.environ.pop(name) for name in TORCHRUN_ENV if name in os.environ}
+    namespace: dict[str, Any] = {"__name__": module_name}
+    left = False
+    try:
+        exec(compile(blocks[index], str(path), "exec"), namespace)
+    finally:
+        os.environ.update(saved)
+        left = dist.is_initialized()
+        if left:
+            dist.destroy_process_group()
+    return ExampleRun(namespace=namespace, left_process_group=left)
