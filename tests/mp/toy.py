@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
@@ -93,7 +91,3 @@ def toy_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torc
 
 
 reference_run = emulate_data_parallel
-
-
-def named_items(d: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    return iter(sorted(d.items()))

@@ -239,17 +239,17 @@ def fully_shard_deepseek_v41(
 
 
 class DeepseekV41ModelParallelizer(MultimodalParallelizer):
-    """Keeps DeepSeek-V4.1 vision norms in fp32 units; routes every unit through
+    """Keeps DeepSeek-V4.1 vision norms in fp32; routes every unit through
     :func:`fully_shard_deepseek_v41`.
 
-    Before any layer is sharded, the fp32 norms of each vision tower are
-    planned as one unit per tower (one per norm on torch without grouped
+    Before any layer is sharded, the *trainable* fp32 norms of each vision tower
+    are planned as one unit per tower (one per norm on torch without grouped
     casting), so the tower's blocks and the root hold only the caller's dtype.
-    Towers are found by structure (:func:`find_vision_towers`) plus the
-    multimodal discovery (the V4.1 attribute ``vision`` is added to the tower
-    names). Under ``replicate`` the frozen tower's norms are not sharded; they
-    keep their fp32 storage while the rest of the tower is cast to the compute
-    dtype, and the RMSNorm computes in fp32.
+    *Frozen* fp32 norms are replicated under every policy: kept whole and fp32
+    on every rank, outside FSDP, so they cost no collective and the RMSNorm
+    computes in fp32. Towers are found by structure (:func:`find_vision_towers`)
+    plus the multimodal discovery (the V4.1 attribute ``vision`` is added to the
+    tower names).
     """
 
     def __init__(
