@@ -1,5 +1,5 @@
-"""Unit tests for fsdp_core.accumulation: unused parameters, unshard warm-up, and aligned
-accumulated gradients.
+"""Unit tests for fsdp_core.accumulation (unshard warm-up and aligned accumulated
+gradients) and fsdp_core.unused_params (equal reduce-scatters when ranks skip parameters).
 
 Collectives are counted under the single-process ``fake`` backend (its numbers
 are meaningless, its collectives exact); the gradients of an accumulated step
@@ -26,10 +26,11 @@ from fsdp_core import (
     destroy_distributed,
     init_distributed,
     install_unshard_warmup,
-    make_accumulation_safe,
+    install_unused_params_hook,
+    installed_hooks,
     mixed_precision_policy,
-    reduce_scatter_unused_params,
 )
+from fsdp_core import internals
 
 DIM = 8
 #: bf16 compute, fp32 gradient reduction: the setting that needs aligned gradients.
@@ -71,6 +72,12 @@ def units(model: nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def make_accumulation_safe(model: nn.Module, mesh: DeviceMesh) -> None:
+    """What the parallelizers install for accumulation: the warm-up and unused params."""
+    install_unshard_warmup(model)
+    install_unused_params_hook(model, mesh=mesh)
+
+
 def micro_batch(
     model: nn.Module, counter: CommCounter, phase: str, *, sync: bool, image: bool
 ) -> None:
@@ -93,38 +100,34 @@ ROOT_WITH_VISION = VISION + 2 * LAYER  # vision, proj, head
 ROOT = 2 * LAYER  # proj, head
 
 
-# --- reduce_scatter_unused_params ----------------------------------------------------------------
+# --- reduce-scatter of unused parameters ----------------------------------------------------------
 
 
 def _flags(model: nn.Module) -> list[bool]:
-    flags = []
-    for unit in units(model):
-        group = unit._get_fsdp_state()._fsdp_param_group
-        assert group is not None
-        flags.append(group.reduce_scatter_unused_params)
-    return flags
+    return [
+        group.reduce_scatter_unused_params
+        for unit in units(model)
+        for group in internals.param_groups(unit)
+    ]
 
 
-def test_reduce_scatter_unused_params_sets_every_unit(mesh2: DeviceMesh) -> None:
+def test_unused_params_hook_sets_every_unit_and_removes_cleanly(mesh2: DeviceMesh) -> None:
     model = shard(Net(), mesh2, vision_unit=True)
     assert _flags(model) == [False] * 4  # FSDP's default
-    assert reduce_scatter_unused_params(model) == 4
+    hook = install_unused_params_hook(model, mesh=mesh2)
+    assert hook is not None
     assert _flags(model) == [True] * 4
-    assert reduce_scatter_unused_params(model, enabled=False) == 4
+    hook.remove()
     assert _flags(model) == [False] * 4
 
 
-def test_reduce_scatter_unused_params_of_a_model_without_units() -> None:
-    assert reduce_scatter_unused_params(Net()) == 0
-
-
-def test_reduce_scatter_unused_params_without_torch_support(
+def test_unused_params_hook_without_torch_support(
     mesh2: DeviceMesh, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(compat, "REDUCE_SCATTER_UNUSED_PARAMS", False)
     model = shard(Net(), mesh2)
-    with caplog.at_level(logging.WARNING, logger="fsdp_core.accumulation"):
-        assert reduce_scatter_unused_params(model) == 0
+    with caplog.at_level(logging.WARNING, logger="fsdp_core.unused_params"):
+        assert install_unused_params_hook(model, mesh=mesh2) is None
     assert _flags(model) == [False] * 3
     (record,) = caplog.records
     assert record.getMessage().startswith("this torch cannot reduce-scatter unused parameters")
@@ -137,11 +140,14 @@ def test_reduce_scatter_unused_params_sends_zeros_for_a_skipped_projector(
     counted = {}
     for enabled in (False, True):
         model = shard(Net(), mesh2)
-        reduce_scatter_unused_params(model, enabled=enabled)
+        if enabled:
+            install_unused_params_hook(model, mesh=mesh2)
         counter = CommCounter()
         with counter:
             micro_batch(model, counter, "text", sync=True, image=False)
-        counted[enabled] = sorted(n for kind, n in kinds(counter, "text") if kind != "all_gather")
+        counted[enabled] = sorted(
+            n for kind, n in kinds(counter, "text") if kind == "reduce_scatter"
+        )
     # The root holds vision, proj and head.
     assert counted[True] == [2 * LAYER, 2 * LAYER, 2 * ROOT_WITH_VISION]
     # Without it the root reduce-scatters only the head, which got a gradient.
@@ -151,14 +157,13 @@ def test_reduce_scatter_unused_params_sends_zeros_for_a_skipped_projector(
 # --- install_unshard_warmup ----------------------------------------------------------------------
 
 
-def test_install_unshard_warmup_is_idempotent(mesh2: DeviceMesh) -> None:
+def test_install_unshard_warmup_adds_one_hook_and_removes_it(mesh2: DeviceMesh) -> None:
     model = shard(Net(), mesh2, vision_unit=True)
     hooks = len(model._forward_pre_hooks)
-    install_unshard_warmup(model)
+    warmup = install_unshard_warmup(model)
     assert len(model._forward_pre_hooks) == hooks + 1
-    install_unshard_warmup(model)
-    make_accumulation_safe(model)
-    assert len(model._forward_pre_hooks) == hooks + 1
+    warmup.remove()
+    assert len(model._forward_pre_hooks) == hooks
 
 
 @pytest.mark.parametrize("vision_unit", [False, True])
@@ -169,7 +174,7 @@ def test_warmup_issues_no_collective_in_syncing_steps(mesh2: DeviceMesh, vision_
         torch.manual_seed(0)
         model = shard(Net(), mesh2, vision_unit=vision_unit)
         if safe:
-            make_accumulation_safe(model)
+            install_unshard_warmup(model)
         counter = CommCounter()
         with counter:
             for index in range(2):
@@ -178,11 +183,7 @@ def test_warmup_issues_no_collective_in_syncing_steps(mesh2: DeviceMesh, vision_
         if vision_unit:
             assert kinds(counter, "step0").count(("all_gather", VISION)) == 0
     plain, safe_run = recorded
-    # reduce_scatter_unused_params only changes sizes, not counts; compare counts and gathers.
-    assert [(k, p) for k, p, _ in plain] == [(k, p) for k, p, _ in safe_run]
-    assert [r for r in plain if r[0] == "all_gather"] == [
-        r for r in safe_run if r[0] == "all_gather"
-    ]
+    assert plain == safe_run
 
 
 def test_warmup_gathers_a_never_unsharded_unit_once_in_a_non_syncing_step(
@@ -233,7 +234,7 @@ def test_warmup_in_a_first_non_syncing_step_gathers_every_unit_once(mesh2: Devic
     ],
     ids=["projector-in-root", "vision-unit"],
 )
-def test_accumulation_fails_without_make_accumulation_safe(
+def test_accumulation_fails_without_the_accumulation_hooks(
     mesh2: DeviceMesh, vision_unit: bool, error: type[Exception], match: str
 ) -> None:
     """A text-only non-syncing micro-batch, then an image one that syncs: FSDP stops."""
@@ -245,11 +246,11 @@ def test_accumulation_fails_without_make_accumulation_safe(
 
 
 @pytest.mark.parametrize("vision_unit", [False, True], ids=["projector-in-root", "vision-unit"])
-def test_accumulation_completes_with_make_accumulation_safe(
+def test_accumulation_completes_with_the_accumulation_hooks(
     mesh2: DeviceMesh, vision_unit: bool
 ) -> None:
     model = shard(Net(), mesh2, vision_unit=vision_unit)
-    make_accumulation_safe(model)
+    make_accumulation_safe(model, mesh2)
     counter = CommCounter()
     with counter:
         micro_batch(model, counter, "accumulate", sync=False, image=False)
@@ -271,6 +272,7 @@ def test_model_parallelizer_makes_accumulation_safe(mesh2: DeviceMesh) -> None:
     model = Net()
     ModelParallelizer().parallelize(model, mesh=mesh2, mp_policy=MP)
     assert _flags(model) == [True] * 3
+    assert set(installed_hooks(model)) == {"accumulation_warmup", "unused_params"}
     counter = CommCounter()
     with counter:
         micro_batch(model, counter, "accumulate", sync=False, image=False)
@@ -289,8 +291,9 @@ def test_aligned_gradients_equal_the_accumulated_reference(
     text, image_text, image = (torch.randn(2, DIM) for _ in range(3))
     init_distributed(backend="gloo")
     try:
-        shard(model, build_mesh())
-        make_accumulation_safe(model)
+        mesh = build_mesh()
+        shard(model, mesh)
+        make_accumulation_safe(model, mesh)
         model.set_requires_gradient_sync(False)
         model(text).float().sum().backward()
         model.set_requires_gradient_sync(True)

@@ -15,8 +15,11 @@ irrelevant here) three layouts of the vision norms are compared:
 With a *frozen* tower each frozen-tower policy is measured; its 2L+1 fp32 norms
 are replicated (no unit, no collective after the one broadcast at setup).
 
-The tower's blocks are units (trainable tower, or frozen under ``per_layer``),
-so the uneven-media guard adds one 2-element all-reduce to every forward.
+The tower's blocks are units (trainable tower, or frozen under ``per_layer``), so
+the tower is a media region and the schedule check adds two 16-byte all-reduces to
+every forward (the tower's entry, and the first text layer after it). Every step
+also ends its backward with one all-reduce of the usage flags of the trainable
+parameters (the ``unused_params`` hook).
 
 The numbers are exact (collectives are counted as ``c10d`` ops by
 :class:`fsdp_core.CommCounter`) and are quoted in the package README (checked
@@ -45,8 +48,8 @@ TOWER_DEPTHS = (4, 8)
 MODES = ("grouped", "per_norm", "none")
 POLICIES = ("root", "per_layer", "replicate")
 README = Path(__file__).resolve().parents[1] / "README.md"
-#: The uneven-media guard's all-reduce: two fp32 flags.
-GUARD_BYTES = 8
+#: A schedule checkpoint's all-reduce: two int64 positions.
+CHECKPOINT_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class StepCounts:
     replicated_params: int
     broadcasts_setup: int  # while parallelizing (replicated parameters, from rank 0)
     all_reduces_forward: int
+    all_reduces_backward: int
     all_gathers_forward: int
     all_gathers_backward: int
     reduce_scatters: int
@@ -72,16 +76,16 @@ class StepCounts:
 #: units = L + 4 grouped (1 norm unit + L blocks + 2 text layers + root, which holds the
 #: aligner), 3L + 4 one unit per norm, L + 3 without fp32 units. The root is not
 #: re-gathered in backward (it keeps its parameters after forward), hence one all-gather
-#: fewer. One all-reduce per forward: the uneven-media guard (the blocks are units).
+#: fewer. Two all-reduces per forward: the schedule checkpoints (the blocks are units).
 EXPECTED: dict[tuple[int, str], tuple[int, int, int, int, int, int]] = {
     # (units, fp32 norm units, all-gathers fwd, all-gathers bwd, reduce-scatters,
     #  all-reduces fwd)
-    (4, "grouped"): (8, 1, 8, 7, 8, 1),
-    (4, "per_norm"): (16, 9, 16, 15, 16, 1),
-    (4, "none"): (7, 0, 7, 6, 7, 1),
-    (8, "grouped"): (12, 1, 12, 11, 12, 1),
-    (8, "per_norm"): (28, 17, 28, 27, 28, 1),
-    (8, "none"): (11, 0, 11, 10, 11, 1),
+    (4, "grouped"): (8, 1, 8, 7, 8, 2),
+    (4, "per_norm"): (16, 9, 16, 15, 16, 2),
+    (4, "none"): (7, 0, 7, 6, 7, 2),
+    (8, "grouped"): (12, 1, 12, 11, 12, 2),
+    (8, "per_norm"): (28, 17, 28, 27, 28, 2),
+    (8, "none"): (11, 0, 11, 10, 11, 2),
 }
 
 #: Frozen tower, grouped norms: (vision blocks L, policy) -> counts. Only the text layers
@@ -92,10 +96,10 @@ EXPECTED_FROZEN: dict[tuple[int, str], tuple[int, int, int, int, int, int, int, 
     # (units, fp32 norm units, replicated params, broadcasts at setup, all-gathers fwd,
     #  all-gathers bwd, reduce-scatters, all-reduces fwd)
     (4, "root"): (3, 0, 9, 9, 3, 2, 3, 0),
-    (4, "per_layer"): (7, 0, 9, 9, 7, 2, 3, 1),
+    (4, "per_layer"): (7, 0, 9, 9, 7, 2, 3, 2),
     (4, "replicate"): (3, 0, 43, 43, 3, 2, 3, 0),
     (8, "root"): (3, 0, 17, 17, 3, 2, 3, 0),
-    (8, "per_layer"): (11, 0, 17, 17, 11, 2, 3, 1),
+    (8, "per_layer"): (11, 0, 17, 17, 11, 2, 3, 2),
     (8, "replicate"): (3, 0, 83, 83, 3, 2, 3, 0),
 }
 
@@ -110,6 +114,12 @@ def _no_process_group_leak() -> Iterator[None]:
         if dist.is_initialized():
             dist.destroy_process_group()
             pytest.fail("the test left a process group initialised")
+
+
+def _dtensors(model: torch.nn.Module) -> set[torch.nn.Parameter]:
+    from torch.distributed.tensor import DTensor
+
+    return {p for p in model.parameters() if isinstance(p, DTensor)}
 
 
 def _count_step(counter: CommCounter, model: torch.nn.Module, config: DeepseekV41Config) -> None:
@@ -149,15 +159,19 @@ def _run(vision_layers: int, *, frozen_tower: bool, policy: str, bf16_norms: boo
     ]
     # Setup only broadcasts (the replicated parameters, once each).
     assert set(setup.counts()) <= {"broadcast"}
-    # A step: all-gathers and reduce-scatters, and the guard's all-reduce, which comes
-    # first in forward; no broadcast.
-    guard = [r for r in second.records if r.kind == "all_reduce"]
-    assert all((r.phase, r.nbytes, r.dtype) == ("forward", 8, torch.float32) for r in guard)
-    assert set(second.counts()) == {"all_gather", "reduce_scatter"} | (
-        {"all_reduce"} if guard else set()
-    )
-    if guard:
-        assert second.records[0].kind == "all_reduce"
+    # A step: all-gathers and reduce-scatters, the schedule checkpoints in forward (the
+    # first one before the tower's first all-gather) and the usage flags of the trainable
+    # parameters at the end of backward; no broadcast.
+    checks = [r for r in second.records if r.kind == "all_reduce" and r.phase == "forward"]
+    assert all((r.nbytes, r.dtype) == (CHECKPOINT_BYTES, torch.int64) for r in checks)
+    flags = [r for r in second.records if r.kind == "all_reduce" and r.phase == "backward"]
+    trainable = sum(1 for p in model.parameters() if p.requires_grad and p in _dtensors(model))
+    assert [(r.nbytes, r.dtype) for r in flags] == [(trainable, torch.uint8)]
+    assert second.records[-1].kind == "all_reduce"  # the flags come last
+    assert set(second.counts()) == {"all_gather", "reduce_scatter", "all_reduce"}
+    if checks:
+        towers = [r for r in second.records if r.kind == "all_gather"]
+        assert second.records.index(checks[0]) < second.records.index(towers[1])
     assert "reduce_scatter" not in second.counts("forward")
     forward, backward = second.counts("forward"), second.counts("backward")
     return StepCounts(
@@ -167,6 +181,7 @@ def _run(vision_layers: int, *, frozen_tower: bool, policy: str, bf16_norms: boo
         replicated_params=len(plan.replicated_param_names),
         broadcasts_setup=setup.counts().get("broadcast", 0),
         all_reduces_forward=forward.get("all_reduce", 0),
+        all_reduces_backward=backward.get("all_reduce", 0),
         all_gathers_forward=forward["all_gather"],
         all_gathers_backward=backward.get("all_gather", 0),
         reduce_scatters=backward["reduce_scatter"],
@@ -210,11 +225,12 @@ def test_exact_counts(vision_layers: int, mode: str) -> None:
         counts.all_reduces_forward,
     ) == EXPECTED[(vision_layers, mode)]
     # One all-gather per unit in forward, every unit but the root re-gathered in
-    # backward, one reduce-scatter per (trainable) unit, one guard all-reduce.
+    # backward, one reduce-scatter per (trainable) unit, two checkpoints, one flags.
     assert counts.all_gathers_forward == counts.units
     assert counts.all_gathers_backward == counts.units - 1
     assert counts.reduce_scatters == counts.units
-    assert counts.all_reduces_forward == 1
+    assert counts.all_reduces_forward == 2
+    assert counts.all_reduces_backward == 1
     # Nothing is replicated: the tower is trainable.
     assert (counts.replicated_params, counts.broadcasts_setup) == (0, 0)
 
@@ -243,8 +259,9 @@ def test_exact_counts_with_a_frozen_tower(vision_layers: int, policy: str) -> No
         assert counts.replicated_params == norms
         hidden = DeepseekV41Config.tiny().vision_hidden
         assert counts.broadcast_bytes_setup == norms * hidden * 4
-    # The guard runs only where the tower owns units.
-    assert counts.all_reduces_forward == (1 if policy == "per_layer" else 0)
+    # The schedule check runs only where the tower owns units.
+    assert counts.all_reduces_forward == (2 if policy == "per_layer" else 0)
+    assert counts.all_reduces_backward == 1
     assert counts.all_gathers_forward == counts.units
     # Only the text layers are re-gathered in backward; text layers and root reduce.
     text_layers = DeepseekV41Config.tiny().text_layers

@@ -159,12 +159,16 @@ def test_reshard_false_and_partial_reshard() -> None:
 def test_hsdp_adds_one_all_reduce_of_the_shard_per_reduce_scatter() -> None:
     costs = costs_for("per_layer", world=8, dp_replicate=2)
     assert costs.mesh.dp_shard == 4
-    assert costs.comm.count("all_reduce", "backward") == costs.comm.count(
+    # Besides the unused-params hook's usage flags (one all-reduce per mesh dimension).
+    hooks = costs.extra.count("all_reduce", "backward")
+    assert hooks == 2
+    assert costs.comm.count("all_reduce", "backward") - hooks == costs.comm.count(
         "reduce_scatter", "backward"
     )
-    assert costs.comm.bytes("all_reduce", "backward") * 4 == costs.comm.bytes(
-        "reduce_scatter", "backward"
+    shard_bytes = costs.comm.bytes("all_reduce", "backward") - costs.extra.bytes(
+        "all_reduce", "backward"
     )
+    assert shard_bytes * 4 == costs.comm.bytes("reduce_scatter", "backward")
     pure = costs_for("per_layer", world=4, dp_replicate=4)  # shard group of one
     assert pure.comm.count("all_gather") == pure.comm.count("reduce_scatter") == 0
     assert pure.comm.count("all_reduce") > 0
@@ -264,7 +268,14 @@ def test_plain_model_parallelizer_plans_are_costed_too() -> None:
     plan = ModelParallelizer().plan(model, mp_policy=MP)
     costs = plan_costs(plan, model, world_size=2)
     assert costs.comm.count("all_gather", "forward") == len(costs.units)
-    assert costs.extra.count() == 0
+    # Only the unused-params hook: one all-reduce of the usage flags per backward.
+    assert [(k, costs.extra.count(k)) for k in ("all_reduce", "all_gather")] == [
+        ("all_reduce", 1),
+        ("all_gather", 0),
+    ]
+    assert costs.extra.bytes("all_reduce", "backward") == sum(
+        1 for p in model.parameters() if p.requires_grad
+    )
 
 
 def test_ungroup_units_splits_groups() -> None:

@@ -22,6 +22,7 @@ from fsdp_core import (
     ModelParallelizer,
     ShardingPlan,
     build_mesh,
+    installed_hooks,
     mixed_precision_policy,
 )
 from fsdp_core.testing import fake_process_group
@@ -719,13 +720,14 @@ MODELS = {"frozen": frozen_vlm, "trainable": Vlm, "merger": merger_trainable_vlm
 
 
 @pytest.mark.parametrize(("kind", "policy", "owners"), GUARDED)
-def test_uneven_media_guard_only_where_multimodal_modules_own_units(
+def test_schedule_check_only_where_multimodal_modules_own_units(
     mesh2: DeviceMesh, kind: str, policy: str, owners: list[str]
 ) -> None:
     model = MODELS[kind]()
     parallelizer = MultimodalParallelizer(frozen_multimodal_sharding=policy)
     plan = parallelizer.plan(model, mp_policy=mixed_precision_policy("bf16", "fp32"))
     assert parallelizer.modules_with_units(model, plan) == owners
+    assert ("schedule_check" in plan.hook_names()) == bool(owners)
     parallelizer.apply_plan(model, plan, mesh=mesh2)
     counter = CommCounter()
     with counter:
@@ -734,26 +736,24 @@ def test_uneven_media_guard_only_where_multimodal_modules_own_units(
                 logits = model(torch.randn(2, 3, PATCH), torch.randint(0, VOCAB, (2, 5)))
             with counter.phase("backward"):
                 logits.float().pow(2).mean().backward()
-    # One 2-element all-reduce per forward where guarded (the fake group's all-reduce
-    # returns the local values, so the ranks "agree"), none otherwise.
-    guard = [(r.phase, r.nbytes) for r in counter.records if r.kind == "all_reduce"]
-    assert guard == ([("forward", 8)] * 2 if owners else [])
+    # Two 16-byte checkpoints per forward where checked (the tower's entry and the first
+    # unit after it; the fake group's all-reduce returns the local values, so the ranks
+    # "agree"), none otherwise; one usage-flag all-reduce per backward everywhere.
+    checks = [r.phase for r in counter.records if r.kind == "all_reduce" and r.nbytes == 16]
+    assert checks == (["forward"] * 4 if owners else [])
+    flags = [r.phase for r in counter.records if r.kind == "all_reduce" and r.dtype == torch.uint8]
+    assert flags == ["backward"] * 2
 
 
-def test_uneven_media_guard_warns_when_forward_names_no_media(
-    mesh2: DeviceMesh, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_schedule_check_needs_no_media_argument_names(mesh2: DeviceMesh) -> None:
+    """It watches where ranks are, not the forward's arguments: any signature works."""
     model = VlmWithoutMediaArgument()
     model.vision_tower.requires_grad_(False)
-    with caplog.at_level("WARNING", logger="multimodal_fsdp.uneven"):
-        apply("per_layer", model, mesh2)
-    (record,) = [r for r in caplog.records if r.name == "multimodal_fsdp.uneven"]
-    message = record.getMessage()
-    assert message.startswith("VlmWithoutMediaArgument.forward takes none of ")
-    assert "cannot be detected and would hang the units of ['vision_tower']" in message
+    apply("per_layer", model, mesh2)
+    assert "schedule_check" in installed_hooks(model)
     with CommCounter() as counter:
         step(model)
-    assert "all_reduce" not in counter.counts()
+    assert sum(1 for r in counter.records if r.kind == "all_reduce" and r.nbytes == 16) == 2
 
 
 # --- communication per policy --------------------------------------------------------------
@@ -829,19 +829,22 @@ def test_frozen_units_are_never_reduce_scattered(step_counters: dict[str, CommCo
     assert len(reduce_bytes) == 1
 
 
-def test_a_step_runs_only_all_gathers_and_reduce_scatters_and_the_media_guard(
+def test_a_step_runs_only_all_gathers_and_reduce_scatters_and_the_runtime_hooks(
     step_counters: dict[str, CommCounter],
 ) -> None:
     for policy, counter in step_counters.items():
-        expected = {"all_gather", "reduce_scatter"}
+        assert set(counter.counts()) == {"all_gather", "reduce_scatter", "all_reduce"}, policy
+        hooks = [(r.phase, r.nbytes, r.dtype) for r in counter.records if r.kind == "all_reduce"]
+        # unused_params: one flag per trainable parameter tensor, once per backward.
+        trainable = sum(1 for p in frozen_vlm().parameters() if p.requires_grad)
+        flags = ("backward", trainable, torch.uint8)
         if policy == "per_layer":
-            # The tower owns units, so the uneven-media guard runs: one 2-element fp32
-            # all-reduce per forward, before any all-gather.
-            expected.add("all_reduce")
-            guard = [r for r in counter.records if r.kind == "all_reduce"]
-            assert [(r.phase, r.nbytes, r.dtype) for r in guard] == [("forward", 8, torch.float32)]
-            assert counter.records[0].kind == "all_reduce"
-        assert set(counter.counts()) == expected, policy
+            # The tower owns units: its entry checkpoint comes before its first all-gather,
+            # and one more checkpoint comes before the first unit after it.
+            checks = [("forward", 16, torch.int64)] * 2
+            assert hooks == [*checks, flags], policy
+        else:
+            assert hooks == [flags], policy
         assert {r.dtype for r in counter.records if r.kind == "all_gather"} == {torch.bfloat16}
 
 

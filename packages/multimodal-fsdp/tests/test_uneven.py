@@ -1,291 +1,345 @@
-"""Unit tests for multimodal_fsdp.uneven: detecting media in a call, and the guard that
-makes ranks agree on it before each forward.
+"""Unit tests for multimodal_fsdp.uneven: where the schedule checkpoints sit, what they
+cost, and that disagreeing ranks stop before any mismatched collective.
 
-The guard's collective runs under the single-process ``fake`` backend, whose
-all-reduce leaves the local values in place (every "rank" agrees); disagreement
-is emulated by patching ``dist.all_reduce`` to merge in another rank's flag.
+The model is sharded under the single-process ``fake`` backend (exact collectives,
+meaningless numbers). Its all-reduce leaves local values in place, so every "rank"
+agrees with itself; another rank is emulated by recording the positions a forward
+with *its* batch reports and merging them into this rank's checkpoints.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
-from fsdp_core import CommCounter
+from fsdp_core import CommCounter, build_mesh, installed_hooks, mixed_precision_policy
 from fsdp_core.testing import fake_process_group
-from multimodal_fsdp.uneven import (
-    DEFAULT_MEDIA_INPUTS,
-    UnevenMediaError,
-    batch_has_media,
-    install_uneven_media_guard,
-)
+from multimodal_fsdp import MultimodalParallelizer, UnevenMediaError
+from multimodal_fsdp import uneven as uneven_module
+from multimodal_fsdp.uneven import CHECKPOINT_BYTES, ScheduleCheck
 
-CPU = torch.device("cpu")
-IMAGE = torch.ones(1, 3, 4, 4)
+DIM = 8
+FP32 = mixed_precision_policy("fp32", "fp32")
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.fc(x)
+
+
+class Tower(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class Cross(nn.Module):
+    """Needs the media features: the decoder skips it without them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+
+    def forward(self, x: Tensor, media: Tensor) -> Tensor:
+        return x + self.fc(media.mean(0))
+
+
+class SelfLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+
+    def forward(self, x: Tensor, media: Tensor | None = None) -> Tensor:
+        return x + self.fc(x)
 
 
 class Vlm(nn.Module):
-    """A forward with a media argument (after a text one, HF style)."""
+    """A tower run once per media kind, a projector, a decoder (``cross`` adds a
+    cross-attention layer at position ``cross``), a head."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, cross: int | None = None, layers: int = 3) -> None:
         super().__init__()
-        self.proj = nn.Linear(4, 4)
-        self.calls = 0
+        self.vision_tower = Tower()
+        self.multi_modal_projector = nn.Linear(DIM, DIM)
+        self.layers = nn.ModuleList(Cross() if i == cross else SelfLayer() for i in range(layers))
+        self.head = nn.Linear(DIM, 2)
 
     def forward(
-        self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        self.calls += 1
-        return self.proj(input_ids.float())
+        self, x: Tensor, pixel_values: Tensor | None = None, videos: Tensor | None = None
+    ) -> Tensor:
+        feats = [self.vision_tower(p) for p in (pixel_values, videos) if p is not None]
+        media = self.multi_modal_projector(torch.cat(feats)) if feats else None
+        for layer in self.layers:
+            if isinstance(layer, Cross):
+                if media is None:
+                    continue
+                x = layer(x, media)
+            else:
+                x = layer(x)
+        return self.head(x)
 
 
-class TextOnly(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(4, 4)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: Any = None) -> torch.Tensor:
-        return self.proj(input_ids.float())
+def images(n: int = 1) -> Tensor:
+    return torch.randn(n, DIM)
 
 
-def text() -> torch.Tensor:
-    return torch.zeros(2, 4)
+@pytest.fixture
+def fake2() -> Iterator[None]:
+    with fake_process_group(2):
+        yield
 
 
-@pytest.fixture(autouse=True)
-def _no_process_group_leak() -> Iterator[None]:
-    """Fail (and clean up) a test that leaves a process group initialised."""
-    assert not dist.is_initialized(), "a process group leaked into this test"
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-        pytest.fail("the test left a process group initialised")
+def shard(
+    model: nn.Module, policy: str = "per_layer", **options: Any
+) -> tuple[nn.Module, ScheduleCheck | None]:
+    parallelizer = MultimodalParallelizer(frozen_multimodal_sharding=policy, **options)
+    plan = parallelizer.plan(model, mp_policy=FP32)
+    parallelizer.apply_plan(model, plan, mesh=build_mesh())
+    check = installed_hooks(model).get("schedule_check")
+    assert check is None or isinstance(check, ScheduleCheck)
+    return model, check
 
 
-# --- batch_has_media -------------------------------------------------------------------------
+def frozen_tower(**kwargs: Any) -> Vlm:
+    model = Vlm(**kwargs)
+    model.vision_tower.requires_grad_(False)
+    return model
 
 
-def forward(input_ids: Any = None, pixel_values: Any = None, input_features: Any = None) -> None:
-    """A signature with two media arguments (image and audio)."""
+class OtherRank:
+    """Plays a second rank: the positions it reports, merged into this rank's checkpoints."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.tokens: list[int] = []
+        self.recording = True
+        self.merged = 0
+        real = uneven_module.all_reduce_max_over_mesh
+
+        def all_reduce(tensor: Tensor, mesh: Any) -> Tensor:
+            real(tensor, mesh)
+            if self.recording:
+                self.tokens.append(int(tensor[0]))
+            else:
+                other = self.tokens[self.merged] if self.merged < len(self.tokens) else -1
+                self.merged += 1
+                tensor.copy_(torch.maximum(tensor, torch.tensor([other, -other])))
+            return tensor
+
+        monkeypatch.setattr(uneven_module, "all_reduce_max_over_mesh", all_reduce)
+
+
+def small_all_reduces(counter: CommCounter) -> int:
+    return sum(1 for r in counter.records if r.kind == "all_reduce" and r.nbytes == 16)
+
+
+# --- where the checkpoints are ---------------------------------------------------------------
+
+
+def test_a_frozen_per_layer_tower_is_one_region_with_two_checkpoints(fake2: None) -> None:
+    _, check = shard(frozen_tower())
+    assert check is not None
+    (region,) = check.layout.regions
+    assert (region.path, region.kind, region.frozen) == ("vision_tower", "tower", True)
+    assert region.units == ("vision_tower.blocks.0", "vision_tower.blocks.1")
+    assert check.layout.successors == {"layers.0"}
+    assert check.layout.end_check is False
+    # The tower's entry, then the first unit after it.
+    assert check.layout.checkpoints_per_forward() == 2
+
+
+@pytest.mark.parametrize(("cross", "end"), [(1, False), (2, True)])
+def test_a_cross_attention_layer_is_a_region_even_under_root(
+    fake2: None, cross: int, end: bool
+) -> None:
+    _, check = shard(frozen_tower(cross=cross), policy="root")
+    assert check is not None
+    (region,) = check.layout.regions
+    assert (region.path, region.kind) == (f"layers.{cross}", "decoder layer")
+    assert check.layout.end_check is end
+    assert check.layout.successors == (set() if end else {f"layers.{cross + 1}"})
+    # First unit after the root starts, the layer's entry, then its successor (or the end).
+    assert check.layout.checkpoints_per_forward() == 3
+
+
+def test_no_region_no_check(fake2: None) -> None:
+    for policy in ("root", "replicate"):
+        model, check = shard(frozen_tower(), policy=policy)
+        assert check is None
+        with CommCounter() as counter:
+            model(torch.randn(2, DIM), images()).sum().backward()
+        assert small_all_reduces(counter) == 0, policy
+
+
+@pytest.mark.parametrize(("kinds", "expected"), [((1, 0), 2), ((1, 1), 3), ((0, 0), 1)])
+def test_each_tower_call_is_one_checkpoint(
+    fake2: None, kinds: tuple[int, int], expected: int
+) -> None:
+    model, check = shard(frozen_tower())
+    assert check is not None
+    pixels = images() if kinds[0] else None
+    videos = images(3) if kinds[1] else None
+    with CommCounter() as counter:
+        model(torch.randn(2, DIM), pixels, videos).sum().backward()
+    assert check.last_checkpoints == expected
+    assert small_all_reduces(counter) == expected
+    checks = [r for r in counter.records if r.kind == "all_reduce" and r.nbytes == 16]
+    assert {(r.phase, r.dtype, r.nbytes) for r in checks} == {
+        ("unspecified", torch.int64, CHECKPOINT_BYTES)
+    }
+
+
+def test_a_forward_recomputed_in_backward_is_not_checked(fake2: None) -> None:
+    model = Vlm()
+    model.vision_tower.blocks[0].forward = lambda x, f=model.vision_tower.blocks[0].forward: (
+        checkpoint(f, x, use_reentrant=False)
+    )
+    model, check = shard(model)
+    assert check is not None
+    with CommCounter() as counter:
+        with counter.phase("forward"):
+            loss = model(torch.randn(2, DIM), images()).sum()
+        with counter.phase("backward"):
+            loss.backward()
+    checks = [r.phase for r in counter.records if r.kind == "all_reduce" and r.nbytes == 16]
+    assert checks == ["forward", "forward"]
+
+
+# --- disagreement --------------------------------------------------------------------------------
+
+
+def _tower_gathers(counter: CommCounter) -> int:
+    # Tower blocks: fc weight 8x8 + bias 8, fp32, world 2 -> 288 bytes gathered.
+    return sum(1 for r in counter.records if r.kind == "all_gather" and r.nbytes == 288)
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "expected"),
+    ("mine", "theirs", "at"),
     [
-        ({"pixel_values": IMAGE}, True),
-        ({"input_features": torch.zeros(1, 80, 10)}, True),
-        ({"input_ids": text()}, False),
-        ({}, False),
-        ({"pixel_values": None}, False),
-        ({"pixel_values": torch.empty(0, 3, 4, 4)}, False),
-        ({"pixel_values": []}, False),
-        ({"pixel_values": ()}, False),
-        ({"pixel_values": {}}, False),
-        ({"pixel_values": [None, None]}, False),
-        ({"pixel_values": [torch.empty(0)]}, False),
-        ({"pixel_values": [None, IMAGE]}, True),
-        ({"pixel_values": {"a": None, "b": IMAGE}}, True),
-        ({"pixel_values": [[], [IMAGE]]}, True),
-        ({"pixel_values": "an image path"}, True),  # anything else counts as media
-        ({"pixel_values": None, "input_features": torch.ones(1)}, True),
+        ((1, 0), (0, 0), "'vision_tower' (call 1"),
+        ((0, 0), (1, 0), "'layers.0' (call 1"),
+        ((1, 1), (1, 0), "'vision_tower' (call 2"),
     ],
+    ids=["media-vs-text", "text-vs-media", "two-calls-vs-one"],
 )
-def test_batch_has_media_from_keyword_arguments(kwargs: dict[str, Any], expected: bool) -> None:
-    assert batch_has_media(forward, (), kwargs, DEFAULT_MEDIA_INPUTS) is expected
+def test_disagreeing_ranks_stop_before_a_mismatched_collective(
+    fake2: None,
+    monkeypatch: pytest.MonkeyPatch,
+    mine: tuple[int, int],
+    theirs: tuple[int, int],
+    at: str,
+) -> None:
+    model, _ = shard(frozen_tower())
+    other = OtherRank(monkeypatch)
+    x = torch.randn(2, DIM)
+
+    def batch(kinds: tuple[int, int]) -> tuple[Tensor | None, Tensor | None]:
+        return (images() if kinds[0] else None, images() if kinds[1] else None)
+
+    with torch.no_grad():
+        model(x, *batch(theirs))  # what the other rank reports
+    other.recording = False
+    counter = CommCounter()
+    with counter, pytest.raises(UnevenMediaError) as info:
+        model(x, *batch(mine))
+    message = str(info.value)
+    assert at in message
+    assert "tower 'vision_tower'" in message
+    assert "uneven_media=True" in message
+    assert "frozen_multimodal_sharding='root' or 'replicate'" in message
+    # Raised at a checkpoint, before the extra tower call's all-gathers.
+    tower_calls_both_agree_on = min(mine[0] + mine[1], theirs[0] + theirs[1])
+    assert _tower_gathers(counter) == 2 * tower_calls_both_agree_on
 
 
-def test_batch_has_media_binds_positional_arguments_to_the_signature() -> None:
-    assert batch_has_media(forward, (text(), IMAGE), {}, DEFAULT_MEDIA_INPUTS) is True
-    assert batch_has_media(forward, (text(), None), {}, DEFAULT_MEDIA_INPUTS) is False
-    assert batch_has_media(forward, (text(), None, IMAGE), {}, DEFAULT_MEDIA_INPUTS) is True
-    assert batch_has_media(forward, (text(),), {}, DEFAULT_MEDIA_INPUTS) is False
-    # Mixed: positional text, media by keyword.
-    assert batch_has_media(forward, (text(),), {"pixel_values": IMAGE}, DEFAULT_MEDIA_INPUTS)
+def test_agreeing_ranks_train(fake2: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, _ = shard(frozen_tower())
+    other = OtherRank(monkeypatch)
+    x = torch.randn(2, DIM)
+    with torch.no_grad():
+        model(x, images(), images(2))
+    other.recording = False
+    model(x, images(3), images(1)).sum().backward()  # other counts, same calls
+    assert other.merged == 3
 
 
-def test_batch_has_media_binds_the_arguments_of_a_bound_module_forward() -> None:
+def test_a_text_only_rank_beside_a_media_rank_stops_at_a_cross_layer(
+    fake2: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, _ = shard(frozen_tower(cross=1), policy="root")
+    other = OtherRank(monkeypatch)
+    x = torch.randn(2, DIM)
+    with torch.no_grad():
+        model(x, images())
+    other.recording = False
+    with pytest.raises(UnevenMediaError) as info:
+        model(x)
+    message = str(info.value)
+    assert "decoder layer 'layers.1'" in message
+    assert "'layers.2' (call 1" in message  # this rank skipped layers.1
+    assert "frozen_multimodal_sharding" not in message  # not a frozen-tower matter
+
+
+# --- uneven_media=True ---------------------------------------------------------------------------
+
+
+def test_uneven_media_folds_regions_into_the_root(fake2: None) -> None:
+    trainable = Vlm(cross=1)
+    parallelizer = MultimodalParallelizer(uneven_media=True)
+    plan = parallelizer.plan(trainable, mp_policy=FP32)
+    assert [u.label for u in plan.units] == ["layers.0", "layers.2", "<root>"]
+    assert "schedule_check" not in plan.hook_names()
+    assert any("join the root unit" in note for note in plan.notes)
+    parallelizer.apply_plan(trainable, plan, mesh=build_mesh())
+    with CommCounter() as counter:
+        trainable(torch.randn(2, DIM)).sum().backward()  # text only: fine on any rank
+    assert small_all_reduces(counter) == 0
+
+
+def test_uneven_media_refuses_per_layer() -> None:
+    with pytest.raises(ValueError, match="with uneven_media=True use 'root' or 'replicate'"):
+        MultimodalParallelizer(frozen_multimodal_sharding="per_layer", uneven_media=True)
+    base = MultimodalParallelizer(uneven_media=True)
+    with pytest.raises(ValueError, match="uneven_media=True"):
+        base.with_options(frozen_multimodal_sharding="per_layer")
+    with pytest.raises(TypeError, match="uneven_media must be a bool"):
+        MultimodalParallelizer(uneven_media="yes")  # type: ignore[arg-type]
+
+
+def test_uneven_media_refuses_odd_dtype_units_inside_a_tower() -> None:
     model = Vlm()
-    assert batch_has_media(model.forward, (text(), IMAGE), {}, DEFAULT_MEDIA_INPUTS) is True
-    assert batch_has_media(model.forward, (text(),), {}, DEFAULT_MEDIA_INPUTS) is False
-    assert batch_has_media(model.forward, (text(), None), {}, DEFAULT_MEDIA_INPUTS) is False
+    model.vision_tower.blocks[0].to(torch.bfloat16)  # its own dtype island: a unit
+    with pytest.raises(ValueError, match="still need units of their own: 'vision_tower'"):
+        MultimodalParallelizer(uneven_media=True).plan(model, mp_policy=FP32)
 
 
-def test_batch_has_media_is_none_when_the_signature_names_no_media() -> None:
-    def text_forward(input_ids: Any = None, attention_mask: Any = None) -> None:
-        pass
-
-    assert batch_has_media(text_forward, (text(),), {}, DEFAULT_MEDIA_INPUTS) is None
-    assert batch_has_media(TextOnly().forward, (text(),), {}, DEFAULT_MEDIA_INPUTS) is None
-    # Media arguments outside the given names do not count.
-    assert batch_has_media(forward, (), {"pixel_values": IMAGE}, ("images",)) is None
+def test_schedule_check_can_be_disabled(fake2: None) -> None:
+    model, check = shard(frozen_tower(), disabled_hooks=("schedule_check",))
+    assert check is None
+    with CommCounter() as counter:
+        model(torch.randn(2, DIM), images()).sum().backward()
+    assert small_all_reduces(counter) == 0
 
 
-def test_batch_has_media_follows_the_given_names() -> None:
-    def custom(tokens: Any = None, scans: Any = None) -> None:
-        pass
-
-    assert batch_has_media(custom, (text(), IMAGE), {}, ("scans",)) is True
-    assert batch_has_media(custom, (text(),), {}, ("scans",)) is False
-    # Only the given names are looked at: input_features is not one of them here.
-    assert batch_has_media(forward, (), {"input_features": IMAGE}, ["pixel_values"]) is False
-
-
-def test_batch_has_media_falls_back_to_keywords_when_binding_fails() -> None:
-    # Too many positional arguments: nothing can be bound, only kwargs are read.
-    assert batch_has_media(forward, (1, 2, 3, 4), {}, DEFAULT_MEDIA_INPUTS) is False
-
-
-def test_default_media_inputs_cover_common_signatures() -> None:
-    for name in ("pixel_values", "pixel_values_videos", "input_features", "input_values"):
-        assert name in DEFAULT_MEDIA_INPUTS
-    assert len(set(DEFAULT_MEDIA_INPUTS)) == len(DEFAULT_MEDIA_INPUTS)
-
-
-# --- install_uneven_media_guard ----------------------------------------------------------------
+def test_unknown_hook_names_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown runtime hook 'schedule'; valid names: "):
+        MultimodalParallelizer(disabled_hooks=("schedule",))
+    with pytest.raises(TypeError, match="disabled_hooks must be a collection"):
+        MultimodalParallelizer(disabled_hooks="schedule_check")  # type: ignore[arg-type]
 
 
 def test_uneven_media_error_is_a_runtime_error() -> None:
     assert issubclass(UnevenMediaError, RuntimeError)
-
-
-def test_guard_is_not_installed_without_media_arguments(caplog: pytest.LogCaptureFixture) -> None:
-    model = TextOnly()
-    with caplog.at_level(logging.WARNING, logger="multimodal_fsdp.uneven"):
-        assert install_uneven_media_guard(model, modules=["vision_tower"], device=CPU) is False
-    (record,) = caplog.records
-    assert record.levelno == logging.WARNING
-    assert record.getMessage() == (
-        f"TextOnly.forward takes none of {DEFAULT_MEDIA_INPUTS}; uneven media across ranks "
-        "cannot be detected and would hang the units of ['vision_tower']"
-    )
-    assert not model._forward_pre_hooks
-    with fake_process_group(2), CommCounter() as counter:
-        model(text())
-    assert counter.records == []
-
-
-def test_guard_is_not_installed_without_modules(caplog: pytest.LogCaptureFixture) -> None:
-    model = Vlm()
-    with caplog.at_level(logging.WARNING, logger="multimodal_fsdp.uneven"):
-        assert install_uneven_media_guard(model, modules=[], device=CPU) is False
-    assert caplog.records == []
-    assert not model._forward_pre_hooks
-
-
-def test_guard_is_not_installed_twice() -> None:
-    model = Vlm()
-    assert install_uneven_media_guard(model, modules=["vision_tower"], device=CPU) is True
-    assert len(model._forward_pre_hooks) == 1
-    assert install_uneven_media_guard(model, modules=["vision_tower"], device=CPU) is False
-    assert install_uneven_media_guard(model, modules=["audio_tower"], device=CPU) is False
-    assert len(model._forward_pre_hooks) == 1
-    with fake_process_group(2), CommCounter() as counter:
-        model(text(), IMAGE)
-    assert counter.counts() == {"all_reduce": 1}
-
-
-def test_guard_follows_custom_media_names() -> None:
-    model = TextOnly()
-    assert install_uneven_media_guard(
-        model, modules=["tower"], device=CPU, media_inputs=("attention_mask",)
-    )
-    with fake_process_group(2), CommCounter() as counter:
-        model(text())
-    assert counter.counts() == {"all_reduce": 1}
-
-
-@pytest.mark.parametrize(
-    "call",
-    [
-        lambda m: m(text(), IMAGE),
-        lambda m: m(text(), pixel_values=IMAGE),
-        lambda m: m(text()),
-        lambda m: m(text(), None),
-        lambda m: m(input_ids=text(), pixel_values=torch.empty(0, 3, 4, 4)),
-    ],
-    ids=["positional", "keyword", "missing", "none", "empty"],
-)
-def test_guard_runs_one_all_reduce_per_forward(call: Callable[[nn.Module], Any]) -> None:
-    model = Vlm()
-    assert install_uneven_media_guard(model, modules=["vision_tower"], device=CPU)
-    with fake_process_group(2):
-        counter = CommCounter()
-        with counter:
-            for _ in range(3):
-                call(model)  # the fake group agrees with itself: no error
-    assert model.calls == 3
-    assert [(r.kind, r.nbytes, r.dtype) for r in counter.records] == [
-        ("all_reduce", 8, torch.float32)
-    ] * 3
-
-
-def test_guard_issues_no_collective_on_a_single_rank() -> None:
-    model = Vlm()
-    assert install_uneven_media_guard(model, modules=["vision_tower"], device=CPU)
-    with CommCounter() as counter:
-        model(text(), IMAGE)  # no process group at all
-    with fake_process_group(1), counter:
-        model(text())  # a group of one
-    assert counter.records == []
-    assert model.calls == 2
-
-
-def emulate_other_rank(monkeypatch: pytest.MonkeyPatch, *, other_has_media: bool) -> list[Any]:
-    """Make ``dist.all_reduce`` (MAX) merge in the flags of a second rank; returns the calls."""
-    calls: list[Any] = []
-    flag = 1.0 if other_has_media else 0.0
-
-    def all_reduce(tensor: torch.Tensor, op: Any = None, **_: Any) -> None:
-        calls.append(op)
-        tensor.copy_(torch.maximum(tensor, torch.tensor([flag, -flag])))
-
-    monkeypatch.setattr(dist, "all_reduce", all_reduce)
-    return calls
-
-
-@pytest.mark.parametrize(("local", "other"), [(True, False), (False, True)])
-def test_guard_raises_the_same_error_when_ranks_disagree(
-    monkeypatch: pytest.MonkeyPatch, local: bool, other: bool
-) -> None:
-    model = Vlm()
-    assert install_uneven_media_guard(model, modules=["vision_tower", "audio_tower"], device=CPU)
-    with fake_process_group(2):
-        calls = emulate_other_rank(monkeypatch, other_has_media=other)
-        with pytest.raises(UnevenMediaError) as info:
-            model(text(), IMAGE if local else None)
-    assert calls == [dist.ReduceOp.MAX]
-    assert model.calls == 0  # raised before the forward ran
-    message = str(info.value)
-    assert message.startswith("rank 0: some ranks have media in this batch and others do not")
-    assert "'vision_tower', 'audio_tower' own FSDP units" in message
-    assert "frozen_multimodal_sharding='root' or 'replicate'" in message
-
-
-@pytest.mark.parametrize("media", [True, False])
-def test_guard_passes_when_ranks_agree(monkeypatch: pytest.MonkeyPatch, media: bool) -> None:
-    model = Vlm()
-    assert install_uneven_media_guard(model, modules=["vision_tower"], device=CPU)
-    with fake_process_group(2):
-        calls = emulate_other_rank(monkeypatch, other_has_media=media)
-        model(text(), IMAGE if media else None)
-    assert calls == [dist.ReduceOp.MAX]
-    assert model.calls == 1
-
-
-def test_guard_runs_before_other_forward_pre_hooks() -> None:
-    """Prepended, so its all-reduce comes before FSDP's pre-forward all-gathers."""
-    model = Vlm()
-    counter = CommCounter()
-    seen: list[tuple[str, int]] = []
-    model.register_forward_pre_hook(lambda *_: seen.append(("earlier", len(counter.records))))
-    assert install_uneven_media_guard(model, modules=["vision_tower"], device=CPU)
-    model.register_forward_pre_hook(lambda *_: seen.append(("later", len(counter.records))))
-    with fake_process_group(2), counter:
-        model(text(), IMAGE)
-    assert seen == [("earlier", 1), ("later", 1)]

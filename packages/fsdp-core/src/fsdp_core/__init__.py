@@ -6,11 +6,7 @@ torch capability flags, and the :class:`ModelParallelizer` strategy base.
 
 from fsdp_core import compat
 from fsdp_core.__about__ import __version__
-from fsdp_core.accumulation import (
-    install_unshard_warmup,
-    make_accumulation_safe,
-    reduce_scatter_unused_params,
-)
+from fsdp_core.accumulation import AccumulationWarmup, install_unshard_warmup
 from fsdp_core.checkpoint import (
     export_full_state_dict,
     load_checkpoint,
@@ -36,8 +32,10 @@ from fsdp_core.dtype_units import (
     group_islands,
     shard_groups_then_module,
 )
+from fsdp_core.internals import FSDPInternalsError, check_internals
 from fsdp_core.materialize import copy_full_into_, load_full_state_dict, materialize_from_full
 from fsdp_core.mesh import MeshShape, build_mesh, resolve_mesh_shape
+from fsdp_core.mesh_collectives import all_reduce_max_over_mesh, mesh_device, mesh_groups
 from fsdp_core.parallelizer import ModelParallelizer, PlanContext, parameter_names
 from fsdp_core.plan import (
     ShardCall,
@@ -56,6 +54,14 @@ from fsdp_core.precision import (
     parse_dtype,
 )
 from fsdp_core.reference import ReferenceResult, emulate_data_parallel
+from fsdp_core.runtime import (
+    BackwardWatch,
+    HookPlan,
+    InstalledHook,
+    installed_hooks,
+    register_installed_hook,
+    remove_runtime_hooks,
+)
 from fsdp_core.sharding import (
     apply_fully_shard,
     check_reshard_after_forward,
@@ -63,6 +69,7 @@ from fsdp_core.sharding import (
     owned_ignored_params,
     shard_group_size,
 )
+from fsdp_core.unused_params import UnusedParamsHook, install_unused_params_hook
 
 __all__ = [
     "exit_rank",
@@ -77,8 +84,20 @@ __all__ = [
     "materialize_from_full",
     "save_checkpoint",
     "install_unshard_warmup",
-    "make_accumulation_safe",
-    "reduce_scatter_unused_params",
+    "AccumulationWarmup",
+    "UnusedParamsHook",
+    "install_unused_params_hook",
+    "HookPlan",
+    "InstalledHook",
+    "BackwardWatch",
+    "installed_hooks",
+    "register_installed_hook",
+    "remove_runtime_hooks",
+    "FSDPInternalsError",
+    "check_internals",
+    "all_reduce_max_over_mesh",
+    "mesh_device",
+    "mesh_groups",
     "CollectiveRecord",
     "CommCounter",
     "collective_kind",

@@ -6,7 +6,34 @@ from collections.abc import Iterator
 
 from torch import nn
 
-__all__ = ["is_module_container", "container_items", "iter_layer_items", "join_path"]
+__all__ = [
+    "is_module_container",
+    "container_items",
+    "iter_layer_items",
+    "join_path",
+    "unwrap_module",
+]
+
+#: Attributes under which wrappers keep the module they wrap: torch's activation
+#: checkpointing (``checkpoint_wrapper``) and ``torch.compile`` (``OptimizedModule``).
+_WRAPPED_ATTRS = ("_checkpoint_wrapped_module", "_orig_mod")
+
+
+def unwrap_module(module: nn.Module) -> nn.Module:
+    """The module inside activation-checkpoint and compile wrappers (any depth)."""
+    for _ in range(16):
+        inner = next(
+            (
+                wrapped
+                for attr in _WRAPPED_ATTRS
+                if isinstance(wrapped := getattr(module, attr, None), nn.Module)
+            ),
+            None,
+        )
+        if inner is None:
+            break
+        module = inner
+    return module
 
 
 def join_path(prefix: str, name: str) -> str:

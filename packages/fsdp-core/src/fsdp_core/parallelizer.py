@@ -8,25 +8,30 @@ packages subclass this and override the planning hooks and that method.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from fsdp_core.accumulation import make_accumulation_safe
+from fsdp_core import internals
+from fsdp_core.accumulation import install_unshard_warmup
 from fsdp_core.containers import iter_layer_items
 from fsdp_core.dtype_units import find_dtype_islands, group_islands
-from fsdp_core.plan import ShardCall, ShardingPlan, UnitPlan
+from fsdp_core.plan import ShardCall, ShardingPlan, UnitPlan, unit_parameters
 from fsdp_core.precision import island_policy
+from fsdp_core.runtime import HookPlan, InstalledHook, register_installed_hook
 from fsdp_core.sharding import (
     ShardTarget,
     apply_fully_shard,
     check_reshard_after_forward,
     shard_group_size,
 )
+from fsdp_core.unused_params import install_unused_params_hook
 
 __all__ = ["PlanContext", "ModelParallelizer", "parameter_names"]
 
@@ -104,13 +109,19 @@ class ModelParallelizer:
     """Shard each layer-container item as an FSDP unit, then the root.
 
     Every unit is made dtype-safe (odd-dtype islands split off, see
-    :mod:`fsdp_core.dtype_units`) unless ``dtype_safe=False``.
+    :mod:`fsdp_core.dtype_units`) unless ``dtype_safe=False``. After sharding,
+    the runtime hooks the plan lists (:attr:`ShardingPlan.hooks`) are installed;
+    ``disabled_hooks`` names hooks to leave out (see :attr:`HOOKS`).
     """
 
-    def __init__(self, *, dtype_safe: bool = True) -> None:
+    #: Runtime hooks this parallelizer may plan, by name (subclasses add theirs).
+    HOOKS: ClassVar[tuple[str, ...]] = ("accumulation_warmup", "unused_params")
+
+    def __init__(self, *, dtype_safe: bool = True, disabled_hooks: Iterable[str] = ()) -> None:
         if not isinstance(dtype_safe, bool):
             raise TypeError(f"dtype_safe must be a bool, got {dtype_safe!r}")
         self.dtype_safe = dtype_safe
+        self.disabled_hooks = _check_hook_names(disabled_hooks, self.HOOKS)
 
     # ----------------------------------------------------------------- public API
     def parallelize(
@@ -168,11 +179,13 @@ class ModelParallelizer:
                 continue
             calls.extend(self._plan_calls(path, ctx, reshard_after_forward=reshard_after_forward))
         calls.extend(self._plan_calls("", ctx, reshard_after_forward=reshard_after_forward))
-        return ShardingPlan(
+        plan = ShardingPlan(
             calls=tuple(calls),
             ignored_param_names=tuple(sorted(ctx.ignored_param_names)),
             notes=tuple(self._plan_notes(ctx)),
         )
+        hooks = [h for h in self._plan_hooks(model, plan) if h.name not in self.disabled_hooks]
+        return dataclasses.replace(plan, hooks=tuple(hooks))
 
     def apply_plan(
         self,
@@ -200,9 +213,18 @@ class ModelParallelizer:
                 reshard_after_forward=call.reshard_after_forward,
                 ignored_params=ignored or None,
             )
-        make_accumulation_safe(model)
         self._after_apply(model, plan, mesh=mesh)
-        logger.info("applied %d FSDP units in %d calls", len(plan.units), len(plan.calls))
+        internals.check_internals(model, plan.hook_names())
+        for hook in plan.hooks:
+            installed = self._install_hook(model, plan, hook, mesh=mesh)
+            if installed is not None:
+                register_installed_hook(model, installed)
+        logger.info(
+            "applied %d FSDP units in %d calls; runtime hooks: %s",
+            len(plan.units),
+            len(plan.calls),
+            ", ".join(plan.hook_names()) or "none",
+        )
         return model
 
     # ------------------------------------------------------------ hooks to override
@@ -224,6 +246,46 @@ class ModelParallelizer:
 
     def _plan_notes(self, ctx: PlanContext) -> list[str]:
         return []
+
+    def _plan_hooks(self, model: nn.Module, plan: ShardingPlan) -> list[HookPlan]:
+        """The runtime hooks ``plan`` needs (before ``disabled_hooks`` are taken out)."""
+        trainable = [
+            unit.label
+            for unit, params in zip(plan.units, unit_parameters(plan, model), strict=True)
+            if any(p.requires_grad for _, p in params)
+        ]
+        if not trainable:
+            return []
+        return [
+            HookPlan(
+                name="accumulation_warmup",
+                reason="no-sync backwards stay valid when a unit has not run yet or a "
+                "parameter is first reached by a later micro-batch",
+                targets=tuple(trainable),
+                cost="one all-gather per never-gathered unit, once, in no-sync steps",
+            ),
+            HookPlan(
+                name="unused_params",
+                reason="ranks that skip part of a unit send zeros in its reduce-scatter; "
+                "parameters that no rank used keep grad None",
+                targets=tuple(trainable),
+                cost="one all-reduce of one byte per trainable parameter tensor per "
+                "syncing backward",
+            ),
+        ]
+
+    def _install_hook(
+        self, model: nn.Module, plan: ShardingPlan, hook: HookPlan, *, mesh: DeviceMesh
+    ) -> InstalledHook | None:
+        """Install one planned hook on the sharded ``model`` (subclasses add names)."""
+        if hook.name == "accumulation_warmup":
+            return install_unshard_warmup(model)
+        if hook.name == "unused_params":
+            return install_unused_params_hook(model, mesh=mesh)
+        raise ValueError(
+            f"{type(self).__name__} cannot install a runtime hook named {hook.name!r}; "
+            f"it installs {', '.join(self.HOOKS)}"
+        )
 
     def _before_apply(self, model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> None:
         """Runs once before the first unit is made (e.g. to place replicated parameters)."""
@@ -304,6 +366,22 @@ class ModelParallelizer:
             ignored_param_names=ignored,
             units=units,
         )
+
+
+def _check_hook_names(names: Iterable[str], known: tuple[str, ...]) -> frozenset[str]:
+    if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
+        raise TypeError(
+            f"disabled_hooks must be a collection of hook names, got {type(names).__name__} "
+            f"({names!r}); valid names: {', '.join(known)}"
+        )
+    checked = []
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"disabled_hooks entries must be str, got {type(name).__name__}")
+        if name not in known:
+            raise ValueError(f"unknown runtime hook {name!r}; valid names: {', '.join(known)}")
+        checked.append(name)
+    return frozenset(checked)
 
 
 def _any_divisor(value: object) -> int:

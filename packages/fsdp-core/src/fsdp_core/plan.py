@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from fsdp_core.runtime import HookPlan
+
 __all__ = ["UnitPlan", "ShardCall", "ShardingPlan", "unit_parameters", "format_policy"]
 
 ROOT_LABEL = "<root>"
@@ -71,6 +73,15 @@ class ShardingPlan:
     #: Ignored parameters that the parallelizer keeps whole on every rank itself
     #: (placed, cast and synchronised before sharding); a subset of the ignored ones.
     replicated_param_names: tuple[str, ...] = ()
+    #: The runtime hooks applying the plan installs after sharding (see fsdp_core.runtime).
+    hooks: tuple[HookPlan, ...] = ()
+
+    def hook_names(self) -> tuple[str, ...]:
+        return tuple(hook.name for hook in self.hooks)
+
+    def hook(self, name: str) -> HookPlan | None:
+        """The planned hook called ``name``, if any."""
+        return next((hook for hook in self.hooks if hook.name == name), None)
 
     @property
     def units(self) -> tuple[UnitPlan, ...]:
@@ -104,6 +115,7 @@ class ShardingPlan:
                 f"  ignored parameters: {len(self.ignored_param_names)}"
                 f" ({len(self.replicated_param_names)} replicated by the parallelizer)"
             )
+        lines.extend(f"  hook: {hook.format()}" for hook in self.hooks)
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
 

@@ -5,6 +5,7 @@ Finds towers and projectors, applies the frozen-tower policy (``root``,
 """
 
 from multimodal_fsdp.__about__ import __version__
+from multimodal_fsdp.conditional import find_media_conditional_layers
 from multimodal_fsdp.costs import (
     CommTally,
     PlanCosts,
@@ -41,10 +42,12 @@ from multimodal_fsdp.policy import (
 from multimodal_fsdp.prefetch import guard_backward_prefetch, remove_backward_prefetch_guard
 from multimodal_fsdp.uneven import (
     DEFAULT_MEDIA_INPUTS,
+    MediaRegion,
+    ScheduleCheck,
+    ScheduleLayout,
     UnevenMediaError,
-    batch_has_media,
-    forward_may_take_media,
-    install_uneven_media_guard,
+    install_schedule_check,
+    plan_schedule_layout,
 )
 
 __all__ = [
@@ -63,9 +66,12 @@ __all__ = [
     "remove_backward_prefetch_guard",
     "DEFAULT_MEDIA_INPUTS",
     "UnevenMediaError",
-    "batch_has_media",
-    "forward_may_take_media",
-    "install_uneven_media_guard",
+    "MediaRegion",
+    "ScheduleCheck",
+    "ScheduleLayout",
+    "install_schedule_check",
+    "plan_schedule_layout",
+    "find_media_conditional_layers",
     "MULTIMODAL_MODULE_NAMES",
     "MULTIMODAL_PROJECTOR_NAMES",
     "MULTIMODAL_TOWER_NAMES",

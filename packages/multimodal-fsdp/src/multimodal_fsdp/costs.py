@@ -22,8 +22,10 @@ and per step, FSDP2 (torch 2.13) then issues:
 - backward: one reduce-scatter per unit with trainable parameters (plus one
   all-reduce of the reduced shard per unit on an HSDP mesh);
 - nothing for parameters outside FSDP (``replicate``);
-- forward: one 8-byte all-reduce when the parallelizer adds its uneven-media
-  guard (towers that own units, :mod:`multimodal_fsdp.uneven`).
+- forward: one 16-byte all-reduce per checkpoint (per mesh dimension) of the
+  ``schedule_check`` hook, when media regions own units (:mod:`multimodal_fsdp.uneven`);
+- backward: one all-reduce of one byte per trainable FSDP parameter (per mesh
+  dimension) of the ``unused_params`` hook (:mod:`fsdp_core.unused_params`).
 
 Without the prefetch guard (:mod:`multimodal_fsdp.prefetch`) the unit that
 finishes its forward right after a unit without backward re-gathers that unit
@@ -44,6 +46,7 @@ one early. Transient all-gather staging buffers are not included.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -68,7 +71,7 @@ from fsdp_core import (
 )
 from fsdp_core.containers import join_path
 from multimodal_fsdp.parallelizer import MultimodalParallelizer, MultimodalParts
-from multimodal_fsdp.uneven import forward_may_take_media
+from multimodal_fsdp.uneven import CHECKPOINT_BYTES, plan_schedule_layout
 
 __all__ = [
     "KINDS",
@@ -87,9 +90,6 @@ logger = logging.getLogger(__name__)
 
 PHASES: tuple[str, ...] = ("forward", "backward")
 KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
-
-#: The uneven-media guard's agreement: one all-reduce of two fp32 flags per root forward.
-_GUARD_ALL_REDUCE_BYTES = 2 * 4
 
 
 # --------------------------------------------------------------------------- tallies
@@ -224,7 +224,7 @@ class PlanCosts:
     mesh: MeshShape
     units: tuple[UnitCost, ...]
     comm: CommTally
-    #: Collectives outside FSDP units (the uneven-media guard), included in ``comm``.
+    #: Collectives outside FSDP units (the schedule check), included in ``comm``.
     extra: CommTally
     prefetch_guard: bool
     sharded_param_bytes: int
@@ -424,16 +424,14 @@ def _resolve_mesh(mesh: MeshShape | None, world_size: int | None, dp_replicate: 
     return resolve_mesh_shape(world_size=world_size, dp_replicate=dp_replicate)
 
 
-def _guard_installed(
+def _schedule_checkpoints(
     parallelizer: MultimodalParallelizer | None, model: nn.Module, plan: ShardingPlan, world: int
-) -> bool:
-    """Whether the uneven-media guard (one small all-reduce per forward) will be installed."""
-    if parallelizer is None or world <= 1:
-        return False
-    owners = getattr(parallelizer, "modules_with_units", None)
-    if owners is None or not owners(model, plan):
-        return False
-    return forward_may_take_media(model)
+) -> int:
+    """All-reduces of the ``schedule_check`` hook in one step (every region runs once)."""
+    if parallelizer is None or world <= 1 or plan.hook("schedule_check") is None:
+        return 0
+    layout = plan_schedule_layout(model, plan, parallelizer.media_regions(model, plan))
+    return 0 if layout is None else layout.checkpoints_per_forward()
 
 
 def plan_costs(
@@ -454,8 +452,8 @@ def plan_costs(
 
     ``model`` may be on the meta device (only shapes, dtypes and
     ``requires_grad`` are read). ``parallelizer`` (the one that made the plan)
-    finds the towers for the backward judgement and tells whether it adds an
-    uneven-media guard. ``no_backward`` replaces the judgement of which module
+    finds the towers for the backward judgement and the media regions of the
+    schedule check. ``no_backward`` replaces the judgement of which module
     paths see no gradient (:func:`backward_free_paths`); ``with_backward`` forces
     units under those paths to count as running backward.
     """
@@ -515,8 +513,15 @@ def plan_costs(
     _prefetch_waste(units, shard)
 
     extra = CommTally()
-    if _guard_installed(parallelizer, model, plan, shape.world_size):
-        extra.add("forward", "all_reduce", _GUARD_ALL_REDUCE_BYTES)
+    checkpoints = _schedule_checkpoints(parallelizer, model, plan, shape.world_size)
+    dims = sum(1 for size in shape.sizes if size > 1)
+    for _ in range(checkpoints * dims):
+        extra.add("forward", "all_reduce", CHECKPOINT_BYTES)
+    if plan.hook("unused_params") is not None and shape.world_size > 1:
+        # One usage flag (a byte) per trainable parameter tensor that a unit manages.
+        flags = sum(1 for params in owned for _, p in params if p.requires_grad)
+        for _ in range(dims):
+            extra.add("backward", "all_reduce", flags)
     total = CommTally()
     for item in units:
         total.merge(item.comm)
@@ -736,12 +741,7 @@ def ungroup_units(plan: ShardingPlan, role: str | None = None) -> ShardingPlan:
                     units=(unit,),
                 )
             )
-    return ShardingPlan(
-        calls=tuple(calls),
-        ignored_param_names=plan.ignored_param_names,
-        notes=plan.notes,
-        replicated_param_names=plan.replicated_param_names,
-    )
+    return dataclasses.replace(plan, calls=tuple(calls))
 
 
 # --------------------------------------------------------------------------- one call
@@ -981,7 +981,7 @@ def format_costs(costs: PlanCosts, *, collapse: bool = True) -> str:
     if costs.extra.pairs():
         lines.append(
             f"  outside FSDP units        {costs.extra.count()} all-reduce "
-            "(uneven-media guard, included above)"
+            "(schedule check, included above)"
         )
     lines.extend(f"  note: {note}" for note in costs.notes)
     return "\n".join(lines)

@@ -18,11 +18,20 @@ is planned:
    so a text-only batch on one rank cannot make the ranks' collectives diverge.
 3. Everything outside multimodal modules follows :class:`fsdp_core.ModelParallelizer`:
    one unit per layer-container item, then the root.
+
+Code that only runs with media and owns units (towers and projectors with units,
+decoder layers that text-only batches skip, see :mod:`multimodal_fsdp.conditional`)
+is a *media region*. By default regions keep their units and the ``schedule_check``
+hook (:mod:`multimodal_fsdp.uneven`) stops a step with uneven media on every rank
+before a mismatched collective. ``uneven_media=True`` instead folds every region
+into the root unit: any media on any rank trains, at the price of keeping those
+parameters gathered (and their gradients unreduced) for the whole step.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -33,8 +42,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_core import ModelParallelizer, PlanContext, ShardingPlan, iter_layer_items
+from fsdp_core import (
+    HookPlan,
+    InstalledHook,
+    ModelParallelizer,
+    PlanContext,
+    ShardingPlan,
+    iter_layer_items,
+)
 from fsdp_core.containers import join_path
+from multimodal_fsdp.conditional import find_media_conditional_layers
 from multimodal_fsdp.discovery import (
     MultimodalModule,
     _check_names,
@@ -47,7 +64,13 @@ from multimodal_fsdp.policy import (
     module_is_fully_frozen,
     normalize_frozen_multimodal_sharding,
 )
-from multimodal_fsdp.uneven import install_uneven_media_guard
+from multimodal_fsdp.prefetch import build_backward_prefetch_guard, frozen_unit_labels
+from multimodal_fsdp.uneven import (
+    CHECKPOINT_BYTES,
+    MediaRegion,
+    install_schedule_check,
+    plan_schedule_layout,
+)
 
 __all__ = ["MultimodalParallelizer", "MultimodalParts", "split_frozen_parts"]
 
@@ -92,7 +115,14 @@ def split_frozen_parts(module: nn.Module, path: str) -> tuple[list[str], list[st
 
 
 class MultimodalParallelizer(ModelParallelizer):
-    """A :class:`~fsdp_core.ModelParallelizer` that applies the frozen-tower policy."""
+    """A :class:`~fsdp_core.ModelParallelizer` that applies the frozen-tower policy.
+
+    ``uneven_media=True`` folds media regions into the root unit (see the module
+    docstring); it cannot be combined with ``frozen_multimodal_sharding='per_layer'``,
+    whose point is a unit per tower block.
+    """
+
+    HOOKS = (*ModelParallelizer.HOOKS, "prefetch_guard", "schedule_check")
 
     def __init__(
         self,
@@ -103,11 +133,17 @@ class MultimodalParallelizer(ModelParallelizer):
         exclude: Iterable[str] = (),
         sync_replicated: bool = True,
         dtype_safe: bool = True,
+        uneven_media: bool = False,
+        disabled_hooks: Iterable[str] = (),
     ) -> None:
-        super().__init__(dtype_safe=dtype_safe)
+        super().__init__(dtype_safe=dtype_safe, disabled_hooks=disabled_hooks)
+        if not isinstance(uneven_media, bool):
+            raise TypeError(f"uneven_media must be a bool, got {uneven_media!r}")
+        self.uneven_media = uneven_media
         self.frozen_multimodal_sharding: FrozenMultimodalSharding = (
             normalize_frozen_multimodal_sharding(frozen_multimodal_sharding)
         )
+        _check_policy_and_media(self.frozen_multimodal_sharding, uneven_media)
         self.extra_tower_names = _check_names(extra_tower_names, "extra_tower_names")
         self.extra_projector_names = _check_names(extra_projector_names, "extra_projector_names")
         self.exclude = _check_paths(exclude, "exclude")
@@ -121,6 +157,7 @@ class MultimodalParallelizer(ModelParallelizer):
         clone.frozen_multimodal_sharding = normalize_frozen_multimodal_sharding(
             frozen_multimodal_sharding
         )
+        _check_policy_and_media(clone.frozen_multimodal_sharding, clone.uneven_media)
         return clone
 
     # ------------------------------------------------------------ discovery
@@ -155,11 +192,15 @@ class MultimodalParallelizer(ModelParallelizer):
         model = ctx.model
         parts = self.multimodal_parts(model)
         roots = [p.found.path for p in parts]
+        conditional = set(find_media_conditional_layers(model))
         paths = [
             path
             for path, _ in iter_layer_items(model)
             if not any(_is_under(path, root) for root in roots)
+            and not (self.uneven_media and path in conditional)
         ]
+        if self.uneven_media:
+            return paths  # towers, projectors and conditional layers stay in the root
         ids = {id(module): name for name, module in model.named_modules()}
         for part in parts:
             for trainable in part.trainable:
@@ -172,6 +213,15 @@ class MultimodalParallelizer(ModelParallelizer):
 
     def _plan_notes(self, ctx: PlanContext) -> list[str]:
         notes = []
+        conditional = find_media_conditional_layers(ctx.model)
+        if conditional:
+            where = "join the root unit" if self.uneven_media else "are media regions"
+            notes.append(
+                f"{len(conditional)} decoder layers run only with media "
+                f"({_summarise(conditional)}) and {where}"
+            )
+        if self.uneven_media:
+            notes.append("uneven_media=True: towers and projectors join the root unit")
         policy = self.frozen_multimodal_sharding
         for part in self.multimodal_parts(ctx.model):
             head = f"{part.found.role} {part.found.path!r} ({part.found.modality})"
@@ -201,36 +251,79 @@ class MultimodalParallelizer(ModelParallelizer):
             ignored_params=ignored_params,
         )
         replicated = tuple(sorted(set(self._replicated_param_names(model))))
-        return ShardingPlan(
-            calls=plan.calls,
-            ignored_param_names=plan.ignored_param_names,
-            notes=plan.notes,
-            replicated_param_names=replicated,
-        )
+        plan = dataclasses.replace(plan, replicated_param_names=replicated)
+        if self.uneven_media:
+            regions = self.media_regions(model, plan)
+            if regions:
+                raise ValueError(
+                    "uneven_media=True folds towers, projectors and media-dependent decoder "
+                    "layers into the root unit, but these still need units of their own: "
+                    + "; ".join(f"{r.path!r} ({_summarise(r.units)})" for r in regions)
+                    + " (odd-dtype parameters that cannot share the root unit's dtype). "
+                    "Freeze them (frozen parameters are replicated or join the root), give "
+                    "them the model's dtype, or use uneven_media=False and the same media "
+                    "calls on every rank."
+                )
+        return plan
 
-    def apply_plan(
-        self,
-        model: nn.Module,
-        plan: ShardingPlan,
-        *,
-        mesh: DeviceMesh,
-        offload_policy: torch.distributed.fsdp.OffloadPolicy | None = None,
-    ) -> nn.Module:
-        """Shard as planned, then guard against uneven media where units make it unsafe."""
-        super().apply_plan(model, plan, mesh=mesh, offload_policy=offload_policy)
-        owners = self.modules_with_units(model, plan)
-        if owners:
-            install_uneven_media_guard(model, modules=owners, device=_mesh_device(mesh.device_type))
-        return model
+    def media_regions(self, model: nn.Module, plan: ShardingPlan) -> list[MediaRegion]:
+        """Modules that only run with media and own units of ``plan`` (see the module doc)."""
+        members = [path for unit in plan.units if not unit.is_root for path in unit.paths]
+        regions: list[MediaRegion] = []
+        for part in self.multimodal_parts(model):
+            root = part.found.path
+            inside = tuple(p for p in members if _is_under(p, root))
+            if inside:
+                frozen = bool(part.frozen) and not part.trainable
+                regions.append(MediaRegion(root, part.found.role, inside, frozen=frozen))
+        taken = [r.path for r in regions]
+        for path in find_media_conditional_layers(model):
+            if path in members and not any(_is_under(path, r) for r in taken):
+                regions.append(MediaRegion(path, "decoder layer", (path,)))
+        return regions
 
     def modules_with_units(self, model: nn.Module, plan: ShardingPlan) -> list[str]:
-        """Multimodal modules that own FSDP units: only ranks with media would run them."""
-        roots = [part.found.path for part in self.multimodal_parts(model)]
-        return [
-            root
-            for root in roots
-            if any(_is_under(path, root) for unit in plan.units for path in unit.paths)
-        ]
+        """Paths of the media regions of ``plan``: only ranks with media would run them."""
+        return [region.path for region in self.media_regions(model, plan)]
+
+    def _plan_hooks(self, model: nn.Module, plan: ShardingPlan) -> list[HookPlan]:
+        hooks = super()._plan_hooks(model, plan)
+        frozen = frozen_unit_labels(model, plan)
+        if frozen:
+            hooks.append(
+                HookPlan(
+                    name="prefetch_guard",
+                    reason="frozen units that no gradient reaches are not re-gathered by "
+                    "FSDP's implicit backward prefetch",
+                    targets=tuple(frozen),
+                    cost="no collective (saves one all-gather per step)",
+                )
+            )
+        layout = plan_schedule_layout(model, plan, self.media_regions(model, plan))
+        if layout is not None:
+            hooks.append(
+                HookPlan(
+                    name="schedule_check",
+                    reason="media regions own units; ranks agree on their position before "
+                    "each region call and after it, so uneven media fail on every rank "
+                    "with UnevenMediaError instead of hanging",
+                    targets=tuple(r.path for r in layout.regions),
+                    cost=f"{layout.checkpoints_per_forward()} all-reduces of "
+                    f"{CHECKPOINT_BYTES} bytes and host syncs per forward (one call of each "
+                    "region); one more per extra region call",
+                )
+            )
+        return hooks
+
+    def _install_hook(
+        self, model: nn.Module, plan: ShardingPlan, hook: HookPlan, *, mesh: DeviceMesh
+    ) -> InstalledHook | None:
+        if hook.name == "prefetch_guard":
+            return build_backward_prefetch_guard(model, plan)
+        if hook.name == "schedule_check":
+            layout = plan_schedule_layout(model, plan, self.media_regions(model, plan))
+            return None if layout is None else install_schedule_check(model, layout, mesh=mesh)
+        return super()._install_hook(model, plan, hook, mesh=mesh)
 
     # -------------------------------------------------------- apply hooks
     def replicated_param_dtypes(
@@ -273,12 +366,6 @@ class MultimodalParallelizer(ModelParallelizer):
             sorted({str(d) for d in dtypes.values()}),
         )
 
-    def _after_apply(self, model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> None:
-        """Post-sharding adjustments; each lives in its own module."""
-        from multimodal_fsdp.prefetch import guard_backward_prefetch
-
-        guard_backward_prefetch(model, plan)
-
     def _replicated_keep_dtype(self, model: nn.Module, names: Iterable[str]) -> Iterator[str]:
         """Replicated parameters that keep their dtype: odd-dtype islands of each module.
 
@@ -298,6 +385,22 @@ class MultimodalParallelizer(ModelParallelizer):
                 continue
             dominant = max(counts, key=lambda d: counts[d])
             yield from (n for n, p in params if n in wanted and p.dtype != dominant)
+
+
+def _check_policy_and_media(policy: FrozenMultimodalSharding, uneven_media: bool) -> None:
+    if uneven_media and policy == "per_layer":
+        raise ValueError(
+            "frozen_multimodal_sharding='per_layer' gives frozen towers one unit per block, "
+            "which only ranks with media run; with uneven_media=True use 'root' or "
+            "'replicate' (or keep per_layer and the same media calls on every rank)"
+        )
+
+
+def _summarise(paths: Iterable[str], limit: int = 3) -> str:
+    """A few paths and how many more, so notes and errors stay short."""
+    items = list(paths)
+    head = ", ".join(repr(p) for p in items[:limit])
+    return head + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
 def _is_under(path: str, root: str) -> bool:

@@ -9,13 +9,20 @@ of backward. One wasted all-gather (and the memory of one tower unit) per step.
 
 :func:`guard_backward_prefetch` closes that gap with public FSDP2 API. Every
 non-root unit whose parameters are all frozen is marked
-``set_unshard_in_backward(False)`` when the root forward starts, and is marked
-back as soon as one of its forward outputs requires a gradient (then its own
-backward runs and needs its parameters). A unit that no gradient reaches thus
-cannot be all-gathered in backward, by prefetch or otherwise; any other unit
-behaves exactly as before. The decision is made per step from what autograd
-sees, so it stays correct for frozen units that gradients do pass through
-(frozen text layers, a frozen projector behind a trainable tower).
+``set_unshard_in_backward(False)`` and is marked back as soon as one of its
+forward outputs requires a gradient (then its own backward runs and needs its
+parameters). A unit that no gradient reaches thus cannot be all-gathered in
+backward, by prefetch or otherwise; any other unit behaves exactly as before.
+The decision is made from what autograd sees, so it stays correct for frozen
+units that gradients do pass through (frozen text layers, a frozen projector
+behind a trainable tower).
+
+Marks are only ever *added* until a backward has run: they are cleared at the
+first grad-enabled forward after a backward. A no-grad forward between forward
+and backward (a metric or reference pass), ``eval()`` and ``generate()`` between
+steps, or two forwards before one backward therefore never take away a mark that
+a pending backward still needs (allowing a gather is always safe; forbidding one
+that a backward needs is not).
 
 :class:`~multimodal_fsdp.MultimodalParallelizer` installs it after sharding;
 :func:`remove_backward_prefetch_guard` undoes it (used to show the difference).
@@ -23,10 +30,7 @@ sees, so it stays correct for frozen units that gradients do pass through
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import weakref
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,35 +39,28 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
-from fsdp_core import ShardingPlan, unit_parameters
+from fsdp_core import (
+    BackwardWatch,
+    ShardingPlan,
+    installed_hooks,
+    register_installed_hook,
+    remove_runtime_hooks,
+    unit_parameters,
+)
+from fsdp_core.runtime import output_tensors
 
 __all__ = [
     "BackwardPrefetchGuard",
     "backward_prefetch_guard",
+    "build_backward_prefetch_guard",
+    "frozen_unit_labels",
     "guard_backward_prefetch",
     "remove_backward_prefetch_guard",
 ]
 
 logger = logging.getLogger(__name__)
 
-_GUARDS: weakref.WeakKeyDictionary[nn.Module, BackwardPrefetchGuard] = weakref.WeakKeyDictionary()
-
-
-def _needs_grad(value: Any, depth: int = 0) -> bool:
-    """Whether any tensor in a forward output requires a gradient (nested outputs too)."""
-    if depth > 8:
-        return False
-    if isinstance(value, torch.Tensor):
-        return value.requires_grad
-    if isinstance(value, Mapping):
-        return any(_needs_grad(v, depth + 1) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_needs_grad(v, depth + 1) for v in value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return any(
-            _needs_grad(getattr(value, f.name, None), depth + 1) for f in dataclasses.fields(value)
-        )
-    return False
+NAME = "prefetch_guard"
 
 
 @dataclass
@@ -71,11 +68,23 @@ class BackwardPrefetchGuard:
     """The installed guard: which units it watches, and which ran a backward last step."""
 
     units: tuple[str, ...]
+    name: str = NAME
     _modules: list[FSDPModule] = field(default_factory=list, repr=False)
     _handles: list[RemovableHandle] = field(default_factory=list, repr=False)
     _needed: list[bool] = field(default_factory=list, repr=False)
+    _watch: BackwardWatch | None = field(default=None, repr=False)
+    _backward_ran: bool = True
 
-    def _reset(self, *_: object) -> None:
+    def _saw_backward(self) -> None:
+        self._backward_ran = True
+
+    def _before_forward(self, *_: object) -> None:
+        """Start a new step's marks, but only once the previous step's backward ran."""
+        if torch.is_grad_enabled() and self._backward_ran:
+            self._backward_ran = False
+            self._reset()
+
+    def _reset(self) -> None:
         for index, module in enumerate(self._modules):
             if self._needed[index]:
                 module.set_unshard_in_backward(False)
@@ -95,22 +104,38 @@ class BackwardPrefetchGuard:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = None
         for module in self._modules:
             module.set_unshard_in_backward(True)
         self._needed = [True] * len(self._modules)
 
 
-def _frozen_units(model: nn.Module, plan: ShardingPlan) -> list[tuple[str, FSDPModule, list[str]]]:
-    """(label, FSDP module, member paths) of every non-root unit whose parameters are all frozen."""
-    found: list[tuple[str, FSDPModule, list[str]]] = []
+def frozen_unit_labels(model: nn.Module, plan: ShardingPlan) -> list[str]:
+    """Labels of the non-root units of ``plan`` whose parameters are all frozen (the
+    units the guard watches); needs no process group."""
+    return [label for label, _ in _frozen_plan_units(model, plan)]
+
+
+def _frozen_plan_units(model: nn.Module, plan: ShardingPlan) -> list[tuple[str, list[str]]]:
+    found: list[tuple[str, list[str]]] = []
     for unit, params in zip(plan.units, unit_parameters(plan, model), strict=True):
         if unit.is_root or not params or any(p.requires_grad for _, p in params):
             continue
-        first = model.get_submodule(unit.paths[0]) if unit.paths[0] else model
+        found.append((unit.label, list(unit.paths)))
+    return found
+
+
+def _frozen_units(model: nn.Module, plan: ShardingPlan) -> list[tuple[str, FSDPModule, list[str]]]:
+    """(label, FSDP module, member paths) of every non-root unit whose parameters are all frozen."""
+    found: list[tuple[str, FSDPModule, list[str]]] = []
+    for label, paths in _frozen_plan_units(model, plan):
+        first = model.get_submodule(paths[0]) if paths[0] else model
         if not isinstance(first, FSDPModule):
-            logger.warning("unit %s is not an FSDP module; not guarded", unit.label)
+            logger.warning("unit %s is not an FSDP module; not guarded", label)
             continue
-        found.append((unit.label, first, list(unit.paths)))
+        found.append((label, first, paths))
     return found
 
 
@@ -119,15 +144,26 @@ def guard_backward_prefetch(model: nn.Module, plan: ShardingPlan) -> BackwardPre
 
     ``model`` must already be sharded as ``plan`` says. Returns the guard, or
     ``None`` when the plan has no frozen unit besides the root. Calling it again
-    on the same model returns the guard already installed.
+    on the same model returns the guard already installed. (The parallelizers
+    install it themselves when their plan lists the ``prefetch_guard`` hook.)
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(plan, ShardingPlan):
         raise TypeError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
-    existing = _GUARDS.get(model)
+    existing = backward_prefetch_guard(model)
     if existing is not None:
         return existing
+    guard = build_backward_prefetch_guard(model, plan)
+    if guard is not None:
+        register_installed_hook(model, guard)
+    return guard
+
+
+def build_backward_prefetch_guard(
+    model: nn.Module, plan: ShardingPlan
+) -> BackwardPrefetchGuard | None:
+    """Install the guard's hooks and return it, without recording it on the model."""
     frozen = _frozen_units(model, plan)
     if not frozen:
         return None
@@ -137,15 +173,16 @@ def guard_backward_prefetch(model: nn.Module, plan: ShardingPlan) -> BackwardPre
         guard._needed.append(True)
 
         def mark(_module: nn.Module, _args: Any, output: Any, index: int = index) -> None:
-            if torch.is_grad_enabled() and _needs_grad(output):
+            if torch.is_grad_enabled() and output_tensors(output):
                 guard._mark(index)
 
         for path in paths:
             member = model.get_submodule(path) if path else model
             guard._handles.append(member.register_forward_hook(mark))
-    guard._handles.append(model.register_forward_pre_hook(guard._reset))
+    guard._handles.append(model.register_forward_pre_hook(guard._before_forward))
+    guard._watch = BackwardWatch(model, guard._saw_backward)
     guard._reset()
-    _GUARDS[model] = guard
+    guard._backward_ran = False
     logger.info(
         "backward prefetch guarded for %d frozen units: %s", len(guard.units), list(guard.units)
     )
@@ -154,13 +191,10 @@ def guard_backward_prefetch(model: nn.Module, plan: ShardingPlan) -> BackwardPre
 
 def backward_prefetch_guard(model: nn.Module) -> BackwardPrefetchGuard | None:
     """The guard installed on ``model``, if any."""
-    return _GUARDS.get(model)
+    guard = installed_hooks(model).get(NAME)
+    return guard if isinstance(guard, BackwardPrefetchGuard) else None
 
 
 def remove_backward_prefetch_guard(model: nn.Module) -> bool:
     """Undo :func:`guard_backward_prefetch` on ``model``; returns whether there was one."""
-    guard = _GUARDS.pop(model, None)
-    if guard is None:
-        return False
-    guard.remove()
-    return True
+    return bool(remove_runtime_hooks(model, [NAME]))

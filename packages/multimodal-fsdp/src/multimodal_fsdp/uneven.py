@@ -1,30 +1,58 @@
-"""Fail fast, instead of hanging, when ranks disagree on whether a batch has media.
+"""Fail fast, instead of hanging, when ranks would run different FSDP collectives.
 
-When a tower or projector owns FSDP units (``per_layer`` for a frozen tower, or
-a trainable tower's layers), only ranks whose batch holds images/audio run
-them, so their all-gathers no longer line up with the other ranks' and the
-job hangs or dies deep in the collective library. Before each forward of the
-root, :func:`install_uneven_media_guard` agrees on "has media" across ranks
-with one 2-element all-reduce, and raises the same ``RuntimeError`` on every
-rank when they differ, naming the modules and the policies that allow it.
+Every FSDP unit all-gathers when it runs, so all ranks must run the same units, the
+same number of times, in the same order. Code whose execution depends on the batch
+breaks that: a tower that only ranks with images run, a tower that runs once for
+images and once more for videos, or once per image, a cross-attention decoder layer
+that text-only batches skip. When such code owns units (a *media region*), ranks
+with different media issue different collectives, and the job hangs, crashes deep
+in the collective library, or (NCCL, equal sizes) silently mixes up data.
+
+:class:`ScheduleCheck` makes every rank agree on *where it is* at the few points
+where the ranks' schedules can part:
+
+- each entry into a region (every call);
+- the first unit to run after the root's forward starts, and after each region
+  call ends;
+- the unit that follows a region in the model (a rank that skipped the region
+  reaches it directly);
+- the end of the root's forward, when a region is the last thing that runs.
+
+At each such checkpoint all ranks all-reduce one 16-byte tensor (the position:
+which module, which call of it in this forward) over the data-parallel mesh. If
+the positions differ, every rank raises the same :class:`UnevenMediaError` at that
+same collective, naming where each side is and what to change; no mismatched
+collective has been issued. Between checkpoints the ranks run the same units.
+Forwards inside backward (activation-checkpoint recomputation) are not checked:
+they repeat a forward that was.
+
+The schedule plan (:class:`ScheduleLayout`) is data, so the plan's costs count its
+collectives exactly (:func:`ScheduleLayout.checkpoints_per_forward`).
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import torch
-import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.hooks import RemovableHandle
+
+from fsdp_core import ShardingPlan, all_reduce_max_over_mesh, mesh_device
+from fsdp_core.internals import in_backward
 
 __all__ = [
     "DEFAULT_MEDIA_INPUTS",
+    "MediaRegion",
+    "ScheduleCheck",
+    "ScheduleLayout",
     "UnevenMediaError",
-    "batch_has_media",
-    "install_uneven_media_guard",
+    "install_schedule_check",
+    "plan_schedule_layout",
 ]
 
 logger = logging.getLogger(__name__)
@@ -44,104 +72,235 @@ DEFAULT_MEDIA_INPUTS: Final[tuple[str, ...]] = (
     "audio_input_features",
 )
 
-_GUARD_ATTR = "_multimodal_fsdp_uneven_media_guard"
+#: Bytes of one checkpoint's all-reduce (two int64 values) per mesh dimension.
+CHECKPOINT_BYTES: Final[int] = 2 * 8
+
+_CALL_BITS = 24  # the call ordinal's share of a position token
 
 
 class UnevenMediaError(RuntimeError):
-    """Some ranks have media in this batch and others do not, under a plan that forbids it."""
+    """Ranks are about to run different FSDP collectives (different media per rank)."""
 
 
-def _present(value: Any) -> bool:
-    if value is None:
-        return False
-    if isinstance(value, torch.Tensor):
-        return value.numel() > 0
-    if isinstance(value, (list, tuple, dict)):
-        return len(value) > 0 and any(
-            _present(v) for v in (value.values() if isinstance(value, dict) else value)
-        )
-    return True
+@dataclass(frozen=True)
+class MediaRegion:
+    """A module whose calls depend on the batch and that owns FSDP units."""
+
+    path: str
+    kind: str  # "tower", "projector" or "decoder layer"
+    units: tuple[str, ...]
+    #: A fully frozen tower or projector (its units come from ``per_layer``).
+    frozen: bool = False
 
 
-def batch_has_media(
-    forward: Any, args: Sequence[Any], kwargs: dict[str, Any], media_inputs: Iterable[str]
-) -> bool | None:
-    """Whether a call carries media; ``None`` when the signature names no media argument."""
-    names = set(media_inputs)
-    try:
-        bound = inspect.signature(forward).bind_partial(*args, **kwargs)
-    except (TypeError, ValueError):
-        bound = None
-    values = dict(bound.arguments) if bound is not None else dict(kwargs)
-    params = inspect.signature(forward).parameters if callable(forward) else {}
-    if not any(name in names for name in (*params, *values, *kwargs)):
-        return None
-    values = {**kwargs, **values}
-    return any(_present(values.get(name)) for name in names)
+@dataclass(frozen=True)
+class ScheduleLayout:
+    """Where the checkpoints sit, in the model's registration (forward) order.
 
-
-def forward_may_take_media(
-    root: nn.Module, media_inputs: Iterable[str] = DEFAULT_MEDIA_INPUTS
-) -> bool:
-    """Whether ``root.forward`` names a media argument or takes ``**kwargs``: the
-    condition for installing the guard (and for costing its all-reduce)."""
-    try:
-        params = inspect.signature(root.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return True
-    names = set(media_inputs)
-    return any(name in names for name in params)
-
-
-def install_uneven_media_guard(
-    root: nn.Module,
-    *,
-    modules: Sequence[str],
-    device: torch.device,
-    media_inputs: Iterable[str] = DEFAULT_MEDIA_INPUTS,
-) -> bool:
-    """Check media agreement before every forward of ``root``; returns whether installed.
-
-    ``modules`` are the multimodal modules whose units make uneven media unsafe
-    (named in the error). Nothing is installed on a single rank, or when the
-    forward signature names no media argument (then a warning says the check
-    is impossible).
+    ``sites`` names every checkpoint position: regions first, then units, then
+    ``"<end of forward>"``; tokens index into it. ``successors`` are units that
+    follow a region; ``end_check`` says a region has no unit after it.
     """
-    if getattr(root, _GUARD_ATTR, False) or not modules:
-        return False
-    names = tuple(media_inputs)
-    if not forward_may_take_media(root, names):
-        # FSDP2 swaps the class for a subclass named "FSDP<name>": report the model's own.
-        cls = next(c for c in type(root).__mro__ if not c.__name__.startswith("FSDP"))
-        logger.warning(
-            "%s.forward takes none of %s; uneven media across ranks cannot be detected and "
-            "would hang the units of %s",
-            cls.__name__,
-            names,
-            list(modules),
-        )
-        return False
-    listed = ", ".join(repr(m) for m in modules)
 
-    def guard(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return
-        # None (no media argument in this call's signature) counts as "no media".
-        has = batch_has_media(module.forward, args, kwargs, names)
-        flag = 1.0 if has else 0.0
-        both = torch.tensor([flag, -flag], device=device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        if both[0].item() != -both[1].item():
-            raise UnevenMediaError(
-                f"rank {dist.get_rank()}: some ranks have media in this batch and others do "
-                f"not, but {listed} own FSDP units that only ranks with media would run, so "
-                "their collectives would not line up (a hang). Give every rank media in each "
-                "step (e.g. a dummy image), or, for a frozen tower, use "
-                "frozen_multimodal_sharding='root' or 'replicate', which allow uneven media."
+    regions: tuple[MediaRegion, ...]
+    units: tuple[str, ...]
+    successors: frozenset[str]
+    end_check: bool
+    #: Modules in forward order: ("enter", region) / ("unit", path) / ("exit", region).
+    order: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+
+    @property
+    def sites(self) -> tuple[str, ...]:
+        return (*(r.path for r in self.regions), *self.units, "<end of forward>")
+
+    def checkpoints_per_forward(self) -> int:
+        """Checkpoints of one forward in which every module runs once, in order."""
+        armed = True
+        count = 0
+        region_paths = {r.path for r in self.regions}
+        for event, path in self.order:
+            if event == "enter":
+                count += 1
+                armed = False
+            elif event == "exit":
+                armed = True
+            elif armed or (path in self.successors and path not in region_paths):
+                count += 1
+                armed = False
+        return count + int(self.end_check)
+
+
+def _index_of(model: nn.Module) -> dict[str, int]:
+    return {name: index for index, (name, _) in enumerate(model.named_modules())}
+
+
+def _under(path: str, root: str) -> bool:
+    return root == "" or path == root or path.startswith(root + ".")
+
+
+def plan_schedule_layout(
+    model: nn.Module, plan: ShardingPlan, regions: Sequence[MediaRegion]
+) -> ScheduleLayout | None:
+    """The checkpoints for ``regions`` of ``plan`` (``None`` when there is no region)."""
+    if not regions:
+        return None
+    index = _index_of(model)
+    member_paths = sorted(
+        {path for unit in plan.units if not unit.is_root for path in unit.paths},
+        key=lambda p: index[p],
+    )
+    successors: set[str] = set()
+    end_check = False
+    for region in regions:
+        last = max(index[name] for name in index if _under(name, region.path))
+        after = [p for p in member_paths if index[p] > last and not _under(p, region.path)]
+        if after:
+            successors.add(after[0])
+        else:
+            end_check = True
+    events: list[tuple[int, int, str, str]] = []
+    for region in regions:
+        last = max(index[name] for name in index if _under(name, region.path))
+        events.append((index[region.path], 0, "enter", region.path))
+        events.append((last, 2, "exit", region.path))
+    for path in member_paths:
+        events.append((index[path], 1, "unit", path))
+    order = tuple((event, path) for _, _, event, path in sorted(events))
+    return ScheduleLayout(
+        regions=tuple(regions),
+        units=tuple(member_paths),
+        successors=frozenset(successors),
+        end_check=end_check,
+        order=order,
+    )
+
+
+@dataclass
+class ScheduleCheck:
+    """The installed check (see the module docstring)."""
+
+    layout: ScheduleLayout
+    mesh: DeviceMesh
+    name: str = "schedule_check"
+    _handles: list[RemovableHandle] = field(default_factory=list, repr=False)
+    _calls: list[int] = field(default_factory=list, repr=False)
+    _armed: bool = True
+    #: Checkpoints run in the last forward (for tests and the benchmark).
+    last_checkpoints: int = 0
+
+    def _site(self, path: str, *, region: bool) -> int:
+        if region:
+            return next(i for i, r in enumerate(self.layout.regions) if r.path == path)
+        return len(self.layout.regions) + self.layout.units.index(path)
+
+    def _start(self, *_: object) -> None:
+        self._calls = [0] * len(self.layout.sites)
+        self._armed = True
+        self.last_checkpoints = 0
+
+    def _checkpoint(self, site: int) -> None:
+        self._calls[site] += 1
+        self.last_checkpoints += 1
+        token = (site << _CALL_BITS) + min(self._calls[site], (1 << _CALL_BITS) - 1)
+        both = torch.tensor([token, -token], dtype=torch.int64, device=mesh_device(self.mesh))
+        all_reduce_max_over_mesh(both, self.mesh)
+        high, low = int(both[0].item()), -int(both[1].item())
+        if high != low:
+            raise UnevenMediaError(self._message(token, high, low))
+
+    def _describe(self, token: int) -> str:
+        site, call = token >> _CALL_BITS, token & ((1 << _CALL_BITS) - 1)
+        name = self.layout.sites[site]
+        if name.startswith("<"):
+            return f"at the {name.strip('<>')}"
+        return f"about to run {name!r} (call {call} of this forward)"
+
+    def _message(self, mine: int, high: int, low: int) -> str:
+        regions = ", ".join(f"{r.kind} {r.path!r}" for r in self.layout.regions)
+        fixes = [
+            "pass uneven_media=True to the parallelizer (these modules then join the root "
+            "unit: gathered for the whole step, any media on any rank)"
+        ]
+        if any(r.frozen for r in self.layout.regions):
+            fixes.append(
+                "for a frozen tower or projector, use frozen_multimodal_sharding='root' "
+                "or 'replicate' instead of 'per_layer'"
             )
+        fixes.append("give every rank the same media calls in each step")
+        return (
+            f"ranks are about to run different FSDP collectives: one rank is "
+            f"{self._describe(low)}, another {self._describe(high)}; this rank is "
+            f"{self._describe(mine)}. These modules run only with media and own FSDP "
+            f"units: {regions}. Ranks with different media (images on some ranks only, "
+            "a different number of tower calls, text-only batches that skip "
+            "cross-attention layers) run them a different number of times, which would "
+            "hang. To fix it, " + "; or ".join(fixes) + "."
+        )
 
-    root.register_forward_pre_hook(guard, prepend=True, with_kwargs=True)
-    setattr(root, _GUARD_ATTR, True)
-    return True
+    def _enter(self, path: str) -> Any:
+        site = self._site(path, region=True)
+
+        def hook(*_: object) -> None:
+            if in_backward():
+                return
+            self._armed = False
+            self._checkpoint(site)
+
+        return hook
+
+    def _exit(self, *_: object) -> None:
+        if not in_backward():
+            self._armed = True
+
+    def _unit(self, path: str) -> Any:
+        site = self._site(path, region=False)
+        follows_region = path in self.layout.successors
+
+        def hook(*_: object) -> None:
+            if in_backward():
+                return
+            if self._armed or follows_region:
+                self._armed = False
+                self._checkpoint(site)
+
+        return hook
+
+    def _end(self, *_: object) -> None:
+        if self.layout.end_check and not in_backward():
+            self._checkpoint(len(self.layout.sites) - 1)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def install_schedule_check(
+    model: nn.Module, layout: ScheduleLayout, *, mesh: DeviceMesh
+) -> ScheduleCheck:
+    """Install the checkpoints of ``layout`` on a sharded ``model``.
+
+    The hooks run before FSDP's own (``prepend=True``), so a checkpoint comes before
+    the all-gather of the unit it guards.
+    """
+    check = ScheduleCheck(layout=layout, mesh=mesh)
+    check._start()
+    handles = check._handles
+    handles.append(model.register_forward_pre_hook(check._start, prepend=True))
+    for region in layout.regions:
+        module = model.get_submodule(region.path)
+        handles.append(module.register_forward_pre_hook(check._enter(region.path), prepend=True))
+        handles.append(module.register_forward_hook(check._exit, always_call=True))
+    region_paths = {region.path for region in layout.regions}
+    for path in layout.units:
+        if path in region_paths:
+            continue  # a region that is a unit itself: its entry checkpoint covers it
+        module = model.get_submodule(path)
+        handles.append(module.register_forward_pre_hook(check._unit(path), prepend=True))
+    handles.append(model.register_forward_hook(check._end))
+    logger.info(
+        "schedule check on %d media regions: %s",
+        len(layout.regions),
+        [region.path for region in layout.regions],
+    )
+    return check

@@ -1,0 +1,274 @@
+"""Every access to private FSDP2 and autograd internals, in one place, checked up front.
+
+Some runtime hooks need state that FSDP2 (torch 2.13) keeps private: a unit's
+parameter groups, each parameter's unsharded tensor and accumulated gradient,
+whether a group reduces gradients in this backward, and autograd's end-of-backward
+callback queue. Reading them anywhere else would let a renamed attribute switch a
+fix off silently (or crash every forward, as ``FSDPState._fsdp_param_group`` does
+with several parameter groups). So:
+
+- only this module touches them, through small named accessors;
+- :func:`check_internals` probes a sharded model for everything a set of hooks
+  needs, once, when the hooks are installed, and raises :class:`FSDPInternalsError`
+  naming the missing pieces and the hook to switch off;
+- the accessors never guess: used on a torch that lacks the attribute, they raise
+  the same error instead of returning a default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+__all__ = [
+    "FSDPInternalsError",
+    "INTERNALS_BY_HOOK",
+    "check_internals",
+    "fsdp_params",
+    "param_groups",
+    "distinct_units",
+    "reduces_gradients",
+    "never_unsharded",
+    "accumulated_gradient",
+    "set_accumulated_gradient",
+    "unsharded_parameter",
+    "sharded_parameter",
+    "reduce_dtype",
+    "in_backward",
+    "queue_end_of_backward",
+]
+
+
+class FSDPInternalsError(RuntimeError):
+    """The installed torch lacks an FSDP2 internal that a runtime hook relies on."""
+
+
+@dataclass(frozen=True)
+class _Probe:
+    """One private attribute a hook needs, and where to look for it."""
+
+    where: str  # "state", "group", "param" or "autograd"
+    name: str
+    #: For attributes FSDP creates lazily (at the first forward): the method creating it.
+    created_by: str | None = None
+
+    def describe(self) -> str:
+        owner = {
+            "state": "FSDPState",
+            "group": "FSDPParamGroup",
+            "param": "FSDPParam",
+            "autograd": "torch autograd",
+        }[self.where]
+        return f"{owner}.{self.name}"
+
+
+_STATE_GROUPS = _Probe("state", "_fsdp_param_groups")
+_GROUP_PARAMS = _Probe("group", "fsdp_params")
+_GROUP_REDUCE = _Probe("group", "reduce_grads")
+_PARAM_UNSHARDED = _Probe("param", "_unsharded_param", created_by="init_unsharded_param")
+_PARAM_ACCUMULATED = _Probe("param", "unsharded_accumulated_grad")
+_PARAM_REDUCE_DTYPE = _Probe("param", "reduce_dtype", created_by="init_dtype_attrs")
+_PARAM_SHARDED = _Probe("param", "sharded_param")
+_GRAPH_TASK = _Probe("autograd", "_current_graph_task_id")
+_QUEUE_CALLBACK = _Probe("autograd", "queue_callback")
+
+#: The internals each runtime hook reads (hook names as the parallelizers plan them).
+INTERNALS_BY_HOOK: Final[dict[str, tuple[_Probe, ...]]] = {
+    "accumulation_warmup": (
+        _STATE_GROUPS,
+        _GROUP_PARAMS,
+        _GROUP_REDUCE,
+        _PARAM_UNSHARDED,
+        _PARAM_ACCUMULATED,
+        _PARAM_REDUCE_DTYPE,
+    ),
+    "unused_params": (
+        _STATE_GROUPS,
+        _GROUP_PARAMS,
+        _GROUP_REDUCE,
+        _PARAM_UNSHARDED,
+        _PARAM_SHARDED,
+        _QUEUE_CALLBACK,
+    ),
+    "schedule_check": (_GRAPH_TASK,),
+    "prefetch_guard": (),
+}
+
+
+# ------------------------------------------------------------------------ accessors
+def _require(obj: object, probe: _Probe) -> Any:
+    try:
+        return getattr(obj, probe.name)
+    except AttributeError:
+        raise FSDPInternalsError(
+            f"this torch ({torch.__version__}) has no {probe.describe()}, which the "
+            "runtime hooks of fsdp_core rely on; switch the hook off (see "
+            "ModelParallelizer(disabled_hooks=...)) or use a supported torch"
+        ) from None
+
+
+def _state(unit: FSDPModule) -> Any:
+    getter = getattr(unit, "_get_fsdp_state", None)
+    if getter is None:
+        raise FSDPInternalsError(
+            f"this torch ({torch.__version__}) has no FSDPModule._get_fsdp_state"
+        )
+    return getter()
+
+
+def distinct_units(model: nn.Module) -> list[FSDPModule]:
+    """One FSDP module per unit: the members of a grouped unit share one state."""
+    seen: set[int] = set()
+    units: list[FSDPModule] = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            key = id(_state(module))
+            if key not in seen:
+                seen.add(key)
+                units.append(module)
+    return units
+
+
+def param_groups(unit: FSDPModule) -> tuple[Any, ...]:
+    """The unit's parameter groups (several when parameters live on different meshes)."""
+    return tuple(_require(_state(unit), _STATE_GROUPS))
+
+
+def fsdp_params(unit: FSDPModule) -> Iterator[Any]:
+    """Every FSDP-managed parameter record of the unit, over all its groups."""
+    for group in param_groups(unit):
+        yield from _require(group, _GROUP_PARAMS)
+
+
+def reduces_gradients(unit: FSDPModule) -> bool:
+    """Whether this backward reduce-scatters the unit's gradients (not a no-sync step)."""
+    return any(bool(_require(group, _GROUP_REDUCE)) for group in param_groups(unit))
+
+
+def unsharded_parameter(fsdp_param: Any) -> nn.Parameter | None:
+    """The unsharded parameter autograd accumulates into; ``None`` before the first gather
+    (:func:`check_internals` has made sure the attribute exists on this torch)."""
+    value = getattr(fsdp_param, _PARAM_UNSHARDED.name, None)
+    return value if isinstance(value, nn.Parameter) else None
+
+
+def sharded_parameter(fsdp_param: Any) -> nn.Parameter:
+    """The sharded (DTensor) parameter registered on the module between steps."""
+    value = _require(fsdp_param, _PARAM_SHARDED)
+    if not isinstance(value, nn.Parameter):
+        raise FSDPInternalsError(f"FSDPParam.sharded_param is a {type(value).__name__}")
+    return value
+
+
+def never_unsharded(unit: FSDPModule) -> bool:
+    """Whether some parameter of a non-syncing unit was never gathered (no unsharded
+    tensor yet): FSDP's no-sync backward would then fail on it."""
+    if reduces_gradients(unit):
+        return False
+    return any(unsharded_parameter(param) is None for param in fsdp_params(unit))
+
+
+def accumulated_gradient(fsdp_param: Any) -> torch.Tensor | None:
+    value = _require(fsdp_param, _PARAM_ACCUMULATED)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def set_accumulated_gradient(fsdp_param: Any, value: torch.Tensor) -> None:
+    _require(fsdp_param, _PARAM_ACCUMULATED)
+    fsdp_param.unsharded_accumulated_grad = value
+
+
+def reduce_dtype(fsdp_param: Any) -> torch.dtype | None:
+    value = _require(fsdp_param, _PARAM_REDUCE_DTYPE)
+    return value if isinstance(value, torch.dtype) else None
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward right now (e.g. an activation-checkpoint
+    recomputation calls forward hooks from inside backward)."""
+    task_id = getattr(torch._C, _GRAPH_TASK.name, None)
+    if task_id is None:
+        raise FSDPInternalsError(
+            f"this torch ({torch.__version__}) has no {_GRAPH_TASK.describe()}"
+        )
+    return bool(task_id() != -1)
+
+
+def queue_end_of_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the current backward has finished, after every callback
+    queued before it (FSDP2 queues its own post-backward work the same way)."""
+    engine = torch.autograd.Variable._execution_engine
+    queue = getattr(engine, _QUEUE_CALLBACK.name, None)
+    if queue is None:
+        raise FSDPInternalsError(
+            f"this torch ({torch.__version__}) has no {_QUEUE_CALLBACK.describe()}"
+        )
+    queue(callback)
+
+
+# ------------------------------------------------------------------------- checking
+def _probe_object(unit: FSDPModule, where: str) -> list[object]:
+    if where == "state":
+        return [_state(unit)]
+    groups = list(getattr(_state(unit), _STATE_GROUPS.name, ()))
+    if where == "group":
+        return groups
+    params = [p for g in groups for p in getattr(g, _GROUP_PARAMS.name, ())]
+    return params
+
+
+def _has(obj: object, probe: _Probe) -> bool:
+    if hasattr(obj, probe.name):
+        return True
+    return probe.created_by is not None and hasattr(type(obj), probe.created_by)
+
+
+def missing_internals(model: nn.Module, hooks: Iterable[str]) -> dict[str, list[str]]:
+    """For each hook, the internals it needs that this torch (and ``model``'s units) lack."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    missing: dict[str, list[str]] = {}
+    for hook in hooks:
+        probes = INTERNALS_BY_HOOK.get(hook, ())
+        gaps: list[str] = []
+        for probe in probes:
+            if probe.where == "autograd":
+                if probe is _GRAPH_TASK:
+                    present = hasattr(torch._C, probe.name)
+                else:
+                    engine = torch.autograd.Variable._execution_engine
+                    present = hasattr(engine, probe.name)
+                if not present:
+                    gaps.append(probe.describe())
+                continue
+            for unit in units:
+                try:
+                    objects = _probe_object(unit, probe.where)
+                except FSDPInternalsError:
+                    objects = []
+                    gaps.append("FSDPModule._get_fsdp_state")
+                if probe.where == "state" and not objects:
+                    continue
+                if any(not _has(obj, probe) for obj in objects):
+                    gaps.append(probe.describe())
+                    break
+        if gaps:
+            missing[hook] = sorted(set(gaps))
+    return missing
+
+
+def check_internals(model: nn.Module, hooks: Iterable[str]) -> None:
+    """Raise :class:`FSDPInternalsError` if a hook in ``hooks`` cannot work on this torch."""
+    missing = missing_internals(model, hooks)
+    if missing:
+        lines = "; ".join(f"{hook} needs {', '.join(names)}" for hook, names in missing.items())
+        raise FSDPInternalsError(
+            f"this torch ({torch.__version__}) lacks FSDP2 internals that runtime hooks "
+            f"need: {lines}. Pass disabled_hooks={tuple(missing)!r} to the parallelizer to "
+            "run without them (and without what they fix), or install a torch version "
+            "these hooks support."
+        )

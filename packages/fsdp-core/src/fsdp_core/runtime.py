@@ -1,0 +1,141 @@
+"""Runtime hooks: what a parallelizer installs around FSDP2 after sharding, as data.
+
+FSDP2 alone is not correct in every training loop a user writes (gradient
+accumulation with text-only micro-batches, ranks that skip part of a unit, ...),
+so the parallelizers add small hooks after sharding. Each hook is planned like a
+unit: a :class:`HookPlan` in :attr:`fsdp_core.ShardingPlan.hooks` says which hook,
+why, and what it costs per step; ``disabled_hooks=`` on the parallelizer opts out
+of any of them. :func:`installed_hooks` tells what a sharded model carries, and
+:func:`remove_runtime_hooks` takes hooks off again.
+
+:class:`BackwardWatch` is the shared piece several hooks need: a callback when a
+backward through the model's outputs starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = [
+    "HookPlan",
+    "InstalledHook",
+    "BackwardWatch",
+    "installed_hooks",
+    "register_installed_hook",
+    "remove_runtime_hooks",
+    "output_tensors",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HookPlan:
+    """One runtime hook of a plan: its name, why it is there, and its cost per step."""
+
+    name: str
+    reason: str
+    #: What the hook acts on: unit labels, or module paths it watches.
+    targets: tuple[str, ...] = ()
+    cost: str = "no collective"
+
+    def format(self) -> str:
+        where = f" on {len(self.targets)} targets" if self.targets else ""
+        return f"{self.name}{where}: {self.reason} (cost: {self.cost})"
+
+
+class InstalledHook(Protocol):
+    """What an installed hook must offer: its plan name and a way to take it off."""
+
+    @property
+    def name(self) -> str: ...
+
+    def remove(self) -> None: ...
+
+
+_INSTALLED: weakref.WeakKeyDictionary[nn.Module, dict[str, InstalledHook]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def register_installed_hook(model: nn.Module, hook: InstalledHook) -> None:
+    """Record ``hook`` as installed on ``model`` (one hook per name)."""
+    hooks = _INSTALLED.setdefault(model, {})
+    if hook.name in hooks:
+        raise ValueError(f"a {hook.name!r} hook is already installed on this model")
+    hooks[hook.name] = hook
+
+
+def installed_hooks(model: nn.Module) -> Mapping[str, InstalledHook]:
+    """The runtime hooks installed on ``model``, by name."""
+    return dict(_INSTALLED.get(model, {}))
+
+
+def remove_runtime_hooks(model: nn.Module, names: Iterable[str] | None = None) -> list[str]:
+    """Take hooks off ``model`` (all when ``names`` is ``None``); returns the names removed."""
+    hooks = _INSTALLED.get(model, {})
+    wanted = list(hooks) if names is None else list(names)
+    removed = []
+    for name in wanted:
+        hook = hooks.pop(name, None)
+        if hook is not None:
+            hook.remove()
+            removed.append(name)
+    return removed
+
+
+def output_tensors(value: Any, depth: int = 0) -> list[torch.Tensor]:
+    """Tensors of a forward output that require a gradient, in nested containers,
+    dataclasses and ``ModelOutput``-like mappings."""
+    if depth > 8:
+        return []
+    if isinstance(value, torch.Tensor):
+        return [value] if value.requires_grad else []
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in output_tensors(v, depth + 1)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in output_tensors(v, depth + 1)]
+    fields = getattr(value, "__dataclass_fields__", None)
+    if isinstance(fields, dict) and not isinstance(value, type):
+        return [t for name in fields for t in output_tensors(getattr(value, name, None), depth + 1)]
+    return []
+
+
+class BackwardWatch:
+    """Calls ``on_backward`` once for every backward that starts from ``model``'s outputs.
+
+    A forward hook on ``model`` puts a gradient hook on every grad-requiring output
+    tensor; each of them calls ``on_backward`` when a backward reaches it, so
+    ``on_backward`` may run several times per backward (several outputs, several
+    forwards before one backward) and must be idempotent within one. Every rank
+    that runs backward through the model's output calls it, so work queued from it
+    happens on every rank.
+    """
+
+    def __init__(self, model: nn.Module, on_backward: Callable[[], None]) -> None:
+        self._on_backward = on_backward
+        self._handle: RemovableHandle | None = model.register_forward_hook(self._after_forward)
+
+    def _after_forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+
+        def grad_hook(grad: torch.Tensor) -> torch.Tensor:
+            self._on_backward()
+            return grad
+
+        for tensor in output_tensors(output):
+            tensor.register_hook(grad_hook)  # type: ignore[no-untyped-call]
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None

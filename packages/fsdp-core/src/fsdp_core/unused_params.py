@@ -1,0 +1,152 @@
+"""Parameters some ranks skip: equal reduce-scatters, and no gradient where no rank used one.
+
+FSDP2 reduce-scatters, per unit, only the parameters that received a gradient on
+this rank. When ranks skip different parts of a unit (a text-only batch and the
+projector in the root unit, unrouted MoE experts) their reduce-scatters differ in
+size and the job crashes or hangs. ``set_reduce_scatter_unused_params(True)``
+makes every rank send zeros for what it did not use, which keeps the collectives
+equal and gives a parameter used on some ranks the correct average. But it also
+turns "no rank used this parameter" into a zero gradient, which AdamW then moves
+by weight decay and momentum, unlike one process or plain FSDP.
+
+:class:`UnusedParamsHook` does both halves: it sets the flag on every unit and
+records, per FSDP parameter, whether autograd accumulated a gradient into it on
+this rank (a post-accumulate hook on the unsharded parameter). When a backward
+that reduces gradients ends, one all-reduce (MAX, one byte per trainable
+parameter tensor) over the data-parallel mesh tells every rank which parameters
+no rank used; their sharded gradients are set back to ``None``. Micro-batches of
+gradient accumulation OR their usage together until the syncing backward.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.utils.hooks import RemovableHandle
+
+from fsdp_core import compat, internals
+from fsdp_core.mesh_collectives import all_reduce_max_over_mesh, mesh_device
+from fsdp_core.runtime import BackwardWatch
+
+__all__ = ["UnusedParamsHook", "install_unused_params_hook"]
+
+logger = logging.getLogger(__name__)
+
+NAME = "unused_params"
+
+
+@dataclass
+class _Record:
+    unit: FSDPModule
+    fsdp_param: Any
+    hooked: bool = False
+
+
+@dataclass
+class UnusedParamsHook:
+    """The installed hook (see the module docstring)."""
+
+    model: nn.Module
+    mesh: DeviceMesh
+    name: str = NAME
+    _records: list[_Record] = field(default_factory=list, repr=False)
+    _used: list[bool] = field(default_factory=list, repr=False)
+    _handles: list[Any] = field(default_factory=list, repr=False)
+    _queued: bool = False
+    _watch: BackwardWatch | None = field(default=None, repr=False)
+    #: Parameter tensors whose gradient the last syncing backward set back to ``None``.
+    last_unused: tuple[str, ...] = ()
+
+    def _attach(self) -> None:
+        """Hook every unsharded parameter that exists by now (they appear at a unit's
+        first all-gather, so this runs after each forward until all are hooked)."""
+        for index, record in enumerate(self._records):
+            if record.hooked:
+                continue
+            unsharded = internals.unsharded_parameter(record.fsdp_param)
+            if unsharded is None:
+                continue
+
+            def mark(_param: torch.Tensor, index: int = index) -> None:
+                self._used[index] = True
+
+            self._handles.append(unsharded.register_post_accumulate_grad_hook(mark))  # type: ignore[no-untyped-call]
+            record.hooked = True
+
+    def _after_forward(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        if not all(r.hooked for r in self._records):
+            self._attach()
+
+    def _on_backward(self) -> None:
+        if self._queued:
+            return
+        self._queued = True
+        # Queued from inside backward; re-queued once so that it runs after FSDP's own
+        # end-of-backward callback (which may reduce-scatter units that ran no backward).
+        internals.queue_end_of_backward(lambda: internals.queue_end_of_backward(self._finish))
+
+    def _finish(self) -> None:
+        self._queued = False
+        reducing = [internals.reduces_gradients(r.unit) for r in self._records]
+        if not any(reducing):
+            return  # a no-sync micro-batch: usage accumulates until the syncing backward
+        flags = torch.tensor(self._used, dtype=torch.uint8, device=mesh_device(self.mesh))
+        all_reduce_max_over_mesh(flags, self.mesh)
+        used = flags.tolist()
+        dropped = []
+        for index, record in enumerate(self._records):
+            if not reducing[index]:
+                continue
+            if not used[index]:
+                param = internals.sharded_parameter(record.fsdp_param)
+                param.grad = None
+                dropped.append(_name(record.fsdp_param, index))
+            self._used[index] = False
+        self.last_unused = tuple(dropped)
+        if dropped:
+            logger.debug("no rank used %d parameters; their gradients stay None", len(dropped))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = None
+        for unit in {id(r.unit): r.unit for r in self._records}.values():
+            unit.set_reduce_scatter_unused_params(False, recurse=False)
+
+
+def _name(fsdp_param: Any, index: int) -> str:
+    name = getattr(fsdp_param, "_param_fqn", None)
+    return name if isinstance(name, str) else f"<parameter {index}>"
+
+
+def install_unused_params_hook(model: nn.Module, *, mesh: DeviceMesh) -> UnusedParamsHook | None:
+    """Install the hook on a sharded ``model``; ``None`` when this torch cannot
+    reduce-scatter unused parameters (a warning says what that risks)."""
+    if not compat.REDUCE_SCATTER_UNUSED_PARAMS:
+        logger.warning(
+            "this torch cannot reduce-scatter unused parameters; ranks that skip part of "
+            "a unit may disagree on reduce-scatter sizes"
+        )
+        return None
+    units = internals.distinct_units(model)
+    hook = UnusedParamsHook(model=model, mesh=mesh)
+    for unit in units:
+        unit.set_reduce_scatter_unused_params(True, recurse=False)
+        for fsdp_param in internals.fsdp_params(unit):
+            if internals.sharded_parameter(fsdp_param).requires_grad:
+                hook._records.append(_Record(unit, fsdp_param))
+    hook._used = [False] * len(hook._records)
+    handle: RemovableHandle = model.register_forward_hook(hook._after_forward)
+    hook._handles.append(handle)
+    hook._watch = BackwardWatch(model, hook._on_backward)
+    hook._attach()
+    return hook
