@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from loops import cases_for
+
 #: Loads one scenario's saved result (the fixtures ``mp2`` / ``mp4`` return one).
 MpResults = Callable[[str], dict[str, Any]]
 
@@ -34,6 +36,7 @@ LAUNCHES: dict[int, list[str]] = {
         "uneven_per_layer",
         "accum_text_only",
         "ckpt_load_other_world",
+        *(f"loop_{name}" for name in cases_for(2)),
     ],
     4: [
         "core_fp32_1d",
@@ -45,5 +48,6 @@ LAUNCHES: dict[int, list[str]] = {
         "uneven_per_layer",
         "accum_text_only",
         "ckpt_save_resume",
+        *(f"loop_{name}" for name in cases_for(4)),
     ],
 }

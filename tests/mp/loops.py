@@ -1,0 +1,338 @@
+"""The training loops users write, as cases shared by the torchrun scenarios and the tests.
+
+A :class:`LoopCase` names a model (hand-made or a tiny transformers VLM), how it is
+sharded (frozen-tower policy, ``uneven_media``, activation checkpointing, mesh), the
+loop shape (a no-grad pass between forward and backward, eval and ``generate()``
+between steps, two forwards per backward, ...), which media each rank gets in each
+step, the optimizer, and what must happen: train exactly like the single-process
+reference (``"match"``), or stop on every rank with ``UnevenMediaError`` before any
+mismatched collective (``"uneven_error"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from loop_models import CrossLayer, ToyBlock, build_toy_vlm, toy_vlm_batch
+from reference import OptimizerFn, StepFn, adamw, sgd
+from torch import nn
+
+LR = 0.05
+Media = Callable[[int, int], dict[str, int]]  # (step, rank) -> {"images": n, "videos": m}
+
+
+def same(images: int = 1, videos: int = 0) -> Media:
+    return lambda step, rank: {"images": images, "videos": videos}
+
+
+def per_rank(*media: dict[str, int]) -> Media:
+    """Rank ``r`` gets ``media[r % len(media)]`` in every step."""
+    return lambda step, rank: media[rank % len(media)]
+
+
+def no_media_in_step(step_without: int, images: int = 1) -> Media:
+    return lambda step, rank: {"images": 0 if step == step_without else images, "videos": 0}
+
+
+# ----------------------------------------------------------------------------- models
+def toy(*, freeze: str = "tower", **kwargs: Any) -> Callable[[], nn.Module]:
+    """A ToyVLM builder; ``freeze``: "tower", "none" or "stage1" (only the projector trains)."""
+
+    def build() -> nn.Module:
+        model = build_toy_vlm(0, **kwargs)
+        if freeze == "tower":
+            model.vision_tower.requires_grad_(False)
+        elif freeze == "stage1":
+            model.requires_grad_(False)
+            model.multi_modal_projector.requires_grad_(True)
+        elif freeze != "none":
+            raise ValueError(f"unknown freeze {freeze!r}")
+        return model
+
+    return build
+
+
+def toy_batch(seed: int, media: dict[str, int]) -> dict[str, Any]:
+    return toy_vlm_batch(images=media.get("images", 0), videos=media.get("videos", 0), seed=seed)
+
+
+def toy_loss(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    loss: torch.Tensor = model(**batch)
+    return loss
+
+
+def apply_checkpointing(model: nn.Module, how: str | None) -> None:
+    """``"hf"``: transformers' ``gradient_checkpointing_enable()``; ``"wrapper"``: torch's
+    ``checkpoint_wrapper`` around every block and cross-attention layer."""
+    if how is None:
+        return
+    if how == "hf":
+        model.gradient_checkpointing_enable()  # type: ignore[operator]
+        return
+    if how != "wrapper":
+        raise ValueError(f"unknown checkpointing {how!r}")
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, (ToyBlock, CrossLayer)))
+
+
+# ------------------------------------------------------------------------------ cases
+@dataclass(frozen=True)
+class LoopCase:
+    name: str
+    build: Callable[[], nn.Module]
+    loop: str = "plain"  # plain | nograd | eval | two_forwards
+    media: Media = field(default_factory=same)
+    policy: str = "root"
+    uneven_media: bool = False
+    precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and reduction)
+    optimizer: str = "sgd"  # sgd | adamw
+    expect: str = "match"  # match | uneven_error
+    checkpointing: str | None = None  # None | "wrapper" (torch) | "hf" (transformers)
+    world: int = 2
+    dp_replicate: int = 1
+    steps: int = 3
+    batch: Callable[[int, dict[str, int]], dict[str, Any]] = toy_batch
+    loss: Callable[[nn.Module, dict[str, Any]], torch.Tensor] = toy_loss
+    #: Extra no-grad calls for the "eval" loop, e.g. ``generate()`` of a transformers model.
+    eval_extra: Callable[[nn.Module, dict[str, Any]], object] | None = None
+    parallelizer: str = "multimodal"  # multimodal | deepseek
+    keep_fp32: Callable[[str], bool] = lambda name: False
+
+    def build_model(self) -> nn.Module:
+        """The model with activation checkpointing applied (before any sharding)."""
+        model = self.build()
+        apply_checkpointing(model, self.checkpointing)
+        return model
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        return torch.bfloat16 if self.precision == "bf16" else None
+
+    def optimizer_fn(self) -> OptimizerFn:
+        if self.optimizer == "adamw":
+            return adamw(lr=1e-2, weight_decay=0.1)
+        return sgd(LR)
+
+    def step_fn(self, device: torch.device | None = None) -> StepFn:
+        """The loop's step; batches are moved to ``device`` when given."""
+
+        def batch(step: int, rank: int, k: int = 0) -> dict[str, Any]:
+            made = self.batch(1000 * step + 10 * rank + k, self.media(step, rank))
+            if device is None:
+                return made
+            return {
+                key: value.to(device) if isinstance(value, torch.Tensor) else value
+                for key, value in made.items()
+            }
+
+        def step_fn(model: nn.Module, step: int, rank: int) -> torch.Tensor:
+            if self.loop == "eval":
+                model.eval()
+                with torch.no_grad():
+                    self.loss(model, batch(step, rank, 7))
+                    if self.eval_extra is not None:
+                        self.eval_extra(model, batch(step, rank, 8))
+                model.train()
+            loss = self.loss(model, batch(step, rank))
+            if self.loop == "nograd":
+                with torch.no_grad():
+                    self.loss(model, batch(step, rank, 1))
+            elif self.loop == "two_forwards":
+                loss = loss + self.loss(model, batch(step, rank, 2))
+            elif self.loop not in ("plain", "eval"):
+                raise ValueError(f"unknown loop {self.loop!r}")
+            return loss
+
+        return step_fn
+
+
+POLICIES = ("root", "per_layer", "replicate")
+TWO_CALLS = {"images": 1, "videos": 1}
+ONE_CALL = {"images": 1, "videos": 0}
+NO_MEDIA = {"images": 0, "videos": 0}
+
+
+def _toy_cases() -> list[LoopCase]:
+    cases: list[LoopCase] = []
+    for p in POLICIES:
+        cases += [
+            # LLaVA stage 1: only the projector trains; a metric pass before backward.
+            LoopCase(f"nograd_stage1_{p}", toy(freeze="stage1"), loop="nograd", policy=p),
+            LoopCase(f"eval_{p}", toy(), loop="eval", policy=p),
+            LoopCase(f"two_forwards_{p}", toy(), loop="two_forwards", policy=p),
+            # Images and videos: the tower runs twice per forward on every rank.
+            LoopCase(
+                f"calls_even_{p}",
+                toy(),
+                media=per_rank(TWO_CALLS, {"images": 2, "videos": 1}),
+                policy=p,
+            ),
+            LoopCase(
+                f"calls_uneven_{p}",
+                toy(),
+                media=per_rank(TWO_CALLS, ONE_CALL),
+                policy=p,
+                expect="uneven_error" if p == "per_layer" else "match",
+            ),
+            LoopCase(f"ckpt_wrapper_{p}", toy(), policy=p, checkpointing="wrapper"),
+            LoopCase(
+                f"adamw_no_media_{p}",
+                toy(),
+                media=no_media_in_step(1),
+                policy=p,
+                optimizer="adamw",
+            ),
+        ]
+    cases += [
+        LoopCase(
+            "nograd_stage1_per_layer_bf16",
+            toy(freeze="stage1"),
+            "nograd",
+            policy="per_layer",
+            precision="bf16",
+        ),
+        LoopCase("nograd_trainable", toy(freeze="none"), loop="nograd"),
+        LoopCase("two_forwards_trainable", toy(freeze="none"), loop="two_forwards"),
+        LoopCase(
+            "two_forwards_per_layer_bf16",
+            toy(),
+            loop="two_forwards",
+            policy="per_layer",
+            precision="bf16",
+        ),
+        LoopCase(
+            "calls_even_trainable",
+            toy(freeze="none"),
+            media=per_rank(TWO_CALLS, {"images": 3, "videos": 2}),
+        ),
+        LoopCase(
+            "calls_uneven_trainable",
+            toy(freeze="none"),
+            media=per_rank(TWO_CALLS, ONE_CALL),
+            expect="uneven_error",
+        ),
+        LoopCase(
+            "calls_uneven_trainable_uneven_media",
+            toy(freeze="none"),
+            media=per_rank(TWO_CALLS, ONE_CALL),
+            uneven_media=True,
+        ),
+        LoopCase(
+            "text_vs_media_trainable_uneven_media",
+            toy(freeze="none"),
+            media=per_rank(ONE_CALL, NO_MEDIA),
+            uneven_media=True,
+            precision="bf16",
+        ),
+        # One tower call per image.
+        LoopCase(
+            "per_image_even_per_layer",
+            toy(tower_calls="per_image"),
+            media=same(images=2),
+            policy="per_layer",
+        ),
+        LoopCase(
+            "per_image_even_trainable",
+            toy(freeze="none", tower_calls="per_image"),
+            media=same(images=2),
+        ),
+        LoopCase(
+            "per_image_uneven_per_layer",
+            toy(tower_calls="per_image"),
+            media=per_rank({"images": 3}, {"images": 1}),
+            policy="per_layer",
+            expect="uneven_error",
+        ),
+        LoopCase(
+            "per_image_uneven_root",
+            toy(tower_calls="per_image"),
+            media=per_rank({"images": 3}, {"images": 1}),
+        ),
+        LoopCase(
+            "per_image_uneven_trainable_uneven_media",
+            toy(freeze="none", tower_calls="per_image"),
+            media=per_rank({"images": 3}, {"images": 1}),
+            uneven_media=True,
+        ),
+        # Cross-attention decoder layers skipped by text-only batches.
+        LoopCase("cross_even_root", toy(cross_every=2), media=same()),
+        LoopCase(
+            "cross_uneven_root",
+            toy(cross_every=2),
+            media=per_rank(ONE_CALL, NO_MEDIA),
+            expect="uneven_error",
+        ),
+        LoopCase(
+            "cross_uneven_replicate",
+            toy(cross_every=2),
+            media=per_rank(ONE_CALL, NO_MEDIA),
+            policy="replicate",
+            expect="uneven_error",
+        ),
+        LoopCase(
+            "cross_uneven_media_true",
+            toy(cross_every=2),
+            media=per_rank(ONE_CALL, NO_MEDIA),
+            uneven_media=True,
+        ),
+        LoopCase(
+            "ckpt_wrapper_trainable",
+            toy(freeze="none"),
+            checkpointing="wrapper",
+            loop="two_forwards",
+        ),
+        LoopCase(
+            "adamw_no_media_trainable_uneven_media",
+            toy(freeze="none"),
+            media=no_media_in_step(1),
+            uneven_media=True,
+            optimizer="adamw",
+        ),
+    ]
+    return cases
+
+
+def _hsdp_cases() -> list[LoopCase]:
+    hsdp = {"world": 4, "dp_replicate": 2}
+    return [
+        LoopCase(
+            "hsdp_nograd_stage1_per_layer",
+            toy(freeze="stage1"),
+            loop="nograd",
+            policy="per_layer",
+            **hsdp,
+        ),
+        LoopCase("hsdp_calls_uneven_root", toy(), media=per_rank(TWO_CALLS, ONE_CALL), **hsdp),
+        LoopCase(
+            "hsdp_calls_uneven_per_layer",
+            toy(),
+            media=per_rank(TWO_CALLS, ONE_CALL),
+            policy="per_layer",
+            expect="uneven_error",
+            **hsdp,
+        ),
+        LoopCase(
+            "hsdp_adamw_no_media_root", toy(), media=no_media_in_step(1), optimizer="adamw", **hsdp
+        ),
+        LoopCase(
+            "hsdp_cross_uneven_media_true",
+            toy(cross_every=2),
+            media=per_rank(ONE_CALL, NO_MEDIA),
+            uneven_media=True,
+            precision="bf16",
+            **hsdp,
+        ),
+    ]
+
+
+CASES: dict[str, LoopCase] = {case.name: case for case in (*_toy_cases(), *_hsdp_cases())}
+
+
+def cases_for(world: int) -> list[str]:
+    return [name for name, case in CASES.items() if case.world == world]
