@@ -28,9 +28,9 @@ from fsdp_core import (
     install_unshard_warmup,
     install_unused_params_hook,
     installed_hooks,
+    internals,
     mixed_precision_policy,
 )
-from fsdp_core import internals
 
 DIM = 8
 #: bf16 compute, fp32 gradient reduction: the setting that needs aligned gradients.

@@ -9,8 +9,9 @@ irrelevant here) three layouts of the vision norms are compared:
 
 - ``grouped``: the shipped behaviour on torch 2.13, all 2L+1 fp32 norms in one unit;
 - ``per_norm``: ``compat.GROUPED_PER_MODULE_CASTING`` patched to False, one unit per norm;
-- ``none``: baseline without fp32 units, the norm weights cast to bf16 through
-  ``.data`` (bypassing the fp32 pin), so nothing is planned for them.
+- ``none``: baseline without fp32 units: the norm weights cast to bf16 through
+  ``.data`` (bypassing the fp32 pin) and sharded by the plain
+  ``MultimodalParallelizer``, which has no norm rule, so they stay in the blocks.
 
 With a *frozen* tower each frozen-tower policy is measured; its 2L+1 fp32 norms
 are replicated (no unit, no collective after the one broadcast at setup).
@@ -42,6 +43,7 @@ from fsdp_core import CommCounter, build_mesh, compat, mixed_precision_policy
 from fsdp_core.testing import fake_process_group
 from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
 from model_deepseek_v41.modeling import RMSNorm
+from multimodal_fsdp import MultimodalParallelizer
 
 WORLD_SIZE = 2
 TOWER_DEPTHS = (4, 8)
@@ -136,7 +138,13 @@ def _run(vision_layers: int, *, frozen_tower: bool, policy: str, bf16_norms: boo
     """Build, parallelize and run two steps; return the counts of the second (steady) one."""
     config = DeepseekV41Config.tiny(vision_layers=vision_layers)
     mp_policy = mixed_precision_policy("bf16", "fp32")
-    parallelizer = PARALLELIZER.with_options(frozen_multimodal_sharding=policy)
+    parallelizer: MultimodalParallelizer = PARALLELIZER.with_options(
+        frozen_multimodal_sharding=policy
+    )
+    if bf16_norms:
+        parallelizer = MultimodalParallelizer(
+            frozen_multimodal_sharding=policy, extra_tower_names=("vision",)
+        )
     with fake_process_group(WORLD_SIZE):
         model = build_deepseek_v41(config, dtype=torch.bfloat16)
         if frozen_tower:

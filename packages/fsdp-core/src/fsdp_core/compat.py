@@ -19,6 +19,7 @@ __all__ = [
     "FULLY_SHARD_IGNORED_PARAMS",
     "FULLY_SHARD_GROUPED_MODULES",
     "GROUPED_PER_MODULE_CASTING",
+    "GROUPED_UNIT_REUSE",
     "REDUCE_SCATTER_UNUSED_PARAMS",
     "FAKE_PROCESS_GROUP",
     "TORCH_VERSION",
@@ -86,6 +87,24 @@ GROUPED_PER_MODULE_CASTING: Final[bool] = FULLY_SHARD_GROUPED_MODULES and hasatt
 )
 
 
+def _has_grouped_unit_reuse() -> bool:
+    """Grouped units track which members ran in the current pass, so a member called
+    again later in the same iteration (a tower run once per image) starts a new pass
+    instead of corrupting the unit (pytorch issue 183702). torch 2.13 has the
+    per-pass bookkeeping (``_force_complete_incomplete_states``); the multi-process
+    tests run exactly that reuse against a reference, so a torch where the flag and
+    the behaviour disagree fails them."""
+    state = _fsdp_state_class()
+    return FULLY_SHARD_GROUPED_MODULES and hasattr(
+        state or object, "_force_complete_incomplete_states"
+    )
+
+
+#: A grouped unit stays correct when one of its modules runs again in the same
+#: iteration; without it, groups whose modules may run twice are split.
+GROUPED_UNIT_REUSE: Final[bool] = _has_grouped_unit_reuse()
+
+
 def _has_reduce_scatter_unused_params() -> bool:
     if not FSDP2_AVAILABLE:
         return False
@@ -118,6 +137,7 @@ def capabilities() -> dict[str, bool]:
         "FULLY_SHARD_IGNORED_PARAMS": FULLY_SHARD_IGNORED_PARAMS,
         "FULLY_SHARD_GROUPED_MODULES": FULLY_SHARD_GROUPED_MODULES,
         "GROUPED_PER_MODULE_CASTING": GROUPED_PER_MODULE_CASTING,
+        "GROUPED_UNIT_REUSE": GROUPED_UNIT_REUSE,
         "REDUCE_SCATTER_UNUSED_PARAMS": REDUCE_SCATTER_UNUSED_PARAMS,
         "FAKE_PROCESS_GROUP": FAKE_PROCESS_GROUP,
     }

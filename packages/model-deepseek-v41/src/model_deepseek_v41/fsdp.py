@@ -7,18 +7,24 @@ weights in a unit with bf16 weights, and a bf16 ``param_dtype`` would round
 them, so they become fp32 units (fp32 params and reduction, output cast back to
 the caller's compute dtype) before the module itself is sharded.
 
-Recognition is structural, so other implementations of the same architecture
-are served too:
+Recognition rests on the V4 tower's structure, never on storage dtypes, so it
+holds for a bf16 model with fp32 norms and for fp32 master weights under a bf16
+policy alike, and other implementations of the same layout are served too:
 
 - a *norm* is a module without parameterised children whose parameters are all
   1-D and include ``weight`` (RMSNorm, LayerNorm);
-- a *vision tower* holds a layer container of blocks, at least one fp32 norm,
-  and no token embedding (``nn.Embedding``) - which tells it from the text model;
-- a *vision block* holds norms and other layers as direct children, and its
-  norms are fp32 while its other weights are not (dtype evidence: a text layer
-  of the same shape has norms in the model dtype).
+- a *vision block* has the V4 block layout: norms registered as ``norm1`` and
+  ``norm2`` beside other parameterised layers (the text decoder's layers name
+  theirs ``input_layernorm`` / ``post_attention_layernorm``);
+- a *vision tower* holds a layer container of vision blocks and no token
+  embedding (``nn.Embedding``), which tells it from the text model;
+- its *vision norms* are the norms that are direct children of its blocks and
+  of the tower itself (``norm1``, ``norm2`` and the final ``norm``).
 
-Activation-checkpoint wrappers are looked through.
+Activation-checkpoint wrappers are looked through. The grouped norm unit needs a
+torch whose grouped units survive a module being called again in the same
+iteration (the tower run once per image); elsewhere each norm is its own unit
+(``compat.GROUPED_UNIT_REUSE``).
 """
 
 from __future__ import annotations
@@ -27,7 +33,6 @@ import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
@@ -44,7 +49,7 @@ from fsdp_core import (
     shard_group_size,
     shard_groups_then_module,
 )
-from fsdp_core.containers import is_module_container, join_path
+from fsdp_core.containers import is_module_container, join_path, unwrap_module
 from multimodal_fsdp import MultimodalParallelizer
 from multimodal_fsdp.discovery import _check_names
 
@@ -62,14 +67,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_WRAPPED_ATTR = "_checkpoint_wrapped_module"
+#: Child names of the norms of a V4 vision block.
+BLOCK_NORM_NAMES: tuple[str, ...] = ("norm1", "norm2")
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
-    """The module inside activation-checkpoint wrappers (any depth)."""
-    while isinstance(getattr(module, _WRAPPED_ATTR, None), nn.Module):
-        module = getattr(module, _WRAPPED_ATTR)
-    return module
+    return unwrap_module(module)
 
 
 def is_norm_module(module: nn.Module) -> bool:
@@ -80,38 +83,40 @@ def is_norm_module(module: nn.Module) -> bool:
     return not any(True for child in module.children() for _ in child.parameters())
 
 
-def _is_fp32_norm(module: nn.Module) -> bool:
-    return is_norm_module(module) and module.weight.dtype == torch.float32
-
-
-def _param_children(module: nn.Module) -> list[nn.Module]:
-    return [child for child in module.children() if any(True for _ in child.parameters())]
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
 
 
 def is_vision_block(module: nn.Module) -> bool:
-    """Norms beside other layers, the norms fp32 and the other weights not."""
+    """The V4 block layout: ``norm1`` and ``norm2`` norms beside other layers."""
     inner = _unwrap(module)
-    children = [_unwrap(child) for child in _param_children(inner)]
-    norms = [child for child in children if is_norm_module(child)]
-    others = [child for child in children if not is_norm_module(child)]
-    if not norms or not others or any(is_module_container(child) for child in children):
+    children = {name: _unwrap(child) for name, child in inner.named_children()}
+    if not all(is_norm_module(children.get(name, nn.Identity())) for name in BLOCK_NORM_NAMES):
         return False
-    if not all(_is_fp32_norm(norm) for norm in norms):
-        return False
-    rest = dominant_dtype(p for child in others for p in child.parameters())
-    return rest is not None and rest != torch.float32
+    others = [
+        child
+        for name, child in children.items()
+        if name not in BLOCK_NORM_NAMES and _has_params(child)
+    ]
+    return bool(others) and not any(is_module_container(child) for child in children.values())
+
+
+def _block_containers(tower: nn.Module) -> list[nn.Module]:
+    return [
+        child
+        for child in tower.children()
+        if is_module_container(child)
+        and _has_params(child)
+        and all(is_vision_block(item) for item in child.children())
+    ]
 
 
 def is_vision_tower(module: nn.Module) -> bool:
-    """A stack of blocks with fp32 norms and no token embedding."""
+    """A stack of vision blocks and no token embedding."""
     inner = _unwrap(module)
     if any(isinstance(sub, nn.Embedding) for sub in inner.modules()):
         return False
-    has_stack = any(
-        is_module_container(child) and any(True for _ in child.parameters())
-        for child in inner.children()
-    )
-    return has_stack and any(_is_fp32_norm(sub) for sub in inner.modules())
+    return bool(_block_containers(inner))
 
 
 def find_vision_towers(model: nn.Module) -> list[str]:
@@ -125,19 +130,48 @@ def find_vision_towers(model: nn.Module) -> list[str]:
     return found
 
 
+def vision_norm_paths(module: nn.Module, prefix: str = "") -> list[str]:
+    """Paths of the vision norms of a vision tower or block (see the module doc)."""
+    inner = _unwrap(module)
+    inner_prefix = _inner_prefix(module, prefix)
+    if is_vision_block(inner):
+        return [join_path(inner_prefix, name) for name in BLOCK_NORM_NAMES]
+    if not is_vision_tower(inner):
+        return []
+    paths: list[str] = []
+    for name, child in inner.named_children():
+        path = join_path(inner_prefix, name)
+        if is_module_container(child) and child in _block_containers(inner):
+            for key, block in child.named_children():
+                paths.extend(vision_norm_paths(block, join_path(path, key)))
+        elif is_norm_module(_unwrap(child)):
+            paths.append(_inner_prefix(child, path))
+    return paths
+
+
+def _inner_prefix(module: nn.Module, prefix: str) -> str:
+    """The path of the module inside ``module``'s wrappers."""
+    while isinstance(wrapped := getattr(module, "_checkpoint_wrapped_module", None), nn.Module):
+        prefix = join_path(prefix, "_checkpoint_wrapped_module")
+        module = wrapped
+    return prefix
+
+
 def _fp32_norm_paths(
     module: nn.Module, prefix: str, skip: set[str], skip_module: set[int]
 ) -> Iterator[str]:
-    """fp32 norms below ``module``, not descending into existing or planned units."""
-    for name, sub in module.named_children():
-        path = join_path(prefix, name)
-        if id(sub) in skip_module or is_sharded(sub):
+    """Vision norms of ``module`` that are not (inside) units already, not planned
+    (``skip_module``: ids of planned modules) and not ignored (``skip``: names)."""
+    for path in vision_norm_paths(module, prefix):
+        relative = path[len(prefix) + 1 :] if prefix else path
+        chain = [module]
+        for part in relative.split("."):
+            chain.append(chain[-1].get_submodule(part))
+        if any(id(m) in skip_module or is_sharded(m) for m in chain[1:]):
             continue
-        if _is_fp32_norm(sub):
-            if not any(n in skip for n, _ in sub.named_parameters(prefix=path)):
-                yield path
+        if any(n in skip for n, _ in chain[-1].named_parameters(prefix=path)):
             continue
-        yield from _fp32_norm_paths(sub, path, skip, skip_module)
+        yield path
 
 
 @dataclass(frozen=True)
@@ -159,9 +193,12 @@ def plan_fp32_norm_groups(
 ) -> list[NormGroup]:
     """The fp32-norm units of a vision tower or block, as few as torch allows.
 
-    With grouped per-module casting (``compat.GROUPED_PER_MODULE_CASTING``) all
-    norms share one unit; otherwise each norm is its own unit. Norms that are
-    already units, already planned, or ignored (replicated) are left out.
+    With grouped per-module casting and grouped units that survive a module's
+    reuse in one iteration (``compat.GROUPED_PER_MODULE_CASTING`` and
+    ``compat.GROUPED_UNIT_REUSE``) all norms share one unit; otherwise each norm is
+    its own unit. Norms that are already units, already planned, or ignored
+    (replicated) are left out. The surrounding compute dtype (the norms' output
+    dtype) is the policy's ``param_dtype``, else the dtype of the other weights.
     """
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
@@ -172,7 +209,11 @@ def plan_fp32_norm_groups(
     paths = list(_fp32_norm_paths(module, prefix, set(ignored_param_names), planned or set()))
     if not paths:
         return []
-    group = compat.GROUPED_PER_MODULE_CASTING if grouped is None else grouped
+    group = (
+        compat.GROUPED_PER_MODULE_CASTING and compat.GROUPED_UNIT_REUSE
+        if grouped is None
+        else grouped
+    )
     if group:
         return [NormGroup(tuple(paths), policy)]
     return [NormGroup((path,), policy) for path in paths]
