@@ -201,3 +201,17 @@ def toy_vlm_batch(
     if videos:
         batch["pixel_values_videos"] = torch.randn(videos, TOKENS_PER_IMAGE, PATCH, generator=gen)
     return batch
+
+
+def per_image_deepseek(model: nn.Module) -> nn.Module:
+    """Make a DeepSeek-V4.1 reference model run its vision tower once per image (the
+    grouped fp32-norm unit's modules then run several times per iteration)."""
+    from model_deepseek_v41.modeling import DeepseekV41VisionTower
+
+    class PerImageTower(DeepseekV41VisionTower):
+        def forward(self, pixel_values: Tensor) -> Tensor:
+            one = super().forward
+            return torch.cat([one(pixel_values[i : i + 1]) for i in range(len(pixel_values))])
+
+    model.vision.__class__ = PerImageTower  # type: ignore[assignment]
+    return model

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from loop_models import CrossLayer, ToyBlock, build_toy_vlm, toy_vlm_batch
+from loop_models import CrossLayer, ToyBlock, build_toy_vlm, per_image_deepseek, toy_vlm_batch
 from reference import OptimizerFn, StepFn, adamw, sgd
 from torch import nn
 
@@ -103,6 +103,10 @@ class LoopCase:
     eval_extra: Callable[[nn.Module, dict[str, Any]], object] | None = None
     parallelizer: str = "multimodal"  # multimodal | deepseek
     keep_fp32: Callable[[str], bool] = lambda name: False
+    #: Tolerance after optimizer steps when weights are *stored* in bf16 (see compare.py).
+    update_tol: float | None = None
+    #: Gradient tolerance, when not the compute dtype's (see the case that sets it).
+    grad_tol: float | None = None
 
     def build_model(self) -> nn.Module:
         """The model with activation checkpointing applied (before any sharding)."""
@@ -331,7 +335,165 @@ def _hsdp_cases() -> list[LoopCase]:
     ]
 
 
-CASES: dict[str, LoopCase] = {case.name: case for case in (*_toy_cases(), *_hsdp_cases())}
+# --------------------------------------------------------------- DeepSeek-V4.1 reference
+def _is_vision_norm(name: str) -> bool:
+    return name.startswith("vision.") and name.split(".")[-2] in ("norm1", "norm2", "norm")
+
+
+def deepseek(*, dtype: torch.dtype, per_image: bool = False) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        from model_deepseek_v41 import DeepseekV41Config, build_deepseek_v41
+
+        model = build_deepseek_v41(DeepseekV41Config.tiny(), seed=0, dtype=dtype)
+        with torch.no_grad():  # norms away from 1.0, so bf16 rounding of them would show
+            gen = torch.Generator().manual_seed(3)
+            for name, param in model.named_parameters():
+                if _is_vision_norm(name):
+                    param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen))
+        return per_image_deepseek(model) if per_image else model
+
+    return build
+
+
+def deepseek_batch(seed: int, media: dict[str, int]) -> dict[str, Any]:
+    from model_deepseek_v41 import DeepseekV41Config, make_batch
+
+    batch = make_batch(
+        DeepseekV41Config.tiny(),
+        batch_size=2,
+        seq_len=16,
+        num_images_per_sample=media.get("images", 0),
+        seed=seed,
+    )
+    return dict(batch)
+
+
+def _deepseek_cases() -> list[LoopCase]:
+    from compare import BF16_STORAGE_TOL
+
+    return [
+        # The tower runs once per image: the grouped fp32-norm unit's modules run twice.
+        # Stored in bf16, each block unit reduces once per call and adds the two halves
+        # into its bf16 sharded gradient, which rounds differently from one sum: a few
+        # bf16 ulps on the gradients too (the fp32-master cases below hold 1e-4).
+        LoopCase(
+            "ds_per_image_trainable",
+            deepseek(dtype=torch.bfloat16, per_image=True),
+            parallelizer="deepseek",
+            batch=deepseek_batch,
+            keep_fp32=_is_vision_norm,
+            update_tol=BF16_STORAGE_TOL,
+            grad_tol=BF16_STORAGE_TOL,
+        ),
+        # fp32 master weights, bf16 compute: the norms must still compute with fp32 weights.
+        LoopCase(
+            "ds_fp32_master_weights",
+            deepseek(dtype=torch.float32),
+            parallelizer="deepseek",
+            batch=deepseek_batch,
+            precision="bf16",
+            keep_fp32=_is_vision_norm,
+        ),
+        LoopCase(
+            "ds_fp32_master_weights_per_image",
+            deepseek(dtype=torch.float32, per_image=True),
+            parallelizer="deepseek",
+            batch=deepseek_batch,
+            precision="bf16",
+            keep_fp32=_is_vision_norm,
+            loop="two_forwards",
+        ),
+    ]
+
+
+# -------------------------------------------------------------------- transformers VLMs
+def _hf(name: str, *, freeze_tower: bool = True) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        from hf_vlms import HF_VLMS
+
+        vlm = HF_VLMS[name]
+        model = vlm.build()
+        if freeze_tower:
+            model.get_submodule(vlm.tower).requires_grad_(False)
+        return model
+
+    return build
+
+
+def _hf_batch(name: str) -> Callable[[int, dict[str, int]], dict[str, Any]]:
+    def batch(seed: int, media: dict[str, int]) -> dict[str, Any]:
+        from hf_vlms import HF_VLMS
+
+        counts = {kind: n for kind, n in media.items() if n or kind == "images"}
+        made: dict[str, Any] = HF_VLMS[name].batch(seed, **counts)
+        return made
+
+    return batch
+
+
+def _hf_loss(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    from hf_vlms import hf_loss
+
+    return hf_loss(model, batch)
+
+
+def _llava_generate(model: nn.Module, batch: dict[str, Any]) -> object:
+    """Greedy generation of a fixed length from the first sample (image included)."""
+    prompt = {"input_ids": batch["input_ids"][:1, :20]}
+    if "pixel_values" in batch:
+        prompt["pixel_values"] = batch["pixel_values"][:1]
+    return model.generate(  # type: ignore[operator]
+        **prompt, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0
+    )
+
+
+def _hf_cases() -> list[LoopCase]:
+    llava = {"build": _hf("llava"), "batch": _hf_batch("llava"), "loss": _hf_loss}
+    qwen = {"build": _hf("qwen2_vl"), "batch": _hf_batch("qwen2_vl"), "loss": _hf_loss}
+    mllama = {"build": _hf("mllama"), "batch": _hf_batch("mllama"), "loss": _hf_loss}
+    cases: list[LoopCase] = []
+    for p in POLICIES:
+        cases += [
+            LoopCase(
+                f"hf_llava_generate_{p}", loop="eval", eval_extra=_llava_generate, policy=p, **llava
+            ),
+            LoopCase(f"hf_llava_checkpointing_{p}", checkpointing="hf", policy=p, **llava),
+        ]
+    cases += [
+        LoopCase(
+            "hf_qwen2_vl_calls_even_per_layer",
+            media=per_rank(TWO_CALLS, {"images": 2, "videos": 1}),
+            policy="per_layer",
+            **qwen,
+        ),
+        LoopCase(
+            "hf_qwen2_vl_calls_uneven_per_layer",
+            media=per_rank(TWO_CALLS, ONE_CALL),
+            policy="per_layer",
+            expect="uneven_error",
+            **qwen,
+        ),
+        LoopCase("hf_qwen2_vl_calls_uneven_root", media=per_rank(TWO_CALLS, ONE_CALL), **qwen),
+        LoopCase(
+            "hf_mllama_uneven_root",
+            media=per_rank({"images": 2}, {"images": 0}),
+            expect="uneven_error",
+            **mllama,
+        ),
+        LoopCase(
+            "hf_mllama_uneven_media",
+            media=per_rank({"images": 2}, {"images": 0}),
+            uneven_media=True,
+            **mllama,
+        ),
+        LoopCase("hf_mllama_even_root_bf16", media=same(images=2), precision="bf16", **mllama),
+    ]
+    return cases
+
+
+CASES: dict[str, LoopCase] = {
+    case.name: case for case in (*_toy_cases(), *_hsdp_cases(), *_deepseek_cases(), *_hf_cases())
+}
 
 
 def cases_for(world: int) -> list[str]:

@@ -862,6 +862,20 @@ def test_plan_fp32_norm_groups_default_follows_compat(monkeypatch: pytest.Monkey
     assert len(plan_fp32_norm_groups(model.vision, mp_policy=MP)) == NUM_NORMS
 
 
+def test_norms_are_ungrouped_where_grouped_units_cannot_be_reused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """pytorch issue 183702: where a grouped unit breaks when one of its modules runs again
+    in the iteration (a tower run once per image), each norm gets its own unit."""
+    model = _model()
+    assert compat.GROUPED_UNIT_REUSE  # torch 2.13 (checked against a reference in tests/)
+    monkeypatch.setattr(compat, "GROUPED_UNIT_REUSE", False)
+    groups = plan_fp32_norm_groups(model.vision, mp_policy=MP, prefix="vision")
+    assert [group.paths for group in groups] == [(path,) for path in NORM_PATHS]
+    plan = PARALLELIZER.plan(model, mp_policy=MP)
+    assert plan.role_counts()["fp32_norms"] == NUM_NORMS
+
+
 def test_plan_fp32_norm_groups_leaves_out_ignored_and_planned_norms() -> None:
     model = _model()
     groups = plan_fp32_norm_groups(
@@ -895,3 +909,26 @@ def test_plan_fp32_norm_groups_policy_follows_the_surroundings() -> None:
     fp32 = _model(dtype=torch.float32)
     (group,) = plan_fp32_norm_groups(fp32.vision, mp_policy=MP, grouped=True)
     assert group.mp_policy == NORM_POLICY  # the caller computes in bf16
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32-master"])
+def test_per_block_calls_keep_fp32_norm_units_whatever_the_storage_dtype(
+    mesh: DeviceMesh, dtype: torch.dtype
+) -> None:
+    """Frameworks call the function block by block. With fp32 master weights and a bf16
+    policy (the standard recipe) the norms must still get their own fp32 units, or they
+    would compute with bf16-rounded weights."""
+    model = _model(dtype=dtype)
+    for block in model.vision.blocks:
+        fully_shard_deepseek_v41(block, mesh, MP)
+    for index, block in enumerate(model.vision.blocks):
+        for name in ("norm1", "norm2"):
+            norm = block.get_submodule(name)
+            assert isinstance(norm, FSDPModule), (index, name)
+            policy = _state(norm)._mp_policy
+            assert policy.param_dtype == torch.float32, (index, name)
+            assert policy.output_dtype == torch.bfloat16, (index, name)
+        assert _state(block)._mp_policy.param_dtype == torch.bfloat16
+    # Text layers are ordinary units under the caller's policy.
+    fully_shard_deepseek_v41(model.model.layers[0], mesh, MP)
+    assert not isinstance(model.model.layers[0].input_layernorm, FSDPModule)

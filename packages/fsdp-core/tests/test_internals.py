@@ -1,0 +1,172 @@
+"""fsdp_core.internals: the only module that reads private FSDP2 state, checked up front.
+
+Units are sharded under the single-process ``fake`` backend (exact collectives,
+meaningless numbers).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+from torch.distributed.tensor import Shard
+
+from fsdp_core import (
+    FSDPInternalsError,
+    ModelParallelizer,
+    build_mesh,
+    check_internals,
+    install_unshard_warmup,
+    install_unused_params_hook,
+    internals,
+    mixed_precision_policy,
+)
+from fsdp_core.testing import fake_process_group
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "fsdp_core"
+ALL_HOOKS = tuple(internals.INTERNALS_BY_HOOK)
+
+
+@pytest.fixture
+def mesh() -> Iterator[DeviceMesh]:
+    with fake_process_group(2):
+        yield build_mesh()
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def sharded(mesh: DeviceMesh) -> Net:
+    model = Net()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def test_everything_the_hooks_need_is_there_on_this_torch(mesh: DeviceMesh) -> None:
+    model = sharded(mesh)
+    assert internals.missing_internals(model, ALL_HOOKS) == {}
+    check_internals(model, ALL_HOOKS)
+
+
+def test_a_missing_attribute_is_named_with_the_hook_to_switch_off(
+    mesh: DeviceMesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = sharded(mesh)
+    for unit in internals.distinct_units(model):
+        for group in internals.param_groups(unit):
+            monkeypatch.delattr(group, "reduce_grads")
+    with pytest.raises(FSDPInternalsError) as info:
+        check_internals(model, ALL_HOOKS)
+    message = str(info.value)
+    assert "accumulation_warmup needs FSDPParamGroup.reduce_grads" in message
+    assert "unused_params needs FSDPParamGroup.reduce_grads" in message
+    assert "disabled_hooks=('accumulation_warmup', 'unused_params')" in message
+    # Hooks that need none of it are fine.
+    check_internals(model, ["schedule_check", "prefetch_guard"])
+    # The accessors raise the same error instead of guessing a default.
+    with pytest.raises(FSDPInternalsError, match=r"FSDPParamGroup\.reduce_grads"):
+        internals.reduces_gradients(model)
+
+
+def test_the_parallelizer_fails_at_apply_time_when_an_internal_was_renamed(
+    mesh: DeviceMesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not at the first forward, and not by silently switching the fix off."""
+    renamed = internals._Probe("group", "reduce_grads_renamed")
+    for hook in ("accumulation_warmup", "unused_params"):
+        probes = internals.INTERNALS_BY_HOOK[hook]
+        monkeypatch.setitem(
+            internals.INTERNALS_BY_HOOK,
+            hook,
+            tuple(renamed if p is internals._GROUP_REDUCE else p for p in probes),
+        )
+    with pytest.raises(FSDPInternalsError, match="reduce_grads_renamed"):
+        ModelParallelizer().parallelize(Net(), mesh=mesh)
+    # Opting out of both hooks shards and trains (without what they fix).
+    model = Net()
+    ModelParallelizer(disabled_hooks=("accumulation_warmup", "unused_params")).parallelize(
+        model, mesh=mesh
+    )
+    model(torch.randn(2, 4)).sum().backward()
+
+
+def test_hooks_work_on_a_unit_with_two_parameter_groups(mesh: DeviceMesh) -> None:
+    """Per-parameter meshes give a unit several groups; FSDP's single-group accessor then
+    raises, which would have crashed every forward of the accumulation fix."""
+    other = DeviceMesh.from_group(dist.new_group([0, 1]), "cpu", mesh_dim_names=("expert",))
+    info = FSDPMeshInfo(other, shard_mesh_dim=0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    expert = model[1].weight
+
+    def place(param: nn.Parameter) -> ShardPlacementResult | None:
+        return ShardPlacementResult(Shard(0), info) if param is expert else None
+
+    fully_shard(model, mesh=mesh, shard_placement_fn=place, mp_policy=mixed_precision_policy())
+    assert len(internals.param_groups(model)) == 2  # type: ignore[arg-type]
+    with pytest.raises(AssertionError, match="at most 1 param group"):
+        _ = model._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+    install_unshard_warmup(model)
+    install_unused_params_hook(model, mesh=mesh)
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    model(torch.randn(2, 4)).sum().backward()
+    model.set_requires_gradient_sync(True)  # type: ignore[operator]
+    model(torch.randn(2, 4)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_in_backward_and_the_end_of_backward_callback() -> None:
+    seen: list[str] = []
+    x = torch.ones(2, requires_grad=True)
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        seen.append(f"hook in_backward={internals.in_backward()}")
+        internals.queue_end_of_backward(lambda: seen.append("end"))
+        return grad
+
+    y = (x * 2).sum()
+    y.register_hook(hook)
+    assert internals.in_backward() is False
+    y.backward()
+    assert seen == ["hook in_backward=True", "end"]
+
+
+#: Attribute accesses of FSDP2 / autograd internals (an ``internals.`` accessor is fine).
+PRIVATE = re.compile(
+    r"(?<!internals)\.(_get_fsdp_state|_fsdp_param_groups?|_unsharded_param|"
+    r"unsharded_accumulated_grad|_execution_engine|_current_graph_task_id|fsdp_params|"
+    r"reduce_grads)\b"
+)
+
+
+def test_no_other_module_reads_private_fsdp_state() -> None:
+    offenders = []
+    # Every package of the monorepo; this package alone when run from its sdist.
+    roots = sorted(SRC.parents[3].glob("packages/*/src/*")) or [SRC]
+    assert SRC in roots
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            if path.name == "internals.py":
+                continue
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if PRIVATE.search(line):
+                    offenders.append(f"{path.name}:{number}: {line.strip()}")
+    assert offenders == []
