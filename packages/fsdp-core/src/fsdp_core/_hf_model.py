@@ -1,0 +1,207 @@
+"""What the checkpoint functions use of Hugging Face models, without importing transformers.
+
+Everything here is duck-typed on the model object the caller built:
+
+- *Checkpoint names.* transformers 5 renames keys between the module tree and
+  the files (``save_pretrained`` writes the original layout, e.g. LLaVA's
+  ``language_model.model.*`` for the module ``model.language_model.*``, and
+  drops tied aliases). Rather than re-implementing those rules, the model's own
+  ``save_pretrained`` is run once on a state dict of numbered 0-d markers; the
+  markers it writes tell which checkpoint key each module name becomes.
+- *Non-persistent buffers* (rotary ``inv_freq``, ``position_ids``) are
+  recomputed by the owning sub-model's ``_init_weights``, with the module's
+  parameters marked initialised so that only buffers are written.
+- *The config* is written with its own ``save_pretrained``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from fsdp_core._safetensors_dir import open_file, read_layout
+
+logger = logging.getLogger(__name__)
+
+_FLAG = "_is_hf_initialized"
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    """A model with ``save_pretrained`` and a config that has one (a transformers model)."""
+    config = getattr(model, "config", None)
+    return callable(getattr(model, "save_pretrained", None)) and callable(
+        getattr(config, "save_pretrained", None)
+    )
+
+
+def original_class(module: nn.Module) -> type[nn.Module]:
+    """The class ``fully_shard`` replaced by its ``FSDP<name>`` subclass (else the class)."""
+    cls = type(module)
+    bases = cls.__bases__
+    if len(bases) == 2 and bases[0] is FSDPModule and issubclass(bases[1], nn.Module):
+        return bases[1]
+    return cls
+
+
+@contextmanager
+def _original_classes(model: nn.Module) -> Iterator[None]:
+    """transformers looks conversions up by class name; show it the unsharded classes."""
+    swapped = [(m, type(m)) for m in model.modules() if original_class(m) is not type(m)]
+    for module, _ in swapped:
+        module.__class__ = original_class(module)
+    try:
+        yield
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
+
+
+@contextmanager
+def _writes_on_this_rank(model: nn.Module) -> Iterator[None]:
+    """transformers saves on global rank 0 only; every rank derives the names itself."""
+    if not callable(getattr(model, "should_save_on_this_rank", None)):
+        yield
+        return
+    model.__dict__["should_save_on_this_rank"] = lambda is_main_process: True
+    try:
+        yield
+    finally:
+        del model.__dict__["should_save_on_this_rank"]
+
+
+@contextmanager
+def _config_kept(config: Any) -> Iterator[None]:
+    """``save_pretrained`` sets ``dtype`` and ``architectures`` on the config: undo it."""
+    saved = {name: getattr(config, name) for name in ("dtype", "architectures")}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(config, name, value)
+
+
+def checkpoint_names(model: nn.Module, groups: Sequence[Sequence[str]]) -> dict[str, str]:
+    """Module name -> checkpoint key, as the model's own ``save_pretrained`` writes them.
+
+    ``groups`` are the model's state names, aliases of one tensor together (a
+    tied ``lm_head.weight`` with ``embed_tokens.weight``). Names the model would
+    not save (a dropped tied alias) are absent from the result.
+    """
+    markers: dict[str, torch.Tensor] = {}
+    for index, group in enumerate(groups):
+        marker = torch.tensor(index, dtype=torch.int64)  # one object per group: aliases share it
+        markers.update(dict.fromkeys(group, marker))
+    save: Any = model.save_pretrained
+    with (
+        tempfile.TemporaryDirectory(prefix="fsdp-core-names-") as tmp,
+        _original_classes(model),
+        _writes_on_this_rank(model),
+        _config_kept(getattr(model, "config", None)),
+    ):
+        try:
+            save(tmp, state_dict=markers)
+        except Exception as exc:
+            raise ValueError(
+                f"could not derive the checkpoint key names of {original_class(model).__name__} "
+                f"from its save_pretrained ({type(exc).__name__}: {exc}); pass key_mapping="
+            ) from exc
+        return _read_markers(Path(tmp), groups)
+
+
+def _read_markers(directory: Path, groups: Sequence[Sequence[str]]) -> dict[str, str]:
+    names: dict[str, str] = {}
+    seen: set[int] = set()
+    layout = read_layout(directory)
+    for file, keys in layout.keys_by_file():
+        with open_file(directory / file) as handle:
+            for key in keys:
+                value = handle.get_tensor(key)
+                index = int(value.item()) if value.dim() == 0 and value.dtype == torch.int64 else -1
+                if not 0 <= index < len(groups) or index in seen:
+                    raise ValueError(
+                        f"save_pretrained of this model transforms tensors (checkpoint key "
+                        f"{key!r} is not one renamed state tensor); only renaming is "
+                        "supported: pass key_mapping="
+                    )
+                seen.add(index)
+                names.update(dict.fromkeys(groups[index], key))
+    return names
+
+
+def _initializer(model: nn.Module, path: str) -> Any:
+    """``_init_weights`` of the innermost sub-model (with a config) that contains ``path``."""
+    found = None
+    module = model
+    parts = path.split(".") if path else []
+    for depth in range(len(parts) + 1):
+        if depth:
+            module = module.get_submodule(parts[depth - 1])
+        init = getattr(module, "_init_weights", None)
+        if callable(init) and getattr(module, "config", None) is not None:
+            found = init
+    return found
+
+
+def recompute_buffers(model: nn.Module, names: Iterable[str]) -> list[str]:
+    """Run the owning sub-model's ``_init_weights`` on each module holding one of ``names``.
+
+    Parameters of those modules are marked initialised for the call (transformers'
+    init functions then skip them); a model that writes them anyway only touches
+    values that the checkpoint overwrites next. Returns the names it ran for.
+    """
+    wanted = list(names)
+    ran: list[str] = []
+    for path in sorted({name.rpartition(".")[0] for name in wanted}):
+        init = _initializer(model, path)
+        if init is None:
+            continue
+        module = model.get_submodule(path)
+        params = list(module.parameters())
+        before = [getattr(p, _FLAG, None) for p in params]
+        for param in params:
+            setattr(param, _FLAG, True)
+        try:
+            with torch.no_grad():
+                init(module)
+        finally:
+            for param, flag in zip(params, before, strict=True):
+                if flag is None:
+                    delattr(param, _FLAG)
+                else:
+                    setattr(param, _FLAG, flag)
+        ran.extend(n for n in wanted if n.rpartition(".")[0] == path)
+        logger.debug("recomputed buffers of %r with %s", path, init)
+    return ran
+
+
+def write_configs(model: nn.Module, directory: Path, *, dtype: torch.dtype | None) -> list[str]:
+    """Write the model's config (and generation config) next to exported weights.
+
+    The config written records the class (``architectures``) and ``dtype``, the
+    dtype holding most parameters, as ``save_pretrained`` does; the model's own
+    config object is left unchanged.
+    """
+    written: list[str] = []
+    config: Any = getattr(model, "config", None)
+    if callable(getattr(config, "save_pretrained", None)):
+        config = copy.deepcopy(config)
+        if hasattr(config, "architectures"):
+            config.architectures = [original_class(model).__name__]
+        if dtype is not None and hasattr(config, "dtype"):
+            config.dtype = str(dtype).removeprefix("torch.")
+        config.save_pretrained(str(directory))
+        written.append("config.json")
+    generation: Any = getattr(model, "generation_config", None)
+    if callable(getattr(generation, "save_pretrained", None)):
+        generation.save_pretrained(str(directory))
+        written.append("generation_config.json")
+    return written

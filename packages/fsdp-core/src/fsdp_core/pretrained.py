@@ -1,0 +1,555 @@
+"""Pretrained weights in, trained weights out: Hugging Face checkpoint directories.
+
+:func:`load_pretrained` fills a model that was built on the ``meta`` device and
+sharded from a directory written by ``save_pretrained`` (one ``model.safetensors``,
+or ``model-0000i-of-0000n.safetensors`` files with ``model.safetensors.index.json``).
+Every rank reads only the slices of its own shards (``safe_open(...).get_slice``),
+with no communication; parameters that are not sharded (replicated, FSDP-ignored)
+and persistent buffers are read whole on every rank. Per rank, host memory holds
+one tensor's slice at a time beyond the shards themselves (the files are memory
+mapped: their pages sit in the node's shared page cache).
+
+:func:`save_pretrained` gathers the trained model into the same layout on rank 0,
+one output file at a time, so that ``transformers`` ``from_pretrained`` loads it.
+
+Needs the ``safetensors`` package (the ``fsdp-core[hf]`` extra); transformers is
+never imported: its models are recognised by their ``save_pretrained`` methods.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
+
+from fsdp_core import _hf_model
+from fsdp_core._safetensors_dir import (
+    CheckpointLayout,
+    SafeFile,
+    file_names,
+    is_floating_code,
+    open_file,
+    parse_size,
+    plan_files,
+    read_layout,
+    remove_previous_export,
+    require_safetensors,
+    write_file,
+    write_index,
+)
+from fsdp_core.materialize import copy_full_into_
+
+__all__ = ["KeyMapping", "PretrainedLoad", "load_pretrained", "save_pretrained"]
+
+logger = logging.getLogger(__name__)
+
+PathLike = str | os.PathLike[str]
+
+#: Module state name (``model.language_model.layers.0.mlp.up_proj.weight``) -> checkpoint key.
+KeyMapping = Callable[[str], str]
+
+_LISTED = 8
+
+
+@dataclass(frozen=True)
+class PretrainedLoad:
+    """What :func:`load_pretrained` did.
+
+    ``naming`` says how module names were matched to checkpoint keys:
+    ``"module"`` (the same names), ``"save_pretrained"`` (the names the model's own
+    ``save_pretrained`` writes) or ``"key_mapping"`` (the caller's function).
+    ``missing`` and ``unexpected`` are empty unless ``strict=False``.
+    """
+
+    directory: str
+    naming: str
+    files: tuple[str, ...]
+    loaded: tuple[str, ...]
+    cast: tuple[str, ...]
+    recomputed_buffers: tuple[str, ...]
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """One tensor of the model's state and every name it has (tied aliases)."""
+
+    names: tuple[str, ...]
+    tensor: torch.Tensor
+
+
+def _persistent_slots(model: nn.Module) -> list[_Slot]:
+    """Parameters and persistent buffers, aliases grouped, in module order."""
+    names: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        entries = list(module._parameters.items()) + [
+            (n, b)
+            for n, b in module._buffers.items()
+            if n not in module._non_persistent_buffers_set
+        ]
+        for name, tensor in entries:
+            if tensor is None:
+                continue
+            names.setdefault(id(tensor), []).append(dot + name)
+            tensors[id(tensor)] = tensor
+    return [_Slot(tuple(dict.fromkeys(group)), tensors[key]) for key, group in names.items()]
+
+
+def _non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    found: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name in module._non_persistent_buffers_set:
+                found[dot + name] = buffer
+    return found
+
+
+def _reshard(model: nn.Module) -> None:
+    """Sharded parameters registered (not an unsharded view left by a forward)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _is_meta(tensor: torch.Tensor) -> bool:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.is_meta
+
+
+def _default_device(model: nn.Module) -> torch.device:
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            kind = param.device_mesh.device_type
+            if kind == "cuda":
+                return torch.device("cuda", torch.cuda.current_device())
+            return torch.device(kind)
+    return torch.device("cpu")
+
+
+# ------------------------------------------------------------------------- naming
+
+
+def _listed(names: Iterable[str]) -> str:
+    items = sorted(names)
+    more = f" and {len(items) - _LISTED} more" if len(items) > _LISTED else ""
+    return f"{items[:_LISTED]}{more}"
+
+
+@dataclass(frozen=True)
+class _Match:
+    naming: str
+    keys: dict[str, str]  # every module name of a matched tensor -> its checkpoint key
+    matched: int
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+
+    @property
+    def problems(self) -> int:
+        return len(self.missing) + len(self.unexpected)
+
+
+def _match(naming: str, slots: Sequence[_Slot], keys: Iterable[str], rename: KeyMapping) -> _Match:
+    available = set(keys)
+    chosen: dict[str, str] = {}
+    missing: list[str] = []
+    for slot in slots:
+        key = next((k for k in map(rename, slot.names) if k in available), None)
+        if key is None:
+            missing.append(slot.names[0])
+        else:
+            chosen.update(dict.fromkeys(slot.names, key))
+    unexpected = tuple(sorted(available - set(chosen.values())))
+    return _Match(naming, chosen, len(slots) - len(missing), tuple(missing), unexpected)
+
+
+def _hf_names(model: nn.Module, slots: Sequence[_Slot]) -> dict[str, str]:
+    return _hf_model.checkpoint_names(model, [slot.names for slot in slots])
+
+
+def _resolve(
+    model: nn.Module, slots: Sequence[_Slot], keys: Iterable[str], key_mapping: KeyMapping | None
+) -> _Match:
+    keys = list(keys)
+    if key_mapping is not None:
+        return _match("key_mapping", slots, keys, key_mapping)
+    same = _match("module", slots, keys, lambda name: name)
+    if same.problems == 0 or not _hf_model.is_hf_model(model):
+        return same
+    table = _hf_names(model, slots)
+    renamed = _match("save_pretrained", slots, keys, lambda name: table.get(name, name))
+    return renamed if renamed.problems <= same.problems else same
+
+
+# ------------------------------------------------------------------------- reading
+
+
+def _coordinate(mesh: DeviceMesh) -> tuple[int, ...] | None:
+    """This rank's place in ``mesh``, from the process groups FSDP shards over."""
+    if not dist.is_initialized():
+        return mesh.get_coordinate()
+    ranks = tuple(dist.get_rank(mesh.get_group(dim)) for dim in range(mesh.ndim))
+    return None if any(rank < 0 for rank in ranks) else ranks
+
+
+def _local_region(tensor: DTensor) -> tuple[slice, ...] | None:
+    """The box of the global tensor this rank holds, for ``Shard``/``Replicate`` layouts.
+
+    Follows ``torch.chunk`` (as FSDP2 and DTensor do); ``None`` for any other
+    placement or if the result disagrees with the local shard's shape.
+    """
+    mesh = tensor.device_mesh
+    coordinate = _coordinate(mesh)
+    if coordinate is None:
+        return None
+    bounds = [(0, size) for size in tensor.shape]
+    for mesh_dim, placement in enumerate(tensor.placements):
+        if placement.is_replicate():
+            continue
+        if type(placement) is not Shard:
+            return None
+        dim = placement.dim % tensor.dim()
+        start, stop = bounds[dim]
+        length = stop - start
+        chunk = -(-length // mesh.size(mesh_dim))
+        low = min(coordinate[mesh_dim] * chunk, length)
+        high = min(low + chunk, length)
+        bounds[dim] = (start + low, start + high)
+    if tuple(high - low for low, high in bounds) != tuple(tensor.to_local().shape):
+        return None
+    return tuple(slice(low, high) for low, high in bounds)
+
+
+def _check_kinds(key: str, code: str, name: str, target: torch.Tensor) -> None:
+    if is_floating_code(code) != target.dtype.is_floating_point:
+        raise TypeError(
+            f"checkpoint key {key!r} holds {code} values but {name!r} is {target.dtype}: "
+            "floating and integer tensors do not convert into each other"
+        )
+
+
+def _read_into(handle: SafeFile, key: str, slot: _Slot) -> str:
+    """Copy the checkpoint tensor ``key`` into ``slot`` (only the local shard); its dtype code."""
+    lazy = handle.get_slice(key)
+    shape, code = tuple(lazy.get_shape()), lazy.get_dtype()
+    target = slot.tensor
+    if shape != tuple(target.shape):
+        raise ValueError(
+            f"checkpoint key {key!r} has shape {shape}, the model's {slot.names[0]!r} "
+            f"{tuple(target.shape)}"
+        )
+    _check_kinds(key, code, slot.names[0], target)
+    with torch.no_grad():
+        if not isinstance(target, DTensor):
+            target.copy_(handle.get_tensor(key).to(device=target.device, dtype=target.dtype))
+            return code
+        region = _local_region(target)
+        if region is None:  # an unusual layout: read it whole, keep the local part
+            copy_full_into_(target, handle.get_tensor(key))
+            return code
+        local = target.to_local()
+        if local.numel():
+            local.copy_(lazy[region].to(device=local.device, dtype=local.dtype))
+    return code
+
+
+def _code_of(dtype: torch.dtype) -> str:
+    codes = {
+        torch.float64: "F64",
+        torch.float32: "F32",
+        torch.float16: "F16",
+        torch.bfloat16: "BF16",
+        torch.int64: "I64",
+        torch.int32: "I32",
+        torch.int16: "I16",
+        torch.int8: "I8",
+        torch.uint8: "U8",
+        torch.bool: "BOOL",
+    }
+    return codes.get(dtype, str(dtype))
+
+
+def _load_tensors(layout: CheckpointLayout, slots: Sequence[_Slot], match: _Match) -> list[str]:
+    """Read every matched slot, file by file; the names whose dtype was cast."""
+    by_file: dict[str, list[tuple[str, _Slot]]] = {}
+    for slot in slots:
+        key = match.keys.get(slot.names[0])
+        if key is not None:
+            by_file.setdefault(layout.weight_map[key], []).append((key, slot))
+    cast: list[str] = []
+    for file in sorted(by_file):
+        with open_file(layout.directory / file) as handle:
+            for key, slot in by_file[file]:
+                if _read_into(handle, key, slot) != _code_of(slot.tensor.dtype):
+                    cast.extend(slot.names)
+    return cast
+
+
+def _retie(model: nn.Module, slots: Sequence[_Slot]) -> None:
+    """``to_empty`` gives each alias of a plain tied parameter its own tensor: share again."""
+    for slot in slots:
+        if len(slot.names) < 2:
+            continue
+        first_path, _, first_attr = slot.names[0].rpartition(".")
+        first = model.get_submodule(first_path)
+        shared: torch.Tensor | None = first._parameters.get(first_attr)
+        table = "_parameters"
+        if shared is None:
+            shared, table = first._buffers[first_attr], "_buffers"
+        for name in slot.names[1:]:
+            path, _, attr = name.rpartition(".")
+            getattr(model.get_submodule(path), table)[attr] = shared
+
+
+# ------------------------------------------------------------------------- buffers
+
+
+def _sentinel_fill(buffer: torch.Tensor) -> None:
+    with torch.no_grad():
+        if buffer.dtype.is_floating_point or buffer.dtype.is_complex:
+            buffer.fill_(float("nan"))
+        elif buffer.dtype != torch.bool:
+            buffer.fill_(torch.iinfo(buffer.dtype).min)
+
+
+def _still_sentinel(buffer: torch.Tensor) -> bool:
+    if buffer.numel() == 0 or buffer.dtype == torch.bool:
+        return False
+    if buffer.dtype.is_floating_point or buffer.dtype.is_complex:
+        return bool(torch.isnan(buffer).all())
+    return bool((buffer == torch.iinfo(buffer.dtype).min).all())
+
+
+def _fill_buffers(
+    model: nn.Module,
+    was_meta: set[str],
+    kept: Mapping[str, torch.Tensor],
+    given: Mapping[str, torch.Tensor],
+) -> list[str]:
+    """Give non-persistent buffers their values after ``to_empty``; the recomputed names."""
+    buffers = _non_persistent_buffers(model)
+    for name in was_meta:
+        _sentinel_fill(buffers[name])
+    recomputed: list[str] = []
+    if _hf_model.is_hf_model(model):
+        ran = _hf_model.recompute_buffers(model, list(buffers))
+        recomputed = [n for n in ran if n not in was_meta or not _still_sentinel(buffers[n])]
+    with torch.no_grad():
+        for name, value in kept.items():
+            if name not in recomputed:
+                buffers[name].copy_(value)
+        for name, value in given.items():
+            buffer = model.get_buffer(name)
+            buffer.copy_(value.to(device=buffer.device, dtype=buffer.dtype))
+    undefined = [n for n in was_meta if n not in given and _still_sentinel(buffers[n])]
+    if undefined:
+        raise ValueError(
+            f"non-persistent buffers {_listed(undefined)} were on the meta device, are not in "
+            "any checkpoint and nothing recomputed them: pass buffers={name: tensor}"
+        )
+    return recomputed
+
+
+def _check_buffer_names(model: nn.Module, buffers: Mapping[str, torch.Tensor]) -> None:
+    known = {name for name, _ in model.named_buffers()}
+    unknown = [name for name in buffers if name not in known]
+    if unknown:
+        raise ValueError(f"buffers= names {_listed(unknown)}, which are not buffers of the model")
+
+
+# ------------------------------------------------------------------------- public API
+
+
+def load_pretrained(
+    model: nn.Module,
+    directory: PathLike,
+    *,
+    key_mapping: KeyMapping | None = None,
+    buffers: Mapping[str, torch.Tensor] | None = None,
+    device: torch.device | str | None = None,
+    strict: bool = True,
+) -> PretrainedLoad:
+    """Load a ``save_pretrained`` directory into ``model`` (sharded or not), in place.
+
+    Call it on every rank, after planning and sharding a model built on ``meta``:
+    it allocates the model (``to_empty``) on ``device`` (default: the mesh's
+    device, else the CPU), reads each rank's slices and casts every tensor to the
+    dtype the model holds (an fp32 island stays fp32 whatever the file holds).
+
+    Checkpoint keys are matched to module names as they are, else (transformers
+    models) as the model's own ``save_pretrained`` writes them; ``key_mapping``
+    (module name -> checkpoint key) overrides both. Tied parameters are read
+    once. Non-persistent buffers, which no checkpoint holds, are recomputed by
+    transformers models' buffer initialisation; give others in ``buffers``.
+    With ``strict`` a checkpoint that lacks a model tensor or holds one the
+    model has no place for fails, naming them; otherwise they are returned.
+    """
+    require_safetensors()
+    if key_mapping is not None and not callable(key_mapping):
+        raise TypeError(
+            f"key_mapping must be a function of a module name, got {type(key_mapping).__name__}"
+        )
+    given = dict(buffers or {})
+    _check_buffer_names(model, given)
+    layout = read_layout(directory)
+    _reshard(model)
+    slots = _persistent_slots(model)
+    match = _resolve(model, slots, layout.weight_map, key_mapping)
+    if match.problems:
+        message = (
+            f"checkpoint {str(directory)!r} does not match {type(model).__name__} "
+            f"(names matched as: {match.naming}): {len(match.missing)} model tensors missing "
+            f"{_listed(match.missing)}, {len(match.unexpected)} unexpected checkpoint keys "
+            f"{_listed(match.unexpected)}"
+        )
+        if strict:
+            raise ValueError(message + "; pass key_mapping= or strict=False")
+        logger.warning("%s", message)
+
+    non_persistent = _non_persistent_buffers(model)
+    was_meta = {name for name, buf in non_persistent.items() if buf.is_meta}
+    if any(_is_meta(s.tensor) for s in slots) or was_meta:
+        kept = {n: b.detach().clone() for n, b in non_persistent.items() if n not in was_meta}
+        model.to_empty(device=device if device is not None else _default_device(model))
+        _retie(model, slots)
+        was_meta = set(non_persistent)  # to_empty replaced every buffer
+    else:
+        kept = {}
+    recomputed = _fill_buffers(model, was_meta, kept, given)
+    cast = _load_tensors(layout, _persistent_slots(model), match)
+    logger.info(
+        "loaded %d tensors from %s (%d files, names as %s; %d cast to the model's dtype)",
+        match.matched,
+        directory,
+        len(layout.files),
+        match.naming,
+        len(cast),
+    )
+    return PretrainedLoad(
+        directory=str(directory),
+        naming=match.naming,
+        files=layout.files,
+        loaded=tuple(match.keys),
+        cast=tuple(cast),
+        recomputed_buffers=tuple(recomputed),
+        missing=match.missing,
+        unexpected=match.unexpected,
+    )
+
+
+def _full(tensor: torch.Tensor, *, keep: bool) -> torch.Tensor | None:
+    """The whole tensor on this rank's CPU when ``keep`` (a collective for DTensors)."""
+    with torch.no_grad():
+        if isinstance(tensor, DTensor):
+            full = tensor.full_tensor()
+            return full.detach().cpu() if keep else None
+        return tensor.detach().cpu().clone() if keep else None
+
+
+def _export_keys(
+    model: nn.Module, slots: Sequence[_Slot], key_mapping: KeyMapping | None
+) -> list[tuple[str, _Slot]]:
+    if key_mapping is not None:
+        rename = key_mapping
+    elif _hf_model.is_hf_model(model):
+        table = _hf_names(model, slots)
+        entries = [(table[s.names[0]], s) for s in slots if s.names[0] in table]
+        return _unique(entries)
+    else:
+
+        def rename(name: str) -> str:
+            return name
+
+    return _unique([(rename(slot.names[0]), slot) for slot in slots])
+
+
+def _unique(entries: list[tuple[str, _Slot]]) -> list[tuple[str, _Slot]]:
+    counts = Counter(key for key, _ in entries)
+    twice = [key for key, count in counts.items() if count > 1]
+    if twice:
+        raise ValueError(f"several model tensors would be saved as {_listed(twice)}")
+    return entries
+
+
+def save_pretrained(
+    model: nn.Module,
+    directory: PathLike,
+    *,
+    max_shard_size: int | str = "5GB",
+    key_mapping: KeyMapping | None = None,
+) -> tuple[str, ...]:
+    """Write ``model`` (sharded or not) as a directory ``from_pretrained`` loads; the files.
+
+    Call it on every rank. Sharded parameters are gathered tensor by tensor and
+    rank 0 writes them in the model's dtypes, in files of at most
+    ``max_shard_size`` (bytes, or e.g. ``"5GB"``; a bigger tensor gets a file of
+    its own) with an index when there are several, replacing an earlier export
+    in ``directory``. Names are those the model's own ``save_pretrained`` writes
+    for transformers models (tied aliases once), else the module names, unless
+    ``key_mapping`` (module name -> checkpoint key) says otherwise. A config with
+    ``save_pretrained`` is written too (with the class and the dtype holding most
+    parameters). Rank 0 holds one output file of full tensors at a time; every
+    rank briefly holds one full tensor while it is gathered.
+    """
+    require_safetensors()
+    limit = parse_size(max_shard_size)
+    if key_mapping is not None and not callable(key_mapping):
+        raise TypeError(
+            f"key_mapping must be a function of a module name, got {type(key_mapping).__name__}"
+        )
+    _reshard(model)
+    slots = _persistent_slots(model)
+    if any(_is_meta(slot.tensor) for slot in slots):
+        raise ValueError("the model still has tensors on the meta device: load or fill it first")
+    entries = _export_keys(model, slots, key_mapping)
+    sizes = [(key, slot.tensor.numel() * slot.tensor.element_size()) for key, slot in entries]
+    groups = plan_files(sizes, limit)
+    names = file_names(len(groups))
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    root = Path(directory)
+    if main:
+        root.mkdir(parents=True, exist_ok=True)
+        remove_previous_export(root)
+    slot_of = dict(entries)
+    weight_map: dict[str, str] = {}
+    for name, keys in zip(names, groups, strict=True):
+        tensors: dict[str, torch.Tensor] = {}
+        for key in keys:
+            value = _full(slot_of[key].tensor, keep=main)
+            if value is not None:
+                tensors[key] = value.contiguous()
+        if main:
+            write_file(root / name, tensors)
+            weight_map.update(dict.fromkeys(keys, name))
+        del tensors
+    written = list(names)
+    if main:
+        if len(names) > 1:
+            write_index(root, weight_map, sum(size for _, size in sizes))
+            written.append("model.safetensors.index.json")
+        written += _hf_model.write_configs(model, root, dtype=_dominant_dtype(slots))
+    if dist.is_initialized():
+        dist.barrier()
+    logger.info("saved %d tensors to %s in %d files", len(entries), directory, len(names))
+    return tuple(written)
+
+
+def _dominant_dtype(slots: Sequence[_Slot]) -> torch.dtype | None:
+    counts: Counter[torch.dtype] = Counter()
+    for slot in slots:
+        if slot.tensor.dtype.is_floating_point:
+            counts[slot.tensor.dtype] += slot.tensor.numel()
+    return max(counts, key=lambda d: counts[d]) if counts else None
