@@ -53,6 +53,7 @@ from fsdp_core.precision import (
     mixed_precision_policy,
     parse_dtype,
 )
+from fsdp_core.pretrained import KeyMapping, PretrainedLoad, load_pretrained, save_pretrained
 from fsdp_core.reference import ReferenceResult, emulate_data_parallel
 from fsdp_core.runtime import (
     BackwardWatch,
@@ -81,6 +82,10 @@ __all__ = [
     "load_checkpoint",
     "load_checkpoint_unsharded",
     "load_full_state_dict",
+    "KeyMapping",
+    "PretrainedLoad",
+    "load_pretrained",
+    "save_pretrained",
     "materialize_from_full",
     "save_checkpoint",
     "install_unshard_warmup",
