@@ -25,7 +25,13 @@ from registry import SCENARIOS
 
 from fsdp_core import exit_rank, init_distributed
 
-for optional in ("scenarios_vlm", "scenarios_training", "scenarios_init", "scenarios_loops"):
+for optional in (
+    "scenarios_vlm",
+    "scenarios_training",
+    "scenarios_init",
+    "scenarios_loops",
+    "scenarios_pretrained",
+):
     try:
         __import__(optional)
     except ModuleNotFoundError as exc:
