@@ -37,6 +37,12 @@ LAUNCHES: dict[int, list[str]] = {
         "accum_text_only",
         "ckpt_load_other_world",
         *(f"loop_{name}" for name in cases_for(2)),
+        *(
+            f"pretrained_{model}_{policy}"
+            for model in ("llava", "qwen2_vl")
+            for policy in ("root", "per_layer", "replicate")
+        ),
+        "pretrained_deepseek_fp32_norms",
     ],
     4: [
         "core_fp32_1d",
