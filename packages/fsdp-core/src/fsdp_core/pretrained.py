@@ -155,6 +155,7 @@ class _Match:
     keys: dict[str, str]  # every module name of a matched tensor -> its checkpoint key
     matched: int
     missing: tuple[str, ...]
+    expected: tuple[str, ...]
     unexpected: tuple[str, ...]
 
     @property
@@ -166,14 +167,19 @@ def _match(naming: str, slots: Sequence[_Slot], keys: Iterable[str], rename: Key
     available = set(keys)
     chosen: dict[str, str] = {}
     missing: list[str] = []
+    expected: list[str] = []  # checkpoint keys of missing tensors, where renamed
     for slot in slots:
         key = next((k for k in map(rename, slot.names) if k in available), None)
         if key is None:
             missing.append(slot.names[0])
+            wanted = rename(slot.names[0])
+            if wanted != slot.names[0]:
+                expected.append(wanted)
         else:
             chosen.update(dict.fromkeys(slot.names, key))
     unexpected = tuple(sorted(available - set(chosen.values())))
-    return _Match(naming, chosen, len(slots) - len(missing), tuple(missing), unexpected)
+    matched = len(slots) - len(missing)
+    return _Match(naming, chosen, matched, tuple(missing), tuple(expected), unexpected)
 
 
 def _hf_names(model: nn.Module, slots: Sequence[_Slot]) -> dict[str, str]:
@@ -191,7 +197,7 @@ def _resolve(
         return same
     table = _hf_names(model, slots)
     renamed = _match("save_pretrained", slots, keys, lambda name: table.get(name, name))
-    return renamed if renamed.problems <= same.problems else same
+    return renamed  # neither fits: report against the names transformers itself writes
 
 
 # ------------------------------------------------------------------------- reading
@@ -412,8 +418,9 @@ def load_pretrained(
         message = (
             f"checkpoint {str(directory)!r} does not match {type(model).__name__} "
             f"(names matched as: {match.naming}): {len(match.missing)} model tensors missing "
-            f"{_listed(match.missing)}, {len(match.unexpected)} unexpected checkpoint keys "
-            f"{_listed(match.unexpected)}"
+            f"{_listed(match.missing)}"
+            + (f" (looked up as {_listed(match.expected)})" if match.expected else "")
+            + f", {len(match.unexpected)} unexpected checkpoint keys {_listed(match.unexpected)}"
         )
         if strict:
             raise ValueError(message + "; pass key_mapping= or strict=False")
