@@ -12,7 +12,7 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -265,6 +265,25 @@ def test_missing_and_unexpected_keys_are_named(tmp_path: Path, reference: Toy) -
     assert report.unexpected == ("extra.weight",)
     assert torch.equal(model.layers[1].bias, kept)
     assert torch.equal(model.layers[0].weight, reference.layers[0].weight)
+
+
+def test_keys_the_model_declines_are_ignored(tmp_path: Path, reference: Toy) -> None:
+    state = _checkpoint(reference)
+    state["layers.0.rotary.inv_freq"] = torch.ones(DIM)  # an old checkpoint saved it
+    state["extra.weight"] = torch.zeros(2)
+    directory = _write(tmp_path / "c", state)
+    with pytest.raises(ValueError, match=r"1 unexpected checkpoint keys \['extra\.weight'\]"):
+        load_pretrained(_toy(), directory)
+
+    class Declining(Toy):
+        _keys_to_ignore_on_load_unexpected: ClassVar[list[str]] = [r"^extra\."]
+
+    torch.manual_seed(3)
+    model = Declining()
+    report = load_pretrained(model, directory)
+    assert report.ignored == ("extra.weight", "layers.0.rotary.inv_freq")
+    assert report.unexpected == ()
+    assert torch.equal(model.rotary.inv_freq, reference.rotary.inv_freq)
 
 
 def test_shape_mismatch_is_named(tmp_path: Path, reference: Toy) -> None:

@@ -18,8 +18,10 @@ never imported: its models are recognised by their ``save_pretrained`` methods.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -68,7 +70,8 @@ class PretrainedLoad:
     ``naming`` says how module names were matched to checkpoint keys:
     ``"module"`` (the same names), ``"save_pretrained"`` (the names the model's own
     ``save_pretrained`` writes) or ``"key_mapping"`` (the caller's function).
-    ``missing`` and ``unexpected`` are empty unless ``strict=False``.
+    ``missing`` and ``unexpected`` are empty unless ``strict=False``; ``ignored``
+    lists checkpoint keys the model declines on purpose (see :func:`load_pretrained`).
     """
 
     directory: str
@@ -79,6 +82,7 @@ class PretrainedLoad:
     recomputed_buffers: tuple[str, ...]
     missing: tuple[str, ...]
     unexpected: tuple[str, ...]
+    ignored: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -184,6 +188,25 @@ def _match(naming: str, slots: Sequence[_Slot], keys: Iterable[str], rename: Key
 
 def _hf_names(model: nn.Module, slots: Sequence[_Slot]) -> dict[str, str]:
     return _hf_model.checkpoint_names(model, [slot.names for slot in slots])
+
+
+def _declined(model: nn.Module, keys: Iterable[str]) -> set[str]:
+    """Checkpoint keys the model has no use for by design.
+
+    A key whose last part names a non-persistent buffer of the model (an
+    ``inv_freq`` older checkpoints saved) holds what the model computes itself;
+    transformers models also list patterns in ``_keys_to_ignore_on_load_unexpected``.
+    """
+    leaves = {name.rpartition(".")[2] for name in _non_persistent_buffers(model)}
+    patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+    if not isinstance(patterns, (list, tuple, set)):
+        patterns = []
+    return {
+        key
+        for key in keys
+        if key.rpartition(".")[2] in leaves
+        or any(isinstance(p, str) and re.search(p, key) for p in patterns)
+    }
 
 
 def _resolve(
@@ -401,7 +424,10 @@ def load_pretrained(
     once. Non-persistent buffers, which no checkpoint holds, are recomputed by
     transformers models' buffer initialisation; give others in ``buffers``.
     With ``strict`` a checkpoint that lacks a model tensor or holds one the
-    model has no place for fails, naming them; otherwise they are returned.
+    model has no place for fails, naming them; otherwise they are returned and
+    missing tensors keep what they held (undefined after a ``meta`` build). Keys
+    the model declines on purpose (an old saved ``inv_freq``, transformers'
+    ``_keys_to_ignore_on_load_unexpected``) are skipped and listed as ``ignored``.
     """
     require_safetensors()
     if key_mapping is not None and not callable(key_mapping):
@@ -414,6 +440,11 @@ def load_pretrained(
     _reshard(model)
     slots = _persistent_slots(model)
     match = _resolve(model, slots, layout.weight_map, key_mapping)
+    ignored = tuple(sorted(_declined(model, match.unexpected)))
+    if ignored:
+        unexpected = tuple(k for k in match.unexpected if k not in ignored)
+        match = dataclasses.replace(match, unexpected=unexpected)
+        logger.info("ignoring %d checkpoint keys the model declines: %s", len(ignored), ignored)
     if match.problems:
         message = (
             f"checkpoint {str(directory)!r} does not match {type(model).__name__} "
@@ -454,6 +485,7 @@ def load_pretrained(
         recomputed_buffers=tuple(recomputed),
         missing=match.missing,
         unexpected=match.unexpected,
+        ignored=ignored,
     )
 
 
