@@ -423,6 +423,13 @@ def test_transforming_save_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"names of Failing .*no saving today.*key_mapping="):
         load_pretrained(Failing(), directory)
 
+    class AdaptersOnly(HubToy):
+        def save_pretrained(self, directory: str, *, state_dict: dict[str, torch.Tensor]) -> None:
+            safetensors_torch.save_file({}, str(Path(directory) / "adapter_model.safetensors"))
+
+    with pytest.raises(ValueError, match=r"AdaptersOnly wrote no model weights"):
+        load_pretrained(AdaptersOnly(), directory)
+
 
 # ------------------------------------------------------------------- export
 

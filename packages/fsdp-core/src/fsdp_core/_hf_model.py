@@ -114,7 +114,13 @@ def checkpoint_names(model: nn.Module, groups: Sequence[Sequence[str]]) -> dict[
                 f"could not derive the checkpoint key names of {original_class(model).__name__} "
                 f"from its save_pretrained ({type(exc).__name__}: {exc}); pass key_mapping="
             ) from exc
-        return _read_markers(Path(tmp), groups)
+        try:
+            return _read_markers(Path(tmp), groups)
+        except FileNotFoundError as exc:  # e.g. a wrapper that saves adapters only
+            raise ValueError(
+                f"save_pretrained of {original_class(model).__name__} wrote no model weights "
+                f"({exc}); pass key_mapping="
+            ) from exc
 
 
 def _read_markers(directory: Path, groups: Sequence[Sequence[str]]) -> dict[str, str]:
