@@ -25,6 +25,8 @@ PACKAGES: dict[str, tuple[str, ...]] = {
     "model-deepseek-v41": ("multimodal-fsdp", "fsdp-core"),
 }
 TEST_DEPS = ("pytest>=8", "numpy")
+#: Optional extras a package's own tests exercise (installed with the package).
+TEST_EXTRAS: dict[str, str] = {"fsdp-core": "hf"}
 TRANSFORMERS_SPEC = os.environ.get("FSDP_TRANSFORMERS_SPEC", "transformers>=5,<6")
 
 nox.options.default_venv_backend = "venv"
@@ -46,7 +48,9 @@ def tests(session: nox.Session, package: str) -> None:
     """One package alone: torch, that package and the siblings it declares, its tests."""
     _install_torch(session)
     session.install(*TEST_DEPS)
-    session.install(*_package_paths(package, *PACKAGES[package]))
+    extra = TEST_EXTRAS.get(package)
+    own = _package_paths(package)[0] + (f"[{extra}]" if extra else "")
+    session.install(own, *_package_paths(*PACKAGES[package]))
     session.run("python", "-m", "pytest", f"packages/{package}/tests", *session.posargs)
 
 
