@@ -470,6 +470,38 @@ def format_gloo(rows: list[dict[str, Any]]) -> str:
     return _table(header, table)
 
 
+def format_hooks(rows: list[dict[str, Any]]) -> str:
+    """What the runtime hooks cost per step (from the same gloo runs as section 5)."""
+    header = [
+        "policy",
+        "hooks installed",
+        "schedule checkpoints / forward",
+        "one checkpoint ms",
+        "unused-params all-reduce ms",
+        "hook collectives ms / step",
+        "share of step",
+    ]
+    table = []
+    for r in rows:
+        hooks = r["hooks"]
+        per_step = (
+            hooks["checkpoints_per_forward"] * hooks["checkpoint_ms"] + hooks["unused_params_ms"]
+        )
+        step_ms = r["median_step_s"]["ours"] * 1e3
+        table.append(
+            [
+                r["policy"],
+                ", ".join(hooks["installed"]) or "none",
+                str(hooks["checkpoints_per_forward"]),
+                f"{hooks['checkpoint_ms']:.3f}",
+                f"{hooks['unused_params_ms']:.3f} ({hooks['unused_params_flags']} B)",
+                f"{per_step:.2f}",
+                f"{per_step / step_ms:.1%}",
+            ]
+        )
+    return _table(header, table)
+
+
 # --------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -536,6 +568,10 @@ def main(argv: list[str] | None = None) -> int:
             "## 5. Step time on 2 gloo ranks: parallelizer vs hand-written fully_shard",
             "",
             format_gloo(sections["gloo"]),
+            "",
+            "## 6. Runtime hooks on 2 gloo ranks: their collectives per step",
+            "",
+            format_hooks(sections["gloo"]),
         ]
     print("\n".join(report))
 

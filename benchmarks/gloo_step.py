@@ -33,9 +33,11 @@ from torch.distributed.fsdp import fully_shard
 
 from fsdp_core import (
     CommCounter,
+    all_reduce_max_over_mesh,
     build_mesh,
     exit_rank,
     init_distributed,
+    installed_hooks,
     mixed_precision_policy,
 )
 from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
@@ -144,6 +146,7 @@ def main() -> None:
             if step >= args.warmup:
                 times[name].append(elapsed)
             losses[name].append(float(loss.detach()))
+    hooks = hook_costs(ours, mesh, batches[0])
     if ctx.rank == 0:
         median = {k: statistics.median(v) for k, v in times.items()}
         result = {
@@ -166,9 +169,55 @@ def main() -> None:
             "manual_matches_plan_without_guard": comm["manual"] == manual_expected,
             "ours_differences": guarded.comm.differences(comm["ours"]),
             "manual_differences": manual_expected.differences(comm["manual"]),
+            "hooks": hooks,
         }
         Path(args.out).write_text(json.dumps(result, indent=2))
     exit_rank(0)
+
+
+def _median_ms(fn: Any, repeats: int = 60) -> float:
+    """Median wall time of ``fn()`` in milliseconds, each run started in step with the
+    other ranks (a barrier before each), after a few warm-up runs."""
+    samples = []
+    for index in range(repeats + 5):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        if index >= 5:
+            samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e3
+
+
+def hook_costs(model: nn.Module, mesh: Any, batch: dict[str, Any]) -> dict[str, Any]:
+    """What the runtime hooks of ``model`` cost per step: which are installed, how many
+    schedule checkpoints one forward runs, and the time of each kind of hook collective
+    (a tiny all-reduce over the mesh plus the host sync that reads it)."""
+    hooks = installed_hooks(model)
+    check = hooks.get("schedule_check")
+    checkpoints = 0
+    if check is not None:
+        with torch.no_grad():
+            model(**batch)
+        checkpoints = int(getattr(check, "last_checkpoints", 0))
+    flags = len(getattr(hooks.get("unused_params"), "_records", ()))
+
+    def checkpoint() -> None:
+        token = torch.tensor([1, -1], dtype=torch.int64)
+        all_reduce_max_over_mesh(token, mesh)
+        token.tolist()
+
+    def unused() -> None:
+        used = torch.ones(max(flags, 1), dtype=torch.uint8)
+        all_reduce_max_over_mesh(used, mesh)
+        used.tolist()
+
+    return {
+        "installed": sorted(hooks),
+        "checkpoints_per_forward": checkpoints,
+        "checkpoint_ms": _median_ms(checkpoint),
+        "unused_params_flags": flags,
+        "unused_params_ms": _median_ms(unused) if flags else 0.0,
+    }
 
 
 class _Null:

@@ -60,6 +60,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp_core import (
+    HookPlan,
     MeshShape,
     ShardCall,
     ShardingPlan,
@@ -235,6 +236,8 @@ class PlanCosts:
     policy: str | None = None
     precision: str | None = None
     notes: tuple[str, ...] = ()
+    #: The runtime hooks the plan installs (their collectives are in ``extra``).
+    hooks: tuple[HookPlan, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -285,6 +288,7 @@ class PlanCosts:
             },
             "units": [u.as_dict() for u in self.units],
             "notes": list(self.notes),
+            "hooks": [dataclasses.asdict(hook) for hook in self.hooks],
         }
 
     def format(self, *, collapse: bool = True) -> str:
@@ -549,6 +553,7 @@ def plan_costs(
         policy=policy or (parallelizer.frozen_multimodal_sharding if parallelizer else None),
         precision=precision,
         notes=tuple(notes),
+        hooks=plan.hooks,
     )
 
 
@@ -981,7 +986,8 @@ def format_costs(costs: PlanCosts, *, collapse: bool = True) -> str:
     if costs.extra.pairs():
         lines.append(
             f"  outside FSDP units        {costs.extra.count()} all-reduce "
-            "(schedule check, included above)"
+            "(runtime hooks, included above)"
         )
+    lines.extend(f"  hook: {hook.format()}" for hook in costs.hooks)
     lines.extend(f"  note: {note}" for note in costs.notes)
     return "\n".join(lines)
