@@ -83,7 +83,7 @@ def test_tower_names_start_with_the_contract_prefix() -> None:
         "image_encoder",
         "vision_encoder",
     )
-    assert MULTIMODAL_TOWER_NAMES[6:9] == ("audio_tower", "audio_model", "audio_encoder")
+    assert MULTIMODAL_TOWER_NAMES[6:9] == ("audio_tower", "audio_encoder", "audio_model")
     assert "video_tower" in MULTIMODAL_TOWER_NAMES
 
 

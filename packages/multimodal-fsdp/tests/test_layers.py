@@ -113,17 +113,38 @@ def test_empty_containers_have_no_items() -> None:
     assert _container_items(nn.ModuleDict()) == []
 
 
-@pytest.mark.parametrize(
-    ("module", "type_name"),
-    [
-        (nn.Sequential(nn.ReLU()), "Sequential"),
-        (nn.Linear(2, 2), "Linear"),
-        (Tower(), "Tower"),
-    ],
-)
-def test_container_items_rejects_non_containers(module: nn.Module, type_name: str) -> None:
-    with pytest.raises(TypeError, match=f"{type_name} is not an nn.ModuleList or nn.ModuleDict"):
-        _container_items(module)
+def test_sequential_items_are_enumerated_like_the_reference() -> None:
+    """The reference enumerates any iterable module; a Sequential is not refused."""
+    a, b = nn.Linear(2, 2), nn.ReLU()
+    items = _container_items(nn.Sequential(a, b))
+    assert items == [(0, a), (1, b)]
+    assert all(type(key) is int for key, _ in items)
+
+
+def test_named_sequential_is_enumerated_by_position_not_name() -> None:
+    a, b = nn.Linear(2, 2), nn.ReLU()
+    items = _container_items(nn.Sequential(OrderedDict([("proj", a), ("act", b)])))
+    assert items == [(0, a), (1, b)]
+
+
+def test_module_list_registering_one_layer_twice_lists_it_twice() -> None:
+    layer = nn.Linear(2, 2)
+    items = _container_items(nn.ModuleList([layer, layer]))
+    assert items == [(0, layer), (1, layer)]
+
+
+@pytest.mark.parametrize("module", [Tower(), nn.Linear(2, 2), nn.Module()])
+def test_any_other_module_is_enumerated_over_its_children(module: nn.Module) -> None:
+    items = _container_items(module)
+    assert items == list(enumerate(module.children()))
+    assert [key for key, _ in items] == list(range(len(list(module.children()))))
+
+
+def test_plain_module_with_children_gives_each_child_once_in_order() -> None:
+    tower = Tower()
+    children = list(tower.children())
+    assert children, "the fixture must have children for this test to mean anything"
+    assert [item for _, item in _container_items(tower)] == children
 
 
 # --- _shard_layer_containers_recursively ---------------------------------------------------

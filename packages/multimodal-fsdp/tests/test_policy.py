@@ -103,10 +103,22 @@ def test_normalize_rejects_unknown_names_naming_value_and_choices(value: str) ->
     ("value", "type_name"),
     [(None, "NoneType"), (1, "int"), (b"root", "bytes"), (["root"], "list"), (1.5, "float")],
 )
-def test_normalize_rejects_non_strings_with_type_error(value: object, type_name: str) -> None:
-    with pytest.raises(TypeError, match=f"must be a str, got {type_name}") as info:
+def test_normalize_rejects_non_strings_with_value_error(value: object, type_name: str) -> None:
+    """Downstream code catches ValueError for every bad value, as with the reference."""
+    with pytest.raises(ValueError, match=f"must be a str, got {type_name}") as info:
         normalize_frozen_multimodal_sharding(value)  # type: ignore[arg-type]
     assert f"valid choices: {CHOICES}" in str(info.value)
+    # Also a TypeError, for callers that catch the wrong-type case by type.
+    assert isinstance(info.value, TypeError)
+
+
+def test_normalize_of_an_int_is_a_value_error_naming_the_choices() -> None:
+    """The exact call from the issue: 3 is neither a str nor a policy."""
+    with pytest.raises(ValueError) as info:
+        normalize_frozen_multimodal_sharding(3)  # type: ignore[arg-type]
+    for choice in VALID_FROZEN_MULTIMODAL_SHARDING:
+        assert choice in str(info.value)
+    assert "3" in str(info.value)
 
 
 # --- module_parameters ---------------------------------------------------------------------

@@ -53,8 +53,9 @@ logger = logging.getLogger(__name__)
 Role = Literal["tower", "projector"]
 Modality = Literal["vision", "audio", "video", "unknown"]
 
-# Tower name -> modality. Order matters only for readability of the exported tuple: the
-# generic names come first, model-specific names (with the family that uses them) after.
+# Tower name -> modality. The reference implementation's names come first, in its order
+# (the exported tuples start with the reference's), model-specific names (with the family
+# that uses them) after.
 _TOWER_MODALITY: Mapping[str, Modality] = {
     # Generic vision towers: Qwen*-VL / GLM-4V / Omni thinkers ("visual"); LLaVA family,
     # Gemma 3/4, InternVL, PaliGemma, Mistral3 ("vision_tower"); Idefics*, SmolVLM, Mllama,
@@ -68,8 +69,8 @@ _TOWER_MODALITY: Mapping[str, Modality] = {
     "vision_encoder": "vision",
     # Generic audio towers: Qwen2-Audio, Voxtral, Gemma 4, Omni thinkers ("audio_tower").
     "audio_tower": "audio",
-    "audio_model": "audio",
     "audio_encoder": "audio",
+    "audio_model": "audio",
     # Video-LLaVA keeps separate image and video towers.
     "image_tower": "vision",
     "video_tower": "video",
@@ -101,6 +102,11 @@ _PROJECTOR_MODALITY: Mapping[str, Modality] = {
     "mm_projector": "unknown",
     "multi_modal_projector": "unknown",
     "multimodal_projector": "unknown",
+    # Reference-table names: Step3 ("vit_large_projector"); the other two are common
+    # outside transformers.
+    "vision_projector": "vision",
+    "vit_large_projector": "vision",
+    "audio_projector": "audio",
     # DeepSeek-VL / Janus ("aligner"), Idefics2/3 and SmolVLM ("connector"), MiniCPM-V
     # ("merger" next to the tower; Qwen's merger lives inside the tower and stays hidden),
     # VideoLLaMA3 / PaddleOCR-VL / Granite Speech / Cosmos3 ("projector").
@@ -114,6 +120,8 @@ _PROJECTOR_MODALITY: Mapping[str, Modality] = {
     # Kosmos-2, LightOnOCR / Muse, Fuyu (patch projection straight into the decoder).
     "image_to_text_projection": "vision",
     "vision_projection": "vision",
+    # GIT: image features into the text embedding space.
+    "visual_projection": "vision",
     "vision_embed_tokens": "vision",
     # Muse adapters, LLaVA-NeXT-Video pooler, ERNIE-4.5-VL resampler.
     "vision_adapter": "vision",

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from fsdp_core.containers import container_items, is_module_container
+from fsdp_core.containers import is_module_container
 
 __all__ = [
     "shard_multimodal_module",
@@ -22,11 +22,17 @@ def _is_module_container(module: nn.Module) -> bool:
 
 
 def _container_items(module: nn.Module) -> list[tuple[object, nn.Module]]:
-    """``(key, item)`` pairs of a container: list indices as ``int``, dict keys as ``str``."""
-    items = container_items(module)
-    if isinstance(module, nn.ModuleList):
-        return [(int(key), item) for key, item in items]
-    return [(key, item) for key, item in items]
+    """``(key, item)`` pairs of any module, as the reference enumerates them.
+
+    An ``nn.ModuleDict`` gives its ``str`` keys; every other module is enumerated
+    with ``int`` positions: a list or ``nn.Sequential`` in iteration order (an
+    item registered twice appears twice), any other module over its children.
+    """
+    if isinstance(module, nn.ModuleDict):
+        return list(module.items())
+    if isinstance(module, (nn.ModuleList, nn.Sequential)):
+        return list(enumerate(module))
+    return list(enumerate(module.children()))
 
 
 def _shard_layer_containers_recursively(

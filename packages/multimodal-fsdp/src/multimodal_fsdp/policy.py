@@ -26,15 +26,24 @@ VALID_FROZEN_MULTIMODAL_SHARDING: Final[tuple[FrozenMultimodalSharding, ...]] = 
 )
 
 
+class _NotAStrError(ValueError, TypeError):
+    """A non-string policy value.
+
+    The reference implementation raises ``ValueError`` for every bad value and
+    downstream code catches that; it is also a ``TypeError`` because the value
+    has the wrong type, so callers catching either see it.
+    """
+
+
 def normalize_frozen_multimodal_sharding(value: str) -> FrozenMultimodalSharding:
     """Accept ``"Per-Layer"``, ``" replicate "`` and the like; reject anything else.
 
-    Case, surrounding whitespace and ``-``/``_`` are not significant. A
-    non-string is a ``TypeError``; an unknown name a ``ValueError`` listing the
-    valid choices.
+    Case, surrounding whitespace and ``-``/``_`` are not significant. Every bad
+    value is a ``ValueError`` listing the valid choices; a non-string one is
+    also a ``TypeError``.
     """
     if not isinstance(value, str):
-        raise TypeError(
+        raise _NotAStrError(
             f"frozen multimodal sharding must be a str, got {type(value).__name__} ({value!r}); "
             f"valid choices: {', '.join(VALID_FROZEN_MULTIMODAL_SHARDING)}"
         )
