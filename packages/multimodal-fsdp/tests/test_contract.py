@@ -80,7 +80,7 @@ def test_valid_policies_match_the_reference() -> None:
 
 @pytest.mark.parametrize("value", [3, None, "bogus", 1.5, b"root", ["root"]])
 def test_every_bad_policy_is_a_value_error_naming_the_choices(value: object) -> None:
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError, match="valid choices") as info:
         normalize_frozen_multimodal_sharding(value)  # type: ignore[arg-type]
     for choice in VALID_FROZEN_MULTIMODAL_SHARDING:
         assert choice in str(info.value)

@@ -114,7 +114,7 @@ def test_normalize_rejects_non_strings_with_value_error(value: object, type_name
 
 def test_normalize_of_an_int_is_a_value_error_naming_the_choices() -> None:
     """The exact call from the issue: 3 is neither a str nor a policy."""
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError, match="valid choices") as info:
         normalize_frozen_multimodal_sharding(3)  # type: ignore[arg-type]
     for choice in VALID_FROZEN_MULTIMODAL_SHARDING:
         assert choice in str(info.value)
