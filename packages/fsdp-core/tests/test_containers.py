@@ -7,9 +7,12 @@ from torch import nn
 
 from fsdp_core.containers import (
     container_items,
+    is_branch_dict,
+    is_layer_container,
     is_module_container,
     iter_layer_items,
     join_path,
+    unwrap_module,
 )
 
 
@@ -116,3 +119,135 @@ def test_iter_layer_items_without_containers() -> None:
 def test_iter_layer_items_of_a_bare_item_searches_its_inner_containers() -> None:
     block = Block()
     assert [path for path, _ in iter_layer_items(block)] == ["experts.0", "experts.1"]
+
+
+# --- adapter dicts (branch dicts) ----------------------------------------------------------
+
+
+class AdaptedLinear(nn.Module):
+    """A Linear with per-adapter low-rank branches, laid out as PEFT's LoRA layers are."""
+
+    def __init__(self, adapters: tuple[str, ...] = ("default",)) -> None:
+        super().__init__()
+        self.base_layer = nn.Linear(4, 4)
+        self.lora_dropout = nn.ModuleDict({name: nn.Dropout(0.1) for name in adapters})
+        self.lora_A = nn.ModuleDict({name: nn.Linear(4, 2, bias=False) for name in adapters})
+        self.lora_B = nn.ModuleDict({name: nn.Linear(2, 4, bias=False) for name in adapters})
+        self.lora_embedding_A = nn.ParameterDict()
+
+
+class SavedCopy(nn.Module):
+    """A frozen module beside trainable copies of it, as PEFT's ``modules_to_save``."""
+
+    def __init__(self, original: nn.Module, copy: nn.Module) -> None:
+        super().__init__()
+        self.original_module = original
+        self.modules_to_save = nn.ModuleDict({"default": copy})
+
+
+class AdaptedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = AdaptedLinear()
+        self.mlp = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
+
+
+class AdaptedModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([AdaptedBlock(), AdaptedBlock()])
+        self.proj = AdaptedLinear(("one", "two"))
+        self.head = SavedCopy(nn.Linear(4, 4), nn.Linear(4, 4))
+
+
+def test_adapter_dicts_of_a_wrapped_linear_are_branch_dicts() -> None:
+    layer = AdaptedLinear()
+    for name in ("lora_A", "lora_B", "lora_dropout"):
+        container = layer.get_submodule(name)
+        assert is_branch_dict(container, layer), name
+        assert not is_layer_container(container, layer), name
+        # Without its parent the same dict still reads as a container.
+        assert is_layer_container(container)
+    assert list(iter_layer_items(layer)) == []
+
+
+def test_adapters_stay_in_the_unit_of_the_layer_they_adapt() -> None:
+    paths = [path for path, _ in iter_layer_items(AdaptedModel())]
+    # No lora_A/lora_B item of the wrapped projection or the top-level proj, and no
+    # trainable copy in modules_to_save: only the real layers.
+    assert paths == ["layers.0", "layers.1"]
+
+
+def test_a_copy_of_a_non_leaf_module_is_a_branch_and_still_searched() -> None:
+    def tower() -> nn.Module:
+        module = nn.Module()
+        module.embed = nn.Linear(4, 4)
+        module.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        return module
+
+    model = nn.Module()
+    model.tower = SavedCopy(tower(), tower())
+    model.other = nn.Linear(4, 4)
+    assert is_branch_dict(model.tower.modules_to_save, model.tower)
+    # The copy's dict makes no unit, but layer lists inside both towers are found.
+    assert [path for path, _ in iter_layer_items(model)] == [
+        "tower.original_module.blocks.0",
+        "tower.original_module.blocks.1",
+        "tower.modules_to_save.default.blocks.0",
+        "tower.modules_to_save.default.blocks.1",
+    ]
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        # Two modules with parameters beside the dict: the parent wraps nothing.
+        lambda: (nn.Linear(4, 4), nn.Linear(4, 4), {"a": nn.Linear(4, 4)}),
+        # Items that are neither leaves nor copies of the one module beside them: layers.
+        lambda: (nn.Linear(4, 4), None, {"a": Block(), "b": Block()}),
+        # No module with parameters beside the dict.
+        lambda: (None, None, {"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)}),
+        # Empty dicts are never branches.
+        lambda: (nn.Linear(4, 4), None, {}),
+    ],
+)
+def test_dicts_that_are_layer_containers(build: object) -> None:
+    first, second, items = build()  # type: ignore[operator]
+    parent = nn.Module()
+    if first is not None:
+        parent.first = first
+    if second is not None:
+        parent.second = second
+    parent.items = nn.ModuleDict(items)
+    assert not is_branch_dict(parent.items, parent)
+    assert is_layer_container(parent.items, parent)
+
+
+def test_module_lists_are_always_layer_lists() -> None:
+    parent = nn.Module()
+    parent.base_layer = nn.Linear(4, 4)
+    parent.experts = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+    assert not is_branch_dict(parent.experts, parent)
+    assert [path for path, _ in iter_layer_items(parent)] == ["experts.0", "experts.1"]
+
+
+def test_branch_items_are_looked_at_through_checkpoint_wrappers() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layer = AdaptedLinear()
+    layer.lora_A["default"] = checkpoint_wrapper(nn.Linear(4, 2))
+    assert is_branch_dict(layer.lora_A, layer)
+    assert list(iter_layer_items(layer)) == []
+
+
+def test_checkpoint_wrapped_layers_are_the_same_items() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    model = AdaptedModel()
+    before = [path for path, _ in iter_layer_items(model)]
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, AdaptedBlock))
+    items = list(iter_layer_items(model))
+    assert [path for path, _ in items] == before
+    assert all(isinstance(unwrap_module(item), AdaptedBlock) for _, item in items)

@@ -307,3 +307,31 @@ def test_shard_multimodal_module_rejects_non_callables(
 ) -> None:
     with pytest.raises(TypeError, match=f"shard_module must be callable, got {type_name}"):
         shard_multimodal_module(Tower(), shard_module)  # type: ignore[arg-type]
+
+
+# --- adapters (PEFT-style LoRA dicts beside the module they adapt) -------------------------
+
+
+def lora_linear() -> nn.Module:
+    """A Linear wrapped as PEFT's LoRA layers are: ``base_layer`` plus per-adapter dicts."""
+    layer = nn.Module()
+    layer.base_layer = nn.Linear(2, 2)
+    layer.lora_dropout = nn.ModuleDict({"default": nn.Identity()})
+    layer.lora_A = nn.ModuleDict({"default": nn.Linear(2, 1, bias=False)})
+    layer.lora_B = nn.ModuleDict({"default": nn.Linear(1, 2, bias=False)})
+    return layer
+
+
+def test_adapter_dicts_make_no_units() -> None:
+    projector = nn.Sequential(lora_linear(), nn.GELU(), lora_linear())
+    assert shard_all(projector) == (False, [])
+    recorder = Recorder()
+    shard_multimodal_module(projector, recorder)
+    assert recorder.names(projector) == [""]  # the whole projector, adapters included
+
+
+def test_blocks_with_adapters_are_the_units() -> None:
+    tower = nn.Module()
+    tower.embed = lora_linear()
+    tower.blocks = nn.ModuleList([nn.Sequential(lora_linear(), nn.Linear(2, 2)) for _ in "ab"])
+    assert shard_all(tower) == (True, ["blocks.0", "blocks.1"])

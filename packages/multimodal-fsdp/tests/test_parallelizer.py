@@ -482,8 +482,9 @@ def test_apply_per_layer_shards_a_block_shared_by_two_lists_once(mesh2: DeviceMe
     ("policy", "tower_units"),
     [
         ("root", []),
-        # The frozen patch embedding has no layer container: it is one unit.
-        ("per_layer", ["visual.patch_embed", *QWEN_BLOCKS]),
+        # The same units as the fully frozen tower: one per block, and the frozen
+        # patch embedding (outside any layer) in the root unit with the merger.
+        ("per_layer", QWEN_BLOCKS),
         ("replicate", []),
     ],
 )
@@ -496,10 +497,10 @@ def test_plan_of_a_tower_with_a_trainable_merger(policy: str, tower_units: list[
     assert plan.replicated_param_names == expected_replicated
     # The trainable merger is no unit of its own, nor ignored: the root unit owns it.
     assert not any(name.startswith("visual.merger") for name in plan.ignored_param_names)
-    assert plan.notes == (
-        f"tower 'visual' (vision): frozen parts ['visual.patch_embed', 'visual.blocks'] "
-        f"follow {policy!r}, trainable parts ['visual.merger'] are sharded like any other "
-        "module",
+    (note,) = plan.notes
+    assert note.startswith(
+        "tower 'visual' (vision): partly trainable (layers: 3 frozen; trainable parts: "
+        f"'merger'); {policy!r}: "
     )
 
 
@@ -605,7 +606,7 @@ def test_apply_a_tower_with_a_trainable_merger(policy: str) -> None:
         assert all(isinstance(b, FSDPModule) for b in model.visual.blocks) == (
             policy == "per_layer"
         )
-        assert isinstance(model.visual.patch_embed, FSDPModule) == (policy == "per_layer")
+        assert not isinstance(model.visual.patch_embed, FSDPModule)
         frozen = [*model.visual.patch_embed.parameters(), *model.visual.blocks.parameters()]
         assert all(isinstance(p, DTensor) for p in frozen) == (policy != "replicate")
         step(model)
@@ -681,7 +682,7 @@ def test_apply_makes_every_unit_reduce_scatter_unused_params(
 ) -> None:
     model = apply(policy, merger_trainable_vlm(), mesh2)
     units = fsdp_units(model)
-    assert len(units) == (TEXT_DEPTH + 1 + TOWER_DEPTH + 1 if policy == "per_layer" else 3)
+    assert len(units) == (TEXT_DEPTH + 1 + TOWER_DEPTH if policy == "per_layer" else 3)
     for unit in units:
         group = unit._get_fsdp_state()._fsdp_param_group
         assert group is not None
@@ -911,7 +912,7 @@ def test_qwen2_vl_plans(policy: str) -> None:
     ("policy", "tower_units"),
     [
         ("root", []),
-        ("per_layer", ["model.visual.patch_embed", "blocks"]),
+        ("per_layer", ["blocks"]),
         ("replicate", []),
     ],
 )

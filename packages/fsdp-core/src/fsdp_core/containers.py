@@ -1,4 +1,14 @@
-"""Layer containers: the ``nn.ModuleList`` / ``nn.ModuleDict`` whose items become FSDP units."""
+"""Layer containers: the ``nn.ModuleList`` / ``nn.ModuleDict`` whose items become FSDP units.
+
+Not every dict of modules is a list of layers. An adapter library wraps one module
+(a ``Linear`` it adapts, a projector it copies) and keeps per-adapter modules beside
+it in ``nn.ModuleDict`` objects keyed by adapter name: PEFT's ``lora_A`` / ``lora_B`` /
+``lora_dropout`` / ``lora_magnitude_vector`` next to ``base_layer``, or
+``modules_to_save`` next to ``original_module``. Such a *branch dict* belongs to the
+module that holds it (see :func:`is_branch_dict`); it is searched like any other
+child, and its items never become units. ``nn.ModuleList`` objects are always layer lists
+(stacked blocks, and MoE experts when a walk reaches them outside a layer).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +18,8 @@ from torch import nn
 
 __all__ = [
     "is_module_container",
+    "is_branch_dict",
+    "is_layer_container",
     "container_items",
     "iter_layer_items",
     "join_path",
@@ -46,6 +58,51 @@ def is_module_container(module: nn.Module) -> bool:
     return isinstance(module, (nn.ModuleList, nn.ModuleDict))
 
 
+def is_branch_dict(container: nn.Module, parent: nn.Module) -> bool:
+    """Whether ``container`` holds per-name branches of the one module ``parent`` wraps.
+
+    True for an ``nn.ModuleDict`` when ``parent`` has exactly one child with
+    parameters besides its dicts (the wrapped module) and every item of the dict
+    is a leaf module or of the wrapped module's class (a copy of it). Structural,
+    so it covers any adapter library that keeps adapters this way.
+    """
+    if not isinstance(container, nn.ModuleDict) or len(container) == 0:
+        return False
+    wrapped = _wrapped_child(parent)
+    if wrapped is None:
+        return False
+    kind = type(unwrap_module(wrapped))
+    return all(
+        _is_leaf(item) or isinstance(item, kind)
+        for item in (unwrap_module(module) for module in container.children())
+    )
+
+
+def is_layer_container(module: nn.Module, parent: nn.Module | None = None) -> bool:
+    """Whether ``module``'s items become units: a list or dict of layers, not a branch
+    dict of ``parent`` (unknown when ``parent`` is None)."""
+    if not is_module_container(module):
+        return False
+    return parent is None or not is_branch_dict(module, parent)
+
+
+def _is_leaf(module: nn.Module) -> bool:
+    return next(module.children(), None) is None
+
+
+_DICTS = (nn.ModuleDict, nn.ParameterDict, nn.ParameterList)
+
+
+def _wrapped_child(parent: nn.Module) -> nn.Module | None:
+    """The one child of ``parent`` with parameters, dicts aside; None when not exactly one."""
+    holders = [
+        child
+        for child in parent.children()
+        if not isinstance(child, _DICTS) and next(child.parameters(), None) is not None
+    ]
+    return holders[0] if len(holders) == 1 else None
+
+
 def container_items(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The ``(key, item)`` pairs of a layer container, in registration order."""
     if not is_module_container(module):
@@ -59,23 +116,29 @@ def iter_layer_items(module: nn.Module, prefix: str = "") -> Iterator[tuple[str,
     Containers are found at any depth outside items; an item is not searched
     further (its inner lists belong to its unit), except that containers nested
     directly in containers are flattened so every leaf item is yielded. A
-    container passed itself yields its own items.
+    container passed itself yields its own items. Branch dicts
+    (:func:`is_branch_dict`) are searched like plain modules: adapters stay in
+    the unit of the layer they adapt.
     """
     if is_module_container(module):
         yield from _iter_container(module, prefix)
         return
+    yield from _iter_children(module, prefix)
+
+
+def _iter_children(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
     for name, child in module.named_children():
         path = join_path(prefix, name)
-        if is_module_container(child):
+        if is_layer_container(child, module):
             yield from _iter_container(child, path)
         else:
-            yield from iter_layer_items(child, path)
+            yield from _iter_children(child, path)
 
 
 def _iter_container(container: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
     for key, item in container_items(container):
         path = join_path(prefix, key)
-        if is_module_container(item):
+        if is_layer_container(item, container):
             yield from _iter_container(item, path)
         else:
             yield path, item

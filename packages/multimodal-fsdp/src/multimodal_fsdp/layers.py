@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from fsdp_core.containers import is_module_container
+from fsdp_core.containers import is_layer_container, is_module_container
 
 __all__ = [
     "shard_multimodal_module",
@@ -42,19 +42,24 @@ def _shard_layer_containers_recursively(
 
     Containers are searched at any depth outside items; lists nested directly
     in lists are flattened, and items are not searched further (their inner
-    lists belong to their unit). Returns whether anything was sharded.
+    lists belong to their unit). Adapter dicts beside the module they adapt
+    (:func:`fsdp_core.containers.is_branch_dict`) are no containers. Returns
+    whether anything was sharded.
     """
-    return _shard_below(module, shard_module, set())
+    if _is_module_container(module):
+        return _shard_container(module, shard_module, set())
+    return _shard_children(module, shard_module, set())
 
 
-def _shard_below(
+def _shard_children(
     module: nn.Module, shard_module: Callable[[nn.Module], object], seen: set[int]
 ) -> bool:
-    if _is_module_container(module):
-        return _shard_container(module, shard_module, seen)
     sharded = False
     for child in module.children():
-        sharded = _shard_below(child, shard_module, seen) or sharded
+        if is_layer_container(child, module):
+            sharded = _shard_container(child, shard_module, seen) or sharded
+        else:
+            sharded = _shard_children(child, shard_module, seen) or sharded
     return sharded
 
 
@@ -63,7 +68,7 @@ def _shard_container(
 ) -> bool:
     sharded = False
     for _, item in _container_items(container):
-        if _is_module_container(item):
+        if is_layer_container(item, container):
             sharded = _shard_container(item, shard_module, seen) or sharded
         elif id(item) not in seen:  # a layer registered in two containers is one unit
             seen.add(id(item))

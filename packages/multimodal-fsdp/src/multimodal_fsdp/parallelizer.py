@@ -16,8 +16,22 @@ is planned:
    become units, and what is left (a projector MLP, ``visual.merger``, a patch
    embedding) stays in the enclosing unit - the root - which every rank runs,
    so a text-only batch on one rank cannot make the ranks' collectives diverge.
-3. Everything outside multimodal modules follows :class:`fsdp_core.ModelParallelizer`:
-   one unit per layer-container item, then the root.
+3. A *partly trainable* module (frozen and trainable parameters, e.g. LoRA on a
+   frozen tower, or a trainable merger) is decided per layer: its layer-container
+   items (the module itself when it has none) are *frozen*, *trainable* or
+   *adapted* (frozen weights with trainable ones inside, such as a block with
+   LoRA in its ``q_proj``). Trainable layers are units under every policy.
+   Frozen and adapted layers follow the policy as one piece, so adapters stay
+   with the layer they adapt and the units are those of the fully frozen module:
+   ``root`` - no unit, root unit; ``per_layer`` - one unit per layer, frozen
+   weights and adapters together (FSDP reduces only the adapters' gradients);
+   ``replicate`` - the frozen parameters (those of maximal frozen submodules) are
+   replicated, the adapters join the root unit. Anything outside layers joins the
+   root unit (replicated when frozen under ``replicate``).
+4. Everything outside multimodal modules follows :class:`fsdp_core.ModelParallelizer`:
+   one unit per layer-container item, then the root. Adapters there (LoRA on
+   decoder projections) sit inside decoder layers and so in their units; adapter
+   dicts never make units of their own (:func:`fsdp_core.containers.is_branch_dict`).
 
 Code that only runs with media and owns units (towers and projectors with units,
 decoder layers that text-only batches skip, see :mod:`multimodal_fsdp.conditional`)
@@ -36,6 +50,7 @@ import logging
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -203,6 +218,9 @@ class MultimodalParallelizer(ModelParallelizer):
             return paths  # towers, projectors and conditional layers stay in the root
         ids = {id(module): name for name, module in model.named_modules()}
         for part in parts:
+            if part.frozen and part.trainable:
+                paths.extend(self._partly_trainable_unit_paths(part))
+                continue
             for trainable in part.trainable:
                 module = model.get_submodule(trainable) if trainable else model
                 paths.extend(join_path(trainable, p) for p, _ in iter_layer_items(module))
@@ -210,6 +228,16 @@ class MultimodalParallelizer(ModelParallelizer):
                 for frozen in part.frozen:
                     paths.extend(_layer_unit_paths(model, frozen, ids))
         return paths
+
+    def _partly_trainable_unit_paths(self, part: MultimodalParts) -> list[str]:
+        """Units of a partly trainable module, decided per layer (see the module doc):
+        trainable layers always, frozen and adapted layers under ``per_layer`` only."""
+        per_layer = self.frozen_multimodal_sharding == "per_layer"
+        return [
+            path
+            for path, kind in _classify_layers(part)
+            if kind == "trainable" or (per_layer and kind in ("frozen", "adapted"))
+        ]
 
     def _plan_notes(self, ctx: PlanContext) -> list[str]:
         notes = []
@@ -230,10 +258,7 @@ class MultimodalParallelizer(ModelParallelizer):
             elif not part.trainable:
                 notes.append(f"{head}: frozen, policy {policy!r}")
             else:
-                notes.append(
-                    f"{head}: frozen parts {part.frozen} follow {policy!r}, "
-                    f"trainable parts {part.trainable} are sharded like any other module"
-                )
+                notes.append(f"{head}: {_partly_trainable_note(part, policy)}")
         return notes
 
     def plan(
@@ -394,6 +419,50 @@ def _check_policy_and_media(policy: FrozenMultimodalSharding, uneven_media: bool
             "which only ranks with media run; with uneven_media=True use 'root' or "
             "'replicate' (or keep per_layer and the same media calls on every rank)"
         )
+
+
+LayerKind = Literal["frozen", "adapted", "trainable", "empty"]
+
+#: What each policy does with the layers of a partly trainable module, for plan notes.
+_PARTLY_TRAINABLE_RULE: dict[str, str] = {
+    "root": "frozen and adapted layers and the rest join the root unit",
+    "per_layer": "frozen and adapted layers are units (adapters in their layer's unit), "
+    "the rest joins the root unit",
+    "replicate": "frozen parameters are replicated, trainable ones outside trainable layers "
+    "join the root unit",
+}
+
+
+def _layer_kind(module: nn.Module) -> LayerKind:
+    flags = {p.requires_grad for p in module.parameters()}
+    if not flags:
+        return "empty"
+    if flags == {False}:
+        return "frozen"
+    return "trainable" if flags == {True} else "adapted"
+
+
+def _classify_layers(part: MultimodalParts) -> list[tuple[str, LayerKind]]:
+    """The layers of ``part`` (its layer-container items, or itself without any), each
+    fully frozen, fully trainable, or *adapted* (frozen weights with trainable ones)."""
+    found = part.found
+    items = list(iter_layer_items(found.module, found.path)) or [(found.path, found.module)]
+    return [(path, _layer_kind(item)) for path, item in items]
+
+
+def _partly_trainable_note(part: MultimodalParts, policy: str) -> str:
+    """One short line: how many layers of each kind, and what ``policy`` does with them."""
+    counts = Counter(kind for _, kind in _classify_layers(part))
+    layers = ", ".join(
+        f"{counts[kind]} {kind}" for kind in ("frozen", "adapted", "trainable") if counts[kind]
+    )
+    cut = len(part.found.path) + 1 if part.found.path else 0
+    trainable = [path[cut:] or path for path in part.trainable]
+    units = "trainable layers are units; " if counts["trainable"] else ""
+    return (
+        f"partly trainable (layers: {layers}; trainable parts: {_summarise(trainable, 2)}); "
+        f"{policy!r}: {units}{_PARTLY_TRAINABLE_RULE[policy]}"
+    )
 
 
 def _summarise(paths: Iterable[str], limit: int = 3) -> str:
