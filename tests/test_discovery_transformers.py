@@ -282,17 +282,17 @@ CASES: dict[str, Case] = {
     ),
     "granite_speech": Case(
         "GraniteSpeechForConditionalGeneration",
-        # The speech encoder is registered as plain "encoder": not discoverable by name.
-        {"model.projector": "projector/unknown"},
+        # The speech encoder is registered as plain "encoder": found by its sub-config
+        # (encoder_config of a speech type). The projector's name is modality-neutral and
+        # no named tower stands beside it.
+        {"model.encoder": "tower/audio", "model.projector": "projector/unknown"},
         ("model.language_model.layers",),
     ),
     "phi4_multimodal": Case(
         "Phi4MultimodalForCausalLM",
-        # Towers hang off the decoder's own embedding module, outside its layer stack.
-        {
-            "model.embed_tokens_extend.image_embed": "tower/vision",
-            "model.embed_tokens_extend.audio_embed": "tower/audio",
-        },
+        # Both towers hang off one module beside the decoder's embedding, outside its layer
+        # stack; that module holds nothing else, so it is the maximal (bundled) tower.
+        {"model.embed_tokens_extend": "tower/unknown"},
         ("model.layers",),
     ),
     "seamless_m4t": Case(
@@ -444,12 +444,15 @@ CASES: dict[str, Case] = {
     "llama_text_only": Case("LlamaForCausalLM", {}, ("model.layers",)),
     "whisper": Case(
         "WhisperForConditionalGeneration",
-        {},  # encoder-decoder ASR: the audio encoder is a plain "encoder"
-        ("model.encoder.layers", "model.decoder.layers"),
+        # Encoder-decoder ASR: the audio encoder is a plain "encoder", found because its
+        # main input is input_features; the decoder is not a tower.
+        {"model.encoder": "tower/audio"},
+        ("model.decoder.layers",),
     ),
 }
 
 CASE_IDS = sorted(CASES)
+STRUCTURAL_RULES = frozenset({"config", "main_input", "forward", "features", "bundle"})
 
 
 def _construct(case_id: str) -> nn.Module:
@@ -493,7 +496,20 @@ def test_resolver_roles_and_modalities(case_id: str) -> None:
     found = resolve_multimodal_modules(_build(case_id))
     got = {m.path: f"{m.role}/{m.modality}" for m in found}
     assert got == CASES[case_id].expected
-    assert all(m.rule == "name:" + m.path.rpartition(".")[2] for m in found)
+    for m in found:
+        name = m.path.rpartition(".")[2]
+        # A name match reports its own name; a structural match says which rule fired.
+        assert m.rule == f"name:{name}" or m.rule.partition(":")[0] in STRUCTURAL_RULES, m
+
+
+@pytest.mark.parametrize("case_id", CASE_IDS)
+def test_name_only_discovery_is_what_structure_adds_to(case_id: str) -> None:
+    """Structural rules only add modules (or bundle found ones): names keep their results."""
+    model = _build(case_id)
+    by_name = {m.path for m in resolve_multimodal_modules(model, structural=False)}
+    full = {m.path for m in resolve_multimodal_modules(model)}
+    for path in by_name - full:
+        assert any(path.startswith(other + ".") for other in full), path
 
 
 @pytest.mark.parametrize("case_id", CASE_IDS)
@@ -526,13 +542,33 @@ def test_planted_tower_names_in_mllama_text_decoder_are_ignored() -> None:
 
 
 def test_extra_encoder_name_finds_speech_encoders() -> None:
-    found = resolve_multimodal_modules(_build("granite_speech"), extra_tower_names=("encoder",))
+    """Without structural rules an extra name is the way to reach a plain "encoder"."""
+    found = resolve_multimodal_modules(
+        _build("granite_speech"), extra_tower_names=("encoder",), structural=False
+    )
     assert [(m.path, m.role, m.rule) for m in found] == [
         ("model.encoder", "tower", "extra:encoder"),
         ("model.projector", "projector", "name:projector"),
     ]
-    whisper = resolve_multimodal_modules(_build("whisper"), extra_tower_names=("encoder",))
+    whisper = resolve_multimodal_modules(
+        _build("whisper"), extra_tower_names=("encoder",), structural=False
+    )
     assert [m.path for m in whisper] == ["model.encoder"]
+    assert resolve_multimodal_modules(_build("whisper"), structural=False) == ()
+
+
+def test_structural_rules_name_the_rule_that_matched() -> None:
+    granite = {m.path: m.rule for m in resolve_multimodal_modules(_build("granite_speech"))}
+    assert granite == {
+        "model.encoder": "config:encoder_config",
+        "model.projector": "name:projector",
+    }
+    whisper = resolve_multimodal_modules(_build("whisper"))
+    assert [(m.path, m.rule) for m in whisper] == [("model.encoder", "main_input:input_features")]
+    phi4 = resolve_multimodal_modules(_build("phi4_multimodal"))
+    assert [(m.path, m.rule) for m in phi4] == [
+        ("model.embed_tokens_extend", "bundle:image_embed+audio_embed")
+    ]
 
 
 def test_extra_encoder_name_does_not_reach_into_the_language_model() -> None:

@@ -28,6 +28,7 @@ The root module is never reported: discovery is about parts of a model, not the 
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -173,6 +174,15 @@ _MODALITY_KEYWORDS: tuple[tuple[str, Modality], ...] = (
 )
 
 
+# The subset that names an input modality in a sub-config attribute. "wav" is left out:
+# it also names output vocoders (a ``token2wav`` speech generator is not a tower).
+_INPUT_MODALITY_KEYWORDS: tuple[tuple[str, Modality], ...] = tuple(
+    (keyword, modality)
+    for keyword, modality in _MODALITY_KEYWORDS
+    if keyword in ("video", "audio", "speech", "acoustic", "vision", "visual", "image")
+)
+
+
 @dataclass(frozen=True)
 class MultimodalModule:
     """One discovered tower or projector.
@@ -223,11 +233,12 @@ def is_multimodal_module_name(name: str) -> bool:
 def iter_multimodal_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """Yield ``(qualified_name, module)`` for the maximal towers and projectors of ``model``.
 
-    Same walk and rules as :func:`resolve_multimodal_modules` with no extra names or
-    excludes; results come lazily in ``named_modules()`` pre-order.
+    Same walk and rules (names and structure) as :func:`resolve_multimodal_modules` with no
+    extra names or excludes; results come in ``named_modules()`` pre-order.
     """
     _check_model(model)
-    return ((found.path, found.module) for found in _walk(model, _BUILTIN_RULES, frozenset()))
+    found = _walk(model, _BUILTIN_RULES, frozenset(), structural=True)
+    return iter([(item.path, item.module) for item in found])
 
 
 def resolve_multimodal_modules(
@@ -236,6 +247,7 @@ def resolve_multimodal_modules(
     extra_tower_names: Iterable[str] = (),
     extra_projector_names: Iterable[str] = (),
     exclude: Iterable[str] = (),
+    structural: bool = True,
 ) -> tuple[MultimodalModule, ...]:
     """Return the maximal towers and projectors of ``model`` with their role and modality.
 
@@ -244,9 +256,12 @@ def resolve_multimodal_modules(
     maximality and guard rules as the built-in names. ``exclude`` lists qualified paths
     whose whole subtree is skipped; every entry must name a module of ``model`` (as reported
     by ``named_modules()``), otherwise a ``ValueError`` names it, so a typo cannot silently
-    disable the exclusion.
+    disable the exclusion. ``structural=False`` turns off the rules that look past names
+    (media inputs, sub-configs, forward signatures, bundles), leaving name matching only.
     """
     _check_model(model)
+    if not isinstance(structural, bool):
+        raise TypeError(f"structural must be a bool (True or False), got {structural!r}")
     rules = dict(_BUILTIN_RULES)
     extra_towers = _check_names(extra_tower_names, "extra_tower_names")
     extra_projectors = _check_names(extra_projector_names, "extra_projector_names")
@@ -269,7 +284,7 @@ def resolve_multimodal_modules(
                 )
     excluded = frozenset(_check_paths(exclude))
     seen_excludes: set[str] = set()
-    found = tuple(_walk(model, rules, excluded, seen_excludes))
+    found = tuple(_walk(model, rules, excluded, seen_excludes, structural=structural))
     unmatched = sorted(excluded - seen_excludes)
     if unmatched:
         raise ValueError(
@@ -284,20 +299,28 @@ def _walk(
     rules: Mapping[str, _Rule],
     excluded: frozenset[str],
     seen_excludes: set[str] | None = None,
-) -> Iterator[MultimodalModule]:
+    *,
+    structural: bool,
+) -> list[MultimodalModule]:
     """The single pre-order walk behind both public entry points.
 
     ``closed`` holds, for every visited path, whether its subtree is already decided:
     it was matched, excluded, or is inside a guarded region (repeated block or language
     model). Parents are always visited before children, so one dict lookup per module
-    propagates the state without re-scanning ancestors.
+    propagates the state without re-scanning ancestors. ``subconfigs`` maps each sub-config
+    object of an open model's config to the attribute it is stored under, so a submodule
+    built from it can be recognised by identity.
     """
     closed: dict[str, bool] = {}
     modules: dict[str, nn.Module] = {}
+    subconfigs: dict[int, tuple[str, object]] = {}
+    found: list[MultimodalModule] = []
     for path, module in model.named_modules():
         modules[path] = module
         if not path:
             closed[path] = False
+            if structural:
+                _register_subconfigs(module, subconfigs)
             continue
         parent_path, _, name = path.rpartition(".")
         if path in excluded:
@@ -314,17 +337,38 @@ def _walk(
             # Entering the k-th block of a stack: nothing in here is a tower.
             closed[path] = True
             continue
-        rule = rules.get(name)
-        if rule is not None:
+        match = _match_name(path, module, parent, name, rules)
+        if match is None and structural:
+            if _is_text_model(module, subconfigs):
+                logger.debug("language model by its config: %s", path)
+                closed[path] = True
+                continue
+            match = _match_structure(path, module, parent, subconfigs)
+        if match is not None:
             closed[path] = True
-            modality = rule.modality
-            if rule.role == "projector" and modality == "unknown":
-                modality = _infer_projector_modality(parent, rules)
-            logger.debug("found %s %s (%s, %s)", rule.role, path, modality, rule.label)
-            yield MultimodalModule(path, module, rule.role, modality, rule.label)
+            logger.debug("found %s %s (%s, %s)", match.role, path, match.modality, match.rule)
+            found.append(match)
             continue
         # Entering a language model: its descendants are never candidates.
         closed[path] = name in LANGUAGE_MODEL_NAMES
+        if structural and not closed[path]:
+            _register_subconfigs(module, subconfigs)
+    if structural:
+        found = _absorb_bundles(model, found)
+    return found
+
+
+def _match_name(
+    path: str, module: nn.Module, parent: nn.Module, name: str, rules: Mapping[str, _Rule]
+) -> MultimodalModule | None:
+    """The name rule: the attribute name is a known (or caller-supplied) name."""
+    rule = rules.get(name)
+    if rule is None:
+        return None
+    modality = rule.modality
+    if rule.role == "projector" and modality == "unknown":
+        modality = _infer_projector_modality(parent, rules)
+    return MultimodalModule(path, module, rule.role, modality, rule.label)
 
 
 def _infer_projector_modality(parent: nn.Module, rules: Mapping[str, _Rule]) -> Modality:
@@ -345,9 +389,259 @@ def _infer_projector_modality(parent: nn.Module, rules: Mapping[str, _Rule]) -> 
     return "unknown"
 
 
-def _modality_from_keywords(name: str) -> Modality:
+# --- structural rules ----------------------------------------------------------------------
+
+MEDIA_INPUTS: Mapping[str, Modality] = {
+    "pixel_values": "vision",
+    "pixel_values_images": "vision",
+    "image_pixel_values": "vision",
+    "flattened_patches": "vision",
+    "images": "vision",
+    "pixel_values_videos": "video",
+    "videos": "video",
+    "input_features": "audio",
+    "input_values": "audio",
+    "audio_values": "audio",
+    "audio_input_features": "audio",
+    "input_audio_features": "audio",
+}
+"""Forward arguments (and ``main_input_name`` values) that carry raw media, by modality."""
+
+MEDIA_FEATURE_INPUTS: Mapping[str, Modality] = {
+    "image_features": "vision",
+    "vision_features": "vision",
+    "video_features": "video",
+    "audio_features": "audio",
+}
+"""Forward arguments that carry a tower's output: a module taking only these is a projector."""
+
+# Arguments that only a text model (or a model containing one) takes. A cross-attending
+# decoder takes ``encoder_hidden_states``; a sequence-to-sequence model takes ``decoder_*``.
+_TEXT_INPUTS = frozenset({"input_ids", "inputs_embeds", "encoder_hidden_states"})
+
+# Sub-config attribute names (without ``_config``) whose module is the text model.
+_TEXT_CONFIG_ATTRS = frozenset({"text", "decoder", "language", "llm", "text_decoder"})
+
+
+_FORWARD_ARGUMENTS: dict[type, frozenset[str]] = {}
+
+
+def _forward_arguments(module: nn.Module) -> frozenset[str]:
+    """Names of the parameters of ``forward`` (empty when it cannot be inspected).
+
+    Cached per class: a model walk asks once per module and classes repeat a lot.
+    """
+    cls = type(module)
+    arguments = _FORWARD_ARGUMENTS.get(cls)
+    if arguments is None:
+        try:
+            arguments = frozenset(inspect.signature(cls.forward).parameters)
+        except (TypeError, ValueError):
+            arguments = frozenset()
+        _FORWARD_ARGUMENTS[cls] = arguments
+    return arguments
+
+
+def _takes_text(arguments: frozenset[str]) -> bool:
+    return bool(arguments & _TEXT_INPUTS) or any(a.startswith("decoder_") for a in arguments)
+
+
+def _first_media(arguments: frozenset[str], table: Mapping[str, Modality]) -> str | None:
+    """The first argument of ``table`` (in table order) that ``arguments`` contains."""
+    return next((name for name in table if name in arguments), None)
+
+
+def _model_config(module: nn.Module) -> object | None:
+    """The config of a transformers-style model: it has a ``main_input_name`` and a config.
+
+    Duck-typed, so that discovery does not import transformers.
+    """
+    if not isinstance(getattr(module, "main_input_name", None), str):
+        return None
+    return getattr(module, "config", None)
+
+
+def _is_config(value: object) -> bool:
+    return hasattr(value, "model_type") and callable(getattr(value, "to_dict", None))
+
+
+def _register_subconfigs(module: nn.Module, subconfigs: dict[int, tuple[str, object]]) -> None:
+    """Remember the sub-configs of ``module``'s config under their attribute names."""
+    config = _model_config(module)
+    if config is None or not hasattr(config, "__dict__"):
+        return
+    for attr, value in vars(config).items():
+        if _is_config(value):
+            subconfigs.setdefault(id(value), (attr, value))
+
+
+def _subconfig_attr(module: nn.Module, subconfigs: Mapping[int, tuple[str, object]]) -> str | None:
+    """The attribute (without ``_config``) under which an ancestor keeps this model's config."""
+    config = _model_config(module)
+    if config is None:
+        return None
+    entry = subconfigs.get(id(config))
+    if entry is None or entry[1] is not config:
+        return None
+    return entry[0].removesuffix("_config")
+
+
+def _is_text_model(module: nn.Module, subconfigs: Mapping[int, tuple[str, object]]) -> bool:
+    """Built from an ancestor's text or decoder sub-config: a language model, guarded."""
+    attr = _subconfig_attr(module, subconfigs)
+    return attr is not None and (attr in _TEXT_CONFIG_ATTRS or attr.startswith("text_"))
+
+
+def _config_modality(module: nn.Module, attr: str) -> Modality:
+    """Modality of a model built from sub-config ``attr``: from its name, else its type.
+
+    ``vision_config`` / ``audio_config`` say it in the name; a neutral ``encoder`` config
+    says it in its ``model_type`` (``vit``, ``wav2vec2``, ``granite_speech_encoder``).
+    """
+    modality = _modality_from_keywords(attr, _INPUT_MODALITY_KEYWORDS)
+    if modality == "unknown" and attr in ("encoder", "encoder_model"):
+        model_type = getattr(_model_config(module), "model_type", "")
+        modality = _modality_from_keywords(model_type if isinstance(model_type, str) else "")
+    return modality
+
+
+def _match_structure(
+    path: str,
+    module: nn.Module,
+    parent: nn.Module,
+    subconfigs: Mapping[int, tuple[str, object]],
+) -> MultimodalModule | None:
+    """The structural rules, strongest first; ``None`` when none applies.
+
+    1. ``config:<attr>`` -- a model built from an ancestor's media sub-config
+       (``vision_config``, ``audio_config``, an ``encoder`` config of a vision/audio type).
+    2. ``main_input:<name>`` -- a model whose ``main_input_name`` is a media input.
+    3. ``forward:<arg>`` / ``features:<arg>`` -- a child of the module where media meets
+       text (its parent's forward takes both) whose own forward takes media, or a tower's
+       output, and no text.
+
+    None of them matches a module whose forward takes text or cross-attends, since a tower
+    encodes media alone.
+    """
+    arguments = _forward_arguments(module)
+    if _takes_text(arguments):
+        return None
+    attr = _subconfig_attr(module, subconfigs)
+    if attr is not None:
+        modality = _config_modality(module, attr)
+        if modality != "unknown":
+            return MultimodalModule(path, module, "tower", modality, f"config:{attr}_config")
+    main_input = getattr(module, "main_input_name", None)
+    if (
+        isinstance(main_input, str)
+        and main_input in MEDIA_INPUTS
+        and _model_config(module) is not None
+    ):
+        modality = MEDIA_INPUTS[main_input]
+        return MultimodalModule(path, module, "tower", modality, f"main_input:{main_input}")
+    if not _is_media_entry(parent) or not _has_parameters(module):
+        return None
+    media = _first_media(arguments, MEDIA_INPUTS)
+    if media is not None:
+        role: Role = "tower" if _has_layer_container(module) else "projector"
+        return MultimodalModule(path, module, role, MEDIA_INPUTS[media], f"forward:{media}")
+    feature = _first_media(arguments, MEDIA_FEATURE_INPUTS)
+    if feature is not None:
+        modality = MEDIA_FEATURE_INPUTS[feature]
+        return MultimodalModule(path, module, "projector", modality, f"features:{feature}")
+    return None
+
+
+def _is_media_entry(module: nn.Module) -> bool:
+    """Media meets text here: forward takes both, and no layer stack is owned directly.
+
+    A module that owns its layer list (``layers``, ``block``) is a text stack with an
+    image-patch input, whose parts are not separate towers.
+    """
+    arguments = _forward_arguments(module)
+    if not _takes_text(arguments) or _first_media(arguments, MEDIA_INPUTS) is None:
+        return False
+    return not any(isinstance(child, (nn.ModuleList, nn.ModuleDict)) for child in module.children())
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _owns_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(recurse=False), None) is not None
+
+
+def _has_layer_container(module: nn.Module) -> bool:
+    return any(isinstance(sub, (nn.ModuleList, nn.ModuleDict)) for sub in module.modules())
+
+
+def _absorb_bundles(model: nn.Module, found: list[MultimodalModule]) -> list[MultimodalModule]:
+    """Report a module whose parameters all belong to discovered towers instead of them.
+
+    A parent that owns no parameters itself and whose children with parameters are all
+    discovered towers, two or more of them, is the maximal tower: one module bundling the
+    image and audio embedders under a text model's embedding, for example. Repeated
+    upwards; the root is never reported; towers and projectors are not merged, to keep
+    the roles apart.
+    """
+    changed = True
+    while changed:
+        changed = False
+        by_path = {item.path: item for item in found}
+        for item in found:
+            parent_path = item.path.rpartition(".")[0]
+            if not parent_path or item.role != "tower":
+                continue
+            bundle = _bundle(model.get_submodule(parent_path), parent_path, by_path)
+            if bundle is not None:
+                found = _replace_children(found, bundle)
+                changed = True
+                break
+    return found
+
+
+def _bundle(
+    parent: nn.Module, parent_path: str, by_path: Mapping[str, MultimodalModule]
+) -> MultimodalModule | None:
+    if isinstance(parent, _BLOCK_CONTAINERS) or _owns_parameters(parent):
+        return None
+    members = []
+    for name, child in parent.named_children():
+        item = by_path.get(f"{parent_path}.{name}")
+        if item is not None and item.role == "tower":
+            members.append(item)
+        elif _has_parameters(child):
+            return None
+    if len(members) < 2:
+        return None  # a plain wrapper around one tower: the named tower is the answer
+    modalities = {item.modality for item in members}
+    modality = modalities.pop() if len(modalities) == 1 else "unknown"
+    label = "bundle:" + "+".join(item.path.rpartition(".")[2] for item in members)
+    return MultimodalModule(parent_path, parent, "tower", modality, label)
+
+
+def _replace_children(
+    found: list[MultimodalModule], bundle: MultimodalModule
+) -> list[MultimodalModule]:
+    """``found`` with ``bundle`` in place of its first member and without the others."""
+    prefix = bundle.path + "."
+    result: list[MultimodalModule] = []
+    for item in found:
+        if item.path.startswith(prefix):
+            if bundle not in result:
+                logger.debug("bundling %s into %s", item.path, bundle.path)
+                result.append(bundle)
+            continue
+        result.append(item)
+    return result
+
+
+def _modality_from_keywords(
+    name: str, keywords: tuple[tuple[str, Modality], ...] = _MODALITY_KEYWORDS
+) -> Modality:
     lowered = name.lower()
-    for keyword, modality in _MODALITY_KEYWORDS:
+    for keyword, modality in keywords:
         if keyword in lowered:
             return modality
     return "unknown"
