@@ -58,7 +58,7 @@ def tests(session: nox.Session, package: str) -> None:
 def integration(session: nox.Session) -> None:
     """All packages together, plus transformers, running the cross-package tests."""
     _install_torch(session)
-    session.install(*TEST_DEPS, TRANSFORMERS_SPEC)
+    session.install(*TEST_DEPS, TRANSFORMERS_SPEC, "peft")
     session.install(*_package_paths(*PACKAGES))
     session.run("python", "-m", "pytest", "tests", *session.posargs)
 
