@@ -498,3 +498,80 @@ CASES: dict[str, LoopCase] = {
 
 def cases_for(world: int) -> list[str]:
     return [name for name, case in CASES.items() if case.world == world]
+
+
+# ------------------------------------------------------------------------------ LoRA (PEFT)
+def _hf_lora(name: str, where: str, *, wrap_layers: bool = False) -> Callable[[], nn.Module]:
+    """A transformers VLM with LoRA adapters (see ``hf_lora``); ``wrap_layers`` puts torch's
+    ``checkpoint_wrapper`` around every decoder layer and tower block."""
+
+    def build() -> nn.Module:
+        from hf_lora import checkpoint_layers, with_lora
+        from hf_vlms import HF_VLMS
+
+        model = with_lora(HF_VLMS[name].build(), name, where)
+        if wrap_layers:
+            checkpoint_layers(model)
+        return model
+
+    return build
+
+
+def _lora_cases() -> list[LoopCase]:
+    """LoRA on decoder and tower (the base frozen, tower included) under every policy,
+    LoRA on the decoder only with both kinds of activation checkpointing, and uneven
+    media under the policies whose tower has no units (adapters join the root unit)."""
+    llava = {"batch": _hf_batch("llava"), "loss": _hf_loss}
+    qwen = {"batch": _hf_batch("qwen2_vl"), "loss": _hf_loss}
+    uneven = per_rank(TWO_CALLS, ONE_CALL)
+    cases = [
+        LoopCase(f"lora_llava_tower_{p}", _hf_lora("llava", "tower"), policy=p, **llava)
+        for p in POLICIES
+    ]
+    cases += [
+        LoopCase(
+            "lora_qwen2_vl_tower_root_uneven", _hf_lora("qwen2_vl", "tower"), media=uneven, **qwen
+        ),
+        LoopCase(
+            "lora_qwen2_vl_tower_per_layer",
+            _hf_lora("qwen2_vl", "tower"),
+            media=same(images=1, videos=1),
+            policy="per_layer",
+            **qwen,
+        ),
+        LoopCase(
+            "lora_qwen2_vl_tower_replicate_uneven",
+            _hf_lora("qwen2_vl", "tower"),
+            media=uneven,
+            policy="replicate",
+            **qwen,
+        ),
+        LoopCase(
+            "lora_llava_decoder_root_hf_checkpointing",
+            _hf_lora("llava", "decoder"),
+            checkpointing="hf",
+            **llava,
+        ),
+        LoopCase(
+            "lora_llava_decoder_per_layer",
+            _hf_lora("llava", "decoder"),
+            policy="per_layer",
+            **llava,
+        ),
+        LoopCase(
+            "lora_llava_tower_per_layer_checkpoint_wrapper",
+            _hf_lora("llava", "tower", wrap_layers=True),
+            policy="per_layer",
+            **llava,
+        ),
+        LoopCase(
+            "lora_llava_decoder_replicate",
+            _hf_lora("llava", "decoder"),
+            policy="replicate",
+            **llava,
+        ),
+    ]
+    return cases
+
+
+CASES.update({case.name: case for case in _lora_cases()})
