@@ -517,8 +517,9 @@ def test_frozen_tower_has_no_norm_unit_when_torch_cannot_group(
 #: Tower frozen but its final norm: (policy) -> unit labels in plan order.
 TRAINABLE_FINAL_NORM_UNITS = {
     "root": ("vision.norm", *TEXT_LAYERS, "<root>"),
-    # The frozen patch embedding has no layer container: one unit of its own.
-    "per_layer": ("vision.norm", *TEXT_LAYERS, "vision.patch_embed", *VISION_BLOCKS, "<root>"),
+    # The blocks' units, as for the fully frozen tower; the frozen patch embedding is
+    # outside every layer, so it joins the root unit.
+    "per_layer": ("vision.norm", *TEXT_LAYERS, *VISION_BLOCKS, "<root>"),
     "replicate": ("vision.norm", *TEXT_LAYERS, "<root>"),
 }
 
