@@ -15,6 +15,8 @@ from multimodal_fsdp.costs import (
     ungroup_units,
 )
 from multimodal_fsdp.discovery import (
+    MEDIA_FEATURE_INPUTS,
+    MEDIA_INPUTS,
     MULTIMODAL_MODULE_NAMES,
     MULTIMODAL_PROJECTOR_NAMES,
     MULTIMODAL_TOWER_NAMES,
@@ -72,6 +74,8 @@ __all__ = [
     "install_schedule_check",
     "plan_schedule_layout",
     "find_media_conditional_layers",
+    "MEDIA_FEATURE_INPUTS",
+    "MEDIA_INPUTS",
     "MULTIMODAL_MODULE_NAMES",
     "MULTIMODAL_PROJECTOR_NAMES",
     "MULTIMODAL_TOWER_NAMES",
