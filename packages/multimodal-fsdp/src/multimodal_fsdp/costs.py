@@ -51,9 +51,9 @@ import itertools
 import logging
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -73,6 +73,9 @@ from fsdp_core import (
 from fsdp_core.containers import join_path
 from multimodal_fsdp.parallelizer import MultimodalParallelizer, MultimodalParts
 from multimodal_fsdp.uneven import CHECKPOINT_BYTES, plan_schedule_layout
+
+if TYPE_CHECKING:
+    from multimodal_fsdp.memory import MemoryEstimate
 
 __all__ = [
     "KINDS",
@@ -238,6 +241,8 @@ class PlanCosts:
     notes: tuple[str, ...] = ()
     #: The runtime hooks the plan installs (their collectives are in ``extra``).
     hooks: tuple[HookPlan, ...] = ()
+    #: Predicted per-rank memory of a step (:mod:`multimodal_fsdp.memory`), if estimated.
+    memory: MemoryEstimate | None = None
 
     @property
     def world_size(self) -> int:
@@ -289,6 +294,7 @@ class PlanCosts:
             "units": [u.as_dict() for u in self.units],
             "notes": list(self.notes),
             "hooks": [dataclasses.asdict(hook) for hook in self.hooks],
+            "memory": None if self.memory is None else self.memory.as_dict(),
         }
 
     def format(self, *, collapse: bool = True) -> str:
@@ -763,9 +769,15 @@ def inspect_model(
     reshard_after_forward: bool | int | None = None,
     prefetch_guard: bool = True,
     no_backward: Iterable[str] | None = None,
+    optimizer: str | None = "adamw",
+    loss_fn: Callable[[nn.Module], torch.Tensor] | None = None,
 ) -> PlanCosts:
     """Plan ``model`` with ``parallelizer`` (default :class:`MultimodalParallelizer`)
-    under ``policy`` and ``precision``, then cost the plan (see :func:`plan_costs`)."""
+    under ``policy`` and ``precision``, then cost the plan (see :func:`plan_costs`).
+
+    Unless ``optimizer`` is ``None``, the costs carry the predicted memory of a
+    step with that optimizer (:mod:`multimodal_fsdp.memory`); with ``loss_fn``
+    (one batch's loss) the activations are traced and included in the peak."""
     if parallelizer is None:
         parallelizer = MultimodalParallelizer()
     if not isinstance(parallelizer, MultimodalParallelizer):
@@ -777,7 +789,7 @@ def inspect_model(
     chosen = parallelizer.with_options(frozen_multimodal_sharding=policy)
     mp = mixed_precision_policy(precision, reduce_precision)
     plan = chosen.plan(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    return plan_costs(
+    costs = plan_costs(
         plan,
         model,
         mesh=shape,
@@ -787,6 +799,14 @@ def inspect_model(
         policy=chosen.frozen_multimodal_sharding,
         precision=f"param={precision} reduce={reduce_precision}",
     )
+    if optimizer is None:
+        return costs
+    from multimodal_fsdp.memory import trace_activations, with_memory  # imports this module
+
+    traced = (
+        None if loss_fn is None else trace_activations(model, plan, loss_fn, parallelizer=chosen)
+    )
+    return with_memory(costs, plan, model, optimizer=optimizer, activations=traced)
 
 
 # --------------------------------------------------------------------------- text
@@ -968,6 +988,8 @@ def format_costs(costs: PlanCosts, *, collapse: bool = True) -> str:
         f"  peak gathered params      forward {format_bytes(costs.peak_gathered_forward_bytes)},"
         f" backward {format_bytes(costs.peak_gathered_backward_bytes)}"
     )
+    if costs.memory is not None:
+        lines.extend(costs.memory.format_lines())
     for phase, kind in costs.comm.pairs():
         label = f"{phase} {kind}"
         lines.append(

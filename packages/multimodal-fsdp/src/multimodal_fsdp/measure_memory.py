@@ -1,0 +1,345 @@
+"""The measured counterpart of :mod:`multimodal_fsdp.memory`: bytes of a real step, per rank.
+
+:func:`measure_memory` runs warm-up steps of an already sharded model, then one
+tracked step (forward, backward, optimizer step) under torch's
+``FSDPMemTracker``, which attributes every tensor storage on the rank to a
+category (sharded and unsharded parameters, all-gather buffers, gradients,
+activations, temporaries, optimizer state). Parameters that FSDP ignores
+(``replicate``) are invisible to it, so they are registered with it as inputs
+and counted separately. :func:`measure_plan_memory` does the whole round trip
+like :func:`multimodal_fsdp.measure.measure_plan`: plan, predict (with the
+activation trace), shard, measure - under the initialised process group or
+else the fake one, where tensor sizes are exactly those of a real job.
+
+The tracker lives in a private torch module (``torch.distributed._tools``);
+:func:`_tracker_base` is the only place that touches it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+
+from fsdp_core import ShardingPlan, build_mesh, resolve_mesh_shape
+from fsdp_core.testing import fake_process_group
+from multimodal_fsdp.costs import PlanCosts, plan_costs
+from multimodal_fsdp.memory import check_optimizer, trace_activations, with_memory
+from multimodal_fsdp.parallelizer import MultimodalParallelizer
+
+__all__ = [
+    "MeasuredMemory",
+    "MemoryMeasurement",
+    "MemoryPoint",
+    "make_optimizer",
+    "measure_memory",
+    "measure_plan_memory",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Runs the forward of one batch on the sharded model and returns the scalar loss.
+LossFn = Callable[[nn.Module], torch.Tensor]
+
+# The tracker's category names (``_FSDPRefType`` values).
+_SHARDED = "Sharded Param"
+_UNSHARDED = "Unsharded Param"
+_ALL_GATHER = "All Gather"
+_GRAD = "Sharded Grad"
+_OPT = "OptState"
+_ACT = "Activation"
+_TEMP = "Temp"
+_INPUTS = "Inputs"
+_TOTAL = "Total"
+
+
+# --------------------------------------------------------------------------- private torch
+def _tracker_base() -> type[Any]:
+    """torch's ``FSDPMemTracker``, or a RuntimeError saying what is missing."""
+    try:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    except ImportError as error:
+        raise RuntimeError(
+            f"measuring memory needs torch.distributed._tools.fsdp2_mem_tracker."
+            f"FSDPMemTracker (a private torch module; torch {torch.__version__} lacks it: "
+            f"{error})"
+        ) from None
+    tracker: type[Any] = FSDPMemTracker
+    return tracker
+
+
+def _new_tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
+    """An ``FSDPMemTracker`` that also records a timeline point whenever bytes change."""
+    base = _tracker_base()
+
+    class _Timeline(base):  # type: ignore[misc,valid-type]
+        def __init__(self) -> None:
+            super().__init__(model, optimizer)
+            self.points: list[MemoryPoint] = []
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            super()._update_peak_stats(peak_state)
+            snap = _cpu_or_first(self._curr_mem_snap)
+            if self._in_opt:
+                phase = "optimizer"
+            else:
+                phase = "backward" if self._mod_tracker.is_bw else "forward"
+            point = MemoryPoint(
+                phase=phase,
+                gathered_bytes=snap.get(_UNSHARDED, 0) + snap.get(_ALL_GATHER, 0),
+                activation_bytes=snap.get(_ACT, 0) + snap.get(_TEMP, 0),
+                total_bytes=snap.get(_TOTAL, 0),
+            )
+            if not self.points or self.points[-1] != point:
+                self.points.append(point)
+
+    return _Timeline()
+
+
+def _cpu_or_first(snapshot: dict[torch.device, dict[str, int]]) -> dict[str, int]:
+    """The per-category bytes of the one device a rank computes on."""
+    if not snapshot:
+        return {}
+    return next(iter(snapshot.values()))
+
+
+def _module_snapshots(tracker: Any) -> Iterator[tuple[str, dict[str, int]]]:
+    """(state name, bytes per category) of every snapshot taken at a unit boundary."""
+    for stats in tracker.memory_tracking.values():
+        for state, snaps in stats.snapshots.items():
+            if str(state.value).startswith("Peak"):
+                continue  # running maxima, not moments
+            for snap in snaps:
+                yield str(state.value), _cpu_or_first(snap)
+
+
+# --------------------------------------------------------------------------- results
+@dataclass(frozen=True)
+class MemoryPoint:
+    """One moment of the tracked step: the phase, gathered parameter bytes, activations
+    and temporaries, all bytes."""
+
+    phase: str
+    gathered_bytes: int
+    activation_bytes: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class MeasuredMemory:
+    """Measured bytes on this rank for one training step (the tracked one)."""
+
+    optimizer: str
+    sharded_param_bytes: int
+    replicated_param_bytes: int
+    #: Largest unsharded-parameter bytes at a unit boundary in forward.
+    peak_gathered_forward_bytes: int
+    #: Largest unsharded-parameter plus in-flight all-gather bytes at a unit boundary in backward.
+    peak_gathered_backward_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    #: Activations alive when backward starts.
+    activation_bytes: int
+    #: Peak of activations plus backward temporaries during backward.
+    backward_activation_bytes: int
+    #: The tracker's peak over the whole step, replicated parameters included.
+    peak_bytes: int
+    #: The peak broken down by the tracker's categories.
+    peak_breakdown: tuple[tuple[str, int], ...] = ()
+    timeline: tuple[MemoryPoint, ...] = field(default=(), repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready, every figure marked as measured."""
+        return {
+            "source": "measured",
+            "optimizer": self.optimizer,
+            "sharded_param_bytes": self.sharded_param_bytes,
+            "replicated_param_bytes": self.replicated_param_bytes,
+            "peak_gathered_forward_bytes": self.peak_gathered_forward_bytes,
+            "peak_gathered_backward_bytes": self.peak_gathered_backward_bytes,
+            "gradient_bytes": self.gradient_bytes,
+            "optimizer_bytes": self.optimizer_bytes,
+            "activation_bytes": self.activation_bytes,
+            "backward_activation_bytes": self.backward_activation_bytes,
+            "peak_bytes": self.peak_bytes,
+            "peak_breakdown": dict(self.peak_breakdown),
+        }
+
+
+# --------------------------------------------------------------------------- running
+def make_optimizer(
+    name: str, params: Iterable[nn.Parameter], *, lr: float = 1e-3
+) -> torch.optim.Optimizer | None:
+    """The optimizer :data:`multimodal_fsdp.memory.OPTIMIZER_STATES` names
+    (``None`` for ``"none"`` or when nothing is trainable)."""
+    check_optimizer(name)
+    trainable = [p for p in params if p.requires_grad]
+    if name == "none" or not trainable:
+        return None
+    if name == "adamw":
+        return torch.optim.AdamW(trainable, lr=lr)
+    if name == "adam":
+        return torch.optim.Adam(trainable, lr=lr)
+    momentum = 0.9 if name == "sgd_momentum" else 0.0
+    return torch.optim.SGD(trainable, lr=lr, momentum=momentum)
+
+
+def _loss(model: nn.Module, loss_fn: LossFn) -> torch.Tensor:
+    loss = loss_fn(model)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError("loss_fn must return a scalar tensor (the loss of one batch)")
+    return loss
+
+
+def _step(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None) -> None:
+    torch.autograd.backward(_loss(model, loss_fn))
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _replicated(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters FSDP left as plain tensors (ignored: kept whole on every rank)."""
+    return [p for p in model.parameters() if not isinstance(p, DTensor)]
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def measure_memory(
+    model: nn.Module, loss_fn: LossFn, *, optimizer: str = "adamw", warmup: int = 1
+) -> MeasuredMemory:
+    """Measure one training step of a sharded ``model`` after ``warmup`` untracked steps.
+
+    Warm-up steps create the optimizer state (and FSDP's lazy buffers), so the
+    tracked step is a steady-state one. The tracker follows one step at a time.
+    """
+    if not isinstance(model, FSDPModule):
+        raise TypeError(
+            f"model must be sharded (an FSDPModule at the root), got {type(model).__name__}"
+        )
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+        raise ValueError(
+            f"warmup must be a positive int (steps before the tracked one), got {warmup!r}"
+        )
+    opt = make_optimizer(optimizer, model.parameters())
+    for _ in range(warmup):
+        _step(model, loss_fn, opt)
+    replicated = _replicated(model)
+    tracker = _new_tracker(model, opt)
+    tracker.track_inputs(tuple(replicated))
+    with tracker:
+        resting = _cpu_or_first(tracker.get_tracker_snapshot("current"))
+        torch.autograd.backward(_loss(model, loss_fn))
+        after_backward = _cpu_or_first(tracker.get_tracker_snapshot("current"))
+        replicated_grads = _nbytes(p.grad for p in replicated if p.grad is not None)
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
+        after_step = _cpu_or_first(tracker.get_tracker_snapshot("current"))
+    peak = _cpu_or_first(tracker.get_tracker_snapshot("peak"))
+    return _result(
+        tracker, optimizer, replicated, resting, after_backward, after_step, peak, replicated_grads
+    )
+
+
+def _result(
+    tracker: Any,
+    optimizer: str,
+    replicated: list[nn.Parameter],
+    resting: dict[str, int],
+    after_backward: dict[str, int],
+    after_step: dict[str, int],
+    peak: dict[str, int],
+    replicated_grads: int,
+) -> MeasuredMemory:
+    forward = backward = activations = 0
+    for state, snap in _module_snapshots(tracker):
+        if "Backward" in state:
+            gathered = snap.get(_UNSHARDED, 0) + snap.get(_ALL_GATHER, 0)
+            backward = max(backward, gathered)
+            activations = max(activations, snap.get(_ACT, 0))
+        else:
+            forward = max(forward, snap.get(_UNSHARDED, 0))
+    return MeasuredMemory(
+        optimizer=optimizer,
+        sharded_param_bytes=resting.get(_SHARDED, 0),
+        replicated_param_bytes=_nbytes(replicated),
+        peak_gathered_forward_bytes=forward,
+        peak_gathered_backward_bytes=backward,
+        gradient_bytes=after_backward.get(_GRAD, 0) + replicated_grads,
+        optimizer_bytes=after_step.get(_OPT, 0),
+        activation_bytes=activations,
+        backward_activation_bytes=max(
+            (p.activation_bytes for p in tracker.points if p.phase == "backward"), default=0
+        ),
+        peak_bytes=peak.get(_TOTAL, 0),
+        peak_breakdown=tuple((str(k), v) for k, v in peak.items() if v and str(k) != _TOTAL),
+        timeline=tuple(tracker.points),
+    )
+
+
+# --------------------------------------------------------------------------- round trip
+@dataclass(frozen=True)
+class MemoryMeasurement:
+    """One plan: its predicted memory (``costs.memory``) and the measured step."""
+
+    plan: ShardingPlan
+    costs: PlanCosts
+    measured: MeasuredMemory
+
+
+@contextlib.contextmanager
+def _process_group(world_size: int) -> Iterator[None]:
+    """The current process group if one is initialised (its size must match), else a fake one."""
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise ValueError(
+                f"world_size={world_size} does not match the initialised process group "
+                f"({dist.get_world_size()} ranks)"
+            )
+        yield
+        return
+    with fake_process_group(world_size):
+        yield
+
+
+def measure_plan_memory(
+    build_model: Callable[[], nn.Module],
+    parallelizer: MultimodalParallelizer,
+    loss_fn: LossFn,
+    *,
+    world_size: int,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    optimizer: str = "adamw",
+    warmup: int = 1,
+) -> MemoryMeasurement:
+    """Plan the model ``build_model()`` returns, predict its memory (tracing the
+    activations of ``loss_fn`` on an unsharded copy), shard it and measure a step."""
+    if not isinstance(parallelizer, MultimodalParallelizer):
+        raise TypeError(
+            f"parallelizer must be a MultimodalParallelizer, got {type(parallelizer).__name__}"
+        )
+    check_optimizer(optimizer)
+    shape = resolve_mesh_shape(world_size=world_size)
+    with _process_group(world_size):
+        mesh = build_mesh(dp_shard=shape.dp_shard)
+        model = build_model()
+        plan = parallelizer.plan(model, mp_policy=mp_policy)
+        costs = plan_costs(plan, model, mesh=shape, parallelizer=parallelizer)
+        activations = trace_activations(model, plan, loss_fn, parallelizer=parallelizer)
+        costs = with_memory(costs, plan, model, optimizer=optimizer, activations=activations)
+        parallelizer.apply_plan(model, plan, mesh=mesh)
+        measured = measure_memory(model, loss_fn, optimizer=optimizer, warmup=warmup)
+    return MemoryMeasurement(plan=plan, costs=costs, measured=measured)

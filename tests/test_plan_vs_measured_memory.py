@@ -1,0 +1,252 @@
+"""The plan's memory figures against a measured training step.
+
+For each frozen-tower policy, on the DeepSeek-V4.1 reference model and on two
+transformers VLMs (LLaVA, Qwen2-VL) built small on CPU, the per-rank memory that
+:mod:`multimodal_fsdp.memory` predicts from the plan (parameters, gradients,
+AdamW state, and the activations traced from one unsharded forward+backward)
+is compared with what torch's ``FSDPMemTracker`` measures on one training step
+(forward, backward, optimizer step) under the fake process group, where every
+tensor has exactly the size it has on a real rank. Odd widths make FSDP pad.
+
+Tolerances (issue 13): parameter, gradient and optimizer bytes within 2% (they
+are exact today), activations within 25%, the peak total within 10%.
+docs/memory.md explains each remaining difference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from hf_vlms import HF_VLMS, hf_loss
+from torch import nn
+
+from fsdp_core import mixed_precision_policy
+from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
+from multimodal_fsdp import MultimodalParallelizer
+from multimodal_fsdp.costs import inspect_model
+from multimodal_fsdp.measure_memory import (
+    MemoryMeasurement,
+    make_optimizer,
+    measure_memory,
+    measure_plan_memory,
+)
+from multimodal_fsdp.memory import (
+    OPTIMIZER_STATES,
+    estimate_memory,
+    optimizer_state_bytes,
+    trace_activations,
+)
+
+POLICIES = ("root", "per_layer", "replicate")
+MP = mixed_precision_policy("bf16", "fp32")
+WORLD = 4
+DS_CONFIG = DeepseekV41Config.tiny(
+    vision_hidden=36,
+    vision_heads=3,
+    vision_intermediate=70,
+    vision_layers=3,
+    text_hidden=40,
+    text_heads=2,
+    text_intermediate=90,
+    vocab_size=131,
+)
+DS_BATCH = make_batch(DS_CONFIG, batch_size=2, seq_len=16)
+
+#: Figures held to 2% (exact in practice), and the looser ones.
+EXACT = (
+    "sharded_param_bytes",
+    "replicated_param_bytes",
+    "peak_gathered_forward_bytes",
+    "peak_gathered_backward_bytes",
+    "gradient_bytes",
+    "optimizer_bytes",
+)
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor"),
+    pytest.mark.filterwarnings("ignore:.*mm_token_type_ids.*"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_leak() -> Iterator[None]:
+    assert not dist.is_initialized(), "a process group leaked into this test"
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("the test left a process group initialised")
+
+
+def _deepseek() -> nn.Module:
+    model = build_deepseek_v41(DS_CONFIG, dtype=torch.bfloat16)
+    model.vision.requires_grad_(False)
+    return model
+
+
+def _ds_loss(model: nn.Module) -> torch.Tensor:
+    loss: torch.Tensor = model(**DS_BATCH)
+    return loss
+
+
+def _hf(name: str) -> tuple[Callable[[], nn.Module], Callable[[nn.Module], torch.Tensor]]:
+    vlm = HF_VLMS[name]
+    batch = vlm.batch()
+
+    def build() -> nn.Module:
+        model = vlm.build()
+        model.get_submodule(vlm.tower).requires_grad_(False)
+        return model
+
+    return build, lambda model: hf_loss(model, batch)
+
+
+def _measure(name: str, policy: str, optimizer: str = "adamw") -> MemoryMeasurement:
+    if name == "deepseek":
+        build, loss, base = _deepseek, _ds_loss, PARALLELIZER
+    else:
+        pytest.importorskip("transformers")
+        build, loss = _hf(name)
+        base = MultimodalParallelizer()
+    return measure_plan_memory(
+        build,
+        base.with_options(frozen_multimodal_sharding=policy),
+        loss,
+        world_size=WORLD,
+        mp_policy=MP,
+        optimizer=optimizer,
+    )
+
+
+def _relative(predicted: int, measured: int) -> float:
+    return abs(predicted - measured) / max(measured, 1)
+
+
+def _check(result: MemoryMeasurement) -> None:
+    predicted, measured = result.costs.memory, result.measured
+    assert predicted is not None
+    report = f"predicted {predicted.as_dict()}\nmeasured {measured.as_dict()}"
+    for name in EXACT:
+        assert _relative(getattr(predicted, name), getattr(measured, name)) <= 0.02, (
+            f"{name}\n{report}"
+        )
+    assert predicted.activation_bytes is not None
+    assert _relative(predicted.activation_bytes, measured.activation_bytes) <= 0.25, report
+    assert predicted.backward_activation_bytes is not None
+    assert (
+        _relative(predicted.backward_activation_bytes, measured.backward_activation_bytes) <= 0.25
+    ), report
+    assert _relative(predicted.peak_bytes, measured.peak_bytes) <= 0.10, report
+
+
+MODELS = ["deepseek", pytest.param("llava", marks=pytest.mark.transformers)]
+MODELS.append(pytest.param("qwen2_vl", marks=pytest.mark.transformers))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", MODELS)
+def test_predicted_memory_matches_measured(name: str, policy: str) -> None:
+    result = _measure(name, policy)
+    _check(result)
+    measured = result.measured
+    # The figures are real: something of every kind was seen.
+    assert measured.gradient_bytes > 0
+    assert measured.optimizer_bytes >= 2 * measured.gradient_bytes
+    assert measured.activation_bytes > 0
+    assert (measured.replicated_param_bytes > 0) == (policy == "replicate" or name == "deepseek")
+    phases = {point.phase for point in measured.timeline}
+    assert {"forward", "backward", "optimizer"} <= phases
+    assert max(p.gathered_bytes for p in measured.timeline) >= (
+        measured.peak_gathered_backward_bytes
+    )
+
+
+def test_policies_order_parameter_memory_as_documented() -> None:
+    runs = {policy: _measure("deepseek", policy).measured for policy in POLICIES}
+    # root keeps the frozen tower gathered all step; per_layer gathers one block at a time.
+    assert (
+        runs["root"].peak_gathered_backward_bytes > runs["per_layer"].peak_gathered_backward_bytes
+    )
+    # replicate holds the whole tower on every rank and shards less.
+    assert runs["replicate"].replicated_param_bytes > runs["per_layer"].replicated_param_bytes
+    assert runs["replicate"].sharded_param_bytes < runs["per_layer"].sharded_param_bytes
+    # Trainable state does not depend on the frozen-tower policy.
+    assert len({r.gradient_bytes for r in runs.values()}) == 1
+    assert len({r.optimizer_bytes for r in runs.values()}) == 1
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "sgd_momentum"])
+def test_optimizer_state_follows_the_named_optimizer(optimizer: str) -> None:
+    result = _measure("deepseek", "per_layer", optimizer)
+    _check(result)
+    memory = result.costs.memory
+    assert memory is not None
+    assert memory.optimizer_bytes == OPTIMIZER_STATES[optimizer] * memory.gradient_bytes
+
+
+def test_activations_do_not_depend_on_the_policy() -> None:
+    model = _deepseek()
+    traces = {
+        policy: trace_activations(
+            model,
+            PARALLELIZER.with_options(frozen_multimodal_sharding=policy).plan(model, mp_policy=MP),
+            _ds_loss,
+            parallelizer=PARALLELIZER,
+        )
+        for policy in POLICIES
+    }
+    assert len(set(traces.values())) == 1
+    trace = traces["root"]
+    assert 0 < trace.saved_bytes <= trace.backward_peak_bytes
+    # The model itself is untouched (the trace runs on a copy).
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_activations_grow_with_the_batch() -> None:
+    model = _deepseek()
+    plan = PARALLELIZER.plan(model, mp_policy=MP)
+    small = trace_activations(model, plan, _ds_loss)
+    big_batch = make_batch(DS_CONFIG, batch_size=4, seq_len=16)
+    big = trace_activations(model, plan, lambda m: m(**big_batch))
+    assert 1.8 * small.saved_bytes < big.saved_bytes < 2.2 * small.saved_bytes
+
+
+def test_meta_model_is_traced_on_a_copy() -> None:
+    meta = build_deepseek_v41(DS_CONFIG, dtype=torch.bfloat16, device="meta")
+    meta.vision.requires_grad_(False)
+    real = _deepseek()
+    plan = PARALLELIZER.plan(meta, mp_policy=MP)
+    assert trace_activations(meta, plan, _ds_loss) == trace_activations(real, plan, _ds_loss)
+    assert all(p.is_meta for p in meta.parameters())
+
+
+def test_estimate_without_a_batch_says_so() -> None:
+    model = build_deepseek_v41(DS_CONFIG, dtype=torch.bfloat16, device="meta")
+    model.vision.requires_grad_(False)
+    costs = inspect_model(model, world_size=WORLD, policy="per_layer", parallelizer=PARALLELIZER)
+    assert costs.memory is not None
+    assert costs.memory.activation_bytes is None
+    assert "without activations" in costs.format()
+    assert costs.as_dict()["memory"]["source"] == "predicted"
+    plan = PARALLELIZER.with_options(frozen_multimodal_sharding="per_layer").plan(
+        model, mp_policy=MP
+    )
+    given = estimate_memory(costs, plan, model, activations=1000)
+    assert given.peak_bytes == costs.memory.peak_bytes + 1000
+
+
+def test_bad_arguments_are_named() -> None:
+    model = _deepseek()
+    plan = PARALLELIZER.plan(model, mp_policy=MP)
+    with pytest.raises(ValueError, match=r"unknown optimizer 'lion'.*adamw"):
+        optimizer_state_bytes(plan, model, shard=2, optimizer="lion")
+    with pytest.raises(ValueError, match="shard must be a positive int"):
+        optimizer_state_bytes(plan, model, shard=0)
+    with pytest.raises(TypeError, match="must be sharded"):
+        measure_memory(model, _ds_loss)
+    assert make_optimizer("none", model.parameters()) is None
+    costs = inspect_model(model, world_size=WORLD, parallelizer=PARALLELIZER)
+    with pytest.raises(ValueError, match="activations must be"):
+        estimate_memory(costs, plan, model, activations=-1)
