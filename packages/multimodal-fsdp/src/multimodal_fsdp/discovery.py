@@ -4,9 +4,15 @@ Sharding frameworks treat these modules differently from the text decoder (their
 unit, their own mixed-precision policy, often frozen), so they need to be located by
 qualified name in an arbitrary ``nn.Module`` tree.
 
-Discovery is name based: a submodule is a candidate when the attribute name under which it
-is registered (the last component of its qualified name) is a known tower or projector name.
-Three structural rules turn candidates into results:
+A submodule matches by its *name* when the attribute name under which it is registered (the
+last component of its qualified name) is a known tower or projector name. Where names fail
+(towers registered as plain ``encoder``, embedders bundled under a text model's embedding),
+*structural* rules match what transformers models expose, without naming any model: a
+model built from an enclosing model's media sub-config (``vision_config``, ``audio_config``,
+an ``encoder`` config of a vision or audio type), a model whose ``main_input_name`` is a
+media input, a child taking media (or a tower's output) and no text right where media meets
+text, and a module holding nothing but two or more towers. Each result records the rule
+that matched. Three rules decide which matches are reported:
 
 * **Maximality** -- the walk is ``model.named_modules()`` in pre-order, and a match hides its
   whole subtree, so ``model.vision_tower`` is reported but ``model.vision_tower.vision_model``
@@ -20,7 +26,8 @@ Three structural rules turn candidates into results:
   ``transformer.h.N``, Mllama's ``language_model.layers.N.cross_attn``).
 * **Language-model guard** -- nothing strictly below a module registered under a
   language-model name (:data:`LANGUAGE_MODEL_NAMES`, e.g. ``language_model``) can match,
-  so helper modules that a text decoder keeps outside its layer stack are not mistaken for
+  nor anything in a model built from an enclosing model's text or decoder sub-config, so
+  helper modules that a text decoder keeps outside its layer stack are not mistaken for
   towers either.
 
 The root module is never reported: discovery is about parts of a model, not the model.
@@ -193,8 +200,10 @@ class MultimodalModule:
     such as "audio" or "image"); a modality-neutral projector name such as
     ``multi_modal_projector`` takes the modality of the towers registered beside it, and is
     "unknown" when they disagree (Video-LLaVA) or there are none. ``rule`` records why it
-    matched (``"name:<attr>"`` for a built-in name, ``"extra:<attr>"`` for a caller-supplied
-    one) so that surprising results can be traced.
+    matched, so that surprising results can be traced: ``"name:<attr>"`` for a built-in
+    name, ``"extra:<attr>"`` for a caller-supplied one, or a structural rule:
+    ``"config:<sub-config attribute>"``, ``"main_input:<arg>"``, ``"forward:<arg>"``,
+    ``"features:<arg>"`` or ``"bundle:<child>+<child>"``.
     """
 
     path: str
