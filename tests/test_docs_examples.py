@@ -17,7 +17,7 @@ on the line before a block changes that:
 ``<!-- docs-test: skip (reason) -->``
     not run; use sparingly, with the reason.
 
-Blocks that import transformers are skipped when it is not installed.
+Blocks that import transformers or peft are skipped when it is not installed.
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ TORCHRUN_ENV = (
     "MASTER_ADDR",
     "MASTER_PORT",
 )
+
+#: Packages an example may import that the test environment need not have.
+OPTIONAL_IMPORTS = ("transformers", "peft")
 
 _FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})\s*(?P<lang>[\w+-]*)")
 _MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<spec>.*?)\s*-->\s*$")
@@ -166,8 +169,9 @@ def _run(example: Example, tmp_path: Path) -> None:
 def test_docs_example(example: Example, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if example.skip:
         pytest.skip(example.skip)
-    if re.search(r"^\s*(import|from)\s+transformers\b", example.code, re.MULTILINE):
-        pytest.importorskip("transformers")
+    for optional in OPTIONAL_IMPORTS:
+        if re.search(rf"^\s*(import|from)\s+{optional}\b", example.code, re.MULTILINE):
+            pytest.importorskip(optional)
     for name in TORCHRUN_ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
