@@ -1,9 +1,14 @@
-"""Tiny transformers vision-language models and their batches, for the multi-process tests.
+"""Tiny transformers vision- and audio-language models and their batches, for the
+multi-process tests.
 
 Each :class:`HfVlm` builds a seeded fp32 model on the CPU from a small config (well
 under a second once transformers is imported) and makes deterministic batches with
-any number of images (and, for Qwen2-VL, videos). Tower paths are the discovered
-ones, so tests can freeze them.
+any number of images (for Qwen2-VL also videos, for Qwen2-Audio audio clips). Tower
+paths are the discovered ones, so tests can freeze them. The models cover different
+tower layouts: a CLIP tower and an MLP projector (LLaVA), a SigLIP tower and a linear
+projector (PaliGemma), a SigLIP-style tower and a pixel-shuffle connector (Idefics3), a
+tower with its merger inside (Qwen2-VL), cross-attention decoder layers (Mllama), and an
+audio tower (Qwen2-Audio).
 """
 
 from __future__ import annotations
@@ -214,10 +219,155 @@ def mllama_batch(seed: int = 0, *, images: int = 1, seq: int = 10) -> Batch:
     return batch
 
 
+# --- PaliGemma: SigLIP tower + linear projector, Gemma decoder --------------------------------
+PALIGEMMA_IMAGE = 3
+PALIGEMMA_PATCHES = 16  # (32 / 8) ** 2 tokens per image
+
+
+def build_paligemma() -> nn.Module:
+    t = _transformers()
+    config = t.PaliGemmaConfig(
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": 32,
+            "patch_size": 8,
+            "projection_dim": 32,
+        },
+        text_config={
+            "model_type": "gemma",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "vocab_size": 140,
+            "pad_token_id": 0,
+        },
+        image_token_index=PALIGEMMA_IMAGE,
+        projection_dim=32,
+        hidden_size=32,
+    )
+    torch.manual_seed(0)
+    model: nn.Module = t.PaliGemmaForConditionalGeneration(config)
+    return model
+
+
+def paligemma_batch(seed: int = 0, *, images: int = 1, seq: int = 40) -> Batch:
+    """2 samples; ``images`` images in all, in the leading positions (16 tokens each)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 140, (2, seq), generator=gen)
+    ids.view(-1)[: images * PALIGEMMA_PATCHES] = PALIGEMMA_IMAGE
+    batch: Batch = {
+        "input_ids": ids,
+        "labels": ids.masked_fill(ids == PALIGEMMA_IMAGE, -100),
+        "token_type_ids": torch.zeros_like(ids),
+    }
+    if images:
+        batch["pixel_values"] = torch.randn(images, 3, 32, 32, generator=gen)
+    return batch
+
+
+# --- Idefics3: vision transformer + pixel-shuffle connector, Llama decoder ---------------------
+IDEFICS_IMAGE = 3
+IDEFICS_TOKENS = 4  # 16 patches, pixel shuffle by 2 -> 4 tokens per image
+
+
+def build_idefics3() -> nn.Module:
+    t = _transformers()
+    config = t.Idefics3Config(
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": 32,
+            "patch_size": 8,
+        },
+        text_config={
+            "model_type": "llama",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "vocab_size": 140,
+            "pad_token_id": 0,
+        },
+        scale_factor=2,
+        image_token_id=IDEFICS_IMAGE,
+    )
+    torch.manual_seed(0)
+    model: nn.Module = t.Idefics3ForConditionalGeneration(config)
+    return model
+
+
+def idefics3_batch(seed: int = 0, *, images: int = 1, seq: int = 20) -> Batch:
+    """One sample with ``images`` images (4 tokens each)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 140, (1, seq), generator=gen)
+    ids[0, 1 : 1 + images * IDEFICS_TOKENS] = IDEFICS_IMAGE
+    batch: Batch = {"input_ids": ids, "labels": ids.masked_fill(ids == IDEFICS_IMAGE, -100)}
+    if images:
+        batch["pixel_values"] = torch.randn(1, images, 3, 32, 32, generator=gen)
+    return batch
+
+
+# --- Qwen2-Audio: a Whisper-style audio tower + linear projector, Qwen2 decoder ----------------
+AUDIO_TOKEN = 3
+AUDIO_FRAMES = 40  # mel frames per clip -> 10 audio tokens (conv stride 2, pooling 2)
+AUDIO_TOKENS = 10
+
+
+def build_qwen2_audio() -> nn.Module:
+    t = _transformers()
+    config = t.Qwen2AudioConfig(
+        audio_config={
+            "d_model": 32,
+            "encoder_layers": 2,
+            "encoder_attention_heads": 2,
+            "encoder_ffn_dim": 64,
+            "num_mel_bins": 16,
+            "max_source_positions": AUDIO_FRAMES // 2,
+        },
+        text_config={
+            "model_type": "qwen2",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "vocab_size": 140,
+        },
+        audio_token_index=AUDIO_TOKEN,
+    )
+    torch.manual_seed(0)
+    model: nn.Module = t.Qwen2AudioForConditionalGeneration(config)
+    return model
+
+
+def qwen2_audio_batch(seed: int = 0, *, images: int = 1, seq: int = 28) -> Batch:
+    """One sample with ``images`` audio clips (the loop cases count media as images)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 140, (1, seq), generator=gen)
+    ids[0, 1 : 1 + images * AUDIO_TOKENS] = AUDIO_TOKEN
+    batch: Batch = {"input_ids": ids, "labels": ids.masked_fill(ids == AUDIO_TOKEN, -100)}
+    if images:
+        batch["input_features"] = torch.randn(images, 16, AUDIO_FRAMES, generator=gen)
+        batch["feature_attention_mask"] = torch.ones(images, AUDIO_FRAMES, dtype=torch.long)
+    return batch
+
+
 HF_VLMS: dict[str, HfVlm] = {
     "llava": HfVlm("llava", "model.vision_tower", build_llava, llava_batch),
     "qwen2_vl": HfVlm("qwen2_vl", "model.visual", build_qwen2_vl, qwen2_vl_batch),
     "mllama": HfVlm("mllama", "model.vision_model", build_mllama, mllama_batch),
+    "paligemma": HfVlm("paligemma", "model.vision_tower", build_paligemma, paligemma_batch),
+    "idefics3": HfVlm("idefics3", "model.vision_model", build_idefics3, idefics3_batch),
+    "qwen2_audio": HfVlm("qwen2_audio", "model.audio_tower", build_qwen2_audio, qwen2_audio_batch),
 }
 
 

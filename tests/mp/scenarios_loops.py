@@ -70,6 +70,7 @@ def run_case(case: LoopCase, ctx: DistributedContext) -> dict[str, Any]:
         "errors": errors,
         "hooks": plan.hook_names(),
         "units": [u.label for u in plan.units],
+        "replicated": list(plan.replicated_param_names),
     }
     if not error:
         result.update(
