@@ -387,3 +387,26 @@ def test_the_root_is_never_a_bundle() -> None:
 def test_no_bundle_when_a_member_is_excluded() -> None:
     items = resolve_multimodal_modules(bundle_model(), exclude=["extra_embeddings.audio_embed"])
     assert [i.path for i in items] == ["extra_embeddings.image_embed"]
+
+
+# --- wrappers ------------------------------------------------------------------------------
+
+
+def test_forward_is_read_through_an_activation_checkpoint_wrapper() -> None:
+    """The wrapper's own forward takes ``*args``: the wrapped module's signature counts."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    root = Hub()
+    root.patch_embed = checkpoint_wrapper(PatchEmbed())
+    items = resolve_multimodal_modules(root)
+    assert [(i.path, i.rule) for i in items] == [("patch_embed", "forward:pixel_values")]
+    assert items[0].module is root.patch_embed  # the registered wrapper, not its inner module
+
+
+def test_wrapped_sequence_to_sequence_model_is_still_not_a_tower() -> None:
+    """Its decoder inputs are only visible on the wrapped module's forward."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    root = nn.Module()
+    root.model = checkpoint_wrapper(Seq2Seq())
+    assert found(root) == {}

@@ -43,6 +43,8 @@ from typing import Literal
 
 from torch import nn
 
+from fsdp_core.containers import unwrap_module
+
 __all__ = [
     "LANGUAGE_MODEL_NAMES",
     "MEDIA_FEATURE_INPUTS",
@@ -331,7 +333,7 @@ def _walk(
         if not path:
             closed[path] = False
             if structural:
-                _register_subconfigs(module, subconfigs)
+                _register_subconfigs(unwrap_module(module), subconfigs)
             continue
         parent_path, _, name = path.rpartition(".")
         if path in excluded:
@@ -350,7 +352,7 @@ def _walk(
             continue
         match = _match_name(path, module, parent, name, rules)
         if match is None and structural:
-            if _is_text_model(module, subconfigs):
+            if _is_text_model(unwrap_module(module), subconfigs):
                 logger.debug("language model by its config: %s", path)
                 closed[path] = True
                 continue
@@ -363,7 +365,7 @@ def _walk(
         # Entering a language model: its descendants are never candidates.
         closed[path] = name in LANGUAGE_MODEL_NAMES
         if structural and not closed[path]:
-            _register_subconfigs(module, subconfigs)
+            _register_subconfigs(unwrap_module(module), subconfigs)
     if structural:
         found = _absorb_bundles(model, found)
     return found
@@ -532,8 +534,10 @@ def _match_structure(
        output, and no text.
 
     None of them matches a module whose forward takes text or cross-attends, since a tower
-    encodes media alone.
+    encodes media alone. Activation-checkpoint and compile wrappers are looked through;
+    the wrapper itself is reported, being what is registered in the tree.
     """
+    reported, module, parent = module, unwrap_module(module), unwrap_module(parent)
     arguments = _forward_arguments(module)
     if _takes_text(arguments):
         return None
@@ -541,7 +545,7 @@ def _match_structure(
     if attr is not None:
         modality = _config_modality(module, attr)
         if modality != "unknown":
-            return MultimodalModule(path, module, "tower", modality, f"config:{attr}_config")
+            return MultimodalModule(path, reported, "tower", modality, f"config:{attr}_config")
     main_input = getattr(module, "main_input_name", None)
     if (
         isinstance(main_input, str)
@@ -549,17 +553,17 @@ def _match_structure(
         and _model_config(module) is not None
     ):
         modality = MEDIA_INPUTS[main_input]
-        return MultimodalModule(path, module, "tower", modality, f"main_input:{main_input}")
+        return MultimodalModule(path, reported, "tower", modality, f"main_input:{main_input}")
     if not _is_media_entry(parent) or not _has_parameters(module):
         return None
     media = _first_media(arguments, MEDIA_INPUTS)
     if media is not None:
         role: Role = "tower" if _has_layer_container(module) else "projector"
-        return MultimodalModule(path, module, role, MEDIA_INPUTS[media], f"forward:{media}")
+        return MultimodalModule(path, reported, role, MEDIA_INPUTS[media], f"forward:{media}")
     feature = _first_media(arguments, MEDIA_FEATURE_INPUTS)
     if feature is not None:
         modality = MEDIA_FEATURE_INPUTS[feature]
-        return MultimodalModule(path, module, "projector", modality, f"features:{feature}")
+        return MultimodalModule(path, reported, "projector", modality, f"features:{feature}")
     return None
 
 
