@@ -97,6 +97,33 @@ def test_unguarded_and_reshard_options(capsys: pytest.CaptureFixture[str]) -> No
     assert "blocks" in out
 
 
+def test_memory_figures_are_marked_predicted(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--model", "deepseek-v41-tiny", "--world-size", "4", "--freeze", "vision"]
+    out = run(capsys, *base)
+    assert "gradients (predicted)" in out
+    assert "optimizer (predicted)" in out
+    assert "(adamw)" in out
+    assert "peak total (predicted)" in out
+    assert "(without activations)" in out
+    assert "note: memory figures are predicted from the plan; nothing here is measured" in out
+    adamw = json.loads(run(capsys, *base, "--json"))["memory"]
+    assert adamw["source"] == "predicted"
+    assert adamw["peak_includes_activations"] is False
+    assert adamw["gradient_bytes"] > 0
+    # Two states per trainable shard plus a 4-byte step per trainable parameter tensor.
+    steps = adamw["optimizer_bytes"] - 2 * adamw["gradient_bytes"]
+    assert 0 < steps < 1000
+    assert steps % 4 == 0
+    sgd = json.loads(run(capsys, *base, "--json", "--optimizer", "sgd"))["memory"]
+    assert sgd["optimizer_bytes"] == 0
+    assert sgd["peak_bytes"] < adamw["peak_bytes"]
+    given = json.loads(run(capsys, *base, "--json", "--activations", "1MiB"))["memory"]
+    assert given["activation_bytes"] == 2**20
+    assert given["peak_includes_activations"] is True
+    assert given["peak_bytes"] >= adamw["peak_bytes"] + 2**20
+    assert "(without activations)" not in run(capsys, *base, "--activations", "1.5GB")
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -108,6 +135,9 @@ def test_unguarded_and_reshard_options(capsys: pytest.CaptureFixture[str]) -> No
         (["--reshard-after-forward", "maybe"], "invalid reshard setting 'maybe'"),
         (["--world-size", "8", "--reshard-after-forward", "3"], "positive divisor"),
         (["--freeze", "audio"], "--freeze audio: no such module"),
+        (["--optimizer", "lion"], "invalid choice: 'lion'"),
+        (["--activations", "lots"], "invalid size 'lots'"),
+        (["--activations", "3 parsecs"], "units: b, kb"),
     ],
 )
 def test_bad_arguments_fail_with_a_message(

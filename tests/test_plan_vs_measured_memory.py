@@ -37,6 +37,7 @@ from multimodal_fsdp.memory import (
     OPTIMIZER_STATES,
     estimate_memory,
     optimizer_state_bytes,
+    parse_size,
     trace_activations,
 )
 
@@ -250,3 +251,17 @@ def test_bad_arguments_are_named() -> None:
     costs = inspect_model(model, world_size=WORLD, parallelizer=PARALLELIZER)
     with pytest.raises(ValueError, match="activations must be"):
         estimate_memory(costs, plan, model, activations=-1)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("40GiB", 40 * 2**30), ("1.5 GB", 1_500_000_000), ("512mib", 2**29), ("1000", 1000)],
+)
+def test_sizes_parse(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "-1GiB", "4 furlongs", "1e9"])
+def test_bad_sizes_name_the_units(text: str) -> None:
+    with pytest.raises(ValueError, match=r"invalid size .*units: b, kb"):
+        parse_size(text)

@@ -28,6 +28,7 @@ from torch import nn
 
 from fsdp_core import DTYPE_ALIASES, parse_dtype, resolve_mesh_shape
 from multimodal_fsdp.costs import PlanCosts, inspect_model
+from multimodal_fsdp.memory import OPTIMIZER_STATES, parse_size
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 from multimodal_fsdp.policy import VALID_FROZEN_MULTIMODAL_SHARDING
 
@@ -69,6 +70,13 @@ def _positive_int(value: str) -> int:
     if number < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
     return number
+
+
+def _size(value: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _reshard(value: str) -> bool | int | None:
@@ -169,6 +177,23 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="list identical numbered layers one by one",
     )
+    plan.add_argument(
+        "--optimizer",
+        choices=tuple(OPTIMIZER_STATES),
+        default="adamw",
+        help="optimizer whose state the memory estimate counts (default adamw)",
+    )
+    plan.add_argument(
+        "--activations",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help=(
+            "activation bytes per rank to add to the predicted peak, e.g. 12GiB "
+            "(trace them with multimodal_fsdp.memory.trace_activations; default: "
+            "the peak leaves activations out and says so)"
+        ),
+    )
     plan.add_argument("--json", action="store_true", help="print JSON instead of the tree")
     return parser
 
@@ -267,6 +292,16 @@ def freeze(model: nn.Module, parallelizer: MultimodalParallelizer, what: str) ->
 
 
 # --------------------------------------------------------------------------- main
+def _with_activations(costs: PlanCosts, activations: int | None) -> PlanCosts:
+    """``costs`` with ``--activations`` (end of forward and backward alike) in its memory."""
+    if activations is None or costs.memory is None:
+        return costs
+    memory = dataclasses.replace(
+        costs.memory, activation_bytes=activations, backward_activation_bytes=activations
+    )
+    return dataclasses.replace(costs, memory=memory)
+
+
 def _plan(args: argparse.Namespace) -> PlanCosts:
     try:
         mesh = resolve_mesh_shape(world_size=args.world_size, dp_replicate=args.dp_replicate)
@@ -284,10 +319,13 @@ def _plan(args: argparse.Namespace) -> PlanCosts:
             parallelizer=parallelizer,
             reshard_after_forward=args.reshard_after_forward,
             prefetch_guard=not args.no_prefetch_guard,
+            optimizer=args.optimizer,
         )
     except ValueError as error:
         raise CliError(str(error)) from None
+    costs = _with_activations(costs, args.activations)
     notes = list(costs.notes)
+    notes.append("memory figures are predicted from the plan; nothing here is measured")
     if frozen:
         notes.insert(0, f"frozen: {', '.join(frozen)}")
     else:

@@ -36,6 +36,7 @@ import copy
 import dataclasses
 import logging
 import math
+import re
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ __all__ = [
     "estimate_memory",
     "gradient_bytes",
     "optimizer_state_bytes",
+    "parse_size",
     "trace_activations",
     "with_memory",
 ]
@@ -87,6 +89,34 @@ def check_optimizer(name: str) -> str:
             f"unknown optimizer {name!r}; valid choices: {', '.join(OPTIMIZER_STATES)}"
         )
     return name
+
+
+_SIZE_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``"40GiB"``, ``"1.5 GB"``, ``"512MiB"`` or ``"1000"`` (binary and
+    decimal units, case-insensitive)."""
+    match = _SIZE.match(text) if isinstance(text, str) else None
+    unit = match.group("unit").lower() if match else ""
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(
+            f"invalid size {text!r}; write a number and a unit, e.g. 40GiB or 1.5GB "
+            f"(units: {', '.join(u for u in _SIZE_UNITS if u)})"
+        )
+    return int(float(match.group("number")) * _SIZE_UNITS[unit])
 
 
 # --------------------------------------------------------------------------- result
@@ -140,12 +170,12 @@ class MemoryEstimate:
         )
         peak = format_bytes(self.peak_bytes)
         if self.activation_bytes is None:
-            peak += " without activations"
+            peak += " (without activations)"
         return [
             f"  gradients (predicted)     {format_bytes(self.gradient_bytes)}",
             f"  optimizer (predicted)     {format_bytes(self.optimizer_bytes)} ({self.optimizer})",
             f"  activations (predicted)   {act}",
-            f"  peak total (predicted)    {peak} per rank",
+            f"  peak total (predicted)    {peak}",
         ]
 
     def as_dict(self) -> dict[str, Any]:
