@@ -935,3 +935,69 @@ def test_qwen2_vl_with_a_trainable_merger_plans(policy: str, tower_units: list[s
     # The trainable merger is no unit of its own under any policy, nor ignored: the root
     # unit owns it.
     assert not any(name.startswith("model.visual.merger.") for name in plan.ignored_param_names)
+
+
+# --- partly trainable towers: adapters (LoRA-style) and trainable blocks -------------------
+
+
+class LoraLinear(nn.Module):
+    """A frozen Linear with one trainable low-rank adapter, laid out as PEFT's LoRA layers."""
+
+    def __init__(self, base: nn.Linear) -> None:
+        super().__init__()
+        self.base_layer = base.requires_grad_(False)
+        self.lora_A = nn.ModuleDict({"default": nn.Linear(DIM, 2, bias=False)})
+        self.lora_B = nn.ModuleDict({"default": nn.Linear(2, DIM, bias=False)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + self.lora_B["default"](self.lora_A["default"](x))
+
+
+def lora_vlm(*, tower: bool) -> Vlm:
+    """Every base weight frozen; an adapter on each decoder layer's (and block's) ``fc``."""
+    model = Vlm().requires_grad_(False)
+    blocks = [*model.language_model.layers, *(model.vision_tower.blocks if tower else [])]
+    for block in blocks:
+        block.fc = LoraLinear(block.fc)
+    return model
+
+
+@pytest.mark.parametrize("tower", [False, True])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_adapters_keep_the_units_of_the_frozen_model(policy: str, tower: bool) -> None:
+    model = lora_vlm(tower=tower)
+    plan = MultimodalParallelizer(frozen_multimodal_sharding=policy).plan(model)
+    frozen = MultimodalParallelizer(frozen_multimodal_sharding=policy).plan(
+        Vlm().requires_grad_(False)
+    )
+    assert unit_paths(plan) == unit_paths(frozen)
+    tower_units = [*TOWER_BLOCKS, "multi_modal_projector"] if policy == "per_layer" else []
+    assert unit_paths(plan) == [*TEXT_UNITS, *tower_units, ""]
+    adapters = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert not adapters & set(plan.ignored_param_names)
+    if policy == "replicate":
+        expected = {n for n, p in model.vision_tower.named_parameters(prefix="vision_tower")}
+        assert set(plan.replicated_param_names) >= expected - adapters
+    assert ("schedule_check" in plan.hook_names()) == (policy == "per_layer")
+
+
+def test_a_fully_trainable_block_in_a_frozen_tower_is_a_unit_under_every_policy() -> None:
+    for policy in POLICIES:
+        model = lora_vlm(tower=True)
+        model.vision_tower.blocks[2].requires_grad_(True)
+        plan = MultimodalParallelizer(frozen_multimodal_sharding=policy).plan(model)
+        tower_units = [p for p in unit_paths(plan) if p.startswith("vision_tower.")]
+        expected = TOWER_BLOCKS if policy == "per_layer" else TOWER_BLOCKS[2:]
+        assert tower_units == expected, policy
+        assert "layers: 2 adapted, 1 trainable;" in plan.notes[0], plan.notes
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_apply_with_adapters_trains_only_the_adapters(policy: str, mesh2: DeviceMesh) -> None:
+    model = apply(policy, lora_vlm(tower=True), mesh2)
+    assert all(isinstance(b, FSDPModule) for b in model.vision_tower.blocks) == (
+        policy == "per_layer"
+    )
+    step(model)
+    for name, param in model.named_parameters():
+        assert (param.grad is not None) == (".lora_" in name), name
