@@ -421,7 +421,7 @@ def _check_policy_and_media(policy: FrozenMultimodalSharding, uneven_media: bool
         )
 
 
-LayerKind = Literal["frozen", "adapted", "trainable", "empty"]
+_LayerKind = Literal["frozen", "adapted", "trainable", "empty"]
 
 #: What each policy does with the layers of a partly trainable module, for plan notes.
 _PARTLY_TRAINABLE_RULE: dict[str, str] = {
@@ -433,7 +433,7 @@ _PARTLY_TRAINABLE_RULE: dict[str, str] = {
 }
 
 
-def _layer_kind(module: nn.Module) -> LayerKind:
+def _layer_kind(module: nn.Module) -> _LayerKind:
     flags = {p.requires_grad for p in module.parameters()}
     if not flags:
         return "empty"
@@ -442,7 +442,7 @@ def _layer_kind(module: nn.Module) -> LayerKind:
     return "trainable" if flags == {True} else "adapted"
 
 
-def _classify_layers(part: MultimodalParts) -> list[tuple[str, LayerKind]]:
+def _classify_layers(part: MultimodalParts) -> list[tuple[str, _LayerKind]]:
     """The layers of ``part`` (its layer-container items, or itself without any), each
     fully frozen, fully trainable, or *adapted* (frozen weights with trainable ones)."""
     found = part.found
