@@ -423,8 +423,9 @@ EXPECTED: dict[str, tuple[str, dict[str, str]]] = {
             "model.encoder.multi_modal_projector": "projector/vision",
         },
     ),
-    # Image patches projected straight into the text encoder, like Fuyu.
-    "udop": ("UdopForConditionalGeneration", {"patch_embed": "projector/vision"}),
+    # Single-stream: image patches are embedded by the text encoder itself (the root's
+    # patch_embed is tied to it), so there is no separate tower.
+    "udop": ("UdopForConditionalGeneration", {}),
     "ultravbert": (
         "UltraVBertForMaskedLM",
         {"model.vision_model": "tower/vision", "model.connector": "projector/vision"},
@@ -462,8 +463,8 @@ EXPECTED: dict[str, tuple[str, dict[str, str]]] = {
             "model.multi_modal_projector": "projector/unknown",
         },
     ),
-    # Single-stream: the patch embedding is the only vision-specific module.
-    "vilt": ("ViltForQuestionAnswering", {"vilt.embeddings.patch_embeddings": "projector/vision"}),
+    # Single-stream: the patch embedding is part of the text model's embedding layer.
+    "vilt": ("ViltForQuestionAnswering", {}),
     "vipllava": (
         "VipLlavaForConditionalGeneration",
         {"model.vision_tower": "tower/vision", "model.multi_modal_projector": "projector/vision"},

@@ -225,14 +225,37 @@ def test_nothing_is_found_inside_a_model_built_from_the_text_config() -> None:
 # --- forward signatures --------------------------------------------------------------------
 
 
-def test_media_forward_child_of_the_media_entry_is_a_projector_or_tower() -> None:
+def test_media_encoder_child_of_the_media_entry_is_a_tower() -> None:
+    root = Hub()
+    root.image_encoder_like = StackedPatchEncoder()
+    assert found(root) == {"image_encoder_like": "tower/vision/forward:pixel_values"}
+
+
+def test_bare_patch_projection_at_the_media_entry_is_not_reported() -> None:
+    """Without layers of its own it embeds patches for a single-stream text model."""
     root = Hub()
     root.patch_embed = PatchEmbed()
+    assert found(root) == {}
+
+
+def test_structural_match_sharing_a_parameter_outside_itself_is_dropped() -> None:
+    """Tied weights: the encoder's projection is also registered in the text model."""
+    root = Hub()
     root.image_encoder_like = StackedPatchEncoder()
-    assert found(root) == {
-        "patch_embed": "projector/vision/forward:pixel_values",
-        "image_encoder_like": "tower/vision/forward:pixel_values",
-    }
+    root.text = nn.Module()
+    root.text.proj = nn.Linear(2, 2)
+    root.text.proj.weight = root.image_encoder_like.proj.weight
+    assert found(root) == {}
+    del root.text
+    assert list(found(root)) == ["image_encoder_like"]
+
+
+def test_parameter_registered_twice_inside_the_match_is_not_sharing() -> None:
+    root = Hub()
+    root.image_encoder_like = StackedPatchEncoder()
+    encoder = root.image_encoder_like
+    encoder.blocks[0].weight = encoder.proj.weight
+    assert list(found(root)) == ["image_encoder_like"]
 
 
 def test_tower_output_consumer_is_a_projector() -> None:
@@ -243,7 +266,7 @@ def test_tower_output_consumer_is_a_projector() -> None:
 
 def test_forward_rule_needs_a_parent_where_media_meets_text() -> None:
     root = nn.Module()  # forward takes nothing known
-    root.patch_embed = PatchEmbed()
+    root.encoder_like = StackedPatchEncoder()
     root.adapter = FeatureProjector()
     assert found(root) == {}
 
@@ -251,13 +274,18 @@ def test_forward_rule_needs_a_parent_where_media_meets_text() -> None:
 def test_forward_rule_skips_the_inside_of_a_text_stack() -> None:
     """A module owning its layer list and taking text and pixels is a text stack."""
     root = Hub()
+    root.encoder_like = StackedPatchEncoder()
+    assert list(found(root)) == ["encoder_like"]
     root.layers = nn.ModuleList([nn.Linear(2, 2)])
-    root.patch_embed = PatchEmbed()
     assert found(root) == {}
 
 
 def test_forward_rule_needs_parameters() -> None:
     class Parameterless(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stages = nn.ModuleList([nn.Identity()])
+
         def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
             return pixel_values
 
@@ -273,7 +301,7 @@ def test_structural_matches_never_come_from_numbered_layers() -> None:
     root = Hub()
     root.blocks = nn.ModuleList([nn.Module()])
     root.blocks[0].encoder = PixelEncoder()
-    root.blocks[0].patch_embed = PatchEmbed()
+    root.blocks[0].encoder_like = StackedPatchEncoder()
     assert found(root) == {}
 
 
@@ -397,10 +425,10 @@ def test_forward_is_read_through_an_activation_checkpoint_wrapper() -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     root = Hub()
-    root.patch_embed = checkpoint_wrapper(PatchEmbed())
+    root.encoder = checkpoint_wrapper(StackedPatchEncoder())
     items = resolve_multimodal_modules(root)
-    assert [(i.path, i.rule) for i in items] == [("patch_embed", "forward:pixel_values")]
-    assert items[0].module is root.patch_embed  # the registered wrapper, not its inner module
+    assert [(i.path, i.rule) for i in items] == [("encoder", "forward:pixel_values")]
+    assert items[0].module is root.encoder  # the registered wrapper, not its inner module
 
 
 def test_wrapped_sequence_to_sequence_model_is_still_not_a_tower() -> None:

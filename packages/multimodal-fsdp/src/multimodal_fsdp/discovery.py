@@ -10,9 +10,10 @@ last component of its qualified name) is a known tower or projector name. Where 
 *structural* rules match what transformers models expose, without naming any model: a
 model built from an enclosing model's media sub-config (``vision_config``, ``audio_config``,
 an ``encoder`` config of a vision or audio type), a model whose ``main_input_name`` is a
-media input, a child taking media (or a tower's output) and no text right where media meets
-text, and a module holding nothing but two or more towers. Each result records the rule
-that matched. Three rules decide which matches are reported:
+media input, a child encoder taking media (or a projector taking a tower's output) and no
+text right where media meets text, and a module holding nothing but two or more towers.
+A structural match that shares (ties) a parameter with the rest of the model is dropped.
+Each result records the rule that matched. Three rules decide which matches are reported:
 
 * **Maximality** -- the walk is ``model.named_modules()`` in pre-order, and a match hides its
   whole subtree, so ``model.vision_tower`` is reported but ``model.vision_tower.vision_model``
@@ -327,6 +328,7 @@ def _walk(
     closed: dict[str, bool] = {}
     modules: dict[str, nn.Module] = {}
     subconfigs: dict[int, tuple[str, object]] = {}
+    uses: dict[int, int] = {}  # parameter id -> registrations in the model, filled on demand
     found: list[MultimodalModule] = []
     for path, module in model.named_modules():
         modules[path] = module
@@ -357,6 +359,9 @@ def _walk(
                 closed[path] = True
                 continue
             match = _match_structure(path, module, parent, subconfigs)
+            if match is not None and _shares_parameters(model, path, module, uses):
+                logger.debug("not a tower, shares parameters outside itself: %s", path)
+                match = None
         if match is not None:
             closed[path] = True
             logger.debug("found %s %s (%s, %s)", match.role, path, match.modality, match.rule)
@@ -530,8 +535,9 @@ def _match_structure(
        (``vision_config``, ``audio_config``, an ``encoder`` config of a vision/audio type).
     2. ``main_input:<name>`` -- a model whose ``main_input_name`` is a media input.
     3. ``forward:<arg>`` / ``features:<arg>`` -- a child of the module where media meets
-       text (its parent's forward takes both) whose own forward takes media, or a tower's
-       output, and no text.
+       text (its parent's forward takes both) whose own forward takes no text and either
+       media, when it has a layer stack of its own (a tower), or a tower's output (a
+       projector).
 
     None of them matches a module whose forward takes text or cross-attends, since a tower
     encodes media alone. Activation-checkpoint and compile wrappers are looked through;
@@ -558,13 +564,38 @@ def _match_structure(
         return None
     media = _first_media(arguments, MEDIA_INPUTS)
     if media is not None:
-        role: Role = "tower" if _has_layer_container(module) else "projector"
-        return MultimodalModule(path, reported, role, MEDIA_INPUTS[media], f"forward:{media}")
+        # Only an encoder with layers of its own: a bare patch projection at the media entry
+        # belongs to the single-stream text model that embeds the patches.
+        if not _has_layer_container(module):
+            return None
+        return MultimodalModule(path, reported, "tower", MEDIA_INPUTS[media], f"forward:{media}")
     feature = _first_media(arguments, MEDIA_FEATURE_INPUTS)
     if feature is not None:
         modality = MEDIA_FEATURE_INPUTS[feature]
         return MultimodalModule(path, reported, "projector", modality, f"features:{feature}")
     return None
+
+
+def _shares_parameters(
+    model: nn.Module, path: str, module: nn.Module, uses: dict[int, int]
+) -> bool:
+    """Whether a parameter of ``module`` is also registered outside it (tied weights).
+
+    A structural match must be separable from the rest of the model: a patch embedding
+    whose weights are tied to one inside the text encoder is not a tower of its own, and
+    giving it an FSDP unit would split a tied parameter across units. ``uses`` counts the
+    registrations of each parameter in ``model``, filled on the first call.
+    """
+    if not uses:
+        for _, param in model.named_parameters(remove_duplicate=False):
+            uses[id(param)] = uses.get(id(param), 0) + 1
+    inside: dict[int, int] = {}
+    for _, param in module.named_parameters(remove_duplicate=False):
+        inside[id(param)] = inside.get(id(param), 0) + 1
+    shared = [key for key, count in inside.items() if uses.get(key, 0) > count]
+    if shared:
+        logger.debug("%s shares %d parameter(s) with the rest of the model", path, len(shared))
+    return bool(shared)
 
 
 def _is_media_entry(module: nn.Module) -> bool:
