@@ -124,6 +124,37 @@ def test_memory_figures_are_marked_predicted(capsys: pytest.CaptureFixture[str])
     assert "(without activations)" not in run(capsys, *base, "--activations", "1.5GB")
 
 
+def _budget_run(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    base = ["--model", "deepseek-v41-tiny", "--world-size", "4", "--freeze", "vision"]
+    data: dict[str, Any] = json.loads(run(capsys, *base, "--json", *argv))
+    return data
+
+
+def test_memory_budget_chooses_the_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    everything = _budget_run(capsys, "--memory-budget", "1GiB")
+    peaks = {c["policy"]: c["peak_bytes"] for c in everything["policy_choice"]["candidates"]}
+    assert everything["policy"] == everything["policy_choice"]["policy"] == "replicate"
+    tight = _budget_run(capsys, "--memory-budget", str(peaks["replicate"] - 1))
+    assert tight["policy"] == "per_layer"
+    assert tight["memory"]["peak_bytes"] == peaks["per_layer"] <= peaks["replicate"] - 1
+    assert any("policy 'per_layer' chosen" in note for note in tight["notes"])
+    text = run(
+        capsys,
+        *["--model", "deepseek-v41-tiny", "--world-size", "4", "--freeze", "vision"],
+        *["--memory-budget", f"{peaks['replicate']}"],
+    )
+    assert "frozen-tower policy replicate" in text
+    assert "note: policy 'root' not chosen" in text
+
+
+def test_memory_budget_that_nothing_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    err = fail(
+        capsys, "--model", "deepseek-v41-tiny", "--freeze", "vision", "--memory-budget", "1KiB"
+    )
+    assert "no frozen-tower policy fits a per-rank budget of 1.0 KiB" in err
+    assert "with policy 'per_layer'" in err
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -138,6 +169,8 @@ def test_memory_figures_are_marked_predicted(capsys: pytest.CaptureFixture[str])
         (["--optimizer", "lion"], "invalid choice: 'lion'"),
         (["--activations", "lots"], "invalid size 'lots'"),
         (["--activations", "3 parsecs"], "units: b, kb"),
+        (["--memory-budget", "big"], "invalid size 'big'"),
+        (["--memory-budget", "1GiB", "--policy", "root"], "not both"),
     ],
 )
 def test_bad_arguments_fail_with_a_message(

@@ -16,6 +16,7 @@ docs/memory.md explains each remaining difference.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from torch import nn
 from fsdp_core import mixed_precision_policy
 from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
 from multimodal_fsdp import MultimodalParallelizer
+from multimodal_fsdp.choose import MemoryBudgetError, PolicyChoice, choose_frozen_policy
 from multimodal_fsdp.costs import inspect_model
 from multimodal_fsdp.measure_memory import (
     MemoryMeasurement,
@@ -265,3 +267,104 @@ def test_sizes_parse(text: str, expected: int) -> None:
 def test_bad_sizes_name_the_units(text: str) -> None:
     with pytest.raises(ValueError, match=r"invalid size .*units: b, kb"):
         parse_size(text)
+
+
+# --- choosing the policy from a budget ----------------------------------------------------------
+
+
+def _meta_deepseek() -> nn.Module:
+    model = build_deepseek_v41(DS_CONFIG, dtype=torch.bfloat16, device="meta")
+    model.vision.requires_grad_(False)
+    return model
+
+
+def _choose(budget: int | str, **kwargs: Any) -> PolicyChoice:
+    return choose_frozen_policy(
+        _meta_deepseek(), budget, world_size=WORLD, parallelizer=PARALLELIZER, **kwargs
+    )
+
+
+@pytest.fixture(scope="module")
+def peaks() -> dict[str, int]:
+    """Predicted per-rank peaks (no batch) of every policy, from a choice that fits all."""
+    choice = _choose("1GiB")
+    return {c.policy: c.peak_bytes for c in choice.candidates}
+
+
+def test_candidates_order_memory_and_communication(peaks: dict[str, int]) -> None:
+    choice = _choose("1GiB")
+    comm = {c.policy: (c.comm_bytes, c.comm_count) for c in choice.candidates}
+    assert peaks["per_layer"] < peaks["replicate"] < peaks["root"]
+    assert comm["replicate"] < comm["root"] < comm["per_layer"]
+    assert choice.policy == "replicate"
+    assert all(c.fits for c in choice.candidates)
+
+
+def test_budget_forces_replicate(peaks: dict[str, int]) -> None:
+    choice = _choose(peaks["replicate"])
+    assert choice.policy == "replicate"
+    assert choice.costs.policy == "replicate"
+    assert choice.costs.memory is not None
+    assert choice.costs.memory.peak_bytes == peaks["replicate"]
+    assert "least communication among the policies that fit" in choice.notes[0]
+    assert choice.costs.notes[: len(choice.notes)] == choice.notes
+
+
+def test_budget_forces_per_layer(peaks: dict[str, int]) -> None:
+    choice = _choose(peaks["replicate"] - 1)
+    assert choice.policy == "per_layer"
+    notes = "\n".join(choice.notes)
+    assert "policy 'replicate' not chosen: needs" in notes
+    assert "over the budget" in notes
+    assert [c.fits for c in choice.candidates] == [False, True, False]
+
+
+def test_budget_forces_root_when_replicate_is_left_out(peaks: dict[str, int]) -> None:
+    # root never beats replicate (more memory and more communication), so it is the
+    # choice only among sharded policies.
+    choice = _choose(peaks["root"], policies=("root", "per_layer"))
+    assert choice.policy == "root"
+    assert "policy 'per_layer' not chosen: fits" in "\n".join(choice.notes)
+    assert _choose(peaks["root"] - 1, policies=("per_layer", "root")).policy == "per_layer"
+    for budget in (peaks["per_layer"], peaks["replicate"], peaks["root"], 2 * peaks["root"]):
+        assert _choose(budget).policy != "root"
+
+
+def test_nothing_fits_names_the_smallest_peak(peaks: dict[str, int]) -> None:
+    with pytest.raises(MemoryBudgetError) as info:
+        _choose(peaks["per_layer"] - 1)
+    error = info.value
+    assert error.policy == "per_layer"
+    assert error.smallest_peak_bytes == peaks["per_layer"]
+    assert f"({peaks['per_layer']} B) with policy 'per_layer'" in str(error)
+    assert "activations not included" in str(error)
+    assert isinstance(error, ValueError)
+
+
+def test_chosen_policy_fits_when_measured() -> None:
+    traced = _choose("1GiB", loss_fn=_ds_loss)
+    with_batch = {c.policy: c.peak_bytes for c in traced.candidates}
+    budget = with_batch["per_layer"]
+    choice = _choose(budget, loss_fn=_ds_loss)
+    assert choice.policy == "per_layer"
+    assert "no batch" not in "\n".join(choice.notes)
+    measured = _measure("deepseek", choice.policy).measured
+    assert measured.peak_bytes <= budget
+    with pytest.raises(MemoryBudgetError) as info:
+        _choose(budget - 1, loss_fn=_ds_loss)
+    assert "activations not included" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"budget": 0}, "budget must be a positive number"),
+        ({"budget": "lots"}, "invalid size 'lots'"),
+        ({"budget": "1GiB", "policies": ()}, "policies must be a non-empty sequence"),
+        ({"budget": "1GiB", "policies": ("root", "sideways")}, "unknown frozen multimodal"),
+        ({"budget": "1GiB", "loss_fn": _ds_loss, "activations": 10}, "not both"),
+    ],
+)
+def test_bad_choices_are_named(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _choose(**kwargs)

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_core import DTYPE_ALIASES, parse_dtype, resolve_mesh_shape
+from fsdp_core import DTYPE_ALIASES, MeshShape, parse_dtype, resolve_mesh_shape
+from multimodal_fsdp.choose import PolicyChoice, choose_frozen_policy
 from multimodal_fsdp.costs import PlanCosts, inspect_model
 from multimodal_fsdp.memory import OPTIMIZER_STATES, parse_size
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
@@ -151,8 +152,18 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--policy",
         choices=VALID_FROZEN_MULTIMODAL_SHARDING,
-        default="root",
-        help="frozen-tower policy (default root)",
+        default=None,
+        help="frozen-tower policy (default root, or the one --memory-budget chooses)",
+    )
+    plan.add_argument(
+        "--memory-budget",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help=(
+            "per-rank memory budget, e.g. 40GiB: choose the frozen-tower policy with the "
+            "least communication whose predicted peak fits (instead of --policy)"
+        ),
     )
     plan.add_argument(
         "--freeze",
@@ -296,41 +307,54 @@ def _with_activations(costs: PlanCosts, activations: int | None) -> PlanCosts:
     """``costs`` with ``--activations`` (end of forward and backward alike) in its memory."""
     if activations is None or costs.memory is None:
         return costs
-    memory = dataclasses.replace(
-        costs.memory, activation_bytes=activations, backward_activation_bytes=activations
-    )
-    return dataclasses.replace(costs, memory=memory)
+    return dataclasses.replace(costs, memory=costs.memory.with_activations(activations))
 
 
-def _plan(args: argparse.Namespace) -> PlanCosts:
+def _costs(
+    args: argparse.Namespace,
+    model: nn.Module,
+    parallelizer: MultimodalParallelizer,
+    mesh: MeshShape,
+) -> tuple[PlanCosts, PolicyChoice | None]:
+    """The plan of ``--policy``, or of the policy chosen for ``--memory-budget``."""
+    options: dict[str, Any] = {
+        "mesh": mesh,
+        "precision": args.precision,
+        "reduce_precision": args.reduce_precision,
+        "parallelizer": parallelizer,
+        "reshard_after_forward": args.reshard_after_forward,
+        "prefetch_guard": not args.no_prefetch_guard,
+        "optimizer": args.optimizer,
+    }
+    try:
+        if args.memory_budget is not None:
+            if args.policy is not None:
+                raise CliError("give --policy or --memory-budget (which chooses it), not both")
+            choice = choose_frozen_policy(
+                model, args.memory_budget, activations=args.activations, **options
+            )
+            return choice.costs, choice
+        costs = inspect_model(model, policy=args.policy or "root", **options)
+    except ValueError as error:
+        raise CliError(str(error)) from None
+    return _with_activations(costs, args.activations), None
+
+
+def _plan(args: argparse.Namespace) -> tuple[PlanCosts, PolicyChoice | None]:
     try:
         mesh = resolve_mesh_shape(world_size=args.world_size, dp_replicate=args.dp_replicate)
     except ValueError as error:
         raise CliError(str(error)) from None
     model, parallelizer = build_model(args.model, parse_dtype(args.storage_dtype))
     frozen = freeze(model, parallelizer, args.freeze)
-    try:
-        costs = inspect_model(
-            model,
-            mesh=mesh,
-            precision=args.precision,
-            reduce_precision=args.reduce_precision,
-            policy=args.policy,
-            parallelizer=parallelizer,
-            reshard_after_forward=args.reshard_after_forward,
-            prefetch_guard=not args.no_prefetch_guard,
-            optimizer=args.optimizer,
-        )
-    except ValueError as error:
-        raise CliError(str(error)) from None
-    costs = _with_activations(costs, args.activations)
+    costs, choice = _costs(args, model, parallelizer, mesh)
     notes = list(costs.notes)
     notes.append("memory figures are predicted from the plan; nothing here is measured")
     if frozen:
         notes.insert(0, f"frozen: {', '.join(frozen)}")
     else:
         notes.insert(0, "nothing frozen: the frozen-tower policy changes nothing (see --freeze)")
-    return dataclasses.replace(costs, notes=tuple(notes))
+    return dataclasses.replace(costs, notes=tuple(notes)), choice
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -338,11 +362,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        costs = _plan(args)
+        costs, choice = _plan(args)
     except CliError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     if args.json:
-        print(json.dumps(costs.as_dict(), indent=2))
+        data = costs.as_dict()
+        if choice is not None:
+            data["policy_choice"] = choice.as_dict()
+        print(json.dumps(data, indent=2))
     else:
         print(costs.format(collapse=not args.no_collapse))
     return 0

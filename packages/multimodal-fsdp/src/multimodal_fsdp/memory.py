@@ -161,6 +161,11 @@ class MemoryEstimate:
         """The predicted per-rank peak of the step (activations only if estimated)."""
         return max(self.peak_forward_bytes, self.peak_backward_bytes)
 
+    def with_activations(self, activations: ActivationTrace | int | None) -> MemoryEstimate:
+        """The same estimate with other activations (a trace, a number of bytes or none)."""
+        saved, working = _activation_figures(activations)
+        return dataclasses.replace(self, activation_bytes=saved, backward_activation_bytes=working)
+
     def format_lines(self) -> list[str]:
         """Lines for the plan's totals, each marked as predicted."""
         act = (
