@@ -28,6 +28,8 @@ TEST_DEPS = ("pytest>=8", "numpy")
 #: Optional extras a package's own tests exercise (installed with the package).
 TEST_EXTRAS: dict[str, str] = {"fsdp-core": "hf"}
 TRANSFORMERS_SPEC = os.environ.get("FSDP_TRANSFORMERS_SPEC", "transformers>=5,<6")
+#: What the cross-package tests add: real transformers VLMs and PEFT's LoRA.
+INTEGRATION_DEPS = (TRANSFORMERS_SPEC, "peft>=0.13")
 
 nox.options.default_venv_backend = "venv"
 nox.options.error_on_missing_interpreters = False
@@ -58,7 +60,7 @@ def tests(session: nox.Session, package: str) -> None:
 def integration(session: nox.Session) -> None:
     """All packages together, plus transformers, running the cross-package tests."""
     _install_torch(session)
-    session.install(*TEST_DEPS, TRANSFORMERS_SPEC, "peft")
+    session.install(*TEST_DEPS, *INTEGRATION_DEPS)
     session.install(*_package_paths(*PACKAGES))
     session.run("python", "-m", "pytest", "tests", *session.posargs)
 
@@ -106,7 +108,7 @@ def distributed_nccl(session: nox.Session) -> None:
     on a GPU host. World size 1 runs with one GPU; 2 and 4 need as many GPUs.
     """
     _install_torch(session)
-    session.install(*TEST_DEPS)
+    session.install(*TEST_DEPS, *INTEGRATION_DEPS)
     session.install(*_package_paths(*PACKAGES))
     session.run(
         "python",

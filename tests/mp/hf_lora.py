@@ -20,6 +20,11 @@ TARGETS: dict[tuple[str, str], str | list[str]] = {
     ("llava", "tower"): ["q_proj", "v_proj"],
     ("qwen2_vl", "decoder"): r".*language_model.*\.(q_proj|v_proj)",
     ("qwen2_vl", "tower"): ["q_proj", "v_proj", "qkv"],
+    # SigLIP, Idefics3's vision transformer and the Whisper-style audio encoder name
+    # their attention projections like the decoders: one list adapts both.
+    ("paligemma", "tower"): ["q_proj", "v_proj"],
+    ("idefics3", "tower"): ["q_proj", "v_proj"],
+    ("qwen2_audio", "tower"): ["q_proj", "v_proj"],
 }
 
 #: The path prefix a ``PeftModel`` puts before the wrapped model's names.

@@ -620,4 +620,33 @@ def _lora_cases() -> list[LoopCase]:
     return cases
 
 
-CASES.update({case.name: case for case in _lora_cases()})
+def _arch_lora_cases() -> list[LoopCase]:
+    """Each architecture of ``_arch_cases`` again with LoRA on decoder and tower (every
+    base weight frozen), under every policy in fp32 and bf16 compute."""
+    from compare import BF16_STORAGE_TOL
+
+    cases: list[LoopCase] = []
+    for arch in ARCHITECTURES:
+        for p in POLICIES:
+            for precision in ("fp32", "bf16"):
+                # The same bf16 rounding of Qwen2-VL's rotary tables as in _arch_cases.
+                rounded = arch == "qwen2_vl" and p == "per_layer" and precision == "bf16"
+                tol = BF16_STORAGE_TOL if rounded else None
+                cases.append(
+                    LoopCase(
+                        f"arch_lora_{arch}_{p}_{precision}",
+                        _hf_lora(arch, "tower"),
+                        media=per_rank({"images": 1}, {"images": 2}),
+                        policy=p,
+                        precision=precision,
+                        batch=_hf_batch(arch),
+                        loss=_hf_loss,
+                        steps=2,
+                        grad_tol=tol,
+                        update_tol=tol,
+                    )
+                )
+    return cases
+
+
+CASES.update({case.name: case for case in (*_lora_cases(), *_arch_lora_cases())})
