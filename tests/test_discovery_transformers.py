@@ -440,6 +440,22 @@ CASES: dict[str, Case] = {
         },
         ("model.vlm.language_model.layers", "model.dit.layers"),
     ),
+    # --- Default configs that do not build, repaired ---
+    "hunyuan_vl": Case(
+        "HunYuanVLForConditionalGeneration",
+        {"model.vision_tower": "tower/vision"},
+        ("model.language_model.layers",),
+        # The default text config has no head_dim.
+        lambda t: t.HunYuanVLConfig(text_config={"head_dim": 128}),
+    ),
+    "moonshine_streaming": Case(
+        "MoonshineStreamingForConditionalGeneration",
+        # The streaming speech encoder is a plain "encoder": found by its main input.
+        {"model.encoder": "tower/audio"},
+        ("model.decoder.layers",),
+        # The default config has no num_key_value_heads.
+        lambda t: t.MoonshineStreamingConfig(num_key_value_heads=8),
+    ),
     # --- Negative controls ---
     "llama_text_only": Case("LlamaForCausalLM", {}, ("model.layers",)),
     "whisper": Case(
