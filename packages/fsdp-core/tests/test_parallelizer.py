@@ -519,3 +519,33 @@ def test_apply_plan_runs_before_apply_once_and_uses_hooks(mesh4: DeviceMesh) -> 
     assert not isinstance(model.embed.weight, DTensor)
     assert isinstance(model.head.weight, DTensor)
     _run(model)
+
+
+# ------------------------------------------------------------- applied units = plan
+class _ExtraUnit(ModelParallelizer):
+    """Makes a unit the plan does not list: what the apply-time check refuses."""
+
+    def _fully_shard_module(self, module: ShardTarget, **kwargs: object) -> None:
+        if isinstance(module, nn.Sequential):
+            super()._fully_shard_module(module[0], **kwargs)
+        super()._fully_shard_module(module, **kwargs)
+
+
+def test_applied_units_equal_the_plan(mesh2: DeviceMesh) -> None:
+    from fsdp_core.internals import applied_unit_paths
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)]))
+    plan = ModelParallelizer().plan(model)
+    ModelParallelizer().apply_plan(model, plan, mesh=mesh2)
+    assert sorted(applied_unit_paths(model)) == sorted(u.paths for u in plan.units)
+    assert sorted(applied_unit_paths(model)) == [("",), ("1.0",), ("1.1",)]
+
+
+def test_a_unit_made_outside_the_plan_is_refused(mesh2: DeviceMesh) -> None:
+    from fsdp_core import PlanMismatchError
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    parallelizer = _ExtraUnit()
+    plan = parallelizer.plan(model)
+    with pytest.raises(PlanMismatchError, match=r"made but not planned \['0'\].*_plan_leading"):
+        parallelizer.apply_plan(model, plan, mesh=mesh2)

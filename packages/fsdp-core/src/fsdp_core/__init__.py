@@ -36,7 +36,13 @@ from fsdp_core.internals import FSDPInternalsError, check_internals
 from fsdp_core.materialize import copy_full_into_, load_full_state_dict, materialize_from_full
 from fsdp_core.mesh import MeshShape, build_mesh, resolve_mesh_shape
 from fsdp_core.mesh_collectives import all_reduce_max_over_mesh, mesh_device, mesh_groups
-from fsdp_core.parallelizer import ModelParallelizer, PlanContext, parameter_names
+from fsdp_core.parallelizer import (
+    ModelParallelizer,
+    PlanContext,
+    PlanMismatchError,
+    check_applied_units,
+    parameter_names,
+)
 from fsdp_core.plan import (
     ShardCall,
     ShardingPlan,
@@ -100,6 +106,8 @@ __all__ = [
     "remove_runtime_hooks",
     "FSDPInternalsError",
     "check_internals",
+    "check_applied_units",
+    "PlanMismatchError",
     "all_reduce_max_over_mesh",
     "mesh_device",
     "mesh_groups",

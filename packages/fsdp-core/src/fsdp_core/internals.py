@@ -41,6 +41,8 @@ __all__ = [
     "reduce_dtype",
     "in_backward",
     "queue_end_of_backward",
+    "unit_modules",
+    "applied_unit_paths",
 ]
 
 
@@ -68,6 +70,7 @@ class _Probe:
 
 
 _STATE_GROUPS = _Probe("state", "_fsdp_param_groups")
+_STATE_MODULES = _Probe("state", "_modules")
 _GROUP_PARAMS = _Probe("group", "fsdp_params")
 _GROUP_REDUCE = _Probe("group", "reduce_grads")
 _PARAM_UNSHARDED = _Probe("param", "_unsharded_param", created_by="init_unsharded_param")
@@ -132,6 +135,21 @@ def distinct_units(model: nn.Module) -> list[FSDPModule]:
                 seen.add(key)
                 units.append(module)
     return units
+
+
+def unit_modules(unit: FSDPModule) -> tuple[nn.Module, ...]:
+    """The member modules of ``unit``: one, or several for a grouped ``fully_shard([...])``."""
+    return tuple(_require(_state(unit), _STATE_MODULES))
+
+
+def applied_unit_paths(model: nn.Module) -> list[tuple[str, ...]]:
+    """The units FSDP actually made in ``model``: each unit's member paths (``""`` is
+    ``model`` itself), in module order. Compared with a plan's units after applying it."""
+    names = {id(module): name for name, module in model.named_modules()}
+    return [
+        tuple(names.get(id(member), "<outside the model>") for member in unit_modules(unit))
+        for unit in distinct_units(model)
+    ]
 
 
 def param_groups(unit: FSDPModule) -> tuple[Any, ...]:

@@ -33,7 +33,13 @@ from fsdp_core.sharding import (
 )
 from fsdp_core.unused_params import install_unused_params_hook
 
-__all__ = ["PlanContext", "ModelParallelizer", "parameter_names"]
+__all__ = [
+    "PlanContext",
+    "ModelParallelizer",
+    "PlanMismatchError",
+    "check_applied_units",
+    "parameter_names",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -214,6 +220,7 @@ class ModelParallelizer:
                 ignored_params=ignored or None,
             )
         self._after_apply(model, plan, mesh=mesh)
+        check_applied_units(model, plan)
         internals.check_internals(model, plan.hook_names())
         for hook in plan.hooks:
             installed = self._install_hook(model, plan, hook, mesh=mesh)
@@ -366,6 +373,43 @@ class ModelParallelizer:
             ignored_param_names=ignored,
             units=units,
         )
+
+
+class PlanMismatchError(RuntimeError):
+    """Applying a plan made other FSDP units than the plan lists."""
+
+
+def check_applied_units(model: nn.Module, plan: ShardingPlan) -> None:
+    """Raise :class:`PlanMismatchError` unless the FSDP units in ``model`` are exactly
+    ``plan.units`` (same member modules). A parallelizer whose ``_fully_shard_module``
+    makes units of its own would otherwise print one plan and run another. Skipped,
+    with a warning, on a torch whose FSDP state cannot be read."""
+    try:
+        applied = internals.applied_unit_paths(model)
+    except internals.FSDPInternalsError as exc:
+        logger.warning("cannot compare the applied units with the plan: %s", exc)
+        return
+    planned = {tuple(sorted(unit.paths)) for unit in plan.units}
+    made = {tuple(sorted(paths)) for paths in applied}
+    if planned == made:
+        return
+    extra = sorted(made - planned)
+    missing = sorted(planned - made)
+    raise PlanMismatchError(
+        f"applying the plan made {len(made)} FSDP units where the plan lists "
+        f"{len(planned)}: made but not planned {_paths_text(extra)}; planned but not made "
+        f"{_paths_text(missing)}. Plan every unit (override the planning hooks, e.g. "
+        "_plan_leading_calls or _plan_calls), so that _fully_shard_module only applies it."
+    )
+
+
+def _paths_text(units: list[tuple[str, ...]], limit: int = 4) -> str:
+    if not units:
+        return "none"
+    shown = ", ".join(
+        "[" + ", ".join(repr(p or "<root>") for p in paths) + "]" for paths in units[:limit]
+    )
+    return shown + (f" and {len(units) - limit} more" if len(units) > limit else "")
 
 
 def _check_hook_names(names: Iterable[str], known: tuple[str, ...]) -> frozenset[str]:
