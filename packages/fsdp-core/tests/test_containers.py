@@ -251,3 +251,13 @@ def test_checkpoint_wrapped_layers_are_the_same_items() -> None:
     items = list(iter_layer_items(model))
     assert [path for path, _ in items] == before
     assert all(isinstance(unwrap_module(item), AdaptedBlock) for _, item in items)
+
+
+def test_is_under_is_a_path_rule_not_a_string_prefix() -> None:
+    from fsdp_core.containers import is_under
+
+    assert is_under("vision.blocks.1", "vision")
+    assert is_under("vision", "vision")
+    assert is_under("anything.at.all", "")
+    assert not is_under("vision_proj.weight", "vision")
+    assert not is_under("vision", "vision.blocks")

@@ -23,6 +23,7 @@ __all__ = [
     "container_items",
     "iter_layer_items",
     "join_path",
+    "is_under",
     "unwrap_module",
 ]
 
@@ -51,6 +52,13 @@ def unwrap_module(module: nn.Module) -> nn.Module:
 def join_path(prefix: str, name: str) -> str:
     """Qualified name of ``name`` under ``prefix`` (the root's path is ``""``)."""
     return f"{prefix}.{name}" if prefix else name
+
+
+def is_under(path: str, root: str) -> bool:
+    """Whether the module or parameter at ``path`` is ``root`` or lies inside it (every
+    path lies inside the model's own path ``""``). The one prefix rule of the packages:
+    ``"vision.blocks.1"`` is under ``"vision"``, ``"vision_proj"`` is not."""
+    return root == "" or path == root or path.startswith(root + ".")
 
 
 def is_module_container(module: nn.Module) -> bool:

@@ -75,11 +75,12 @@ def _considered(
         )
 
 
-def dominant_dtype(params: Iterable[nn.Parameter]) -> torch.dtype | None:
-    """The dtype holding the most elements (first seen wins a tie); ``None`` when empty."""
+def dominant_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype | None:
+    """The dtype holding the most elements of ``tensors`` (parameters or any tensors;
+    first seen wins a tie); ``None`` when empty."""
     counts: Counter[torch.dtype] = Counter()
-    for param in params:
-        counts[param.dtype] += param.numel()
+    for tensor in tensors:
+        counts[tensor.dtype] += tensor.numel()
     if not counts:
         return None
     return max(counts, key=lambda dtype: counts[dtype])

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp_core import internals
 from fsdp_core.accumulation import install_unshard_warmup
-from fsdp_core.containers import iter_layer_items
+from fsdp_core.containers import is_under, iter_layer_items
 from fsdp_core.dtype_units import find_dtype_islands, group_islands
 from fsdp_core.plan import ShardCall, ShardingPlan, UnitPlan, unit_parameters
 from fsdp_core.precision import island_policy
@@ -78,14 +78,13 @@ class PlanContext:
         return self.model.get_submodule(path) if path else self.model
 
     def ignored_under(self, paths: Iterable[str]) -> tuple[str, ...]:
-        prefixes = tuple(paths)
-        if "" in prefixes:
-            return tuple(sorted(self.ignored_param_names))
+        """Ignored parameters of the modules at ``paths``."""
+        roots = tuple(paths)
         return tuple(
             sorted(
                 name
                 for name in self.ignored_param_names
-                if any(name.startswith(prefix + ".") for prefix in prefixes)
+                if any(is_under(name, root) for root in roots)
             )
         )
 

@@ -49,6 +49,7 @@ from fsdp_core._safetensors_dir import (
     write_file,
     write_index,
 )
+from fsdp_core.dtype_units import dominant_dtype
 from fsdp_core.materialize import copy_full_into_
 
 __all__ = ["KeyMapping", "PretrainedLoad", "load_pretrained", "save_pretrained"]
@@ -579,16 +580,9 @@ def save_pretrained(
         if len(names) > 1:
             write_index(root, weight_map, sum(size for _, size in sizes))
             written.append("model.safetensors.index.json")
-        written += _hf_model.write_configs(model, root, dtype=_dominant_dtype(slots))
+        floating = (s.tensor for s in slots if s.tensor.dtype.is_floating_point)
+        written += _hf_model.write_configs(model, root, dtype=dominant_dtype(floating))
     if dist.is_initialized():
         dist.barrier()
     logger.info("saved %d tensors to %s in %d files", len(entries), directory, len(names))
     return tuple(written)
-
-
-def _dominant_dtype(slots: Sequence[_Slot]) -> torch.dtype | None:
-    counts: Counter[torch.dtype] = Counter()
-    for slot in slots:
-        if slot.tensor.dtype.is_floating_point:
-            counts[slot.tensor.dtype] += slot.tensor.numel()
-    return max(counts, key=lambda d: counts[d]) if counts else None

@@ -49,7 +49,7 @@ from fsdp_core import (
     shard_group_size,
     shard_groups_then_module,
 )
-from fsdp_core.containers import is_module_container, join_path, unwrap_module
+from fsdp_core.containers import is_module_container, is_under, join_path, unwrap_module
 from multimodal_fsdp import MultimodalParallelizer
 from multimodal_fsdp.discovery import _check_names
 
@@ -123,7 +123,7 @@ def find_vision_towers(model: nn.Module) -> list[str]:
     """Qualified names of the maximal vision towers in ``model`` (by structure)."""
     found: list[str] = []
     for name, module in model.named_modules():
-        if any(name == f or name.startswith(f + ".") for f in found):
+        if any(is_under(name, f) for f in found):
             continue
         if name and is_vision_tower(module):
             found.append(name)

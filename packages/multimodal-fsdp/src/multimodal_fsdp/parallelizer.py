@@ -63,9 +63,10 @@ from fsdp_core import (
     ModelParallelizer,
     PlanContext,
     ShardingPlan,
+    dominant_dtype,
     iter_layer_items,
 )
-from fsdp_core.containers import join_path
+from fsdp_core.containers import is_under, join_path
 from multimodal_fsdp.conditional import find_media_conditional_layers
 from multimodal_fsdp.discovery import (
     MultimodalModule,
@@ -211,7 +212,7 @@ class MultimodalParallelizer(ModelParallelizer):
         paths = [
             path
             for path, _ in iter_layer_items(model)
-            if not any(_is_under(path, root) for root in roots)
+            if not any(is_under(path, root) for root in roots)
             and not (self.uneven_media and path in conditional)
         ]
         if self.uneven_media:
@@ -297,13 +298,13 @@ class MultimodalParallelizer(ModelParallelizer):
         regions: list[MediaRegion] = []
         for part in self.multimodal_parts(model):
             root = part.found.path
-            inside = tuple(p for p in members if _is_under(p, root))
+            inside = tuple(p for p in members if is_under(p, root))
             if inside:
                 frozen = bool(part.frozen) and not part.trainable
                 regions.append(MediaRegion(root, part.found.role, inside, frozen=frozen))
         taken = [r.path for r in regions]
         for path in find_media_conditional_layers(model):
-            if path in members and not any(_is_under(path, r) for r in taken):
+            if path in members and not any(is_under(path, r) for r in taken):
                 regions.append(MediaRegion(path, "decoder layer", (path,)))
         return regions
 
@@ -403,12 +404,9 @@ class MultimodalParallelizer(ModelParallelizer):
             # The module's own dtype is judged over all of it, trainable parts included,
             # so a LoRA-split tower still sees its fp32 norms as islands.
             params = list(part.found.module.named_parameters(prefix=part.found.path))
-            counts: Counter[torch.dtype] = Counter()
-            for _, param in params:
-                counts[param.dtype] += param.numel()
-            if not counts:
+            dominant = dominant_dtype(param for _, param in params)
+            if dominant is None:
                 continue
-            dominant = max(counts, key=lambda d: counts[d])
             yield from (n for n, p in params if n in wanted and p.dtype != dominant)
 
 
@@ -472,16 +470,12 @@ def _summarise(paths: Iterable[str], limit: int = 3) -> str:
     return head + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
-def _is_under(path: str, root: str) -> bool:
-    return root == "" or path == root or path.startswith(root + ".")
-
-
 def _param_names_under(model: nn.Module, roots: Iterable[str]) -> list[str]:
     prefixes = list(roots)
     if not prefixes:
         return []
     return [
-        name for name, _ in model.named_parameters() if any(_is_under(name, r) for r in prefixes)
+        name for name, _ in model.named_parameters() if any(is_under(name, r) for r in prefixes)
     ]
 
 

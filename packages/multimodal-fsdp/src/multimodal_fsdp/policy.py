@@ -7,6 +7,8 @@ from typing import Final, Literal, get_args
 
 from torch import nn
 
+from fsdp_core.sharding import owned_ignored_params
+
 __all__ = [
     "FrozenMultimodalSharding",
     "VALID_FROZEN_MULTIMODAL_SHARDING",
@@ -80,8 +82,4 @@ def ignored_params_for_root(
     unit that owns a replicated parameter must list it, or that unit would
     shard it.
     """
-    if not ignored_params:
-        return None
-    wanted = set(ignored_params)
-    owned = {p for p in root.parameters() if p in wanted}
-    return owned or None
+    return owned_ignored_params([root], ignored_params)

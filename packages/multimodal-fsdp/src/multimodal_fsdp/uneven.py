@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import ShardingPlan, all_reduce_max_over_mesh, mesh_device
+from fsdp_core.containers import is_under
 from fsdp_core.internals import in_backward
 
 __all__ = [
@@ -134,10 +135,6 @@ def _index_of(model: nn.Module) -> dict[str, int]:
     return {name: index for index, (name, _) in enumerate(model.named_modules())}
 
 
-def _under(path: str, root: str) -> bool:
-    return root == "" or path == root or path.startswith(root + ".")
-
-
 def plan_schedule_layout(
     model: nn.Module, plan: ShardingPlan, regions: Sequence[MediaRegion]
 ) -> ScheduleLayout | None:
@@ -152,15 +149,15 @@ def plan_schedule_layout(
     successors: set[str] = set()
     end_check = False
     for region in regions:
-        last = max(index[name] for name in index if _under(name, region.path))
-        after = [p for p in member_paths if index[p] > last and not _under(p, region.path)]
+        last = max(index[name] for name in index if is_under(name, region.path))
+        after = [p for p in member_paths if index[p] > last and not is_under(p, region.path)]
         if after:
             successors.add(after[0])
         else:
             end_check = True
     events: list[tuple[int, int, str, str]] = []
     for region in regions:
-        last = max(index[name] for name in index if _under(name, region.path))
+        last = max(index[name] for name in index if is_under(name, region.path))
         events.append((index[region.path], 0, "enter", region.path))
         events.append((last, 2, "exit", region.path))
     for path in member_paths:
