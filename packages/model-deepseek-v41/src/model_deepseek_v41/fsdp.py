@@ -50,8 +50,7 @@ from fsdp_core import (
     shard_groups_then_module,
 )
 from fsdp_core.containers import is_module_container, is_under, join_path, unwrap_module
-from multimodal_fsdp import MultimodalParallelizer
-from multimodal_fsdp.discovery import _check_names
+from multimodal_fsdp import MultimodalParallelizer, check_attribute_names
 
 __all__ = [
     "DeepseekV41ModelParallelizer",
@@ -303,7 +302,7 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
         sync_replicated: bool = True,
         dtype_safe: bool = True,
     ) -> None:
-        towers = _check_names(extra_tower_names, "extra_tower_names")
+        towers = check_attribute_names(extra_tower_names, "extra_tower_names")
         super().__init__(
             frozen_multimodal_sharding=frozen_multimodal_sharding,
             extra_tower_names=("vision", *(t for t in towers if t != "vision")),

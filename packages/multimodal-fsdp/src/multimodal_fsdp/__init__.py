@@ -51,6 +51,7 @@ from multimodal_fsdp.uneven import (
     install_schedule_check,
     plan_schedule_layout,
 )
+from multimodal_fsdp.validation import check_attribute_names, check_module_paths
 
 __all__ = [
     "CommTally",
@@ -97,4 +98,6 @@ __all__ = [
     "resolve_multimodal_modules",
     "shard_multimodal_module",
     "split_frozen_parts",
+    "check_attribute_names",
+    "check_module_paths",
 ]

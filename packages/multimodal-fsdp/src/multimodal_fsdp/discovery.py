@@ -45,6 +45,7 @@ from typing import Literal
 from torch import nn
 
 from fsdp_core.containers import unwrap_module
+from multimodal_fsdp.validation import check_attribute_names, check_module_paths
 
 __all__ = [
     "LANGUAGE_MODEL_NAMES",
@@ -277,8 +278,8 @@ def resolve_multimodal_modules(
     if not isinstance(structural, bool):
         raise TypeError(f"structural must be a bool (True or False), got {structural!r}")
     rules = dict(_BUILTIN_RULES)
-    extra_towers = _check_names(extra_tower_names, "extra_tower_names")
-    extra_projectors = _check_names(extra_projector_names, "extra_projector_names")
+    extra_towers = check_attribute_names(extra_tower_names, "extra_tower_names")
+    extra_projectors = check_attribute_names(extra_projector_names, "extra_projector_names")
     both = sorted(set(extra_towers) & set(extra_projectors))
     if both:
         raise ValueError(f"names given as both extra tower and extra projector names: {both}")
@@ -296,7 +297,7 @@ def resolve_multimodal_modules(
                     f"{name!r} is already a built-in {builtin.role} name; "
                     f"it cannot also be an extra {role} name"
                 )
-    excluded = frozenset(_check_paths(exclude))
+    excluded = frozenset(check_module_paths(exclude))
     seen_excludes: set[str] = set()
     found = tuple(_walk(model, rules, excluded, seen_excludes, structural=structural))
     unmatched = sorted(excluded - seen_excludes)
@@ -696,38 +697,3 @@ def _modality_from_keywords(
 def _check_model(model: object) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-
-
-def _check_names(names: Iterable[str], argument: str) -> tuple[str, ...]:
-    """Attribute names: a collection of non-empty str without dots."""
-    checked = _check_str_collection(names, argument)
-    for name in checked:
-        if not name or "." in name:
-            raise ValueError(
-                f"{argument} entries must be attribute names without dots, got {name!r}"
-            )
-    return checked
-
-
-def _check_paths(paths: Iterable[str], argument: str = "exclude") -> tuple[str, ...]:
-    """Qualified paths: a collection of non-empty str (the root cannot be excluded)."""
-    checked = _check_str_collection(paths, argument)
-    for path in checked:
-        if not path or path.startswith(".") or path.endswith(".") or ".." in path:
-            raise ValueError(f"{argument} entries must be qualified module paths, got {path!r}")
-    return checked
-
-
-def _check_str_collection(values: Iterable[str], argument: str) -> tuple[str, ...]:
-    # A bare str is iterable too; treating "vision" as ("v", "i", ...) would be a silent bug.
-    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        raise TypeError(
-            f"{argument} must be a collection of str, got {type(values).__name__}: {values!r}"
-        )
-    checked = tuple(values)
-    for value in checked:
-        if not isinstance(value, str):
-            raise TypeError(
-                f"{argument} entries must be str, got {type(value).__name__}: {value!r}"
-            )
-    return checked

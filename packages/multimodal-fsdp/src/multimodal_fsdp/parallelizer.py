@@ -70,8 +70,6 @@ from fsdp_core.containers import is_under, join_path
 from multimodal_fsdp.conditional import find_media_conditional_layers
 from multimodal_fsdp.discovery import (
     MultimodalModule,
-    _check_names,
-    _check_paths,
     resolve_multimodal_modules,
 )
 from multimodal_fsdp.layers import shard_multimodal_module
@@ -87,6 +85,7 @@ from multimodal_fsdp.uneven import (
     install_schedule_check,
     plan_schedule_layout,
 )
+from multimodal_fsdp.validation import check_attribute_names, check_module_paths
 
 __all__ = ["MultimodalParallelizer", "MultimodalParts", "split_frozen_parts"]
 
@@ -160,9 +159,11 @@ class MultimodalParallelizer(ModelParallelizer):
             normalize_frozen_multimodal_sharding(frozen_multimodal_sharding)
         )
         _check_policy_and_media(self.frozen_multimodal_sharding, uneven_media)
-        self.extra_tower_names = _check_names(extra_tower_names, "extra_tower_names")
-        self.extra_projector_names = _check_names(extra_projector_names, "extra_projector_names")
-        self.exclude = _check_paths(exclude, "exclude")
+        self.extra_tower_names = check_attribute_names(extra_tower_names, "extra_tower_names")
+        self.extra_projector_names = check_attribute_names(
+            extra_projector_names, "extra_projector_names"
+        )
+        self.exclude = check_module_paths(exclude, "exclude")
         if not isinstance(sync_replicated, bool):
             raise TypeError(f"sync_replicated must be a bool, got {sync_replicated!r}")
         self.sync_replicated = sync_replicated

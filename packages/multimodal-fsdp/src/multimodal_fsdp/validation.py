@@ -1,0 +1,50 @@
+"""Checks of user-given names and paths, shared by discovery and the parallelizers.
+
+Model packages take the same options (``extra_tower_names``, ``exclude``, ...) and
+must reject bad values with the same messages, so these checks are public.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = ["check_attribute_names", "check_module_paths"]
+
+
+def check_attribute_names(names: Iterable[str], argument: str) -> tuple[str, ...]:
+    """Attribute names (``"vision_tower"``): a collection of non-empty str without dots.
+
+    ``argument`` names the option in the error message.
+    """
+    checked = _check_str_collection(names, argument)
+    for name in checked:
+        if not name or "." in name:
+            raise ValueError(
+                f"{argument} entries must be attribute names without dots, got {name!r}"
+            )
+    return checked
+
+
+def check_module_paths(paths: Iterable[str], argument: str = "exclude") -> tuple[str, ...]:
+    """Qualified module paths (``"model.vision_tower"``): a collection of non-empty str
+    (the root cannot be named)."""
+    checked = _check_str_collection(paths, argument)
+    for path in checked:
+        if not path or path.startswith(".") or path.endswith(".") or ".." in path:
+            raise ValueError(f"{argument} entries must be qualified module paths, got {path!r}")
+    return checked
+
+
+def _check_str_collection(values: Iterable[str], argument: str) -> tuple[str, ...]:
+    # A bare str is iterable too; treating "vision" as ("v", "i", ...) would be a silent bug.
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(
+            f"{argument} must be a collection of str, got {type(values).__name__}: {values!r}"
+        )
+    checked = tuple(values)
+    for value in checked:
+        if not isinstance(value, str):
+            raise TypeError(
+                f"{argument} entries must be str, got {type(value).__name__}: {value!r}"
+            )
+    return checked
