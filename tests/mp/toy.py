@@ -1,4 +1,4 @@
-"""A tiny model for the multi-process tests (the reference lives in fsdp_core.reference)."""
+"""A tiny model for the multi-process tests (the reference lives in fsdp_core.testing)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
-from fsdp_core.reference import emulate_data_parallel
+from fsdp_core.testing import emulate_data_parallel
 
 
 class MixedRMSNorm(nn.Module):

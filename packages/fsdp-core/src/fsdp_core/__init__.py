@@ -60,7 +60,6 @@ from fsdp_core.precision import (
     parse_dtype,
 )
 from fsdp_core.pretrained import KeyMapping, PretrainedLoad, load_pretrained, save_pretrained
-from fsdp_core.reference import ReferenceResult, emulate_data_parallel
 from fsdp_core.runtime import (
     BackwardWatch,
     HookPlan,
@@ -81,8 +80,6 @@ from fsdp_core.unused_params import UnusedParamsHook, install_unused_params_hook
 __all__ = [
     "exit_rank",
     "shard_groups_then_module",
-    "ReferenceResult",
-    "emulate_data_parallel",
     "copy_full_into_",
     "export_full_state_dict",
     "load_checkpoint",

@@ -29,12 +29,12 @@ from fsdp_core import (
     CommCounter,
     DistributedContext,
     build_mesh,
-    emulate_data_parallel,
     exit_rank,
     init_distributed,
     materialize_from_full,
     mixed_precision_policy,
 )
+from fsdp_core.testing import emulate_data_parallel
 from model_deepseek_v41.config import DeepseekV41Config
 from model_deepseek_v41.fsdp import PARALLELIZER
 from model_deepseek_v41.modeling import (
