@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_core import MeshShape, mixed_precision_policy
+from fsdp_core import MeshShape
 from multimodal_fsdp.costs import PlanCosts, format_bytes, inspect_model
-from multimodal_fsdp.memory import ActivationTrace, parse_size, trace_activations
+from multimodal_fsdp.memory import ActivationTrace, parse_size
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 from multimodal_fsdp.policy import (
     VALID_FROZEN_MULTIMODAL_SHARDING,
@@ -123,18 +123,6 @@ def _candidate(policy: str, costs: PlanCosts, budget: int) -> PolicyCandidate:
     )
 
 
-def _trace(
-    model: nn.Module,
-    parallelizer: MultimodalParallelizer,
-    loss_fn: Callable[[nn.Module], torch.Tensor],
-    precision: str,
-    reduce_precision: str | None,
-) -> ActivationTrace:
-    """Activations do not depend on the policy: trace once, under the first plan."""
-    plan = parallelizer.plan(model, mp_policy=mixed_precision_policy(precision, reduce_precision))
-    return trace_activations(model, plan, loss_fn, parallelizer=parallelizer)
-
-
 def _notes(chosen: PolicyCandidate, candidates: list[PolicyCandidate], budget: int) -> list[str]:
     lines = [
         f"policy {chosen.policy!r} chosen for a per-rank budget of {format_bytes(budget)}: "
@@ -176,17 +164,16 @@ def choose_frozen_policy(
     """The frozen-tower policy with the least communication whose predicted per-rank
     peak fits ``budget`` (bytes, or a size such as ``"40GiB"``).
 
-    Activations come from ``loss_fn`` (traced once), or ``activations``, or are
-    left out (the notes say so). Raises :class:`MemoryBudgetError` naming the
+    Activations come from ``loss_fn`` (one step traced per policy, see
+    :func:`~multimodal_fsdp.memory.trace_activations`), or ``activations``, or
+    are left out (the notes say so). Raises :class:`MemoryBudgetError` naming the
     smallest achievable peak and its policy when nothing fits.
     """
     limit = _budget(budget)
     names = _policies(policies)
     base = parallelizer if parallelizer is not None else MultimodalParallelizer()
-    if loss_fn is not None:
-        if activations is not None:
-            raise ValueError("give loss_fn (to trace activations) or activations, not both")
-        activations = _trace(model, base, loss_fn, precision, reduce_precision)
+    if loss_fn is not None and activations is not None:
+        raise ValueError("give loss_fn (to trace activations) or activations, not both")
     options: dict[str, Any] = {
         "world_size": world_size,
         "dp_replicate": dp_replicate,
@@ -197,6 +184,7 @@ def choose_frozen_policy(
         "reshard_after_forward": reshard_after_forward,
         "prefetch_guard": prefetch_guard,
         "optimizer": optimizer,
+        "loss_fn": loss_fn,
     }
     costed: dict[str, PlanCosts] = {}
     for policy in names:
@@ -204,14 +192,15 @@ def choose_frozen_policy(
         if activations is not None and costs.memory is not None:
             costs = dataclasses.replace(costs, memory=costs.memory.with_activations(activations))
         costed[policy] = costs
+    traced = activations is not None or loss_fn is not None
     candidates = [_candidate(p, costed[p], limit) for p in names]
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         smallest = min(candidates, key=lambda c: c.peak_bytes)
-        raise MemoryBudgetError(limit, smallest, activations is not None)
+        raise MemoryBudgetError(limit, smallest, traced)
     chosen = min(fitting, key=lambda c: (c.comm_bytes, c.comm_count))
     notes = _notes(chosen, candidates, limit)
-    if activations is None:
+    if not traced:
         notes.append("peaks leave activations out (no batch given)")
     logger.info("%s", notes[0])
     costs = costed[chosen.policy]

@@ -804,7 +804,9 @@ def inspect_model(
     from multimodal_fsdp.memory import trace_activations, with_memory  # imports this module
 
     traced = (
-        None if loss_fn is None else trace_activations(model, plan, loss_fn, parallelizer=chosen)
+        None
+        if loss_fn is None
+        else trace_activations(model, plan, loss_fn, parallelizer=chosen, shard=shape.dp_shard)
     )
     return with_memory(costs, plan, model, optimizer=optimizer, activations=traced)
 

@@ -57,6 +57,8 @@ _GRAD = "Sharded Grad"
 _OPT = "OptState"
 _ACT = "Activation"
 _TEMP = "Temp"
+#: What a step holds beside parameters and optimizer state.
+_WORKING = (_ACT, _TEMP, "Unsharded Grad", "Reduce Scatter", _GRAD)
 _INPUTS = "Inputs"
 _TOTAL = "Total"
 
@@ -95,7 +97,7 @@ def _new_tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> A
             point = MemoryPoint(
                 phase=phase,
                 gathered_bytes=snap.get(_UNSHARDED, 0) + snap.get(_ALL_GATHER, 0),
-                activation_bytes=snap.get(_ACT, 0) + snap.get(_TEMP, 0),
+                activation_bytes=sum(snap.get(key, 0) for key in _WORKING),
                 total_bytes=snap.get(_TOTAL, 0),
             )
             if not self.points or self.points[-1] != point:
@@ -125,7 +127,7 @@ def _module_snapshots(tracker: Any) -> Iterator[tuple[str, dict[str, int]]]:
 @dataclass(frozen=True)
 class MemoryPoint:
     """One moment of the tracked step: the phase, gathered parameter bytes, activations
-    and temporaries, all bytes."""
+    with temporaries and gradients, all bytes."""
 
     phase: str
     gathered_bytes: int
@@ -148,7 +150,8 @@ class MeasuredMemory:
     optimizer_bytes: int
     #: Activations alive when backward starts.
     activation_bytes: int
-    #: Peak of activations plus backward temporaries during backward.
+    #: Peak during backward of activations, temporaries and gradients (unsharded,
+    #: reduce-scatter buffers, sharded).
     backward_activation_bytes: int
     #: The tracker's peak over the whole step, replicated parameters included.
     peak_bytes: int
@@ -338,7 +341,9 @@ def measure_plan_memory(
         model = build_model()
         plan = parallelizer.plan(model, mp_policy=mp_policy)
         costs = plan_costs(plan, model, mesh=shape, parallelizer=parallelizer)
-        activations = trace_activations(model, plan, loss_fn, parallelizer=parallelizer)
+        activations = trace_activations(
+            model, plan, loss_fn, parallelizer=parallelizer, shard=shape.dp_shard
+        )
         costs = with_memory(costs, plan, model, optimizer=optimizer, activations=activations)
         parallelizer.apply_plan(model, plan, mesh=mesh)
         measured = measure_memory(model, loss_fn, optimizer=optimizer, warmup=warmup)

@@ -13,17 +13,20 @@ keeps beside them, so that the plan predicts the whole per-rank peak:
   ``sgd_momentum`` keeps one; ``sgd`` and ``none`` keep nothing;
 - **activations**: what the forward saves for backward. They do not depend on
   sharding (each rank runs its own batch), so :func:`trace_activations` runs
-  the forward once, unsharded, in one process, with the plan's compute dtypes
-  and input casts, and adds up the tensors autograd saves.
+  one step of the batch on an unsharded copy in one process, with the plan's
+  compute dtypes and input casts, adds up the tensors autograd saves, and
+  follows the live bytes through backward.
 
-The peak total is modelled as the largest of three moments (see
-docs/memory.md for the measurement behind it):
-
-- the start of backward: resting bytes + every activation + the backward peak
-  of gathered parameters (a unit and the one its pre-backward prefetches);
-- the end of forward: resting bytes + every activation + the forward peak of
-  gathered parameters;
-- the end of backward: resting bytes + every gradient.
+**The peak total.** With a traced step, the trace also replays what FSDP2 holds
+beside the activations, unit by unit: gathered parameters (gathered at a
+unit's forward, freed after it if it reshards; in backward gathered when its
+output's gradient arrives, with the next unit prefetched, freed when its
+gradients are complete), each unit's unsharded gradients and reduce-scatter
+input, and the sharded gradients. The predicted peak is the resting bytes plus
+the traced step's peak. Without a batch it is the largest of three moments that
+leave activations out: resting bytes plus the forward or the backward peak of
+gathered parameters, or plus every gradient. docs/memory.md holds both against
+a measured step.
 
 Resting bytes are the sharded and replicated parameters and the optimizer
 state; gradients are assumed freed between steps (``zero_grad()`` sets them
@@ -38,7 +41,7 @@ import logging
 import math
 import re
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +50,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_core import ShardingPlan, unit_parameters
+from fsdp_core import ShardingPlan, UnitPlan, unit_parameters
 from multimodal_fsdp.costs import PlanCosts, format_bytes
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 
@@ -133,8 +136,10 @@ class MemoryEstimate:
     optimizer_bytes: int
     #: Saved activations of one batch at the end of forward; ``None`` when no batch was given.
     activation_bytes: int | None = None
-    #: Activations plus backward temporaries at their backward peak (``None``: no batch).
+    #: Activations, backward temporaries and gradients at their backward peak (``None``: no batch).
     backward_activation_bytes: int | None = None
+    #: Peak beyond resting bytes of the traced step with gathers replayed (``None``: not traced).
+    step_peak_bytes: int | None = None
 
     @property
     def resting_bytes(self) -> int:
@@ -158,13 +163,29 @@ class MemoryEstimate:
 
     @property
     def peak_bytes(self) -> int:
-        """The predicted per-rank peak of the step (activations only if estimated)."""
+        """The predicted per-rank peak of the step (activations only if estimated).
+
+        With a traced step, resting bytes plus the traced peak (never below the
+        parameter-only moments); otherwise the larger of the forward and backward
+        moments, which add activation and parameter peaks that may not coincide."""
+        if self.step_peak_bytes is not None:
+            floor = max(
+                self.peak_gathered_forward_bytes,
+                self.peak_gathered_backward_bytes,
+                self.gradient_bytes,
+            )
+            return self.resting_bytes + max(self.step_peak_bytes, floor)
         return max(self.peak_forward_bytes, self.peak_backward_bytes)
 
     def with_activations(self, activations: ActivationTrace | int | None) -> MemoryEstimate:
         """The same estimate with other activations (a trace, a number of bytes or none)."""
-        saved, working = _activation_figures(activations)
-        return dataclasses.replace(self, activation_bytes=saved, backward_activation_bytes=working)
+        saved, working, step = _activation_figures(activations)
+        return dataclasses.replace(
+            self,
+            activation_bytes=saved,
+            backward_activation_bytes=working,
+            step_peak_bytes=step,
+        )
 
     def format_lines(self) -> list[str]:
         """Lines for the plan's totals, each marked as predicted."""
@@ -196,6 +217,7 @@ class MemoryEstimate:
             "optimizer_bytes": self.optimizer_bytes,
             "activation_bytes": self.activation_bytes,
             "backward_activation_bytes": self.backward_activation_bytes,
+            "step_peak_bytes": self.step_peak_bytes,
             "resting_bytes": self.resting_bytes,
             "peak_bytes": self.peak_bytes,
             "peak_includes_activations": self.activation_bytes is not None,
@@ -322,20 +344,26 @@ class ActivationTrace:
 
     #: Bytes saved for backward when the forward ends (the loss included).
     saved_bytes: int
-    #: Peak of saved activations plus backward temporaries (activation gradients,
-    #: unsharded weight gradients until they are consumed) during backward.
+    #: Peak during backward of saved activations, temporaries (activation gradients)
+    #: and gradients (a unit's unsharded ones and reduce-scatter input, sharded ones).
     backward_peak_bytes: int
+    #: Peak over the whole step of all that plus the gathered parameters, replayed
+    #: unit by unit as FSDP2 gathers and frees them (resting bytes not included).
+    step_peak_bytes: int = 0
 
 
 class _LiveBytes(TorchDispatchMode):
     """Follows the bytes of storages created under it (and those handed to :meth:`add`)
-    until they are freed, and keeps the peak."""
+    until they are freed, plus bytes no traced tensor holds (:meth:`bump`), and keeps
+    the peak of everything and of everything but gathered parameters."""
 
     def __init__(self, skip: set[int]) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.skip = skip
         self.live = 0
+        self.gathered = 0
         self.peak = 0
+        self.working_peak = 0
         self.seen: set[int] = set()
 
     def add(self, tensor: torch.Tensor) -> None:
@@ -344,9 +372,17 @@ class _LiveBytes(TorchDispatchMode):
         if key in self.skip or key in self.seen or storage.nbytes() == 0:
             return
         self.seen.add(key)
-        self.live += storage.nbytes()
-        self.peak = max(self.peak, self.live)
+        self.bump(storage.nbytes())
         weakref.finalize(storage, self._free, key, storage.nbytes())
+
+    def bump(self, nbytes: int, *, gathered: bool = False) -> None:
+        """Bytes that no traced tensor holds (FSDP's buffers, sharded gradients and,
+        with ``gathered``, unsharded parameters)."""
+        self.live += nbytes
+        if gathered:
+            self.gathered += nbytes
+        self.peak = max(self.peak, self.live)
+        self.working_peak = max(self.working_peak, self.live - self.gathered)
 
     def _free(self, key: int, nbytes: int) -> None:
         self.seen.discard(key)
@@ -372,6 +408,7 @@ def trace_activations(
     loss_fn: LossFn,
     *,
     parallelizer: MultimodalParallelizer | None = None,
+    shard: int = 1,
 ) -> ActivationTrace:
     """What one training step of one batch needs beside parameters, per rank, under ``plan``.
 
@@ -380,37 +417,222 @@ def trace_activations(
     plan's compute dtypes and whose units cast inputs and outputs as FSDP2 does.
     Forward: each storage that autograd saves counts once, parameters excluded
     (they are in the gathered figures), plus the loss. Backward: the live bytes
-    of those activations and of every tensor backward creates, weight gradients
-    freed once accumulated (FSDP2 reduce-scatters and frees them). Sharding does
-    not change these bytes: every rank runs its own batch through the whole model.
+    of those activations and of every tensor backward creates, with each unit's
+    gradients handled as FSDP2 does on a shard group of ``shard`` ranks: the
+    unit's unsharded gradients stay until its last one is accumulated, then its
+    reduce-scatter input (reduce dtype) exists beside them, then both give way to
+    the unit's sharded gradients. Activations themselves do not depend on
+    sharding: every rank runs its own batch through the whole model.
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    _check_shard(shard)
     twin = _compute_copy(model, plan, parallelizer)
+    live = _LiveBytes({p.untyped_storage().data_ptr() for p in twin.parameters()})
     handles = []
     for unit in plan.units:
         for path in unit.paths:
             handles += _add_cast_hooks(twin.get_submodule(path), unit.mp_policy)
-    for param in twin.parameters():
-        if param.requires_grad:
-            hook = param.register_post_accumulate_grad_hook
-            handles.append(hook(_drop_grad))  # type: ignore[no-untyped-call]
-    live = _LiveBytes({p.untyped_storage().data_ptr() for p in twin.parameters()})
+    gathers = _Gathers(plan, model, twin, live, shard)
+    handles += gathers.hooks
+    handles += _GradStaging(plan, model, twin, live, shard, gathers).hooks
     try:
         with torch.autograd.graph.saved_tensors_hooks(_packer(live), lambda tensor: tensor):
             loss = loss_fn(twin)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError("loss_fn must return a scalar tensor (the loss of one batch)")
         live.add(loss)
-        saved = live.live
-        live.peak = live.live
+        saved = live.live - live.gathered
+        live.working_peak = saved
         if loss.requires_grad:
             with live:
                 torch.autograd.backward(loss)
     finally:
         for handle in handles:
             handle.remove()
-    return ActivationTrace(saved_bytes=saved, backward_peak_bytes=live.peak)
+    return ActivationTrace(
+        saved_bytes=saved, backward_peak_bytes=live.working_peak, step_peak_bytes=live.peak
+    )
+
+
+class _Gathers:
+    """Replays FSDP2's gathered parameters on the traced copy: a unit is gathered at its
+    first member's pre-forward and, if it reshards, freed after its last member's
+    forward. In backward a unit with trainable parameters is gathered when the
+    gradient of its output arrives (its pre-backward), together with the next unit
+    in reverse forward order (the implicit prefetch), and freed when its gradients
+    are complete. Units that keep their parameters (the root) stay gathered until
+    then. Frozen units are not gathered in backward."""
+
+    def __init__(
+        self, plan: ShardingPlan, model: nn.Module, twin: nn.Module, live: _LiveBytes, shard: int
+    ) -> None:
+        self.live = live
+        self.hooks: list[Any] = []
+        self.size: dict[int, int] = {}
+        self.kept: dict[int, int] = {}
+        self.held: dict[int, int] = {}
+        self.members: dict[int, int] = {}
+        self.done: dict[int, int] = {}
+        self.trainable: set[int] = set()
+        self.order: list[int] = []
+        self.started: set[int] = set()
+        for index, (unit, params) in enumerate(
+            zip(plan.units, unit_parameters(plan, model), strict=True)
+        ):
+            if not params:
+                continue
+            size = sum(
+                _padded_shard_numel(p, shard) * shard * _compute_itemsize(p, unit.mp_policy)
+                for _, p in params
+            )
+            self.size[index] = size
+            self.kept[index] = _kept_after_forward(unit, size, shard)
+            self.held[index] = 0
+            self.members[index] = len(unit.paths)
+            if any(p.requires_grad for _, p in params):
+                self.trainable.add(index)
+            for path in unit.paths:
+                module = twin.get_submodule(path)
+                self.hooks.append(module.register_forward_pre_hook(self._pre(index)))
+                self.hooks.append(module.register_forward_hook(self._post(index)))
+
+    def _set(self, index: int, nbytes: int) -> None:
+        self.live.bump(nbytes - self.held[index], gathered=True)
+        self.held[index] = nbytes
+
+    def _pre(self, index: int) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            if self.done.get(index, 0) == 0:
+                self._set(index, self.size[index])
+
+        return hook
+
+    def _post(self, index: int) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(_: nn.Module, __: Any, output: Any) -> None:
+            self.done[index] = self.done.get(index, 0) + 1
+            if self.done[index] < self.members[index]:
+                return
+            self.done[index] = 0
+            self._set(index, self.kept[index])
+            if index not in self.trainable:
+                return
+            if index not in self.order:
+                self.order.append(index)
+            for tensor in _tensors(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(self._pre_backward(index))  # type: ignore[no-untyped-call]
+
+        return hook
+
+    def _pre_backward(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            if index in self.started:
+                return
+            self.started.add(index)
+            self._set(index, self.size[index])
+            later = self.order[: self.order.index(index)]
+            waiting = [i for i in reversed(later) if i not in self.started]
+            if waiting:
+                self._set(waiting[0], self.size[waiting[0]])
+
+        return hook
+
+    def finished(self, index: int) -> None:
+        """A unit's gradients are complete: it reshards."""
+        if index in self.size:
+            self._set(index, 0)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a module output (tensors, tuples, lists, mappings such as
+    transformers' ``ModelOutput``)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, tuple | list):
+        return [t for item in value for t in _tensors(item)]
+    if isinstance(value, Mapping):
+        return [t for item in value.values() for t in _tensors(item)]
+    return []
+
+
+def _compute_itemsize(param: nn.Parameter, policy: MixedPrecisionPolicy) -> int:
+    if policy.param_dtype is not None and param.is_floating_point():
+        return policy.param_dtype.itemsize
+    return param.dtype.itemsize
+
+
+def _kept_after_forward(unit: UnitPlan, size: int, shard: int) -> int:
+    """Gathered bytes a unit keeps after forward (FSDP2: the root keeps all by default)."""
+    setting = unit.reshard_after_forward
+    if setting is None:
+        return size if unit.is_root else 0
+    if setting is True or setting == shard:
+        return 0
+    if setting is False or setting == 1:
+        return size
+    return size // int(setting)
+
+
+class _GradStaging:
+    """Post-accumulate hooks that give the traced copy FSDP2's per-unit gradient lifetimes."""
+
+    def __init__(
+        self,
+        plan: ShardingPlan,
+        model: nn.Module,
+        twin: nn.Module,
+        live: _LiveBytes,
+        shard: int,
+        gathers: _Gathers,
+    ) -> None:
+        self.live = live
+        self.gathers = gathers
+        self.hooks: list[Any] = []
+        self.pending: dict[int, set[str]] = {}
+        self.members: dict[int, list[nn.Parameter]] = {}
+        self.reduce_bytes: dict[int, int] = {}
+        self.sharded_bytes: dict[int, int] = {}
+        named = dict(twin.named_parameters())
+        for index, (unit, params) in enumerate(
+            zip(plan.units, unit_parameters(plan, model), strict=True)
+        ):
+            trainable = [(n, p) for n, p in params if p.requires_grad]
+            if not trainable:
+                continue
+            policy = unit.mp_policy
+            self.pending[index] = {n for n, _ in trainable}
+            self.members[index] = [named[n] for n, _ in trainable]
+            self.reduce_bytes[index] = sum(
+                _padded_shard_numel(p, shard) * shard * _reduce_itemsize(p, policy)
+                for _, p in trainable
+            )
+            self.sharded_bytes[index] = sum(
+                _padded_shard_numel(p, shard) * p.dtype.itemsize for _, p in trainable
+            )
+            for name, _ in trainable:
+                hook = named[name].register_post_accumulate_grad_hook
+                self.hooks.append(hook(self._accumulated(index, name)))  # type: ignore[no-untyped-call]
+
+    def _accumulated(self, index: int, name: str) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            waiting = self.pending[index]
+            waiting.discard(name)
+            if waiting:
+                return
+            self.gathers.finished(index)
+            self.live.bump(self.reduce_bytes[index])  # reduce-scatter input beside the grads
+            for param in self.members[index]:
+                param.grad = None
+            self.live.bump(self.sharded_bytes[index] - self.reduce_bytes[index])
+
+        return hook
+
+
+def _reduce_itemsize(param: nn.Parameter, policy: MixedPrecisionPolicy) -> int:
+    """Bytes per element of a gradient on the wire: the reduce dtype, else the compute dtype."""
+    dtype = policy.reduce_dtype or policy.param_dtype or param.dtype
+    return dtype.itemsize
 
 
 def _packer(live: _LiveBytes) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -419,10 +641,6 @@ def _packer(live: _LiveBytes) -> Callable[[torch.Tensor], torch.Tensor]:
         return tensor
 
     return pack
-
-
-def _drop_grad(param: torch.Tensor) -> None:
-    param.grad = None
 
 
 # --------------------------------------------------------------------------- one call
@@ -443,7 +661,7 @@ def estimate_memory(
     check_optimizer(optimizer)
     if not isinstance(costs, PlanCosts):
         raise TypeError(f"costs must be a PlanCosts, got {type(costs).__name__}")
-    saved, working = _activation_figures(activations)
+    saved, working, step = _activation_figures(activations)
     shard = costs.mesh.dp_shard
     return MemoryEstimate(
         optimizer=optimizer,
@@ -455,21 +673,25 @@ def estimate_memory(
         optimizer_bytes=optimizer_state_bytes(plan, model, shard=shard, optimizer=optimizer),
         activation_bytes=saved,
         backward_activation_bytes=working,
+        step_peak_bytes=step,
     )
 
 
-def _activation_figures(activations: ActivationTrace | int | None) -> tuple[int | None, int | None]:
-    """(end of forward, backward peak) bytes from what :func:`estimate_memory` was given."""
-    if activations is None or isinstance(activations, ActivationTrace):
-        if activations is None:
-            return None, None
-        return activations.saved_bytes, activations.backward_peak_bytes
+def _activation_figures(
+    activations: ActivationTrace | int | None,
+) -> tuple[int | None, int | None, int | None]:
+    """(end of forward, backward peak, traced step peak) from what was given."""
+    if activations is None:
+        return None, None, None
+    if isinstance(activations, ActivationTrace):
+        trace = activations
+        return trace.saved_bytes, trace.backward_peak_bytes, trace.step_peak_bytes
     if isinstance(activations, bool) or not isinstance(activations, int) or activations < 0:
         raise ValueError(
             "activations must be an ActivationTrace, a non-negative number of bytes or None, "
             f"got {activations!r}"
         )
-    return activations, activations
+    return activations, activations, None
 
 
 def with_memory(
