@@ -350,4 +350,5 @@ def bench(session: nox.Session) -> None:
     """The benchmark: collectives, memory and time of each sharding plan (docs/benchmark.md)."""
     _install_torch(session)
     session.install(*_package_paths(*PACKAGES))
+    session.install("matplotlib")  # the memory-timeline chart; a benchmark-only dependency
     session.run("python", "benchmarks/bench.py", *session.posargs)

@@ -17,6 +17,14 @@ versions. Sections:
    (4x = 96 text layers, 48 vision blocks) under a fake group of 64 ranks.
 5. Step time on 2 real gloo ranks: the parallelizer against hand-written
    ``fully_shard`` calls of the same units, in the same run.
+6. The runtime hooks' collectives per step, from the same gloo runs.
+7. Memory per rank of one AdamW step on the ``small`` preset, predicted by the
+   plan and measured by ``FSDPMemTracker`` under the fake group, per policy, and
+   a chart of per-rank parameter memory over the step (``--chart``, default
+   docs/img/memory-timeline.png; needs matplotlib, a benchmark-only dependency).
+
+The analytic minimum of section 1 comes from ``analytic_minimum.py``, written
+apart from the cost model it checks (docs/benchmark.md derives it).
 """
 
 from __future__ import annotations
@@ -37,13 +45,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from analytic_minimum import analytic_minimum, minimum_totals
 from torch import nn
 
 from fsdp_core import build_mesh, mixed_precision_policy
 from fsdp_core.testing import fake_process_group, run_torchrun
 from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
-from multimodal_fsdp.costs import PlanCosts, format_bytes, plan_costs, ungroup_units
+from multimodal_fsdp.costs import CommTally, PlanCosts, format_bytes, plan_costs, ungroup_units
 from multimodal_fsdp.measure import Measurement, measure_plan
+from multimodal_fsdp.measure_memory import measure_plan_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("root", "per_layer", "replicate")
@@ -115,24 +125,27 @@ def bench_policies(depths: tuple[int, ...], worlds: tuple[int, ...]) -> list[dic
                 default = measure_plan(
                     build, parallelizer, loss, world_size=world, mp_policy=MP, prefetch_guard=False
                 )
-                minimum = guarded.costs.comm
+                shapes = build_deepseek_v41(config, dtype=torch.float32, device="meta")
+                shapes.vision.requires_grad_(False)
+                count, nbytes = minimum_totals(analytic_minimum(guarded.plan, shapes, world))
+                fsdp = _fsdp_only(guarded.measured.comm)
+                fsdp_default = _fsdp_only(default.measured.comm)
                 row = {
                     "vision_layers": depth,
                     "world_size": world,
                     "policy": policy,
                     "units": len(guarded.costs.units),
-                    "measured_collectives": guarded.measured.comm.count(),
-                    "measured_bytes": guarded.measured.comm.bytes(),
-                    "minimum_collectives": minimum.count(),
-                    "minimum_bytes": minimum.bytes(),
-                    "ratio_collectives": _ratio(guarded.measured.comm.count(), minimum.count()),
-                    "ratio_bytes": _ratio(guarded.measured.comm.bytes(), minimum.bytes()),
+                    "measured_collectives": fsdp.count(),
+                    "measured_bytes": fsdp.bytes(),
+                    "other_collectives": guarded.measured.comm.count() - fsdp.count(),
+                    "minimum_collectives": count,
+                    "minimum_bytes": nbytes,
+                    "ratio_collectives": _ratio(fsdp.count(), count),
+                    "ratio_bytes": _ratio(fsdp.bytes(), nbytes),
                     "plan_matches_measured": guarded.matches and default.matches,
-                    "fsdp2_default_collectives": default.measured.comm.count(),
-                    "fsdp2_default_bytes": default.measured.comm.bytes(),
-                    "fsdp2_default_ratio_bytes": _ratio(
-                        default.measured.comm.bytes(), minimum.bytes()
-                    ),
+                    "fsdp2_default_collectives": fsdp_default.count(),
+                    "fsdp2_default_bytes": fsdp_default.bytes(),
+                    "fsdp2_default_ratio_bytes": _ratio(fsdp_default.bytes(), nbytes),
                     "tower_collectives": _tower_collectives(guarded),
                     "peak_gathered_forward_bytes": guarded.costs.peak_gathered_forward_bytes,
                     "peak_gathered_backward_bytes": guarded.costs.peak_gathered_backward_bytes,
@@ -141,6 +154,16 @@ def bench_policies(depths: tuple[int, ...], worlds: tuple[int, ...]) -> list[dic
                 rows.append(row)
                 logger.info("policies: %s", {k: row[k] for k in list(row)[:10]})
     return rows
+
+
+def _fsdp_only(tally: CommTally) -> CommTally:
+    """FSDP's own collectives (all-gathers, reduce-scatters): the runtime hooks' all-reduces
+    are not part of the minimum and are reported apart."""
+    kept = CommTally()
+    for (phase, kind), count in tally.counts.items():
+        if kind in ("all_gather", "reduce_scatter"):
+            kept.add(phase, kind, tally.nbytes.get((phase, kind), 0), count)
+    return kept
 
 
 def _tower_collectives(result: Measurement) -> dict[str, int]:
@@ -159,12 +182,13 @@ def format_policies(rows: list[dict[str, Any]]) -> str:
         "world",
         "policy",
         "units",
-        "coll. measured",
+        "FSDP coll. measured",
         "MiB measured",
         "coll. minimum",
         "MiB minimum",
         "ratio",
         "FSDP2 default coll. / ratio",
+        "hook all-reduces",
         "tower coll.",
         "peak fwd MiB",
         "peak bwd MiB",
@@ -185,6 +209,7 @@ def format_policies(rows: list[dict[str, Any]]) -> str:
                 f"{r['ratio_collectives']:.2f} / {r['ratio_bytes']:.2f}"
                 + ("" if r["plan_matches_measured"] else " (!)"),
                 f"{r['fsdp2_default_collectives']} / {r['fsdp2_default_ratio_bytes']:.3f}",
+                str(r["other_collectives"]),
                 tower,
                 _mib(r["peak_gathered_forward_bytes"]),
                 _mib(r["peak_gathered_backward_bytes"]),
@@ -502,6 +527,130 @@ def format_hooks(rows: list[dict[str, Any]]) -> str:
     return _table(header, table)
 
 
+# --------------------------------------------------------------------------- 7. measured memory
+CHART = ROOT / "docs" / "img" / "memory-timeline.png"
+MEMORY_WORLD = 8
+_CHART_POINTS = 600
+
+
+def bench_measured_memory(depth: int, world: int) -> list[dict[str, Any]]:
+    """Predicted and measured per-rank memory of one AdamW step, per policy (fake group)."""
+    config = DeepseekV41Config.small(vision_layers=depth)
+    loss = _loss(config)
+    build = _meta_to_cpu(config, frozen_tower=True)
+    rows = []
+    for policy in POLICIES:
+        parallelizer = PARALLELIZER.with_options(frozen_multimodal_sharding=policy)
+        result = measure_plan_memory(build, parallelizer, loss, world_size=world, mp_policy=MP)
+        predicted, measured = result.costs.memory, result.measured
+        assert predicted is not None
+        resting = measured.sharded_param_bytes + measured.replicated_param_bytes
+        points = measured.timeline
+        stride = max(1, len(points) // _CHART_POINTS)
+        rows.append(
+            {
+                "vision_layers": depth,
+                "world_size": world,
+                "policy": policy,
+                "predicted": predicted.as_dict(),
+                "measured": measured.as_dict(),
+                "timeline": [
+                    {"phase": p.phase, "param_bytes": resting + p.gathered_bytes}
+                    for p in points[::stride]
+                ],
+            }
+        )
+    return rows
+
+
+_MEMORY_FIGURES = (
+    ("sharded_param_bytes", "sharded"),
+    ("replicated_param_bytes", "replicated"),
+    ("peak_gathered_forward_bytes", "gathered fwd"),
+    ("peak_gathered_backward_bytes", "gathered bwd"),
+    ("gradient_bytes", "grads"),
+    ("optimizer_bytes", "AdamW"),
+    ("activation_bytes", "activations"),
+    ("peak_bytes", "peak total"),
+)
+
+
+def format_measured_memory(rows: list[dict[str, Any]]) -> str:
+    header = ["policy", *(label + " MiB pred / meas" for _, label in _MEMORY_FIGURES)]
+    table = []
+    for r in rows:
+        cells = [r["policy"]]
+        for key, _ in _MEMORY_FIGURES:
+            pred, meas = r["predicted"][key], r["measured"][key]
+            cells.append(
+                f"{_mib(meas)}"
+                if pred == meas
+                else f"{_mib(pred)} / {_mib(meas)} ({(pred - meas) / meas * 100:+.1f}%)"
+            )
+        table.append(cells)
+    return _table(header, table)
+
+
+def _relative_path(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def write_memory_chart(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """Per-rank parameter bytes over one step for each policy (matplotlib, bench-only)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[bench] matplotlib not installed: no memory chart", file=sys.stderr)
+        return None
+    colours = {"forward": "#dbe9f6", "backward": "#fbe3d6", "optimizer": "#e6f2e0"}
+    fig, axes = plt.subplots(len(rows), 1, figsize=(9, 2.2 * len(rows)), sharex=True, sharey=True)
+    for ax, row in zip(axes, rows, strict=True):
+        points = row["timeline"]
+        xs = [i / max(1, len(points) - 1) for i in range(len(points))]
+        ys = [p["param_bytes"] / 2**20 for p in points]
+        start = 0
+        for i in range(1, len(points) + 1):
+            if i == len(points) or points[i]["phase"] != points[start]["phase"]:
+                ax.axvspan(
+                    xs[start], xs[min(i, len(xs) - 1)], color=colours[points[start]["phase"]]
+                )
+                start = i
+        measured = row["measured"]
+        resting = (measured["sharded_param_bytes"] + measured["replicated_param_bytes"]) / 2**20
+        ax.fill_between(xs, 0, ys, step="post", color="#3b6ea8", alpha=0.85, linewidth=0)
+        ax.axhline(resting, color="black", linewidth=0.8, linestyle="--")
+        ax.set_title(
+            f"{row['policy']}: peak {max(ys):.0f} MiB, resting {resting:.0f} MiB "
+            f"(sharded {_mib(measured['sharded_param_bytes'])}, replicated "
+            f"{_mib(measured['replicated_param_bytes'])})",
+            fontsize=9,
+            loc="left",
+        )
+        ax.set_ylabel("MiB per rank", fontsize=8)
+    axes[-1].set_xlabel(
+        "one training step (forward blue, backward orange, optimizer green); "
+        "dashed: parameters at rest",
+        fontsize=8,
+    )
+    first = rows[0]
+    fig.suptitle(
+        f"Parameter memory per rank over one step: DeepSeek-V4.1 small, frozen "
+        f"{first['vision_layers']}-block tower, {first['world_size']} ranks, bf16 compute",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 # --------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -509,6 +658,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smallest sizes only (smoke run)")
     parser.add_argument("--skip-gloo", action="store_true", help="no real-gloo step timing")
     parser.add_argument("--gloo-steps", type=int, default=40)
+    parser.add_argument(
+        "--chart",
+        type=Path,
+        default=CHART,
+        help="where to write the memory-timeline chart (PNG; needs matplotlib)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
@@ -533,6 +688,10 @@ def main(argv: list[str] | None = None) -> int:
     sections["memory"] = timed("memory", lambda: bench_memory(depths, (8, 64)))
     scales = SCALES[:2] if args.quick else SCALES
     sections["scaling"] = timed("scaling", lambda: bench_scaling(scales, 64, 3))
+    sections["measured_memory"] = timed(
+        "measured_memory", lambda: bench_measured_memory(TOWER_DEPTHS[0], MEMORY_WORLD)
+    )
+    chart = write_memory_chart(sections["measured_memory"], args.chart)
     if not args.skip_gloo:
         steps = 4 if args.quick else args.gloo_steps
         sections["gloo"] = timed("gloo", lambda: bench_gloo(steps, ("per_layer", "root")))
@@ -573,6 +732,16 @@ def main(argv: list[str] | None = None) -> int:
             "",
             format_hooks(sections["gloo"]),
         ]
+    report += [
+        "",
+        f"## 7. Memory per rank of one AdamW step, predicted / measured (DeepSeek-V4.1 small, "
+        f"frozen {TOWER_DEPTHS[0]}-block tower, {MEMORY_WORLD} ranks under the fake group, "
+        "batch 1 x 64)",
+        "",
+        format_measured_memory(sections["measured_memory"]),
+        "",
+        f"Chart: {_relative_path(chart)}" if chart else "Chart: not written (no matplotlib)",
+    ]
     print("\n".join(report))
 
     out = args.out or ROOT / "bench-results" / (
