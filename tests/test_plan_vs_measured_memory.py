@@ -15,7 +15,9 @@ docs/memory.md explains each remaining difference.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +27,7 @@ from hf_vlms import HF_VLMS, hf_loss
 from torch import nn
 
 from fsdp_core import mixed_precision_policy
+from fsdp_core.testing import fake_process_group, run_on_gloo_ranks
 from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
 from multimodal_fsdp import MultimodalParallelizer
 from multimodal_fsdp.choose import MemoryBudgetError, PolicyChoice, choose_frozen_policy
@@ -370,3 +373,34 @@ def test_chosen_policy_fits_when_measured() -> None:
 def test_bad_choices_are_named(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         _choose(**kwargs)
+
+
+# --- the same step on real gloo ranks -----------------------------------------------------------
+
+
+@pytest.mark.distributed
+def test_gloo_ranks_measure_what_the_fake_group_measures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    import _memory_gloo_ranks as ranks
+
+    run_on_gloo_ranks(ranks.measure, 2, "per_layer", str(tmp_path), timeout_s=120)
+    (tmp_path / "fake").mkdir()
+    with fake_process_group(2):
+        ranks.measure(0, 2, "per_layer", str(tmp_path / "fake"))
+    fake = json.loads((tmp_path / "fake" / "rank0.json").read_text())["measured"]
+    for rank in (0, 1):
+        figures = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        predicted, measured = figures["predicted"], figures["measured"]
+        for name in EXACT[:-1]:
+            assert measured[name] == fake[name] == predicted[name], name
+        # The optimizer state follows each rank's unpadded shard: rank 1 holds the padding
+        # rank 0 does not, so its state is at most rank 0's (within 2%).
+        assert _relative(predicted["optimizer_bytes"], measured["optimizer_bytes"]) <= 0.02
+        assert measured["optimizer_bytes"] <= fake["optimizer_bytes"]
+        assert measured["activation_bytes"] == fake["activation_bytes"]
+        # gloo's reduce-scatter works on a copy of its input (docs/memory.md): only the
+        # temporaries, hence the peak, exceed the fake group's.
+        assert measured["peak_bytes"] > fake["peak_bytes"]
+        assert _relative(predicted["peak_bytes"], fake["peak_bytes"]) <= 0.10
