@@ -124,6 +124,23 @@ def test_memory_figures_are_marked_predicted(capsys: pytest.CaptureFixture[str])
     assert "(without activations)" not in run(capsys, *base, "--activations", "1.5GB")
 
 
+def test_batch_traces_activations_into_the_peak(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--model", "deepseek-v41-tiny", "--world-size", "4", "--freeze", "vision"]
+    without = json.loads(run(capsys, *base, "--json"))["memory"]
+    traced = json.loads(run(capsys, *base, "--json", "--batch", "2x16"))["memory"]
+    assert traced["peak_includes_activations"] is True
+    assert traced["activation_bytes"] > 0
+    assert traced["step_peak_bytes"] >= traced["activation_bytes"]
+    assert traced["peak_bytes"] > without["peak_bytes"]
+    bigger = json.loads(run(capsys, *base, "--json", "--batch", "4x16"))["memory"]
+    assert bigger["activation_bytes"] > traced["activation_bytes"]
+    text = run(capsys, *base, "--batch", "2x16")
+    assert "(without activations)" not in text
+    chosen = json.loads(run(capsys, *base, "--json", "--batch", "2x16", "--memory-budget", "1GiB"))
+    assert all(c["peak_bytes"] > 0 for c in chosen["policy_choice"]["candidates"])
+    assert not any("no batch" in note for note in chosen["policy_choice"]["notes"])
+
+
 def _budget_run(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
     base = ["--model", "deepseek-v41-tiny", "--world-size", "4", "--freeze", "vision"]
     data: dict[str, Any] = json.loads(run(capsys, *base, "--json", *argv))
@@ -170,6 +187,9 @@ def test_memory_budget_that_nothing_fits(capsys: pytest.CaptureFixture[str]) -> 
         (["--activations", "lots"], "invalid size 'lots'"),
         (["--activations", "3 parsecs"], "units: b, kb"),
         (["--memory-budget", "big"], "invalid size 'big'"),
+        (["--batch", "2by16"], "invalid batch '2by16'"),
+        (["--batch", "1x99999"], "--batch 1x99999: seq_len=99999"),
+        (["--batch", "2x16", "--activations", "1MiB"], "not both"),
         (["--memory-budget", "1GiB", "--policy", "root"], "not both"),
     ],
 )
@@ -239,6 +259,14 @@ def test_transformers_config_json(
     labels = [u["label"] for u in data["units"]]
     assert "model.language_model.layers.2" in labels
     assert run(capsys, "--model", str(tmp_path), "--world-size", "4").startswith("Llava")
+
+
+@pytest.mark.transformers
+def test_batch_needs_a_deepseek_preset(
+    capsys: pytest.CaptureFixture[str], transformers: Any
+) -> None:
+    err = fail(capsys, "--model", "llava", "--batch", "1x4")
+    assert "for other models give --activations SIZE" in err
 
 
 @pytest.mark.transformers

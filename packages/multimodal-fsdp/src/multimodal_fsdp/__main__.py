@@ -19,7 +19,7 @@ import difflib
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,15 @@ def _size(value: str) -> int:
         return parse_size(value)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _batch(value: str) -> tuple[int, int]:
+    parts = value.lower().split("x")
+    if len(parts) == 2 and all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        return int(parts[0]), int(parts[1])
+    raise argparse.ArgumentTypeError(
+        f"invalid batch {value!r}; write samples x tokens per sample, e.g. 4x2048"
+    )
 
 
 def _reshard(value: str) -> bool | int | None:
@@ -205,6 +214,16 @@ def build_parser() -> argparse.ArgumentParser:
             "the peak leaves activations out and says so)"
         ),
     )
+    plan.add_argument(
+        "--batch",
+        type=_batch,
+        default=None,
+        metavar="BxS",
+        help=(
+            "DeepSeek-V4.1 presets: trace one step of B samples of S tokens (one image "
+            "each) to predict activations and the peak; materialises the model on the CPU"
+        ),
+    )
     plan.add_argument("--json", action="store_true", help="print JSON instead of the tree")
     return parser
 
@@ -310,6 +329,33 @@ def _with_activations(costs: PlanCosts, activations: int | None) -> PlanCosts:
     return dataclasses.replace(costs, memory=costs.memory.with_activations(activations))
 
 
+def _batch_loss(args: argparse.Namespace) -> Callable[[nn.Module], torch.Tensor] | None:
+    """The loss of one ``--batch`` for the activation trace (DeepSeek-V4.1 presets)."""
+    if args.batch is None:
+        return None
+    if args.model not in DEEPSEEK_MODELS:
+        raise CliError(
+            f"--batch works with {', '.join(DEEPSEEK_MODELS)} (they make their own batches); "
+            "for other models give --activations SIZE"
+        )
+    if args.activations is not None:
+        raise CliError("give --batch (to trace activations) or --activations, not both")
+    import model_deepseek_v41 as ds
+
+    config = ds.DeepseekV41Config.preset(DEEPSEEK_MODELS[args.model])
+    samples, tokens = args.batch
+    try:
+        batch = ds.make_batch(config, batch_size=samples, seq_len=tokens)
+    except ValueError as error:
+        raise CliError(f"--batch {samples}x{tokens}: {error}") from None
+
+    def loss(model: nn.Module) -> torch.Tensor:
+        value: torch.Tensor = model(**batch)
+        return value
+
+    return loss
+
+
 def _costs(
     args: argparse.Namespace,
     model: nn.Module,
@@ -325,6 +371,7 @@ def _costs(
         "reshard_after_forward": args.reshard_after_forward,
         "prefetch_guard": not args.no_prefetch_guard,
         "optimizer": args.optimizer,
+        "loss_fn": _batch_loss(args),
     }
     try:
         if args.memory_budget is not None:
