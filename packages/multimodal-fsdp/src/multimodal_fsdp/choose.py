@@ -26,8 +26,9 @@ import torch
 from torch import nn
 
 from fsdp_core import MeshShape
+from multimodal_fsdp.activations import ActivationTrace
 from multimodal_fsdp.costs import PlanCosts, format_bytes, inspect_model
-from multimodal_fsdp.memory import ActivationTrace, parse_size
+from multimodal_fsdp.memory import parse_size
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 from multimodal_fsdp.policy import (
     VALID_FROZEN_MULTIMODAL_SHARDING,

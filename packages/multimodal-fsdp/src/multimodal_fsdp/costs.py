@@ -801,7 +801,8 @@ def inspect_model(
     )
     if optimizer is None:
         return costs
-    from multimodal_fsdp.memory import trace_activations, with_memory  # imports this module
+    from multimodal_fsdp.activations import trace_activations
+    from multimodal_fsdp.memory import with_memory  # imports this module
 
     traced = (
         None

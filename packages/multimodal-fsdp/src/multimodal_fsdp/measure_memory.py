@@ -31,8 +31,9 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_core import ShardingPlan, build_mesh, resolve_mesh_shape
 from fsdp_core.testing import fake_process_group
+from multimodal_fsdp.activations import trace_activations
 from multimodal_fsdp.costs import PlanCosts, plan_costs
-from multimodal_fsdp.memory import check_optimizer, trace_activations, with_memory
+from multimodal_fsdp.memory import check_optimizer, with_memory
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 
 __all__ = [
