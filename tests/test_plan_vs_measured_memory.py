@@ -16,6 +16,7 @@ docs/memory.md explains each remaining difference.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -255,6 +256,7 @@ def test_bad_arguments_are_named() -> None:
     with pytest.raises(TypeError, match="must be sharded"):
         measure_memory(model, _ds_loss)
     assert make_optimizer("none", model.parameters()) is None
+    assert make_optimizer("adamw", [p for p in model.parameters() if not p.requires_grad]) is None
     costs = inspect_model(model, world_size=WORLD, parallelizer=PARALLELIZER)
     with pytest.raises(ValueError, match="activations must be"):
         estimate_memory(costs, plan, model, activations=-1)
@@ -404,3 +406,14 @@ def test_gloo_ranks_measure_what_the_fake_group_measures(
         # temporaries, hence the peak, exceed the fake group's.
         assert measured["peak_bytes"] > fake["peak_bytes"]
         assert _relative(predicted["peak_bytes"], fake["peak_bytes"]) <= 0.10
+
+
+def test_a_torch_without_the_tracker_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed._tools.mem_tracker import MemTracker  # FSDPMemTracker's base
+
+    monkeypatch.delattr(MemTracker, "_update_peak_stats")
+    with pytest.raises(RuntimeError, match=r"lacks \['_update_peak_stats'\]"):
+        _measure("deepseek", "per_layer")
+    monkeypatch.setitem(sys.modules, "torch.distributed._tools.fsdp2_mem_tracker", None)
+    with pytest.raises(RuntimeError, match="private torch module"):
+        _measure("deepseek", "per_layer")

@@ -12,7 +12,9 @@ activation trace), shard, measure - under the initialised process group or
 else the fake one, where tensor sizes are exactly those of a real job.
 
 The tracker lives in a private torch module (``torch.distributed._tools``);
-:func:`_tracker_base` is the only place that touches it.
+the "private torch" section below is the only code that touches it (the class,
+the per-operation hook it calls, its snapshot attributes), and it checks what it
+uses so that a torch without them fails with a message naming what is missing.
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ _TOTAL = "Total"
 
 
 # --------------------------------------------------------------------------- private torch
+#: What this module uses of the tracker beyond its public methods.
+_TRACKER_NEEDS = ("_update_peak_stats", "get_tracker_snapshot", "track_inputs")
+
+
 def _tracker_base() -> type[Any]:
     """torch's ``FSDPMemTracker``, or a RuntimeError saying what is missing."""
     try:
@@ -75,6 +81,12 @@ def _tracker_base() -> type[Any]:
             f"FSDPMemTracker (a private torch module; torch {torch.__version__} lacks it: "
             f"{error})"
         ) from None
+    missing = [name for name in _TRACKER_NEEDS if not hasattr(FSDPMemTracker, name)]
+    if missing:
+        raise RuntimeError(
+            f"torch {torch.__version__}'s FSDPMemTracker lacks {missing}, which "
+            "multimodal_fsdp.measure_memory reads; measure with a torch it was tested with (2.13)"
+        )
     tracker: type[Any] = FSDPMemTracker
     return tracker
 
