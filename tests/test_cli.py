@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from multimodal_fsdp.__main__ import main
 
@@ -210,9 +211,40 @@ def test_missing_command_and_model(capsys: pytest.CaptureFixture[str]) -> None:
 def test_missing_deepseek_package(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Without the package its entry point cannot load: no preset of that name.
     monkeypatch.setitem(sys.modules, "model_deepseek_v41", None)
+    monkeypatch.setitem(sys.modules, "model_deepseek_v41.presets", None)
     err = fail(capsys, "--model", "deepseek-v41-base")
+    assert "not a registered preset (none installed)" in err
     assert "pip install model-deepseek-v41" in err
+
+
+def test_presets_come_from_the_entry_point_group() -> None:
+    from multimodal_fsdp.models import ENTRY_POINT_GROUP, model_presets
+
+    presets = model_presets()
+    assert {"deepseek-v41-tiny", "deepseek-v41-small", "deepseek-v41-base"} <= set(presets)
+    model, parallelizer = presets["deepseek-v41-tiny"].build(torch.bfloat16)
+    assert next(model.parameters()).device.type == "meta"
+    assert type(parallelizer).__name__ == "DeepseekV41ModelParallelizer"
+    assert ENTRY_POINT_GROUP == "multimodal_fsdp.models"
+
+
+def test_a_broken_or_duplicate_preset_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib import metadata
+
+    from multimodal_fsdp import models
+
+    def entry(value: str) -> metadata.EntryPoint:
+        return metadata.EntryPoint("x", value, models.ENTRY_POINT_GROUP)
+
+    broken = [entry("no_such_module_here:presets")]
+    monkeypatch.setattr(models.metadata, "entry_points", lambda group: broken)
+    assert models.model_presets() == {}  # logged and left out
+    twice = [entry("model_deepseek_v41.presets:model_presets")] * 2
+    monkeypatch.setattr(models.metadata, "entry_points", lambda group: twice)
+    with pytest.raises(ValueError, match="registered twice"):
+        models.model_presets()
 
 
 def test_missing_transformers_names_the_extra(

@@ -6,9 +6,11 @@
     multimodal-fsdp plan --model path/to/config.json --world-size 8
 
 The model is built on the meta device (no memory, no weights). ``--model``
-takes a DeepSeek-V4.1 reference preset (needs ``model-deepseek-v41``), a
-transformers ``model_type`` or a local ``config.json`` / model directory
-(needs the ``multimodal-fsdp[transformers]`` extra).
+takes a preset that an installed model package registers (the DeepSeek-V4.1
+reference presets come with ``model-deepseek-v41``; see
+:mod:`multimodal_fsdp.models`), a transformers ``model_type`` or a local
+``config.json`` / model directory (needs the ``multimodal-fsdp[transformers]``
+extra).
 """
 
 from __future__ import annotations
@@ -30,19 +32,14 @@ from fsdp_core import DTYPE_ALIASES, MeshShape, parse_dtype, resolve_mesh_shape
 from multimodal_fsdp.choose import PolicyChoice, choose_frozen_policy
 from multimodal_fsdp.costs import PlanCosts, inspect_model
 from multimodal_fsdp.memory import OPTIMIZER_STATES, parse_size
+from multimodal_fsdp.models import ModelPreset, model_presets
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 from multimodal_fsdp.policy import VALID_FROZEN_MULTIMODAL_SHARDING
 
-__all__ = ["DEEPSEEK_MODELS", "FREEZE_CHOICES", "build_parser", "main"]
+__all__ = ["FREEZE_CHOICES", "build_parser", "main"]
 
 logger = logging.getLogger(__name__)
 
-#: ``--model`` names served by the DeepSeek-V4.1 reference package, with their presets.
-DEEPSEEK_MODELS: dict[str, str] = {
-    "deepseek-v41-tiny": "tiny",
-    "deepseek-v41-small": "small",
-    "deepseek-v41-base": "base",
-}
 #: What ``--freeze`` can freeze: nothing, the towers of one modality, all towers,
 #: or all towers and projectors.
 FREEZE_CHOICES: tuple[str, ...] = ("none", "vision", "audio", "video", "towers", "multimodal")
@@ -129,8 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         required=True,
         help=(
-            f"{' | '.join(DEEPSEEK_MODELS)} | a transformers model_type (e.g. llava, "
-            "qwen2_vl) | path to a config.json or model directory"
+            "a registered preset ("
+            + (", ".join(_presets()) or "none installed")
+            + ") | a transformers model_type (e.g. llava, qwen2_vl) | path to a "
+            "config.json or model directory"
         ),
     )
     plan.add_argument("--world-size", type=_positive_int, default=8, help="ranks (default 8)")
@@ -229,19 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # --------------------------------------------------------------------------- models
-def _deepseek(name: str, storage: torch.dtype) -> tuple[nn.Module, MultimodalParallelizer]:
-    try:
-        import model_deepseek_v41 as ds
-    except ImportError:
-        raise CliError(
-            f"--model {name} needs the DeepSeek-V4.1 reference package: "
-            "pip install model-deepseek-v41"
-        ) from None
-    config = ds.DeepseekV41Config.preset(DEEPSEEK_MODELS[name])
-    model = ds.build_deepseek_v41(config, dtype=storage, device="meta")
-    parallelizer = ds.PARALLELIZER
-    assert isinstance(parallelizer, MultimodalParallelizer)
-    return model, parallelizer
+def _presets() -> dict[str, ModelPreset]:
+    """Presets registered by installed model packages (see :mod:`multimodal_fsdp.models`)."""
+    return model_presets()
 
 
 def _transformers() -> Any:
@@ -264,11 +253,15 @@ def _hf_config(name: str) -> Any:
             raise CliError(f"cannot read a transformers config from {name!r}: {error}") from None
     known = sorted(transformers.CONFIG_MAPPING.keys())
     if name not in known:
-        close = difflib.get_close_matches(name, [*DEEPSEEK_MODELS, *known], n=5)
+        presets = list(_presets())
+        close = difflib.get_close_matches(name, [*presets, *known], n=5)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise CliError(
-            f"unknown --model {name!r}: not a path, not one of {', '.join(DEEPSEEK_MODELS)}, "
-            f"and not one of the {len(known)} transformers model types{hint}"
+            f"unknown --model {name!r}: not a path, not a registered preset "
+            f"({', '.join(presets) or 'none installed'}), "
+            f"and not one of the {len(known)} transformers model types{hint}. Model "
+            "packages add presets when installed (the DeepSeek-V4.1 reference presets: "
+            "pip install model-deepseek-v41)"
         )
     return transformers.AutoConfig.for_model(name)
 
@@ -293,8 +286,9 @@ def _hf_model(name: str, storage: torch.dtype) -> nn.Module:
 
 def build_model(name: str, storage: torch.dtype) -> tuple[nn.Module, MultimodalParallelizer]:
     """The meta-device model for ``--model`` and the parallelizer that serves it."""
-    if name in DEEPSEEK_MODELS:
-        return _deepseek(name, storage)
+    preset = _presets().get(name)
+    if preset is not None:
+        return preset.build(storage)
     return _hf_model(name, storage), MultimodalParallelizer()
 
 
@@ -333,27 +327,21 @@ def _batch_loss(args: argparse.Namespace) -> Callable[[nn.Module], torch.Tensor]
     """The loss of one ``--batch`` for the activation trace (DeepSeek-V4.1 presets)."""
     if args.batch is None:
         return None
-    if args.model not in DEEPSEEK_MODELS:
+    preset = _presets().get(args.model)
+    if preset is None or preset.batch_loss is None:
+        with_batches = [name for name, p in _presets().items() if p.batch_loss is not None]
         raise CliError(
-            f"--batch works with {', '.join(DEEPSEEK_MODELS)} (they make their own batches); "
+            f"--batch works with presets that make their own batches "
+            f"({', '.join(with_batches) or 'none installed'}); "
             "for other models give --activations SIZE"
         )
     if args.activations is not None:
         raise CliError("give --batch (to trace activations) or --activations, not both")
-    import model_deepseek_v41 as ds
-
-    config = ds.DeepseekV41Config.preset(DEEPSEEK_MODELS[args.model])
     samples, tokens = args.batch
     try:
-        batch = ds.make_batch(config, batch_size=samples, seq_len=tokens)
+        return preset.batch_loss(samples, tokens)
     except ValueError as error:
         raise CliError(f"--batch {samples}x{tokens}: {error}") from None
-
-    def loss(model: nn.Module) -> torch.Tensor:
-        value: torch.Tensor = model(**batch)
-        return value
-
-    return loss
 
 
 def _costs(
