@@ -1001,3 +1001,180 @@ def test_apply_with_adapters_trains_only_the_adapters(policy: str, mesh2: Device
     step(model)
     for name, param in model.named_parameters():
         assert (param.grad is not None) == (".lora_" in name), name
+
+
+# --- per-module policies -------------------------------------------------------------------
+
+PROJECTOR = "multi_modal_projector"
+
+
+def all_frozen_vlm() -> Vlm:
+    """Tower and projector both frozen: two frozen parts, each with its own policy."""
+    model = frozen_vlm()
+    model.multi_modal_projector.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("policies", "units", "replicated"),
+    [
+        # The tower gathered block by block; the projector defaults to root.
+        ({"vision_tower": "per_layer"}, [*TEXT_UNITS, *TOWER_BLOCKS, ""], []),
+        (
+            {"vision_tower": "per_layer", "*": "replicate"},
+            [*TEXT_UNITS, *TOWER_BLOCKS, ""],
+            [PROJECTOR],
+        ),
+        (
+            {PROJECTOR: "per_layer", "*": "replicate"},
+            [*TEXT_UNITS, PROJECTOR, ""],
+            ["vision_tower"],
+        ),
+        ({"vision_tower": "replicate", PROJECTOR: "root"}, [*TEXT_UNITS, ""], ["vision_tower"]),
+    ],
+)
+def test_per_module_policies_plan_each_module_by_its_own(
+    policies: dict[str, str], units: list[str], replicated: list[str]
+) -> None:
+    model = all_frozen_vlm()
+    parallelizer = MultimodalParallelizer(frozen_multimodal_sharding=policies)
+    plan = parallelizer.plan(model)
+    assert unit_paths(plan) == units
+    expected = sorted(name for path in replicated for name in param_names(model, path))
+    assert sorted(plan.replicated_param_names) == expected
+    assert sorted(plan.ignored_param_names) == expected
+    resolved = parallelizer.frozen_policies(model)
+    assert set(resolved) == {"vision_tower", PROJECTOR}
+    for path, policy in resolved.items():
+        assert policy == policies.get(path, policies.get("*", "root"))
+        role = "tower" if path == "vision_tower" else "projector"
+        assert f"{role} {path!r} (vision): frozen, policy {policy!r}" in plan.notes
+    assert (
+        plan.notes[0] == f"frozen-tower policies per module: {parallelizer.frozen_sharding_label}"
+    )
+
+
+def test_a_mapping_of_one_policy_plans_like_the_string() -> None:
+    model = all_frozen_vlm()
+    for policy in POLICIES:
+        by_string = MultimodalParallelizer(frozen_multimodal_sharding=policy).plan(model)
+        by_default = MultimodalParallelizer(frozen_multimodal_sharding={"*": policy}).plan(model)
+        every = {"vision_tower": policy, PROJECTOR: policy}
+        by_path = MultimodalParallelizer(frozen_multimodal_sharding=every).plan(model)
+        assert by_default == by_string
+        assert by_path.calls == by_string.calls
+        assert by_path.replicated_param_names == by_string.replicated_param_names
+
+
+def test_the_attribute_stays_the_default_policy_and_the_label_names_the_rest() -> None:
+    plain = MultimodalParallelizer(frozen_multimodal_sharding="Per-Layer")
+    assert plain.frozen_multimodal_sharding == "per_layer"
+    assert plain.frozen_multimodal_sharding_by_path == {}
+    assert plain.frozen_sharding_label == "per_layer"
+    mixed = plain.with_options(
+        frozen_multimodal_sharding={"vision_tower": "Per-Layer", "*": " replicate "}
+    )
+    assert mixed.frozen_multimodal_sharding == "replicate"
+    assert mixed.frozen_multimodal_sharding_by_path == {"vision_tower": "per_layer"}
+    assert mixed.frozen_sharding_label == "vision_tower=per_layer, *=replicate"
+    assert plain.frozen_sharding_label == "per_layer"  # with_options copies
+    # A string clears the per-module entries: the contract's one policy for all.
+    assert mixed.with_options(frozen_multimodal_sharding="root").frozen_sharding_label == "root"
+    assert (
+        mixed.with_options(frozen_multimodal_sharding="root").frozen_multimodal_sharding_by_path
+        == {}
+    )
+    same = MultimodalParallelizer(frozen_multimodal_sharding={"vision_tower": "root"})
+    assert same.frozen_sharding_label == "root"
+
+
+def test_a_trainable_module_named_in_the_mapping_is_sharded_normally() -> None:
+    model = frozen_vlm()  # the projector is trainable
+    parallelizer = MultimodalParallelizer(frozen_multimodal_sharding={PROJECTOR: "replicate"})
+    plan = parallelizer.plan(model)
+    assert unit_paths(plan) == [*TEXT_UNITS, ""]
+    assert plan.replicated_param_names == ()
+    assert f"projector {PROJECTOR!r} (vision): trainable, sharded like any other module" in (
+        plan.notes
+    )
+
+
+def test_an_unknown_path_fails_when_planning_and_lists_the_discovered_ones() -> None:
+    parallelizer = MultimodalParallelizer(
+        frozen_multimodal_sharding={"vision_tower.blocks": "per_layer", "lm_head": "root"}
+    )
+    message = (
+        r"frozen_multimodal_sharding names 'vision_tower.blocks', 'lm_head', not a discovered "
+        r"multimodal module of Vlm; discovered: 'vision_tower', 'multi_modal_projector' "
+        r"\(use '\*' for the rest\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        parallelizer.plan(all_frozen_vlm())
+    with pytest.raises(ValueError, match=message):
+        parallelizer.frozen_policies(all_frozen_vlm())
+    # uneven_media plans skip the units but still check the paths.
+    uneven = MultimodalParallelizer(frozen_multimodal_sharding={"tower": "root"}, uneven_media=True)
+    with pytest.raises(ValueError, match="names 'tower', not a discovered"):
+        uneven.plan(all_frozen_vlm())
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        (
+            {"vision_tower": "sideways"},
+            ValueError,
+            r"'vision_tower': unknown frozen multimodal "
+            r"sharding 'sideways'; valid choices: root, per_layer, replicate",
+        ),
+        ({"*": 3}, TypeError, r"'\*': frozen multimodal sharding must be a str, got int"),
+        ({1: "root"}, TypeError, r"keys must be module paths \(str\) or '\*', got int \(1\)"),
+        ({}, ValueError, r"mapping is empty; give a policy \(root, per_layer, replicate\)"),
+    ],
+)
+def test_bad_mappings_are_refused_at_the_boundary(
+    value: object, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        MultimodalParallelizer(frozen_multimodal_sharding=value)  # type: ignore[arg-type]
+    base = MultimodalParallelizer(frozen_multimodal_sharding="replicate")
+    with pytest.raises(error, match=message):
+        base.with_options(frozen_multimodal_sharding=value)  # type: ignore[arg-type]
+    assert base.frozen_sharding_label == "replicate"
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        ({"vision_tower": "per_layer"}, "'vision_tower'"),
+        ({"vision_tower": "root", "*": "per_layer"}, r"'\*'"),
+    ],
+)
+def test_uneven_media_refuses_per_layer_for_any_module(value: dict[str, str], named: str) -> None:
+    with pytest.raises(ValueError, match=f"'per_layer' for {named} gives frozen towers one unit"):
+        MultimodalParallelizer(frozen_multimodal_sharding=value, uneven_media=True)
+    allowed = MultimodalParallelizer(
+        frozen_multimodal_sharding={"vision_tower": "replicate"}, uneven_media=True
+    )
+    assert allowed.plan(all_frozen_vlm()).replicated_param_names == tuple(
+        param_names(all_frozen_vlm(), "vision_tower")
+    )
+
+
+def test_apply_mixed_policies_shards_each_module_by_its_own(mesh2: DeviceMesh) -> None:
+    model = all_frozen_vlm()
+    model.multi_modal_projector.to(torch.bfloat16)
+    parallelizer = MultimodalParallelizer(
+        frozen_multimodal_sharding={"vision_tower": "per_layer", PROJECTOR: "replicate"}
+    )
+    parallelizer.parallelize(model, mesh=mesh2, mp_policy=mixed_precision_policy("bf16", "fp32"))
+    assert all(isinstance(block, FSDPModule) for block in model.vision_tower.blocks)
+    for name, param in model.multi_modal_projector.named_parameters():
+        assert not isinstance(param, DTensor), name
+        assert param.dtype == torch.bfloat16, name
+    assert not any(isinstance(m, FSDPModule) for m in model.multi_modal_projector.modules())
+    assert all(isinstance(p, DTensor) for p in model.vision_tower.parameters())
+    step(model)
+    for name, param in model.named_parameters():
+        frozen = name.startswith(("vision_tower.", f"{PROJECTOR}."))
+        assert (param.grad is None) == frozen, name

@@ -51,6 +51,7 @@ from fsdp_core import (
 )
 from fsdp_core.containers import is_module_container, is_under, join_path, unwrap_module
 from multimodal_fsdp import MultimodalParallelizer, check_attribute_names
+from multimodal_fsdp.policy import FrozenShardingSpec
 
 __all__ = [
     "DeepseekV41ModelParallelizer",
@@ -295,7 +296,7 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
     def __init__(
         self,
         *,
-        frozen_multimodal_sharding: str = "root",
+        frozen_multimodal_sharding: FrozenShardingSpec = "root",
         extra_tower_names: Iterable[str] = (),
         extra_projector_names: Iterable[str] = (),
         exclude: Iterable[str] = (),

@@ -4,7 +4,9 @@ How a multimodal module (tower or projector, see :mod:`multimodal_fsdp.discovery
 is planned:
 
 1. Its *frozen parts* are its maximal fully frozen submodules (the module itself
-   when all of it is frozen). Each frozen part follows the policy:
+   when all of it is frozen). Each frozen part follows the module's policy (one
+   policy for all modules, or one per module path: see
+   :class:`MultimodalParallelizer`):
    ``root`` - no unit, its parameters fall to the root unit;
    ``per_layer`` - :func:`shard_multimodal_module` (one unit per layer item, or
    the part as one unit when it has no layer container);
@@ -48,7 +50,7 @@ import copy
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -74,9 +76,12 @@ from multimodal_fsdp.discovery import (
 )
 from multimodal_fsdp.layers import shard_multimodal_module
 from multimodal_fsdp.policy import (
+    DEFAULT_FROZEN_SHARDING_KEY,
     FrozenMultimodalSharding,
+    FrozenShardingSpec,
+    frozen_sharding_label,
     module_is_fully_frozen,
-    normalize_frozen_multimodal_sharding,
+    normalize_frozen_sharding_spec,
 )
 from multimodal_fsdp.prefetch import build_backward_prefetch_guard, frozen_unit_labels
 from multimodal_fsdp.uneven import (
@@ -132,9 +137,18 @@ def split_frozen_parts(module: nn.Module, path: str) -> tuple[list[str], list[st
 class MultimodalParallelizer(ModelParallelizer):
     """A :class:`~fsdp_core.ModelParallelizer` that applies the frozen-tower policy.
 
+    ``frozen_multimodal_sharding`` is one policy for every frozen tower and
+    projector, or a mapping from discovered multimodal module paths to policies
+    with ``"*"`` for the rest (default ``root``), e.g.
+    ``{"model.vision_tower": "per_layer"}``: a big tower gathered block by block
+    while a small projector stays in the root unit. A path that is not a
+    discovered multimodal module fails when planning, listing the discovered ones.
+    :attr:`frozen_multimodal_sharding` is the default policy (the only one when a
+    string was given); :meth:`frozen_policies` gives each module's policy.
+
     ``uneven_media=True`` folds media regions into the root unit (see the module
-    docstring); it cannot be combined with ``frozen_multimodal_sharding='per_layer'``,
-    whose point is a unit per tower block.
+    docstring); it cannot be combined with ``per_layer`` for any module, whose
+    point is a unit per tower block.
     """
 
     HOOKS = (*ModelParallelizer.HOOKS, "prefetch_guard", "schedule_check")
@@ -142,7 +156,7 @@ class MultimodalParallelizer(ModelParallelizer):
     def __init__(
         self,
         *,
-        frozen_multimodal_sharding: str = "root",
+        frozen_multimodal_sharding: FrozenShardingSpec = "root",
         extra_tower_names: Iterable[str] = (),
         extra_projector_names: Iterable[str] = (),
         exclude: Iterable[str] = (),
@@ -155,10 +169,9 @@ class MultimodalParallelizer(ModelParallelizer):
         if not isinstance(uneven_media, bool):
             raise TypeError(f"uneven_media must be a bool, got {uneven_media!r}")
         self.uneven_media = uneven_media
-        self.frozen_multimodal_sharding: FrozenMultimodalSharding = (
-            normalize_frozen_multimodal_sharding(frozen_multimodal_sharding)
-        )
-        _check_policy_and_media(self.frozen_multimodal_sharding, uneven_media)
+        self.frozen_multimodal_sharding: FrozenMultimodalSharding = "root"
+        self.frozen_multimodal_sharding_by_path: Mapping[str, FrozenMultimodalSharding] = {}
+        self._set_frozen_sharding(frozen_multimodal_sharding)
         self.extra_tower_names = check_attribute_names(extra_tower_names, "extra_tower_names")
         self.extra_projector_names = check_attribute_names(
             extra_projector_names, "extra_projector_names"
@@ -168,14 +181,57 @@ class MultimodalParallelizer(ModelParallelizer):
             raise TypeError(f"sync_replicated must be a bool, got {sync_replicated!r}")
         self.sync_replicated = sync_replicated
 
-    def with_options(self, *, frozen_multimodal_sharding: str) -> MultimodalParallelizer:
-        """A copy of this parallelizer with another frozen-tower policy."""
+    def with_options(
+        self, *, frozen_multimodal_sharding: FrozenShardingSpec
+    ) -> MultimodalParallelizer:
+        """A copy of this parallelizer with another frozen-tower policy (a string: the
+        same for every module) or per-module policies (a mapping)."""
         clone = copy.copy(self)
-        clone.frozen_multimodal_sharding = normalize_frozen_multimodal_sharding(
-            frozen_multimodal_sharding
-        )
-        _check_policy_and_media(clone.frozen_multimodal_sharding, clone.uneven_media)
+        clone._set_frozen_sharding(frozen_multimodal_sharding)
         return clone
+
+    def _set_frozen_sharding(self, value: FrozenShardingSpec) -> None:
+        default, by_path = normalize_frozen_sharding_spec(value)
+        _check_policy_and_media(default, by_path, self.uneven_media)
+        self.frozen_multimodal_sharding = default
+        self.frozen_multimodal_sharding_by_path = by_path
+
+    @property
+    def frozen_sharding_label(self) -> str:
+        """The policy, or ``path=policy, ..., *=default`` when modules differ."""
+        return frozen_sharding_label(
+            self.frozen_multimodal_sharding, self.frozen_multimodal_sharding_by_path
+        )
+
+    def frozen_policies(self, model: nn.Module) -> dict[str, FrozenMultimodalSharding]:
+        """The policy of each discovered multimodal module of ``model``, by path.
+
+        Raises ``ValueError`` when the per-module policies name a path that is not
+        a discovered multimodal module, listing the discovered paths.
+        """
+        paths = [part.found.path for part in self.multimodal_parts(model)]
+        return self._policies_of(model, paths)
+
+    def _policies_of(
+        self, model: nn.Module, paths: list[str]
+    ) -> dict[str, FrozenMultimodalSharding]:
+        given = self.frozen_multimodal_sharding_by_path
+        unknown = [path for path in given if path not in paths]
+        if unknown:
+            found = ", ".join(repr(p) for p in paths) or "none"
+            raise ValueError(
+                f"frozen_multimodal_sharding names {', '.join(repr(p) for p in unknown)}, "
+                f"not a discovered multimodal module of {type(model).__name__}; "
+                f"discovered: {found} (use {DEFAULT_FROZEN_SHARDING_KEY!r} for the rest)"
+            )
+        return {path: given.get(path, self.frozen_multimodal_sharding) for path in paths}
+
+    def _parts_with_policies(
+        self, model: nn.Module
+    ) -> list[tuple[MultimodalParts, FrozenMultimodalSharding]]:
+        parts = self.multimodal_parts(model)
+        policies = self._policies_of(model, [part.found.path for part in parts])
+        return [(part, policies[part.found.path]) for part in parts]
 
     # ------------------------------------------------------------ discovery
     def multimodal_parts(self, model: nn.Module) -> list[MultimodalParts]:
@@ -193,9 +249,12 @@ class MultimodalParallelizer(ModelParallelizer):
         return result
 
     def _replicated_paths(self, model: nn.Module) -> list[str]:
-        if self.frozen_multimodal_sharding != "replicate":
-            return []
-        return [path for parts in self.multimodal_parts(model) for path in parts.frozen]
+        return [
+            path
+            for part, policy in self._parts_with_policies(model)
+            if policy == "replicate"
+            for path in part.frozen
+        ]
 
     def _replicated_param_names(self, model: nn.Module) -> list[str]:
         """Parameters kept whole on every rank (subclasses may add more)."""
@@ -207,8 +266,8 @@ class MultimodalParallelizer(ModelParallelizer):
 
     def _unit_paths(self, ctx: PlanContext) -> list[str]:
         model = ctx.model
-        parts = self.multimodal_parts(model)
-        roots = [p.found.path for p in parts]
+        parts = self._parts_with_policies(model)
+        roots = [p.found.path for p, _ in parts]
         conditional = set(find_media_conditional_layers(model))
         paths = [
             path
@@ -219,22 +278,24 @@ class MultimodalParallelizer(ModelParallelizer):
         if self.uneven_media:
             return paths  # towers, projectors and conditional layers stay in the root
         ids = {id(module): name for name, module in model.named_modules()}
-        for part in parts:
+        for part, policy in parts:
             if part.frozen and part.trainable:
-                paths.extend(self._partly_trainable_unit_paths(part))
+                paths.extend(self._partly_trainable_unit_paths(part, policy))
                 continue
             for trainable in part.trainable:
                 module = model.get_submodule(trainable) if trainable else model
                 paths.extend(join_path(trainable, p) for p, _ in iter_layer_items(module))
-            if self.frozen_multimodal_sharding == "per_layer":
+            if policy == "per_layer":
                 for frozen in part.frozen:
                     paths.extend(_layer_unit_paths(model, frozen, ids))
         return paths
 
-    def _partly_trainable_unit_paths(self, part: MultimodalParts) -> list[str]:
+    def _partly_trainable_unit_paths(
+        self, part: MultimodalParts, policy: FrozenMultimodalSharding
+    ) -> list[str]:
         """Units of a partly trainable module, decided per layer (see the module doc):
         trainable layers always, frozen and adapted layers under ``per_layer`` only."""
-        per_layer = self.frozen_multimodal_sharding == "per_layer"
+        per_layer = policy == "per_layer"
         return [
             path
             for path, kind in _classify_layers(part)
@@ -252,8 +313,9 @@ class MultimodalParallelizer(ModelParallelizer):
             )
         if self.uneven_media:
             notes.append("uneven_media=True: towers and projectors join the root unit")
-        policy = self.frozen_multimodal_sharding
-        for part in self.multimodal_parts(ctx.model):
+        if self.frozen_multimodal_sharding_by_path:
+            notes.append(f"frozen-tower policies per module: {self.frozen_sharding_label}")
+        for part, policy in self._parts_with_policies(ctx.model):
             head = f"{part.found.role} {part.found.path!r} ({part.found.modality})"
             if not part.frozen:
                 notes.append(f"{head}: trainable, sharded like any other module")
@@ -411,13 +473,28 @@ class MultimodalParallelizer(ModelParallelizer):
             yield from (n for n, p in params if n in wanted and p.dtype != dominant)
 
 
-def _check_policy_and_media(policy: FrozenMultimodalSharding, uneven_media: bool) -> None:
-    if uneven_media and policy == "per_layer":
-        raise ValueError(
-            "frozen_multimodal_sharding='per_layer' gives frozen towers one unit per block, "
-            "which only ranks with media run; with uneven_media=True use 'root' or "
-            "'replicate' (or keep per_layer and the same media calls on every rank)"
-        )
+def _check_policy_and_media(
+    default: FrozenMultimodalSharding,
+    by_path: Mapping[str, FrozenMultimodalSharding],
+    uneven_media: bool,
+) -> None:
+    """``per_layer`` and ``uneven_media`` exclude each other, for every module."""
+    if not uneven_media:
+        return
+    per_layer = [path for path, policy in by_path.items() if policy == "per_layer"]
+    if default == "per_layer" and not by_path:
+        where = "frozen_multimodal_sharding='per_layer'"
+    elif default == "per_layer" or per_layer:
+        if default == "per_layer":
+            per_layer.append(DEFAULT_FROZEN_SHARDING_KEY)
+        where = f"frozen_multimodal_sharding 'per_layer' for {', '.join(map(repr, per_layer))}"
+    else:
+        return
+    raise ValueError(
+        f"{where} gives frozen towers one unit per block, "
+        "which only ranks with media run; with uneven_media=True use 'root' or "
+        "'replicate' (or keep per_layer and the same media calls on every rank)"
+    )
 
 
 _LayerKind = Literal["frozen", "adapted", "trainable", "empty"]

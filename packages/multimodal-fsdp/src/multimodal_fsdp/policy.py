@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Final, Literal, get_args
+from collections.abc import Iterable, Mapping
+from typing import Final, Literal, TypeAlias, get_args
 
 from torch import nn
 
@@ -13,6 +13,10 @@ __all__ = [
     "FrozenMultimodalSharding",
     "VALID_FROZEN_MULTIMODAL_SHARDING",
     "normalize_frozen_multimodal_sharding",
+    "FrozenShardingSpec",
+    "DEFAULT_FROZEN_SHARDING_KEY",
+    "normalize_frozen_sharding_spec",
+    "frozen_sharding_label",
     "module_parameters",
     "module_is_fully_frozen",
     "ignored_params_for_root",
@@ -57,6 +61,63 @@ def normalize_frozen_multimodal_sharding(value: str) -> FrozenMultimodalSharding
         f"unknown frozen multimodal sharding {value!r}; "
         f"valid choices: {', '.join(VALID_FROZEN_MULTIMODAL_SHARDING)}"
     )
+
+
+#: ``frozen_multimodal_sharding`` as the parallelizer takes it: one policy for every
+#: frozen part, or a mapping from discovered multimodal module paths (such as
+#: ``"model.vision_tower"``) to policies, with ``"*"`` for the rest (default ``root``).
+FrozenShardingSpec: TypeAlias = str | Mapping[str, str]
+
+#: The mapping key of the policy for multimodal modules the mapping does not name.
+DEFAULT_FROZEN_SHARDING_KEY: Final = "*"
+
+
+def normalize_frozen_sharding_spec(
+    value: FrozenShardingSpec,
+) -> tuple[FrozenMultimodalSharding, dict[str, FrozenMultimodalSharding]]:
+    """The default policy and the per-path policies of ``value``.
+
+    A string is one policy for every frozen part (no per-path entries). A mapping
+    gives policies per multimodal module path, ``"*"`` the default (``root`` when
+    absent). Only the values can be checked here; whether each path is a
+    discovered multimodal module depends on the model and is checked when planning.
+    """
+    if not isinstance(value, Mapping):
+        return normalize_frozen_multimodal_sharding(value), {}
+    if not value:
+        raise ValueError(
+            "frozen multimodal sharding mapping is empty; give a policy "
+            f"({', '.join(VALID_FROZEN_MULTIMODAL_SHARDING)}) or map multimodal module "
+            f"paths (and {DEFAULT_FROZEN_SHARDING_KEY!r} for the rest) to policies"
+        )
+    default: FrozenMultimodalSharding = "root"
+    by_path: dict[str, FrozenMultimodalSharding] = {}
+    for path, policy in value.items():
+        if not isinstance(path, str):
+            raise TypeError(
+                f"frozen multimodal sharding keys must be module paths (str) or "
+                f"{DEFAULT_FROZEN_SHARDING_KEY!r}, got {type(path).__name__} ({path!r})"
+            )
+        try:
+            normalized = normalize_frozen_multimodal_sharding(policy)
+        except ValueError as error:
+            raise type(error)(f"{path!r}: {error}") from None
+        if path == DEFAULT_FROZEN_SHARDING_KEY:
+            default = normalized
+        else:
+            by_path[path] = normalized
+    return default, by_path
+
+
+def frozen_sharding_label(
+    default: FrozenMultimodalSharding, by_path: Mapping[str, FrozenMultimodalSharding]
+) -> str:
+    """``per_layer`` for one policy, ``vision=per_layer, *=root`` for a mapping whose
+    entries differ from its default (plan headers, choices and errors)."""
+    if all(policy == default for policy in by_path.values()):
+        return default
+    entries = [f"{path}={policy}" for path, policy in by_path.items()]
+    return ", ".join([*entries, f"{DEFAULT_FROZEN_SHARDING_KEY}={default}"])
 
 
 def module_parameters(module: nn.Module) -> list[nn.Parameter]:
