@@ -26,8 +26,9 @@ from torch import nn
 from fsdp_core import mixed_precision_policy
 from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
 from multimodal_fsdp import MultimodalParallelizer
-from multimodal_fsdp.costs import CommTally, ungroup_units
+from multimodal_fsdp.collectives import CommTally
 from multimodal_fsdp.measure import Measurement, measure_plan
+from multimodal_fsdp.rewrite import ungroup_units
 
 POLICIES = ("root", "per_layer", "replicate")
 MP = mixed_precision_policy("bf16", "fp32")

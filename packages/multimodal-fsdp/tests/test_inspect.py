@@ -16,15 +16,11 @@ from torch import nn
 
 from fsdp_core import ModelParallelizer, mixed_precision_policy, resolve_mesh_shape
 from multimodal_fsdp import MultimodalParallelizer
-from multimodal_fsdp.costs import (
-    CommTally,
-    PlanCosts,
-    backward_free_paths,
-    format_bytes,
-    inspect_model,
-    plan_costs,
-    ungroup_units,
-)
+from multimodal_fsdp.collectives import CommTally
+from multimodal_fsdp.costs import PlanCosts, inspect_model, plan_costs
+from multimodal_fsdp.reachability import backward_free_paths
+from multimodal_fsdp.render import format_bytes
+from multimodal_fsdp.rewrite import ungroup_units
 
 MP = mixed_precision_policy("bf16", "fp32")
 POLICIES = ("root", "per_layer", "replicate")

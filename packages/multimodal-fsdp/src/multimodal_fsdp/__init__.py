@@ -5,15 +5,9 @@ Finds towers and projectors, applies the frozen-tower policy (``root``,
 """
 
 from multimodal_fsdp.__about__ import __version__
+from multimodal_fsdp.collectives import CommTally
 from multimodal_fsdp.conditional import find_media_conditional_layers
-from multimodal_fsdp.costs import (
-    CommTally,
-    PlanCosts,
-    UnitCost,
-    inspect_model,
-    plan_costs,
-    ungroup_units,
-)
+from multimodal_fsdp.costs import PlanCosts, UnitCost, inspect_model, plan_costs
 from multimodal_fsdp.discovery import (
     MEDIA_FEATURE_INPUTS,
     MEDIA_INPUTS,
@@ -42,6 +36,7 @@ from multimodal_fsdp.policy import (
     normalize_frozen_multimodal_sharding,
 )
 from multimodal_fsdp.prefetch import guard_backward_prefetch, remove_backward_prefetch_guard
+from multimodal_fsdp.rewrite import ungroup_units
 from multimodal_fsdp.uneven import (
     DEFAULT_MEDIA_INPUTS,
     MediaRegion,

@@ -31,47 +31,58 @@ Without the prefetch guard (:mod:`multimodal_fsdp.prefetch`) the unit that
 finishes its forward right after a unit without backward re-gathers that unit
 in its pre-backward; ``prefetch_guard=False`` accounts for that waste.
 
-Bytes follow :class:`fsdp_core.CommCounter`: the unsharded buffer of each
-collective, with FSDP's padding of every parameter's dim 0 to a multiple of
-the shard-group size, in the dtype on the wire (the compute dtype for
-all-gathers, the reduce dtype for reduce-scatters).
-
-Peak gathered memory is a timeline model: units run in module registration
-order (the forward order of the models this project serves), each unit is
-gathered from its first member's forward to its last member's, and kept until
-backward when it is not resharded; in backward each unit is gathered from its
-pre-backward to its post-backward, and the implicit prefetch gathers the next
-one early. Transient all-gather staging buffers are not included.
+The parts of the model live in their own modules, one concept each:
+:mod:`multimodal_fsdp.collectives` (:class:`CommTally` and the byte rules),
+:mod:`multimodal_fsdp.reachability` (which frozen modules see no gradient),
+:mod:`multimodal_fsdp.timeline` (the peak of gathered parameters),
+:mod:`multimodal_fsdp.render` (the printed tree) and
+:mod:`multimodal_fsdp.rewrite` (plan variants such as :func:`ungroup_units`).
+Their public names stay importable from here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import logging
-import math
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp_core import (
     HookPlan,
     MeshShape,
-    ShardCall,
     ShardingPlan,
-    UnitPlan,
     check_reshard_after_forward,
     mixed_precision_policy,
     resolve_mesh_shape,
     unit_parameters,
 )
-from fsdp_core.containers import join_path
-from multimodal_fsdp.parallelizer import MultimodalParallelizer, MultimodalParts
+from fsdp_core.containers import is_under
+from multimodal_fsdp.collectives import (
+    KINDS,
+    PHASES,
+    CommTally,
+    _compute_dtype,
+    _gathered_bytes,
+    _reduce_dtype,
+    _sharded_bytes,
+    _unit_collectives,
+)
+from multimodal_fsdp.parallelizer import MultimodalParallelizer
+from multimodal_fsdp.reachability import backward_free_paths
+from multimodal_fsdp.render import format_bytes, format_costs
+from multimodal_fsdp.render import format_count as format_count  # re-exported
+from multimodal_fsdp.rewrite import ungroup_units
+from multimodal_fsdp.timeline import (
+    _effective_reshard,
+    _module_spans,
+    _peaks,
+    _prefetch_waste,
+    _Unit,
+)
 from multimodal_fsdp.uneven import CHECKPOINT_BYTES, plan_schedule_layout
 
 if TYPE_CHECKING:
@@ -90,80 +101,7 @@ __all__ = [
     "ungroup_units",
 ]
 
-logger = logging.getLogger(__name__)
 
-PHASES: tuple[str, ...] = ("forward", "backward")
-KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
-
-
-# --------------------------------------------------------------------------- tallies
-@dataclass
-class CommTally:
-    """Collectives of one step: per (phase, kind), how many and how many bytes."""
-
-    counts: dict[tuple[str, str], int] = field(default_factory=dict)
-    nbytes: dict[tuple[str, str], int] = field(default_factory=dict)
-
-    def add(self, phase: str, kind: str, nbytes: int, count: int = 1) -> None:
-        if count <= 0:
-            return
-        key = (phase, kind)
-        self.counts[key] = self.counts.get(key, 0) + count
-        self.nbytes[key] = self.nbytes.get(key, 0) + nbytes
-
-    def merge(self, other: CommTally) -> None:
-        for key, count in other.counts.items():
-            self.add(key[0], key[1], other.nbytes.get(key, 0), count)
-
-    def count(self, kind: str | None = None, phase: str | None = None) -> int:
-        """Number of collectives, optionally of one kind and/or phase."""
-        return sum(
-            n for (p, k), n in self.counts.items() if kind in (None, k) and phase in (None, p)
-        )
-
-    def bytes(self, kind: str | None = None, phase: str | None = None) -> int:
-        """Bytes (unsharded buffers), optionally of one kind and/or phase."""
-        return sum(
-            n for (p, k), n in self.nbytes.items() if kind in (None, k) and phase in (None, p)
-        )
-
-    def pairs(self) -> list[tuple[str, str]]:
-        """(phase, kind) pairs present, phases and kinds in their natural order."""
-        order = {name: i for i, name in enumerate((*PHASES, *KINDS))}
-        return sorted(self.counts, key=lambda k: (order.get(k[0], 99), order.get(k[1], 99), k))
-
-    def as_dict(self) -> dict[str, dict[str, dict[str, int]]]:
-        """``{phase: {kind: {"count": n, "bytes": b}}}`` (JSON-ready)."""
-        result: dict[str, dict[str, dict[str, int]]] = {}
-        for phase, kind in self.pairs():
-            result.setdefault(phase, {})[kind] = {
-                "count": self.counts[(phase, kind)],
-                "bytes": self.nbytes.get((phase, kind), 0),
-            }
-        return result
-
-    def differences(self, other: CommTally) -> list[str]:
-        """Readable lines where ``self`` (expected) and ``other`` (actual) differ."""
-        lines = []
-        for key in sorted(set(self.counts) | set(other.counts)):
-            mine = (self.counts.get(key, 0), self.nbytes.get(key, 0))
-            theirs = (other.counts.get(key, 0), other.nbytes.get(key, 0))
-            if mine != theirs:
-                lines.append(
-                    f"{key[0]} {key[1]}: expected {mine[0]} ({mine[1]} B), "
-                    f"got {theirs[0]} ({theirs[1]} B)"
-                )
-        return lines
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, CommTally):
-            return NotImplemented
-        return not self.differences(other)
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-# --------------------------------------------------------------------------- results
 @dataclass(frozen=True)
 class UnitCost:
     """One FSDP unit: what it holds and what it costs per rank and step."""
@@ -302,126 +240,8 @@ class PlanCosts:
         return format_costs(self, collapse=collapse)
 
 
-# --------------------------------------------------------------------------- helpers
-def format_bytes(value: float) -> str:
-    """``1.5 MiB``-style sizes (binary units)."""
-    size = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
-
-
 def _short(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _dim0_padded_numel(shape: torch.Size, factor: int) -> int:
-    """Elements after FSDP pads dim 0 to a multiple of ``factor``."""
-    rows = math.ceil(shape[0] / factor) * factor
-    return rows * math.prod(shape[1:])
-
-
-def _module_spans(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """Pre-order position and subtree end of every module (``named_modules`` order)."""
-    spans: dict[str, tuple[int, int]] = {}
-    seen: set[int] = set()
-    counter = 0
-    stack: list[tuple[str, nn.Module, bool]] = [("", model, False)]
-    starts: dict[str, int] = {}
-    while stack:
-        path, module, done = stack.pop()
-        if done:
-            spans[path] = (starts[path], counter)
-            continue
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        starts[path] = counter
-        counter += 1
-        stack.append((path, module, True))
-        children = [(join_path(path, name), child) for name, child in module.named_children()]
-        stack.extend((p, c, False) for p, c in reversed(children))
-    return spans
-
-
-def _effective_reshard(unit: UnitPlan, shard: int) -> bool | int:
-    """What FSDP2 does after forward: root ``None`` keeps, others ``None`` reshard."""
-    value = unit.reshard_after_forward
-    if value is None:
-        return not unit.is_root
-    if isinstance(value, bool):
-        return value
-    if value == 1:
-        return False
-    if value == shard:
-        return True
-    return value
-
-
-# --------------------------------------------------------------------------- backward
-def _parts_in_flow_order(parts: Sequence[MultimodalParts]) -> dict[str, list[MultimodalParts]]:
-    """Multimodal modules per modality, towers before projectors (the data flow)."""
-    groups: dict[str, list[MultimodalParts]] = {}
-    for part in parts:
-        groups.setdefault(part.found.modality, []).append(part)
-    for members in groups.values():
-        members.sort(key=lambda p: 0 if p.found.role == "tower" else 1)
-    return groups
-
-
-def backward_free_paths(
-    model: nn.Module, parallelizer: MultimodalParallelizer | None = None
-) -> list[str]:
-    """Frozen module paths that no gradient reaches in a step.
-
-    Per modality, towers then projectors are walked in registration order; the
-    frozen parts met before the first trainable parameter (or the first module
-    holding one directly) see only media inputs, so their backward never runs.
-    """
-    found = (parallelizer or MultimodalParallelizer()).multimodal_parts(model)
-    spans = _module_spans(model)
-    free: list[str] = []
-    for members in _parts_in_flow_order(found).values():
-        for part in members:
-            events: list[tuple[int, str, str]] = [
-                (spans[p][0], "frozen", p) for p in part.frozen if p in spans
-            ]
-            events += [(spans[p][0], "trainable", p) for p in part.trainable if p in spans]
-            # Trainable parameters held directly by a mixed module stop the walk there.
-            root = part.found.module
-            for name, sub in root.named_modules(prefix=part.found.path):
-                if any(p.requires_grad for p in sub.parameters(recurse=False)) and name in spans:
-                    events.append((spans[name][0], "trainable", name))
-            stop = False
-            for _, kind, path in sorted(events):
-                if kind == "trainable":
-                    stop = True
-                    break
-                free.append(path)
-            if stop:
-                break
-    return free
-
-
-def _under(path: str, roots: Iterable[str]) -> bool:
-    return any(r == "" or path == r or path.startswith(r + ".") for r in roots)
-
-
-# --------------------------------------------------------------------------- main
-@dataclass
-class _Unit:
-    plan: UnitPlan
-    params: list[tuple[str, nn.Parameter]]
-    start: int
-    end: int
-    reshard: bool | int
-    runs_backward: bool
-    gathered: int
-    sharded: int
-    comm: CommTally = field(default_factory=CommTally)
-    wasted: CommTally = field(default_factory=CommTally)
 
 
 def _resolve_mesh(mesh: MeshShape | None, world_size: int | None, dp_replicate: int) -> MeshShape:
@@ -501,25 +321,36 @@ def plan_costs(
         start = min(spans[p][0] for p in unit.paths)
         end = max(spans[p][1] for p in unit.paths)
         trainable = any(p.requires_grad for _, p in params)
-        gradient_free = not trainable and all(_under(p, free) for p in unit.paths)
-        if any(_under(p, forced) for p in unit.paths):
+        gradient_free = not trainable and all(
+            any(is_under(p, root) for root in free) for p in unit.paths
+        )
+        if any(is_under(p, root) for p in unit.paths for root in forced):
             gradient_free = False
         runs_backward = any_trainable and (unit.is_root or not gradient_free)
+        reshard = _effective_reshard(unit, shard)
+        gathered = _gathered_bytes(params, unit.mp_policy, shard)
         units.append(
             _Unit(
                 plan=unit,
                 params=params,
                 start=start,
                 end=end,
-                reshard=_effective_reshard(unit, shard),
+                reshard=reshard,
                 runs_backward=runs_backward,
-                gathered=_gathered_bytes(params, unit.mp_policy, shard),
+                gathered=gathered,
                 sharded=_sharded_bytes(params, shard),
+                comm=_unit_collectives(
+                    params,
+                    unit.mp_policy,
+                    gathered=gathered,
+                    reshard=reshard,
+                    runs_backward=runs_backward,
+                    shard=shard,
+                    replicate=replicate,
+                ),
             )
         )
 
-    for item in units:
-        _unit_collectives(item, shard, replicate)
     _prefetch_waste(units, shard)
 
     extra = CommTally()
@@ -571,117 +402,6 @@ def _model_name(model: nn.Module) -> str:
     )
 
 
-def _compute_dtype(param: nn.Parameter, policy: MixedPrecisionPolicy) -> torch.dtype:
-    if policy.param_dtype is not None and param.dtype.is_floating_point:
-        return policy.param_dtype
-    return param.dtype
-
-
-def _reduce_dtype(
-    params: list[tuple[str, nn.Parameter]], policy: MixedPrecisionPolicy
-) -> torch.dtype:
-    trainable = [p for _, p in params if p.requires_grad] or [p for _, p in params]
-    if not trainable:
-        return policy.reduce_dtype or policy.param_dtype or torch.float32
-    compute = _compute_dtype(trainable[0], policy)
-    return policy.reduce_dtype if policy.reduce_dtype is not None else compute
-
-
-def _gathered_bytes(
-    params: list[tuple[str, nn.Parameter]], policy: MixedPrecisionPolicy, shard: int
-) -> int:
-    """All-gather output bytes: every parameter padded, in its compute dtype."""
-    return sum(
-        _dim0_padded_numel(p.shape, shard) * _compute_dtype(p, policy).itemsize for _, p in params
-    )
-
-
-def _sharded_bytes(params: list[tuple[str, nn.Parameter]], shard: int) -> int:
-    """Bytes one rank stores: its padded shard of each parameter, in the storage dtype."""
-    return sum(_dim0_padded_numel(p.shape, shard) // shard * p.dtype.itemsize for _, p in params)
-
-
-def _unit_collectives(item: _Unit, shard: int, replicate: int) -> None:
-    if not item.params:
-        return
-    if shard > 1:
-        item.comm.add("forward", "all_gather", item.gathered)
-        if item.reshard is not False and item.runs_backward:
-            item.comm.add("backward", "all_gather", item.gathered)
-    trainable = [p for _, p in item.params if p.requires_grad]
-    if not trainable:
-        return
-    reduce = _reduce_dtype(item.params, item.plan.mp_policy)
-    padded = sum(_dim0_padded_numel(p.shape, shard) for p in trainable)
-    if shard > 1:
-        item.comm.add("backward", "reduce_scatter", padded * reduce.itemsize)
-    if replicate > 1:
-        item.comm.add("backward", "all_reduce", padded // shard * reduce.itemsize)
-
-
-def _post_forward_order(units: list[_Unit]) -> list[_Unit]:
-    """Units in the order their forwards finish (inner units first on a tie)."""
-    return sorted((u for u in units if u.params), key=lambda u: (u.end, -u.start, u.plan.is_root))
-
-
-def _prefetch_waste(units: list[_Unit], shard: int) -> None:
-    """Without the guard, a unit's pre-backward re-gathers its predecessor without backward."""
-    if shard <= 1:
-        return
-    order = _post_forward_order(units)
-    for previous, current in itertools.pairwise(order):
-        if current.runs_backward and not previous.runs_backward and previous.reshard is not False:
-            previous.wasted.add("backward", "all_gather", previous.gathered)
-
-
-def _peaks(units: list[_Unit], end: int, *, guard: bool) -> tuple[int, int]:
-    """Peak gathered parameter bytes in forward and in backward (timeline model)."""
-    forward: list[tuple[int, int, int]] = []  # (start, stop, bytes) on module positions
-    backward: list[tuple[int, int, int]] = []
-    order = _post_forward_order(units)
-    prefetched_at = {
-        id(prev): cur.end for prev, cur in itertools.pairwise(order) if cur.runs_backward
-    }
-    for u in units:
-        if not u.params:
-            continue
-        full = u.gathered
-        forward.append((u.start, u.end, full))
-        kept = 0 if u.reshard is True else full if u.reshard is False else full // int(u.reshard)
-        if kept:
-            forward.append((u.end, end, kept))
-        early = prefetched_at.get(id(u), u.end)
-        if u.runs_backward:
-            if u.reshard is False:
-                backward.append((u.start, end, full))
-            else:
-                top = max(u.end, early)
-                backward.append((u.start, top, full))
-                if kept and top < end:
-                    backward.append((top, end, kept))
-        elif u.reshard is False:
-            backward.append((0, end, full))
-        else:
-            if kept:
-                backward.append((0, end, kept))
-            if not guard and id(u) in prefetched_at:
-                backward.append((0, early, full))
-    return _sweep_max(forward), _sweep_max(backward)
-
-
-def _sweep_max(segments: list[tuple[int, int, int]]) -> int:
-    """Largest total of ``bytes`` over half-open ``[start, stop)`` segments at one point."""
-    events: list[tuple[int, int]] = []
-    for start, stop, nbytes in segments:
-        if stop > start:
-            events += [(start, nbytes), (stop, -nbytes)]
-    best = live = 0
-    for _, change in sorted(events, key=lambda e: (e[0], e[1] > 0)):  # ends before starts
-        live += change
-        best = max(best, live)
-    return best
-
-
 def _replicated(
     plan: ShardingPlan, model: nn.Module, parallelizer: MultimodalParallelizer | None
 ) -> tuple[int, int]:
@@ -722,40 +442,6 @@ def _unit_cost(index: int, item: _Unit, shard: int) -> UnitCost:
     )
 
 
-# --------------------------------------------------------------------------- variants
-def ungroup_units(plan: ShardingPlan, role: str | None = None) -> ShardingPlan:
-    """The same plan with every grouped unit (of ``role``, if given) split into one
-    unit per member module: the layout torch without grouped casting would need,
-    used to count what grouping saves."""
-    if not isinstance(plan, ShardingPlan):
-        raise TypeError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
-    calls: list[ShardCall] = []
-    for call in plan.calls:
-        if not call.is_group or (role is not None and any(u.role != role for u in call.units)):
-            calls.append(call)
-            continue
-        for path in call.paths:
-            ignored = tuple(n for n in call.ignored_param_names if _under(n, [path]))
-            unit = UnitPlan(
-                paths=(path,),
-                mp_policy=call.mp_policy,
-                reshard_after_forward=call.reshard_after_forward,
-                ignored_param_names=ignored,
-                role=call.units[0].role,
-            )
-            calls.append(
-                ShardCall(
-                    paths=(path,),
-                    mp_policy=call.mp_policy,
-                    reshard_after_forward=call.reshard_after_forward,
-                    ignored_param_names=ignored,
-                    units=(unit,),
-                )
-            )
-    return dataclasses.replace(plan, calls=tuple(calls))
-
-
-# --------------------------------------------------------------------------- one call
 def inspect_model(
     model: nn.Module,
     *,
@@ -810,209 +496,3 @@ def inspect_model(
         else trace_activations(model, plan, loss_fn, parallelizer=chosen, shard=shape.dp_shard)
     )
     return with_memory(costs, plan, model, optimizer=optimizer, activations=traced)
-
-
-# --------------------------------------------------------------------------- text
-_SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
-
-
-def _dt(name: str) -> str:
-    return ",".join(_SHORT_DTYPES.get(part, part) for part in name.split(","))
-
-
-def format_count(value: int) -> str:
-    """``1.2M``-style parameter counts."""
-    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if value >= size:
-            return f"{value / size:.1f}{unit}"
-    return str(value)
-
-
-def _reshard_text(value: bool | int) -> str:
-    if value is True:
-        return "yes"
-    if value is False:
-        return "no"
-    return f"to {value}"
-
-
-def _comm_text(tally: CommTally, phase: str, kind: str) -> str:
-    count = tally.count(kind, phase)
-    return "-" if not count else f"{count}x {format_bytes(tally.bytes(kind, phase))}"
-
-
-def _unit_columns(unit: UnitCost) -> list[str]:
-    storage = ",".join(_dt(d) for d in unit.storage_dtypes) or "-"
-    return [
-        unit.role,
-        format_count(unit.numel),
-        unit.trainable + ("" if unit.runs_backward or not unit.numel else " (no bwd)"),
-        f"{storage}>{_dt(unit.compute_dtype)}",
-        _reshard_text(unit.reshard_after_forward),
-        format_bytes(unit.sharded_bytes),
-        _comm_text(unit.comm, "forward", "all_gather"),
-        _comm_text(unit.comm, "backward", "all_gather"),
-        _comm_text(unit.comm, "backward", "reduce_scatter"),
-    ]
-
-
-_HEADER = [
-    "unit",
-    "role",
-    "params",
-    "state",
-    "dtype",
-    "reshard",
-    "shard/rank",
-    "AG fwd",
-    "AG bwd",
-    "RS",
-]
-
-
-def _signature(unit: UnitCost) -> tuple[Any, ...]:
-    return (*_unit_columns(unit), repr(unit.comm.as_dict()))
-
-
-class _Node:
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.children: dict[str, _Node] = {}
-        self.units: list[UnitCost] = []
-
-
-def _anchor(unit: UnitCost) -> tuple[list[str], str | None]:
-    """Tree position of a unit: its path, or the common prefix of a group's members."""
-    if len(unit.paths) == 1:
-        return ([p for p in unit.paths[0].split(".") if p], None)
-    split = [p.split(".") for p in unit.paths]
-    prefix: list[str] = []
-    for parts in zip(*split, strict=False):
-        if len(set(parts)) != 1:
-            break
-        prefix.append(parts[0])
-    return prefix, f"[{len(unit.paths)} modules]"
-
-
-def _tree_rows(costs: PlanCosts, collapse: bool) -> list[tuple[str, UnitCost | None]]:
-    root = _Node("")
-    for unit in costs.units:
-        parts, group = _anchor(unit)
-        node = root
-        for part in parts:
-            node = node.children.setdefault(part, _Node(part))
-        if group is None:
-            node.units.append(unit)
-        else:
-            node.children.setdefault(group + f"#{unit.index}", _Node(group)).units.append(unit)
-    rows: list[tuple[str, UnitCost | None]] = []
-    for unit in root.units:
-        rows.append(("<root>", unit))
-    if not root.units:
-        rows.append((costs.model, None))
-
-    def visit(node: _Node, indent: str) -> None:
-        entries = (
-            _collapsed(list(node.children.values()))
-            if collapse
-            else [(child.name, child) for child in node.children.values()]
-        )
-        for i, (name, child) in enumerate(entries):
-            last = i == len(entries) - 1
-            branch = "`- " if last else "|- "
-            if child.units:
-                for unit in child.units:
-                    rows.append((indent + branch + name, unit))
-            else:
-                rows.append((indent + branch + name, None))
-            visit(child, indent + ("   " if last else "|  "))
-
-    visit(root, "")
-    return rows
-
-
-def _collapsed(children: list[_Node]) -> list[tuple[str, _Node]]:
-    """Merge runs of numbered leaf siblings with identical figures into ``{a..b} xN``."""
-    out: list[tuple[str, _Node]] = []
-    i = 0
-    while i < len(children):
-        child = children[i]
-        j = i + 1
-        if child.name.isdigit() and not child.children and len(child.units) == 1:
-            sig = _signature(child.units[0])
-            while (
-                j < len(children)
-                and children[j].name.isdigit()
-                and not children[j].children
-                and len(children[j].units) == 1
-                and _signature(children[j].units[0]) == sig
-            ):
-                j += 1
-        if j - i > 1:
-            out.append((f"{{{child.name}..{children[j - 1].name}}} x{j - i}", child))
-        else:
-            out.append((child.name, child))
-        i = j
-    return out
-
-
-def format_costs(costs: PlanCosts, *, collapse: bool = True) -> str:
-    """A readable tree of the units with their per-rank costs, then the totals."""
-    mesh = costs.mesh
-    head = f"{costs.model}: {len(costs.units)} FSDP units, world size {costs.world_size}"
-    head += (
-        f" (dp_replicate {mesh.dp_replicate} x dp_shard {mesh.dp_shard})"
-        if mesh.is_hsdp
-        else f" (dp_shard {mesh.dp_shard})"
-    )
-    if costs.policy:
-        head += f", frozen-tower policy {costs.policy}"
-    if costs.precision:
-        head += f", {costs.precision}"
-    table = [_HEADER]
-    for name, unit in _tree_rows(costs, collapse):
-        table.append([name, *(["" for _ in _HEADER[1:]] if unit is None else _unit_columns(unit))])
-    widths = [max(len(row[c]) for row in table) for c in range(len(_HEADER))]
-    lines = [head, ""]
-    for row in table:
-        lines.append("  ".join(cell.ljust(widths[c]) for c, cell in enumerate(row)).rstrip())
-    lines.append("")
-    lines.append("totals per rank and step (one forward + backward, every module runs):")
-    roles = ", ".join(f"{k} {v}" for k, v in sorted(costs.role_counts().items()))
-    lines.append(f"  units                     {len(costs.units)} ({roles})")
-    lines.append(
-        f"  parameters                {format_count(costs.numel)} "
-        f"(trainable {format_count(costs.trainable_numel)}, "
-        f"kept whole on every rank {format_count(costs.replicated_numel)})"
-    )
-    lines.append(f"  sharded parameter bytes   {format_bytes(costs.sharded_param_bytes)}")
-    lines.append(f"  replicated param bytes    {format_bytes(costs.replicated_param_bytes)}")
-    lines.append(
-        f"  peak gathered params      forward {format_bytes(costs.peak_gathered_forward_bytes)},"
-        f" backward {format_bytes(costs.peak_gathered_backward_bytes)}"
-    )
-    if costs.memory is not None:
-        lines.extend(costs.memory.format_lines())
-    for phase, kind in costs.comm.pairs():
-        label = f"{phase} {kind}"
-        lines.append(
-            f"  {label:<25} {costs.comm.count(kind, phase):>5}  "
-            f"{format_bytes(costs.comm.bytes(kind, phase))}"
-        )
-    if not costs.comm.pairs():
-        lines.append("  collectives               none")
-    wasted = costs.wasted
-    if wasted.pairs():
-        state = "avoided by the prefetch guard" if costs.prefetch_guard else "included above"
-        lines.append(
-            f"  implicit-prefetch waste   {wasted.count()} all-gathers, "
-            f"{format_bytes(wasted.bytes())} ({state})"
-        )
-    if costs.extra.pairs():
-        lines.append(
-            f"  outside FSDP units        {costs.extra.count()} all-reduce "
-            "(runtime hooks, included above)"
-        )
-    lines.extend(f"  hook: {hook.format()}" for hook in costs.hooks)
-    lines.extend(f"  note: {note}" for note in costs.notes)
-    return "\n".join(lines)

@@ -24,7 +24,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp_core import CommCounter, ShardingPlan, build_mesh, resolve_mesh_shape
 from fsdp_core.testing import fake_process_group
-from multimodal_fsdp.costs import KINDS, PHASES, CommTally, PlanCosts, plan_costs
+from multimodal_fsdp.collectives import KINDS, PHASES, CommTally
+from multimodal_fsdp.costs import PlanCosts, plan_costs
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 from multimodal_fsdp.prefetch import backward_prefetch_guard, remove_backward_prefetch_guard
 
@@ -45,7 +46,7 @@ LossFn = Callable[[nn.Module], torch.Tensor]
 
 
 def tally_from_counter(counter: CommCounter) -> CommTally:
-    """A :class:`~multimodal_fsdp.costs.CommTally` of everything ``counter`` recorded."""
+    """A :class:`~multimodal_fsdp.collectives.CommTally` of everything ``counter`` recorded."""
     tally = CommTally()
     for record in counter.records:
         tally.add(record.phase, record.kind, record.nbytes)

@@ -51,7 +51,8 @@ from multimodal_fsdp.activations import (
     padded_shard_numel,
     trace_activations,
 )
-from multimodal_fsdp.costs import PlanCosts, format_bytes
+from multimodal_fsdp.costs import PlanCosts
+from multimodal_fsdp.render import format_bytes
 
 __all__ = [
     "OPTIMIZER_STATES",

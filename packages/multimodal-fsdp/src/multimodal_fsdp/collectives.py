@@ -1,0 +1,156 @@
+"""Collective accounting: what one step's collectives are called and what they weigh.
+
+:mod:`multimodal_fsdp.costs` predicts collectives from a plan and
+:mod:`multimodal_fsdp.measure` counts them on a real step; both speak
+:class:`CommTally`, so a prediction and a measurement compare key by key. The
+byte rules live here too, in one place: each collective moves the unsharded
+buffer, with FSDP's padding of every parameter's dim 0 to a multiple of the
+shard-group size, in the dtype on the wire (the compute dtype for all-gathers,
+the reduce dtype for reduce-scatters), as :class:`fsdp_core.CommCounter` counts it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+__all__ = ["KINDS", "PHASES", "CommTally"]
+
+PHASES: tuple[str, ...] = ("forward", "backward")
+KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+
+
+@dataclass
+class CommTally:
+    """Collectives of one step: per (phase, kind), how many and how many bytes."""
+
+    counts: dict[tuple[str, str], int] = field(default_factory=dict)
+    nbytes: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def add(self, phase: str, kind: str, nbytes: int, count: int = 1) -> None:
+        if count <= 0:
+            return
+        key = (phase, kind)
+        self.counts[key] = self.counts.get(key, 0) + count
+        self.nbytes[key] = self.nbytes.get(key, 0) + nbytes
+
+    def merge(self, other: CommTally) -> None:
+        for key, count in other.counts.items():
+            self.add(key[0], key[1], other.nbytes.get(key, 0), count)
+
+    def count(self, kind: str | None = None, phase: str | None = None) -> int:
+        """Number of collectives, optionally of one kind and/or phase."""
+        return sum(
+            n for (p, k), n in self.counts.items() if kind in (None, k) and phase in (None, p)
+        )
+
+    def bytes(self, kind: str | None = None, phase: str | None = None) -> int:
+        """Bytes (unsharded buffers), optionally of one kind and/or phase."""
+        return sum(
+            n for (p, k), n in self.nbytes.items() if kind in (None, k) and phase in (None, p)
+        )
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """(phase, kind) pairs present, phases and kinds in their natural order."""
+        order = {name: i for i, name in enumerate((*PHASES, *KINDS))}
+        return sorted(self.counts, key=lambda k: (order.get(k[0], 99), order.get(k[1], 99), k))
+
+    def as_dict(self) -> dict[str, dict[str, dict[str, int]]]:
+        """``{phase: {kind: {"count": n, "bytes": b}}}`` (JSON-ready)."""
+        result: dict[str, dict[str, dict[str, int]]] = {}
+        for phase, kind in self.pairs():
+            result.setdefault(phase, {})[kind] = {
+                "count": self.counts[(phase, kind)],
+                "bytes": self.nbytes.get((phase, kind), 0),
+            }
+        return result
+
+    def differences(self, other: CommTally) -> list[str]:
+        """Readable lines where ``self`` (expected) and ``other`` (actual) differ."""
+        lines = []
+        for key in sorted(set(self.counts) | set(other.counts)):
+            mine = (self.counts.get(key, 0), self.nbytes.get(key, 0))
+            theirs = (other.counts.get(key, 0), other.nbytes.get(key, 0))
+            if mine != theirs:
+                lines.append(
+                    f"{key[0]} {key[1]}: expected {mine[0]} ({mine[1]} B), "
+                    f"got {theirs[0]} ({theirs[1]} B)"
+                )
+        return lines
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CommTally):
+            return NotImplemented
+        return not self.differences(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _dim0_padded_numel(shape: torch.Size, factor: int) -> int:
+    """Elements after FSDP pads dim 0 to a multiple of ``factor``."""
+    rows = math.ceil(shape[0] / factor) * factor
+    return rows * math.prod(shape[1:])
+
+
+def _compute_dtype(param: nn.Parameter, policy: MixedPrecisionPolicy) -> torch.dtype:
+    if policy.param_dtype is not None and param.dtype.is_floating_point:
+        return policy.param_dtype
+    return param.dtype
+
+
+def _reduce_dtype(
+    params: list[tuple[str, nn.Parameter]], policy: MixedPrecisionPolicy
+) -> torch.dtype:
+    trainable = [p for _, p in params if p.requires_grad] or [p for _, p in params]
+    if not trainable:
+        return policy.reduce_dtype or policy.param_dtype or torch.float32
+    compute = _compute_dtype(trainable[0], policy)
+    return policy.reduce_dtype if policy.reduce_dtype is not None else compute
+
+
+def _gathered_bytes(
+    params: list[tuple[str, nn.Parameter]], policy: MixedPrecisionPolicy, shard: int
+) -> int:
+    """All-gather output bytes: every parameter padded, in its compute dtype."""
+    return sum(
+        _dim0_padded_numel(p.shape, shard) * _compute_dtype(p, policy).itemsize for _, p in params
+    )
+
+
+def _sharded_bytes(params: list[tuple[str, nn.Parameter]], shard: int) -> int:
+    """Bytes one rank stores: its padded shard of each parameter, in the storage dtype."""
+    return sum(_dim0_padded_numel(p.shape, shard) // shard * p.dtype.itemsize for _, p in params)
+
+
+def _unit_collectives(
+    params: list[tuple[str, nn.Parameter]],
+    policy: MixedPrecisionPolicy,
+    *,
+    gathered: int,
+    reshard: bool | int,
+    runs_backward: bool,
+    shard: int,
+    replicate: int,
+) -> CommTally:
+    """The collectives one unit issues in a step (see :mod:`multimodal_fsdp.costs`)."""
+    tally = CommTally()
+    if not params:
+        return tally
+    if shard > 1:
+        tally.add("forward", "all_gather", gathered)
+        if reshard is not False and runs_backward:
+            tally.add("backward", "all_gather", gathered)
+    trainable = [p for _, p in params if p.requires_grad]
+    if not trainable:
+        return tally
+    reduce = _reduce_dtype(params, policy)
+    padded = sum(_dim0_padded_numel(p.shape, shard) for p in trainable)
+    if shard > 1:
+        tally.add("backward", "reduce_scatter", padded * reduce.itemsize)
+    if replicate > 1:
+        tally.add("backward", "all_reduce", padded // shard * reduce.itemsize)
+    return tally

@@ -1,0 +1,64 @@
+"""The backward-reachability rule: which frozen modules no gradient ever reaches.
+
+FSDP2 runs a unit's backward (and re-gathers its parameters for it) only when
+its output needs a gradient. Frozen parts of towers and projectors that come
+before every trainable parameter of their modality see only media inputs
+(pixels, audio), so their backward never runs. :mod:`multimodal_fsdp.costs`
+uses this judgement to count backward all-gathers and the prefetch guard's
+savings; it lives here so that the rule has one home and one test surface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from multimodal_fsdp.parallelizer import MultimodalParallelizer, MultimodalParts
+from multimodal_fsdp.timeline import _module_spans
+
+__all__ = ["backward_free_paths"]
+
+
+def _parts_in_flow_order(parts: Sequence[MultimodalParts]) -> dict[str, list[MultimodalParts]]:
+    """Multimodal modules per modality, towers before projectors (the data flow)."""
+    groups: dict[str, list[MultimodalParts]] = {}
+    for part in parts:
+        groups.setdefault(part.found.modality, []).append(part)
+    for members in groups.values():
+        members.sort(key=lambda p: 0 if p.found.role == "tower" else 1)
+    return groups
+
+
+def backward_free_paths(
+    model: nn.Module, parallelizer: MultimodalParallelizer | None = None
+) -> list[str]:
+    """Frozen module paths that no gradient reaches in a step.
+
+    Per modality, towers then projectors are walked in registration order; the
+    frozen parts met before the first trainable parameter (or the first module
+    holding one directly) see only media inputs, so their backward never runs.
+    """
+    found = (parallelizer or MultimodalParallelizer()).multimodal_parts(model)
+    spans = _module_spans(model)
+    free: list[str] = []
+    for members in _parts_in_flow_order(found).values():
+        for part in members:
+            events: list[tuple[int, str, str]] = [
+                (spans[p][0], "frozen", p) for p in part.frozen if p in spans
+            ]
+            events += [(spans[p][0], "trainable", p) for p in part.trainable if p in spans]
+            # Trainable parameters held directly by a mixed module stop the walk there.
+            root = part.found.module
+            for name, sub in root.named_modules(prefix=part.found.path):
+                if any(p.requires_grad for p in sub.parameters(recurse=False)) and name in spans:
+                    events.append((spans[name][0], "trainable", name))
+            stop = False
+            for _, kind, path in sorted(events):
+                if kind == "trainable":
+                    stop = True
+                    break
+                free.append(path)
+            if stop:
+                break
+    return free

@@ -1,0 +1,232 @@
+"""Text rendering of plan costs: the unit tree, the totals, sizes and counts.
+
+What the ``plan`` command line prints and what :meth:`PlanCosts.format
+<multimodal_fsdp.costs.PlanCosts.format>` returns. The figures come from
+:mod:`multimodal_fsdp.costs`; this module only decides how they read, so that
+the layout can change without touching the accounting.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from multimodal_fsdp.collectives import CommTally
+    from multimodal_fsdp.costs import PlanCosts, UnitCost
+
+__all__ = ["format_bytes", "format_costs", "format_count"]
+
+
+def format_bytes(value: float) -> str:
+    """``1.5 MiB``-style sizes (binary units)."""
+    size = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+_SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
+
+
+def _dt(name: str) -> str:
+    return ",".join(_SHORT_DTYPES.get(part, part) for part in name.split(","))
+
+
+def format_count(value: int) -> str:
+    """``1.2M``-style parameter counts."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= size:
+            return f"{value / size:.1f}{unit}"
+    return str(value)
+
+
+def _reshard_text(value: bool | int) -> str:
+    if value is True:
+        return "yes"
+    if value is False:
+        return "no"
+    return f"to {value}"
+
+
+def _comm_text(tally: CommTally, phase: str, kind: str) -> str:
+    count = tally.count(kind, phase)
+    return "-" if not count else f"{count}x {format_bytes(tally.bytes(kind, phase))}"
+
+
+def _unit_columns(unit: UnitCost) -> list[str]:
+    storage = ",".join(_dt(d) for d in unit.storage_dtypes) or "-"
+    return [
+        unit.role,
+        format_count(unit.numel),
+        unit.trainable + ("" if unit.runs_backward or not unit.numel else " (no bwd)"),
+        f"{storage}>{_dt(unit.compute_dtype)}",
+        _reshard_text(unit.reshard_after_forward),
+        format_bytes(unit.sharded_bytes),
+        _comm_text(unit.comm, "forward", "all_gather"),
+        _comm_text(unit.comm, "backward", "all_gather"),
+        _comm_text(unit.comm, "backward", "reduce_scatter"),
+    ]
+
+
+_HEADER = [
+    "unit",
+    "role",
+    "params",
+    "state",
+    "dtype",
+    "reshard",
+    "shard/rank",
+    "AG fwd",
+    "AG bwd",
+    "RS",
+]
+
+
+def _signature(unit: UnitCost) -> tuple[Any, ...]:
+    return (*_unit_columns(unit), repr(unit.comm.as_dict()))
+
+
+class _Node:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.children: dict[str, _Node] = {}
+        self.units: list[UnitCost] = []
+
+
+def _anchor(unit: UnitCost) -> tuple[list[str], str | None]:
+    """Tree position of a unit: its path, or the common prefix of a group's members."""
+    if len(unit.paths) == 1:
+        return ([p for p in unit.paths[0].split(".") if p], None)
+    split = [p.split(".") for p in unit.paths]
+    prefix: list[str] = []
+    for parts in zip(*split, strict=False):
+        if len(set(parts)) != 1:
+            break
+        prefix.append(parts[0])
+    return prefix, f"[{len(unit.paths)} modules]"
+
+
+def _tree_rows(costs: PlanCosts, collapse: bool) -> list[tuple[str, UnitCost | None]]:
+    root = _Node("")
+    for unit in costs.units:
+        parts, group = _anchor(unit)
+        node = root
+        for part in parts:
+            node = node.children.setdefault(part, _Node(part))
+        if group is None:
+            node.units.append(unit)
+        else:
+            node.children.setdefault(group + f"#{unit.index}", _Node(group)).units.append(unit)
+    rows: list[tuple[str, UnitCost | None]] = []
+    for unit in root.units:
+        rows.append(("<root>", unit))
+    if not root.units:
+        rows.append((costs.model, None))
+
+    def visit(node: _Node, indent: str) -> None:
+        entries = (
+            _collapsed(list(node.children.values()))
+            if collapse
+            else [(child.name, child) for child in node.children.values()]
+        )
+        for i, (name, child) in enumerate(entries):
+            last = i == len(entries) - 1
+            branch = "`- " if last else "|- "
+            if child.units:
+                for unit in child.units:
+                    rows.append((indent + branch + name, unit))
+            else:
+                rows.append((indent + branch + name, None))
+            visit(child, indent + ("   " if last else "|  "))
+
+    visit(root, "")
+    return rows
+
+
+def _collapsed(children: list[_Node]) -> list[tuple[str, _Node]]:
+    """Merge runs of numbered leaf siblings with identical figures into ``{a..b} xN``."""
+    out: list[tuple[str, _Node]] = []
+    i = 0
+    while i < len(children):
+        child = children[i]
+        j = i + 1
+        if child.name.isdigit() and not child.children and len(child.units) == 1:
+            sig = _signature(child.units[0])
+            while (
+                j < len(children)
+                and children[j].name.isdigit()
+                and not children[j].children
+                and len(children[j].units) == 1
+                and _signature(children[j].units[0]) == sig
+            ):
+                j += 1
+        if j - i > 1:
+            out.append((f"{{{child.name}..{children[j - 1].name}}} x{j - i}", child))
+        else:
+            out.append((child.name, child))
+        i = j
+    return out
+
+
+def format_costs(costs: PlanCosts, *, collapse: bool = True) -> str:
+    """A readable tree of the units with their per-rank costs, then the totals."""
+    mesh = costs.mesh
+    head = f"{costs.model}: {len(costs.units)} FSDP units, world size {costs.world_size}"
+    head += (
+        f" (dp_replicate {mesh.dp_replicate} x dp_shard {mesh.dp_shard})"
+        if mesh.is_hsdp
+        else f" (dp_shard {mesh.dp_shard})"
+    )
+    if costs.policy:
+        head += f", frozen-tower policy {costs.policy}"
+    if costs.precision:
+        head += f", {costs.precision}"
+    table = [_HEADER]
+    for name, unit in _tree_rows(costs, collapse):
+        table.append([name, *(["" for _ in _HEADER[1:]] if unit is None else _unit_columns(unit))])
+    widths = [max(len(row[c]) for row in table) for c in range(len(_HEADER))]
+    lines = [head, ""]
+    for row in table:
+        lines.append("  ".join(cell.ljust(widths[c]) for c, cell in enumerate(row)).rstrip())
+    lines.append("")
+    lines.append("totals per rank and step (one forward + backward, every module runs):")
+    roles = ", ".join(f"{k} {v}" for k, v in sorted(costs.role_counts().items()))
+    lines.append(f"  units                     {len(costs.units)} ({roles})")
+    lines.append(
+        f"  parameters                {format_count(costs.numel)} "
+        f"(trainable {format_count(costs.trainable_numel)}, "
+        f"kept whole on every rank {format_count(costs.replicated_numel)})"
+    )
+    lines.append(f"  sharded parameter bytes   {format_bytes(costs.sharded_param_bytes)}")
+    lines.append(f"  replicated param bytes    {format_bytes(costs.replicated_param_bytes)}")
+    lines.append(
+        f"  peak gathered params      forward {format_bytes(costs.peak_gathered_forward_bytes)},"
+        f" backward {format_bytes(costs.peak_gathered_backward_bytes)}"
+    )
+    if costs.memory is not None:
+        lines.extend(costs.memory.format_lines())
+    for phase, kind in costs.comm.pairs():
+        label = f"{phase} {kind}"
+        lines.append(
+            f"  {label:<25} {costs.comm.count(kind, phase):>5}  "
+            f"{format_bytes(costs.comm.bytes(kind, phase))}"
+        )
+    if not costs.comm.pairs():
+        lines.append("  collectives               none")
+    wasted = costs.wasted
+    if wasted.pairs():
+        state = "avoided by the prefetch guard" if costs.prefetch_guard else "included above"
+        lines.append(
+            f"  implicit-prefetch waste   {wasted.count()} all-gathers, "
+            f"{format_bytes(wasted.bytes())} ({state})"
+        )
+    if costs.extra.pairs():
+        lines.append(
+            f"  outside FSDP units        {costs.extra.count()} all-reduce "
+            "(runtime hooks, included above)"
+        )
+    lines.extend(f"  hook: {hook.format()}" for hook in costs.hooks)
+    lines.extend(f"  note: {note}" for note in costs.notes)
+    return "\n".join(lines)

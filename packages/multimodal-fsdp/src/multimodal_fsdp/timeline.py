@@ -1,0 +1,145 @@
+"""The parameter-memory timeline: when each unit's parameters are gathered.
+
+Peak gathered memory is a timeline model over module positions (pre-order
+``named_modules`` order, the forward order of the models this project serves):
+each unit is gathered from its first member's forward to its last member's, and
+kept until backward when it is not resharded; in backward each unit is gathered
+from its pre-backward to its post-backward, and the implicit prefetch gathers
+the next one early. Without the prefetch guard (:mod:`multimodal_fsdp.prefetch`)
+the unit that finishes its forward right after a unit without backward
+re-gathers that unit in its pre-backward, which is wasted communication.
+Transient all-gather staging buffers are not included.
+
+:mod:`multimodal_fsdp.costs` places the units of a plan on this timeline; the
+rules of order, prefetch and peak live here, apart from the byte rules
+(:mod:`multimodal_fsdp.collectives`) and the report (:mod:`multimodal_fsdp.render`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from fsdp_core import UnitPlan
+from fsdp_core.containers import join_path
+from multimodal_fsdp.collectives import CommTally
+
+__all__: list[str] = []
+
+
+@dataclass
+class _Unit:
+    """One unit of a plan placed on the timeline, with what it gathers and issues."""
+
+    plan: UnitPlan
+    params: list[tuple[str, nn.Parameter]]
+    start: int
+    end: int
+    reshard: bool | int
+    runs_backward: bool
+    gathered: int
+    sharded: int
+    comm: CommTally = field(default_factory=CommTally)
+    wasted: CommTally = field(default_factory=CommTally)
+
+
+def _module_spans(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Pre-order position and subtree end of every module (``named_modules`` order)."""
+    spans: dict[str, tuple[int, int]] = {}
+    seen: set[int] = set()
+    counter = 0
+    stack: list[tuple[str, nn.Module, bool]] = [("", model, False)]
+    starts: dict[str, int] = {}
+    while stack:
+        path, module, done = stack.pop()
+        if done:
+            spans[path] = (starts[path], counter)
+            continue
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        starts[path] = counter
+        counter += 1
+        stack.append((path, module, True))
+        children = [(join_path(path, name), child) for name, child in module.named_children()]
+        stack.extend((p, c, False) for p, c in reversed(children))
+    return spans
+
+
+def _effective_reshard(unit: UnitPlan, shard: int) -> bool | int:
+    """What FSDP2 does after forward: root ``None`` keeps, others ``None`` reshard."""
+    value = unit.reshard_after_forward
+    if value is None:
+        return not unit.is_root
+    if isinstance(value, bool):
+        return value
+    if value == 1:
+        return False
+    if value == shard:
+        return True
+    return value
+
+
+def _post_forward_order(units: list[_Unit]) -> list[_Unit]:
+    """Units in the order their forwards finish (inner units first on a tie)."""
+    return sorted((u for u in units if u.params), key=lambda u: (u.end, -u.start, u.plan.is_root))
+
+
+def _prefetch_waste(units: list[_Unit], shard: int) -> None:
+    """Without the guard, a unit's pre-backward re-gathers its predecessor without backward."""
+    if shard <= 1:
+        return
+    order = _post_forward_order(units)
+    for previous, current in itertools.pairwise(order):
+        if current.runs_backward and not previous.runs_backward and previous.reshard is not False:
+            previous.wasted.add("backward", "all_gather", previous.gathered)
+
+
+def _peaks(units: list[_Unit], end: int, *, guard: bool) -> tuple[int, int]:
+    """Peak gathered parameter bytes in forward and in backward (timeline model)."""
+    forward: list[tuple[int, int, int]] = []  # (start, stop, bytes) on module positions
+    backward: list[tuple[int, int, int]] = []
+    order = _post_forward_order(units)
+    prefetched_at = {
+        id(prev): cur.end for prev, cur in itertools.pairwise(order) if cur.runs_backward
+    }
+    for u in units:
+        if not u.params:
+            continue
+        full = u.gathered
+        forward.append((u.start, u.end, full))
+        kept = 0 if u.reshard is True else full if u.reshard is False else full // int(u.reshard)
+        if kept:
+            forward.append((u.end, end, kept))
+        early = prefetched_at.get(id(u), u.end)
+        if u.runs_backward:
+            if u.reshard is False:
+                backward.append((u.start, end, full))
+            else:
+                top = max(u.end, early)
+                backward.append((u.start, top, full))
+                if kept and top < end:
+                    backward.append((top, end, kept))
+        elif u.reshard is False:
+            backward.append((0, end, full))
+        else:
+            if kept:
+                backward.append((0, end, kept))
+            if not guard and id(u) in prefetched_at:
+                backward.append((0, early, full))
+    return _sweep_max(forward), _sweep_max(backward)
+
+
+def _sweep_max(segments: list[tuple[int, int, int]]) -> int:
+    """Largest total of ``bytes`` over half-open ``[start, stop)`` segments at one point."""
+    events: list[tuple[int, int]] = []
+    for start, stop, nbytes in segments:
+        if stop > start:
+            events += [(start, nbytes), (stop, -nbytes)]
+    best = live = 0
+    for _, change in sorted(events, key=lambda e: (e[0], e[1] > 0)):  # ends before starts
+        live += change
+        best = max(best, live)
+    return best
