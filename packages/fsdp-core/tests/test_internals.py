@@ -7,6 +7,7 @@ meaningless numbers).
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -155,6 +156,10 @@ PRIVATE = re.compile(
     r"unsharded_accumulated_grad|_execution_engine|_current_graph_task_id|fsdp_params|"
     r"reduce_grads)\b"
 )
+#: Private torch modules (FSDP2's own, the fake store, the memory tracker).
+PRIVATE_MODULES = re.compile(
+    r"torch\.(testing\._internal|distributed\._tools|distributed\.fsdp\._)"
+)
 
 
 def test_no_other_module_reads_private_fsdp_state() -> None:
@@ -167,6 +172,25 @@ def test_no_other_module_reads_private_fsdp_state() -> None:
             if path.name == "internals.py":
                 continue
             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-                if PRIVATE.search(line):
+                if PRIVATE.search(line) or PRIVATE_MODULES.search(line):
                     offenders.append(f"{path.name}:{number}: {line.strip()}")
     assert offenders == []
+
+
+def test_private_torch_modules_come_through_internals() -> None:
+    assert internals.has_fake_store()
+    assert internals.fsdp_state_module() is not None
+    tracker = internals.fsdp_mem_tracker_class(("track_inputs",), user="this test")
+    assert tracker.__name__ == "FSDPMemTracker"
+    with pytest.raises(FSDPInternalsError, match=r"lacks \['no_such_hook'\], which this test"):
+        internals.fsdp_mem_tracker_class(("no_such_hook",), user="this test")
+
+
+def test_a_torch_without_the_fake_store_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch.testing._internal.distributed.fake_pg", None)
+    assert not internals.has_fake_store()
+    with pytest.raises(FSDPInternalsError, match="FakeStore"):
+        internals.fake_store()
+    with pytest.raises(FSDPInternalsError, match="FakeStore"), fake_process_group(2):
+        pass
+    assert not dist.is_initialized()

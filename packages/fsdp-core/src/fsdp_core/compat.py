@@ -1,7 +1,8 @@
 """Which FSDP2 features the installed torch provides.
 
 Every feature test of the project lives here, so no other module compares
-version numbers or probes torch internals. Each flag is computed once at
+version numbers or probes torch features; private torch modules are reached
+through :mod:`fsdp_core.internals`. Each flag is computed once at
 import time by introspection, never from the version string alone, so a
 backport or a nightly build is judged by what it actually has.
 """
@@ -13,6 +14,8 @@ import inspect
 from typing import Final
 
 import torch
+
+from fsdp_core import internals
 
 __all__ = [
     "FSDP2_AVAILABLE",
@@ -62,10 +65,7 @@ FULLY_SHARD_IGNORED_PARAMS: Final[bool] = "ignored_params" in _fully_shard_param
 def _fsdp_state_class() -> type | None:
     if not FSDP2_AVAILABLE:
         return None
-    try:
-        module = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_state")
-    except ImportError:
-        return None
+    module = internals.fsdp_state_module()
     state = getattr(module, "FSDPState", None)
     return state if isinstance(state, type) else None
 
@@ -74,7 +74,7 @@ def _has_grouped_modules() -> bool:
     """``fully_shard([m1, m2])``: several modules share one unit (one all-gather)."""
     if not FSDP2_AVAILABLE:
         return False
-    module = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_state")
+    module = internals.fsdp_state_module()
     return hasattr(module, "_register_group_forward_hooks")
 
 
@@ -118,16 +118,8 @@ def _has_reduce_scatter_unused_params() -> bool:
 REDUCE_SCATTER_UNUSED_PARAMS: Final[bool] = _has_reduce_scatter_unused_params()
 
 
-def _has_fake_process_group() -> bool:
-    try:
-        importlib.import_module("torch.testing._internal.distributed.fake_pg")
-    except ImportError:
-        return False
-    return True
-
-
 #: The single-process ``"fake"`` backend used for layout and communication tests.
-FAKE_PROCESS_GROUP: Final[bool] = _has_fake_process_group()
+FAKE_PROCESS_GROUP: Final[bool] = internals.has_fake_store()
 
 
 def capabilities() -> dict[str, bool]:

@@ -13,6 +13,8 @@ from typing import Final, NoReturn
 import torch
 import torch.distributed as dist
 
+from fsdp_core.internals import fake_store
+
 __all__ = [
     "VALID_BACKENDS",
     "DistributedContext",
@@ -156,9 +158,7 @@ def init_distributed(
 
     pg_timeout = timeout if timeout is not None else timedelta(minutes=10)
     if chosen == "fake":
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     elif "MASTER_ADDR" in os.environ:
         dist.init_process_group(chosen, rank=rank, world_size=world_size, timeout=pg_timeout)
     elif world_size == 1:

@@ -13,12 +13,19 @@ with several parameter groups). So:
   naming the missing pieces and the hook to switch off;
 - the accessors never guess: used on a torch that lacks the attribute, they raise
   the same error instead of returning a default.
+
+Private torch *modules* go through here too: the ``FakeStore`` of the
+single-process ``fake`` backend (:mod:`fsdp_core.fake_group`), the
+``FSDPMemTracker`` that :mod:`multimodal_fsdp.measure_memory` subclasses, and
+FSDP2's state module that :mod:`fsdp_core.compat` probes for features.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import importlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Final
 
 import torch
@@ -43,7 +50,15 @@ __all__ = [
     "queue_end_of_backward",
     "unit_modules",
     "applied_unit_paths",
+    "fake_store",
+    "has_fake_store",
+    "fsdp_mem_tracker_class",
+    "fsdp_state_module",
 ]
+
+_FAKE_PG_MODULE: Final = "torch.testing._internal.distributed.fake_pg"
+_MEM_TRACKER_MODULE: Final = "torch.distributed._tools.fsdp2_mem_tracker"
+_FSDP_STATE_MODULE: Final = "torch.distributed.fsdp._fully_shard._fsdp_state"
 
 
 class FSDPInternalsError(RuntimeError):
@@ -290,3 +305,61 @@ def check_internals(model: nn.Module, hooks: Iterable[str]) -> None:
             "run without them (and without what they fix), or install a torch version "
             "these hooks support."
         )
+
+
+# ------------------------------------------------------------------- private modules
+def fsdp_state_module() -> ModuleType | None:
+    """FSDP2's private state module (``FSDPState`` and its group hooks), or ``None`` when
+    this torch has none; :mod:`fsdp_core.compat` reads its features from it."""
+    try:
+        return importlib.import_module(_FSDP_STATE_MODULE)
+    except ImportError:
+        return None
+
+
+def has_fake_store() -> bool:
+    """Whether this torch ships the store of the single-process ``fake`` backend."""
+    try:
+        importlib.import_module(_FAKE_PG_MODULE)
+    except ImportError:
+        return False
+    return True
+
+
+def fake_store() -> Any:
+    """A new ``FakeStore`` for ``init_process_group("fake", store=...)``; torch keeps it
+    in a testing module, so a torch without it raises :class:`FSDPInternalsError`."""
+    try:
+        module = importlib.import_module(_FAKE_PG_MODULE)
+    except ImportError as error:
+        raise FSDPInternalsError(
+            f"the fake process group needs {_FAKE_PG_MODULE}.FakeStore (a private torch "
+            f"module; torch {torch.__version__} lacks it: {error})"
+        ) from None
+    store = getattr(module, "FakeStore", None)
+    if store is None:
+        raise FSDPInternalsError(f"torch {torch.__version__} has no {_FAKE_PG_MODULE}.FakeStore")
+    return store()
+
+
+def fsdp_mem_tracker_class(needs: Sequence[str], *, user: str) -> type[Any]:
+    """torch's ``FSDPMemTracker`` class, checked for the attributes ``user`` relies on
+    beyond its public methods (``needs``); :class:`FSDPInternalsError` names what is
+    missing."""
+    try:
+        module = importlib.import_module(_MEM_TRACKER_MODULE)
+        tracker = module.FSDPMemTracker
+    except (ImportError, AttributeError) as error:
+        raise FSDPInternalsError(
+            f"measuring memory needs {_MEM_TRACKER_MODULE}.FSDPMemTracker (a private torch "
+            f"module; torch {torch.__version__} lacks it: {error})"
+        ) from None
+    missing = [name for name in needs if not hasattr(tracker, name)]
+    if missing:
+        raise FSDPInternalsError(
+            f"torch {torch.__version__}'s FSDPMemTracker lacks {missing}, which "
+            f"{user} reads; measure with a torch it was tested with (2.13)"
+        )
+    if not isinstance(tracker, type):
+        raise FSDPInternalsError(f"{_MEM_TRACKER_MODULE}.FSDPMemTracker is not a class")
+    return tracker

@@ -1,7 +1,8 @@
 """Helpers for tests that need process groups, for this project and downstream ones.
 
 - :func:`fake_process_group`: FSDP2 in one process with exact collective
-  counts and bytes (numbers computed under it are meaningless).
+  counts and bytes (numbers computed under it are meaningless); it lives in
+  :mod:`fsdp_core.fake_group` and is re-exported here.
 - :func:`run_on_gloo_ranks`: run a picklable function on N CPU ranks.
 - :func:`run_torchrun`: launch a script under torchrun with a hard timeout, so
   a hang fails the test instead of stalling CI.
@@ -23,7 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -33,6 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+from fsdp_core.fake_group import fake_process_group
 
 __all__ = [
     "ReferenceResult",
@@ -56,23 +59,6 @@ TORCHRUN_ENV: tuple[str, ...] = (
     "MASTER_ADDR",
     "MASTER_PORT",
 )
-
-
-@contextlib.contextmanager
-def fake_process_group(world_size: int, *, rank: int = 0) -> Iterator[None]:
-    """Initialise the single-process ``fake`` backend for the duration of the block."""
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"invalid fake group: rank {rank} of world size {world_size}")
-    if dist.is_initialized():
-        raise RuntimeError("a process group is already initialised; destroy it first")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def free_port() -> int:

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp_core import CommCounter, ShardingPlan, build_mesh, resolve_mesh_shape
-from fsdp_core.testing import fake_process_group
+from fsdp_core.fake_group import fake_process_group
 from multimodal_fsdp.collectives import KINDS, PHASES, CommTally
 from multimodal_fsdp.costs import PlanCosts, plan_costs
 from multimodal_fsdp.parallelizer import MultimodalParallelizer

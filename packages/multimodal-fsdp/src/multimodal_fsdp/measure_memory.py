@@ -11,10 +11,11 @@ like :func:`multimodal_fsdp.measure.measure_plan`: plan, predict (with the
 activation trace), shard, measure - under the initialised process group or
 else the fake one, where tensor sizes are exactly those of a real job.
 
-The tracker lives in a private torch module (``torch.distributed._tools``);
-the "private torch" section below is the only code that touches it (the class,
-the per-operation hook it calls, its snapshot attributes), and it checks what it
-uses so that a torch without them fails with a message naming what is missing.
+The tracker lives in a private torch module, which only
+:func:`fsdp_core.internals.fsdp_mem_tracker_class` imports; it checks the
+attributes the "private torch" section below relies on (the per-operation hook
+it overrides, its snapshot methods), so that a torch without them fails with a
+message naming what is missing.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from fsdp_core import ShardingPlan, build_mesh, resolve_mesh_shape
-from fsdp_core.testing import fake_process_group
+from fsdp_core.fake_group import fake_process_group
+from fsdp_core.internals import fsdp_mem_tracker_class
 from multimodal_fsdp.activations import trace_activations
 from multimodal_fsdp.costs import PlanCosts, plan_costs
 from multimodal_fsdp.memory import check_optimizer, with_memory
@@ -72,23 +74,9 @@ _TRACKER_NEEDS = ("_update_peak_stats", "get_tracker_snapshot", "track_inputs")
 
 
 def _tracker_base() -> type[Any]:
-    """torch's ``FSDPMemTracker``, or a RuntimeError saying what is missing."""
-    try:
-        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    except ImportError as error:
-        raise RuntimeError(
-            f"measuring memory needs torch.distributed._tools.fsdp2_mem_tracker."
-            f"FSDPMemTracker (a private torch module; torch {torch.__version__} lacks it: "
-            f"{error})"
-        ) from None
-    missing = [name for name in _TRACKER_NEEDS if not hasattr(FSDPMemTracker, name)]
-    if missing:
-        raise RuntimeError(
-            f"torch {torch.__version__}'s FSDPMemTracker lacks {missing}, which "
-            "multimodal_fsdp.measure_memory reads; measure with a torch it was tested with (2.13)"
-        )
-    tracker: type[Any] = FSDPMemTracker
-    return tracker
+    """torch's ``FSDPMemTracker``, or a :class:`~fsdp_core.FSDPInternalsError` (a
+    RuntimeError) saying what is missing."""
+    return fsdp_mem_tracker_class(_TRACKER_NEEDS, user="multimodal_fsdp.measure_memory")
 
 
 def _new_tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:

@@ -1,0 +1,35 @@
+"""The single-process ``fake`` process group, as a product feature.
+
+Under the ``fake`` backend FSDP2 shards exactly as on a real job and issues the
+same collectives with the same byte counts, in one process (the numbers it
+computes are meaningless). The product uses it to count the collectives and the
+memory of a plan without a cluster (:mod:`multimodal_fsdp.measure`,
+:mod:`multimodal_fsdp.measure_memory`); tests use it for layouts. Its store
+lives in a private torch module, reached through :mod:`fsdp_core.internals`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch.distributed as dist
+
+from fsdp_core.internals import fake_store
+
+__all__ = ["fake_process_group"]
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, *, rank: int = 0) -> Iterator[None]:
+    """Initialise the single-process ``fake`` backend for the duration of the block."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"invalid fake group: rank {rank} of world size {world_size}")
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised; destroy it first")
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
