@@ -1,0 +1,308 @@
+"""The structural rules of discovery: towers and projectors found by shape, not name.
+
+Where names fail (towers registered as plain ``encoder``, embedders bundled under a
+text model's embedding), these rules match what transformers models expose without
+naming any model: a model built from an enclosing model's media sub-config, a model
+whose ``main_input_name`` is a media input, a child encoder taking media (or a
+projector taking a tower's output) and no text right where media meets text, and a
+module holding nothing but two or more towers. A match that shares (ties) a
+parameter with the rest of the model is dropped. The walk that applies them, with
+its maximality and guard rules, is :mod:`multimodal_fsdp.discovery`; the rules live
+here so each can be read and tested on its own.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Mapping
+
+from torch import nn
+
+from fsdp_core.containers import unwrap_module
+from multimodal_fsdp.names import (
+    _INPUT_MODALITY_KEYWORDS,
+    Modality,
+    MultimodalModule,
+    _modality_from_keywords,
+)
+
+__all__ = ["MEDIA_FEATURE_INPUTS", "MEDIA_INPUTS"]
+
+# Discovery's logger: the structural rules log as part of the walk.
+logger = logging.getLogger("multimodal_fsdp.discovery")
+
+_BLOCK_CONTAINERS: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+MEDIA_INPUTS: Mapping[str, Modality] = {
+    "pixel_values": "vision",
+    "pixel_values_images": "vision",
+    "image_pixel_values": "vision",
+    "flattened_patches": "vision",
+    "images": "vision",
+    "pixel_values_videos": "video",
+    "videos": "video",
+    "input_features": "audio",
+    "input_values": "audio",
+    "audio_values": "audio",
+    "audio_input_features": "audio",
+    "input_audio_features": "audio",
+}
+"""Forward arguments (and ``main_input_name`` values) that carry raw media, by modality."""
+
+MEDIA_FEATURE_INPUTS: Mapping[str, Modality] = {
+    "image_features": "vision",
+    "vision_features": "vision",
+    "video_features": "video",
+    "audio_features": "audio",
+}
+"""Forward arguments that carry a tower's output: a module taking only these is a projector."""
+
+# Arguments that only a text model (or a model containing one) takes. A cross-attending
+# decoder takes ``encoder_hidden_states``; a sequence-to-sequence model takes ``decoder_*``.
+_TEXT_INPUTS = frozenset({"input_ids", "inputs_embeds", "encoder_hidden_states"})
+
+# Sub-config attribute names (without ``_config``) whose module is the text model.
+_TEXT_CONFIG_ATTRS = frozenset({"text", "decoder", "language", "llm", "text_decoder"})
+
+
+_FORWARD_ARGUMENTS: dict[type, frozenset[str]] = {}
+
+
+def _forward_arguments(module: nn.Module) -> frozenset[str]:
+    """Names of the parameters of ``forward`` (empty when it cannot be inspected).
+
+    Cached per class: a model walk asks once per module and classes repeat a lot.
+    """
+    cls = type(module)
+    arguments = _FORWARD_ARGUMENTS.get(cls)
+    if arguments is None:
+        try:
+            arguments = frozenset(inspect.signature(cls.forward).parameters)
+        except (TypeError, ValueError):
+            arguments = frozenset()
+        _FORWARD_ARGUMENTS[cls] = arguments
+    return arguments
+
+
+def _takes_text(arguments: frozenset[str]) -> bool:
+    return bool(arguments & _TEXT_INPUTS) or any(a.startswith("decoder_") for a in arguments)
+
+
+def _first_media(arguments: frozenset[str], table: Mapping[str, Modality]) -> str | None:
+    """The first argument of ``table`` (in table order) that ``arguments`` contains."""
+    return next((name for name in table if name in arguments), None)
+
+
+def _model_config(module: nn.Module) -> object | None:
+    """The config of a transformers-style model: it has a ``main_input_name`` and a config.
+
+    Duck-typed, so that discovery does not import transformers.
+    """
+    if not isinstance(getattr(module, "main_input_name", None), str):
+        return None
+    return getattr(module, "config", None)
+
+
+def _is_config(value: object) -> bool:
+    return hasattr(value, "model_type") and callable(getattr(value, "to_dict", None))
+
+
+def _register_subconfigs(module: nn.Module, subconfigs: dict[int, tuple[str, object]]) -> None:
+    """Remember the sub-configs of ``module``'s config under their attribute names."""
+    config = _model_config(module)
+    if config is None or not hasattr(config, "__dict__"):
+        return
+    for attr, value in vars(config).items():
+        if _is_config(value):
+            subconfigs.setdefault(id(value), (attr, value))
+
+
+def _subconfig_attr(module: nn.Module, subconfigs: Mapping[int, tuple[str, object]]) -> str | None:
+    """The attribute (without ``_config``) under which an ancestor keeps this model's config."""
+    config = _model_config(module)
+    if config is None:
+        return None
+    entry = subconfigs.get(id(config))
+    if entry is None or entry[1] is not config:
+        return None
+    return entry[0].removesuffix("_config")
+
+
+def _is_text_model(module: nn.Module, subconfigs: Mapping[int, tuple[str, object]]) -> bool:
+    """Built from an ancestor's text or decoder sub-config: a language model, guarded."""
+    attr = _subconfig_attr(module, subconfigs)
+    return attr is not None and (attr in _TEXT_CONFIG_ATTRS or attr.startswith("text_"))
+
+
+def _config_modality(module: nn.Module, attr: str) -> Modality:
+    """Modality of a model built from sub-config ``attr``: from its name, else its type.
+
+    ``vision_config`` / ``audio_config`` say it in the name; a neutral ``encoder`` config
+    says it in its ``model_type`` (``vit``, ``wav2vec2``, ``granite_speech_encoder``).
+    """
+    modality = _modality_from_keywords(attr, _INPUT_MODALITY_KEYWORDS)
+    if modality == "unknown" and attr in ("encoder", "encoder_model"):
+        model_type = getattr(_model_config(module), "model_type", "")
+        modality = _modality_from_keywords(model_type if isinstance(model_type, str) else "")
+    return modality
+
+
+def _match_structure(
+    path: str,
+    module: nn.Module,
+    parent: nn.Module,
+    subconfigs: Mapping[int, tuple[str, object]],
+) -> MultimodalModule | None:
+    """The structural rules, strongest first; ``None`` when none applies.
+
+    1. ``config:<attr>`` -- a model built from an ancestor's media sub-config
+       (``vision_config``, ``audio_config``, an ``encoder`` config of a vision/audio type).
+    2. ``main_input:<name>`` -- a model whose ``main_input_name`` is a media input.
+    3. ``forward:<arg>`` / ``features:<arg>`` -- a child of the module where media meets
+       text (its parent's forward takes both) whose own forward takes no text and either
+       media, when it has a layer stack of its own (a tower), or a tower's output (a
+       projector).
+
+    None of them matches a module whose forward takes text or cross-attends, since a tower
+    encodes media alone. Activation-checkpoint and compile wrappers are looked through;
+    the wrapper itself is reported, being what is registered in the tree.
+    """
+    reported, module, parent = module, unwrap_module(module), unwrap_module(parent)
+    arguments = _forward_arguments(module)
+    if _takes_text(arguments):
+        return None
+    attr = _subconfig_attr(module, subconfigs)
+    if attr is not None:
+        modality = _config_modality(module, attr)
+        if modality != "unknown":
+            return MultimodalModule(path, reported, "tower", modality, f"config:{attr}_config")
+    main_input = getattr(module, "main_input_name", None)
+    if (
+        isinstance(main_input, str)
+        and main_input in MEDIA_INPUTS
+        and _model_config(module) is not None
+    ):
+        modality = MEDIA_INPUTS[main_input]
+        return MultimodalModule(path, reported, "tower", modality, f"main_input:{main_input}")
+    if not _is_media_entry(parent) or not _has_parameters(module):
+        return None
+    media = _first_media(arguments, MEDIA_INPUTS)
+    if media is not None:
+        # Only an encoder with layers of its own: a bare patch projection at the media entry
+        # belongs to the single-stream text model that embeds the patches.
+        if not _has_layer_container(module):
+            return None
+        return MultimodalModule(path, reported, "tower", MEDIA_INPUTS[media], f"forward:{media}")
+    feature = _first_media(arguments, MEDIA_FEATURE_INPUTS)
+    if feature is not None:
+        modality = MEDIA_FEATURE_INPUTS[feature]
+        return MultimodalModule(path, reported, "projector", modality, f"features:{feature}")
+    return None
+
+
+def _shares_parameters(
+    model: nn.Module, path: str, module: nn.Module, uses: dict[int, int]
+) -> bool:
+    """Whether a parameter of ``module`` is also registered outside it (tied weights).
+
+    A structural match must be separable from the rest of the model: a patch embedding
+    whose weights are tied to one inside the text encoder is not a tower of its own, and
+    giving it an FSDP unit would split a tied parameter across units. ``uses`` counts the
+    registrations of each parameter in ``model``, filled on the first call.
+    """
+    if not uses:
+        for _, param in model.named_parameters(remove_duplicate=False):
+            uses[id(param)] = uses.get(id(param), 0) + 1
+    inside: dict[int, int] = {}
+    for _, param in module.named_parameters(remove_duplicate=False):
+        inside[id(param)] = inside.get(id(param), 0) + 1
+    shared = [key for key, count in inside.items() if uses.get(key, 0) > count]
+    if shared:
+        logger.debug("%s shares %d parameter(s) with the rest of the model", path, len(shared))
+    return bool(shared)
+
+
+def _is_media_entry(module: nn.Module) -> bool:
+    """Media meets text here: forward takes both, and no layer stack is owned directly.
+
+    A module that owns its layer list (``layers``, ``block``) is a text stack with an
+    image-patch input, whose parts are not separate towers.
+    """
+    arguments = _forward_arguments(module)
+    if not _takes_text(arguments) or _first_media(arguments, MEDIA_INPUTS) is None:
+        return False
+    return not any(isinstance(child, (nn.ModuleList, nn.ModuleDict)) for child in module.children())
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _owns_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(recurse=False), None) is not None
+
+
+def _has_layer_container(module: nn.Module) -> bool:
+    return any(isinstance(sub, (nn.ModuleList, nn.ModuleDict)) for sub in module.modules())
+
+
+def _absorb_bundles(model: nn.Module, found: list[MultimodalModule]) -> list[MultimodalModule]:
+    """Report a module whose parameters all belong to discovered towers instead of them.
+
+    A parent that owns no parameters itself and whose children with parameters are all
+    discovered towers, two or more of them, is the maximal tower: one module bundling the
+    image and audio embedders under a text model's embedding, for example. Repeated
+    upwards; the root is never reported; towers and projectors are not merged, to keep
+    the roles apart.
+    """
+    changed = True
+    while changed:
+        changed = False
+        by_path = {item.path: item for item in found}
+        for item in found:
+            parent_path = item.path.rpartition(".")[0]
+            if not parent_path or item.role != "tower":
+                continue
+            bundle = _bundle(model.get_submodule(parent_path), parent_path, by_path)
+            if bundle is not None:
+                found = _replace_children(found, bundle)
+                changed = True
+                break
+    return found
+
+
+def _bundle(
+    parent: nn.Module, parent_path: str, by_path: Mapping[str, MultimodalModule]
+) -> MultimodalModule | None:
+    if isinstance(parent, _BLOCK_CONTAINERS) or _owns_parameters(parent):
+        return None
+    members = []
+    for name, child in parent.named_children():
+        item = by_path.get(f"{parent_path}.{name}")
+        if item is not None and item.role == "tower":
+            members.append(item)
+        elif _has_parameters(child):
+            return None
+    if len(members) < 2:
+        return None  # a plain wrapper around one tower: the named tower is the answer
+    modalities = {item.modality for item in members}
+    modality = modalities.pop() if len(modalities) == 1 else "unknown"
+    label = "bundle:" + "+".join(item.path.rpartition(".")[2] for item in members)
+    return MultimodalModule(parent_path, parent, "tower", modality, label)
+
+
+def _replace_children(
+    found: list[MultimodalModule], bundle: MultimodalModule
+) -> list[MultimodalModule]:
+    """``found`` with ``bundle`` in place of its first member and without the others."""
+    prefix = bundle.path + "."
+    result: list[MultimodalModule] = []
+    for item in found:
+        if item.path.startswith(prefix):
+            if bundle not in result:
+                logger.debug("bundling %s into %s", item.path, bundle.path)
+                result.append(bundle)
+            continue
+        result.append(item)
+    return result
