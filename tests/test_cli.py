@@ -309,3 +309,22 @@ def test_unknown_model_suggests_names(
     assert "unknown --model 'lava'" in err
     assert "did you mean" in err
     assert "llava" in err
+
+
+def test_memory_budget_chooses_per_frozen_module(capsys: pytest.CaptureFixture[str]) -> None:
+    both = ["--model", "deepseek-v41-tiny", "--world-size", "4", "--freeze", "multimodal"]
+    everything = json.loads(run(capsys, *both, "--json", "--memory-budget", "1GiB"))
+    candidates = everything["policy_choice"]["candidates"]
+    assert len(candidates) == 9
+    peaks = {
+        (c["policies"]["vision"], c["policies"]["aligner"]): c["peak_bytes"] for c in candidates
+    }
+    budget = peaks["replicate", "replicate"] - 1
+    mixed = json.loads(run(capsys, *both, "--json", "--memory-budget", str(budget)))
+    assert mixed["policy_choice"]["policies"] == {"vision": "replicate", "aligner": "per_layer"}
+    assert mixed["policy"] == "vision=replicate, aligner=per_layer"
+    text = run(capsys, *both, "--memory-budget", str(budget))
+    assert "frozen-tower policy vision=replicate, aligner=per_layer" in text
+    assert "note: tower 'vision' (vision): policy 'replicate'" in text
+    assert "note: projector 'aligner' (vision): policy 'per_layer'" in text
+    assert "note: policy 'replicate' not chosen for 'aligner': needs" in text

@@ -31,7 +31,12 @@ from fsdp_core import mixed_precision_policy
 from fsdp_core.testing import fake_process_group, run_on_gloo_ranks
 from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
 from multimodal_fsdp import MultimodalParallelizer
-from multimodal_fsdp.choose import MemoryBudgetError, PolicyChoice, choose_frozen_policy
+from multimodal_fsdp.choose import (
+    MemoryBudgetError,
+    PolicyCandidate,
+    PolicyChoice,
+    choose_frozen_policy,
+)
 from multimodal_fsdp.costs import inspect_model
 from multimodal_fsdp.measure_memory import (
     MemoryMeasurement,
@@ -93,26 +98,44 @@ def _deepseek() -> nn.Module:
     return model
 
 
+def _deepseek_all_frozen() -> nn.Module:
+    """Tower and projector (``aligner``) frozen: two modules, each with its own policy."""
+    model = _deepseek()
+    model.aligner.requires_grad_(False)
+    return model
+
+
 def _ds_loss(model: nn.Module) -> torch.Tensor:
     loss: torch.Tensor = model(**DS_BATCH)
     return loss
 
 
-def _hf(name: str) -> tuple[Callable[[], nn.Module], Callable[[nn.Module], torch.Tensor]]:
+def _hf(
+    name: str, *, also: tuple[str, ...] = ()
+) -> tuple[Callable[[], nn.Module], Callable[[nn.Module], torch.Tensor]]:
     vlm = HF_VLMS[name]
     batch = vlm.batch()
 
     def build() -> nn.Module:
         model = vlm.build()
-        model.get_submodule(vlm.tower).requires_grad_(False)
+        for path in (vlm.tower, *also):
+            model.get_submodule(path).requires_grad_(False)
         return model
 
     return build, lambda model: hf_loss(model, batch)
 
 
-def _measure(name: str, policy: str, optimizer: str = "adamw") -> MemoryMeasurement:
+def _measure(
+    name: str, policy: str | dict[str, str], optimizer: str = "adamw"
+) -> MemoryMeasurement:
     if name == "deepseek":
         build, loss, base = _deepseek, _ds_loss, PARALLELIZER
+    elif name == "deepseek_all_frozen":
+        build, loss, base = _deepseek_all_frozen, _ds_loss, PARALLELIZER
+    elif name == "llava_all_frozen":
+        pytest.importorskip("transformers")
+        build, loss = _hf("llava", also=("model.multi_modal_projector",))
+        base = MultimodalParallelizer()
     else:
         pytest.importorskip("transformers")
         build, loss = _hf(name)
@@ -167,6 +190,38 @@ def test_predicted_memory_matches_measured(name: str, policy: str) -> None:
     assert {"forward", "backward", "optimizer"} <= phases
     assert max(p.gathered_bytes for p in measured.timeline) >= (
         measured.peak_gathered_backward_bytes
+    )
+
+
+MIXED = [
+    ("deepseek_all_frozen", {"vision": "per_layer", "aligner": "replicate"}),
+    ("deepseek_all_frozen", {"vision": "replicate", "aligner": "per_layer"}),
+    pytest.param(
+        "llava_all_frozen",
+        {"model.vision_tower": "per_layer", "model.multi_modal_projector": "replicate"},
+        marks=pytest.mark.transformers,
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "policies"), MIXED)
+def test_mixed_policies_memory_matches_measured(name: str, policies: dict[str, str]) -> None:
+    """One policy per frozen module: the plan's figures hold as for a single policy."""
+    result = _measure(name, policies)
+    _check(result)
+    measured = result.measured
+    replicate = next(p for p, policy in policies.items() if policy == "replicate")
+    per_layer = next(p for p, policy in policies.items() if policy == "per_layer")
+    # The replicated module is whole on every rank; the per_layer one has units (one per
+    # block, or itself when it has no block list).
+    assert measured.replicated_param_bytes > 0
+    units = [path for unit in result.plan.units for path in unit.paths]
+    assert any(path == per_layer or path.startswith(per_layer + ".") for path in units), units
+    assert not any(path.startswith(replicate) for path in units), units
+    assert result.plan.replicated_param_names
+    assert all(
+        name.startswith(replicate + ".") or name.startswith("vision.")  # fp32 norms
+        for name in result.plan.replicated_param_names
     )
 
 
@@ -321,7 +376,7 @@ def test_budget_forces_per_layer(peaks: dict[str, int]) -> None:
     choice = _choose(peaks["replicate"] - 1)
     assert choice.policy == "per_layer"
     notes = "\n".join(choice.notes)
-    assert "policy 'replicate' not chosen: needs" in notes
+    assert "policy 'replicate' not chosen for 'vision': needs" in notes
     assert "over the budget" in notes
     assert [c.fits for c in choice.candidates] == [False, True, False]
 
@@ -331,7 +386,7 @@ def test_budget_forces_root_when_replicate_is_left_out(peaks: dict[str, int]) ->
     # choice only among sharded policies.
     choice = _choose(peaks["root"], policies=("root", "per_layer"))
     assert choice.policy == "root"
-    assert "policy 'per_layer' not chosen: fits" in "\n".join(choice.notes)
+    assert "policy 'per_layer' not chosen for 'vision': fits" in "\n".join(choice.notes)
     assert _choose(peaks["root"] - 1, policies=("per_layer", "root")).policy == "per_layer"
     for budget in (peaks["per_layer"], peaks["replicate"], peaks["root"], 2 * peaks["root"]):
         assert _choose(budget).policy != "root"
@@ -375,6 +430,160 @@ def test_chosen_policy_fits_when_measured() -> None:
 def test_bad_choices_are_named(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         _choose(**kwargs)
+
+
+# --- one policy per frozen module -------------------------------------------------------------
+
+Combo = tuple[str, str]  # (vision, aligner)
+
+
+def _choose_both(budget: int | str, **kwargs: Any) -> PolicyChoice:
+    model = build_deepseek_v41(DS_CONFIG, dtype=torch.bfloat16, device="meta")
+    model.requires_grad_(True)
+    model.vision.requires_grad_(False)
+    model.aligner.requires_grad_(False)
+    return choose_frozen_policy(
+        model, budget, world_size=WORLD, parallelizer=PARALLELIZER, **kwargs
+    )
+
+
+@pytest.fixture(scope="module")
+def combos() -> dict[Combo, PolicyCandidate]:
+    """Every (vision, aligner) combination's candidate, from a budget that fits all."""
+    choice = _choose_both("1GiB")
+    assert len(choice.candidates) == 9
+    return {(c.policies["vision"], c.policies["aligner"]): c for c in choice.candidates}
+
+
+def test_each_frozen_module_gets_its_own_policy(combos: dict[Combo, PolicyCandidate]) -> None:
+    replicate = combos["replicate", "replicate"]
+    mixed = combos["replicate", "per_layer"]
+    # The tiny model's figures that make the budgets below force each choice.
+    assert (mixed.comm_bytes, mixed.peak_bytes) < (
+        combos["per_layer", "replicate"].comm_bytes,
+        replicate.peak_bytes,
+    )
+    assert combos["replicate", "root"].peak_bytes > replicate.peak_bytes > mixed.peak_bytes
+
+    # Everything fits: replicate both (no communication for either).
+    assert _choose_both("1GiB").policies == {"vision": "replicate", "aligner": "replicate"}
+    # One byte less: the projector is gathered per layer, the tower stays replicated.
+    choice = _choose_both(replicate.peak_bytes - 1)
+    assert choice.policies == {"vision": "replicate", "aligner": "per_layer"}
+    assert choice.policy == "vision=replicate, aligner=per_layer"
+    assert choice.costs.policy == choice.policy
+    assert choice.costs.memory is not None
+    assert choice.costs.memory.peak_bytes == mixed.peak_bytes
+    notes = "\n".join(choice.notes)
+    fitting = sum(c.peak_bytes < replicate.peak_bytes for c in combos.values())
+    assert 1 < fitting < 9
+    assert f"({fitting} of 9 combinations over 2 frozen modules fit)" in notes.splitlines()[0]
+    assert (
+        "tower 'vision' (vision): policy 'replicate', the least communication that fits "
+        "with the other modules as chosen" in notes
+    )
+    assert (
+        "projector 'aligner' (vision): policy 'per_layer', the only policy that fits with the "
+        "other modules as chosen" in notes
+    )
+    assert "policy 'replicate' not chosen for 'aligner': needs" in notes
+    assert "policy 'root' not chosen for 'aligner': needs" in notes
+    assert "policy 'per_layer' not chosen for 'vision': fits" in notes
+    assert choice.costs.notes[: len(choice.notes)] == choice.notes
+    # The other way round: the tower per layer, the projector replicated.
+    flipped = _choose_both(mixed.peak_bytes - 1)
+    assert flipped.policies == {"vision": "per_layer", "aligner": "replicate"}
+    assert "policy 'replicate' not chosen for 'vision': needs" in "\n".join(flipped.notes)
+
+
+def test_the_choice_is_a_parallelizer_that_plans_it(combos: dict[Combo, PolicyCandidate]) -> None:
+    choice = _choose_both(combos["replicate", "replicate"].peak_bytes - 1)
+    assert choice.parallelizer is not None
+    model = _deepseek_all_frozen()
+    assert choice.parallelizer.frozen_policies(model) == choice.policies
+    plan = choice.parallelizer.plan(model, mp_policy=MP)
+    assert "aligner" in [path for unit in plan.units for path in unit.paths]
+    assert any(name.startswith("vision.blocks.") for name in plan.replicated_param_names)
+    assert choice.as_dict()["policies"] == choice.policies
+    assert all(c["policies"] for c in choice.as_dict()["candidates"])
+
+
+def test_uniform_combinations_cost_what_inspect_model_costs(
+    combos: dict[Combo, PolicyCandidate],
+) -> None:
+    model = build_deepseek_v41(DS_CONFIG, dtype=torch.bfloat16, device="meta")
+    model.vision.requires_grad_(False)
+    model.aligner.requires_grad_(False)
+    for policy in POLICIES:
+        costs = inspect_model(model, world_size=WORLD, policy=policy, parallelizer=PARALLELIZER)
+        assert costs.memory is not None
+        candidate = combos[policy, policy]
+        assert candidate.policy == policy
+        assert candidate.peak_bytes == costs.memory.peak_bytes
+        assert (candidate.comm_bytes, candidate.comm_count) == (
+            costs.comm.bytes(),
+            costs.comm.count(),
+        )
+
+
+def test_nothing_fits_names_the_smallest_combination(combos: dict[Combo, PolicyCandidate]) -> None:
+    smallest = min(combos.values(), key=lambda c: c.peak_bytes)
+    assert smallest.policies == {"vision": "per_layer", "aligner": "per_layer"}
+    assert _choose_both(smallest.peak_bytes).policy == "per_layer"
+    with pytest.raises(MemoryBudgetError) as info:
+        _choose_both(smallest.peak_bytes - 1)
+    assert info.value.smallest_peak_bytes == smallest.peak_bytes
+    assert info.value.policies == {"vision": "per_layer", "aligner": "per_layer"}
+    assert f"({smallest.peak_bytes} B) with policy 'per_layer'" in str(info.value)
+    # A mixed smallest combination is named module by module.
+    mixed = combos["per_layer", "replicate"]
+    error = MemoryBudgetError(100, mixed, includes_act=True)
+    assert error.policy == "vision=per_layer, aligner=replicate"
+    assert (
+        f"({mixed.peak_bytes} B) with policies {{'vision': 'per_layer', 'aligner': 'replicate'}}; "
+        in str(error)
+    )
+
+
+def test_a_batch_is_traced_for_every_combination(combos: dict[Combo, PolicyCandidate]) -> None:
+    traced = _choose_both("1GiB", loss_fn=_ds_loss, policies=("per_layer", "replicate"))
+    assert len(traced.candidates) == 4
+    by_combo = {(c.policies["vision"], c.policies["aligner"]): c for c in traced.candidates}
+    for combo, candidate in by_combo.items():
+        assert candidate.peak_bytes > combos[combo].peak_bytes, combo
+    budget = by_combo["per_layer", "replicate"].peak_bytes
+    choice = _choose_both(budget, loss_fn=_ds_loss, policies=("per_layer", "replicate"))
+    assert choice.policies in (
+        {"vision": "per_layer", "aligner": "replicate"},
+        {"vision": "replicate", "aligner": "per_layer"},
+    )
+    assert choice.costs.memory is not None
+    assert choice.costs.memory.peak_bytes <= budget
+    assert "no batch" not in "\n".join(choice.notes)
+
+
+def test_the_search_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    import multimodal_fsdp.choose as choose
+
+    monkeypatch.setattr(choose, "MAX_COMBINATIONS", 8)
+    with pytest.raises(
+        ValueError,
+        match=r"2 frozen multimodal modules \('vision', 'aligner'\) "
+        r"under 3 policies are 9 plans to cost, more than the 8",
+    ):
+        _choose_both("1GiB")
+    # Fewer policies, fewer plans.
+    assert len(_choose_both("1GiB", policies=("per_layer", "replicate")).candidates) == 4
+
+
+def test_without_frozen_modules_every_policy_plans_the_same() -> None:
+    model = build_deepseek_v41(DS_CONFIG, dtype=torch.bfloat16, device="meta")
+    choice = choose_frozen_policy(model, "1GiB", world_size=WORLD, parallelizer=PARALLELIZER)
+    assert [c.policy for c in choice.candidates] == list(POLICIES)
+    assert len({(c.peak_bytes, c.comm_bytes) for c in choice.candidates}) == 1
+    assert choice.policy == "root"
+    assert choice.policies == {}
+    assert "no frozen tower or projector: every policy plans the same" in choice.notes
 
 
 # --- the same step on real gloo ranks -----------------------------------------------------------

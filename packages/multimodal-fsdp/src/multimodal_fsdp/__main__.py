@@ -169,8 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SIZE",
         help=(
-            "per-rank memory budget, e.g. 40GiB: choose the frozen-tower policy with the "
-            "least communication whose predicted peak fits (instead of --policy)"
+            "per-rank memory budget, e.g. 40GiB: choose a policy for each frozen tower and "
+            "projector, the combination with the least communication whose predicted peak "
+            "fits; the notes say why for each (instead of --policy)"
         ),
     )
     plan.add_argument(

@@ -1,41 +1,55 @@
-"""Choose the frozen-tower policy from a per-rank memory budget.
+"""Choose the frozen-tower policy of each frozen module from a per-rank memory budget.
 
-Every policy is planned and costed (:func:`~multimodal_fsdp.costs.inspect_model`
-with its memory estimate); among those whose predicted per-rank peak fits the
-budget, the one that communicates least per step wins (bytes, then number of
-collectives). The parallelizer applies one policy to every frozen tower and
-projector, so the choice is one policy for all frozen parts.
+Every frozen tower and projector (each discovered multimodal module with frozen
+parameters) may follow its own policy (see :class:`MultimodalParallelizer`), so
+the chooser plans and costs every combination: ``len(policies) ** k`` plans for
+``k`` frozen modules, at most :data:`MAX_COMBINATIONS` (restrict ``policies`` to
+search more modules). Among the combinations whose predicted per-rank peak fits
+the budget, the one that communicates least per step wins (bytes, then number of
+collectives, then the lower peak; ties go to the earlier policy in ``policies``).
+Memory and communication are those of the whole plan, so a combination is judged
+as it will run, not as a sum of separate guesses.
 
-What to expect: ``replicate`` communicates nothing for frozen parts and keeps
-them whole; ``root`` keeps them gathered (in the compute dtype) all step *and*
-stores a shard, so it never needs less memory than ``replicate`` and never
-communicates less: it is chosen only when ``replicate`` is left out of
-``policies`` (e.g. when frozen weights must stay in FSDP's sharded state). ``per_layer``
-needs the least memory and communicates the most.
+What to expect per module: ``replicate`` communicates nothing for it and keeps it
+whole; ``root`` keeps it gathered (in the compute dtype) all step *and* stores a
+shard, so it never needs less memory than ``replicate`` and never communicates
+less: it is chosen only when ``replicate`` is left out of ``policies`` (e.g. when
+frozen weights must stay in FSDP's sharded state). ``per_layer`` needs the least
+memory and communicates the most. A tight budget therefore typically gathers the
+big tower block by block and replicates the small projector.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Final
 
 import torch
 from torch import nn
 
-from fsdp_core import MeshShape
-from multimodal_fsdp.activations import ActivationTrace
-from multimodal_fsdp.costs import PlanCosts, format_bytes, inspect_model
-from multimodal_fsdp.memory import parse_size
-from multimodal_fsdp.parallelizer import MultimodalParallelizer
+from fsdp_core import (
+    MeshShape,
+    check_reshard_after_forward,
+    mixed_precision_policy,
+    resolve_mesh_shape,
+)
+from multimodal_fsdp.activations import ActivationTrace, trace_activations
+from multimodal_fsdp.costs import PlanCosts, format_bytes, plan_costs
+from multimodal_fsdp.memory import check_optimizer, parse_size, with_memory
+from multimodal_fsdp.parallelizer import MultimodalParallelizer, MultimodalParts
 from multimodal_fsdp.policy import (
+    DEFAULT_FROZEN_SHARDING_KEY,
     VALID_FROZEN_MULTIMODAL_SHARDING,
+    FrozenMultimodalSharding,
     normalize_frozen_multimodal_sharding,
 )
 
 __all__ = [
+    "MAX_COMBINATIONS",
     "MemoryBudgetError",
     "PolicyCandidate",
     "PolicyChoice",
@@ -44,16 +58,36 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: The most plans one choice costs (3 policies for 4 frozen modules); each may
+#: trace a step when a batch is given, so the search stays exhaustive but small.
+MAX_COMBINATIONS: Final = 81
+
+
+def _label(policies: dict[str, str], fallback: str) -> str:
+    """The policy when every frozen module has the same one, else ``path=policy, ...``."""
+    values = set(policies.values())
+    if not values:
+        return fallback
+    if len(values) == 1:
+        return next(iter(values))
+    return ", ".join(f"{path}={policy}" for path, policy in policies.items())
+
 
 @dataclass(frozen=True)
 class PolicyCandidate:
-    """One policy's predicted per-rank peak and communication per step."""
+    """One combination's predicted per-rank peak and communication per step.
+
+    ``policies`` maps each frozen multimodal module to its policy (empty when the
+    model has none); ``policy`` is that policy when all share one, else
+    ``path=policy, ...``.
+    """
 
     policy: str
     peak_bytes: int
     comm_bytes: int
     comm_count: int
     fits: bool
+    policies: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -61,17 +95,23 @@ class PolicyCandidate:
 
 @dataclass(frozen=True)
 class PolicyChoice:
-    """The chosen policy, its costs, every candidate and why."""
+    """The chosen policies, their costs, every candidate and why.
+
+    ``parallelizer`` is the given one with the chosen policies, ready to apply.
+    """
 
     policy: str
     budget_bytes: int
     costs: PlanCosts
     candidates: tuple[PolicyCandidate, ...]
     notes: tuple[str, ...]
+    policies: dict[str, str] = field(default_factory=dict)
+    parallelizer: MultimodalParallelizer | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "policy": self.policy,
+            "policies": dict(self.policies),
             "budget_bytes": self.budget_bytes,
             "candidates": [c.as_dict() for c in self.candidates],
             "notes": list(self.notes),
@@ -79,17 +119,25 @@ class PolicyChoice:
 
 
 class MemoryBudgetError(ValueError):
-    """No policy's predicted per-rank peak fits the budget."""
+    """No combination's predicted per-rank peak fits the budget.
+
+    ``policy`` and ``policies`` are those of the smallest predicted peak.
+    """
 
     def __init__(self, budget_bytes: int, smallest: PolicyCandidate, includes_act: bool) -> None:
         self.budget_bytes = budget_bytes
         self.smallest_peak_bytes = smallest.peak_bytes
         self.policy = smallest.policy
+        self.policies = dict(smallest.policies)
         extra = "" if includes_act else " (activations not included: no batch given)"
+        if len(set(smallest.policies.values())) > 1:
+            given = f"policies {smallest.policies!r}"
+        else:
+            given = f"policy {smallest.policy!r}"
         super().__init__(
             f"no frozen-tower policy fits a per-rank budget of {format_bytes(budget_bytes)}: "
             f"the smallest predicted peak is {format_bytes(smallest.peak_bytes)} "
-            f"({smallest.peak_bytes} B) with policy {smallest.policy!r}{extra}; "
+            f"({smallest.peak_bytes} B) with {given}{extra}; "
             "raise the budget, add ranks, or freeze or shard more"
         )
 
@@ -102,46 +150,108 @@ def _budget(value: int | str) -> int:
     return value
 
 
-def _policies(policies: Sequence[str]) -> tuple[str, ...]:
+def _policies(policies: Sequence[str]) -> tuple[FrozenMultimodalSharding, ...]:
     if isinstance(policies, str) or not policies:
         raise ValueError(
             f"policies must be a non-empty sequence of {VALID_FROZEN_MULTIMODAL_SHARDING}, "
             f"got {policies!r}"
         )
-    chosen = tuple(dict.fromkeys(normalize_frozen_multimodal_sharding(p) for p in policies))
-    return chosen
+    return tuple(dict.fromkeys(normalize_frozen_multimodal_sharding(p) for p in policies))
 
 
-def _candidate(policy: str, costs: PlanCosts, budget: int) -> PolicyCandidate:
-    assert costs.memory is not None
-    peak = costs.memory.peak_bytes
-    return PolicyCandidate(
-        policy=policy,
-        peak_bytes=peak,
-        comm_bytes=costs.comm.bytes(),
-        comm_count=costs.comm.count(),
-        fits=peak <= budget,
+def _mesh(mesh: MeshShape | None, world_size: int | None, dp_replicate: int) -> MeshShape:
+    if mesh is not None:
+        if not isinstance(mesh, MeshShape):
+            raise TypeError(f"mesh must be a fsdp_core.MeshShape, got {type(mesh).__name__}")
+        return mesh
+    if world_size is None:
+        raise ValueError("give a world_size (and optionally dp_replicate) or a mesh shape")
+    return resolve_mesh_shape(world_size=world_size, dp_replicate=dp_replicate)
+
+
+def _combinations(
+    frozen: list[MultimodalParts], names: tuple[FrozenMultimodalSharding, ...]
+) -> list[dict[str, FrozenMultimodalSharding]]:
+    """Every assignment of ``names`` to the frozen modules; one policy for all when
+    there is no frozen module (the plans are then the same)."""
+    if not frozen:
+        return [{} for _ in names]
+    paths = [p.found.path for p in frozen]
+    count = len(names) ** len(frozen)
+    if count > MAX_COMBINATIONS:
+        raise ValueError(
+            f"{len(frozen)} frozen multimodal modules ({', '.join(map(repr, paths))}) under "
+            f"{len(names)} policies are {count} plans to cost, more than the "
+            f"{MAX_COMBINATIONS} the chooser searches; "
+            "restrict policies (e.g. ('per_layer', 'replicate')) or choose per module by hand "
+            "with frozen_multimodal_sharding={path: policy}"
+        )
+    return [
+        dict(zip(paths, combo, strict=True))
+        for combo in itertools.product(names, repeat=len(paths))
+    ]
+
+
+def _why_not(other: PolicyCandidate, chosen: PolicyCandidate) -> str:
+    if not other.fits:
+        return f"needs {format_bytes(other.peak_bytes)}, over the budget"
+    if (other.comm_bytes, other.comm_count) != (chosen.comm_bytes, chosen.comm_count):
+        return (
+            f"fits ({format_bytes(other.peak_bytes)}) but communicates more "
+            f"({format_bytes(other.comm_bytes)} in {other.comm_count} collectives)"
+        )
+    if other.peak_bytes != chosen.peak_bytes:
+        return (
+            f"fits with the same communication but a higher peak ({format_bytes(other.peak_bytes)})"
+        )
+    return "fits with the same communication and peak; the earlier policy in policies wins"
+
+
+def _notes(
+    chosen: PolicyCandidate,
+    candidates: list[PolicyCandidate],
+    frozen: list[MultimodalParts],
+    budget: int,
+) -> list[str]:
+    fitting = sum(c.fits for c in candidates)
+    scope = (
+        f" ({fitting} of {len(candidates)} combinations over {len(frozen)} frozen modules fit)"
+        if len(frozen) > 1
+        else ""
     )
-
-
-def _notes(chosen: PolicyCandidate, candidates: list[PolicyCandidate], budget: int) -> list[str]:
     lines = [
         f"policy {chosen.policy!r} chosen for a per-rank budget of {format_bytes(budget)}: "
         f"predicted peak {format_bytes(chosen.peak_bytes)}, "
         f"{format_bytes(chosen.comm_bytes)} in {chosen.comm_count} collectives per step, "
-        "the least communication among the policies that fit"
+        f"the least communication among the policies that fit{scope}"
     ]
-    for other in candidates:
-        if other.policy == chosen.policy:
-            continue
-        if not other.fits:
-            why = f"needs {format_bytes(other.peak_bytes)}, over the budget"
-        else:
-            why = (
-                f"fits ({format_bytes(other.peak_bytes)}) but communicates more "
-                f"({format_bytes(other.comm_bytes)} in {other.comm_count} collectives)"
-            )
-        lines.append(f"policy {other.policy!r} not chosen: {why}")
+    if not frozen:
+        lines.append("no frozen tower or projector: every policy plans the same")
+        return lines
+    by_combo = {tuple(c.policies.values()): c for c in candidates}
+    mine = tuple(chosen.policies.values())
+    context = " with the other modules as chosen" if len(frozen) > 1 else ""
+    for index, part in enumerate(frozen):
+        path = part.found.path
+        # The same plan with only this module's policy changed.
+        others = [
+            (policy, by_combo[(*mine[:index], policy, *mine[index + 1 :])])
+            for policy in dict.fromkeys(c.policies[path] for c in candidates)
+            if policy != mine[index]
+        ]
+        why = (
+            "the only policy that fits"
+            if others and not any(other.fits for _, other in others)
+            else "the least communication that fits"
+        )
+        lines.append(
+            f"{part.found.role} {path!r} ({part.found.modality}): policy {mine[index]!r}, "
+            f"{why}{context}"
+        )
+        lines.extend(
+            f"policy {policy!r} not chosen for {path!r}: {_why_not(other, chosen)}"
+            for policy, other in others
+        )
     return lines
 
 
@@ -162,54 +272,106 @@ def choose_frozen_policy(
     loss_fn: Callable[[nn.Module], torch.Tensor] | None = None,
     activations: ActivationTrace | int | None = None,
 ) -> PolicyChoice:
-    """The frozen-tower policy with the least communication whose predicted per-rank
-    peak fits ``budget`` (bytes, or a size such as ``"40GiB"``).
+    """For each frozen tower and projector, the policy such that the whole plan
+    communicates least while its predicted per-rank peak fits ``budget`` (bytes, or
+    a size such as ``"40GiB"``).
 
-    Activations come from ``loss_fn`` (one step traced per policy, see
-    :func:`~multimodal_fsdp.memory.trace_activations`), or ``activations``, or
+    Activations come from ``loss_fn`` (one step traced per combination, see
+    :func:`~multimodal_fsdp.activations.trace_activations`), or ``activations``, or
     are left out (the notes say so). Raises :class:`MemoryBudgetError` naming the
-    smallest achievable peak and its policy when nothing fits.
+    smallest achievable peak and its policies when nothing fits, and ``ValueError``
+    when more than :data:`MAX_COMBINATIONS` plans would be needed.
     """
     limit = _budget(budget)
     names = _policies(policies)
     base = parallelizer if parallelizer is not None else MultimodalParallelizer()
+    if not isinstance(base, MultimodalParallelizer):
+        raise TypeError(f"parallelizer must be a MultimodalParallelizer, got {type(base).__name__}")
     if loss_fn is not None and activations is not None:
         raise ValueError("give loss_fn (to trace activations) or activations, not both")
-    options: dict[str, Any] = {
-        "world_size": world_size,
-        "dp_replicate": dp_replicate,
-        "mesh": mesh,
-        "precision": precision,
-        "reduce_precision": reduce_precision,
-        "parallelizer": base,
-        "reshard_after_forward": reshard_after_forward,
-        "prefetch_guard": prefetch_guard,
-        "optimizer": optimizer,
-        "loss_fn": loss_fn,
-    }
-    costed: dict[str, PlanCosts] = {}
-    for policy in names:
-        costs = inspect_model(model, policy=policy, **options)
+    shape = _mesh(mesh, world_size, dp_replicate)
+    check_reshard_after_forward(reshard_after_forward, shape.dp_shard)
+    check_optimizer(optimizer)
+    mp = mixed_precision_policy(precision, reduce_precision)
+    frozen = [part for part in base.multimodal_parts(model) if part.frozen]
+
+    def cost(assignment: dict[str, FrozenMultimodalSharding], fallback: str) -> PlanCosts:
+        if assignment:
+            spec = {**assignment, DEFAULT_FROZEN_SHARDING_KEY: base.frozen_multimodal_sharding}
+            chosen = base.with_options(frozen_multimodal_sharding=spec)
+        else:
+            chosen = base.with_options(frozen_multimodal_sharding=fallback)
+        plan = chosen.plan(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        costs = plan_costs(
+            plan,
+            model,
+            mesh=shape,
+            parallelizer=chosen,
+            prefetch_guard=prefetch_guard,
+            policy=_label(dict(assignment), fallback),
+            precision=f"param={precision} reduce={reduce_precision}",
+        )
+        traced = (
+            None
+            if loss_fn is None
+            else trace_activations(model, plan, loss_fn, parallelizer=chosen, shard=shape.dp_shard)
+        )
+        costs = with_memory(costs, plan, model, optimizer=optimizer, activations=traced)
         if activations is not None and costs.memory is not None:
             costs = dataclasses.replace(costs, memory=costs.memory.with_activations(activations))
-        costed[policy] = costs
+        return costs
+
+    assignments = _combinations(frozen, names)
+    costed: list[PlanCosts] = []
+    candidates: list[PolicyCandidate] = []
+    for index, assignment in enumerate(assignments):
+        fallback = names[index] if not frozen else base.frozen_multimodal_sharding
+        costs = cost(assignment, fallback)
+        assert costs.memory is not None
+        peak = costs.memory.peak_bytes
+        costed.append(costs)
+        candidates.append(
+            PolicyCandidate(
+                policy=_label(dict(assignment), fallback),
+                peak_bytes=peak,
+                comm_bytes=costs.comm.bytes(),
+                comm_count=costs.comm.count(),
+                fits=peak <= limit,
+                policies=dict(assignment),
+            )
+        )
     traced = activations is not None or loss_fn is not None
-    candidates = [_candidate(p, costed[p], limit) for p in names]
-    fitting = [c for c in candidates if c.fits]
+    fitting = [i for i, c in enumerate(candidates) if c.fits]
     if not fitting:
-        smallest = min(candidates, key=lambda c: c.peak_bytes)
+        smallest = min(candidates, key=lambda c: (c.peak_bytes, c.comm_bytes, c.comm_count))
         raise MemoryBudgetError(limit, smallest, traced)
-    chosen = min(fitting, key=lambda c: (c.comm_bytes, c.comm_count))
-    notes = _notes(chosen, candidates, limit)
+    best = min(
+        fitting,
+        key=lambda i: (
+            candidates[i].comm_bytes,
+            candidates[i].comm_count,
+            candidates[i].peak_bytes,
+            i,
+        ),
+    )
+    chosen = candidates[best]
+    notes = _notes(chosen, candidates, frozen, limit)
     if not traced:
         notes.append("peaks leave activations out (no batch given)")
     logger.info("%s", notes[0])
-    costs = costed[chosen.policy]
+    costs = costed[best]
     costs = dataclasses.replace(costs, notes=(*notes, *costs.notes))
+    spec: dict[str, str] | str = (
+        {**chosen.policies, DEFAULT_FROZEN_SHARDING_KEY: base.frozen_multimodal_sharding}
+        if frozen
+        else chosen.policy
+    )
     return PolicyChoice(
         policy=chosen.policy,
         budget_bytes=limit,
         costs=costs,
         candidates=tuple(candidates),
         notes=tuple(notes),
+        policies=dict(chosen.policies),
+        parallelizer=base.with_options(frozen_multimodal_sharding=spec),
     )
