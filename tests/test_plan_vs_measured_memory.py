@@ -219,6 +219,9 @@ def test_mixed_policies_memory_matches_measured(name: str, policies: dict[str, s
     assert any(path == per_layer or path.startswith(per_layer + ".") for path in units), units
     assert not any(path.startswith(replicate) for path in units), units
     assert result.plan.replicated_param_names
+    # The costs name every module's policy, not just the default.
+    labels = ", ".join(f"{path}={policy}" for path, policy in policies.items())
+    assert result.costs.policy == f"{labels}, *=root"
     assert all(
         name.startswith(replicate + ".") or name.startswith("vision.")  # fp32 norms
         for name in result.plan.replicated_param_names

@@ -387,7 +387,7 @@ def plan_costs(
         replicated_numel=replicated_numel,
         peak_gathered_forward_bytes=forward_peak,
         peak_gathered_backward_bytes=backward_peak,
-        policy=policy or (parallelizer.frozen_multimodal_sharding if parallelizer else None),
+        policy=policy or (parallelizer.frozen_sharding_label if parallelizer else None),
         precision=precision,
         notes=tuple(notes),
         hooks=plan.hooks,
