@@ -579,6 +579,23 @@ def test_the_search_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(_choose_both("1GiB", policies=("per_layer", "replicate")).candidates) == 4
 
 
+def test_uneven_media_leaves_per_layer_out() -> None:
+    model = build_deepseek_v41(DS_CONFIG, dtype=torch.bfloat16, device="meta")
+    model.vision.requires_grad_(False)
+    model.aligner.requires_grad_(False)
+    uneven = MultimodalParallelizer(extra_tower_names=("vision",), uneven_media=True)
+    choice = choose_frozen_policy(model, "1GiB", world_size=WORLD, parallelizer=uneven)
+    assert len(choice.candidates) == 4
+    assert not any("per_layer" in c.policies.values() for c in choice.candidates)
+    assert "per_layer left out: the parallelizer has uneven_media=True" in choice.notes
+    assert choice.parallelizer is not None
+    assert choice.parallelizer.uneven_media is True
+    with pytest.raises(ValueError, match="uneven_media=True, which refuses per_layer"):
+        choose_frozen_policy(
+            model, "1GiB", world_size=WORLD, parallelizer=uneven, policies=("per_layer",)
+        )
+
+
 def test_without_frozen_modules_every_policy_plans_the_same() -> None:
     model = build_deepseek_v41(DS_CONFIG, dtype=torch.bfloat16, device="meta")
     choice = choose_frozen_policy(model, "1GiB", world_size=WORLD, parallelizer=PARALLELIZER)

@@ -280,13 +280,24 @@ def choose_frozen_policy(
     :func:`~multimodal_fsdp.activations.trace_activations`), or ``activations``, or
     are left out (the notes say so). Raises :class:`MemoryBudgetError` naming the
     smallest achievable peak and its policies when nothing fits, and ``ValueError``
-    when more than :data:`MAX_COMBINATIONS` plans would be needed.
+    when more than :data:`MAX_COMBINATIONS` plans would be needed. Per-module
+    policies the given ``parallelizer`` already has are replaced by the choice; with
+    ``uneven_media=True`` it never chooses ``per_layer``, which that option refuses.
     """
     limit = _budget(budget)
     names = _policies(policies)
     base = parallelizer if parallelizer is not None else MultimodalParallelizer()
     if not isinstance(base, MultimodalParallelizer):
         raise TypeError(f"parallelizer must be a MultimodalParallelizer, got {type(base).__name__}")
+    left_out = base.uneven_media and "per_layer" in names
+    if left_out:
+        # uneven_media=True refuses per_layer for any module (ranks may skip the tower).
+        names = tuple(name for name in names if name != "per_layer")
+        if not names:
+            raise ValueError(
+                "policies=('per_layer',) but the parallelizer has uneven_media=True, which "
+                "refuses per_layer; allow 'root' or 'replicate'"
+            )
     if loss_fn is not None and activations is not None:
         raise ValueError("give loss_fn (to trace activations) or activations, not both")
     shape = _mesh(mesh, world_size, dp_replicate)
@@ -356,6 +367,8 @@ def choose_frozen_policy(
     )
     chosen = candidates[best]
     notes = _notes(chosen, candidates, frozen, limit)
+    if left_out:
+        notes.append("per_layer left out: the parallelizer has uneven_media=True")
     if not traced:
         notes.append("peaks leave activations out (no batch given)")
     logger.info("%s", notes[0])
