@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -45,6 +45,7 @@ from multimodal_fsdp.policy import (
     DEFAULT_FROZEN_SHARDING_KEY,
     VALID_FROZEN_MULTIMODAL_SHARDING,
     FrozenMultimodalSharding,
+    FrozenShardingSpec,
     normalize_frozen_multimodal_sharding,
 )
 
@@ -63,7 +64,7 @@ logger = logging.getLogger(__name__)
 MAX_COMBINATIONS: Final = 81
 
 
-def _label(policies: dict[str, str], fallback: str) -> str:
+def _label(policies: Mapping[str, str], fallback: str) -> str:
     """The policy when every frozen module has the same one, else ``path=policy, ...``."""
     values = set(policies.values())
     if not values:
@@ -306,12 +307,17 @@ def choose_frozen_policy(
     mp = mixed_precision_policy(precision, reduce_precision)
     frozen = [part for part in base.multimodal_parts(model) if part.frozen]
 
-    def cost(assignment: dict[str, FrozenMultimodalSharding], fallback: str) -> PlanCosts:
-        if assignment:
-            spec = {**assignment, DEFAULT_FROZEN_SHARDING_KEY: base.frozen_multimodal_sharding}
-            chosen = base.with_options(frozen_multimodal_sharding=spec)
-        else:
-            chosen = base.with_options(frozen_multimodal_sharding=fallback)
+    def cost(
+        assignment: dict[str, FrozenMultimodalSharding], fallback: str
+    ) -> tuple[PlanCosts, MultimodalParallelizer]:
+        """The plan's costs and memory under ``assignment`` (``fallback`` for all when
+        there is no frozen module), and the parallelizer that plans it."""
+        spec: FrozenShardingSpec = (
+            {**assignment, DEFAULT_FROZEN_SHARDING_KEY: base.frozen_multimodal_sharding}
+            if assignment
+            else fallback
+        )
+        chosen = base.with_options(frozen_multimodal_sharding=spec)
         plan = chosen.plan(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         costs = plan_costs(
             plan,
@@ -319,7 +325,7 @@ def choose_frozen_policy(
             mesh=shape,
             parallelizer=chosen,
             prefetch_guard=prefetch_guard,
-            policy=_label(dict(assignment), fallback),
+            policy=_label(assignment, fallback),
             precision=f"param={precision} reduce={reduce_precision}",
         )
         traced = (
@@ -330,20 +336,19 @@ def choose_frozen_policy(
         costs = with_memory(costs, plan, model, optimizer=optimizer, activations=traced)
         if activations is not None and costs.memory is not None:
             costs = dataclasses.replace(costs, memory=costs.memory.with_activations(activations))
-        return costs
+        return costs, chosen
 
-    assignments = _combinations(frozen, names)
-    costed: list[PlanCosts] = []
+    costed: list[tuple[PlanCosts, MultimodalParallelizer]] = []
     candidates: list[PolicyCandidate] = []
-    for index, assignment in enumerate(assignments):
+    for index, assignment in enumerate(_combinations(frozen, names)):
         fallback = names[index] if not frozen else base.frozen_multimodal_sharding
-        costs = cost(assignment, fallback)
+        costs, planner = cost(assignment, fallback)
         assert costs.memory is not None
         peak = costs.memory.peak_bytes
-        costed.append(costs)
+        costed.append((costs, planner))
         candidates.append(
             PolicyCandidate(
-                policy=_label(dict(assignment), fallback),
+                policy=_label(assignment, fallback),
                 peak_bytes=peak,
                 comm_bytes=costs.comm.bytes(),
                 comm_count=costs.comm.count(),
@@ -372,13 +377,8 @@ def choose_frozen_policy(
     if not traced:
         notes.append("peaks leave activations out (no batch given)")
     logger.info("%s", notes[0])
-    costs = costed[best]
+    costs, planner = costed[best]
     costs = dataclasses.replace(costs, notes=(*notes, *costs.notes))
-    spec: dict[str, str] | str = (
-        {**chosen.policies, DEFAULT_FROZEN_SHARDING_KEY: base.frozen_multimodal_sharding}
-        if frozen
-        else chosen.policy
-    )
     return PolicyChoice(
         policy=chosen.policy,
         budget_bytes=limit,
@@ -386,5 +386,5 @@ def choose_frozen_policy(
         candidates=tuple(candidates),
         notes=tuple(notes),
         policies=dict(chosen.policies),
-        parallelizer=base.with_options(frozen_multimodal_sharding=spec),
+        parallelizer=planner,
     )
