@@ -5,6 +5,12 @@ Finds towers and projectors, applies the frozen-tower policy (``root``,
 """
 
 from multimodal_fsdp.__about__ import __version__
+from multimodal_fsdp.choose import (
+    MemoryBudgetError,
+    PolicyCandidate,
+    PolicyChoice,
+    choose_frozen_policy,
+)
 from multimodal_fsdp.collectives import CommTally
 from multimodal_fsdp.conditional import find_media_conditional_layers
 from multimodal_fsdp.costs import PlanCosts, UnitCost, inspect_model, plan_costs
@@ -26,10 +32,12 @@ from multimodal_fsdp.layers import (
     shard_multimodal_module,
 )
 from multimodal_fsdp.measure import Comparison, Measurement, compare, measure_plan, measure_step
-from multimodal_fsdp.parallelizer import MultimodalParallelizer, MultimodalParts, split_frozen_parts
+from multimodal_fsdp.parallelizer import MultimodalParallelizer
+from multimodal_fsdp.parts import MultimodalParts, split_frozen_parts
 from multimodal_fsdp.policy import (
     VALID_FROZEN_MULTIMODAL_SHARDING,
     FrozenMultimodalSharding,
+    FrozenShardingSpec,
     ignored_params_for_root,
     module_is_fully_frozen,
     module_parameters,
@@ -77,6 +85,11 @@ __all__ = [
     "MULTIMODAL_TOWER_NAMES",
     "VALID_FROZEN_MULTIMODAL_SHARDING",
     "FrozenMultimodalSharding",
+    "FrozenShardingSpec",
+    "MemoryBudgetError",
+    "PolicyCandidate",
+    "PolicyChoice",
+    "choose_frozen_policy",
     "MultimodalModule",
     "MultimodalParallelizer",
     "MultimodalParts",

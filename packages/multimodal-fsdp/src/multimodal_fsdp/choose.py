@@ -40,7 +40,8 @@ from fsdp_core import (
 from multimodal_fsdp.activations import ActivationTrace, trace_activations
 from multimodal_fsdp.costs import PlanCosts, format_bytes, plan_costs
 from multimodal_fsdp.memory import check_optimizer, parse_size, with_memory
-from multimodal_fsdp.parallelizer import MultimodalParallelizer, MultimodalParts
+from multimodal_fsdp.parallelizer import MultimodalParallelizer
+from multimodal_fsdp.parts import MultimodalParts
 from multimodal_fsdp.policy import (
     DEFAULT_FROZEN_SHARDING_KEY,
     VALID_FROZEN_MULTIMODAL_SHARDING,

@@ -49,10 +49,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -67,20 +64,26 @@ from fsdp_core import (
     ShardingPlan,
     dominant_dtype,
     iter_layer_items,
+    mesh_device,
 )
 from fsdp_core.containers import is_under, join_path
 from multimodal_fsdp.conditional import find_media_conditional_layers
 from multimodal_fsdp.discovery import (
-    MultimodalModule,
     resolve_multimodal_modules,
 )
 from multimodal_fsdp.layers import shard_multimodal_module
+from multimodal_fsdp.parts import (
+    MultimodalParts,
+    classify_layers,
+    partly_trainable_note,
+    split_frozen_parts,
+    summarise,
+)
 from multimodal_fsdp.policy import (
     DEFAULT_FROZEN_SHARDING_KEY,
     FrozenMultimodalSharding,
     FrozenShardingSpec,
     frozen_sharding_label,
-    module_is_fully_frozen,
     normalize_frozen_sharding_spec,
 )
 from multimodal_fsdp.prefetch import build_backward_prefetch_guard, frozen_unit_labels
@@ -95,43 +98,6 @@ from multimodal_fsdp.validation import check_attribute_names, check_module_paths
 __all__ = ["MultimodalParallelizer", "MultimodalParts", "split_frozen_parts"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, repr=False)
-class MultimodalParts:
-    """A multimodal module split into maximal frozen and trainable submodule paths."""
-
-    found: MultimodalModule
-    frozen: list[str]
-    trainable: list[str]
-
-    def __repr__(self) -> str:
-        return (
-            f"MultimodalParts({self.found.path!r}, frozen={self.frozen}, "
-            f"trainable={self.trainable})"
-        )
-
-
-def _has_frozen_param(module: nn.Module) -> bool:
-    return any(not p.requires_grad for p in module.parameters())
-
-
-def split_frozen_parts(module: nn.Module, path: str) -> tuple[list[str], list[str]]:
-    """Maximal fully frozen and maximal fully trainable submodules of ``module``.
-
-    Parameters held directly by a mixed module stay with the enclosing unit.
-    """
-    if module_is_fully_frozen(module):
-        return [path], []
-    if not _has_frozen_param(module):
-        return [], ([path] if any(True for _ in module.parameters()) else [])
-    frozen: list[str] = []
-    trainable: list[str] = []
-    for name, child in module.named_children():
-        child_frozen, child_trainable = split_frozen_parts(child, join_path(path, name))
-        frozen.extend(child_frozen)
-        trainable.extend(child_trainable)
-    return frozen, trainable
 
 
 class MultimodalParallelizer(ModelParallelizer):
@@ -298,7 +264,7 @@ class MultimodalParallelizer(ModelParallelizer):
         per_layer = policy == "per_layer"
         return [
             path
-            for path, kind in _classify_layers(part)
+            for path, kind in classify_layers(part)
             if kind == "trainable" or (per_layer and kind in ("frozen", "adapted"))
         ]
 
@@ -309,7 +275,7 @@ class MultimodalParallelizer(ModelParallelizer):
             where = "join the root unit" if self.uneven_media else "are media regions"
             notes.append(
                 f"{len(conditional)} decoder layers run only with media "
-                f"({_summarise(conditional)}) and {where}"
+                f"({summarise(conditional)}) and {where}"
             )
         if self.uneven_media:
             notes.append("uneven_media=True: towers and projectors join the root unit")
@@ -322,7 +288,7 @@ class MultimodalParallelizer(ModelParallelizer):
             elif not part.trainable:
                 notes.append(f"{head}: frozen, policy {policy!r}")
             else:
-                notes.append(f"{head}: {_partly_trainable_note(part, policy)}")
+                notes.append(f"{head}: {partly_trainable_note(part, policy)}")
         return notes
 
     def plan(
@@ -347,7 +313,7 @@ class MultimodalParallelizer(ModelParallelizer):
                 raise ValueError(
                     "uneven_media=True folds towers, projectors and media-dependent decoder "
                     "layers into the root unit, but these still need units of their own: "
-                    + "; ".join(f"{r.path!r} ({_summarise(r.units)})" for r in regions)
+                    + "; ".join(f"{r.path!r} ({summarise(r.units)})" for r in regions)
                     + " (odd-dtype parameters that cannot share the root unit's dtype). "
                     "Freeze them (frozen parameters are replicated or join the root), give "
                     "them the model's dtype, or use uneven_media=False and the same media "
@@ -436,7 +402,7 @@ class MultimodalParallelizer(ModelParallelizer):
             return
         named = dict(model.named_parameters())
         dtypes = self.replicated_param_dtypes(model, plan)
-        device = _mesh_device(mesh.device_type)
+        device = mesh_device(mesh)
         for name, dtype in dtypes.items():
             param = named[name]
             # A meta parameter stays on meta (materialised later with the rest).
@@ -497,57 +463,6 @@ def _check_policy_and_media(
     )
 
 
-_LayerKind = Literal["frozen", "adapted", "trainable", "empty"]
-
-#: What each policy does with the layers of a partly trainable module, for plan notes.
-_PARTLY_TRAINABLE_RULE: dict[str, str] = {
-    "root": "frozen and adapted layers and the rest join the root unit",
-    "per_layer": "frozen and adapted layers are units (adapters in their layer's unit), "
-    "the rest joins the root unit",
-    "replicate": "frozen parameters are replicated, trainable ones outside trainable layers "
-    "join the root unit",
-}
-
-
-def _layer_kind(module: nn.Module) -> _LayerKind:
-    flags = {p.requires_grad for p in module.parameters()}
-    if not flags:
-        return "empty"
-    if flags == {False}:
-        return "frozen"
-    return "trainable" if flags == {True} else "adapted"
-
-
-def _classify_layers(part: MultimodalParts) -> list[tuple[str, _LayerKind]]:
-    """The layers of ``part`` (its layer-container items, or itself without any), each
-    fully frozen, fully trainable, or *adapted* (frozen weights with trainable ones)."""
-    found = part.found
-    items = list(iter_layer_items(found.module, found.path)) or [(found.path, found.module)]
-    return [(path, _layer_kind(item)) for path, item in items]
-
-
-def _partly_trainable_note(part: MultimodalParts, policy: str) -> str:
-    """One short line: how many layers of each kind, and what ``policy`` does with them."""
-    counts = Counter(kind for _, kind in _classify_layers(part))
-    layers = ", ".join(
-        f"{counts[kind]} {kind}" for kind in ("frozen", "adapted", "trainable") if counts[kind]
-    )
-    cut = len(part.found.path) + 1 if part.found.path else 0
-    trainable = [path[cut:] or path for path in part.trainable]
-    units = "trainable layers are units; " if counts["trainable"] else ""
-    return (
-        f"partly trainable (layers: {layers}; trainable parts: {_summarise(trainable, 2)}); "
-        f"{policy!r}: {units}{_PARTLY_TRAINABLE_RULE[policy]}"
-    )
-
-
-def _summarise(paths: Iterable[str], limit: int = 3) -> str:
-    """A few paths and how many more, so notes and errors stay short."""
-    items = list(paths)
-    head = ", ".join(repr(p) for p in items[:limit])
-    return head + (f" and {len(items) - limit} more" if len(items) > limit else "")
-
-
 def _param_names_under(model: nn.Module, roots: Iterable[str]) -> list[str]:
     prefixes = list(roots)
     if not prefixes:
@@ -568,9 +483,3 @@ def _layer_unit_paths(model: nn.Module, path: str, ids: dict[int, str]) -> list[
 def _plan_compute_dtype(plan: ShardingPlan) -> torch.dtype | None:
     roots = [call for call in plan.calls if call.paths == ("",)]
     return roots[-1].mp_policy.param_dtype if roots else None
-
-
-def _mesh_device(device_type: str) -> torch.device:
-    if device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(device_type)

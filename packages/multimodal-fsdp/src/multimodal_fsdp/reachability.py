@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from multimodal_fsdp.parallelizer import MultimodalParallelizer, MultimodalParts
+from multimodal_fsdp.parallelizer import MultimodalParallelizer
+from multimodal_fsdp.parts import MultimodalParts
 from multimodal_fsdp.timeline import _module_spans
 
 __all__ = ["backward_free_paths"]

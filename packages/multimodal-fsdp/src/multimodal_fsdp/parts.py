@@ -1,0 +1,124 @@
+"""How a multimodal module splits into the pieces the frozen-tower policy acts on.
+
+A tower or projector is fully frozen, fully trainable, or partly trainable (a
+trainable merger inside a frozen tower, LoRA adapters in frozen blocks). The
+parallelizer plans each piece differently, so the split is its own concept:
+
+- :func:`split_frozen_parts`: the maximal fully frozen and fully trainable
+  submodules;
+- :func:`classify_layers`: each layer-container item of a partly trainable module
+  as *frozen*, *trainable* or *adapted* (frozen weights with trainable ones inside);
+- :func:`partly_trainable_note`: the one-line plan note that summarises them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from torch import nn
+
+from fsdp_core import iter_layer_items
+from fsdp_core.containers import join_path
+from multimodal_fsdp.discovery import MultimodalModule
+from multimodal_fsdp.policy import module_is_fully_frozen
+
+__all__ = [
+    "LayerKind",
+    "MultimodalParts",
+    "classify_layers",
+    "layer_kind",
+    "partly_trainable_note",
+    "split_frozen_parts",
+    "summarise",
+]
+
+
+@dataclass(frozen=True, repr=False)
+class MultimodalParts:
+    """A multimodal module split into maximal frozen and trainable submodule paths."""
+
+    found: MultimodalModule
+    frozen: list[str]
+    trainable: list[str]
+
+    def __repr__(self) -> str:
+        return (
+            f"MultimodalParts({self.found.path!r}, frozen={self.frozen}, "
+            f"trainable={self.trainable})"
+        )
+
+
+def _has_frozen_param(module: nn.Module) -> bool:
+    return any(not p.requires_grad for p in module.parameters())
+
+
+def split_frozen_parts(module: nn.Module, path: str) -> tuple[list[str], list[str]]:
+    """Maximal fully frozen and maximal fully trainable submodules of ``module``.
+
+    Parameters held directly by a mixed module stay with the enclosing unit.
+    """
+    if module_is_fully_frozen(module):
+        return [path], []
+    if not _has_frozen_param(module):
+        return [], ([path] if any(True for _ in module.parameters()) else [])
+    frozen: list[str] = []
+    trainable: list[str] = []
+    for name, child in module.named_children():
+        child_frozen, child_trainable = split_frozen_parts(child, join_path(path, name))
+        frozen.extend(child_frozen)
+        trainable.extend(child_trainable)
+    return frozen, trainable
+
+
+LayerKind = Literal["frozen", "adapted", "trainable", "empty"]
+
+#: What each policy does with the layers of a partly trainable module, for plan notes.
+_PARTLY_TRAINABLE_RULE: dict[str, str] = {
+    "root": "frozen and adapted layers and the rest join the root unit",
+    "per_layer": "frozen and adapted layers are units (adapters in their layer's unit), "
+    "the rest joins the root unit",
+    "replicate": "frozen parameters are replicated, trainable ones outside trainable layers "
+    "join the root unit",
+}
+
+
+def layer_kind(module: nn.Module) -> LayerKind:
+    flags = {p.requires_grad for p in module.parameters()}
+    if not flags:
+        return "empty"
+    if flags == {False}:
+        return "frozen"
+    return "trainable" if flags == {True} else "adapted"
+
+
+def classify_layers(part: MultimodalParts) -> list[tuple[str, LayerKind]]:
+    """The layers of ``part`` (its layer-container items, or itself without any), each
+    fully frozen, fully trainable, or *adapted* (frozen weights with trainable ones)."""
+    found = part.found
+    items = list(iter_layer_items(found.module, found.path)) or [(found.path, found.module)]
+    return [(path, layer_kind(item)) for path, item in items]
+
+
+def partly_trainable_note(part: MultimodalParts, policy: str) -> str:
+    """One short line: how many layers of each kind, and what ``policy`` does with them."""
+    counts = Counter(kind for _, kind in classify_layers(part))
+    layers = ", ".join(
+        f"{counts[kind]} {kind}" for kind in ("frozen", "adapted", "trainable") if counts[kind]
+    )
+    cut = len(part.found.path) + 1 if part.found.path else 0
+    trainable = [path[cut:] or path for path in part.trainable]
+    units = "trainable layers are units; " if counts["trainable"] else ""
+    return (
+        f"partly trainable (layers: {layers}; trainable parts: {summarise(trainable, 2)}); "
+        f"{policy!r}: {units}{_PARTLY_TRAINABLE_RULE[policy]}"
+    )
+
+
+def summarise(paths: Iterable[str], limit: int = 3) -> str:
+    """A few paths and how many more, so notes and errors stay short."""
+    items = list(paths)
+    head = ", ".join(repr(p) for p in items[:limit])
+    return head + (f" and {len(items) - limit} more" if len(items) > limit else "")
