@@ -646,3 +646,17 @@ def test_a_torch_without_the_tracker_is_named(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setitem(sys.modules, "torch.distributed._tools.fsdp2_mem_tracker", None)
     with pytest.raises(RuntimeError, match="private torch module"):
         _measure("deepseek", "per_layer")
+
+
+def test_a_tracker_without_the_state_it_reads_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    original = MemTracker.__init__
+
+    def init_without_phase_flag(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        del self._in_opt  # as if a torch renamed it
+
+    monkeypatch.setattr(MemTracker, "__init__", init_without_phase_flag)
+    with pytest.raises(RuntimeError, match=r"FSDPMemTracker lacks \['_in_opt'\]"):
+        _measure("deepseek", "per_layer")

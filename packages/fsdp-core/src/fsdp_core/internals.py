@@ -54,6 +54,7 @@ __all__ = [
     "has_fake_store",
     "fsdp_mem_tracker_class",
     "fsdp_state_module",
+    "require_attributes",
 ]
 
 _FAKE_PG_MODULE: Final = "torch.testing._internal.distributed.fake_pg"
@@ -340,6 +341,18 @@ def fake_store() -> Any:
     if store is None:
         raise FSDPInternalsError(f"torch {torch.__version__} has no {_FAKE_PG_MODULE}.FakeStore")
     return store()
+
+
+def require_attributes(obj: object, names: Sequence[str], *, owner: str, user: str) -> None:
+    """Raise :class:`FSDPInternalsError` unless ``obj`` (an instance of a private torch
+    class, ``owner``) has every attribute in ``names`` that ``user`` reads: attributes
+    set in ``__init__`` cannot be checked on the class."""
+    missing = [name for name in names if not hasattr(obj, name)]
+    if missing:
+        raise FSDPInternalsError(
+            f"torch {torch.__version__}'s {owner} lacks {missing}, which {user} reads; "
+            "use a torch it was tested with (2.13)"
+        )
 
 
 def fsdp_mem_tracker_class(needs: Sequence[str], *, user: str) -> type[Any]:

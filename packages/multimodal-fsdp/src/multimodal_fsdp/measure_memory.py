@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_core import ShardingPlan, build_mesh, resolve_mesh_shape
 from fsdp_core.fake_group import fake_process_group
-from fsdp_core.internals import fsdp_mem_tracker_class
+from fsdp_core.internals import fsdp_mem_tracker_class, require_attributes
 from multimodal_fsdp.activations import trace_activations
 from multimodal_fsdp.costs import PlanCosts, plan_costs
 from multimodal_fsdp.memory import check_optimizer, with_memory
@@ -69,8 +69,10 @@ _TOTAL = "Total"
 
 
 # --------------------------------------------------------------------------- private torch
-#: What this module uses of the tracker beyond its public methods.
+#: What this module uses of the tracker beyond its public methods: on the class, and
+#: on an instance (attributes its ``__init__`` sets).
 _TRACKER_NEEDS = ("_update_peak_stats", "get_tracker_snapshot", "track_inputs")
+_TRACKER_STATE = ("_curr_mem_snap", "_in_opt", "_mod_tracker")
 
 
 def _tracker_base() -> type[Any]:
@@ -104,7 +106,11 @@ def _new_tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> A
             if not self.points or self.points[-1] != point:
                 self.points.append(point)
 
-    return _Timeline()
+    tracker = _Timeline()
+    require_attributes(
+        tracker, _TRACKER_STATE, owner="FSDPMemTracker", user="multimodal_fsdp.measure_memory"
+    )
+    return tracker
 
 
 def _cpu_or_first(snapshot: dict[torch.device, dict[str, int]]) -> dict[str, int]:
