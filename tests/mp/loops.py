@@ -491,45 +491,6 @@ def _hf_cases() -> list[LoopCase]:
     return cases
 
 
-#: Real transformers models with different tower layouts (see ``hf_vlms``).
-ARCHITECTURES = ("llava", "paligemma", "idefics3", "qwen2_vl", "qwen2_audio")
-
-
-def _arch_cases() -> list[LoopCase]:
-    """Each architecture, frozen tower, under every policy in fp32 and bf16 compute.
-
-    Ranks get one and two media items: a different batch on each rank, but the same
-    number of tower calls, so every policy trains (``per_layer`` included)."""
-    from compare import BF16_STORAGE_TOL
-
-    cases: list[LoopCase] = []
-    for arch in ARCHITECTURES:
-        for p in POLICIES:
-            for precision in ("fp32", "bf16"):
-                # Qwen2-VL's tower passes fp32 rotary tables into every block; a block
-                # that is its own bf16 unit (per_layer) has FSDP2 cast them to bf16
-                # (cast_forward_inputs), one process does not: about 0.7% on the
-                # gradients, bf16 rounding of the tables (docs/mixed-precision.md).
-                # Under root and replicate the two agree to 1e-4.
-                rounded = arch == "qwen2_vl" and p == "per_layer" and precision == "bf16"
-                tol = BF16_STORAGE_TOL if rounded else None
-                cases.append(
-                    LoopCase(
-                        f"arch_{arch}_{p}_{precision}",
-                        _hf(arch),
-                        media=per_rank({"images": 1}, {"images": 2}),
-                        policy=p,
-                        precision=precision,
-                        batch=_hf_batch(arch),
-                        loss=_hf_loss,
-                        steps=2,
-                        grad_tol=tol,
-                        update_tol=tol,
-                    )
-                )
-    return cases
-
-
 CASES: dict[str, LoopCase] = {
     case.name: case
     for case in (
@@ -537,7 +498,6 @@ CASES: dict[str, LoopCase] = {
         *_hsdp_cases(),
         *_deepseek_cases(),
         *_hf_cases(),
-        *_arch_cases(),
     )
 }
 
@@ -620,33 +580,45 @@ def _lora_cases() -> list[LoopCase]:
     return cases
 
 
-def _arch_lora_cases() -> list[LoopCase]:
-    """Each architecture of ``_arch_cases`` again with LoRA on decoder and tower (every
-    base weight frozen), under every policy in fp32 and bf16 compute."""
+#: Real transformers models with different tower layouts (see ``hf_vlms``).
+ARCHITECTURES = ("llava", "paligemma", "idefics3", "qwen2_vl", "qwen2_audio")
+
+
+def _arch_cases() -> list[LoopCase]:
+    """Each architecture under every policy, in fp32 and bf16 compute, with a frozen tower
+    and with LoRA on decoder and tower (every base weight frozen).
+
+    Ranks get one and two media items: a different batch on each rank, but the same
+    number of tower calls, so every policy trains (``per_layer`` included)."""
     from compare import BF16_STORAGE_TOL
 
+    variants = {"arch": lambda arch: _hf(arch), "arch_lora": lambda arch: _hf_lora(arch, "tower")}
     cases: list[LoopCase] = []
-    for arch in ARCHITECTURES:
-        for p in POLICIES:
-            for precision in ("fp32", "bf16"):
-                # The same bf16 rounding of Qwen2-VL's rotary tables as in _arch_cases.
-                rounded = arch == "qwen2_vl" and p == "per_layer" and precision == "bf16"
-                tol = BF16_STORAGE_TOL if rounded else None
-                cases.append(
-                    LoopCase(
-                        f"arch_lora_{arch}_{p}_{precision}",
-                        _hf_lora(arch, "tower"),
-                        media=per_rank({"images": 1}, {"images": 2}),
-                        policy=p,
-                        precision=precision,
-                        batch=_hf_batch(arch),
-                        loss=_hf_loss,
-                        steps=2,
-                        grad_tol=tol,
-                        update_tol=tol,
+    for prefix, build in variants.items():
+        for arch in ARCHITECTURES:
+            for p in POLICIES:
+                for precision in ("fp32", "bf16"):
+                    # Qwen2-VL's tower passes fp32 rotary tables into every block; a
+                    # block that is its own bf16 unit (per_layer) has FSDP2 cast them to
+                    # bf16 (cast_forward_inputs), one process does not: about 0.7% on
+                    # the gradients (docs/mixed-precision.md). Elsewhere 1e-4 holds.
+                    rounded = arch == "qwen2_vl" and p == "per_layer" and precision == "bf16"
+                    tol = BF16_STORAGE_TOL if rounded else None
+                    cases.append(
+                        LoopCase(
+                            f"{prefix}_{arch}_{p}_{precision}",
+                            build(arch),
+                            media=per_rank({"images": 1}, {"images": 2}),
+                            policy=p,
+                            precision=precision,
+                            batch=_hf_batch(arch),
+                            loss=_hf_loss,
+                            steps=2,
+                            grad_tol=tol,
+                            update_tol=tol,
+                        )
                     )
-                )
     return cases
 
 
-CASES.update({case.name: case for case in (*_lora_cases(), *_arch_lora_cases())})
+CASES.update({case.name: case for case in (*_lora_cases(), *_arch_cases())})

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from fsdp_core.internals import fake_store
 
-__all__ = ["fake_process_group"]
+__all__ = ["fake_process_group", "current_or_fake_group"]
 
 
 @contextlib.contextmanager
@@ -33,3 +33,20 @@ def fake_process_group(world_size: int, *, rank: int = 0) -> Iterator[None]:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def current_or_fake_group(world_size: int) -> Iterator[None]:
+    """The initialised process group when there is one (its size must be
+    ``world_size``), else a fake group of that size: measurements run the same way
+    on real ranks and in one process."""
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise ValueError(
+                f"world_size={world_size} does not match the initialised process group "
+                f"({dist.get_world_size()} ranks)"
+            )
+        yield
+        return
+    with fake_process_group(world_size):
+        yield

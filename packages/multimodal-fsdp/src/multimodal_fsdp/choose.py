@@ -35,10 +35,9 @@ from fsdp_core import (
     MeshShape,
     check_reshard_after_forward,
     mixed_precision_policy,
-    resolve_mesh_shape,
 )
 from multimodal_fsdp.activations import ActivationTrace, trace_activations
-from multimodal_fsdp.costs import PlanCosts, format_bytes, plan_costs
+from multimodal_fsdp.costs import PlanCosts, _resolve_mesh, format_bytes, plan_costs
 from multimodal_fsdp.memory import check_optimizer, parse_size, with_memory
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 from multimodal_fsdp.parts import MultimodalParts
@@ -159,16 +158,6 @@ def _policies(policies: Sequence[str]) -> tuple[FrozenMultimodalSharding, ...]:
             f"got {policies!r}"
         )
     return tuple(dict.fromkeys(normalize_frozen_multimodal_sharding(p) for p in policies))
-
-
-def _mesh(mesh: MeshShape | None, world_size: int | None, dp_replicate: int) -> MeshShape:
-    if mesh is not None:
-        if not isinstance(mesh, MeshShape):
-            raise TypeError(f"mesh must be a fsdp_core.MeshShape, got {type(mesh).__name__}")
-        return mesh
-    if world_size is None:
-        raise ValueError("give a world_size (and optionally dp_replicate) or a mesh shape")
-    return resolve_mesh_shape(world_size=world_size, dp_replicate=dp_replicate)
 
 
 def _combinations(
@@ -302,7 +291,7 @@ def choose_frozen_policy(
             )
     if loss_fn is not None and activations is not None:
         raise ValueError("give loss_fn (to trace activations) or activations, not both")
-    shape = _mesh(mesh, world_size, dp_replicate)
+    shape = _resolve_mesh(mesh, world_size, dp_replicate)
     check_reshard_after_forward(reshard_after_forward, shape.dp_shard)
     check_optimizer(optimizer)
     mp = mixed_precision_policy(precision, reduce_precision)

@@ -12,18 +12,16 @@ exactly those of a real job.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp_core import CommCounter, ShardingPlan, build_mesh, resolve_mesh_shape
-from fsdp_core.fake_group import fake_process_group
+from fsdp_core.fake_group import current_or_fake_group
 from multimodal_fsdp.collectives import KINDS, PHASES, CommTally
 from multimodal_fsdp.costs import PlanCosts, plan_costs
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
@@ -150,21 +148,6 @@ class Measurement:
         return self.comparison.matches
 
 
-@contextlib.contextmanager
-def _process_group(world_size: int) -> Iterator[None]:
-    """The current process group if one is initialised (its size must match), else a fake one."""
-    if dist.is_initialized():
-        if dist.get_world_size() != world_size:
-            raise ValueError(
-                f"world_size={world_size} does not match the initialised process group "
-                f"({dist.get_world_size()} ranks)"
-            )
-        yield
-        return
-    with fake_process_group(world_size):
-        yield
-
-
 def measure_plan(
     build_model: Callable[[], nn.Module],
     parallelizer: MultimodalParallelizer,
@@ -191,7 +174,7 @@ def measure_plan(
             f"parallelizer must be a MultimodalParallelizer, got {type(parallelizer).__name__}"
         )
     shape = resolve_mesh_shape(world_size=world_size, dp_replicate=dp_replicate)
-    with _process_group(world_size):
+    with current_or_fake_group(world_size):
         mesh = build_mesh(dp_replicate=shape.dp_replicate, dp_shard=shape.dp_shard)
         model = build_model()
         plan = parallelizer.plan(

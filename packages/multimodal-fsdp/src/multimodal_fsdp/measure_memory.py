@@ -20,20 +20,18 @@ message naming what is missing.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from fsdp_core import ShardingPlan, build_mesh, resolve_mesh_shape
-from fsdp_core.fake_group import fake_process_group
+from fsdp_core.fake_group import current_or_fake_group
 from fsdp_core.internals import fsdp_mem_tracker_class, require_attributes
 from multimodal_fsdp.activations import trace_activations
 from multimodal_fsdp.costs import PlanCosts, plan_costs
@@ -310,21 +308,6 @@ class MemoryMeasurement:
     measured: MeasuredMemory
 
 
-@contextlib.contextmanager
-def _process_group(world_size: int) -> Iterator[None]:
-    """The current process group if one is initialised (its size must match), else a fake one."""
-    if dist.is_initialized():
-        if dist.get_world_size() != world_size:
-            raise ValueError(
-                f"world_size={world_size} does not match the initialised process group "
-                f"({dist.get_world_size()} ranks)"
-            )
-        yield
-        return
-    with fake_process_group(world_size):
-        yield
-
-
 def measure_plan_memory(
     build_model: Callable[[], nn.Module],
     parallelizer: MultimodalParallelizer,
@@ -343,7 +326,7 @@ def measure_plan_memory(
         )
     check_optimizer(optimizer)
     shape = resolve_mesh_shape(world_size=world_size)
-    with _process_group(world_size):
+    with current_or_fake_group(world_size):
         mesh = build_mesh(dp_shard=shape.dp_shard)
         model = build_model()
         plan = parallelizer.plan(model, mp_policy=mp_policy)
