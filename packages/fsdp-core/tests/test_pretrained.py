@@ -499,7 +499,9 @@ def test_save_refuses_meta_tensors(tmp_path: Path) -> None:
     [(100, 100), ("100", 100), ("5GB", 5 * 10**9), ("2 MiB", 2 * 2**20), ("1.5kb", 1500)],
 )
 def test_shard_sizes(size: int | str, expected: int) -> None:
-    assert _safetensors_dir.parse_size(size) == expected
+    from fsdp_core.sizes import parse_size
+
+    assert parse_size(size) == expected
 
 
 @pytest.mark.parametrize(("size", "error"), [("5 parsecs", ValueError), (0, ValueError)])

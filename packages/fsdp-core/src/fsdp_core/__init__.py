@@ -75,9 +75,11 @@ from fsdp_core.sharding import (
     owned_ignored_params,
     shard_group_size,
 )
+from fsdp_core.sizes import parse_size
 from fsdp_core.unused_params import UnusedParamsHook, install_unused_params_hook
 
 __all__ = [
+    "parse_size",
     "exit_rank",
     "shard_groups_then_module",
     "copy_full_into_",

@@ -25,18 +25,6 @@ import torch
 SINGLE_FILE: Final = "model.safetensors"
 INDEX_FILE: Final = "model.safetensors.index.json"
 _SHARD_FILE: Final = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-_SIZE: Final = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS: Final[dict[str, int]] = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
 #: safetensors dtype codes of floating types (the rest are integers, bool or complex).
 _FLOATING_CODES: Final = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
 
@@ -128,25 +116,6 @@ def read_layout(directory: PathLike) -> CheckpointLayout:
     raise FileNotFoundError(
         f"{str(root)!r} holds neither {SINGLE_FILE} nor {INDEX_FILE} (what save_pretrained writes)"
     )
-
-
-def parse_size(value: int | str) -> int:
-    """Bytes from an int or a string such as ``"5GB"``, ``"500MB"`` or ``"2GiB"``."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(f"max_shard_size must be an int or a str, got {type(value).__name__}")
-    if isinstance(value, int):
-        size = value
-    else:
-        match = _SIZE.match(value)
-        if match is None:
-            raise ValueError(
-                f"max_shard_size {value!r} is not a size; use bytes or a number with one of "
-                f"{sorted(_UNITS)} (case-insensitive), e.g. '5GB'"
-            )
-        size = int(float(match[1]) * _UNITS[(match[2] or "b").lower()])
-    if size <= 0:
-        raise ValueError(f"max_shard_size must be positive, got {value!r}")
-    return size
 
 
 def plan_files(sizes: Sequence[tuple[str, int]], max_bytes: int) -> list[list[str]]:

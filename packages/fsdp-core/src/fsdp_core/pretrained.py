@@ -41,7 +41,6 @@ from fsdp_core._safetensors_dir import (
     file_names,
     is_floating_code,
     open_file,
-    parse_size,
     plan_files,
     read_layout,
     remove_previous_export,
@@ -51,6 +50,7 @@ from fsdp_core._safetensors_dir import (
 )
 from fsdp_core.dtype_units import dominant_dtype
 from fsdp_core.materialize import copy_full_into_
+from fsdp_core.sizes import parse_size
 
 __all__ = ["KeyMapping", "PretrainedLoad", "load_pretrained", "save_pretrained"]
 
@@ -545,7 +545,7 @@ def save_pretrained(
     rank briefly holds one full tensor while it is gathered.
     """
     require_safetensors()
-    limit = parse_size(max_shard_size)
+    limit = parse_size(max_shard_size, argument="max_shard_size")
     if key_mapping is not None and not callable(key_mapping):
         raise TypeError(
             f"key_mapping must be a function of a module name, got {type(key_mapping).__name__}"

@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from fsdp_core import ShardingPlan, unit_parameters
+from fsdp_core.sizes import parse_size
 from multimodal_fsdp.activations import (
     ActivationTrace,
     check_shard,
@@ -89,34 +89,6 @@ def check_optimizer(name: str) -> str:
             f"unknown optimizer {name!r}; valid choices: {', '.join(OPTIMIZER_STATES)}"
         )
     return name
-
-
-_SIZE_UNITS: dict[str, int] = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE = re.compile(r"^\s*(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str) -> int:
-    """Bytes in ``"40GiB"``, ``"1.5 GB"``, ``"512MiB"`` or ``"1000"`` (binary and
-    decimal units, case-insensitive)."""
-    match = _SIZE.match(text) if isinstance(text, str) else None
-    unit = match.group("unit").lower() if match else ""
-    if match is None or unit not in _SIZE_UNITS:
-        raise ValueError(
-            f"invalid size {text!r}; write a number and a unit, e.g. 40GiB or 1.5GB "
-            f"(units: {', '.join(u for u in _SIZE_UNITS if u)})"
-        )
-    return int(float(match.group("number")) * _SIZE_UNITS[unit])
 
 
 # --------------------------------------------------------------------------- result
