@@ -7,21 +7,13 @@ import json
 from pathlib import Path
 
 import torch
+from padded_deepseek import PADDED_TINY
 
 from fsdp_core import mixed_precision_policy
-from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
+from model_deepseek_v41 import PARALLELIZER, build_deepseek_v41, make_batch
 from multimodal_fsdp.measure_memory import measure_plan_memory
 
-CONFIG = DeepseekV41Config.tiny(
-    vision_hidden=36,
-    vision_heads=3,
-    vision_intermediate=70,
-    vision_layers=3,
-    text_hidden=40,
-    text_heads=2,
-    text_intermediate=90,
-    vocab_size=131,
-)
+CONFIG = PADDED_TINY
 
 
 def build() -> torch.nn.Module:

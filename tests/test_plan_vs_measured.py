@@ -21,10 +21,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from padded_deepseek import PADDED_TINY
 from torch import nn
 
 from fsdp_core import mixed_precision_policy
-from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
+from model_deepseek_v41 import PARALLELIZER, build_deepseek_v41, make_batch
 from multimodal_fsdp import MultimodalParallelizer
 from multimodal_fsdp.collectives import CommTally
 from multimodal_fsdp.measure import Measurement, measure_plan
@@ -33,16 +34,7 @@ from multimodal_fsdp.rewrite import ungroup_units
 POLICIES = ("root", "per_layer", "replicate")
 MP = mixed_precision_policy("bf16", "fp32")
 #: Tiny, with widths no world size below divides evenly (36, 131, ...): FSDP pads.
-DS_CONFIG = DeepseekV41Config.tiny(
-    vision_hidden=36,
-    vision_heads=3,
-    vision_intermediate=70,
-    vision_layers=3,
-    text_hidden=40,
-    text_heads=2,
-    text_intermediate=90,
-    vocab_size=131,
-)
+DS_CONFIG = PADDED_TINY
 DS_BATCH = make_batch(DS_CONFIG, batch_size=2, seq_len=16)
 DS_WORLD = 8
 

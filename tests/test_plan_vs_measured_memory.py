@@ -25,11 +25,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from hf_vlms import HF_VLMS, hf_loss
+from padded_deepseek import PADDED_TINY
 from torch import nn
 
 from fsdp_core import mixed_precision_policy
 from fsdp_core.testing import fake_process_group, run_on_gloo_ranks
-from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
+from model_deepseek_v41 import PARALLELIZER, build_deepseek_v41, make_batch
 from multimodal_fsdp import MultimodalParallelizer
 from multimodal_fsdp.choose import (
     MemoryBudgetError,
@@ -55,16 +56,7 @@ from multimodal_fsdp.memory import (
 POLICIES = ("root", "per_layer", "replicate")
 MP = mixed_precision_policy("bf16", "fp32")
 WORLD = 4
-DS_CONFIG = DeepseekV41Config.tiny(
-    vision_hidden=36,
-    vision_heads=3,
-    vision_intermediate=70,
-    vision_layers=3,
-    text_hidden=40,
-    text_heads=2,
-    text_intermediate=90,
-    vocab_size=131,
-)
+DS_CONFIG = PADDED_TINY
 DS_BATCH = make_batch(DS_CONFIG, batch_size=2, seq_len=16)
 
 #: Figures held to 2% (exact in practice), and the looser ones.
