@@ -577,7 +577,32 @@ def _lora_cases() -> list[LoopCase]:
             **llava,
         ),
     ]
+    cases += _lora_text_only_rank_cases()
     return cases
+
+
+#: Rank 0 gets four images, rank 1 none: only rank 0 runs the tower and the projector.
+TEXT_ONLY_RANK = per_rank({"images": 4}, NO_MEDIA)
+
+
+def _lora_text_only_rank_cases() -> list[LoopCase]:
+    """LoRA in the tower (and decoder) while one rank is text-only (issue 17, item 7)."""
+    llava = {"batch": _hf_batch("llava"), "loss": _hf_loss}
+    return [
+        LoopCase(
+            "lora_llava_tower_text_only_rank_root",
+            _hf_lora("llava", "tower"),
+            media=TEXT_ONLY_RANK,
+            **llava,
+        ),
+        LoopCase(
+            "lora_llava_tower_text_only_rank_uneven_media",
+            _hf_lora("llava", "tower"),
+            media=TEXT_ONLY_RANK,
+            uneven_media=True,
+            **llava,
+        ),
+    ]
 
 
 #: Real transformers models with different tower layouts (see ``hf_vlms``).

@@ -16,6 +16,14 @@ that reduces gradients ends, one all-reduce (MAX, one byte per trainable
 parameter tensor) over the data-parallel mesh tells every rank which parameters
 no rank used; their sharded gradients are set back to ``None``. Micro-batches of
 gradient accumulation OR their usage together until the syncing backward.
+
+Equal sizes are not enough: the reduce-scatters must also come in the same order.
+A unit is reduced early (from autograd) when its inputs require a gradient and late
+(at the end of the backward) otherwise, and a module that runs on some ranks only
+can make a unit's inputs require one on those ranks alone (LoRA in a tower feeding
+the first decoder layer while another rank is text-only). The hook therefore also
+anchors the inputs of every non-root trainable unit (``fsdp_core.backward_order``),
+so every rank reduces every unit at the same point of its backward.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import compat, internals
+from fsdp_core.backward_order import anchor_unit_inputs
 from fsdp_core.mesh_collectives import all_reduce_max_over_mesh, mesh_device
 from fsdp_core.runtime import BackwardWatch
 
@@ -139,6 +148,7 @@ def install_unused_params_hook(model: nn.Module, *, mesh: DeviceMesh) -> UnusedP
         return None
     units = internals.distinct_units(model)
     hook = UnusedParamsHook(model=model, mesh=mesh)
+    hook._handles.extend(anchor_unit_inputs(model, units))
     for unit in units:
         unit.set_reduce_scatter_unused_params(True, recurse=False)
         for fsdp_param in internals.fsdp_params(unit):

@@ -1,0 +1,122 @@
+"""The same reduce-scatter order on every rank, whatever each rank's inputs need.
+
+FSDP2 starts a unit's reduce-scatter from a hook on the unit's forward *inputs*
+that require a gradient: autograd fires it once the unit's backward is done. When
+no input requires a gradient, the unit is reduced only at the end of the backward,
+in a fixed order over all units (the root first). So whether a unit's reduce-scatter
+comes early or late depends on *this rank's* inputs. A partly trainable module that
+runs on some ranks only (LoRA in a tower, a trainable projector, with one rank
+text-only) feeds the first decoder layer an input that requires a gradient on the
+ranks with media and none elsewhere: those ranks reduce that layer before the root
+unit, the others after it, and the reduce-scatters of different units meet (a gloo
+size mismatch, an NCCL hang or silently mixed gradients).
+
+``anchor_unit_inputs`` makes the order independent of the inputs: before FSDP's
+own pre-forward hook, a unit with trainable parameters whose floating-point inputs
+require no gradient gets one of them routed through a no-op autograd function tied
+to a leaf that requires one. FSDP then hooks its post-backward into autograd on
+every rank, right after the unit's backward, as it already does on ranks whose
+input requires a gradient. The root unit is left as it is: it is reduced at the end
+of the backward on every rank, and its optional inputs (``pixel_values`` on some
+ranks only) must not move it. No gradient flows into the leaf; the only cost is a
+copy of one input per anchored unit call and the unit's input gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.utils.hooks import RemovableHandle
+
+from fsdp_core import internals
+
+__all__ = ["anchor_unit_inputs"]
+
+
+class _Anchor(torch.autograd.Function):
+    """``x`` unchanged, but part of the graph through ``leaf`` (which gets no gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, leaf: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        return None, None
+
+
+def _floating(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def _anchor(leaf: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    anchored: torch.Tensor = _Anchor.apply(leaf, value)  # type: ignore[no-untyped-call]
+    return anchored
+
+
+class _UnitAnchor:
+    """The forward pre-hook of one unit's modules (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._leaves: dict[torch.device, torch.Tensor] = {}
+
+    def _leaf(self, device: torch.device) -> torch.Tensor:
+        leaf = self._leaves.get(device)
+        if leaf is None:
+            leaf = torch.zeros((), device=device, requires_grad=True)
+            self._leaves[device] = leaf
+        return leaf
+
+    def __call__(
+        self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if not torch.is_grad_enabled():
+            return None  # no backward to order
+        # An activation-checkpoint recompute anchors too: it must save what the
+        # forward saved, and FSDP treats it like a forward whose inputs need grad.
+        if _any_requires_grad(args, kwargs):
+            return None  # FSDP hooks these inputs itself
+        for index, value in enumerate(args):
+            if _floating(value):
+                anchored = _anchor(self._leaf(value.device), value)
+                return (*args[:index], anchored, *args[index + 1 :]), kwargs
+        for key, value in kwargs.items():
+            if _floating(value):
+                return args, {**kwargs, key: _anchor(self._leaf(value.device), value)}
+        return None
+
+
+def _any_requires_grad(*values: object) -> bool:
+    """Whether a tensor in ``values`` (nested in tuples, lists and dicts) requires grad."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad:
+                return True
+        elif isinstance(value, (tuple, list)):
+            if _any_requires_grad(*value):
+                return True
+        elif isinstance(value, dict) and _any_requires_grad(*value.values()):
+            return True
+    return False
+
+
+def anchor_unit_inputs(model: nn.Module, units: Iterable[FSDPModule]) -> list[RemovableHandle]:
+    """Anchor the inputs of every non-root unit of ``units`` with trainable parameters
+    (see the module docstring); the handles remove the hooks."""
+    handles: list[RemovableHandle] = []
+    for unit in units:
+        modules = internals.unit_modules(unit)
+        trainable = any(
+            internals.sharded_parameter(p).requires_grad for p in internals.fsdp_params(unit)
+        )
+        if not trainable or any(module is model for module in modules):
+            continue
+        hook = _UnitAnchor()
+        for module in modules:
+            # prepend: run before FSDP's pre-forward, which hooks the inputs it is given.
+            handles.append(module.register_forward_pre_hook(hook, prepend=True, with_kwargs=True))
+    return handles
