@@ -88,7 +88,8 @@ class LoopCase:
     build: Callable[[], nn.Module]
     loop: str = "plain"  # plain | nograd | eval | two_forwards
     media: Media = field(default_factory=same)
-    policy: str = "root"
+    #: A frozen-tower policy, or per-module policies (module path -> policy, "*" the rest).
+    policy: str | dict[str, str] = "root"
     uneven_media: bool = False
     precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and reduction)
     optimizer: str = "sgd"  # sgd | adamw
@@ -507,9 +508,12 @@ def cases_for(world: int) -> list[str]:
 
 
 # ------------------------------------------------------------------------------ LoRA (PEFT)
-def _hf_lora(name: str, where: str, *, wrap_layers: bool = False) -> Callable[[], nn.Module]:
+def _hf_lora(
+    name: str, where: str, *, wrap_layers: bool = False, train: str | None = None
+) -> Callable[[], nn.Module]:
     """A transformers VLM with LoRA adapters (see ``hf_lora``); ``wrap_layers`` puts torch's
-    ``checkpoint_wrapper`` around every decoder layer and tower block."""
+    ``checkpoint_wrapper`` around every decoder layer and tower block; ``train`` unfreezes
+    the parameters whose names contain it (e.g. the projector) after PEFT froze them."""
 
     def build() -> nn.Module:
         from hf_lora import checkpoint_layers, with_lora
@@ -518,6 +522,10 @@ def _hf_lora(name: str, where: str, *, wrap_layers: bool = False) -> Callable[[]
         model = with_lora(HF_VLMS[name].build(), name, where)
         if wrap_layers:
             checkpoint_layers(model)
+        if train is not None:
+            for param_name, param in model.named_parameters():
+                if train in param_name:
+                    param.requires_grad_(True)
         return model
 
     return build
@@ -586,21 +594,71 @@ TEXT_ONLY_RANK = per_rank({"images": 4}, NO_MEDIA)
 
 
 def _lora_text_only_rank_cases() -> list[LoopCase]:
-    """LoRA in the tower (and decoder) while one rank is text-only (issue 17, item 7)."""
-    llava = {"batch": _hf_batch("llava"), "loss": _hf_loss}
+    """A partly trainable module that runs on one rank only (issue 17, item 7): LoRA in
+    the tower (and the decoder) while the other rank is text-only, under every policy,
+    per-module policies and ``uneven_media=True``, on LLaVA and Qwen2-VL; and LoRA on
+    the decoder with a trainable projector. ``per_layer`` gives the tower blocks units
+    that only one rank would run: it must stop on every rank with ``UnevenMediaError``.
+
+    Before the fix the first backward crashed in gloo: the first decoder layer's input
+    required a gradient on the rank with images only, so that rank reduce-scattered the
+    layer before the root unit and the text-only rank after it."""
+    from hf_lora import PEFT_PREFIX
+
+    llava = {"batch": _hf_batch("llava"), "loss": _hf_loss, "media": TEXT_ONLY_RANK}
+    qwen = {
+        "batch": _hf_batch("qwen2_vl"),
+        "loss": _hf_loss,
+        "media": per_rank({"images": 1, "videos": 1}, NO_MEDIA),
+    }
+    llava_tower = _hf_lora("llava", "tower")
+    qwen_tower = _hf_lora("qwen2_vl", "tower")
+    tower = f"{PEFT_PREFIX}model.vision_tower"
     return [
+        LoopCase("lora_llava_tower_text_only_rank_root", llava_tower, **llava),
         LoopCase(
-            "lora_llava_tower_text_only_rank_root",
-            _hf_lora("llava", "tower"),
-            media=TEXT_ONLY_RANK,
+            "lora_llava_tower_text_only_rank_uneven_media",
+            llava_tower,
+            uneven_media=True,
             **llava,
         ),
         LoopCase(
-            "lora_llava_tower_text_only_rank_uneven_media",
-            _hf_lora("llava", "tower"),
-            media=TEXT_ONLY_RANK,
+            "lora_llava_tower_text_only_rank_replicate", llava_tower, policy="replicate", **llava
+        ),
+        LoopCase(
+            "lora_llava_tower_text_only_rank_per_layer",
+            llava_tower,
+            policy="per_layer",
+            expect="uneven_error",
+            **llava,
+        ),
+        LoopCase(
+            "lora_llava_tower_text_only_rank_mapping_uneven_media",
+            llava_tower,
+            policy={tower: "replicate", "*": "root"},
             uneven_media=True,
             **llava,
+        ),
+        LoopCase(
+            "lora_llava_decoder_trained_projector_text_only_rank_root",
+            _hf_lora("llava", "decoder", train="multi_modal_projector"),
+            optimizer="adamw",
+            **llava,
+        ),
+        LoopCase("lora_qwen2_vl_tower_text_only_rank_root", qwen_tower, **qwen),
+        LoopCase(
+            "lora_qwen2_vl_tower_text_only_rank_replicate_uneven_media",
+            qwen_tower,
+            policy="replicate",
+            uneven_media=True,
+            **qwen,
+        ),
+        LoopCase(
+            "lora_qwen2_vl_tower_text_only_rank_per_layer",
+            qwen_tower,
+            policy="per_layer",
+            expect="uneven_error",
+            **qwen,
         ),
     ]
 
