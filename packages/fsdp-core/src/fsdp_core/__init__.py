@@ -36,6 +36,7 @@ from fsdp_core.internals import FSDPInternalsError, check_internals
 from fsdp_core.materialize import copy_full_into_, load_full_state_dict, materialize_from_full
 from fsdp_core.mesh import MeshShape, build_mesh, resolve_mesh_shape
 from fsdp_core.mesh_collectives import all_reduce_max_over_mesh, mesh_device, mesh_groups
+from fsdp_core.module_tree import ModuleTreeChangedError, ModuleTreeFingerprint
 from fsdp_core.parallelizer import (
     ModelParallelizer,
     PlanContext,
@@ -76,6 +77,7 @@ from fsdp_core.sharding import (
     shard_group_size,
 )
 from fsdp_core.sizes import parse_size
+from fsdp_core.stale_optimizer import StaleOptimizerError
 from fsdp_core.unused_params import UnusedParamsHook, install_unused_params_hook
 
 __all__ = [
@@ -107,6 +109,9 @@ __all__ = [
     "check_internals",
     "check_applied_units",
     "PlanMismatchError",
+    "ModuleTreeChangedError",
+    "ModuleTreeFingerprint",
+    "StaleOptimizerError",
     "all_reduce_max_over_mesh",
     "mesh_device",
     "mesh_groups",

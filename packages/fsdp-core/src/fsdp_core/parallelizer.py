@@ -22,6 +22,12 @@ from fsdp_core import internals
 from fsdp_core.accumulation import install_unshard_warmup
 from fsdp_core.containers import is_under, iter_layer_items
 from fsdp_core.dtype_units import find_dtype_islands, group_islands
+from fsdp_core.entry_unshard import entry_owners, install_entry_unshard
+from fsdp_core.module_tree import (
+    check_module_tree,
+    install_first_forward_check,
+    module_tree_fingerprint,
+)
 from fsdp_core.plan import ShardCall, ShardingPlan, UnitPlan, unit_parameters
 from fsdp_core.precision import island_policy
 from fsdp_core.runtime import HookPlan, InstalledHook, register_installed_hook
@@ -31,6 +37,7 @@ from fsdp_core.sharding import (
     check_reshard_after_forward,
     shard_group_size,
 )
+from fsdp_core.stale_optimizer import mark_replaced_parameters
 from fsdp_core.unused_params import install_unused_params_hook
 
 __all__ = [
@@ -120,7 +127,7 @@ class ModelParallelizer:
     """
 
     #: Runtime hooks this parallelizer may plan, by name (subclasses add theirs).
-    HOOKS: ClassVar[tuple[str, ...]] = ("accumulation_warmup", "unused_params")
+    HOOKS: ClassVar[tuple[str, ...]] = ("accumulation_warmup", "unused_params", "entry_unshard")
 
     def __init__(self, *, dtype_safe: bool = True, disabled_hooks: Iterable[str] = ()) -> None:
         if not isinstance(dtype_safe, bool):
@@ -188,6 +195,7 @@ class ModelParallelizer:
             calls=tuple(calls),
             ignored_param_names=tuple(sorted(ctx.ignored_param_names)),
             notes=tuple(self._plan_notes(ctx)),
+            fingerprint=module_tree_fingerprint(model),
         )
         hooks = [h for h in self._plan_hooks(model, plan) if h.name not in self.disabled_hooks]
         return dataclasses.replace(plan, hooks=tuple(hooks))
@@ -204,6 +212,8 @@ class ModelParallelizer:
         :meth:`_fully_shard_module`."""
         if not isinstance(plan, ShardingPlan):
             raise TypeError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
+        if plan.fingerprint is not None:
+            check_module_tree(model, plan.fingerprint)
         named = dict(model.named_parameters())
         self._before_apply(model, plan, mesh=mesh)
         for call in plan.calls:
@@ -219,12 +229,14 @@ class ModelParallelizer:
                 ignored_params=ignored or None,
             )
         self._after_apply(model, plan, mesh=mesh)
+        mark_replaced_parameters(model, named)
         check_applied_units(model, plan)
         internals.check_internals(model, plan.hook_names())
         for hook in plan.hooks:
             installed = self._install_hook(model, plan, hook, mesh=mesh)
             if installed is not None:
                 register_installed_hook(model, installed)
+        install_first_forward_check(model, module_tree_fingerprint(model))
         logger.info(
             "applied %d FSDP units in %d calls; runtime hooks: %s",
             len(plan.units),
@@ -253,15 +265,23 @@ class ModelParallelizer:
     def _plan_notes(self, ctx: PlanContext) -> list[str]:
         return []
 
+    def _entry_paths(self, model: nn.Module) -> list[str]:
+        """Modules that code may call outside the model's forward (``generate()`` computes
+        image features before it): the ``entry_unshard`` hook gathers their parameters'
+        units for such calls. None here; the multimodal parallelizer names towers and
+        projectors."""
+        return []
+
     def _plan_hooks(self, model: nn.Module, plan: ShardingPlan) -> list[HookPlan]:
         """The runtime hooks ``plan`` needs (before ``disabled_hooks`` are taken out)."""
+        entries = _entry_hooks(entry_owners(model, plan, self._entry_paths(model)), plan)
         trainable = [
             unit.label
             for unit, params in zip(plan.units, unit_parameters(plan, model), strict=True)
             if any(p.requires_grad for _, p in params)
         ]
         if not trainable:
-            return []
+            return entries
         return [
             HookPlan(
                 name="accumulation_warmup",
@@ -278,6 +298,7 @@ class ModelParallelizer:
                 cost="one all-reduce of one byte per trainable parameter tensor per "
                 "syncing backward",
             ),
+            *entries,
         ]
 
     def _install_hook(
@@ -288,6 +309,9 @@ class ModelParallelizer:
             return install_unshard_warmup(model)
         if hook.name == "unused_params":
             return install_unused_params_hook(model, mesh=mesh)
+        if hook.name == "entry_unshard":
+            owners = entry_owners(model, plan, hook.targets)
+            return install_entry_unshard(model, plan, owners)
         raise ValueError(
             f"{type(self).__name__} cannot install a runtime hook named {hook.name!r}; "
             f"it installs {', '.join(self.HOOKS)}"
@@ -409,6 +433,23 @@ def _paths_text(units: list[tuple[str, ...]], limit: int = 4) -> str:
         "[" + ", ".join(repr(p or "<root>") for p in paths) + "]" for paths in units[:limit]
     )
     return shown + (f" and {len(units) - limit} more" if len(units) > limit else "")
+
+
+def _entry_hooks(owners: dict[str, tuple[int, ...]], plan: ShardingPlan) -> list[HookPlan]:
+    if not owners:
+        return []
+    units = sorted({plan.units[i].label for indices in owners.values() for i in indices})
+    return [
+        HookPlan(
+            name="entry_unshard",
+            reason="modules called outside the model's forward (generate()'s image "
+            "features, a tower called by hand) gather the units that own their parameters "
+            f"({', '.join(units) or 'their own units only'}) and reshard them after",
+            targets=tuple(owners),
+            cost="no collective inside the model's forward; outside it one all-gather "
+            "of each owning unit per call",
+        )
+    ]
 
 
 def _check_hook_names(names: Iterable[str], known: tuple[str, ...]) -> frozenset[str]:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from fsdp_core.module_tree import ModuleTreeFingerprint
 from fsdp_core.runtime import HookPlan
 
 __all__ = ["UnitPlan", "ShardCall", "ShardingPlan", "unit_parameters", "format_policy"]
@@ -75,6 +76,10 @@ class ShardingPlan:
     replicated_param_names: tuple[str, ...] = ()
     #: The runtime hooks applying the plan installs after sharding (see fsdp_core.runtime).
     hooks: tuple[HookPlan, ...] = ()
+    #: The module tree the plan was made for; ``apply_plan`` refuses a model that
+    #: differs (adapters added, parameters frozen), and the first forward checks again.
+    #: ``None`` for plans built by hand (no check). Not part of plan equality.
+    fingerprint: ModuleTreeFingerprint | None = field(default=None, compare=False, repr=False)
 
     def hook_names(self) -> tuple[str, ...]:
         return tuple(hook.name for hook in self.hooks)

@@ -1,0 +1,246 @@
+"""What a plan was made for: the module tree, and the checks that it did not change.
+
+A plan names modules and parameters and decides units from their shapes, dtypes and
+trainability. Adapters added after planning (peft's ``get_peft_model`` renames and
+wraps modules, adds parameters and freezes the base) make the plan wrong, and
+adapters added after sharding leave their weights outside FSDP and crash deep in
+the adapter library. ``ShardingPlan.fingerprint`` records the tree the plan was
+made for; ``apply_plan`` compares it with the model before sharding anything, and
+a one-time forward pre-hook on the sharded model compares again at the first
+forward (then removes itself). Both raise ``ModuleTreeChangedError`` naming what
+changed; the checks are deterministic, so every rank raises the same error.
+
+Activation-checkpoint and ``torch.compile`` wrappers are looked through: wrapping a
+module changes no parameter the plan names.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.utils.hooks import RemovableHandle
+
+__all__ = [
+    "ORDER_OF_OPERATIONS",
+    "ModuleTreeChangedError",
+    "ModuleTreeFingerprint",
+    "ParameterRecord",
+    "check_module_tree",
+    "install_first_forward_check",
+    "module_tree_fingerprint",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The order every job follows; error messages quote it.
+ORDER_OF_OPERATIONS = (
+    "build (or meta-init) the model -> add adapters (LoRA) and set requires_grad -> "
+    "parallelize -> load weights -> build the optimizer"
+)
+_WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
+_LIMIT = 4
+
+
+class ModuleTreeChangedError(RuntimeError):
+    """The model's modules or parameters changed after planning or sharding."""
+
+
+@dataclass(frozen=True)
+class ParameterRecord:
+    """One parameter as planned: name (wrappers looked through), shape, dtype, trainable."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class ModuleTreeFingerprint:
+    """The module paths and parameters of a model, in registration order."""
+
+    modules: tuple[str, ...]
+    parameters: tuple[ParameterRecord, ...]
+
+    def changes(self, current: ModuleTreeFingerprint, *, after_sharding: bool = False) -> str:
+        """What differs in ``current``, readably (empty when nothing that matters does).
+
+        Parameter-free modules added (a dropout, an identity) do not matter.
+
+        ``after_sharding`` compares only what sharding cannot change and what breaks
+        a sharded model: parameters added, removed or reshaped, and frozen ones made
+        trainable (freezing a sharded parameter is harmless).
+        """
+        old = {p.name: p for p in self.parameters}
+        new = {p.name: p for p in current.parameters}
+        added = [n for n in new if n not in old]
+        removed = [n for n in old if n not in new]
+        both = [n for n in new if n in old]
+        parts = []
+        prefix = _common_prefix(removed, added)
+        if prefix and len(added) >= len(removed):
+            parts.append(
+                f"every parameter name now starts with {prefix!r} (the model was wrapped, "
+                "e.g. by peft's get_peft_model)"
+            )
+            added = [n for n in added if n.removeprefix(prefix) not in old]
+            removed = []
+            both = [n for n in new if n.removeprefix(prefix) in old]
+            old = {prefix + n: p for n, p in old.items()}
+        wrapped = [n for n in removed if _adapted(n, set(added))]
+        if wrapped:
+            moved = {_base_layer_name(n) for n in wrapped}
+            parts.append(
+                _listed(
+                    "wrapped by adapters (weights moved under 'base_layer')",
+                    dict.fromkeys(n.rpartition(".")[0] for n in wrapped),
+                )
+            )
+            added = [n for n in added if n not in moved]
+            removed = [n for n in removed if n not in set(wrapped)]
+            old.update({_base_layer_name(n): old[n] for n in wrapped})
+            both = [n for n in new if n in old]
+        parts.append(_listed("added", added))
+        parts.append(_listed("removed", removed))
+        parts.append(
+            _listed(
+                "reshaped", [n for n in both if new[n].shape != old[n].shape], shapes=(old, new)
+            )
+        )
+        if not after_sharding:
+            parts.append(
+                _listed(
+                    "retyped", [n for n in both if new[n].dtype != old[n].dtype], dtypes=(old, new)
+                )
+            )
+            parts.append(
+                _listed(
+                    "now frozen",
+                    [n for n in both if old[n].requires_grad and not new[n].requires_grad],
+                )
+            )
+        parts.append(
+            _listed(
+                "now trainable",
+                [n for n in both if new[n].requires_grad and not old[n].requires_grad],
+            )
+        )
+        if not after_sharding and not prefix:
+            # A plan names modules too (units): one that is gone breaks applying it.
+            gone = [m for m in self.modules if m not in set(current.modules)]
+            parts.append(_listed("modules removed", gone))
+        return "; ".join(part for part in parts if part)
+
+
+def module_tree_fingerprint(model: nn.Module) -> ModuleTreeFingerprint:
+    """The fingerprint of ``model`` as it is now (global shapes for sharded parameters)."""
+    modules = dict.fromkeys(_normal(name) for name, _ in model.named_modules())
+    parameters = {}
+    for name, param in model.named_parameters():
+        key = _normal(name)
+        if key not in parameters:
+            parameters[key] = ParameterRecord(
+                key,
+                tuple(param.shape),
+                str(param.dtype).removeprefix("torch."),
+                param.requires_grad,
+            )
+    return ModuleTreeFingerprint(tuple(modules), tuple(parameters.values()))
+
+
+def check_module_tree(model: nn.Module, expected: ModuleTreeFingerprint) -> None:
+    """Raise ``ModuleTreeChangedError`` if ``model`` is not the tree a plan was made for."""
+    changes = expected.changes(module_tree_fingerprint(model))
+    if changes:
+        raise ModuleTreeChangedError(
+            f"{type(model).__name__} changed since the plan was made: {changes}. A plan "
+            "holds only for the module tree it was made for; nothing was sharded. Add "
+            "adapters and set requires_grad before planning and sharding, then plan the "
+            f"model as it is now. The order is: {ORDER_OF_OPERATIONS}."
+        )
+
+
+def install_first_forward_check(
+    model: nn.Module, expected: ModuleTreeFingerprint
+) -> RemovableHandle:
+    """Check the tree once, at the first forward of the sharded ``model``; the hook
+    removes itself once a forward found the tree unchanged."""
+    handle: RemovableHandle | None = None
+
+    def check(module: nn.Module, args: object) -> None:
+        changes = expected.changes(module_tree_fingerprint(module), after_sharding=True)
+        if changes:
+            raise ModuleTreeChangedError(
+                f"{_class_name(module)} changed since it was sharded: {changes}. "
+                "Parameters added after sharding are not managed by FSDP (their "
+                "gradients are never reduced) and sharded weights break adapter layers. "
+                "Add adapters (peft's get_peft_model) and set requires_grad before "
+                f"planning and sharding. The order is: {ORDER_OF_OPERATIONS}."
+            )
+        if handle is not None:
+            handle.remove()
+
+    handle = model.register_forward_pre_hook(check, prepend=True)
+    return handle
+
+
+def _class_name(model: nn.Module) -> str:
+    """The model's own class name, not FSDP's ``FSDP<name>`` subclass."""
+    bases = type(model).__bases__
+    if isinstance(model, FSDPModule) and len(bases) == 2:
+        return bases[1].__name__
+    return type(model).__name__
+
+
+def _normal(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+def _common_prefix(removed: list[str], added: list[str]) -> str:
+    """A prefix that turns every removed name into an added one (a wrapper), or ''."""
+    if not removed or not added:
+        return ""
+    first = removed[0]
+    candidates = [n[: -len(first)] for n in added if n.endswith("." + first)]
+    added_set = set(added)
+    for prefix in candidates:
+        if all(prefix + n in added_set or _adapted(prefix + n, added_set) for n in removed):
+            return prefix
+    return ""
+
+
+def _base_layer_name(name: str) -> str:
+    head, _, leaf = name.rpartition(".")
+    return f"{head}.base_layer.{leaf}" if head else f"base_layer.{leaf}"
+
+
+def _adapted(name: str, added: set[str]) -> bool:
+    """``a.b.weight`` became ``a.b.base_layer.weight`` (an adapter wrapped the layer)."""
+    return _base_layer_name(name) in added
+
+
+def _listed(
+    what: str,
+    names: Iterable[str],
+    *,
+    shapes: tuple[dict[str, ParameterRecord], dict[str, ParameterRecord]] | None = None,
+    dtypes: tuple[dict[str, ParameterRecord], dict[str, ParameterRecord]] | None = None,
+) -> str:
+    items = list(names)
+    if not items:
+        return ""
+
+    def show(name: str) -> str:
+        if shapes is not None:
+            return f"{name!r} {list(shapes[0][name].shape)} -> {list(shapes[1][name].shape)}"
+        if dtypes is not None:
+            return f"{name!r} {dtypes[0][name].dtype} -> {dtypes[1][name].dtype}"
+        return repr(name)
+
+    shown = ", ".join(show(n) for n in items[:_LIMIT])
+    more = f" and {len(items) - _LIMIT} more" if len(items) > _LIMIT else ""
+    return f"{what}: {shown}{more}"

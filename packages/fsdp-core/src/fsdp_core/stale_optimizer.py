@@ -1,0 +1,115 @@
+"""Stop an optimizer that was built before sharding at its first step.
+
+``fully_shard`` replaces every parameter it manages with a new ``nn.Parameter`` (a
+DTensor). An optimizer built before that holds the old tensors: its steps update
+nothing the model computes with, and training silently does nothing. Applying a
+plan tags each replaced parameter, and one global optimizer step pre-hook raises
+``StaleOptimizerError`` when an optimizer holds a tagged one. Every rank built the
+same optimizer, so every rank raises.
+
+Each optimizer is scanned once; it is scanned again only when its parameter groups
+change or more parameters were replaced since, so a step costs one look-up.
+Optimizers that do not derive from ``torch.optim.Optimizer`` are not covered.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+__all__ = [
+    "StaleOptimizerError",
+    "check_optimizer_parameters",
+    "install_optimizer_check",
+    "mark_replaced_parameters",
+    "optimizer_scans",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Attribute set on a parameter that sharding replaced: its qualified name.
+_TAG = "_fsdp_core_replaced_by_sharding"
+_LIMIT = 5
+
+
+class StaleOptimizerError(RuntimeError):
+    """An optimizer holds parameters that sharding replaced (it was built too early)."""
+
+
+class _State:
+    generation = 0
+    scans = 0
+    handle: RemovableHandle | None = None
+    #: optimizer -> (generation, number of parameter groups) it was last found clean at.
+    checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]] = (
+        weakref.WeakKeyDictionary()
+    )
+
+
+def mark_replaced_parameters(
+    model: nn.Module, before: Mapping[str, nn.Parameter]
+) -> tuple[str, ...]:
+    """Tag the parameters of ``before`` (name -> parameter, taken before sharding) that
+    ``model`` no longer holds, and install the optimizer check; returns their names."""
+    now = {id(p) for p in model.parameters()}
+    replaced = []
+    for name, param in before.items():
+        if id(param) not in now:
+            setattr(param, _TAG, name)
+            replaced.append(name)
+    if replaced:
+        _State.generation += 1
+        install_optimizer_check()
+    return tuple(replaced)
+
+
+def install_optimizer_check() -> None:
+    """Register the global optimizer step pre-hook once per process."""
+    if _State.handle is None:
+        _State.handle = register_optimizer_step_pre_hook(_before_step)
+
+
+def optimizer_scans() -> int:
+    """How many times an optimizer's parameters were scanned (for tests)."""
+    return _State.scans
+
+
+def check_optimizer_parameters(optimizer: torch.optim.Optimizer) -> None:
+    """Raise ``StaleOptimizerError`` if ``optimizer`` holds a parameter sharding replaced."""
+    _State.scans += 1
+    stale = _stale_names(p for group in optimizer.param_groups for p in group["params"])
+    if not stale:
+        return
+    shown = ", ".join(repr(name) for name in stale[:_LIMIT])
+    more = f" and {len(stale) - _LIMIT} more" if len(stale) > _LIMIT else ""
+    raise StaleOptimizerError(
+        f"{type(optimizer).__name__} was built before the model was sharded: it holds "
+        f"{len(stale)} parameters that sharding replaced ({shown}{more}), so its steps "
+        "would update tensors the model no longer uses and training would silently do "
+        "nothing; build the optimizer after parallelize (or apply_plan) and after "
+        "loading weights: optimizer = torch.optim.AdamW(model.parameters(), ...)."
+    )
+
+
+def _stale_names(params: Iterable[object]) -> list[str]:
+    names = []
+    for param in params:
+        tag = getattr(param, _TAG, None)
+        if isinstance(tag, str):
+            names.append(tag)
+    return names
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    key = (_State.generation, len(optimizer.param_groups))
+    if _State.checked.get(optimizer) == key:
+        return
+    check_optimizer_parameters(optimizer)
+    _State.checked[optimizer] = key
