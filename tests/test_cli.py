@@ -176,7 +176,7 @@ def test_memory_budget_that_nothing_fits(capsys: pytest.CaptureFixture[str]) -> 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--policy", "sideways"], "invalid choice: 'sideways'"),
+        (["--policy", "sideways"], "unknown frozen multimodal sharding 'sideways'"),
         (["--freeze", "everything"], "invalid choice: 'everything'"),
         (["--precision", "bf17"], "unknown dtype 'bf17'; valid names:"),
         (["--world-size", "0"], "expected a positive integer, got '0'"),
@@ -328,3 +328,72 @@ def test_memory_budget_chooses_per_frozen_module(capsys: pytest.CaptureFixture[s
     assert "note: tower 'vision' (vision): policy 'replicate'" in text
     assert "note: projector 'aligner' (vision): policy 'per_layer'" in text
     assert "note: policy 'replicate' not chosen for 'aligner': needs" in text
+
+
+@pytest.mark.parametrize("spelling", ["per-layer", "Per_Layer", " per_layer ", "PER-LAYER"])
+def test_policy_takes_every_spelling_the_api_takes(
+    capsys: pytest.CaptureFixture[str], spelling: str
+) -> None:
+    out = run(capsys, "--model", "deepseek-v41-tiny", "--policy", spelling, "--freeze", "vision")
+    assert "frozen-tower policy per_layer" in out
+    err = fail(capsys, "--model", "deepseek-v41-tiny", "--policy", "per-block")
+    assert "unknown frozen multimodal sharding 'per-block'" in err
+    assert "root, per_layer, replicate" in err
+
+
+def test_the_output_names_the_model_and_its_parameter_count(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = run(capsys, "--model", "deepseek-v41-tiny")
+    assert "note: model: DeepseekV41ForCausalLM from the registered preset" in out
+    assert "(264,128) parameters" in out
+
+
+@pytest.mark.transformers
+def test_a_model_type_says_it_plans_the_default_config(
+    capsys: pytest.CaptureFixture[str], transformers: Any
+) -> None:
+    data = json.loads(run(capsys, "--model", "qwen2_vl", "--json"))
+    (note,) = [n for n in data["notes"] if n.startswith("model: ")]
+    assert "transformers' default Qwen2VLConfig" in note
+    assert "not a released checkpoint" in note
+    assert "config.json" in note
+    assert "73.4B (73,381,962,752) parameters" in note
+
+
+@pytest.mark.transformers
+def test_a_config_json_is_named_in_the_output(
+    capsys: pytest.CaptureFixture[str], transformers: Any, tmp_path: Path
+) -> None:
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(**small),
+        text_config=transformers.LlamaConfig(**small, vocab_size=100),
+    ).save_pretrained(tmp_path)
+    out = run(capsys, "--model", str(tmp_path / "config.json"))
+    assert f"LlavaConfig read from {tmp_path / 'config.json'}" in out
+
+
+@pytest.mark.transformers
+def test_a_hub_id_says_to_pass_the_downloaded_config(
+    capsys: pytest.CaptureFixture[str],
+    transformers: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    err = fail(capsys, "--model", "Qwen/Qwen2-VL-7B-Instruct")
+    assert "looks like a Hugging Face hub ID" in err
+    assert "huggingface-cli download Qwen/Qwen2-VL-7B-Instruct config.json" in err
+    assert "--model path/to/config.json" in err
+    # Downloaded before (any from_pretrained): the error names the cached file.
+    repo = tmp_path / "models--Qwen--Qwen2-VL-7B-Instruct"
+    snapshot = repo / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    (snapshot / "config.json").write_text("{}")
+    err = fail(capsys, "--model", "Qwen/Qwen2-VL-7B-Instruct")
+    assert f"--model {snapshot / 'config.json'}" in " ".join(err.split())

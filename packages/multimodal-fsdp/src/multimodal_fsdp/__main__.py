@@ -34,7 +34,11 @@ from multimodal_fsdp.costs import PlanCosts, inspect_model
 from multimodal_fsdp.memory import OPTIMIZER_STATES, parse_size
 from multimodal_fsdp.models import ModelPreset, model_presets
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
-from multimodal_fsdp.policy import VALID_FROZEN_MULTIMODAL_SHARDING
+from multimodal_fsdp.policy import (
+    VALID_FROZEN_MULTIMODAL_SHARDING,
+    FrozenMultimodalSharding,
+    normalize_frozen_multimodal_sharding,
+)
 
 __all__ = ["FREEZE_CHOICES", "build_parser", "main"]
 
@@ -58,6 +62,14 @@ def _dtype_name(value: str) -> str:
             f"unknown dtype {value!r}; valid names: {', '.join(sorted(DTYPE_ALIASES))}"
         ) from None
     return value
+
+
+def _policy(value: str) -> FrozenMultimodalSharding:
+    """Every spelling the API accepts (``per-layer``, ``Per_Layer`` ...)."""
+    try:
+        return normalize_frozen_multimodal_sharding(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _positive_int(value: str) -> int:
@@ -159,8 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--policy",
-        choices=VALID_FROZEN_MULTIMODAL_SHARDING,
+        type=_policy,
         default=None,
+        metavar="{" + ",".join(VALID_FROZEN_MULTIMODAL_SHARDING) + "}",
         help="frozen-tower policy (default root, or the one --memory-budget chooses)",
     )
     plan.add_argument(
@@ -244,15 +257,45 @@ def _transformers() -> Any:
     return transformers
 
 
-def _hf_config(name: str) -> Any:
+def _cached_hub_config(transformers: Any, repo_id: str) -> str | None:
+    """The path of ``repo_id``'s ``config.json`` in the local Hugging Face cache, if any."""
+    try:
+        found = transformers.utils.try_to_load_from_cache(repo_id, "config.json")
+    except (ValueError, OSError):  # not a valid repository name
+        return None
+    return found if isinstance(found, str) else None
+
+
+def _hub_id_error(transformers: Any, name: str) -> CliError:
+    """What to do instead of a hub ID: the CLI reads local configs and never downloads."""
+    cached = _cached_hub_config(transformers, name)
+    if cached is not None:
+        instead = f"its config.json is in the local cache: --model {cached}"
+    else:
+        instead = (
+            "download its config.json first (huggingface-cli download "
+            f"{name} config.json, or any from_pretrained) and pass that file: "
+            "--model path/to/config.json"
+        )
+    return CliError(
+        f"--model {name!r} looks like a Hugging Face hub ID; the CLI never downloads "
+        f"anything: {instead}"
+    )
+
+
+def _hf_config(name: str) -> tuple[Any, str]:
+    """The config for ``name`` and where it came from (for the output's notes)."""
     transformers = _transformers()
     path = Path(name)
     if path.exists():
         try:
-            return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+            config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError, KeyError) as error:
             raise CliError(f"cannot read a transformers config from {name!r}: {error}") from None
+        return config, f"{type(config).__name__} read from {name}"
     known = sorted(transformers.CONFIG_MAPPING.keys())
+    if name not in known and name.count("/") == 1 and not name.endswith(".json"):
+        raise _hub_id_error(transformers, name)
     if name not in known:
         presets = list(_presets())
         close = difflib.get_close_matches(name, [*presets, *known], n=5)
@@ -264,12 +307,16 @@ def _hf_config(name: str) -> Any:
             "packages add presets when installed (the DeepSeek-V4.1 reference presets: "
             "pip install model-deepseek-v41)"
         )
-    return transformers.AutoConfig.for_model(name)
+    config = transformers.AutoConfig.for_model(name)
+    return config, (
+        f"transformers' default {type(config).__name__} (the model type's defaults, not a "
+        "released checkpoint; pass a config.json to plan a real one)"
+    )
 
 
-def _hf_model(name: str, storage: torch.dtype) -> nn.Module:
+def _hf_model(name: str, storage: torch.dtype) -> tuple[nn.Module, str]:
     transformers = _transformers()
-    config = _hf_config(name)
+    config, source = _hf_config(name)
     errors = []
     for auto in ("AutoModelForImageTextToText", "AutoModelForCausalLM", "AutoModel"):
         cls = getattr(transformers, auto, None)
@@ -281,16 +328,40 @@ def _hf_model(name: str, storage: torch.dtype) -> nn.Module:
         except (ValueError, KeyError) as error:
             errors.append(f"{auto}: {error}")
             continue
-        return model
+        return model, source
     raise CliError(f"no transformers model class for {name!r}: " + "; ".join(errors))
 
 
 def build_model(name: str, storage: torch.dtype) -> tuple[nn.Module, MultimodalParallelizer]:
     """The meta-device model for ``--model`` and the parallelizer that serves it."""
+    model, parallelizer, _ = _build_described(name, storage)
+    return model, parallelizer
+
+
+def _build_described(
+    name: str, storage: torch.dtype
+) -> tuple[nn.Module, MultimodalParallelizer, str]:
+    """``build_model`` and a note saying which model and config were planned: a bare
+    model type plans the type's default config, which users should not mistake for
+    the checkpoint they meant."""
     preset = _presets().get(name)
     if preset is not None:
-        return preset.build(storage)
-    return _hf_model(name, storage), MultimodalParallelizer()
+        model, parallelizer = preset.build(storage)
+        source = f"the registered preset {name!r}"
+    else:
+        model, source = _hf_model(name, storage)
+        parallelizer = MultimodalParallelizer()
+    count = sum(p.numel() for p in model.parameters())
+    note = f"model: {type(model).__name__} from {source}; {_count(count)} parameters"
+    return model, parallelizer, note
+
+
+def _count(number: int) -> str:
+    """``73.4B`` / ``812.0M`` / ``5.1K``: a parameter count at a glance."""
+    for scale, suffix in ((10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if number >= scale:
+            return f"{number / scale:.1f}{suffix} ({number:,})"
+    return str(number)
 
 
 def freeze(model: nn.Module, parallelizer: MultimodalParallelizer, what: str) -> list[str]:
@@ -381,7 +452,7 @@ def _plan(args: argparse.Namespace) -> tuple[PlanCosts, PolicyChoice | None]:
         mesh = resolve_mesh_shape(world_size=args.world_size, dp_replicate=args.dp_replicate)
     except ValueError as error:
         raise CliError(str(error)) from None
-    model, parallelizer = build_model(args.model, parse_dtype(args.storage_dtype))
+    model, parallelizer, described = _build_described(args.model, parse_dtype(args.storage_dtype))
     frozen = freeze(model, parallelizer, args.freeze)
     costs, choice = _costs(args, model, parallelizer, mesh)
     notes = list(costs.notes)
@@ -390,6 +461,7 @@ def _plan(args: argparse.Namespace) -> tuple[PlanCosts, PolicyChoice | None]:
         notes.insert(0, f"frozen: {', '.join(frozen)}")
     else:
         notes.insert(0, "nothing frozen: the frozen-tower policy changes nothing (see --freeze)")
+    notes.insert(0, described)
     return dataclasses.replace(costs, notes=tuple(notes)), choice
 
 
