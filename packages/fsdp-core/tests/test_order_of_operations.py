@@ -170,7 +170,7 @@ def test_a_plan_applied_after_freezing_is_refused(fake2: None) -> None:
     model = Model()
     plan = ModelParallelizer().plan(model)
     model.layers[0].requires_grad_(False)
-    with pytest.raises(RuntimeError, match="now frozen: 'layers.0.q_proj.weight'"):
+    with pytest.raises(RuntimeError, match=r"now frozen: 'layers\.0\.q_proj\.weight'"):
         ModelParallelizer().apply_plan(model, plan, mesh=build_mesh())
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,14 +44,18 @@ class StaleOptimizerError(RuntimeError):
     """An optimizer holds parameters that sharding replaced (it was built too early)."""
 
 
+@dataclass
 class _State:
-    generation = 0
-    scans = 0
+    generation: int = 0
+    scans: int = 0
     handle: RemovableHandle | None = None
     #: optimizer -> (generation, number of parameter groups) it was last found clean at.
-    checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]] = (
-        weakref.WeakKeyDictionary()
+    checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]] = field(
+        default_factory=weakref.WeakKeyDictionary
     )
+
+
+_STATE = _State()
 
 
 def mark_replaced_parameters(
@@ -65,25 +70,25 @@ def mark_replaced_parameters(
             setattr(param, _TAG, name)
             replaced.append(name)
     if replaced:
-        _State.generation += 1
+        _STATE.generation += 1
         install_optimizer_check()
     return tuple(replaced)
 
 
 def install_optimizer_check() -> None:
     """Register the global optimizer step pre-hook once per process."""
-    if _State.handle is None:
-        _State.handle = register_optimizer_step_pre_hook(_before_step)
+    if _STATE.handle is None:
+        _STATE.handle = register_optimizer_step_pre_hook(_before_step)
 
 
 def optimizer_scans() -> int:
     """How many times an optimizer's parameters were scanned (for tests)."""
-    return _State.scans
+    return _STATE.scans
 
 
 def check_optimizer_parameters(optimizer: torch.optim.Optimizer) -> None:
     """Raise ``StaleOptimizerError`` if ``optimizer`` holds a parameter sharding replaced."""
-    _State.scans += 1
+    _STATE.scans += 1
     stale = _stale_names(p for group in optimizer.param_groups for p in group["params"])
     if not stale:
         return
@@ -108,8 +113,8 @@ def _stale_names(params: Iterable[object]) -> list[str]:
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    key = (_State.generation, len(optimizer.param_groups))
-    if _State.checked.get(optimizer) == key:
+    key = (_STATE.generation, len(optimizer.param_groups))
+    if _STATE.checked.get(optimizer) == key:
         return
     check_optimizer_parameters(optimizer)
-    _State.checked[optimizer] = key
+    _STATE.checked[optimizer] = key
