@@ -18,8 +18,10 @@ to a leaf that requires one. FSDP then hooks its post-backward into autograd on
 every rank, right after the unit's backward, as it already does on ranks whose
 input requires a gradient. The root unit is left as it is: it is reduced at the end
 of the backward on every rank, and its optional inputs (``pixel_values`` on some
-ranks only) must not move it. No gradient flows into the leaf; the only cost is a
-copy of one input per anchored unit call and the unit's input gradient.
+ranks only) must not move it. No gradient flows into the leaf; the only cost is
+the gradient of the anchored input, which autograd now computes (once per step,
+for the first trainable unit whose inputs need none, typically the first decoder
+layer behind frozen embeddings).
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ class _Anchor(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, leaf: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
+        # A view, as FSDP's own input hook returns: no copy.
+        return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
