@@ -43,6 +43,8 @@ LAUNCHES: dict[int, list[str]] = {
             for policy in ("root", "per_layer", "replicate")
         ),
         "pretrained_deepseek_fp32_norms",
+        "inference_llava",
+        "inference_qwen2_vl",
     ],
     4: [
         "core_fp32_1d",

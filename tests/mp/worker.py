@@ -31,6 +31,7 @@ for optional in (
     "scenarios_init",
     "scenarios_loops",
     "scenarios_pretrained",
+    "scenarios_inference",
 ):
     try:
         __import__(optional)

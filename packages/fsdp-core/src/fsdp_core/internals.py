@@ -47,6 +47,8 @@ __all__ = [
     "sharded_parameter",
     "reduce_dtype",
     "in_backward",
+    "is_gathered",
+    "initialize_root",
     "queue_end_of_backward",
     "unit_modules",
     "applied_unit_paths",
@@ -95,6 +97,9 @@ _PARAM_REDUCE_DTYPE = _Probe("param", "reduce_dtype", created_by="init_dtype_att
 _PARAM_SHARDED = _Probe("param", "sharded_param")
 _GRAPH_TASK = _Probe("autograd", "_current_graph_task_id")
 _QUEUE_CALLBACK = _Probe("autograd", "queue_callback")
+_GROUP_UNSHARDED = _Probe("group", "is_unsharded")
+_STATE_IS_ROOT = _Probe("state", "_is_root")
+_STATE_LAZY_INIT = _Probe("state", "_lazy_init")
 
 #: The internals each runtime hook reads (hook names as the parallelizers plan them).
 INTERNALS_BY_HOOK: Final[dict[str, tuple[_Probe, ...]]] = {
@@ -115,6 +120,13 @@ INTERNALS_BY_HOOK: Final[dict[str, tuple[_Probe, ...]]] = {
         _QUEUE_CALLBACK,
     ),
     "schedule_check": (_GRAPH_TASK,),
+    "entry_unshard": (
+        _STATE_GROUPS,
+        _GROUP_UNSHARDED,
+        _STATE_IS_ROOT,
+        _STATE_LAZY_INIT,
+        _GRAPH_TASK,
+    ),
     "prefetch_guard": (),
 }
 
@@ -231,6 +243,20 @@ def in_backward() -> bool:
             f"this torch ({torch.__version__}) has no {_GRAPH_TASK.describe()}"
         )
     return bool(task_id() != -1)
+
+
+def is_gathered(unit: FSDPModule) -> bool:
+    """Whether every parameter group of ``unit`` holds its unsharded parameters now."""
+    return all(bool(_require(group, _GROUP_UNSHARDED)) for group in param_groups(unit))
+
+
+def initialize_root(root: FSDPModule) -> None:
+    """Make ``root`` the FSDP root now, as its first forward would. FSDP2 picks as root
+    whichever unit runs forward first; a tower block called before the model's first
+    forward would otherwise become one, and the model's forward would then fail."""
+    state = _state(root)
+    if _require(state, _STATE_IS_ROOT) is None:
+        _require(state, _STATE_LAZY_INIT)()
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:

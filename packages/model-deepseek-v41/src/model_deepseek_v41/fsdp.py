@@ -290,7 +290,8 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
     on every rank, outside FSDP, so they cost no collective and the RMSNorm
     computes in fp32. Towers are found by structure (:func:`find_vision_towers`)
     plus the multimodal discovery (the V4.1 attribute ``vision`` is added to the
-    tower names).
+    tower names). Every option of ``multimodal_fsdp.MultimodalParallelizer``
+    is accepted with the same meaning and default.
     """
 
     def __init__(
@@ -302,6 +303,8 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
         exclude: Iterable[str] = (),
         sync_replicated: bool = True,
         dtype_safe: bool = True,
+        uneven_media: bool = False,
+        disabled_hooks: Iterable[str] = (),
     ) -> None:
         towers = check_attribute_names(extra_tower_names, "extra_tower_names")
         super().__init__(
@@ -311,6 +314,8 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
             exclude=exclude,
             sync_replicated=sync_replicated,
             dtype_safe=dtype_safe,
+            uneven_media=uneven_media,
+            disabled_hooks=disabled_hooks,
         )
 
     def _fully_shard_module(self, module: object, **kwargs: object) -> None:

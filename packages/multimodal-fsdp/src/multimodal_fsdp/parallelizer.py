@@ -341,6 +341,10 @@ class MultimodalParallelizer(ModelParallelizer):
         """Paths of the media regions of ``plan``: only ranks with media would run them."""
         return [region.path for region in self.media_regions(model, plan)]
 
+    def _entry_paths(self, model: nn.Module) -> list[str]:
+        """Towers and projectors: ``generate()`` and users call them outside the forward."""
+        return [part.found.path for part in self.multimodal_parts(model)]
+
     def _plan_hooks(self, model: nn.Module, plan: ShardingPlan) -> list[HookPlan]:
         hooks = super()._plan_hooks(model, plan)
         frozen = frozen_unit_labels(model, plan)

@@ -1,0 +1,216 @@
+"""Modules called outside the model's forward: gather the units that own their parameters.
+
+FSDP2 gathers a unit's parameters in the forward of the unit's own module. A
+vision tower or projector usually has no unit of its own: its parameters belong
+to the root unit (or part of them, its embeddings and norms, when its blocks are
+units), and the root unit is gathered only while the root forward runs. Yet
+transformers' ``generate()`` computes image features before the first forward
+(``base_model.get_image_features``), and users call towers by hand; the tower
+then meets sharded DTensor parameters and fails (``got mixed torch.Tensor and
+DTensor``). A tower block called before the model's first forward would
+moreover become FSDP's root (FSDP2 makes the first unit to run the root), and the
+model's own forward would fail afterwards.
+
+:class:`EntryUnshardHook` puts a forward pre-hook and an always-called forward
+hook on each *entry module* (the modules a parallelizer names, e.g. towers and
+projectors). Inside the root forward, the common path, every owning unit is
+already gathered and the hook only reads that state: no collective. Outside it,
+the pre-hook makes the model's unit the FSDP root (as its first forward would),
+all-gathers each owning unit that is not gathered and casts floating inputs as
+the unit's mixed-precision policy would; the forward hook reshards those units
+again, so an optimizer step after the call is never hidden behind stale gathered
+copies. Cost: one all-gather of each owning unit per such call.
+
+A call with gradients enabled runs too, but its backward cannot: FSDP never
+reduces the gradients of parameters gathered outside their unit's forward, and
+the gathered copies are freed after the call. Outputs that require a gradient
+therefore get a hook that raises, when a backward reaches them, a
+``RuntimeError`` that says to use ``torch.no_grad()`` or the model's forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.utils.hooks import RemovableHandle
+
+from fsdp_core import internals
+from fsdp_core.containers import is_under
+from fsdp_core.plan import ShardingPlan, unit_parameters
+from fsdp_core.runtime import output_tensors
+
+__all__ = ["EntryUnshardHook", "entry_owners", "install_entry_unshard"]
+
+logger = logging.getLogger(__name__)
+
+NAME = "entry_unshard"
+
+
+def entry_owners(
+    model: nn.Module, plan: ShardingPlan, paths: Iterable[str]
+) -> dict[str, tuple[int, ...]]:
+    """For each entry path that holds parameters of some unit of ``plan``: the indices
+    (in ``plan.units``) of the units that own some of its parameters while no member
+    module of theirs lies inside it, i.e. units whose forward does not run when the
+    entry module is called on its own (usually the root unit). Paths whose parameters
+    are all replicated or ignored are left out; paths whose parameters all sit in
+    units of their own map to ``()`` (the hook then only fixes which unit is root)."""
+    owned = unit_parameters(plan, model)
+    result: dict[str, tuple[int, ...]] = {}
+    for path in paths:
+        holds = False
+        owners: list[int] = []
+        for index, (unit, params) in enumerate(zip(plan.units, owned, strict=True)):
+            if not any(is_under(name, path) for name, _ in params):
+                continue
+            holds = True
+            if not any(is_under(member, path) for member in unit.paths):
+                owners.append(index)
+        if holds:
+            result[path] = tuple(owners)
+    return result
+
+
+@dataclass
+class _Entry:
+    path: str
+    owners: tuple[FSDPModule, ...]
+    labels: tuple[str, ...]
+    policy: MixedPrecisionPolicy | None
+
+
+@dataclass
+class EntryUnshardHook:
+    """The installed hook (see the module docstring); ``calls`` counts the calls that
+    had to gather (outside the model's forward)."""
+
+    model: nn.Module
+    name: str = NAME
+    calls: int = 0
+    _root_ready: bool = field(default=False, repr=False)
+    _handles: list[RemovableHandle] = field(default_factory=list, repr=False)
+    #: One frame per entry call in progress that gathered: (module, units gathered).
+    _frames: list[tuple[nn.Module, list[FSDPModule]]] = field(default_factory=list, repr=False)
+
+    def attach(self, module: nn.Module, entry: _Entry) -> None:
+        def before(
+            mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+            return self._before(mod, entry, args, kwargs)
+
+        def after(mod: nn.Module, _args: Any, output: Any) -> None:
+            self._after(mod, entry, output)
+
+        self._handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+        self._handles.append(module.register_forward_hook(after, always_call=True))
+
+    def _before(
+        self, module: nn.Module, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if not self._root_ready:
+            if isinstance(self.model, FSDPModule):
+                internals.initialize_root(self.model)  # as the model's first forward would
+            self._root_ready = True
+        pending = [unit for unit in entry.owners if not internals.is_gathered(unit)]
+        if not pending:
+            return None  # inside the model's forward, or still gathered after a no-grad one
+        if internals.in_backward():
+            return None  # activation-checkpoint recomputation: FSDP gathers for backward
+        gathered: list[FSDPModule] = []
+        self._frames.append((module, gathered))
+        for unit in pending:
+            unit.unshard()
+            gathered.append(unit)
+        self.calls += 1
+        logger.debug("gathered %s to run %r outside the model's forward", entry.labels, entry.path)
+        if entry.policy is None:
+            return None
+        dtype = entry.policy.param_dtype
+        return _cast(args, dtype), {key: _cast(value, dtype) for key, value in kwargs.items()}
+
+    def _after(self, module: nn.Module, entry: _Entry, output: Any) -> None:
+        if not self._frames or self._frames[-1][0] is not module:
+            return
+        _, gathered = self._frames.pop()
+        for unit in gathered:
+            unit.reshard()
+        if gathered and torch.is_grad_enabled():
+            message = _backward_message(entry)
+
+            def refuse(_grad: torch.Tensor) -> torch.Tensor:
+                raise RuntimeError(message)
+
+            for tensor in output_tensors(output):
+                tensor.register_hook(refuse)  # type: ignore[no-untyped-call]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def install_entry_unshard(
+    model: nn.Module, plan: ShardingPlan, owners: Mapping[str, tuple[int, ...]]
+) -> EntryUnshardHook:
+    """Hook each entry module of ``owners`` (from :func:`entry_owners`) on the sharded
+    ``model``; the units are looked up in ``model`` by their plan paths."""
+    hook = EntryUnshardHook(model)
+    for path, indices in owners.items():
+        units = [plan.units[i] for i in indices]
+        modules = tuple(_unit_module(model, unit.paths[0]) for unit in units)
+        policies = [
+            unit.mp_policy
+            for unit in units
+            if unit.mp_policy.param_dtype is not None and unit.mp_policy.cast_forward_inputs
+        ]
+        entry = _Entry(
+            path=path,
+            owners=modules,
+            labels=tuple(unit.label for unit in units),
+            policy=policies[0] if policies else None,
+        )
+        hook.attach(model.get_submodule(path) if path else model, entry)
+    return hook
+
+
+def _unit_module(model: nn.Module, path: str) -> FSDPModule:
+    module = model.get_submodule(path) if path else model
+    if not isinstance(module, FSDPModule):
+        raise RuntimeError(
+            f"the plan's unit {path or '<root>'!r} is not an FSDP module; apply the plan "
+            "before installing the entry_unshard hook"
+        )
+    return module
+
+
+def _cast(value: Any, dtype: torch.dtype | None) -> Any:
+    """Floating tensors (in tuples, lists and dicts) cast to ``dtype``, as FSDP's
+    ``cast_forward_inputs`` does for a unit's own forward."""
+    if dtype is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, tuple):
+        return tuple(_cast(v, dtype) for v in value)
+    if isinstance(value, list):
+        return [_cast(v, dtype) for v in value]
+    if isinstance(value, dict):
+        return {key: _cast(v, dtype) for key, v in value.items()}
+    return value
+
+
+def _backward_message(entry: _Entry) -> str:
+    return (
+        f"backward through {entry.path!r}, which ran outside the model's forward with "
+        f"gradients enabled: its parameters belong to the FSDP unit(s) "
+        f"{', '.join(entry.labels)}, gathered only for that call, so FSDP cannot compute "
+        "or reduce their gradients. Call it under torch.no_grad() for inference "
+        "(generate() does), or pass the inputs to the model's forward (e.g. "
+        "model(input_ids=..., pixel_values=...)) to train through it."
+    )

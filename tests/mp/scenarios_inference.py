@@ -1,0 +1,272 @@
+"""Inference on a sharded VLM through entries that bypass the root forward, on real ranks.
+
+transformers' ``generate()`` computes image features before the first forward
+(``get_image_features`` on the base model), and users call towers and projectors
+by hand. Each scenario shards a tiny model under several frozen-tower policies in
+a row and, right after ``parallelize`` and again after one training step, in
+``eval()`` and in ``train()`` mode, runs every such entry on the sharded model and
+on a single-process copy of the same (gathered) weights, on every rank. A last
+training step then checks that the sharded model still trains from the right
+weights, and a grad-enabled call outside the forward records what its backward
+does.
+
+The results are per rank: one row per (policy, moment, mode, entry) with the error
+text, if any, and how far the sharded output is from the copy's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from registry import scenario
+from scenarios_core import full
+from torch import nn
+
+from fsdp_core import DistributedContext, build_mesh
+
+#: Parallelizer options of each configuration, by name (several policies per scenario).
+CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
+    "llava": {
+        "root": {"frozen_multimodal_sharding": "root"},
+        "per_layer": {"frozen_multimodal_sharding": "per_layer"},
+        "replicate": {"frozen_multimodal_sharding": "replicate"},
+        "mapping": {
+            "frozen_multimodal_sharding": {"model.vision_tower": "per_layer", "*": "replicate"}
+        },
+        "uneven_media": {"frozen_multimodal_sharding": "root", "uneven_media": True},
+    },
+    "qwen2_vl": {
+        "root": {"frozen_multimodal_sharding": "root"},
+        "per_layer": {"frozen_multimodal_sharding": "per_layer"},
+        "replicate": {"frozen_multimodal_sharding": "replicate"},
+        "mapping": {"frozen_multimodal_sharding": {"model.visual": "per_layer"}},
+        "uneven_media": {"frozen_multimodal_sharding": "root", "uneven_media": True},
+    },
+}
+MOMENTS = ("fresh", "trained")
+MODES = ("eval", "train")
+NEW_TOKENS = 3
+LR = 0.05
+#: Largest difference allowed between the sharded model's features and the copy's (fp32).
+TOL = 1e-5
+
+Batch = dict[str, Any]
+Entry = Callable[[nn.Module, Batch], Any]
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """Every tensor of an output (ModelOutput, tuple, list, nested)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _generate(model: nn.Module, prompt: Batch) -> Any:
+    return model.generate(  # type: ignore[operator]
+        **prompt,
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        pad_token_id=0,
+    )
+
+
+def _llava_prompt(rank: int) -> Batch:
+    from hf_vlms import HF_VLMS
+
+    batch = HF_VLMS["llava"].batch(100 + rank, images=1)
+    return {"input_ids": batch["input_ids"][:1, :20], "pixel_values": batch["pixel_values"][:1]}
+
+
+def _qwen_prompt(rank: int) -> Batch:
+    from hf_vlms import HF_VLMS
+
+    batch = HF_VLMS["qwen2_vl"].batch(100 + rank, images=1, videos=1, seq=24)
+    keys = (
+        "input_ids",
+        "mm_token_type_ids",
+        "pixel_values",
+        "image_grid_thw",
+        "pixel_values_videos",
+        "video_grid_thw",
+    )
+    return {key: batch[key] for key in keys}
+
+
+def _llava_entries() -> dict[str, Entry]:
+    def features(m: nn.Module, p: Batch) -> Any:
+        return m.model.get_image_features(pixel_values=p["pixel_values"])  # type: ignore[operator]
+
+    def tower(m: nn.Module, p: Batch) -> Any:
+        return m.model.vision_tower(p["pixel_values"]).last_hidden_state  # type: ignore[operator]
+
+    def projector(m: nn.Module, p: Batch) -> Any:
+        hidden = torch.randn(1, 4, 36, generator=torch.Generator().manual_seed(3))
+        return m.model.multi_modal_projector(hidden)  # type: ignore[operator]
+
+    return {
+        "generate": _generate,
+        "get_image_features": features,
+        "vision_tower": tower,
+        "multi_modal_projector": projector,
+    }
+
+
+def _qwen_entries() -> dict[str, Entry]:
+    def images(m: nn.Module, p: Batch) -> Any:
+        return m.model.get_image_features(  # type: ignore[operator]
+            pixel_values=p["pixel_values"], image_grid_thw=p["image_grid_thw"]
+        )
+
+    def videos(m: nn.Module, p: Batch) -> Any:
+        return m.model.get_video_features(  # type: ignore[operator]
+            pixel_values_videos=p["pixel_values_videos"], video_grid_thw=p["video_grid_thw"]
+        )
+
+    def tower(m: nn.Module, p: Batch) -> Any:
+        return m.model.visual(p["pixel_values"], grid_thw=p["image_grid_thw"])  # type: ignore[operator]
+
+    return {
+        "generate": _generate,
+        "get_image_features": images,
+        "get_video_features": videos,
+        "visual": tower,
+    }
+
+
+MODELS: dict[str, tuple[Callable[[int], Batch], Callable[[], dict[str, Entry]]]] = {
+    "llava": (_llava_prompt, _llava_entries),
+    "qwen2_vl": (_qwen_prompt, _qwen_entries),
+}
+
+
+def _build(name: str) -> nn.Module:
+    from hf_vlms import HF_VLMS
+
+    vlm = HF_VLMS[name]
+    model = vlm.build()
+    model.get_submodule(vlm.tower).requires_grad_(False)
+    return model
+
+
+def _copy(name: str, model: nn.Module) -> nn.Module:
+    """A single-process model with the sharded model's current weights (collective)."""
+    state = {n: full(p) for n, p in model.named_parameters()}
+    copy = _build(name)
+    with torch.no_grad():
+        for n, p in copy.named_parameters():
+            p.copy_(state[n])
+    return copy
+
+
+def _run_entry(entry: Entry, sharded: nn.Module, copy: nn.Module, prompt: Batch) -> dict[str, Any]:
+    row: dict[str, Any] = {"error": None, "diff": None, "tokens": None, "ref_tokens": None}
+    with torch.no_grad():
+        expected = entry(copy, prompt)
+        try:
+            got = entry(sharded, prompt)
+        except Exception as exc:  # recorded for the test (the same on every rank)
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            return row
+    if entry is _generate:
+        row["tokens"] = got[0, -NEW_TOKENS:].tolist()
+        row["ref_tokens"] = expected[0, -NEW_TOKENS:].tolist()
+        return row
+    pairs = list(zip(_tensors(got), _tensors(expected), strict=True))
+    row["diff"] = max(
+        ((g.float() - e.float()).abs().max().item() for g, e in pairs if g.is_floating_point()),
+        default=0.0,
+    )
+    return row
+
+
+def _train_step(name: str, model: nn.Module, opt: torch.optim.Optimizer, rank: int) -> float:
+    from hf_vlms import HF_VLMS, hf_loss
+
+    loss = hf_loss(model, HF_VLMS[name].batch(rank, images=1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def _grad_call(name: str, model: nn.Module, prompt: Batch) -> str:
+    """A grad-enabled feature call outside the forward, then its backward: the outcome."""
+    entries = MODELS[name][1]()
+    try:
+        with torch.enable_grad():
+            out = entries["get_image_features"](model, prompt)
+            needing = [t for t in _tensors(out) if t.requires_grad]
+            if not needing:
+                return "no gradient needed"
+            sum(t.float().sum() for t in needing).backward()  # type: ignore[union-attr]
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "backward ran"
+
+
+def run_inference(name: str, ctx: DistributedContext) -> dict[str, Any]:
+    from multimodal_fsdp import MultimodalParallelizer
+
+    prompt_fn, entries_fn = MODELS[name]
+    prompt = prompt_fn(ctx.rank)
+    entries = entries_fn()
+    rows: list[dict[str, Any]] = []
+    hooks: dict[str, tuple[str, ...]] = {}
+    after: dict[str, tuple[float, float]] = {}
+    grad_calls: dict[str, str] = {}
+    for config, options in CONFIGS[name].items():
+        model = _build(name)
+        parallelizer = MultimodalParallelizer(**options)
+        plan = parallelizer.plan(model)
+        parallelizer.apply_plan(model, plan, mesh=build_mesh())
+        hooks[config] = plan.hook_names()
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+        for moment in MOMENTS:
+            if moment == "trained":
+                _train_step(name, model, opt, ctx.rank)
+            copy = _copy(name, model)
+            for mode in MODES:
+                model.train(mode == "train")
+                copy.train(mode == "train")
+                for entry_name, entry in entries.items():
+                    row = _run_entry(entry, model, copy, prompt)
+                    row.update(config=config, moment=moment, mode=mode, entry=entry_name)
+                    rows.append(row)
+        # The sharded model must train on from the weights it had, not from stale copies.
+        model.train()
+        copy = _copy(name, model)
+        copy_opt = torch.optim.SGD([p for p in copy.parameters() if p.requires_grad], lr=LR)
+        after[config] = (
+            _train_step(name, model, opt, ctx.rank),
+            _train_step(name, copy, copy_opt, ctx.rank),
+        )
+        grad_calls[config] = _grad_call(name, model, prompt)
+        dist.barrier()
+    gathered: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, {"rows": rows, "after": after, "grad_calls": grad_calls})
+    return {"ranks": gathered, "hooks": hooks}
+
+
+def _scenario(name: str) -> Callable[[DistributedContext, Path], dict[str, Any]]:
+    def run(ctx: DistributedContext, out: Path) -> dict[str, Any]:
+        if importlib.util.find_spec("transformers") is None:
+            return {"skipped": "transformers"}
+        return run_inference(name, ctx)
+
+    return run
+
+
+INFERENCE_SCENARIOS = tuple(f"inference_{name}" for name in MODELS)
+
+for _name in MODELS:
+    scenario(f"inference_{_name}")(_scenario(_name))
