@@ -13,13 +13,15 @@ model's own forward would fail afterwards.
 
 :class:`EntryUnshardHook` puts a forward pre-hook and an always-called forward
 hook on each *entry module* (the modules a parallelizer names, e.g. towers and
-projectors). Inside the root forward, the common path, every owning unit is
-already gathered and the hook only reads that state: no collective. Outside it,
-the pre-hook makes the model's unit the FSDP root (as its first forward would),
-all-gathers each owning unit that is not gathered and casts floating inputs as
-the unit's mixed-precision policy would; the forward hook reshards those units
-again, so an optimizer step after the call is never hidden behind stale gathered
-copies. Cost: one all-gather of each owning unit per such call.
+projectors), and a counter of running root forwards on the model. Inside the
+root forward, the common path, the pre-hook reads that counter and returns: no
+collective. Outside it, the pre-hook makes the model's unit the FSDP root (as its
+first forward would), all-gathers each owning unit that is not gathered yet (the
+root unit stays gathered after a no-grad forward, as FSDP leaves it) and casts
+floating inputs as the unit's mixed-precision policy would; the forward hook
+reshards the units it gathered, so an optimizer step after the call is never
+hidden behind stale gathered copies. Cost: one all-gather of each owning unit per
+such call.
 
 A call with gradients enabled runs too, but its backward cannot: FSDP never
 reduces the gradients of parameters gathered outside their unit's forward, and
@@ -87,16 +89,29 @@ class _Entry:
 
 @dataclass
 class EntryUnshardHook:
-    """The installed hook (see the module docstring); ``calls`` counts the calls that
-    had to gather (outside the model's forward)."""
+    """The installed hook (see the module docstring); ``calls`` counts the entry calls
+    that had to gather (outside the model's forward)."""
 
     model: nn.Module
     name: str = NAME
     calls: int = 0
+    #: Root forwards in progress (counted by hooks on ``model``): 0 means outside.
+    _depth: int = field(default=0, repr=False)
     _root_ready: bool = field(default=False, repr=False)
     _handles: list[RemovableHandle] = field(default_factory=list, repr=False)
-    #: One frame per entry call in progress that gathered: (module, units gathered).
+    #: One frame per entry call in progress outside the forward: (module, units gathered).
     _frames: list[tuple[nn.Module, list[FSDPModule]]] = field(default_factory=list, repr=False)
+
+    def watch_root(self) -> None:
+        def enter(*_: object) -> None:
+            self._depth += 1
+
+        def leave(*_: object) -> None:
+            # always called, also when an earlier pre-hook raised before ``enter`` ran
+            self._depth = max(0, self._depth - 1)
+
+        self._handles.append(self.model.register_forward_pre_hook(enter, prepend=True))
+        self._handles.append(self.model.register_forward_hook(leave, always_call=True))
 
     def attach(self, module: nn.Module, entry: _Entry) -> None:
         def before(
@@ -113,22 +128,21 @@ class EntryUnshardHook:
     def _before(
         self, module: nn.Module, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if self._depth or internals.in_backward():
+            return None  # inside the model's forward (or a recomputation): FSDP gathers
         if not self._root_ready:
             if isinstance(self.model, FSDPModule):
                 internals.initialize_root(self.model)  # as the model's first forward would
             self._root_ready = True
-        pending = [unit for unit in entry.owners if not internals.is_gathered(unit)]
-        if not pending:
-            return None  # inside the model's forward, or still gathered after a no-grad one
-        if internals.in_backward():
-            return None  # activation-checkpoint recomputation: FSDP gathers for backward
         gathered: list[FSDPModule] = []
         self._frames.append((module, gathered))
-        for unit in pending:
-            unit.unshard()
-            gathered.append(unit)
-        self.calls += 1
-        logger.debug("gathered %s to run %r outside the model's forward", entry.labels, entry.path)
+        for unit in entry.owners:
+            if not internals.is_gathered(unit):  # still gathered after a no-grad forward
+                unit.unshard()
+                gathered.append(unit)
+        if gathered:
+            self.calls += 1
+            logger.debug("gathered %s to run %r outside the forward", entry.labels, entry.path)
         if entry.policy is None:
             return None
         dtype = entry.policy.param_dtype
@@ -140,7 +154,7 @@ class EntryUnshardHook:
         _, gathered = self._frames.pop()
         for unit in gathered:
             unit.reshard()
-        if gathered and torch.is_grad_enabled():
+        if entry.owners and torch.is_grad_enabled():
             message = _backward_message(entry)
 
             def refuse(_grad: torch.Tensor) -> torch.Tensor:
@@ -161,6 +175,7 @@ def install_entry_unshard(
     """Hook each entry module of ``owners`` (from :func:`entry_owners`) on the sharded
     ``model``; the units are looked up in ``model`` by their plan paths."""
     hook = EntryUnshardHook(model)
+    hook.watch_root()
     for path, indices in owners.items():
         units = [plan.units[i] for i in indices]
         modules = tuple(_unit_module(model, unit.paths[0]) for unit in units)
