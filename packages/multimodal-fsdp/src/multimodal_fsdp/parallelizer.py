@@ -162,6 +162,12 @@ class MultimodalParallelizer(ModelParallelizer):
         self.frozen_multimodal_sharding = default
         self.frozen_multimodal_sharding_by_path = by_path
 
+    def _per_layer_where(self) -> str:
+        """Where ``per_layer`` is set, as the options read ('' when nowhere)."""
+        return _per_layer_where(
+            self.frozen_multimodal_sharding, self.frozen_multimodal_sharding_by_path
+        )
+
     @property
     def frozen_sharding_label(self) -> str:
         """The policy, or ``path=policy, ..., *=default`` when modules differ."""
@@ -358,7 +364,9 @@ class MultimodalParallelizer(ModelParallelizer):
                     cost="no collective (saves one all-gather per step)",
                 )
             )
-        layout = plan_schedule_layout(model, plan, self.media_regions(model, plan))
+        layout = plan_schedule_layout(
+            model, plan, self.media_regions(model, plan), per_layer=self._per_layer_where()
+        )
         if layout is not None:
             hooks.append(
                 HookPlan(
@@ -380,7 +388,9 @@ class MultimodalParallelizer(ModelParallelizer):
         if hook.name == "prefetch_guard":
             return build_backward_prefetch_guard(model, plan)
         if hook.name == "schedule_check":
-            layout = plan_schedule_layout(model, plan, self.media_regions(model, plan))
+            layout = plan_schedule_layout(
+                model, plan, self.media_regions(model, plan), per_layer=self._per_layer_where()
+            )
             return None if layout is None else install_schedule_check(model, layout, mesh=mesh)
         return super()._install_hook(model, plan, hook, mesh=mesh)
 
@@ -451,20 +461,28 @@ def _check_policy_and_media(
     """``per_layer`` and ``uneven_media`` exclude each other, for every module."""
     if not uneven_media:
         return
-    per_layer = [path for path, policy in by_path.items() if policy == "per_layer"]
-    if default == "per_layer" and not by_path:
-        where = "frozen_multimodal_sharding='per_layer'"
-    elif default == "per_layer" or per_layer:
-        if default == "per_layer":
-            per_layer.append(DEFAULT_FROZEN_SHARDING_KEY)
-        where = f"frozen_multimodal_sharding 'per_layer' for {', '.join(map(repr, per_layer))}"
-    else:
+    where = _per_layer_where(default, by_path)
+    if not where:
         return
     raise ValueError(
         f"{where} gives frozen towers one unit per block, "
         "which only ranks with media run; with uneven_media=True use 'root' or "
         "'replicate' (or keep per_layer and the same media calls on every rank)"
     )
+
+
+def _per_layer_where(
+    default: FrozenMultimodalSharding, by_path: Mapping[str, FrozenMultimodalSharding]
+) -> str:
+    """Where the options set ``per_layer``, as they read ('' when nowhere)."""
+    per_layer = [path for path, policy in by_path.items() if policy == "per_layer"]
+    if default == "per_layer" and not by_path:
+        return "frozen_multimodal_sharding='per_layer'"
+    if default == "per_layer":
+        per_layer.append(DEFAULT_FROZEN_SHARDING_KEY)
+    if not per_layer:
+        return ""
+    return f"frozen_multimodal_sharding 'per_layer' for {', '.join(map(repr, per_layer))}"
 
 
 def _param_names_under(model: nn.Module, roots: Iterable[str]) -> list[str]:

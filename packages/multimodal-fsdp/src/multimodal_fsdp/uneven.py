@@ -109,6 +109,9 @@ class ScheduleLayout:
     end_check: bool
     #: Modules in forward order: ("enter", region) / ("unit", path) / ("exit", region).
     order: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    #: Where the parallelizer sets ``per_layer`` (as its options read), '' when nowhere:
+    #: ``uneven_media=True`` is refused with it, so the error's advice must say so.
+    per_layer: str = field(default="", compare=False)
 
     @property
     def sites(self) -> tuple[str, ...]:
@@ -136,9 +139,10 @@ def _index_of(model: nn.Module) -> dict[str, int]:
 
 
 def plan_schedule_layout(
-    model: nn.Module, plan: ShardingPlan, regions: Sequence[MediaRegion]
+    model: nn.Module, plan: ShardingPlan, regions: Sequence[MediaRegion], *, per_layer: str = ""
 ) -> ScheduleLayout | None:
-    """The checkpoints for ``regions`` of ``plan`` (``None`` when there is no region)."""
+    """The checkpoints for ``regions`` of ``plan`` (``None`` when there is no region);
+    ``per_layer`` says where the parallelizer sets that policy (for the error's advice)."""
     if not regions:
         return None
     index = _index_of(model)
@@ -169,6 +173,7 @@ def plan_schedule_layout(
         successors=frozenset(successors),
         end_check=end_check,
         order=order,
+        per_layer=per_layer,
     )
 
 
@@ -214,15 +219,21 @@ class ScheduleCheck:
 
     def _message(self, mine: int, high: int, low: int) -> str:
         regions = ", ".join(f"{r.kind} {r.path!r}" for r in self.layout.regions)
-        fixes = [
+        fold = (
             "pass uneven_media=True to the parallelizer (these modules then join the root "
             "unit: gathered for the whole step, any media on any rank)"
-        ]
-        if any(r.frozen for r in self.layout.regions):
-            fixes.append(
-                "for a frozen tower or projector, use frozen_multimodal_sharding='root' "
-                "or 'replicate' instead of 'per_layer'"
+        )
+        fixes = []
+        if self.layout.per_layer:
+            # uneven_media=True is refused with per_layer: the policy changes first.
+            swap = (
+                "use frozen_multimodal_sharding='root' or 'replicate' instead of "
+                f"'per_layer' (now {self.layout.per_layer})"
             )
+            all_frozen = all(r.frozen for r in self.layout.regions)
+            fixes.append(swap if all_frozen else f"{swap} and {fold}")
+        else:
+            fixes.append(fold)
         fixes.append("give every rank the same media calls in each step")
         return (
             f"ranks are about to run different FSDP collectives: one rank is "
