@@ -455,7 +455,15 @@ def load_pretrained(
             + f", {len(match.unexpected)} unexpected checkpoint keys {_listed(match.unexpected)}"
         )
         if strict:
-            raise ValueError(message + "; pass key_mapping= or strict=False")
+            # key_mapping can only help when names differ (tensors missing under one name
+            # and unexpected under another); a tensor the checkpoint lacks stays missing.
+            remedy = (
+                "; pass key_mapping= (model name -> checkpoint key) if the names differ, "
+                "or strict=False to load the tensors that match"
+                if match.missing and match.unexpected
+                else "; pass strict=False to load the tensors that match"
+            )
+            raise ValueError(message + remedy)
         logger.warning("%s", message)
 
     non_persistent = _non_persistent_buffers(model)
