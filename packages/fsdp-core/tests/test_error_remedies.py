@@ -18,10 +18,10 @@ from fsdp_core import (
     PlanMismatchError,
     ShardCall,
     build_mesh,
+    compat,
     group_islands,
     load_pretrained,
 )
-from fsdp_core import compat
 from fsdp_core.sharding import ShardTarget, apply_fully_shard
 from fsdp_core.testing import fake_process_group
 
