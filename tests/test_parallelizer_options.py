@@ -3,20 +3,29 @@
 Error messages tell users to pass base options (``uneven_media=True``,
 ``disabled_hooks=...``) whatever parallelizer they use, so a subclass that drops
 one breaks the advice. Checked by signature for every parallelizer class of every
-package, found by walking the subclasses of ``fsdp_core.ModelParallelizer``.
+package, found by walking the subclasses of ``fsdp_core.ModelParallelizer``; and the
+exact ``disabled_hooks=(...)`` that ``FSDPInternalsError`` proposes works with each.
 """
 
 from __future__ import annotations
 
+import ast
 import inspect
+import re
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
 import fsdp_core
 import model_deepseek_v41
 import multimodal_fsdp
+from fsdp_core import FSDPInternalsError, ModelParallelizer, build_mesh, internals
+from fsdp_core.testing import fake_process_group
 
+DIM = 8
 PACKAGES = ("fsdp_core", "multimodal_fsdp", "model_deepseek_v41")
 
 #: A valid non-default value for each option of a library parallelizer.
@@ -90,3 +99,41 @@ def test_every_option_can_be_passed(cls: type) -> None:
             # Copies with another frozen-tower policy keep every other option.
             copy = made.with_options(frozen_multimodal_sharding="root")
             assert getattr(copy, name) == getattr(made, name), (cls.__name__, name)
+
+
+# --- the advice of FSDPInternalsError, for every parallelizer -----------------------------------
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)])
+        self.head = nn.Linear(DIM, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+@pytest.fixture
+def fake2() -> Iterator[None]:
+    with fake_process_group(2):
+        yield
+
+
+@pytest.mark.parametrize("cls", parallelizer_classes(), ids=lambda c: c.__name__)
+def test_disabled_hooks_advice_works_for_every_parallelizer(
+    fake2: None, monkeypatch: pytest.MonkeyPatch, cls: type[ModelParallelizer]
+) -> None:
+    renamed = internals._Probe("group", "renamed_in_a_future_torch")
+    for hook, probes in list(internals.INTERNALS_BY_HOOK.items()):
+        monkeypatch.setitem(internals.INTERNALS_BY_HOOK, hook, (*probes, renamed))
+    with pytest.raises(FSDPInternalsError) as info:
+        cls().parallelize(Net(), mesh=build_mesh())
+    found = re.search(r"disabled_hooks=(\([^)]*\))", str(info.value))
+    assert found, str(info.value)
+    disabled = ast.literal_eval(found.group(1))
+    model = Net()
+    cls(disabled_hooks=disabled).parallelize(model, mesh=build_mesh())  # type: ignore[call-arg]
+    model(torch.randn(2, DIM)).sum().backward()
