@@ -11,17 +11,17 @@ DTensor``). A tower block called before the model's first forward would
 moreover become FSDP's root (FSDP2 makes the first unit to run the root), and the
 model's own forward would fail afterwards.
 
-:class:`EntryUnshardHook` puts a forward pre-hook and an always-called forward
-hook on each *entry module* (the modules a parallelizer names, e.g. towers and
-projectors), and a counter of running root forwards on the model. Inside the
-root forward, the common path, the pre-hook reads that counter and returns: no
-collective. Outside it, the pre-hook makes the model's unit the FSDP root (as its
-first forward would), all-gathers each owning unit that is not gathered yet (the
-root unit stays gathered after a no-grad forward, as FSDP leaves it) and casts
-floating inputs as the unit's mixed-precision policy would; the forward hook
-reshards the units it gathered, so an optimizer step after the call is never
-hidden behind stale gathered copies. Cost: one all-gather of each owning unit per
-such call.
+[EntryUnshardHook][fsdp_core.entry_unshard.EntryUnshardHook] puts a forward
+pre-hook and an always-called forward hook on each *entry module* (the modules a
+parallelizer names, e.g. towers and projectors), and a counter of running root
+forwards on the model. Inside the root forward, the common path, the pre-hook
+reads that counter and returns: no collective. Outside it, the pre-hook makes the
+model's unit the FSDP root (as its first forward would), all-gathers each owning
+unit that is not gathered yet (the root unit stays gathered after a no-grad
+forward, as FSDP leaves it) and casts floating inputs as the unit's
+mixed-precision policy would; the forward hook reshards the units it gathered, so
+an optimizer step after the call is never hidden behind stale gathered copies.
+Cost: one all-gather of each owning unit per such call.
 
 A call with gradients enabled runs too, but its backward cannot: FSDP never
 reduces the gradients of parameters gathered outside their unit's forward, and
@@ -172,8 +172,9 @@ class EntryUnshardHook:
 def install_entry_unshard(
     model: nn.Module, plan: ShardingPlan, owners: Mapping[str, tuple[int, ...]]
 ) -> EntryUnshardHook:
-    """Hook each entry module of ``owners`` (from :func:`entry_owners`) on the sharded
-    ``model``; the units are looked up in ``model`` by their plan paths."""
+    """Hook each entry module of ``owners`` (from
+    [entry_owners][fsdp_core.entry_unshard.entry_owners]) on the sharded ``model``;
+    the units are looked up in ``model`` by their plan paths."""
     hook = EntryUnshardHook(model)
     hook.watch_root()
     for path, indices in owners.items():
