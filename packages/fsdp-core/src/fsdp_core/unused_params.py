@@ -22,7 +22,7 @@ A unit is reduced early (from autograd) when its inputs require a gradient and l
 (at the end of the backward) otherwise, and a module that runs on some ranks only
 can make a unit's inputs require one on those ranks alone (LoRA in a tower feeding
 the first decoder layer while another rank is text-only). The hook therefore also
-anchors the inputs of every non-root trainable unit (``fsdp_core.backward_order``),
+anchors the inputs of every non-root trainable unit (``fsdp_core._backward_order``),
 so every rank reduces every unit at the same point of its backward.
 """
 
@@ -39,7 +39,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import compat, internals
-from fsdp_core.backward_order import anchor_unit_inputs
+from fsdp_core._backward_order import anchor_unit_inputs
 from fsdp_core.mesh_collectives import all_reduce_max_over_mesh, mesh_device
 from fsdp_core.runtime import BackwardWatch
 
