@@ -32,6 +32,7 @@ for optional in (
     "scenarios_loops",
     "scenarios_pretrained",
     "scenarios_inference",
+    "scenarios_misuse",
 ):
     try:
         __import__(optional)

@@ -197,3 +197,28 @@ def test_the_first_forward_check_removes_itself(fake2: None) -> None:
     model(torch.randn(2, DIM)).sum().backward()
     assert len(model._forward_pre_hooks) == hooks - 1
     # Activation checkpointing wrappers added after sharding are not a change.
+
+
+class Wrapper(nn.Module):
+    """Wraps a model as peft's PeftModel does: ``base_model.model.<names>``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.base_model = nn.Module()
+        self.base_model.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_model.model(x)  # type: ignore[no-any-return]
+
+
+def test_a_wrapped_model_is_named_as_wrapped(fake2: None) -> None:
+    model = Model()
+    plan = ModelParallelizer().plan(model)
+    add_lora(model)
+    with pytest.raises(RuntimeError, match="changed since the plan was made") as info:
+        ModelParallelizer().apply_plan(Wrapper(model), plan, mesh=build_mesh())
+    message = str(info.value)
+    assert "every parameter name now starts with 'base_model.model.'" in message
+    assert "wrapped by adapters (weights moved under 'base_layer'): " in message
+    assert "added: 'base_model.model.layers.0.q_proj.lora_A.weight'" in message
+    assert "removed" not in message

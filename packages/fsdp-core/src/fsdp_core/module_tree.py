@@ -77,20 +77,17 @@ class ModuleTreeFingerprint:
         """
         old = {p.name: p for p in self.parameters}
         new = {p.name: p for p in current.parameters}
-        added = [n for n in new if n not in old]
-        removed = [n for n in old if n not in new]
-        both = [n for n in new if n in old]
         parts = []
-        prefix = _common_prefix(removed, added)
-        if prefix and len(added) >= len(removed):
+        prefix = _common_prefix([n for n in old if n not in new], [n for n in new if n not in old])
+        if prefix:
             parts.append(
                 f"every parameter name now starts with {prefix!r} (the model was wrapped, "
                 "e.g. by peft's get_peft_model)"
             )
-            added = [n for n in added if n.removeprefix(prefix) not in old]
-            removed = []
-            both = [n for n in new if n.removeprefix(prefix) in old]
             old = {prefix + n: p for n, p in old.items()}
+        added = [n for n in new if n not in old]
+        removed = [n for n in old if n not in new]
+        both = [n for n in new if n in old]
         wrapped = [n for n in removed if _adapted(n, set(added))]
         if wrapped:
             moved = {_base_layer_name(n) for n in wrapped}
@@ -202,14 +199,19 @@ def _normal(name: str) -> str:
 
 def _common_prefix(removed: list[str], added: list[str]) -> str:
     """A prefix that turns every removed name into an added one (a wrapper), or ''."""
-    if not removed or not added:
-        return ""
-    first = removed[0]
-    candidates = [n[: -len(first)] for n in added if n.endswith("." + first)]
     added_set = set(added)
-    for prefix in candidates:
-        if all(prefix + n in added_set or _adapted(prefix + n, added_set) for n in removed):
-            return prefix
+    for first in removed:
+        candidates = {n[: -len(first)] for n in added if n.endswith("." + first)}
+        candidates |= {
+            n[: -len(_base_layer_name(first))]
+            for n in added
+            if n.endswith("." + _base_layer_name(first))
+        }
+        for prefix in sorted(candidates):
+            if all(prefix + n in added_set or _adapted(prefix + n, added_set) for n in removed):
+                return prefix
+        if candidates:
+            break
     return ""
 
 
