@@ -109,3 +109,33 @@ def test_no_rank_used_the_projector_so_its_gradient_stays_none(
     result = _results(CASES[name], mp2, mp4)
     assert {n.split(".")[0] for n in result["unused"][1]} == {"multi_modal_projector"}
     assert result["unused"][0] == result["unused"][2] == []
+
+
+#: Each ``per_layer`` case with a text-only rank, and the cases that apply the remedy its
+#: ``UnevenMediaError`` proposes (``root`` or ``replicate``, with ``uneven_media=True``).
+TEXT_ONLY_REMEDIES = {
+    "lora_llava_tower_text_only_rank_per_layer": "lora_llava_tower_text_only_rank_uneven_media",
+    "lora_qwen2_vl_tower_text_only_rank_per_layer": (
+        "lora_qwen2_vl_tower_text_only_rank_replicate_uneven_media"
+    ),
+}
+
+
+@pytest.mark.parametrize("stopping", sorted(TEXT_ONLY_REMEDIES))
+def test_tower_lora_with_a_text_only_rank_remedy_trains(
+    stopping: str, mp2: MpResults, mp4: MpResults
+) -> None:
+    """LoRA in the tower with a text-only rank (issue 17, item 7): ``per_layer`` stops on
+    every rank, and the remedy its message proposes, applied to the same model and media,
+    trains like one process (the remedy case is also checked against the reference)."""
+    remedy = CASES[TEXT_ONLY_REMEDIES[stopping]]
+    case = CASES[stopping]
+    assert (case.expect, remedy.expect) == ("uneven_error", "match")
+    assert remedy.uneven_media
+    assert remedy.policy in ("root", "replicate")
+    assert remedy.build is case.build  # the same model,
+    assert remedy.media is case.media  # the same media
+    for message, _ in _results(case, mp2, mp4)["errors"]:
+        assert "'root' or 'replicate' instead of 'per_layer'" in message, message
+        assert "uneven_media=True" in message, message
+    check_match(remedy, _results(remedy, mp2, mp4))
