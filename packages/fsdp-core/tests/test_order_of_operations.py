@@ -119,17 +119,17 @@ def test_the_check_runs_once_per_optimizer(fake2: None) -> None:
     ModelParallelizer().parallelize(model, mesh=build_mesh())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     step(model, optimizer)
-    scans = order_checks.optimizer_scans()
+    scans = order_checks._STATE.scans
     for _ in range(3):
         step(model, optimizer)
-    assert order_checks.optimizer_scans() == scans
+    assert order_checks._STATE.scans == scans
     # A new param group (or more replaced parameters) checks it again.
     stale = Model()
     optimizer.add_param_group({"params": list(stale.parameters())})
     ModelParallelizer().parallelize(stale, mesh=build_mesh())
     with pytest.raises(RuntimeError, match="built before the model was sharded"):
         step(model, optimizer)
-    assert order_checks.optimizer_scans() == scans + 1
+    assert order_checks._STATE.scans == scans + 1
 
 
 def test_an_optimizer_of_an_unsharded_model_is_left_alone(fake2: None) -> None:

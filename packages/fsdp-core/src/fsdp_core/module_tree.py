@@ -25,7 +25,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
 __all__ = [
-    "ORDER_OF_OPERATIONS",
     "ModuleTreeChangedError",
     "ModuleTreeFingerprint",
     "ParameterRecord",
@@ -37,7 +36,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: The order every job follows; error messages quote it.
-ORDER_OF_OPERATIONS = (
+_ORDER_OF_OPERATIONS = (
     "build (or meta-init) the model -> add adapters (LoRA) and set requires_grad -> "
     "parallelize -> load weights -> build the optimizer"
 )
@@ -157,7 +156,7 @@ def check_module_tree(model: nn.Module, expected: ModuleTreeFingerprint) -> None
             f"{type(model).__name__} changed since the plan was made: {changes}. A plan "
             "holds only for the module tree it was made for; nothing was sharded. Add "
             "adapters and set requires_grad before planning and sharding, then plan the "
-            f"model as it is now. The order is: {ORDER_OF_OPERATIONS}."
+            f"model as it is now. The order is: {_ORDER_OF_OPERATIONS}."
         )
 
 
@@ -176,7 +175,7 @@ def install_first_forward_check(
                 "Parameters added after sharding are not managed by FSDP (their "
                 "gradients are never reduced) and sharded weights break adapter layers. "
                 "Add adapters (peft's get_peft_model) and set requires_grad before "
-                f"planning and sharding. The order is: {ORDER_OF_OPERATIONS}."
+                f"planning and sharding. The order is: {_ORDER_OF_OPERATIONS}."
             )
         if handle is not None:
             handle.remove()

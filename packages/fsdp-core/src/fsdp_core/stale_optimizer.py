@@ -25,13 +25,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-__all__ = [
-    "StaleOptimizerError",
-    "check_optimizer_parameters",
-    "install_optimizer_check",
-    "mark_replaced_parameters",
-    "optimizer_scans",
-]
+__all__ = ["StaleOptimizerError", "mark_replaced_parameters"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,22 +65,17 @@ def mark_replaced_parameters(
             replaced.append(name)
     if replaced:
         _STATE.generation += 1
-        install_optimizer_check()
+        _install_optimizer_check()
     return tuple(replaced)
 
 
-def install_optimizer_check() -> None:
+def _install_optimizer_check() -> None:
     """Register the global optimizer step pre-hook once per process."""
     if _STATE.handle is None:
         _STATE.handle = register_optimizer_step_pre_hook(_before_step)
 
 
-def optimizer_scans() -> int:
-    """How many times an optimizer's parameters were scanned (for tests)."""
-    return _STATE.scans
-
-
-def check_optimizer_parameters(optimizer: torch.optim.Optimizer) -> None:
+def _check_optimizer_parameters(optimizer: torch.optim.Optimizer) -> None:
     """Raise ``StaleOptimizerError`` if ``optimizer`` holds a parameter sharding replaced."""
     _STATE.scans += 1
     stale = _stale_names(p for group in optimizer.param_groups for p in group["params"])
@@ -116,5 +105,5 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     key = (_STATE.generation, len(optimizer.param_groups))
     if _STATE.checked.get(optimizer) == key:
         return
-    check_optimizer_parameters(optimizer)
+    _check_optimizer_parameters(optimizer)
     _STATE.checked[optimizer] = key

@@ -162,12 +162,6 @@ class MultimodalParallelizer(ModelParallelizer):
         self.frozen_multimodal_sharding = default
         self.frozen_multimodal_sharding_by_path = by_path
 
-    def _per_layer_where(self) -> str:
-        """Where ``per_layer`` is set, as the options read ('' when nowhere)."""
-        return _per_layer_where(
-            self.frozen_multimodal_sharding, self.frozen_multimodal_sharding_by_path
-        )
-
     @property
     def frozen_sharding_label(self) -> str:
         """The policy, or ``path=policy, ..., *=default`` when modules differ."""
@@ -365,7 +359,12 @@ class MultimodalParallelizer(ModelParallelizer):
                 )
             )
         layout = plan_schedule_layout(
-            model, plan, self.media_regions(model, plan), per_layer=self._per_layer_where()
+            model,
+            plan,
+            self.media_regions(model, plan),
+            per_layer=_per_layer_where(
+                self.frozen_multimodal_sharding, self.frozen_multimodal_sharding_by_path
+            ),
         )
         if layout is not None:
             hooks.append(
@@ -389,7 +388,12 @@ class MultimodalParallelizer(ModelParallelizer):
             return build_backward_prefetch_guard(model, plan)
         if hook.name == "schedule_check":
             layout = plan_schedule_layout(
-                model, plan, self.media_regions(model, plan), per_layer=self._per_layer_where()
+                model,
+                plan,
+                self.media_regions(model, plan),
+                per_layer=_per_layer_where(
+                    self.frozen_multimodal_sharding, self.frozen_multimodal_sharding_by_path
+                ),
             )
             return None if layout is None else install_schedule_check(model, layout, mesh=mesh)
         return super()._install_hook(model, plan, hook, mesh=mesh)
