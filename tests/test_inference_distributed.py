@@ -18,7 +18,15 @@ import pytest
 pytest.importorskip("transformers")
 
 from launches import MpResults
-from scenarios_inference import CONFIGS, MODELS, MODES, MOMENTS, TOL
+from scenarios_inference import (
+    CONFIGS,
+    MODELS,
+    MODES,
+    MOMENTS,
+    MORE_POLICIES,
+    MORE_VLMS,
+    TOL,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.transformers]
 
@@ -73,3 +81,13 @@ def test_backward_outside_the_forward_names_the_remedy(mp2: MpResults) -> None:
             assert "model's forward" in outcome, outcome
     for ranked in _result(mp2, "qwen2_vl")["ranks"]:
         assert set(ranked["grad_calls"].values()) == {"no gradient needed"}
+
+
+def test_generate_matches_one_process_for_more_families(mp2: MpResults) -> None:
+    """PaliGemma and Idefics3 crashed like LLaVA; Mllama and Qwen2-Audio must keep working."""
+    for rank, rows in enumerate(_result(mp2, "more_vlms")["ranks"]):
+        assert len(rows) == len(MORE_VLMS) * len(MORE_POLICIES)
+        for row in rows:
+            where = f"rank {rank}, {row['model']}, {row['config']}"
+            assert row["error"] is None, f"{where}: {row['error']}"
+            assert row["tokens"] == row["ref_tokens"], where

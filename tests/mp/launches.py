@@ -45,6 +45,7 @@ LAUNCHES: dict[int, list[str]] = {
         "pretrained_deepseek_fp32_norms",
         "inference_llava",
         "inference_qwen2_vl",
+        "inference_more_vlms",
         "misuse_optimizer_before_parallelize",
         "misuse_lora_after_parallelize",
         "misuse_plan_before_lora",

@@ -178,8 +178,8 @@ def _run_entry(entry: Entry, sharded: nn.Module, copy: nn.Module, prompt: Batch)
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
             return row
     if entry is _generate:
-        row["tokens"] = got[0, -NEW_TOKENS:].tolist()
-        row["ref_tokens"] = expected[0, -NEW_TOKENS:].tolist()
+        row["tokens"] = got[:, -NEW_TOKENS:].tolist()
+        row["ref_tokens"] = expected[:, -NEW_TOKENS:].tolist()
         return row
     pairs = list(zip(_tensors(got), _tensors(expected), strict=True))
     row["diff"] = max(
@@ -257,6 +257,37 @@ def run_inference(name: str, ctx: DistributedContext) -> dict[str, Any]:
     return {"ranks": gathered, "hooks": hooks}
 
 
+#: Other families, generate() only, right after parallelize (PaliGemma and Idefics3
+#: crashed like LLaVA; Mllama and Qwen2-Audio compute media inside the forward).
+MORE_VLMS = ("paligemma", "idefics3", "mllama", "qwen2_audio")
+MORE_POLICIES = ("root", "per_layer", "replicate")
+
+
+def run_more_vlms(ctx: DistributedContext) -> dict[str, Any]:
+    from hf_vlms import HF_VLMS
+
+    from multimodal_fsdp import MultimodalParallelizer
+
+    rows: list[dict[str, Any]] = []
+    for name in MORE_VLMS:
+        batch = HF_VLMS[name].batch(100 + ctx.rank, images=2 if name == "mllama" else 1)
+        batch.pop("labels")
+        for policy in MORE_POLICIES:
+            model = _build(name)
+            MultimodalParallelizer(frozen_multimodal_sharding=policy).parallelize(
+                model, mesh=build_mesh()
+            )
+            copy = _copy(name, model)
+            model.eval()
+            copy.eval()
+            row = _run_entry(_generate, model, copy, batch)
+            row.update(config=policy, moment="fresh", mode="eval", entry="generate", model=name)
+            rows.append(row)
+    gathered: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, rows)
+    return {"ranks": gathered}
+
+
 def _scenario(name: str) -> Callable[[DistributedContext, Path], dict[str, Any]]:
     def run(ctx: DistributedContext, out: Path) -> dict[str, Any]:
         if importlib.util.find_spec("transformers") is None:
@@ -266,7 +297,14 @@ def _scenario(name: str) -> Callable[[DistributedContext, Path], dict[str, Any]]
     return run
 
 
-INFERENCE_SCENARIOS = tuple(f"inference_{name}" for name in MODELS)
+INFERENCE_SCENARIOS = (*(f"inference_{name}" for name in MODELS), "inference_more_vlms")
 
 for _name in MODELS:
     scenario(f"inference_{_name}")(_scenario(_name))
+
+
+@scenario("inference_more_vlms")
+def _more(ctx: DistributedContext, out: Path) -> dict[str, Any]:
+    if importlib.util.find_spec("transformers") is None:
+        return {"skipped": "transformers"}
+    return run_more_vlms(ctx)
