@@ -34,6 +34,7 @@ from fsdp_core.runtime import HookPlan, InstalledHook, register_installed_hook
 from fsdp_core.sharding import (
     ShardTarget,
     apply_fully_shard,
+    check_ignored_params_supported,
     check_reshard_after_forward,
     shard_group_size,
 )
@@ -214,6 +215,7 @@ class ModelParallelizer:
             raise TypeError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
         if plan.fingerprint is not None:
             check_module_tree(model, plan.fingerprint)
+        check_ignored_params_supported(plan.ignored_param_names, plan.replicated_param_names)
         named = dict(model.named_parameters())
         self._before_apply(model, plan, mesh=mesh)
         for call in plan.calls:

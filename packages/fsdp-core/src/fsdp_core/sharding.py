@@ -30,6 +30,7 @@ __all__ = [
     "shard_group_size",
     "is_sharded",
     "check_reshard_after_forward",
+    "check_ignored_params_supported",
 ]
 
 logger = logging.getLogger(__name__)
@@ -141,7 +142,8 @@ def apply_fully_shard(
     if owned is not None and not compat.FULLY_SHARD_IGNORED_PARAMS:
         raise ValueError(
             f"this torch ({torch.__version__}) has no fully_shard(ignored_params=...); "
-            "use a frozen-tower policy other than 'replicate'"
+            "pass no ignored_params= (with a parallelizer: use a frozen-tower policy other "
+            "than 'replicate')"
         )
     kwargs: dict[str, object] = {
         "mesh": mesh,
@@ -152,3 +154,35 @@ def apply_fully_shard(
     if owned is not None:
         kwargs["ignored_params"] = owned
     fully_shard(modules[0] if len(modules) == 1 else modules, **kwargs)  # type: ignore[call-overload]
+
+
+def check_ignored_params_supported(
+    ignored_param_names: Sequence[str], replicated_param_names: Sequence[str]
+) -> None:
+    """Before a plan is applied: on a torch without ``fully_shard(ignored_params=...)``
+    no parameter can stay out of FSDP; say, for each cause, what to change."""
+    if not ignored_param_names or compat.FULLY_SHARD_IGNORED_PARAMS:
+        return
+    replicated = [n for n in ignored_param_names if n in set(replicated_param_names)]
+    given = [n for n in ignored_param_names if n not in set(replicated_param_names)]
+    causes = []
+    if given:
+        causes.append(
+            f"{len(given)} given as ignored_params= ({_names(given)}): pass no ignored_params="
+        )
+    if replicated:
+        causes.append(
+            f"{len(replicated)} replicated by the parallelizer itself ({_names(replicated)}): "
+            "use a frozen-tower policy other than 'replicate', or make them trainable "
+            "(a parallelizer may replicate some frozen parameters under every policy)"
+        )
+    raise ValueError(
+        f"this torch ({torch.__version__}) has no fully_shard(ignored_params=...), so no "
+        f"parameter can be kept out of FSDP, but the plan keeps {len(ignored_param_names)} "
+        f"out; nothing was sharded. They are {'; and '.join(causes)}."
+    )
+
+
+def _names(names: Sequence[str], limit: int = 3) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
