@@ -19,11 +19,13 @@ from fsdp_core import (
     ShardCall,
     build_mesh,
     compat,
+    destroy_distributed,
     group_islands,
+    init_distributed,
     load_pretrained,
 )
 from fsdp_core.sharding import ShardTarget, apply_fully_shard
-from fsdp_core.testing import fake_process_group
+from fsdp_core.testing import TORCHRUN_ENV, fake_process_group
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -178,3 +180,47 @@ def test_missing_keys_advise_strict_false_only(tmp_path: Path) -> None:
     report = load_pretrained(model, directory, strict=False)
     assert report.missing == ("head.weight", "head.bias")
     assert torch.equal(model.body.weight, saved.body.weight)
+
+
+# --- load_pretrained: "pass buffers={name: tensor}" -------------------------------------------
+
+
+class WithRotary(Small):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", torch.arange(4.0), persistent=False)
+
+
+def test_meta_buffer_remedy(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    directory = write(tmp_path / "ckpt", {k: v.clone() for k, v in Small().state_dict().items()})
+    with torch.device("meta"):
+        model = WithRotary()
+    with pytest.raises(ValueError, match=r"pass buffers=\{name: tensor\}"):
+        load_pretrained(model, directory)
+    with torch.device("meta"):
+        model = WithRotary()
+    load_pretrained(model, directory, buffers={"inv_freq": torch.arange(4.0)})
+    assert torch.equal(model.inv_freq, torch.arange(4.0))
+
+
+# --- process groups and meshes ----------------------------------------------------------------
+
+
+def test_mesh_without_a_process_group_remedy(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in TORCHRUN_ENV:  # a one-process group, as under plain ``python``
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match=r"call init_distributed\(\) first"):
+        build_mesh()
+    init_distributed(backend="gloo")
+    try:
+        assert build_mesh().mesh_dim_names == ("dp_shard",)
+        with pytest.raises(ValueError, match=r"call destroy_distributed\(\) first"):
+            init_distributed(backend="fake")
+        with pytest.raises(ValueError, match=r"pass 'cpu' or None"):
+            build_mesh(device_type="cuda")
+        assert build_mesh(device_type="cpu").device_type == "cpu"
+    finally:
+        destroy_distributed()
+    init_distributed(backend="fake")
+    destroy_distributed()
