@@ -244,3 +244,25 @@ def test_odd_dtype_units_under_uneven_media_advice_works() -> None:
     MultimodalParallelizer(uneven_media=True).plan(same, mp_policy=FP32)
     assert "uneven_media=False" in message
     MultimodalParallelizer().plan(odd(), mp_policy=FP32)
+
+
+def test_choose_per_layer_only_with_uneven_media_advice_works() -> None:
+    from multimodal_fsdp import choose_frozen_policy
+
+    parallelizer = MultimodalParallelizer(uneven_media=True)
+    with pytest.raises(ValueError, match="allow 'root' or 'replicate'"):
+        choose_frozen_policy(
+            build(frozen=True),
+            "1GiB",
+            policies=("per_layer",),
+            world_size=2,
+            parallelizer=parallelizer,
+        )
+    choice = choose_frozen_policy(
+        build(frozen=True),
+        "1GiB",
+        policies=("root", "replicate"),
+        world_size=2,
+        parallelizer=parallelizer,
+    )
+    assert set(choice.policies.values()) <= {"root", "replicate"}
