@@ -20,6 +20,7 @@ pytest.importorskip("transformers")
 from launches import MpResults
 from scenarios_inference import (
     CONFIGS,
+    LORA_CONFIGS,
     MODELS,
     MODES,
     MOMENTS,
@@ -66,9 +67,9 @@ def test_training_continues_from_the_right_weights(name: str, mp2: MpResults) ->
 def test_the_plan_lists_the_hook(name: str, mp2: MpResults) -> None:
     hooks = _result(mp2, name)["hooks"]
     for config, names in hooks.items():
-        # Qwen2-VL's whole tower (merger included) is frozen: replicated, nothing to gather.
-        needed = not (name == "qwen2_vl" and config == "replicate")
-        assert ("entry_unshard" in names) == needed, config
+        # Even with the whole tower replicated (Qwen2-VL's merger is inside it), the base
+        # model computing image features is an entry: its embeddings are in the root unit.
+        assert "entry_unshard" in names, config
 
 
 def test_backward_outside_the_forward_names_the_remedy(mp2: MpResults) -> None:
@@ -91,3 +92,17 @@ def test_generate_matches_one_process_for_more_families(mp2: MpResults) -> None:
             where = f"rank {rank}, {row['model']}, {row['config']}"
             assert row["error"] is None, f"{where}: {row['error']}"
             assert row["tokens"] == row["ref_tokens"], where
+
+
+def test_peft_generate_matches_one_process(mp2: MpResults) -> None:
+    """``PeftModel.generate`` runs the wrapped model outside the root forward: LoRA on the
+    towers of LLaVA and Qwen2-VL (MultimodalParallelizer) and on a text-only Llama
+    (ModelParallelizer), right after parallelize and after a step, eval and train."""
+    result = _result(mp2, "lora")
+    for rank, rows in enumerate(result["ranks"]):
+        assert len(rows) == len(LORA_CONFIGS) * len(MOMENTS) * len(MODES)
+        for row in rows:
+            where = f"rank {rank}, {row['config']}, {row['moment']}, {row['mode']}"
+            assert row["error"] is None, f"{where}: {row['error']}"
+            assert row["tokens"] == row["ref_tokens"], where
+    assert all("entry_unshard" in names for names in result["hooks"].values())

@@ -46,6 +46,7 @@ LAUNCHES: dict[int, list[str]] = {
         "inference_llava",
         "inference_qwen2_vl",
         "inference_more_vlms",
+        "inference_lora",
         "misuse_optimizer_before_parallelize",
         "misuse_lora_after_parallelize",
         "misuse_plan_before_lora",

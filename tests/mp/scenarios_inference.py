@@ -113,11 +113,15 @@ def _llava_entries() -> dict[str, Entry]:
         hidden = torch.randn(1, 4, 36, generator=torch.Generator().manual_seed(3))
         return m.model.multi_modal_projector(hidden)  # type: ignore[operator]
 
+    def base_model(m: nn.Module, p: Batch) -> Any:
+        return m.model(**p).last_hidden_state  # type: ignore[operator]
+
     return {
         "generate": _generate,
         "get_image_features": features,
         "vision_tower": tower,
         "multi_modal_projector": projector,
+        "base_model": base_model,
     }
 
 
@@ -135,11 +139,15 @@ def _qwen_entries() -> dict[str, Entry]:
     def tower(m: nn.Module, p: Batch) -> Any:
         return m.model.visual(p["pixel_values"], grid_thw=p["image_grid_thw"])  # type: ignore[operator]
 
+    def base_model(m: nn.Module, p: Batch) -> Any:
+        return m.model(**p).last_hidden_state  # type: ignore[operator]
+
     return {
         "generate": _generate,
         "get_image_features": images,
         "get_video_features": videos,
         "visual": tower,
+        "base_model": base_model,
     }
 
 
@@ -288,6 +296,99 @@ def run_more_vlms(ctx: DistributedContext) -> dict[str, Any]:
     return {"ranks": gathered}
 
 
+#: LoRA (PEFT) models: ``PeftModel.generate`` calls the wrapped transformers model's
+#: ``generate``, so the whole decoder, not only the tower, runs outside the root
+#: (``PeftModel``) forward. (name, LoRA targets, policy or None for ModelParallelizer).
+LORA_CONFIGS: tuple[tuple[str, str, str | None], ...] = (
+    ("llava", "tower", "root"),
+    ("llava", "tower", "per_layer"),
+    ("llava", "tower", "replicate"),
+    ("qwen2_vl", "tower", "root"),
+    ("text_llama", "decoder", None),
+)
+
+
+def _build_lora(name: str, where: str) -> nn.Module:
+    from hf_lora import with_lora
+
+    if name != "text_llama":
+        from hf_vlms import HF_VLMS
+
+        return with_lora(HF_VLMS[name].build(), name, where)
+    import peft
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=97,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    wrapped: nn.Module = peft.get_peft_model(transformers.LlamaForCausalLM(config), lora)
+    return wrapped
+
+
+def _lora_batch(name: str, rank: int) -> Batch:
+    if name == "text_llama":
+        gen = torch.Generator().manual_seed(rank)
+        ids = torch.randint(3, 97, (2, 12), generator=gen)
+        return {"input_ids": ids, "labels": ids.clone()}
+    from hf_vlms import HF_VLMS
+
+    return HF_VLMS[name].batch(rank, images=1)
+
+
+def run_lora(ctx: DistributedContext) -> dict[str, Any]:
+    from fsdp_core import ModelParallelizer
+    from multimodal_fsdp import MultimodalParallelizer
+
+    rows: list[dict[str, Any]] = []
+    hooks: dict[str, tuple[str, ...]] = {}
+    for name, where, policy in LORA_CONFIGS:
+        config = f"{name}_{where}_{policy or 'core'}"
+        model = _build_lora(name, where)
+        parallelizer = (
+            ModelParallelizer()
+            if policy is None
+            else MultimodalParallelizer(frozen_multimodal_sharding=policy)
+        )
+        plan = parallelizer.plan(model)
+        parallelizer.apply_plan(model, plan, mesh=build_mesh())
+        hooks[config] = plan.hook_names()
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+        prompt = _lora_batch(name, 100 + ctx.rank)
+        prompt.pop("labels")
+        for moment in MOMENTS:
+            if moment == "trained":
+                model(**_lora_batch(name, ctx.rank)).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            state = {n: full(p) for n, p in model.named_parameters()}
+            copy = _build_lora(name, where)
+            with torch.no_grad():
+                for n, p in copy.named_parameters():
+                    p.copy_(state[n])
+            for mode in MODES:
+                model.train(mode == "train")
+                copy.train(mode == "train")
+                row = _run_entry(_generate, model, copy, prompt)
+                row.update(config=config, moment=moment, mode=mode, entry="generate")
+                rows.append(row)
+        dist.barrier()
+    gathered: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, rows)
+    return {"ranks": gathered, "hooks": hooks}
+
+
 def _scenario(name: str) -> Callable[[DistributedContext, Path], dict[str, Any]]:
     def run(ctx: DistributedContext, out: Path) -> dict[str, Any]:
         if importlib.util.find_spec("transformers") is None:
@@ -297,10 +398,22 @@ def _scenario(name: str) -> Callable[[DistributedContext, Path], dict[str, Any]]
     return run
 
 
-INFERENCE_SCENARIOS = (*(f"inference_{name}" for name in MODELS), "inference_more_vlms")
+INFERENCE_SCENARIOS = (
+    *(f"inference_{name}" for name in MODELS),
+    "inference_more_vlms",
+    "inference_lora",
+)
 
 for _name in MODELS:
     scenario(f"inference_{_name}")(_scenario(_name))
+
+
+@scenario("inference_lora")
+def _lora(ctx: DistributedContext, out: Path) -> dict[str, Any]:
+    missing = [m for m in ("transformers", "peft") if importlib.util.find_spec(m) is None]
+    if missing:
+        return {"skipped": ", ".join(missing)}
+    return run_lora(ctx)
 
 
 @scenario("inference_more_vlms")

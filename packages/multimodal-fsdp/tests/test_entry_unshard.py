@@ -253,3 +253,66 @@ def test_a_block_called_first_does_not_become_fsdp_root(hooked: bool) -> None:
         else:
             with pytest.raises(RuntimeError, match="running forward through the root"):
                 run()
+
+
+class Generating(nn.Module):
+    """A transformers-like model inside a wrapper (as a ``PeftModel`` holds one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Vlm()
+
+    def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values, input_ids)  # type: ignore[no-any-return]
+
+    def generate(self, pixel_values: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        return self(pixel_values, input_ids).argmax(-1)  # type: ignore[no-any-return]
+
+
+class Wrapper(nn.Module):
+    """Its ``generate`` calls the inner model's, never its own forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Generating()
+
+    def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(pixel_values, input_ids)  # type: ignore[no-any-return]
+
+
+class FeatureVlm(Vlm):
+    def get_image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.multi_modal_projector(self.vision_tower(pixel_values))  # type: ignore[no-any-return]
+
+
+class WithBase(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = FeatureVlm()
+
+    def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values, input_ids)  # type: ignore[no-any-return]
+
+
+def test_wrapped_generating_models_and_feature_models_are_entries() -> None:
+    from fsdp_core import ModelParallelizer
+
+    # fsdp_core alone: a wrapped model that generates (text-only LoRA models too).
+    hook = ModelParallelizer().plan(Wrapper()).hook("entry_unshard")
+    assert hook is not None
+    assert hook.targets == ("inner",)
+    # multimodal: also the model computing image features, then towers and projectors.
+    hook = plan_for("root", WithBase()).hook("entry_unshard")
+    assert hook is not None
+    assert hook.targets == ("model", "model.vision_tower", "model.multi_modal_projector")
+
+
+def test_a_wrapped_model_generates_outside_the_wrappers_forward() -> None:
+    with fake_process_group(2):
+        model = Wrapper()
+        model.inner.model.vision_tower.requires_grad_(False)
+        MultimodalParallelizer().parallelize(model, mesh=build_mesh())
+        with CommCounter() as counter:
+            model.inner.generate(pixels(), torch.randint(0, VOCAB, (2, 5)))  # type: ignore[operator]
+        assert counter.counts().get("all_gather", 0) == 3  # the root unit, 2 decoder layers
+        assert isinstance(model.inner.model.lm_head.weight, DTensor)

@@ -268,11 +268,16 @@ class ModelParallelizer:
         return []
 
     def _entry_paths(self, model: nn.Module) -> list[str]:
-        """Modules that code may call outside the model's forward (``generate()`` computes
-        image features before it): the ``entry_unshard`` hook gathers their parameters'
-        units for such calls. None here; the multimodal parallelizer names towers and
-        projectors."""
-        return []
+        """Modules that code may call outside the model's forward: the ``entry_unshard``
+        hook gathers their parameters' units for such calls. Here: wrapped models that
+        generate (a ``PeftModel``'s ``generate`` runs the inner transformers model's,
+        never the wrapper's forward); the multimodal parallelizer adds towers and
+        projectors (``generate()`` computes image features before the forward)."""
+        return [
+            path
+            for path, module in model.named_modules()
+            if path and callable(getattr(type(module), "generate", None))
+        ]
 
     def _plan_hooks(self, model: nn.Module, plan: ShardingPlan) -> list[HookPlan]:
         """The runtime hooks ``plan`` needs (before ``disabled_hooks`` are taken out)."""
@@ -445,8 +450,9 @@ def _entry_hooks(owners: dict[str, tuple[int, ...]], plan: ShardingPlan) -> list
         HookPlan(
             name="entry_unshard",
             reason="modules called outside the model's forward (generate()'s image "
-            "features, a tower called by hand) gather the units that own their parameters "
-            f"({', '.join(units) or 'their own units only'}) and reshard them after",
+            "features, a PeftModel's generate(), a tower called by hand) gather the units "
+            f"that own their parameters ({', '.join(units) or 'their own units only'}) and "
+            "reshard them after",
             targets=tuple(owners),
             cost="no collective inside the model's forward; outside it one all-gather "
             "of each owning unit per call",

@@ -342,12 +342,22 @@ class MultimodalParallelizer(ModelParallelizer):
         return [region.path for region in self.media_regions(model, plan)]
 
     def _entry_paths(self, model: nn.Module) -> list[str]:
-        """Towers and projectors: ``generate()`` and users call them outside the forward."""
-        return [part.found.path for part in self.multimodal_parts(model)]
+        """Besides wrapped generating models: models that compute media features
+        (``get_image_features`` and the like, called by ``generate()`` or by hand, as is
+        their forward), then towers and projectors (called by those or by hand)."""
+        paths = super()._entry_paths(model)
+        paths += [
+            path
+            for path, module in model.named_modules()
+            if path
+            and path not in paths
+            and any(callable(getattr(type(module), f, None)) for f in _FEATURE_METHODS)
+        ]
+        return paths + [part.found.path for part in self.multimodal_parts(model)]
 
     def _plan_hooks(self, model: nn.Module, plan: ShardingPlan) -> list[HookPlan]:
         hooks = super()._plan_hooks(model, plan)
-        frozen = frozen_unit_labels(model, plan)
+        frozen = self._guarded_frozen_units(model, plan)
         if frozen:
             hooks.append(
                 HookPlan(
@@ -381,11 +391,35 @@ class MultimodalParallelizer(ModelParallelizer):
             )
         return hooks
 
+    def _guarded_frozen_units(self, model: nn.Module, plan: ShardingPlan) -> list[str]:
+        """Frozen non-root units the prefetch guard watches: all of them, unless trainable
+        code runs only with media (a tower or projector with trainable parameters, a
+        trainable media-dependent decoder layer). Then gradients pass through the frozen
+        units outside towers and projectors (decoder layers) on the ranks with media only,
+        and the guard, deciding per rank, would gather them in backward on those ranks
+        alone; they are left to FSDP's prefetch, which gathers them on every rank. Tower
+        and projector units stay guarded: their inputs never need a gradient."""
+        labels = frozen_unit_labels(model, plan)
+        towers = [part.found.path for part in self.multimodal_parts(model)]
+        media_only = [*towers, *find_media_conditional_layers(model)]
+        if not labels or not any(
+            param.requires_grad
+            for name, param in model.named_parameters()
+            if any(is_under(name, root) for root in media_only)
+        ):
+            return labels
+        paths = {unit.label: unit.paths for unit in plan.units}
+        return [
+            label
+            for label in labels
+            if all(any(is_under(path, tower) for tower in towers) for path in paths[label])
+        ]
+
     def _install_hook(
         self, model: nn.Module, plan: ShardingPlan, hook: HookPlan, *, mesh: DeviceMesh
     ) -> InstalledHook | None:
         if hook.name == "prefetch_guard":
-            return build_backward_prefetch_guard(model, plan)
+            return build_backward_prefetch_guard(model, plan, units=hook.targets)
         if hook.name == "schedule_check":
             layout = plan_schedule_layout(
                 model,
@@ -455,6 +489,10 @@ class MultimodalParallelizer(ModelParallelizer):
             if dominant is None:
                 continue
             yield from (n for n, p in params if n in wanted and p.dtype != dominant)
+
+
+#: Methods of transformers models that run towers and projectors outside the forward.
+_FEATURE_METHODS = ("get_image_features", "get_video_features", "get_audio_features")
 
 
 def _check_policy_and_media(
