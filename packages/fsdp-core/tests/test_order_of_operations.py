@@ -8,6 +8,7 @@ is enough here (tests/test_misuse_distributed.py checks it on two gloo ranks).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,3 +223,42 @@ def test_a_wrapped_model_is_named_as_wrapped(fake2: None) -> None:
     assert "wrapped by adapters (weights moved under 'base_layer'): " in message
     assert "added: 'base_model.model.layers.0.q_proj.lora_A.weight'" in message
     assert "removed" not in message
+
+
+@pytest.mark.parametrize("entry", ["load_pretrained", "save_pretrained"])
+@pytest.mark.parametrize("wrapped", [False, True], ids=["model", "wrapper"])
+def test_adapters_added_after_sharding_fail_in_load_and_save(
+    fake2: None, tmp_path: Path, entry: str, wrapped: bool
+) -> None:
+    """The same check before the collective entry points read or write anything, also
+    when the sharded model is inside a wrapper (a ``PeftModel``)."""
+    pytest.importorskip("safetensors")
+    from fsdp_core import load_pretrained, save_pretrained
+
+    source = tmp_path / "source"
+    save_pretrained(Model(), source)  # an unsharded model: a plain export
+    model = Model()
+    ModelParallelizer().parallelize(model, mesh=build_mesh())
+    add_lora(model)
+    target: nn.Module = Wrapper(model) if wrapped else model
+    call = (
+        (lambda: load_pretrained(target, source))
+        if entry == "load_pretrained"
+        else (lambda: save_pretrained(target, tmp_path / "out"))
+    )
+    with pytest.raises(RuntimeError, match=rf"changed since it was sharded \({entry}\)"):
+        call()
+    assert not (tmp_path / "out").exists()
+
+
+def test_adapters_merged_away_after_sharding_are_not_a_change(fake2: None) -> None:
+    """peft's merge_and_unload on a sharded model puts the sharded base layer back in
+    the adapted layer's place: nothing FSDP does not manage is added."""
+    model = Model()
+    add_lora(model)
+    for layer in model.layers:
+        layer.q_proj.lora_A.requires_grad_(True)  # type: ignore[union-attr]
+    ModelParallelizer().parallelize(model, mesh=build_mesh())
+    for layer in model.layers:
+        layer.q_proj = layer.q_proj.base_layer  # type: ignore[union-attr]
+    model(torch.randn(2, DIM))

@@ -17,6 +17,7 @@ module changes no parameter the plan names.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ __all__ = [
     "ModuleTreeFingerprint",
     "ParameterRecord",
     "check_module_tree",
+    "check_unchanged_since_sharding",
     "install_first_forward_check",
     "module_tree_fingerprint",
 ]
@@ -42,6 +44,8 @@ _ORDER_OF_OPERATIONS = (
 )
 _WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
 _LIMIT = 4
+#: Each sharded model (the one ``apply_plan`` was given) -> its tree right after sharding.
+_SHARDED: weakref.WeakKeyDictionary[nn.Module, ModuleTreeFingerprint] = weakref.WeakKeyDictionary()
 
 
 class ModuleTreeChangedError(RuntimeError):
@@ -70,9 +74,10 @@ class ModuleTreeFingerprint:
 
         Parameter-free modules added (a dropout, an identity) do not matter.
 
-        ``after_sharding`` compares only what sharding cannot change and what breaks
-        a sharded model: parameters added, removed or reshaped, and frozen ones made
-        trainable (freezing a sharded parameter is harmless).
+        ``after_sharding`` compares only what breaks a sharded model: parameters added
+        (outside FSDP) or reshaped, and frozen ones made trainable (a replicated one
+        would never have its gradient reduced). Removing parameters and freezing are
+        harmless there.
         """
         old = {p.name: p for p in self.parameters}
         new = {p.name: p for p in current.parameters}
@@ -100,6 +105,12 @@ class ModuleTreeFingerprint:
             removed = [n for n in removed if n not in set(wrapped)]
             old.update({_base_layer_name(n): old[n] for n in wrapped})
             both = [n for n in new if n in old]
+        if after_sharding:
+            # Removing adapters from a sharded model (peft's merge_and_unload: the
+            # sharded base weight takes the adapted layer's place) adds nothing FSDP
+            # does not manage.
+            added = [n for n in added if _base_layer_name(n) not in old]
+            removed = []
         parts.append(_listed("added", added))
         parts.append(_listed("removed", removed))
         parts.append(
@@ -164,24 +175,41 @@ def install_first_forward_check(
     model: nn.Module, expected: ModuleTreeFingerprint
 ) -> RemovableHandle:
     """Check the tree once, at the first forward of the sharded ``model``; the hook
-    removes itself once a forward found the tree unchanged."""
+    removes itself once a forward found the tree unchanged. ``model`` is remembered
+    (weakly) for ``check_unchanged_since_sharding``."""
     handle: RemovableHandle | None = None
+    _SHARDED[model] = expected
 
     def check(module: nn.Module, args: object) -> None:
-        changes = expected.changes(module_tree_fingerprint(module), after_sharding=True)
-        if changes:
-            raise ModuleTreeChangedError(
-                f"{_class_name(module)} changed since it was sharded: {changes}. "
-                "Parameters added after sharding are not managed by FSDP (their "
-                "gradients are never reduced) and sharded weights break adapter layers. "
-                "Add adapters (peft's get_peft_model) and set requires_grad before "
-                f"planning and sharding. The order is: {_ORDER_OF_OPERATIONS}."
-            )
+        _raise_if_changed(module, expected, "")
         if handle is not None:
             handle.remove()
 
     handle = model.register_forward_pre_hook(check, prepend=True)
     return handle
+
+
+def check_unchanged_since_sharding(model: nn.Module, *, where: str) -> None:
+    """Raise ``ModuleTreeChangedError`` if ``model``, or a sharded model inside it (a
+    ``PeftModel`` wrapped around one), changed since it was sharded; ``where`` names the
+    call for the message (``load_pretrained``...). One walk over the modules."""
+    for module in model.modules():
+        expected = _SHARDED.get(module)
+        if expected is not None:
+            _raise_if_changed(module, expected, where)
+
+
+def _raise_if_changed(module: nn.Module, expected: ModuleTreeFingerprint, where: str) -> None:
+    changes = expected.changes(module_tree_fingerprint(module), after_sharding=True)
+    if changes:
+        at = f" ({where})" if where else ""
+        raise ModuleTreeChangedError(
+            f"{_class_name(module)} changed since it was sharded{at}: {changes}. "
+            "Parameters added after sharding are not managed by FSDP (their "
+            "gradients are never reduced) and sharded weights break adapter layers. "
+            "Add adapters (peft's get_peft_model) and set requires_grad before "
+            f"planning and sharding. The order is: {_ORDER_OF_OPERATIONS}."
+        )
 
 
 def _class_name(model: nn.Module) -> str:

@@ -50,6 +50,7 @@ from fsdp_core._safetensors_dir import (
 )
 from fsdp_core.dtype_units import dominant_dtype
 from fsdp_core.materialize import copy_full_into_
+from fsdp_core.module_tree import check_unchanged_since_sharding
 from fsdp_core.sizes import parse_size
 
 __all__ = ["KeyMapping", "PretrainedLoad", "load_pretrained", "save_pretrained"]
@@ -431,6 +432,7 @@ def load_pretrained(
     ``_keys_to_ignore_on_load_unexpected``) are skipped and listed as ``ignored``.
     """
     require_safetensors()
+    check_unchanged_since_sharding(model, where="load_pretrained")
     if key_mapping is not None and not callable(key_mapping):
         raise TypeError(
             f"key_mapping must be a function of a module name, got {type(key_mapping).__name__}"
@@ -553,6 +555,7 @@ def save_pretrained(
     rank briefly holds one full tensor while it is gathered.
     """
     require_safetensors()
+    check_unchanged_since_sharding(model, where="save_pretrained")
     limit = parse_size(max_shard_size, argument="max_shard_size")
     if key_mapping is not None and not callable(key_mapping):
         raise TypeError(
