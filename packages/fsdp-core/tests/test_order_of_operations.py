@@ -262,3 +262,17 @@ def test_adapters_merged_away_after_sharding_are_not_a_change(fake2: None) -> No
     for layer in model.layers:
         layer.q_proj = layer.q_proj.base_layer  # type: ignore[union-attr]
     model(torch.randn(2, DIM))
+
+
+@pytest.mark.parametrize("entry", ["save_checkpoint", "load_checkpoint"])
+def test_a_stale_optimizer_is_named_by_the_checkpoint_functions(
+    fake2: None, tmp_path: Path, entry: str
+) -> None:
+    from fsdp_core import load_checkpoint, save_checkpoint
+
+    model = Model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ModelParallelizer().parallelize(model, mesh=build_mesh())
+    call = save_checkpoint if entry == "save_checkpoint" else load_checkpoint
+    with pytest.raises(RuntimeError, match="built before the model was sharded"):
+        call(tmp_path / "ckpt", model, optimizer)
