@@ -18,6 +18,10 @@ from torch import nn
 TARGETS: dict[tuple[str, str], str | list[str]] = {
     ("llava", "decoder"): r".*language_model.*\.(q_proj|v_proj)",
     ("llava", "tower"): ["q_proj", "v_proj"],
+    # The tower and the last decoder layer only: decoder layer 0 is a fully frozen unit.
+    ("llava", "tower_last_layer"): (
+        r".*(vision_tower.*|language_model\.layers\.1\.).*(q_proj|v_proj)"
+    ),
     ("qwen2_vl", "decoder"): r".*language_model.*\.(q_proj|v_proj)",
     ("qwen2_vl", "tower"): ["q_proj", "v_proj", "qkv"],
     # SigLIP, Idefics3's vision transformer and the Whisper-style audio encoder name

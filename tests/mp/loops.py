@@ -645,6 +645,12 @@ def _lora_text_only_rank_cases() -> list[LoopCase]:
             optimizer="adamw",
             **llava,
         ),
+        # Decoder layer 0 is frozen: gradients pass through it on the rank with images only.
+        LoopCase(
+            "lora_llava_tower_last_layer_text_only_rank_root",
+            _hf_lora("llava", "tower_last_layer"),
+            **llava,
+        ),
         LoopCase("lora_qwen2_vl_tower_text_only_rank_root", qwen_tower, **qwen),
         LoopCase(
             "lora_qwen2_vl_tower_text_only_rank_replicate_uneven_media",

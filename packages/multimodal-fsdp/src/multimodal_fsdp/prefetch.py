@@ -24,6 +24,15 @@ steps, or two forwards before one backward therefore never take away a mark that
 a pending backward still needs (allowing a gather is always safe; forbidding one
 that a backward needs is not).
 
+The decision is each rank's own, so it must not differ between ranks: a unit that
+one rank all-gathers in backward and another does not desynchronises every later
+collective. It differs when gradients reach a frozen unit on some ranks only: a
+frozen decoder layer behind trainable code that runs only with media (LoRA in a
+tower, a trainable projector or cross-attention layer) while another rank is
+text-only. ``MultimodalParallelizer`` leaves such units out (the ``units`` of
+``build_backward_prefetch_guard``); FSDP2's own prefetch then gathers them on
+every rank.
+
 :class:`~multimodal_fsdp.MultimodalParallelizer` installs it after sharding;
 :func:`remove_backward_prefetch_guard` undoes it (used to show the difference).
 """
@@ -31,6 +40,7 @@ that a backward needs is not).
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,10 +171,17 @@ def guard_backward_prefetch(model: nn.Module, plan: ShardingPlan) -> BackwardPre
 
 
 def build_backward_prefetch_guard(
-    model: nn.Module, plan: ShardingPlan
+    model: nn.Module, plan: ShardingPlan, *, units: Collection[str] | None = None
 ) -> BackwardPrefetchGuard | None:
-    """Install the guard's hooks and return it, without recording it on the model."""
+    """Install the guard's hooks and return it, without recording it on the model.
+
+    ``units``: the labels of the frozen units to guard (default: every one). A unit
+    that gradients reach on some ranks only must be left out (see the module doc).
+    """
     frozen = _frozen_units(model, plan)
+    if units is not None:
+        wanted = set(units)
+        frozen = [entry for entry in frozen if entry[0] in wanted]
     if not frozen:
         return None
     guard = BackwardPrefetchGuard(units=tuple(label for label, _, _ in frozen))
