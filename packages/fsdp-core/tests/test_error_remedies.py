@@ -212,6 +212,9 @@ def test_mesh_without_a_process_group_remedy(monkeypatch: pytest.MonkeyPatch) ->
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(RuntimeError, match=r"call init_distributed\(\) first"):
         build_mesh()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs CUDA, which is not available; use 'gloo'"):
+            init_distributed(backend="nccl")
     init_distributed(backend="gloo")
     try:
         assert build_mesh().mesh_dim_names == ("dp_shard",)
