@@ -154,6 +154,28 @@ def test_reduce_scatter_unused_params_sends_zeros_for_a_skipped_projector(
     assert counted[False] == [2 * LAYER, 2 * LAYER, 2 * LAYER]
 
 
+def _reduce_scatter_order(mesh: DeviceMesh, *, image: bool) -> list[int]:
+    model = shard(Net(), mesh)
+    install_unused_params_hook(model, mesh=mesh)
+    counter = CommCounter()
+    with counter:
+        micro_batch(model, counter, "step", sync=True, image=image)
+    return [n for kind, n in kinds(counter, "step") if kind == "reduce_scatter"]
+
+
+def test_ranks_with_and_without_media_reduce_scatter_in_the_same_order(
+    mesh2: DeviceMesh,
+) -> None:
+    """With an image the trainable projector makes the first layer's input require a
+    gradient; on a text-only rank it does not. FSDP2 reduces a unit whose inputs need
+    no gradient only at the end of backward, after the root: without the hook's input
+    anchors the text-only rank sends [layer, root, layer] while the other sends [layer,
+    layer, root], and the reduce-scatters of different units meet."""
+    with_media = _reduce_scatter_order(mesh2, image=True)
+    text_only = _reduce_scatter_order(mesh2, image=False)
+    assert with_media == text_only == [2 * LAYER, 2 * LAYER, 2 * ROOT_WITH_VISION]
+
+
 # --- install_unshard_warmup ----------------------------------------------------------------------
 
 
