@@ -1,23 +1,19 @@
-"""Every ```python example in docs/ runs, so the documentation cannot rot.
+"""Every ```python example in docs/ runs as written, so the documentation cannot rot.
 
-Each example runs in a fresh namespace, as ``__main__``, in a temporary working
-directory, without torchrun variables in the environment, and by default inside
-a fresh fake process group of 2 ranks (``fsdp_core.testing.fake_process_group``):
-FSDP2 shards exactly as on 2 real ranks, in this one process. An HTML comment
-on the line before a block changes that:
+A page's ```python blocks, in order, are one script: the ``train.py`` a reader
+would save. The test writes that script into a temporary working directory and
+launches it under ``torchrun --nproc-per-node 2`` (``fsdp_core.testing.run_torchrun``,
+with a hard timeout); every rank must exit 0. The harness makes no process group:
+the script starts its own (``init_distributed()``) or uses none. Each block keeps its
+line numbers from the page (the lines between blocks are blank), so a traceback
+points at the Markdown line. A page without a python block is not launched.
 
-``<!-- docs-test: world_size=4 -->``
-    a fake group of 4 ranks (any size);
-``<!-- docs-test: gloo -->`` (or ``own-group``)
-    no group is made; the example starts its own: ``init_distributed()`` starts a
-    one-rank gloo group, ``fake_process_group(n)`` a fake one (the test tears down
-    whatever is left);
-``<!-- docs-test: continue -->``
-    the block continues the previous one on the page (same namespace, same run);
+One HTML comment on the line before a block changes that:
+
 ``<!-- docs-test: skip (reason) -->``
-    not run; use sparingly, with the reason.
+    the block is left out of the page's script; use rarely, always with the reason.
 
-Blocks that import transformers or peft are skipped when it is not installed.
+A page whose script imports transformers or peft is skipped when it is not installed.
 """
 
 from __future__ import annotations
@@ -28,45 +24,40 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
 
-from fsdp_core.testing import fake_process_group
+from fsdp_core.testing import TORCHRUN_ENV, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-TORCHRUN_ENV = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
+NPROC = 2
+#: Seconds one page may run on 2 ranks (start-up is ~5 s; the slowest page ~60 s).
+TIMEOUT_S = 300.0
 
 #: Packages an example may import that the test environment need not have.
 OPTIONAL_IMPORTS = ("transformers", "peft")
 
 _FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})\s*(?P<lang>[\w+-]*)")
 _MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<spec>.*?)\s*-->\s*$")
-_OPTION = re.compile(r"^(world_size=\d+|gloo|own-group|continue|skip\b.*)$")
+_SKIP = re.compile(r"^skip\s*\((?P<reason>.+)\)$")
 
 
 @dataclass
-class Example:
-    """One runnable unit: a python block and the blocks that continue it."""
+class Page:
+    """One page's python blocks, as the script the test runs."""
 
     page: str
-    line: int
-    code: str
-    world_size: int = 2
-    mode: str = "fake"  # "fake" (a group is made for it) or "own" (it makes its own)
-    skip: str | None = None
     lines: list[int] = field(default_factory=list)
+    blocks: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
 
-    @property
-    def id(self) -> str:
-        return f"{self.page}:{self.line}"
+    def script(self) -> str:
+        """The blocks in order, each at its own line number of the page."""
+        out: list[str] = []
+        for line, code in zip(self.lines, self.blocks, strict=True):
+            out.extend([""] * (line - 1 - len(out)))
+            out.extend(code.splitlines())
+        return "\n".join(out) + "\n"
 
 
 def _blocks(text: str) -> Iterator[tuple[int, str, str, list[str]]]:
@@ -88,101 +79,96 @@ def _blocks(text: str) -> Iterator[tuple[int, str, str, list[str]]]:
             line = lines[index]
             body.append(line[len(indent) :] if line.startswith(indent) else line.lstrip())
             index += 1
-        yield index - len(body), lang, "\n".join(body) + "\n", options
+        yield index - len(body) + 1, lang, "\n".join(body) + "\n", options
         index += 1
 
 
-def collect(docs: Path = DOCS) -> list[Example]:
-    examples: list[Example] = []
+def collect(docs: Path = DOCS) -> list[Page]:
+    """The pages with at least one python block to run."""
+    pages: list[Page] = []
     for path in sorted(docs.rglob("*.md")):
-        page = path.relative_to(docs).as_posix()
-        last: Example | None = None
+        page = Page(path.relative_to(docs).as_posix())
         for line, lang, code, options in _blocks(path.read_text(encoding="utf-8")):
             if lang not in ("python", "py"):
                 continue
             for option in options:
-                if not _OPTION.match(option):
-                    raise ValueError(f"{page}:{line}: unknown docs-test option {option!r}")
-            if "continue" in options:
-                if last is None:
-                    raise ValueError(f"{page}:{line}: 'continue' without a block before it")
-                last.code += code
-                last.lines.append(line)
-                continue
-            example = Example(page=page, line=line, code=code, lines=[line])
-            for option in options:
-                if option.startswith("world_size="):
-                    example.world_size = int(option.partition("=")[2])
-                elif option in ("gloo", "own-group"):
-                    example.mode = "own"
-                elif option.startswith("skip"):
-                    example.skip = option.removeprefix("skip").strip(" ()") or "marked skip"
-            examples.append(example)
-            last = example
-    return examples
+                skip = _SKIP.match(option)
+                if skip:
+                    page.skipped.append(f"line {line}: {skip['reason']}")
+                else:
+                    page.problems.append(
+                        f"docs/{page.page}:{line}: unknown docs-test option {option!r} "
+                        "(the only one is 'skip (reason)': a page's blocks are one "
+                        "torchrun script)"
+                    )
+            if not options:
+                page.lines.append(line)
+                page.blocks.append(code)
+        if page.blocks or page.problems:
+            pages.append(page)
+    return pages
 
 
-EXAMPLES = collect()
+PAGES = collect()
 
 
 def test_the_docs_have_examples() -> None:
-    pages = {example.page for example in EXAMPLES}
-    assert len(EXAMPLES) >= 10, pages
-    assert {"getting-started.md", "frozen-towers.md", "mixed-precision.md"} <= pages
+    names = {page.page for page in PAGES}
+    assert sum(len(page.blocks) for page in PAGES) >= 10, names
+    assert {"getting-started.md", "frozen-towers.md", "mixed-precision.md"} <= names
 
 
 def test_the_block_parser() -> None:
     text = (
-        "Intro\n\n<!-- docs-test: world_size=4 -->\n```python\na = 1\n```\n\n"
-        "<!-- docs-test: continue -->\n```python\nb = a + 1\n```\n\n"
+        "Intro\n\n```python\na = 1\n```\n\n"
         "```bash\ntorchrun x.py\n```\n\n<!-- docs-test: skip (needs GPUs) -->\n"
         "```python\nimport nothing\n```\n\n- a list item:\n\n    ```python\n    c = 3\n    ```\n"
     )
     blocks = list(_blocks(text))
-    assert [(lang, code) for _, lang, code, _ in blocks] == [
-        ("python", "a = 1\n"),
-        ("python", "b = a + 1\n"),
-        ("bash", "torchrun x.py\n"),
-        ("python", "import nothing\n"),
-        ("python", "c = 3\n"),
+    assert [(line, lang, code) for line, lang, code, _ in blocks] == [
+        (4, "python", "a = 1\n"),
+        (8, "bash", "torchrun x.py\n"),
+        (13, "python", "import nothing\n"),
+        (19, "python", "c = 3\n"),
     ]
-    assert blocks[0][3] == ["world_size=4"]
-    assert blocks[1][3] == ["continue"]
-    assert blocks[3][3] == ["skip (needs GPUs)"]
+    assert blocks[2][3] == ["skip (needs GPUs)"]
 
 
-def _run(example: Example, tmp_path: Path) -> None:
-    namespace = {"__name__": "__main__", "__file__": str(tmp_path / "example.py")}
-    compiled = compile(example.code, f"docs/{example.page}:{example.line}", "exec")
-    if example.mode == "fake":
-        with fake_process_group(example.world_size):
-            exec(compiled, namespace)
-    else:
-        try:
-            exec(compiled, namespace)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+def test_a_page_script_keeps_the_line_numbers(tmp_path: Path) -> None:
+    (tmp_path / "page.md").write_text(
+        "# T\n\n```python\na = 1\n```\n\ntext\n\n<!-- docs-test: skip (why) -->\n"
+        "```python\nnope\n```\n\n```python\nb = a + 1\n```\n"
+    )
+    (page,) = collect(tmp_path)
+    script = page.script().splitlines()
+    assert script[3] == "a = 1"
+    assert script[14] == "b = a + 1"
+    assert "nope" not in script
+    assert page.skipped == ["line 11: why"]
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=[e.id for e in EXAMPLES])
-def test_docs_example(example: Example, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    if example.skip:
-        pytest.skip(example.skip)
+@pytest.mark.parametrize("bad", ["world_size=4", "gloo", "continue", "skip"])
+def test_an_unknown_marker_is_refused(tmp_path: Path, bad: str) -> None:
+    (tmp_path / "page.md").write_text(f"<!-- docs-test: {bad} -->\n```python\na = 1\n```\n")
+    (page,) = collect(tmp_path)
+    assert "unknown docs-test option" in page.problems[0]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[page.page for page in PAGES])
+def test_docs_page_runs_under_torchrun(
+    page: Page, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert not page.problems, "\n".join(page.problems)
+    script = page.script()
     for optional in OPTIONAL_IMPORTS:
-        if re.search(rf"^\s*(import|from)\s+{optional}\b", example.code, re.MULTILINE):
+        if re.search(rf"^\s*(import|from)\s+{optional}\b", script, re.MULTILINE):
             pytest.importorskip(optional)
     for name in TORCHRUN_ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
-    assert not dist.is_initialized(), "a process group leaked into this example"
-    dtype = torch.get_default_dtype()
-    torch.manual_seed(0)
-    try:
-        _run(example, tmp_path)
-    finally:
-        torch.set_default_dtype(dtype)
-    assert not dist.is_initialized()
+    path = tmp_path / f"docs-{Path(page.page).stem}.py"  # never shadows a module
+    path.write_text(script, encoding="utf-8")
+    run_torchrun(path.name, nproc=NPROC, timeout_s=TIMEOUT_S)
 
 
 def _public_modules(package_dir: Path) -> list[str]:
