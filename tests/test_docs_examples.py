@@ -154,6 +154,7 @@ def test_an_unknown_marker_is_refused(tmp_path: Path, bad: str) -> None:
     assert "unknown docs-test option" in page.problems[0]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("page", PAGES, ids=[page.page for page in PAGES])
 def test_docs_page_runs_under_torchrun(
     page: Page, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
