@@ -981,6 +981,29 @@ def test_adapters_keep_the_units_of_the_frozen_model(policy: str, tower: bool) -
     assert ("schedule_check" in plan.hook_names()) == (policy == "per_layer")
 
 
+def _guarded(plan: ShardingPlan) -> list[str]:
+    return [t for hook in plan.hooks if hook.name == "prefetch_guard" for t in hook.targets]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_frozen_decoder_layers_behind_tower_adapters_are_not_guarded(policy: str) -> None:
+    """Gradients reach a frozen decoder layer behind tower adapters on the ranks with
+    images only; the guard decides per rank, so it would let only those ranks all-gather
+    the layer in backward. Frozen units of towers and projectors stay guarded (under
+    ``per_layer`` every rank must run them the same number of times)."""
+    per_layer = policy == "per_layer"
+    model = lora_vlm(tower=True)  # adapted tower blocks: units with trainable parameters
+    model.language_model.layers[0].requires_grad_(False)
+    plan = MultimodalParallelizer(frozen_multimodal_sharding=policy).plan(model)
+    assert _guarded(plan) == (["multi_modal_projector"] if per_layer else [])
+    # Without trainable code that runs only with media the frozen layer stays guarded.
+    model = lora_vlm(tower=False)
+    model.language_model.layers[0].requires_grad_(False)
+    plan = MultimodalParallelizer(frozen_multimodal_sharding=policy).plan(model)
+    tower = [*TOWER_BLOCKS, "multi_modal_projector"] if per_layer else []
+    assert _guarded(plan) == ["language_model.layers.0", *tower]
+
+
 def test_a_fully_trainable_block_in_a_frozen_tower_is_a_unit_under_every_policy() -> None:
     for policy in POLICIES:
         model = lora_vlm(tower=True)
