@@ -12,22 +12,26 @@ unit, the others after it, and the reduce-scatters of different units meet (a gl
 size mismatch, an NCCL hang or silently mixed gradients).
 
 ``anchor_unit_inputs`` makes the order independent of the inputs: before FSDP's
-own pre-forward hook, a unit with trainable parameters whose floating-point inputs
-require no gradient gets one of them routed through a no-op autograd function tied
-to a leaf that requires one. FSDP then hooks its post-backward into autograd on
-every rank, right after the unit's backward, as it already does on ranks whose
-input requires a gradient. The root unit is left as it is: it is reduced at the end
-of the backward on every rank, and its optional inputs (``pixel_values`` on some
-ranks only) must not move it. No gradient flows into the leaf; the only cost is
-the gradient of the anchored input, which autograd now computes (once per step,
-for the first trainable unit whose inputs need none, typically the first decoder
-layer behind frozen embeddings).
+own pre-forward hook, a unit with trainable parameters whose inputs require no
+gradient gets one input routed through a no-op autograd function tied to a leaf
+that requires one. That input is a ``hidden_states`` keyword, else the first
+floating-point positional one: the activations the unit's computation starts from,
+never an attention mask or a rotary table, whose gradient is ready before the
+unit's backward is done. (A unit that takes neither is left as it is.) FSDP then
+hooks its post-backward into autograd on every rank, right after the unit's
+backward, as it already does on ranks whose input requires a gradient.
+
+The root unit is left as it is: it is reduced at the end of the backward on every
+rank, and its optional inputs (``pixel_values`` on some ranks only) must not move
+it. No gradient flows into the leaf; the only cost is the gradient of the anchored
+input, which autograd now computes (for the first trainable unit whose inputs need
+none, typically the first decoder layer behind frozen embeddings).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -37,6 +41,10 @@ from torch.utils.hooks import RemovableHandle
 from fsdp_core import internals
 
 __all__ = ["anchor_unit_inputs"]
+
+
+#: The keyword under which transformers' layers take their activations.
+HIDDEN_STATES = "hidden_states"
 
 
 class _Anchor(torch.autograd.Function):
@@ -52,13 +60,8 @@ class _Anchor(torch.autograd.Function):
         return None, None
 
 
-def _floating(value: object) -> bool:
+def _floating(value: object) -> TypeGuard[torch.Tensor]:
     return isinstance(value, torch.Tensor) and value.is_floating_point()
-
-
-def _anchor(leaf: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    anchored: torch.Tensor = _Anchor.apply(leaf, value)  # type: ignore[no-untyped-call]
-    return anchored
 
 
 class _UnitAnchor:
@@ -66,13 +69,6 @@ class _UnitAnchor:
 
     def __init__(self) -> None:
         self._leaves: dict[torch.device, torch.Tensor] = {}
-
-    def _leaf(self, device: torch.device) -> torch.Tensor:
-        leaf = self._leaves.get(device)
-        if leaf is None:
-            leaf = torch.zeros((), device=device, requires_grad=True)
-            self._leaves[device] = leaf
-        return leaf
 
     def __call__(
         self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -83,14 +79,21 @@ class _UnitAnchor:
         # forward saved, and FSDP treats it like a forward whose inputs need grad.
         if _any_requires_grad(args, kwargs):
             return None  # FSDP hooks these inputs itself
+        hidden = kwargs.get(HIDDEN_STATES)
+        if _floating(hidden):
+            return args, {**kwargs, HIDDEN_STATES: self._anchored(hidden)}
         for index, value in enumerate(args):
             if _floating(value):
-                anchored = _anchor(self._leaf(value.device), value)
-                return (*args[:index], anchored, *args[index + 1 :]), kwargs
-        for key, value in kwargs.items():
-            if _floating(value):
-                return args, {**kwargs, key: _anchor(self._leaf(value.device), value)}
+                return (*args[:index], self._anchored(value), *args[index + 1 :]), kwargs
         return None
+
+    def _anchored(self, value: torch.Tensor) -> torch.Tensor:
+        leaf = self._leaves.get(value.device)
+        if leaf is None:
+            leaf = torch.zeros((), device=value.device, requires_grad=True)
+            self._leaves[value.device] = leaf
+        anchored: torch.Tensor = _Anchor.apply(leaf, value)  # type: ignore[no-untyped-call]
+        return anchored
 
 
 def _any_requires_grad(*values: object) -> bool:
