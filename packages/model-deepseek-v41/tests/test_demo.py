@@ -23,7 +23,7 @@ def test_defaults() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--policy", "sideways"], "invalid choice: 'sideways'"),
+        (["--policy", "sideways"], "unknown frozen multimodal sharding 'sideways'"),
         (["--precision", "int8"], "invalid choice: 'int8'"),
         (["--size", "huge"], "invalid choice: 'huge'"),
         (["--steps", "0"], "expected a positive integer, got 0"),
@@ -40,8 +40,9 @@ def test_bad_options_fail_fast(
     assert message in capsys.readouterr().err
 
 
-def test_policy_is_case_insensitive() -> None:
-    assert parse_args(["--policy", "PER_LAYER"]).policy == "per_layer"
+@pytest.mark.parametrize("spelling", ["PER_LAYER", "per-layer", " Per-Layer "])
+def test_policy_takes_every_spelling_the_api_takes(spelling: str) -> None:
+    assert parse_args(["--policy", spelling]).policy == "per_layer"
 
 
 @pytest.mark.distributed

@@ -44,6 +44,7 @@ from model_deepseek_v41.modeling import (
     make_batch,
 )
 from multimodal_fsdp import VALID_FROZEN_MULTIMODAL_SHARDING
+from multimodal_fsdp.policy import FrozenMultimodalSharding, normalize_frozen_multimodal_sharding
 
 __all__ = ["main", "parse_args"]
 
@@ -68,6 +69,14 @@ def _positive(text: str) -> int:
     return value
 
 
+def _policy(text: str) -> FrozenMultimodalSharding:
+    """Every spelling the parallelizer accepts (``per-layer``, ``Per_Layer`` ...)."""
+    try:
+        return normalize_frozen_multimodal_sharding(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m model_deepseek_v41.demo",
@@ -76,8 +85,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--policy",
         default="root",
-        type=str.lower,
-        choices=VALID_FROZEN_MULTIMODAL_SHARDING,
+        type=_policy,
+        metavar="{" + ",".join(VALID_FROZEN_MULTIMODAL_SHARDING) + "}",
         help="frozen vision tower sharding (default: root)",
     )
     parser.add_argument(
