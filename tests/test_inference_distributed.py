@@ -27,6 +27,7 @@ from scenarios_inference import (
     MORE_POLICIES,
     MORE_VLMS,
     TOL,
+    UNEVEN_CONFIGS,
 )
 
 pytestmark = [pytest.mark.distributed, pytest.mark.transformers]
@@ -106,3 +107,23 @@ def test_peft_generate_matches_one_process(mp2: MpResults) -> None:
             assert row["error"] is None, f"{where}: {row['error']}"
             assert row["tokens"] == row["ref_tokens"], where
     assert all("entry_unshard" in names for names in result["hooks"].values())
+
+
+def test_generate_with_uneven_media_and_lengths(mp2: MpResults) -> None:
+    """Rank 0 has an image and stops early (its end-of-sequence token), rank 1 has none and
+    runs on: where the tower owns no unit, every rank gets one process's tokens and runs as
+    many forwards as the longest rank (transformers' synced generation); under per_layer
+    every rank stops with UnevenMediaError."""
+    ranks = _result(mp2, "uneven")["ranks"]
+    rows = {(row["model"], row["config"]): row for row in ranks[0]}
+    assert len(rows) == len(MODELS) * len(UNEVEN_CONFIGS)
+    for rank, ranked in enumerate(ranks):
+        for row in ranked:
+            where = f"rank {rank}, {row['model']}, {row['config']}"
+            if row["config"] == "per_layer":
+                assert (row["error"] or "").startswith("UnevenMediaError"), where
+                continue
+            assert row["error"] is None, f"{where}: {row['error']}"
+            assert row["tokens"] == row["ref_tokens"], where
+            assert row["forwards"] == rows[row["model"], row["config"]]["forwards"], where
+    assert len(ranks[0][0]["tokens"][0]) < len(ranks[1][0]["tokens"][0]), "lengths must differ"

@@ -47,6 +47,7 @@ LAUNCHES: dict[int, list[str]] = {
         "inference_qwen2_vl",
         "inference_more_vlms",
         "inference_lora",
+        "inference_uneven",
         "misuse_optimizer_before_parallelize",
         "misuse_lora_after_parallelize",
         "misuse_plan_before_lora",

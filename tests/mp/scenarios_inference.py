@@ -389,6 +389,77 @@ def run_lora(ctx: DistributedContext) -> dict[str, Any]:
     return {"ranks": gathered, "hooks": hooks}
 
 
+#: Uneven media in generate(): rank 0 has an image, rank 1 none. Safe (as in training)
+#: where the tower owns no unit; ``per_layer`` must stop every rank with UnevenMediaError.
+UNEVEN_CONFIGS = ("root", "replicate", "uneven_media", "per_layer")
+
+
+def _text_only(name: str, prompt: Batch) -> Batch:
+    from hf_vlms import LLAVA_IMAGE_TOKEN, QWEN_END, QWEN_IMAGE, QWEN_START, QWEN_VIDEO
+
+    ids = prompt["input_ids"].clone()
+    media = (
+        (LLAVA_IMAGE_TOKEN,) if name == "llava" else (QWEN_IMAGE, QWEN_VIDEO, QWEN_START, QWEN_END)
+    )
+    for token in media:
+        ids[ids == token] = 7
+    text: Batch = {"input_ids": ids}
+    if name == "qwen2_vl":
+        text["mm_token_type_ids"] = torch.zeros_like(ids, dtype=torch.int)
+    return text
+
+
+def run_uneven(ctx: DistributedContext) -> dict[str, Any]:
+    """Uneven media across ranks, and generations of different lengths (one rank meets
+    its end-of-sequence token first): every rank must finish, with one process's tokens."""
+    from multimodal_fsdp import MultimodalParallelizer, UnevenMediaError
+
+    rows: list[dict[str, Any]] = []
+    for name in MODELS:
+        prompts = [MODELS[name][0](rank) for rank in range(ctx.world_size)]
+        mine = prompts[ctx.rank] if ctx.rank == 0 else _text_only(name, prompts[ctx.rank])
+        for config in UNEVEN_CONFIGS:
+            options = CONFIGS[name][config]
+            model = _build(name)
+            MultimodalParallelizer(**options).parallelize(model, mesh=build_mesh())
+            copy = _copy(name, model)
+            model.eval()
+            copy.eval()
+            # The end-of-sequence token: rank 0's second generated token, so that rank 0
+            # stops early and the other ranks (other prompts) run on.
+            with torch.no_grad():
+                first = _generate(copy, prompts[0])[0, -NEW_TOKENS + 1].item()
+            row: dict[str, Any] = {"model": name, "config": config, "error": None}
+            forwards = [0]
+
+            def count(*_: object, calls: list[int] = forwards) -> None:
+                calls[0] += 1
+
+            model.register_forward_pre_hook(count)
+            try:
+                with torch.no_grad():
+                    got = model.generate(  # type: ignore[operator]
+                        **mine, max_new_tokens=6, do_sample=False, eos_token_id=first
+                    )
+                    expected = copy.generate(  # type: ignore[operator]
+                        **mine, max_new_tokens=6, do_sample=False, eos_token_id=first
+                    )
+                row["forwards"] = forwards[0]
+                row["tokens"] = got[:, mine["input_ids"].shape[1] :].tolist()
+                row["ref_tokens"] = expected[:, mine["input_ids"].shape[1] :].tolist()
+            except UnevenMediaError as exc:
+                row["error"] = f"UnevenMediaError: {str(exc).splitlines()[0]}"
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+                rows.append(row)
+                raise
+            rows.append(row)
+            dist.barrier()
+    gathered: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, rows)
+    return {"ranks": gathered}
+
+
 def _scenario(name: str) -> Callable[[DistributedContext, Path], dict[str, Any]]:
     def run(ctx: DistributedContext, out: Path) -> dict[str, Any]:
         if importlib.util.find_spec("transformers") is None:
@@ -402,6 +473,7 @@ INFERENCE_SCENARIOS = (
     *(f"inference_{name}" for name in MODELS),
     "inference_more_vlms",
     "inference_lora",
+    "inference_uneven",
 )
 
 for _name in MODELS:
@@ -414,6 +486,13 @@ def _lora(ctx: DistributedContext, out: Path) -> dict[str, Any]:
     if missing:
         return {"skipped": ", ".join(missing)}
     return run_lora(ctx)
+
+
+@scenario("inference_uneven")
+def _uneven(ctx: DistributedContext, out: Path) -> dict[str, Any]:
+    if importlib.util.find_spec("transformers") is None:
+        return {"skipped": "transformers"}
+    return run_uneven(ctx)
 
 
 @scenario("inference_more_vlms")

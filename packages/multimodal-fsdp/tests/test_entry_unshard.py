@@ -316,3 +316,22 @@ def test_a_wrapped_model_generates_outside_the_wrappers_forward() -> None:
             model.inner.generate(pixels(), torch.randint(0, VOCAB, (2, 5)))  # type: ignore[operator]
         assert counter.counts().get("all_gather", 0) == 3  # the root unit, 2 decoder layers
         assert isinstance(model.inner.model.lm_head.weight, DTensor)
+
+
+def test_generate_holds_the_owners_for_the_whole_call_and_comes_off() -> None:
+    """A rank without images never calls the tower: the gather is made once per
+    ``generate`` call, on every rank, not per tower call."""
+    from fsdp_core import remove_runtime_hooks
+
+    with fake_process_group(2):
+        model = Wrapper()
+        model.inner.model.vision_tower.requires_grad_(False)
+        MultimodalParallelizer().parallelize(model, mesh=build_mesh())
+        assert "generate" in vars(model.inner)  # wrapped on the instance
+        hook = installed_hooks(model)["entry_unshard"]
+        with torch.no_grad():
+            model.inner.generate(pixels(), torch.randint(0, VOCAB, (2, 5)))  # type: ignore[operator]
+        assert hook.calls == 0  # type: ignore[attr-defined]  # no entry had to gather
+        assert isinstance(model.inner.model.lm_head.weight, DTensor)
+        remove_runtime_hooks(model, ["entry_unshard"])
+        assert "generate" not in vars(model.inner)

@@ -23,6 +23,13 @@ mixed-precision policy would; the forward hook reshards the units it gathered, s
 an optimizer step after the call is never hidden behind stale gathered copies.
 Cost: one all-gather of each owning unit per such call.
 
+Every module that defines ``generate`` (the model, or the model inside a
+``PeftModel``) also gets its ``generate`` wrapped (an instance attribute): the
+owning units of all entries inside it are gathered once, on every rank, for the
+whole call. Entries then find them gathered, so a rank without images, which
+never calls the tower, still runs the same collectives as a rank with images
+(uneven media in ``generate()``, safe exactly where it is in training).
+
 A call with gradients enabled runs too, but its backward cannot: FSDP never
 reduces the gradients of parameters gathered outside their unit's forward, and
 the gathered copies are freed after the call. Outputs that require a gradient
@@ -32,8 +39,9 @@ therefore get a hook that raises, when a backward reaches them, a
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +109,8 @@ class EntryUnshardHook:
     _handles: list[RemovableHandle] = field(default_factory=list, repr=False)
     #: One frame per entry call in progress outside the forward: (module, units gathered).
     _frames: list[tuple[nn.Module, list[FSDPModule]]] = field(default_factory=list, repr=False)
+    #: Modules whose ``generate`` this hook wrapped (an instance attribute, removed again).
+    _generators: list[nn.Module] = field(default_factory=list, repr=False)
 
     def watch_root(self) -> None:
         def enter(*_: object) -> None:
@@ -130,16 +140,9 @@ class EntryUnshardHook:
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if self._depth or internals.in_backward():
             return None  # inside the model's forward (or a recomputation): FSDP gathers
-        if not self._root_ready:
-            if isinstance(self.model, FSDPModule):
-                internals.initialize_root(self.model)  # as the model's first forward would
-            self._root_ready = True
         gathered: list[FSDPModule] = []
         self._frames.append((module, gathered))
-        for unit in entry.owners:
-            if not internals.is_gathered(unit):  # still gathered after a no-grad forward
-                unit.unshard()
-                gathered.append(unit)
+        self._gather(entry.owners, gathered)
         if gathered:
             self.calls += 1
             logger.debug("gathered %s to run %r outside the forward", entry.labels, entry.path)
@@ -147,6 +150,41 @@ class EntryUnshardHook:
             return None
         dtype = entry.policy.param_dtype
         return _cast(args, dtype), {key: _cast(value, dtype) for key, value in kwargs.items()}
+
+    def _gather(self, units: Iterable[FSDPModule], gathered: list[FSDPModule]) -> None:
+        """All-gather each of ``units`` not gathered yet (appending it to ``gathered``),
+        after making the model FSDP's root as its first forward would."""
+        if not self._root_ready:
+            if isinstance(self.model, FSDPModule):
+                internals.initialize_root(self.model)
+            self._root_ready = True
+        for unit in units:
+            if not internals.is_gathered(unit):  # still gathered after a no-grad forward
+                unit.unshard()
+                gathered.append(unit)
+
+    def wrap_generate(self, module: nn.Module, owners: tuple[FSDPModule, ...]) -> None:
+        """Hold ``owners`` gathered for a whole ``module.generate(...)`` call: every rank
+        calls ``generate`` once, while a rank without images skips the tower and would
+        skip a gather made per tower call (uneven media, as in training). Ranks that
+        generate different lengths stay in step through transformers' own
+        ``synced_gpus``, which it turns on for modules ``fully_shard`` manages."""
+        original: Callable[..., Any] = module.generate  # type: ignore[assignment]
+
+        @functools.wraps(original)
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            if self._depth or not owners:
+                return original(*args, **kwargs)
+            gathered: list[FSDPModule] = []
+            try:
+                self._gather(owners, gathered)
+                return original(*args, **kwargs)
+            finally:
+                for unit in gathered:
+                    unit.reshard()
+
+        object.__setattr__(module, "generate", generate)
+        self._generators.append(module)
 
     def _after(self, module: nn.Module, entry: _Entry, output: Any) -> None:
         if not self._frames or self._frames[-1][0] is not module:
@@ -167,6 +205,9 @@ class EntryUnshardHook:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for module in self._generators:
+            module.__dict__.pop("generate", None)
+        self._generators.clear()
 
 
 def install_entry_unshard(
@@ -177,6 +218,7 @@ def install_entry_unshard(
     the units are looked up in ``model`` by their plan paths."""
     hook = EntryUnshardHook(model)
     hook.watch_root()
+    entries: dict[str, tuple[FSDPModule, ...]] = {}
     for path, indices in owners.items():
         units = [plan.units[i] for i in indices]
         modules = tuple(_unit_module(model, unit.paths[0]) for unit in units)
@@ -192,6 +234,11 @@ def install_entry_unshard(
             policy=policies[0] if policies else None,
         )
         hook.attach(model.get_submodule(path) if path else model, entry)
+        entries[path] = modules
+    for path, module in model.named_modules():
+        if callable(getattr(type(module), "generate", None)):
+            inside = [units for entry, units in entries.items() if is_under(entry, path)]
+            hook.wrap_generate(module, tuple(dict.fromkeys(u for units in inside for u in units)))
     return hook
 
 

@@ -455,7 +455,7 @@ def _entry_hooks(owners: dict[str, tuple[int, ...]], plan: ShardingPlan) -> list
             "reshard them after",
             targets=tuple(owners),
             cost="no collective inside the model's forward; outside it one all-gather "
-            "of each owning unit per call",
+            "of each owning unit per call (per generate() call: held for all of it)",
         )
     ]
 
