@@ -43,6 +43,8 @@ LAUNCHES: dict[int, list[str]] = {
             for policy in ("root", "per_layer", "replicate")
         ),
         "pretrained_deepseek_fp32_norms",
+        "hf_export_llava",
+        "hf_export_qwen2_vl",
         "inference_llava",
         "inference_qwen2_vl",
         "inference_more_vlms",

@@ -7,7 +7,13 @@ Everything here is duck-typed on the model object the caller built:
   ``language_model.model.*`` for the module ``model.language_model.*``, and
   drops tied aliases). Rather than re-implementing those rules, the model's own
   ``save_pretrained`` is run once on a state dict of numbered 0-d markers; the
-  markers it writes tell which checkpoint key each module name becomes.
+  markers it writes tell which checkpoint key each module name becomes. The
+  class's method is run (not an instance's collective ``save_pretrained``
+  installed by ``apply_plan``), with transformers' progress bars off.
+- *Adapter names.* peft's ``PeftModel.save_pretrained`` is run the same way, on
+  one adapter: the markers in its ``adapter_model.safetensors`` tell which
+  tensors are the adapter's and under which keys; its small files
+  (``adapter_config.json``, ``README.md``) are kept as peft wrote them.
 - *Non-persistent buffers* (rotary ``inv_freq``, ``position_ids``) are
   recomputed by the owning sub-model's ``_init_weights``, with the module's
   parameters marked initialised so that only buffers are written.
@@ -79,6 +85,46 @@ def _writes_on_this_rank(model: nn.Module) -> Iterator[None]:
 
 
 @contextmanager
+def _quiet(save: Any) -> Iterator[None]:
+    """No "Writing model shards" progress bar from a save run only to read names.
+
+    The switch is found in the saving function's own module (transformers'
+    ``logging`` helpers), so transformers is never imported here.
+    """
+    helpers = getattr(getattr(save, "__func__", save), "__globals__", {}).get("logging")
+    enabled = getattr(helpers, "is_progress_bar_enabled", None)
+    disable = getattr(helpers, "disable_progress_bar", None)
+    enable = getattr(helpers, "enable_progress_bar", None)
+    if not (callable(enabled) and callable(disable) and callable(enable)) or not enabled():
+        yield
+        return
+    disable()
+    try:
+        yield
+    finally:
+        enable()
+
+
+@contextmanager
+def _base_names_only(model: nn.Module) -> Iterator[None]:
+    """transformers saves only adapters of a model that loaded some: the markers are base names."""
+    if getattr(model, "_hf_peft_config_loaded", False) is not True:
+        yield
+        return
+    model.__dict__["_hf_peft_config_loaded"] = False
+    try:
+        yield
+    finally:
+        model.__dict__["_hf_peft_config_loaded"] = True
+
+
+def own_save(model: nn.Module) -> Any:
+    """The model class's ``save_pretrained`` bound to ``model``, bypassing an instance override."""
+    method: Any = type(model).save_pretrained  # type: ignore[attr-defined]
+    return method.__get__(model)
+
+
+@contextmanager
 def _config_kept(config: Any) -> Iterator[None]:
     """``save_pretrained`` sets ``dtype`` and ``architectures`` on the config: undo it."""
     saved = {name: getattr(config, name) for name in ("dtype", "architectures")}
@@ -96,38 +142,108 @@ def checkpoint_names(model: nn.Module, groups: Sequence[Sequence[str]]) -> dict[
     tied ``lm_head.weight`` with ``embed_tokens.weight``). Names the model would
     not save (a dropped tied alias) are absent from the result.
     """
-    markers: dict[str, torch.Tensor] = {}
-    for index, group in enumerate(groups):
-        marker = torch.tensor(index, dtype=torch.int64)  # one object per group: aliases share it
-        markers.update(dict.fromkeys(group, marker))
-    save: Any = model.save_pretrained
+    save = own_save(model)
+    name = original_class(model).__name__
     with (
         tempfile.TemporaryDirectory(prefix="fsdp-core-names-") as tmp,
         _original_classes(model),
         _writes_on_this_rank(model),
+        _base_names_only(model),
         _config_kept(getattr(model, "config", None)),
+        _quiet(save),
     ):
         try:
-            save(tmp, state_dict=markers)
+            save(tmp, state_dict=_markers(groups))
         except Exception as exc:
             raise ValueError(
-                f"could not derive the checkpoint key names of {original_class(model).__name__} "
-                f"from its save_pretrained ({type(exc).__name__}: {exc}); pass key_mapping="
+                f"could not derive the checkpoint key names of {name} from its "
+                f"save_pretrained ({type(exc).__name__}: {exc}); pass key_mapping= "
+                "(module name -> checkpoint key)"
             ) from exc
         try:
-            return _read_markers(Path(tmp), groups)
-        except FileNotFoundError as exc:  # e.g. a wrapper that saves adapters only
+            layout = read_layout(tmp)
+        except FileNotFoundError:  # a wrapper whose save_pretrained writes something else
             raise ValueError(
-                f"save_pretrained of {original_class(model).__name__} wrote no model weights "
-                f"({exc}); pass key_mapping="
+                f"{name}.save_pretrained does not write model weights (no model.safetensors), "
+                "so the names of its checkpoint keys cannot be derived from it; pass "
+                "key_mapping= (module name -> checkpoint key)"
+            ) from None
+        return _read_markers(Path(tmp), groups, layout.keys_by_file(), remedy=": pass key_mapping=")
+
+
+def _markers(groups: Sequence[Sequence[str]]) -> dict[str, torch.Tensor]:
+    markers: dict[str, torch.Tensor] = {}
+    for index, group in enumerate(groups):
+        marker = torch.tensor(index, dtype=torch.int64)  # one object per group: aliases share it
+        markers.update(dict.fromkeys(group, marker))
+    return markers
+
+
+#: The adapter file ``PeftModel.save_pretrained`` writes (safetensors serialisation).
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def adapter_checkpoint(
+    model: nn.Module,
+    groups: Sequence[Sequence[str]],
+    *,
+    adapter: str,
+    save_embedding_layers: bool | str = "auto",
+) -> tuple[dict[str, str], dict[str, bytes]]:
+    """peft's export of one adapter: state name -> adapter key, and its other files.
+
+    ``groups`` are the peft model's state names (aliases together). The keys are
+    those peft writes (no adapter name); only the names it exports are in the
+    table. The second result holds the small files peft wrote beside the
+    weights (``adapter_config.json``, ``README.md``), by file name.
+    """
+    save = own_save(model)
+    name = original_class(model).__name__
+    with (
+        tempfile.TemporaryDirectory(prefix="fsdp-core-adapter-") as tmp,
+        _original_classes(model),
+        _quiet(save),
+    ):
+        try:
+            save(
+                tmp,
+                state_dict=_markers(groups),
+                selected_adapters=[adapter],
+                save_embedding_layers=save_embedding_layers,
+            )
+        except Exception as exc:
+            raise ValueError(
+                f"could not derive the adapter export of {name} from its save_pretrained "
+                f"({type(exc).__name__}: {exc})"
             ) from exc
+        folder = Path(tmp) if adapter == "default" else Path(tmp) / adapter
+        weights = folder / ADAPTER_WEIGHTS
+        if not weights.is_file():
+            raise ValueError(
+                f"{name}.save_pretrained wrote no {ADAPTER_WEIGHTS} for adapter {adapter!r}"
+            )
+        with open_file(weights) as handle:
+            keys = sorted(handle.keys())
+        table = _read_markers(folder, groups, [(ADAPTER_WEIGHTS, keys)], remedy="")
+        extra = {
+            path.name: path.read_bytes()
+            for folder_ in {folder, Path(tmp)}
+            for path in sorted(folder_.iterdir())
+            if path.is_file() and path.name != ADAPTER_WEIGHTS
+        }
+        return table, extra
 
 
-def _read_markers(directory: Path, groups: Sequence[Sequence[str]]) -> dict[str, str]:
+def _read_markers(
+    directory: Path,
+    groups: Sequence[Sequence[str]],
+    files: Iterable[tuple[str, list[str]]],
+    *,
+    remedy: str,
+) -> dict[str, str]:
     names: dict[str, str] = {}
     seen: set[int] = set()
-    layout = read_layout(directory)
-    for file, keys in layout.keys_by_file():
+    for file, keys in files:
         with open_file(directory / file) as handle:
             for key in keys:
                 value = handle.get_tensor(key)
@@ -136,7 +252,7 @@ def _read_markers(directory: Path, groups: Sequence[Sequence[str]]) -> dict[str,
                     raise ValueError(
                         f"save_pretrained of this model transforms tensors (checkpoint key "
                         f"{key!r} is not one renamed state tensor); only renaming is "
-                        "supported: pass key_mapping="
+                        f"supported{remedy}"
                     )
                 seen.add(index)
                 names.update(dict.fromkeys(groups[index], key))

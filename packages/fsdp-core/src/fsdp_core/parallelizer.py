@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp_core import internals
+from fsdp_core._hf_methods import install_collective_save
 from fsdp_core.accumulation import install_unshard_warmup
 from fsdp_core.containers import is_under, iter_layer_items
 from fsdp_core.dtype_units import find_dtype_islands, group_islands
@@ -210,7 +211,12 @@ class ModelParallelizer:
         offload_policy: OffloadPolicy | None = None,
     ) -> nn.Module:
         """Shard ``model`` in place as ``plan`` says; every call goes through
-        :meth:`_fully_shard_module`."""
+        :meth:`_fully_shard_module`.
+
+        A transformers or peft model then has its own collective
+        ``save_pretrained`` (the instance's, bound to the library's export;
+        the class's stays ``type(model).save_pretrained``): see
+        docs/meta-init-and-checkpoints.md."""
         if not isinstance(plan, ShardingPlan):
             raise TypeError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
         if plan.fingerprint is not None:
@@ -239,6 +245,7 @@ class ModelParallelizer:
             if installed is not None:
                 register_installed_hook(model, installed)
         install_first_forward_check(model, module_tree_fingerprint(model))
+        install_collective_save(model)
         logger.info(
             "applied %d FSDP units in %d calls; runtime hooks: %s",
             len(plan.units),

@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_core import _hf_model
+from fsdp_core import _hf_model, _lora
 from fsdp_core._safetensors_dir import (
     CheckpointLayout,
     SafeFile,
@@ -500,6 +500,18 @@ def load_pretrained(
     )
 
 
+def _gathered(slot: _Slot, terms: Sequence[_lora.Term], *, keep: bool) -> torch.Tensor | None:
+    """The slot's whole tensor with its LoRA ``terms`` merged in (collectives on every rank)."""
+    value = _full(slot.tensor, keep=keep)
+    parts = [
+        (_full(t.up, keep=keep), None if t.down is None else _full(t.down, keep=keep), t)
+        for t in terms
+    ]
+    if value is None or not parts:
+        return value
+    return _lora.merged(value, [(up, down, t) for up, down, t in parts if up is not None])
+
+
 def _full(tensor: torch.Tensor, *, keep: bool) -> torch.Tensor | None:
     """The whole tensor on this rank's CPU when ``keep`` (a collective for DTensors)."""
     with torch.no_grad():
@@ -509,21 +521,67 @@ def _full(tensor: torch.Tensor, *, keep: bool) -> torch.Tensor | None:
         return tensor.detach().cpu().clone() if keep else None
 
 
+@dataclass(frozen=True)
+class _Export:
+    """What a model export writes: checkpoint key -> tensor, what is merged in, whose config."""
+
+    entries: list[tuple[str, _Slot]]
+    terms: Mapping[str, tuple[_lora.Term, ...]]  # by checkpoint key: LoRA additions
+    config_model: nn.Module
+
+
+def _unwrapped_slots(
+    model: nn.Module, slots: Sequence[_Slot], *, merge_adapters: bool
+) -> tuple[nn.Module, list[_Slot], _lora.ExportView]:
+    """The model whose names are exported (a peft model's base when merging) and the
+    slots under its unwrapped names; raises before any collective for wrapped
+    modules that are not merged, or adapters that cannot be."""
+    target, prefix = _lora.base_model(model) if merge_adapters else (model, "")
+    view = _lora.export_view(target)
+    if view.wrapped and not merge_adapters:
+        raise _lora.wrapped_error(target, view.wrapped)
+    if merge_adapters and not view.terms:
+        raise ValueError(
+            f"merge_adapters=True, but {type(target).__name__} has no LoRA adapters to merge "
+            "(no module wraps a base layer with lora_A/lora_B); leave the option out"
+        )
+    cut = f"{prefix}." if prefix else ""
+    renamed: list[_Slot] = []
+    for slot in slots:
+        inner = [n[len(cut) :] for n in slot.names if n.startswith(cut)]
+        names = tuple(dict.fromkeys(view.names[n] for n in inner if n in view.names))
+        if names:
+            renamed.append(_Slot(names, slot.tensor))
+    return target, renamed, view
+
+
 def _export_keys(
-    model: nn.Module, slots: Sequence[_Slot], key_mapping: KeyMapping | None
-) -> list[tuple[str, _Slot]]:
+    model: nn.Module,
+    slots: Sequence[_Slot],
+    key_mapping: KeyMapping | None,
+    *,
+    merge_adapters: bool = False,
+) -> _Export:
+    target, slots, view = _unwrapped_slots(model, slots, merge_adapters=merge_adapters)
     if key_mapping is not None:
-        rename = key_mapping
-    elif _hf_model.is_hf_model(model):
-        table = _hf_names(model, slots)
+        entries = [(key_mapping(slot.names[0]), slot) for slot in slots]
+    elif _hf_model.is_hf_model(target):
+        table = _hf_names(target, slots)
         entries = [(table[s.names[0]], s) for s in slots if s.names[0] in table]
-        return _unique(entries)
     else:
-
-        def rename(name: str) -> str:
-            return name
-
-    return _unique([(rename(slot.names[0]), slot) for slot in slots])
+        entries = [(slot.names[0], slot) for slot in slots]
+    terms: dict[str, tuple[_lora.Term, ...]] = {}
+    for key, slot in entries:
+        found = [view.terms[n] for n in slot.names if n in view.terms]
+        if found:
+            terms[key] = found[0]
+    lost = sorted(set(view.terms) - {n for _, s in entries for n in s.names})
+    if lost:
+        raise ValueError(
+            f"the merged tensors {_listed(lost)} would not be saved (the model's "
+            "save_pretrained drops them); no export was written"
+        )
+    return _Export(_unique(entries), terms, target)
 
 
 def _unique(entries: list[tuple[str, _Slot]]) -> list[tuple[str, _Slot]]:
@@ -540,6 +598,7 @@ def save_pretrained(
     *,
     max_shard_size: int | str = "5GB",
     key_mapping: KeyMapping | None = None,
+    merge_adapters: bool = False,
 ) -> tuple[str, ...]:
     """Write ``model`` (sharded or not) as a directory ``from_pretrained`` loads; the files.
 
@@ -553,6 +612,18 @@ def save_pretrained(
     ``save_pretrained`` is written too (with the class and the dtype holding most
     parameters). Rank 0 holds one output file of full tensors at a time; every
     rank briefly holds one full tensor while it is gathered.
+
+    LoRA (peft): a ``PeftModel`` is exported as its active adapter alone, in
+    peft's format (``adapter_config.json``, ``adapter_model.safetensors``), which
+    ``PeftModel.from_pretrained(base, directory)`` loads; only adapter tensors
+    are gathered. With ``merge_adapters=True`` a ``PeftModel`` (or its
+    ``get_base_model()``) is exported merged instead: each LoRA layer's base
+    weight plus ``scaling * B @ A``, under the base model's names and with its
+    config, computed on the gathered tensors (the model is not changed). A
+    model with adapter-wrapped modules is never saved under wrapped names: without
+    ``merge_adapters`` that fails on every rank before anything is written, as
+    do adapters the merge does not implement (DoRA and other variants, LoRA on
+    embeddings or convolutions).
     """
     require_safetensors()
     check_unchanged_since_sharding(model, where="save_pretrained")
@@ -561,11 +632,21 @@ def save_pretrained(
         raise TypeError(
             f"key_mapping must be a function of a module name, got {type(key_mapping).__name__}"
         )
+    if not isinstance(merge_adapters, bool):
+        raise TypeError(f"merge_adapters must be a bool, got {merge_adapters!r}")
+    if _lora.is_peft_model(model) and not merge_adapters:
+        if key_mapping is not None:
+            raise ValueError(
+                "key_mapping= does not apply to the adapter export of a PeftModel (peft names "
+                "its keys); pass merge_adapters=True to export merged weights under new names"
+            )
+        return export_adapter(model, directory, adapter=_lora.active_adapter(model))
     _reshard(model)
     slots = _persistent_slots(model)
     if any(_is_meta(slot.tensor) for slot in slots):
         raise ValueError("the model still has tensors on the meta device: load or fill it first")
-    entries = _export_keys(model, slots, key_mapping)
+    export = _export_keys(model, slots, key_mapping, merge_adapters=merge_adapters)
+    entries = export.entries
     sizes = [(key, slot.tensor.numel() * slot.tensor.element_size()) for key, slot in entries]
     groups = plan_files(sizes, limit)
     names = file_names(len(groups))
@@ -579,7 +660,7 @@ def save_pretrained(
     for name, keys in zip(names, groups, strict=True):
         tensors: dict[str, torch.Tensor] = {}
         for key in keys:
-            value = _full(slot_of[key].tensor, keep=main)
+            value = _gathered(slot_of[key], export.terms.get(key, ()), keep=main)
             if value is not None:
                 tensors[key] = value.contiguous()
         if main:
@@ -592,8 +673,63 @@ def save_pretrained(
             write_index(root, weight_map, sum(size for _, size in sizes))
             written.append("model.safetensors.index.json")
         floating = (s.tensor for s in slots if s.tensor.dtype.is_floating_point)
-        written += _hf_model.write_configs(model, root, dtype=dominant_dtype(floating))
+        written += _hf_model.write_configs(
+            export.config_model, root, dtype=dominant_dtype(floating)
+        )
     if dist.is_initialized():
         dist.barrier()
     logger.info("saved %d tensors to %s in %d files", len(entries), directory, len(names))
     return tuple(written)
+
+
+def export_adapter(
+    model: nn.Module,
+    directory: PathLike,
+    *,
+    adapter: str,
+    save_embedding_layers: bool | str = "auto",
+) -> tuple[str, ...]:
+    """Write one adapter of a (sharded) peft model as peft does; the files. Collective.
+
+    The keys, ``adapter_config.json`` and ``README.md`` are what peft's own
+    ``save_pretrained`` writes for ``adapter`` (it is run on markers, in a
+    temporary directory on every rank); only the tensors it names are gathered.
+    """
+    require_safetensors()
+    if adapter not in _lora.adapter_names(model):
+        raise ValueError(
+            f"adapter {adapter!r} is not one of the model's adapters "
+            f"{list(_lora.adapter_names(model))}"
+        )
+    _reshard(model)
+    slots = _persistent_slots(model)
+    table, extra = _hf_model.adapter_checkpoint(
+        model,
+        [slot.names for slot in slots],
+        adapter=adapter,
+        save_embedding_layers=save_embedding_layers,
+    )
+    found: list[tuple[str, _Slot]] = []
+    for slot in slots:
+        name = next((n for n in slot.names if n in table), None)
+        if name is not None:
+            found.append((table[name], slot))
+    entries = _unique(found)
+    if any(_is_meta(slot.tensor) for _, slot in entries):
+        raise ValueError("the model still has tensors on the meta device: load or fill it first")
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    root = Path(directory)
+    tensors: dict[str, torch.Tensor] = {}
+    for key, slot in sorted(entries, key=lambda entry: entry[0]):
+        value = _full(slot.tensor, keep=main)
+        if value is not None:
+            tensors[key] = value.contiguous()
+    if main:
+        root.mkdir(parents=True, exist_ok=True)
+        write_file(root / _hf_model.ADAPTER_WEIGHTS, tensors)
+        for name, data in extra.items():
+            (root / name).write_bytes(data)
+    if dist.is_initialized():
+        dist.barrier()
+    logger.info("saved adapter %r (%d tensors) to %s", adapter, len(entries), directory)
+    return (_hf_model.ADAPTER_WEIGHTS, *sorted(extra))
