@@ -540,10 +540,10 @@ def _unwrapped_slots(
     view = _lora.export_view(target)
     if view.wrapped and not merge_adapters:
         raise _lora.wrapped_error(target, view.wrapped)
-    if merge_adapters and not view.terms:
+    if merge_adapters and not view.wrapped:
         raise ValueError(
-            f"merge_adapters=True, but {type(target).__name__} has no LoRA adapters to merge "
-            "(no module wraps a base layer with lora_A/lora_B); leave the option out"
+            f"merge_adapters=True, but {type(target).__name__} has no adapter-wrapped modules "
+            "to merge; leave the option out"
         )
     cut = f"{prefix}." if prefix else ""
     renamed: list[_Slot] = []
