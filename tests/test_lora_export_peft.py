@@ -1,0 +1,85 @@
+"""The merged and adapter exports against real peft, in one process (no sharding).
+
+The 2-rank tests (``test_hf_export_distributed.py``) cover sharded VLMs; here the
+LoRA flavours the merge must reproduce exactly as peft's ``merge_and_unload`` does:
+plain scaling, rsLoRA (``alpha / sqrt(r)``), ``fan_in_fan_out`` layers (GPT-2's
+``Conv1D``), ``lora_bias``, and ``modules_to_save``; and the adapter export against
+peft's own ``save_pretrained``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from fsdp_core import save_pretrained  # noqa: E402
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = nn.Linear(6, 10)
+        self.conv1d = transformers.pytorch_utils.Conv1D(8, 10)  # weight stored in x out
+        self.head = nn.Linear(8, 4)
+
+
+def _lora(**options: Any) -> Any:
+    config = peft.LoraConfig(r=2, lora_alpha=5, init_lora_weights=False, **options)
+    torch.manual_seed(1)
+    return peft.get_peft_model(Net(), config)
+
+
+def _read(directory: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        out.update(safetensors_torch.load_file(str(path)))
+    return out
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"target_modules": ["up"]},
+        {"target_modules": ["up"], "use_rslora": True},
+        {"target_modules": ["conv1d"], "fan_in_fan_out": True},
+        {"target_modules": ["up"], "lora_bias": True},
+        {"target_modules": ["up"], "modules_to_save": ["head"]},
+    ],
+    ids=["plain", "rslora", "fan_in_fan_out", "lora_bias", "modules_to_save"],
+)
+def test_merged_export_equals_merge_and_unload(tmp_path: Path, options: dict[str, Any]) -> None:
+    model = _lora(**options)
+    if "modules_to_save" in options:
+        with torch.no_grad():  # the trained copy differs from the original
+            model.base_model.model.head.modules_to_save["default"].weight.add_(1.0)
+    save_pretrained(model, tmp_path / "merged", merge_adapters=True)
+    reference = model.merge_and_unload().state_dict()  # after the export: it changes the model
+    saved = _read(tmp_path / "merged")
+    assert set(saved) == set(reference)
+    for key, value in reference.items():
+        assert torch.equal(saved[key], value), key
+
+
+def test_adapter_export_is_what_peft_writes(tmp_path: Path) -> None:
+    model = _lora(target_modules=["up", "conv1d"], fan_in_fan_out=True)
+    save_pretrained(model, tmp_path / "lib")
+    type(model).save_pretrained(model, str(tmp_path / "peft"))
+    ours, theirs = _read(tmp_path / "lib"), _read(tmp_path / "peft")
+    assert set(ours) == set(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    config = "adapter_config.json"
+    assert json.loads((tmp_path / "lib" / config).read_text()) == json.loads(
+        (tmp_path / "peft" / config).read_text()
+    )
+    assert not (tmp_path / "lib" / "model.safetensors").exists()
