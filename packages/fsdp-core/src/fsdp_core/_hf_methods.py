@@ -37,8 +37,8 @@ def install_collective_save(model: nn.Module) -> tuple[str, ...]:
     """Bind a collective ``save_pretrained`` to ``model`` (and a peft model's base); the paths.
 
     Only instances whose class defines ``save_pretrained`` are touched: a
-    transformers model gets [save_hf_model][fsdp_core._hf_methods.save_hf_model],
-    a peft model [save_peft_model][fsdp_core._hf_methods.save_peft_model].
+    transformers model gets ``save_hf_model``,
+    a peft model ``save_peft_model``.
     """
     targets: list[tuple[str, nn.Module, Callable[..., None]]] = []
     if _lora.is_peft_model(model):
@@ -55,7 +55,7 @@ def install_collective_save(model: nn.Module) -> tuple[str, ...]:
         module.__dict__[_ATTRIBUTE] = types.MethodType(method, module)
         installed.append(path)
     if installed:
-        logger.debug("collective save_pretrained bound to %s", installed or ["<root>"])
+        logger.debug("collective save_pretrained bound to %s", [p or "<root>" for p in installed])
     return tuple(installed)
 
 
