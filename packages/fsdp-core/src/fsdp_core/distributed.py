@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import sys
@@ -12,6 +13,7 @@ from typing import Final, NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.distributed.rendezvous import rendezvous
 
 from fsdp_core.internals import fake_store
 
@@ -28,6 +30,10 @@ logger = logging.getLogger(__name__)
 
 #: Backends this library sets up itself; "fake" is the single-process test backend.
 VALID_BACKENDS: Final[tuple[str, ...]] = ("nccl", "gloo", "fake")
+#: Numbers the default groups this process starts from the torchrun store: each gets
+#: its own key prefix, so a group started after ``destroy_distributed`` never reads
+#: the keys (the peers' old gloo addresses) of the one before it.
+_GENERATIONS = itertools.count()
 _DEVICE_FOR_BACKEND: Final[dict[str, str]] = {
     "nccl": "cuda",
     "gloo": "cpu",
@@ -160,7 +166,12 @@ def init_distributed(
     if chosen == "fake":
         dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     elif "MASTER_ADDR" in os.environ:
-        dist.init_process_group(chosen, rank=rank, world_size=world_size, timeout=pg_timeout)
+        store, _, _ = next(rendezvous("env://", rank, world_size, timeout=pg_timeout))
+        prefix = f"fsdp_core/default_pg/{next(_GENERATIONS)}"
+        store = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
+        dist.init_process_group(
+            chosen, store=store, rank=rank, world_size=world_size, timeout=pg_timeout
+        )
     elif world_size == 1:
         store = dist.HashStore()  # type: ignore[attr-defined]
         dist.init_process_group(chosen, store=store, rank=0, world_size=1, timeout=pg_timeout)
