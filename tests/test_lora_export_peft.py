@@ -83,3 +83,18 @@ def test_adapter_export_is_what_peft_writes(tmp_path: Path) -> None:
         (tmp_path / "peft" / config).read_text()
     )
     assert not (tmp_path / "lib" / "model.safetensors").exists()
+
+
+def test_names_probe_prints_no_progress_bar(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Deriving checkpoint names runs transformers' save_pretrained: silently."""
+    from hf_vlms import HF_VLMS
+
+    model = HF_VLMS["llava"].build()
+    capfd.readouterr()
+    save_pretrained(model, tmp_path / "plain", max_shard_size="40KB")
+    save_pretrained(_lora(target_modules=["up"]), tmp_path / "adapter")  # peft's save runs too
+    captured = capfd.readouterr()
+    assert "Writing model shards" not in captured.err + captured.out
+    assert transformers.utils.logging.is_progress_bar_enabled()  # switched back on
