@@ -116,12 +116,16 @@ def _llava_entries() -> dict[str, Entry]:
     def base_model(m: nn.Module, p: Batch) -> Any:
         return m.model(**p).last_hidden_state  # type: ignore[operator]
 
+    def language_model(m: nn.Module, p: Batch) -> Any:
+        return m.model.language_model(input_ids=p["input_ids"]).last_hidden_state  # type: ignore[operator]
+
     return {
         "generate": _generate,
         "get_image_features": features,
         "vision_tower": tower,
         "multi_modal_projector": projector,
         "base_model": base_model,
+        "language_model": language_model,
     }
 
 
@@ -142,12 +146,16 @@ def _qwen_entries() -> dict[str, Entry]:
     def base_model(m: nn.Module, p: Batch) -> Any:
         return m.model(**p).last_hidden_state  # type: ignore[operator]
 
+    def language_model(m: nn.Module, p: Batch) -> Any:
+        return m.model.language_model(input_ids=p["input_ids"]).last_hidden_state  # type: ignore[operator]
+
     return {
         "generate": _generate,
         "get_image_features": images,
         "get_video_features": videos,
         "visual": tower,
         "base_model": base_model,
+        "language_model": language_model,
     }
 
 

@@ -335,3 +335,42 @@ def test_generate_holds_the_owners_for_the_whole_call_and_comes_off() -> None:
         assert isinstance(model.inner.model.lm_head.weight, DTensor)
         remove_runtime_hooks(model, ["entry_unshard"])
         assert "generate" not in vars(model.inner)
+
+
+class TextModel(nn.Module):
+    """transformers-shaped submodel (a ``config`` and ``get_input_embeddings``)."""
+
+    config = object()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = LanguageModel()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.inner.embed_tokens
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.inner.embed_tokens(input_ids))  # type: ignore[no-any-return]
+
+
+class CausalLm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = TextModel()
+        self.lm_head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model(input_ids))  # type: ignore[no-any-return]
+
+
+def test_a_transformers_submodel_called_by_hand_is_an_entry() -> None:
+    from fsdp_core import ModelParallelizer
+
+    hook = ModelParallelizer().plan(CausalLm()).hook("entry_unshard")
+    assert hook is not None
+    assert hook.targets == ("model",)
+    with fake_process_group(2):
+        model = ModelParallelizer().parallelize(CausalLm(), mesh=build_mesh())
+        with CommCounter() as counter, torch.no_grad():
+            model.model(torch.randint(0, VOCAB, (2, 5)))  # type: ignore[operator]
+        assert counter.counts().get("all_gather", 0) == 3  # the root unit, 2 layers

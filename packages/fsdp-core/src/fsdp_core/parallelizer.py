@@ -278,13 +278,11 @@ class ModelParallelizer:
         """Modules that code may call outside the model's forward: the ``entry_unshard``
         hook gathers their parameters' units for such calls. Here: wrapped models that
         generate (a ``PeftModel``'s ``generate`` runs the inner transformers model's,
-        never the wrapper's forward); the multimodal parallelizer adds towers and
+        never the wrapper's forward) and transformers submodels (``model.model``, a
+        language model, a vision model: duck-typed by ``config`` and
+        ``get_input_embeddings``); the multimodal parallelizer adds towers and
         projectors (``generate()`` computes image features before the forward)."""
-        return [
-            path
-            for path, module in model.named_modules()
-            if path and callable(getattr(type(module), "generate", None))
-        ]
+        return [path for path, module in model.named_modules() if path and _is_entry(module)]
 
     def _plan_hooks(self, model: nn.Module, plan: ShardingPlan) -> list[HookPlan]:
         """The runtime hooks ``plan`` needs (before ``disabled_hooks`` are taken out)."""
@@ -447,6 +445,14 @@ def _paths_text(units: list[tuple[str, ...]], limit: int = 4) -> str:
         "[" + ", ".join(repr(p or "<root>") for p in paths) + "]" for paths in units[:limit]
     )
     return shown + (f" and {len(units) - limit} more" if len(units) > limit else "")
+
+
+def _is_entry(module: nn.Module) -> bool:
+    """A module users call on its own: one that generates, or a transformers model."""
+    cls = type(module)
+    if callable(getattr(cls, "generate", None)):
+        return True
+    return callable(getattr(cls, "get_input_embeddings", None)) and hasattr(module, "config")
 
 
 def _entry_hooks(owners: dict[str, tuple[int, ...]], plan: ShardingPlan) -> list[HookPlan]:

@@ -342,9 +342,10 @@ class MultimodalParallelizer(ModelParallelizer):
         return [region.path for region in self.media_regions(model, plan)]
 
     def _entry_paths(self, model: nn.Module) -> list[str]:
-        """Besides wrapped generating models: models that compute media features
-        (``get_image_features`` and the like, called by ``generate()`` or by hand, as is
-        their forward), then towers and projectors (called by those or by hand)."""
+        """Besides wrapped generating models and transformers submodels: models that
+        compute media features (``get_image_features`` and the like, called by
+        ``generate()`` or by hand, as is their forward), then towers and projectors
+        (called by those or by hand)."""
         paths = super()._entry_paths(model)
         paths += [
             path
@@ -353,7 +354,8 @@ class MultimodalParallelizer(ModelParallelizer):
             and path not in paths
             and any(callable(getattr(type(module), f, None)) for f in _FEATURE_METHODS)
         ]
-        return paths + [part.found.path for part in self.multimodal_parts(model)]
+        towers = [part.found.path for part in self.multimodal_parts(model)]
+        return paths + [path for path in towers if path not in paths]
 
     def _plan_hooks(self, model: nn.Module, plan: ShardingPlan) -> list[HookPlan]:
         hooks = super()._plan_hooks(model, plan)
