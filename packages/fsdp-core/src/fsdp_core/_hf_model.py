@@ -12,8 +12,9 @@ Everything here is duck-typed on the model object the caller built:
   installed by ``apply_plan``), with transformers' progress bars off.
 - *Adapter names.* peft's ``PeftModel.save_pretrained`` is run the same way, on
   one adapter: the markers in its ``adapter_model.safetensors`` tell which
-  tensors are the adapter's and under which keys; its small files
-  (``adapter_config.json``, ``README.md``) are kept as peft wrote them.
+  tensors are the adapter's and under which keys; its ``adapter_config.json``
+  is kept as peft wrote it (its model card ``README.md`` is not: it would
+  replace a README of the user's).
 - *Non-persistent buffers* (rotary ``inv_freq``, ``position_ids``) are
   recomputed by the owning sub-model's ``_init_weights``, with the module's
   parameters marked initialised so that only buffers are written.
@@ -179,8 +180,9 @@ def _markers(groups: Sequence[Sequence[str]]) -> dict[str, torch.Tensor]:
     return markers
 
 
-#: The adapter file ``PeftModel.save_pretrained`` writes (safetensors serialisation).
+#: The adapter files ``PeftModel.save_pretrained`` writes (safetensors serialisation).
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
 
 
 def adapter_checkpoint(
@@ -194,8 +196,8 @@ def adapter_checkpoint(
 
     ``groups`` are the peft model's state names (aliases together). The keys are
     those peft writes (no adapter name); only the names it exports are in the
-    table. The second result holds the small files peft wrote beside the
-    weights (``adapter_config.json``, ``README.md``), by file name.
+    table. The second result holds ``adapter_config.json`` as peft wrote it,
+    by file name.
     """
     save = own_save(model)
     name = original_class(model).__name__
@@ -225,13 +227,10 @@ def adapter_checkpoint(
         with open_file(weights) as handle:
             keys = sorted(handle.keys())
         table = _read_markers(folder, groups, [(ADAPTER_WEIGHTS, keys)], remedy="")
-        extra = {
-            path.name: path.read_bytes()
-            for folder_ in {folder, Path(tmp)}
-            for path in sorted(folder_.iterdir())
-            if path.is_file() and path.name != ADAPTER_WEIGHTS
-        }
-        return table, extra
+        config = folder / ADAPTER_CONFIG
+        if not config.is_file():
+            raise ValueError(f"{name}.save_pretrained wrote no {ADAPTER_CONFIG} for {adapter!r}")
+        return table, {ADAPTER_CONFIG: config.read_bytes()}
 
 
 def _read_markers(

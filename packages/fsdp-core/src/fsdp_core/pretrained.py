@@ -691,9 +691,10 @@ def export_adapter(
 ) -> tuple[str, ...]:
     """Write one adapter of a (sharded) peft model as peft does; the files. Collective.
 
-    The keys, ``adapter_config.json`` and ``README.md`` are what peft's own
-    ``save_pretrained`` writes for ``adapter`` (it is run on markers, in a
-    temporary directory on every rank); only the tensors it names are gathered.
+    The keys and ``adapter_config.json`` are what peft's own ``save_pretrained``
+    writes for ``adapter`` (it is run on markers, in a temporary directory on
+    every rank); only the tensors it names are gathered. peft's model card
+    (``README.md``) is not written.
     """
     require_safetensors()
     if adapter not in _lora.adapter_names(model):
