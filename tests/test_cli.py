@@ -385,7 +385,7 @@ def test_a_hub_id_says_to_pass_the_downloaded_config(
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     err = fail(capsys, "--model", "Qwen/Qwen2-VL-7B-Instruct")
-    assert "looks like a Hugging Face hub ID" in err
+    assert "is no local path and looks like a Hugging Face hub ID" in err
     assert "huggingface-cli download Qwen/Qwen2-VL-7B-Instruct config.json" in err
     assert "--model path/to/config.json" in err
     # Downloaded before (any from_pretrained): the error names the cached file.

@@ -278,8 +278,8 @@ def _hub_id_error(transformers: Any, name: str) -> CliError:
             "--model path/to/config.json"
         )
     return CliError(
-        f"--model {name!r} looks like a Hugging Face hub ID; the CLI never downloads "
-        f"anything: {instead}"
+        f"--model {name!r} is no local path and looks like a Hugging Face hub ID; the CLI "
+        f"never downloads anything: {instead}"
     )
 
 
