@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from types import ModuleType
 from typing import Any, Final
 
@@ -57,6 +58,7 @@ __all__ = [
     "fsdp_mem_tracker_class",
     "fsdp_state_module",
     "require_attributes",
+    "process_group_timeout",
 ]
 
 _FAKE_PG_MODULE: Final = "torch.testing._internal.distributed.fake_pg"
@@ -402,3 +404,27 @@ def fsdp_mem_tracker_class(needs: Sequence[str], *, user: str) -> type[Any]:
     if not isinstance(tracker, type):
         raise FSDPInternalsError(f"{_MEM_TRACKER_MODULE}.FSDPMemTracker is not a class")
     return tracker
+
+
+def process_group_timeout(group: Any = None) -> timedelta:
+    """The timeout the process group's collectives run under (the default group when
+    ``group`` is ``None``). torch keeps it in the backend's private options; without
+    them, the timeout of the group's store (which ``init_process_group`` gives the
+    same value), else torch's default."""
+    import torch.distributed as dist
+
+    pg: Any = dist.group.WORLD if group is None else group
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        try:
+            value = pg._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+        if isinstance(value, timedelta) and value.total_seconds() > 0:
+            return value
+    try:
+        value = pg.get_group_store().timeout
+    except (AttributeError, RuntimeError):
+        value = None
+    if isinstance(value, timedelta) and value.total_seconds() > 0:
+        return value
+    return timedelta(minutes=30)
