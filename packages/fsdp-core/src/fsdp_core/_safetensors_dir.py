@@ -140,11 +140,9 @@ def file_names(count: int) -> list[str]:
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
-def remove_previous_export(directory: Path) -> None:
-    """Delete weight files of an earlier save, so no stale file is read with the new ones."""
-    for path in directory.iterdir():
-        if path.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_FILE.match(path.name):
-            path.unlink()
+def is_weight_file(name: str) -> bool:
+    """Whether ``name`` is a weight file or index of a ``save_pretrained`` export."""
+    return name in (SINGLE_FILE, INDEX_FILE) or bool(_SHARD_FILE.match(name))
 
 
 def write_file(path: Path, tensors: dict[str, torch.Tensor]) -> None:

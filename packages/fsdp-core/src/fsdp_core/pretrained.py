@@ -19,13 +19,17 @@ never imported: its models are recognised by their ``save_pretrained`` methods.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import os
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_core import _hf_model, _lora
+from fsdp_core import _export_swap, _hf_model, _lora
 from fsdp_core._safetensors_dir import (
     CheckpointLayout,
     SafeFile,
@@ -43,11 +47,11 @@ from fsdp_core._safetensors_dir import (
     open_file,
     plan_files,
     read_layout,
-    remove_previous_export,
     require_safetensors,
     write_file,
     write_index,
 )
+from fsdp_core.collective_entry import CollectiveCall, enter_collective, group_ranks
 from fsdp_core.dtype_units import dominant_dtype
 from fsdp_core.materialize import copy_full_into_
 from fsdp_core.module_tree import check_unchanged_since_sharding
@@ -412,6 +416,7 @@ def load_pretrained(
     buffers: Mapping[str, torch.Tensor] | None = None,
     device: torch.device | str | None = None,
     strict: bool = True,
+    timeout: float | timedelta | None = None,
 ) -> PretrainedLoad:
     """Load a ``save_pretrained`` directory into ``model`` (sharded or not), in place.
 
@@ -431,6 +436,34 @@ def load_pretrained(
     the model declines on purpose (an old saved ``inv_freq``, transformers'
     ``_keys_to_ignore_on_load_unexpected``) are skipped and listed as ``ignored``.
     """
+    with enter_collective(
+        "load_pretrained", ranks=group_ranks(model=model), timeout=timeout
+    ) as call:
+        layout = call.run(
+            lambda: read_layout(directory), step=f"reading the layout of {str(directory)!r}"
+        )
+        call.agree_on(_layout_fingerprint(layout), what=f"checkpoint layout of {str(directory)!r}")
+        return call.run(
+            lambda: _load(model, directory, layout, key_mapping, buffers, device, strict),
+            step=f"loading {str(directory)!r}",
+        )
+
+
+def _layout_fingerprint(layout: CheckpointLayout) -> str:
+    text = json.dumps(sorted(layout.weight_map.items()))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _load(
+    model: nn.Module,
+    directory: PathLike,
+    layout: CheckpointLayout,
+    key_mapping: KeyMapping | None,
+    buffers: Mapping[str, torch.Tensor] | None,
+    device: torch.device | str | None,
+    strict: bool,
+) -> PretrainedLoad:
+    """The load on this rank (no collectives), once every rank holds the same layout."""
     require_safetensors()
     check_unchanged_since_sharding(model, where="load_pretrained")
     if key_mapping is not None and not callable(key_mapping):
@@ -439,7 +472,6 @@ def load_pretrained(
         )
     given = dict(buffers or {})
     _check_buffer_names(model, given)
-    layout = read_layout(directory)
     _reshard(model)
     slots = _persistent_slots(model)
     match = _resolve(model, slots, layout.weight_map, key_mapping)
@@ -599,6 +631,7 @@ def save_pretrained(
     max_shard_size: int | str = "5GB",
     key_mapping: KeyMapping | None = None,
     merge_adapters: bool = False,
+    timeout: float | timedelta | None = None,
 ) -> tuple[str, ...]:
     """Write ``model`` (sharded or not) as a directory ``from_pretrained`` loads; the files.
 
@@ -625,6 +658,53 @@ def save_pretrained(
     do adapters the merge does not implement (DoRA and other variants, LoRA on
     embeddings or convolutions).
     """
+    ranks = group_ranks(model=model)
+    with enter_collective("save_pretrained", ranks=ranks, timeout=timeout) as call:
+        plan = call.run(
+            lambda: _plan_export(model, max_shard_size, key_mapping, merge_adapters),
+            step="checking the model and the options",
+        )
+        if plan is None:  # a PeftModel: its adapter alone, in peft's format
+            return export_adapter(model, directory, adapter=_lora.active_adapter(model))
+        main = call.rank == (call.ranks[0] if call.active else call.rank)
+        root = _export_swap.destination(directory)
+        work = call.run(
+            lambda: _export_swap.prepare(root, plan.total_size) if main else None,
+            step=f"preparing a directory beside {str(root)!r}",
+        )
+        try:
+            written = _write_export(model, plan, work, call)
+            call.run(
+                lambda: _export_swap.swap_in(work, root) if work is not None else None,
+                step=f"replacing the export in {str(root)!r}",
+            )
+        except BaseException:
+            if work is not None and work.exists():
+                _export_swap.discard(work)
+            raise
+    logger.info("saved %d tensors to %s in %d files", len(plan.entries), directory, len(plan.files))
+    return written
+
+
+@dataclass(frozen=True)
+class _ExportPlan:
+    """What every rank gathers and rank 0 writes, decided before the first gather."""
+
+    export: Any
+    entries: list[tuple[str, _Slot]]
+    files: list[str]
+    groups: list[list[str]]
+    total_size: int
+    slots: list[_Slot]
+
+
+def _plan_export(
+    model: nn.Module,
+    max_shard_size: int | str,
+    key_mapping: KeyMapping | None,
+    merge_adapters: bool,
+) -> _ExportPlan | None:
+    """Every precondition of an export checked on this rank (``None``: a peft adapter)."""
     require_safetensors()
     check_unchanged_since_sharding(model, where="save_pretrained")
     limit = parse_size(max_shard_size, argument="max_shard_size")
@@ -640,7 +720,7 @@ def save_pretrained(
                 "key_mapping= does not apply to the adapter export of a PeftModel (peft names "
                 "its keys); pass merge_adapters=True to export merged weights under new names"
             )
-        return export_adapter(model, directory, adapter=_lora.active_adapter(model))
+        return None
     _reshard(model)
     slots = _persistent_slots(model)
     if any(_is_meta(slot.tensor) for slot in slots):
@@ -649,37 +729,56 @@ def save_pretrained(
     entries = export.entries
     sizes = [(key, slot.tensor.numel() * slot.tensor.element_size()) for key, slot in entries]
     groups = plan_files(sizes, limit)
-    names = file_names(len(groups))
-    main = not dist.is_initialized() or dist.get_rank() == 0
-    root = Path(directory)
-    if main:
-        root.mkdir(parents=True, exist_ok=True)
-        remove_previous_export(root)
-    slot_of = dict(entries)
+    return _ExportPlan(
+        export=export,
+        entries=entries,
+        files=file_names(len(groups)),
+        groups=groups,
+        total_size=sum(size for _, size in sizes),
+        slots=slots,
+    )
+
+
+def _write_export(
+    model: nn.Module, plan: _ExportPlan, work: Path | None, call: CollectiveCall
+) -> tuple[str, ...]:
+    """Gather file by file; rank 0 (``work`` set) writes each file, then the index and
+    configs, and reads the export back. The ranks agree after each file."""
+    slot_of = dict(plan.entries)
     weight_map: dict[str, str] = {}
-    for name, keys in zip(names, groups, strict=True):
+    for name, keys in zip(plan.files, plan.groups, strict=True):
         tensors: dict[str, torch.Tensor] = {}
         for key in keys:
-            value = _gathered(slot_of[key], export.terms.get(key, ()), keep=main)
+            value = _gathered(slot_of[key], plan.export.terms.get(key, ()), keep=work is not None)
             if value is not None:
                 tensors[key] = value.contiguous()
-        if main:
-            write_file(root / name, tensors)
+        if work is not None:
             weight_map.update(dict.fromkeys(keys, name))
+
+        def write(name: str = name, tensors: dict[str, torch.Tensor] = tensors) -> None:
+            if work is not None:
+                write_file(work / name, tensors)
+
+        call.run(write, step=f"writing {name}")
         del tensors
-    written = list(names)
-    if main:
-        if len(names) > 1:
-            write_index(root, weight_map, sum(size for _, size in sizes))
-            written.append("model.safetensors.index.json")
-        floating = (s.tensor for s in slots if s.tensor.dtype.is_floating_point)
-        written += _hf_model.write_configs(
-            export.config_model, root, dtype=dominant_dtype(floating)
+    written = list(plan.files)
+    if len(plan.files) > 1:
+        written.append("model.safetensors.index.json")
+
+    def finish() -> list[str]:
+        if work is None:
+            return []
+        if len(plan.files) > 1:
+            write_index(work, weight_map, plan.total_size)
+        floating = (s.tensor for s in plan.slots if s.tensor.dtype.is_floating_point)
+        configs = _hf_model.write_configs(
+            plan.export.config_model, work, dtype=dominant_dtype(floating)
         )
-    if dist.is_initialized():
-        dist.barrier()
-    logger.info("saved %d tensors to %s in %d files", len(entries), directory, len(names))
-    return tuple(written)
+        _export_swap.verify(work, weight_map)
+        return configs
+
+    configs = call.run(finish, step="writing the index and configs and reading them back")
+    return tuple(written + configs)
 
 
 def export_adapter(

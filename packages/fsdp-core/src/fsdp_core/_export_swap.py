@@ -1,0 +1,151 @@
+"""A new export is written beside the old one, checked, then swapped in.
+
+So that at every moment the destination ``d`` holds either the complete old
+export or the complete new one: the new files go into a temporary sibling of
+``d`` (same parent, so the same filesystem), the user's own files of ``d``
+(tokenizer, README, sub-directories: anything that is not a weight file of an
+export) are hard-linked into it (copied where links fail), and the two
+directories are exchanged with one atomic ``renameat2(RENAME_EXCHANGE)`` on
+Linux. Without it (another OS, a filesystem that refuses), ``d`` is renamed to a
+second sibling and the new directory renamed to ``d``: between those two renames
+``d`` is absent, but both complete exports exist as siblings. The old export is
+deleted only after the swap.
+
+A crash at any step leaves ``d`` complete; at worst a ``.<name>.saving-*``
+sibling remains, holding an unfinished export (and links to the user's files).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Final
+
+from fsdp_core._safetensors_dir import is_weight_file, open_file, read_layout
+
+logger = logging.getLogger(__name__)
+
+_AT_FDCWD: Final = -100
+_RENAME_EXCHANGE: Final = 2
+
+
+def destination(directory: str | os.PathLike[str]) -> Path:
+    """The directory the export replaces (a symlink's target: the link stays)."""
+    return Path(os.path.realpath(os.fspath(directory)))
+
+
+def prepare(root: Path, needed_bytes: int) -> Path:
+    """Check that ``root`` can be replaced and make the temporary sibling; its path.
+
+    Raises the OSError a later write would raise (not a directory, permission,
+    no space), before anything is gathered.
+    """
+    if root.exists() and not root.is_dir():
+        raise NotADirectoryError(
+            errno.ENOTDIR, "the export destination is not a directory", str(root)
+        )
+    root.parent.mkdir(parents=True, exist_ok=True)
+    if root.exists() and not os.access(root, os.R_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, "cannot read the existing directory", str(root))
+    free = shutil.disk_usage(root.parent).free
+    if free < needed_bytes:
+        raise OSError(
+            errno.ENOSPC,
+            f"No space left on device: the export needs {needed_bytes} bytes beside the old "
+            f"one, {free} are free",
+            str(root.parent),
+        )
+    return Path(tempfile.mkdtemp(prefix=f".{root.name}.saving-", dir=root.parent))
+
+
+def discard(work: Path) -> None:
+    """Remove a temporary directory (an unfinished export, or the old one after a swap)."""
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def verify(work: Path, weight_map: dict[str, str]) -> None:
+    """Read the written export back: the same keys in the same files, no empty file."""
+    layout = read_layout(work)
+    if dict(layout.weight_map) != weight_map:
+        wrong = sorted(set(layout.weight_map.items()) ^ set(weight_map.items()))[:4]
+        raise OSError(errno.EIO, f"the written export lists other keys than were saved: {wrong}")
+    for name, keys in layout.keys_by_file():
+        path = work / name
+        if path.stat().st_size == 0:
+            raise OSError(errno.EIO, "an exported file is empty", str(path))
+        with open_file(path) as handle:
+            if sorted(handle.keys()) != keys:
+                raise OSError(errno.EIO, "an exported file holds other keys", str(path))
+
+
+def _link_tree(source: Path, target: Path) -> None:
+    """``target`` as a copy of ``source`` whose files are hard links where possible."""
+    if source.is_symlink():
+        os.symlink(os.readlink(source), target)
+    elif source.is_dir():
+        target.mkdir()
+        for child in source.iterdir():
+            _link_tree(child, target / child.name)
+    else:
+        try:
+            os.link(source, target)
+        except OSError:
+            shutil.copy2(source, target)
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2); False where it is unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        function = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    function.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    function.restype = ctypes.c_int
+    result = function(
+        _AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE
+    )
+    if result == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(second))
+
+
+def swap_in(work: Path, root: Path) -> None:
+    """Make the finished export in ``work`` the directory ``root``; the old one goes.
+
+    The user's files of ``root`` (every entry the new export does not replace and
+    that is no weight file of an earlier export) are linked into ``work`` first.
+    """
+    if not root.exists():
+        os.rename(work, root)
+        return
+    for entry in root.iterdir():
+        if not (work / entry.name).exists() and not is_weight_file(entry.name):
+            _link_tree(entry, work / entry.name)
+    if _exchange(work, root):
+        discard(work)  # ``work`` now holds the old export
+        return
+    logger.info("no atomic directory exchange here: renaming %s aside, then the new one in", root)
+    aside = Path(tempfile.mkdtemp(prefix=f".{root.name}.old-", dir=root.parent))
+    aside.rmdir()
+    os.rename(root, aside)
+    try:
+        os.rename(work, root)
+    except OSError:
+        os.rename(aside, root)
+        raise
+    discard(aside)
