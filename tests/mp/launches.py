@@ -43,6 +43,11 @@ LAUNCHES: dict[int, list[str]] = {
             for policy in ("root", "per_layer", "replicate")
         ),
         "pretrained_deepseek_fp32_norms",
+        "ckpt_safety_write_failure",
+        "ckpt_safety_load_then_save",
+        "ckpt_safety_unwritable",
+        "ckpt_safety_rank0_only",
+        "ckpt_safety_plan_mismatch",
         "hf_export_llava",
         "hf_export_qwen2_vl",
         "inference_llava",

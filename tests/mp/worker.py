@@ -31,6 +31,7 @@ for optional in (
     "scenarios_init",
     "scenarios_loops",
     "scenarios_pretrained",
+    "scenarios_checkpoint_safety",
     "scenarios_hf_export",
     "scenarios_inference",
     "scenarios_misuse",

@@ -9,7 +9,9 @@ packages subclass this and override the planning hooks and that method.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -21,6 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from fsdp_core import internals
 from fsdp_core._hf_methods import install_collective_save
 from fsdp_core.accumulation import install_unshard_warmup
+from fsdp_core.collective_entry import enter_collective, group_ranks
 from fsdp_core.containers import is_under, iter_layer_items
 from fsdp_core.dtype_units import find_dtype_islands, group_islands
 from fsdp_core.entry_unshard import entry_owners, install_entry_unshard
@@ -219,6 +222,9 @@ class ModelParallelizer:
         docs/meta-init-and-checkpoints.md."""
         if not isinstance(plan, ShardingPlan):
             raise TypeError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
+        # Collective: every rank of the mesh arrives and applies the same plan.
+        entry = enter_collective("apply_plan", ranks=group_ranks(mesh=mesh))
+        entry.agree_on(_plan_digest(plan), what="sharding plan", error=PlanMismatchError)
         if plan.fingerprint is not None:
             check_module_tree(model, plan.fingerprint)
         check_ignored_params_supported(plan.ignored_param_names, plan.replicated_param_names)
@@ -487,6 +493,13 @@ def _check_hook_names(names: Iterable[str], known: tuple[str, ...]) -> frozenset
             raise ValueError(f"unknown runtime hook {name!r}; valid names: {', '.join(known)}")
         checked.append(name)
     return frozenset(checked)
+
+
+def _plan_digest(plan: ShardingPlan) -> str:
+    """A hash of what applying ``plan`` does (its calls, units, ignored parameters and
+    hooks), the same on every rank that holds the same plan."""
+    text = repr((plan.calls, plan.ignored_param_names, plan.hook_names()))
+    return hashlib.sha256(re.sub(r" at 0x[0-9a-f]+", "", text).encode()).hexdigest()
 
 
 def _any_divisor(value: object) -> int:
