@@ -98,3 +98,36 @@ def test_names_probe_prints_no_progress_bar(
     captured = capfd.readouterr()
     assert "Writing model shards" not in captured.err + captured.out
     assert transformers.utils.logging.is_progress_bar_enabled()  # switched back on
+
+
+def test_adapter_export_replaces_only_adapter_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Written beside the old adapter and swapped in, like the model export."""
+    from fsdp_core import pretrained
+
+    directory = tmp_path / "parent" / "adapter"
+    model = _lora(target_modules=["up"])
+    save_pretrained(model, directory)
+    save_pretrained(model, directory, merge_adapters=True)  # a merged model beside it
+    (directory / "README.md").write_text("my notes")
+    old = {p.name: p.read_bytes() for p in directory.iterdir()}
+
+    with torch.no_grad():
+        model.base_model.model.up.lora_B["default"].weight.add_(1.0)
+
+    def full_disk(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(pretrained, "write_file", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        save_pretrained(model, directory)
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == old
+    assert sorted(p.name for p in directory.parent.iterdir()) == ["adapter"]  # no leftovers
+
+    monkeypatch.undo()
+    save_pretrained(model, directory)
+    new = {p.name: p.read_bytes() for p in directory.iterdir()}
+    assert new["adapter_model.safetensors"] != old["adapter_model.safetensors"]
+    for kept in ("README.md", "model.safetensors", "config.json"):
+        assert new.get(kept) == old.get(kept), kept

@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
@@ -124,17 +125,19 @@ def _exchange(first: Path, second: Path) -> bool:
     raise OSError(code, os.strerror(code), str(second))
 
 
-def swap_in(work: Path, root: Path) -> None:
+def swap_in(work: Path, root: Path, *, replaces: Callable[[str], bool] = is_weight_file) -> None:
     """Make the finished export in ``work`` the directory ``root``; the old one goes.
 
     The user's files of ``root`` (every entry the new export does not replace and
-    that is no weight file of an earlier export) are linked into ``work`` first.
+    that ``replaces`` does not name: by default the weight files of an earlier
+    model export; an adapter export replaces only adapter files) are linked into
+    ``work`` first.
     """
     if not root.exists():
         os.rename(work, root)
         return
     for entry in root.iterdir():
-        if not (work / entry.name).exists() and not is_weight_file(entry.name):
+        if not (work / entry.name).exists() and not replaces(entry.name):
             _link_tree(entry, work / entry.name)
     if _exchange(work, root):
         discard(work)  # ``work`` now holds the old export

@@ -183,6 +183,8 @@ def _markers(groups: Sequence[Sequence[str]]) -> dict[str, torch.Tensor]:
 #: The adapter files ``PeftModel.save_pretrained`` writes (safetensors serialisation).
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+#: What an adapter export replaces in its directory (peft's pickle format included).
+ADAPTER_FILES = frozenset({ADAPTER_WEIGHTS, ADAPTER_CONFIG, "adapter_model.bin"})
 
 
 def adapter_checkpoint(

@@ -19,6 +19,7 @@ never imported: its models are recognised by their ``save_pretrained`` methods.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -665,7 +666,7 @@ def save_pretrained(
             step="checking the model and the options",
         )
         if plan is None:  # a PeftModel: its adapter alone, in peft's format
-            return export_adapter(model, directory, adapter=_lora.active_adapter(model))
+            return _export_adapter(model, directory, None, "auto", call)
         main = call.rank == (call.ranks[0] if call.active else call.rank)
         root = _export_swap.destination(directory)
         work = call.run(
@@ -785,20 +786,42 @@ def export_adapter(
     model: nn.Module,
     directory: PathLike,
     *,
-    adapter: str,
+    adapter: str | None = None,
     save_embedding_layers: bool | str = "auto",
+    timeout: float | timedelta | None = None,
 ) -> tuple[str, ...]:
     """Write one adapter of a (sharded) peft model as peft does; the files. Collective.
 
-    The keys and ``adapter_config.json`` are what peft's own ``save_pretrained``
-    writes for ``adapter`` (it is run on markers, in a temporary directory on
-    every rank); only the tensors it names are gathered. peft's model card
+    ``adapter`` defaults to the active one. The keys and ``adapter_config.json``
+    are what peft's own ``save_pretrained`` writes for it (run on markers, in a
+    temporary directory on every rank); only the tensors it names are gathered.
+    Written beside the old files and swapped in as ``save_pretrained`` does; only
+    adapter files of ``directory`` are replaced. peft's model card
     (``README.md``) is not written.
     """
+    ranks = group_ranks(model=model)
+    with enter_collective("save_pretrained", ranks=ranks, timeout=timeout) as call:
+        return _export_adapter(model, directory, adapter, save_embedding_layers, call)
+
+
+@dataclass(frozen=True)
+class _AdapterPlan:
+    adapter: str
+    entries: list[tuple[str, _Slot]]  # sorted by key
+    config: bytes  # adapter_config.json as peft writes it
+    total_size: int
+
+
+def _plan_adapter(
+    model: nn.Module, adapter: str | None, save_embedding_layers: bool | str
+) -> _AdapterPlan:
+    """The adapter's keys and config, checked on this rank before any gather."""
     require_safetensors()
-    if adapter not in _lora.adapter_names(model):
+    check_unchanged_since_sharding(model, where="save_pretrained")
+    name = _lora.active_adapter(model) if adapter is None else adapter
+    if name not in _lora.adapter_names(model):
         raise ValueError(
-            f"adapter {adapter!r} is not one of the model's adapters "
+            f"adapter {name!r} is not one of the model's adapters "
             f"{list(_lora.adapter_names(model))}"
         )
     _reshard(model)
@@ -806,30 +829,75 @@ def export_adapter(
     table, extra = _hf_model.adapter_checkpoint(
         model,
         [slot.names for slot in slots],
-        adapter=adapter,
+        adapter=name,
         save_embedding_layers=save_embedding_layers,
     )
     found: list[tuple[str, _Slot]] = []
     for slot in slots:
-        name = next((n for n in slot.names if n in table), None)
-        if name is not None:
-            found.append((table[name], slot))
-    entries = _unique(found)
+        alias = next((n for n in slot.names if n in table), None)
+        if alias is not None:
+            found.append((table[alias], slot))
+    entries = sorted(_unique(found), key=lambda entry: entry[0])
     if any(_is_meta(slot.tensor) for _, slot in entries):
         raise ValueError("the model still has tensors on the meta device: load or fill it first")
-    main = not dist.is_initialized() or dist.get_rank() == 0
-    root = Path(directory)
-    tensors: dict[str, torch.Tensor] = {}
-    for key, slot in sorted(entries, key=lambda entry: entry[0]):
-        value = _full(slot.tensor, keep=main)
-        if value is not None:
-            tensors[key] = value.contiguous()
-    if main:
-        root.mkdir(parents=True, exist_ok=True)
-        write_file(root / _hf_model.ADAPTER_WEIGHTS, tensors)
-        for name, data in extra.items():
-            (root / name).write_bytes(data)
-    if dist.is_initialized():
-        dist.barrier()
-    logger.info("saved adapter %r (%d tensors) to %s", adapter, len(entries), directory)
-    return (_hf_model.ADAPTER_WEIGHTS, *sorted(extra))
+    sizes = sum(slot.tensor.numel() * slot.tensor.element_size() for _, slot in entries)
+    return _AdapterPlan(name, entries, extra[_hf_model.ADAPTER_CONFIG], sizes)
+
+
+def _verify_adapter(work: Path, keys: Sequence[str]) -> None:
+    """Read the written adapter back: the same keys, a config."""
+    path = work / _hf_model.ADAPTER_WEIGHTS
+    with open_file(path) as handle:
+        if sorted(handle.keys()) != sorted(keys):
+            raise OSError(errno.EIO, "the written adapter holds other keys", str(path))
+    if not (work / _hf_model.ADAPTER_CONFIG).is_file():
+        raise OSError(errno.EIO, "the adapter config was not written", str(work))
+
+
+def _export_adapter(
+    model: nn.Module,
+    directory: PathLike,
+    adapter: str | None,
+    save_embedding_layers: bool | str,
+    call: CollectiveCall,
+) -> tuple[str, ...]:
+    """The adapter export inside an entered collective call (same write path as models)."""
+    plan = call.run(
+        lambda: _plan_adapter(model, adapter, save_embedding_layers),
+        step="deriving the adapter's keys",
+    )
+    main = call.rank == (call.ranks[0] if call.active else call.rank)
+    root = _export_swap.destination(directory)
+    work = call.run(
+        lambda: _export_swap.prepare(root, plan.total_size) if main else None,
+        step=f"preparing a directory beside {str(root)!r}",
+    )
+    try:
+        tensors: dict[str, torch.Tensor] = {}
+        for key, slot in plan.entries:
+            value = _full(slot.tensor, keep=work is not None)
+            if value is not None:
+                tensors[key] = value.contiguous()
+
+        def write() -> None:
+            if work is not None:
+                write_file(work / _hf_model.ADAPTER_WEIGHTS, tensors)
+                (work / _hf_model.ADAPTER_CONFIG).write_bytes(plan.config)
+                _verify_adapter(work, [key for key, _ in plan.entries])
+
+        call.run(write, step=f"writing {_hf_model.ADAPTER_WEIGHTS} and reading it back")
+        tensors.clear()
+        call.run(
+            lambda: (
+                _export_swap.swap_in(work, root, replaces=_hf_model.ADAPTER_FILES.__contains__)
+                if work is not None
+                else None
+            ),
+            step=f"replacing the adapter in {str(root)!r}",
+        )
+    except BaseException:
+        if work is not None and work.exists():
+            _export_swap.discard(work)
+        raise
+    logger.info("saved adapter %r (%d tensors) to %s", plan.adapter, len(plan.entries), directory)
+    return (_hf_model.ADAPTER_WEIGHTS, _hf_model.ADAPTER_CONFIG)
