@@ -18,6 +18,7 @@ import logging
 import os
 import types
 from collections.abc import Callable, Iterable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -98,16 +99,18 @@ def save_hf_model(
     *,
     safe_serialization: bool = True,
     merge_adapters: bool = False,
+    timeout: float | timedelta | None = None,
     **kwargs: Any,
 ) -> None:
     """transformers' ``save_pretrained`` on a sharded model: ``fsdp_core.save_pretrained``.
 
     Collective: call it on every rank (``is_main_process`` is accepted and not
     needed: rank 0 writes). ``max_shard_size`` is honoured (transformers'
-    default, 50GB); ``merge_adapters=True`` merges LoRA-wrapped modules as the
-    library's export does. ``state_dict``, ``push_to_hub``, ``variant``,
-    ``token``, ``safe_serialization=False``, ``save_original_format=False``
-    and ``distributed_checkpoint=True`` are refused; ``save_peft_format`` only
+    default, 50GB); ``merge_adapters=True`` merges LoRA-wrapped modules and
+    ``timeout`` bounds the wait for the other ranks, as in the library's
+    export. ``state_dict``, ``push_to_hub``, ``variant``, ``token``,
+    ``safe_serialization=False``, ``save_original_format=False`` and
+    ``distributed_checkpoint=True`` are refused; ``save_peft_format`` only
     concerns adapters loaded through transformers, which the export refuses
     unless merged.
     """
@@ -117,8 +120,8 @@ def save_hf_model(
         kwargs,
         (
             "save_directory, is_main_process, max_shard_size, save_peft_format, "
-            "merge_adapters (and, only at their defaults, state_dict, push_to_hub, variant, "
-            "token, safe_serialization, save_original_format, distributed_checkpoint)",
+            "merge_adapters, timeout (and, only at their defaults, state_dict, push_to_hub, "
+            "variant, token, safe_serialization, save_original_format, distributed_checkpoint)",
         ),
     )
     for flag, value in (
@@ -147,7 +150,11 @@ def save_hf_model(
         ],
     )
     save_pretrained(
-        self, save_directory, max_shard_size=max_shard_size, merge_adapters=merge_adapters
+        self,
+        save_directory,
+        max_shard_size=max_shard_size,
+        merge_adapters=merge_adapters,
+        timeout=timeout,
     )
 
 
@@ -161,6 +168,7 @@ def save_peft_model(
     path_initial_model_for_weight_conversion: str | None = None,
     *,
     merge_adapters: bool = False,
+    timeout: float | timedelta | None = None,
     **kwargs: Any,
 ) -> None:
     """peft's ``save_pretrained`` on a sharded model: the library's adapter export.
@@ -182,7 +190,7 @@ def save_peft_model(
         kwargs,
         (
             "save_directory, selected_adapters, save_embedding_layers, is_main_process, "
-            "merge_adapters (and, only at their defaults, safe_serialization, "
+            "merge_adapters, timeout (and, only at their defaults, safe_serialization, "
             "path_initial_model_for_weight_conversion, state_dict)",
         ),
     )
@@ -232,7 +240,7 @@ def save_peft_model(
         ],
     )
     if merge_adapters:
-        save_pretrained(self, save_directory, merge_adapters=True)
+        save_pretrained(self, save_directory, merge_adapters=True, timeout=timeout)
         return
     root = Path(save_directory)
     for adapter in sorted(adapters, key=lambda a: a != "default"):  # "default" (the root) first
@@ -241,4 +249,5 @@ def save_peft_model(
             root if adapter == "default" else root / adapter,
             adapter=adapter,
             save_embedding_layers=save_embedding_layers,
+            timeout=timeout,
         )
