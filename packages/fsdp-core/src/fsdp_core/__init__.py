@@ -13,6 +13,7 @@ from fsdp_core.checkpoint import (
     load_checkpoint_unsharded,
     save_checkpoint,
 )
+from fsdp_core.collective_entry import CollectiveCallError
 from fsdp_core.comm import CollectiveRecord, CommCounter, collective_kind
 from fsdp_core.containers import container_items, is_module_container, iter_layer_items
 from fsdp_core.distributed import (
@@ -115,6 +116,7 @@ __all__ = [
     "all_reduce_max_over_mesh",
     "mesh_device",
     "mesh_groups",
+    "CollectiveCallError",
     "CollectiveRecord",
     "CommCounter",
     "collective_kind",

@@ -436,6 +436,11 @@ def load_pretrained(
     missing tensors keep what they held (undefined after a ``meta`` build). Keys
     the model declines on purpose (an old saved ``inv_freq``, transformers'
     ``_keys_to_ignore_on_load_unexpected``) are skipped and listed as ``ignored``.
+
+    Collective: every rank of the model's mesh must call it; it waits at most
+    ``timeout`` (default: the process group's timeout) for the others, checks
+    that every rank sees the same checkpoint layout and raises a failure of any
+    rank on every rank.
     """
     with enter_collective(
         "load_pretrained", ranks=group_ranks(model=model), timeout=timeout
@@ -646,6 +651,16 @@ def save_pretrained(
     ``save_pretrained`` is written too (with the class and the dtype holding most
     parameters). Rank 0 holds one output file of full tensors at a time; every
     rank briefly holds one full tensor while it is gathered.
+
+    Collective, and safe for the export it replaces: every rank of the model's
+    mesh must call it (it waits at most ``timeout``, seconds or a timedelta,
+    default the process group's timeout, then raises ``CollectiveCallError``
+    naming the ranks that did not arrive); every precondition (options, meta
+    tensors, names, a writable destination with room) is agreed before the
+    first gather, and a failure on any rank is raised on every rank. Rank 0
+    writes the new export into a temporary sibling of ``directory``, reads it
+    back and swaps it in, so ``directory`` always holds the complete old export
+    or the complete new one; the user's other files there are kept.
 
     LoRA (peft): a ``PeftModel`` is exported as its active adapter alone, in
     peft's format (``adapter_config.json``, ``adapter_model.safetensors``), which

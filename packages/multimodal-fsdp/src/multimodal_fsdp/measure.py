@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp_core import CommCounter, ShardingPlan, build_mesh, resolve_mesh_shape
+from fsdp_core.collective_entry import enter_collective
 from fsdp_core.fake_group import current_or_fake_group
 from multimodal_fsdp.collectives import KINDS, PHASES, CommTally
 from multimodal_fsdp.costs import PlanCosts, plan_costs
@@ -175,21 +176,29 @@ def measure_plan(
         )
     shape = resolve_mesh_shape(world_size=world_size, dp_replicate=dp_replicate)
     with current_or_fake_group(world_size):
+        # Collective on a real group: every rank arrives, and a failure while building
+        # or planning on one rank is raised on all (no-ops under the fake group).
+        call = enter_collective("measure_plan")
         mesh = build_mesh(dp_replicate=shape.dp_replicate, dp_shard=shape.dp_shard)
-        model = build_model()
-        plan = parallelizer.plan(
-            model, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
-        )
-        if transform_plan is not None:
-            plan = transform_plan(plan)
-        costs = plan_costs(
-            plan,
-            model,
-            mesh=shape,
-            parallelizer=parallelizer,
-            prefetch_guard=prefetch_guard,
-            no_backward=no_backward,
-        )
+
+        def prepare() -> tuple[nn.Module, ShardingPlan, PlanCosts]:
+            model = build_model()
+            plan = parallelizer.plan(
+                model, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
+            )
+            if transform_plan is not None:
+                plan = transform_plan(plan)
+            costs = plan_costs(
+                plan,
+                model,
+                mesh=shape,
+                parallelizer=parallelizer,
+                prefetch_guard=prefetch_guard,
+                no_backward=no_backward,
+            )
+            return model, plan, costs
+
+        model, plan, costs = call.run(prepare, step="building, planning and costing the model")
         parallelizer.apply_plan(model, plan, mesh=mesh)
         if not prefetch_guard:
             remove_backward_prefetch_guard(model)

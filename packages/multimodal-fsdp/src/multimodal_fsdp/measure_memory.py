@@ -31,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from fsdp_core import ShardingPlan, build_mesh, resolve_mesh_shape
+from fsdp_core.collective_entry import enter_collective
 from fsdp_core.fake_group import current_or_fake_group
 from fsdp_core.internals import fsdp_mem_tracker_class, require_attributes
 from multimodal_fsdp.activations import trace_activations
@@ -327,14 +328,21 @@ def measure_plan_memory(
     check_optimizer(optimizer)
     shape = resolve_mesh_shape(world_size=world_size)
     with current_or_fake_group(world_size):
+        # Collective on a real group (no-ops under the fake group): see measure_plan.
+        call = enter_collective("measure_plan_memory")
         mesh = build_mesh(dp_shard=shape.dp_shard)
-        model = build_model()
-        plan = parallelizer.plan(model, mp_policy=mp_policy)
-        costs = plan_costs(plan, model, mesh=shape, parallelizer=parallelizer)
-        activations = trace_activations(
-            model, plan, loss_fn, parallelizer=parallelizer, shard=shape.dp_shard
-        )
-        costs = with_memory(costs, plan, model, optimizer=optimizer, activations=activations)
+
+        def prepare() -> tuple[nn.Module, ShardingPlan, PlanCosts]:
+            model = build_model()
+            plan = parallelizer.plan(model, mp_policy=mp_policy)
+            costs = plan_costs(plan, model, mesh=shape, parallelizer=parallelizer)
+            activations = trace_activations(
+                model, plan, loss_fn, parallelizer=parallelizer, shard=shape.dp_shard
+            )
+            costs = with_memory(costs, plan, model, optimizer=optimizer, activations=activations)
+            return model, plan, costs
+
+        model, plan, costs = call.run(prepare, step="building, planning and costing the model")
         parallelizer.apply_plan(model, plan, mesh=mesh)
         measured = measure_memory(model, loss_fn, optimizer=optimizer, warmup=warmup)
     return MemoryMeasurement(plan=plan, costs=costs, measured=measured)
