@@ -131,3 +131,25 @@ def test_adapter_export_replaces_only_adapter_files(
     assert new["adapter_model.safetensors"] != old["adapter_model.safetensors"]
     for kept in ("README.md", "model.safetensors", "config.json"):
         assert new.get(kept) == old.get(kept), kept
+
+
+def test_peft_method_saves_each_adapter_where_peft_does(tmp_path: Path) -> None:
+    """The bound collective method: "default" in the directory, others in sub-directories."""
+    from fsdp_core._hf_methods import install_collective_save
+
+    model = _lora(target_modules=["up"])
+    torch.manual_seed(2)
+    model.add_adapter(
+        "second", peft.LoraConfig(r=3, target_modules=["up"], init_lora_weights=False)
+    )
+    assert install_collective_save(model) == ("",)
+    model.save_pretrained(str(tmp_path / "ours"))
+    type(model).save_pretrained(model, str(tmp_path / "peft"))
+    for sub in ("", "second"):
+        ours, theirs = _read(tmp_path / "ours" / sub), _read(tmp_path / "peft" / sub)
+        assert set(ours) == set(theirs)
+        assert all(torch.equal(ours[k], theirs[k]) for k in theirs), sub
+    with pytest.raises(ValueError, match="cannot honour safe_serialization=False"):
+        model.save_pretrained(str(tmp_path / "bin"), safe_serialization=False)
+    with pytest.raises(ValueError, match=r"unknown ones \['third'\]"):
+        model.save_pretrained(str(tmp_path / "x"), selected_adapters=["third"])
