@@ -153,3 +153,17 @@ def test_peft_method_saves_each_adapter_where_peft_does(tmp_path: Path) -> None:
         model.save_pretrained(str(tmp_path / "bin"), safe_serialization=False)
     with pytest.raises(ValueError, match=r"unknown ones \['third'\]"):
         model.save_pretrained(str(tmp_path / "x"), selected_adapters=["third"])
+
+
+def test_loading_a_base_checkpoint_into_a_wrapped_model_says_what_works(tmp_path: Path) -> None:
+    """The sibling of the export refusal: base checkpoints have no adapter keys."""
+    from hf_lora import with_lora
+    from hf_vlms import HF_VLMS
+
+    from fsdp_core import load_pretrained
+
+    HF_VLMS["llava"].build().save_pretrained(tmp_path / "base")
+    model = with_lora(HF_VLMS["llava"].build(), "llava", "decoder")
+    for target in (model, model.get_base_model()):
+        with pytest.raises(ValueError, match=r"adapter-wrapped modules.*before adding adapters"):
+            load_pretrained(target, tmp_path / "base")

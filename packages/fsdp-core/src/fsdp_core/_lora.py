@@ -101,10 +101,23 @@ def _listed(items: Sequence[str]) -> str:
 def wrapped_error(model: nn.Module, paths: Sequence[str]) -> ValueError:
     """The error for a plain export of a model with adapter-wrapped modules."""
     return ValueError(
-        f"{type(model).__name__} has {len(paths)} adapter-wrapped modules {_listed(sorted(paths))}: "
-        "saved as they are, their weights get names such as '<module>.base_layer.weight' and "
-        "'<module>.lora_A.<adapter>.weight', which from_pretrained of the base model does "
-        f"not load (it would initialise those modules at random); {MERGE_HINT}"
+        f"{type(model).__name__} has {len(paths)} adapter-wrapped modules "
+        f"{_listed(sorted(paths))}: saved as they are, their weights get names such as "
+        "'<module>.base_layer.weight' and '<module>.lora_A.<adapter>.weight', which "
+        "from_pretrained of the base model does not load (it would initialise those "
+        f"modules at random); {MERGE_HINT}"
+    )
+
+
+def wrapped_load_error(model: nn.Module, paths: Sequence[str]) -> ValueError:
+    """The error for loading a base checkpoint into a model with adapter-wrapped modules."""
+    return ValueError(
+        f"{type(model).__name__} has {len(paths)} adapter-wrapped modules "
+        f"{_listed(sorted(paths))}: a base checkpoint has no keys for their tensors "
+        "('<module>.base_layer.weight'), and the adapters' own weights are in no base "
+        "checkpoint. Load the base weights before adding adapters (from_pretrained, then "
+        "get_peft_model, then parallelize), or pass key_mapping= and strict=False and "
+        "initialise the adapters yourself"
     )
 
 
