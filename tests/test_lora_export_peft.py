@@ -167,3 +167,20 @@ def test_loading_a_base_checkpoint_into_a_wrapped_model_says_what_works(tmp_path
     for target in (model, model.get_base_model()):
         with pytest.raises(ValueError, match=r"adapter-wrapped modules.*before adding adapters"):
             load_pretrained(target, tmp_path / "base")
+
+
+def test_merged_export_of_a_transformers_model_loads_with_from_pretrained(
+    tmp_path: Path,
+) -> None:
+    """Names as transformers writes them (LLaVA's original layout), unsharded."""
+    from hf_lora import with_lora
+    from hf_vlms import HF_VLMS
+
+    model = with_lora(HF_VLMS["llava"].build(), "llava", "tower")
+    save_pretrained(model, tmp_path / "merged", merge_adapters=True)
+    reference = dict(model.merge_and_unload().named_parameters())
+    loaded = type(HF_VLMS["llava"].build()).from_pretrained(tmp_path / "merged")
+    got = dict(loaded.named_parameters())
+    assert set(got) == set(reference)
+    for key, value in reference.items():
+        assert torch.equal(got[key], value), key

@@ -109,6 +109,22 @@ def wrapped_error(model: nn.Module, paths: Sequence[str]) -> ValueError:
     )
 
 
+def wrapped_names(model: nn.Module, names: Sequence[str]) -> tuple[str, ...]:
+    """The wrapped modules that ``names`` reach through a wrapper's own children
+    (``q_proj.base_layer.weight``, ``q_proj.lora_A.default.weight``); unwrapped
+    names (``q_proj.weight``) reach none."""
+    found: list[str] = []
+    for path in wrapped_modules(model):
+        prefix = f"{path}." if path else ""
+        children = model.get_submodule(path)._modules
+        if any(
+            name.startswith(prefix) and name[len(prefix) :].split(".", 1)[0] in children
+            for name in names
+        ):
+            found.append(path)
+    return tuple(found)
+
+
 def wrapped_load_error(model: nn.Module, paths: Sequence[str]) -> ValueError:
     """The error for loading a base checkpoint into a model with adapter-wrapped modules."""
     return ValueError(

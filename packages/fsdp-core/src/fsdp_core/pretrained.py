@@ -199,14 +199,10 @@ def _hf_names(model: nn.Module, slots: Sequence[_Slot]) -> dict[str, str]:
     ``slots`` under adapter-wrapped names (a load into a peft-wrapped model; the
     export passes unwrapped names) have no key in a base checkpoint: refused.
     """
-    wrapped = _lora.wrapped_modules(model)
-    if any(_is_under_any(name, wrapped) for slot in slots for name in slot.names):
+    wrapped = _lora.wrapped_names(model, [name for slot in slots for name in slot.names])
+    if wrapped:
         raise _lora.wrapped_load_error(model, wrapped)
     return _hf_model.checkpoint_names(model, [slot.names for slot in slots])
-
-
-def _is_under_any(name: str, paths: Sequence[str]) -> bool:
-    return any(name.startswith(f"{path}.") for path in paths)
 
 
 def _declined(model: nn.Module, keys: Iterable[str]) -> set[str]:
