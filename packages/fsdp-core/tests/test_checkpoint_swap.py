@@ -122,3 +122,48 @@ def test_unwritable_destination_raises_before_anything(tmp_path: Path) -> None:
     with pytest.raises(OSError, match="file"):
         save_pretrained(_tiny(1), blocker / "export")
     assert blocker.read_text() == "not a directory"
+
+
+def test_without_an_atomic_exchange_two_renames_swap(
+    old_export: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fsdp_core import _export_swap
+
+    monkeypatch.setattr(_export_swap, "_exchange", lambda first, second: False)
+    save_pretrained(_tiny(1), old_export)
+    assert set(_contents(old_export)) == {
+        "model.safetensors",
+        "tokenizer.json",
+        "README.md",
+        "extra/deep/notes.txt",
+    }
+    assert _siblings(old_export) == []
+
+
+def test_a_failed_swap_leaves_the_old_export(
+    old_export: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fsdp_core import _export_swap
+
+    before = _contents(old_export)
+
+    def refuse(first: Path, second: Path) -> bool:
+        raise OSError(errno.EBUSY, "Device or resource busy", str(second))
+
+    monkeypatch.setattr(_export_swap, "_exchange", refuse)
+    with pytest.raises(OSError, match="busy"):
+        save_pretrained(_tiny(1), old_export)
+    assert _contents(old_export) == before
+    assert _siblings(old_export) == []
+
+
+def test_a_symlinked_destination_keeps_its_link(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    save_pretrained(_tiny(0), real)
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    save_pretrained(_tiny(1), link)
+    assert link.is_symlink()
+    fresh = _tiny(2)
+    load_pretrained(fresh, link)
+    assert torch.equal(fresh.layers[0].weight, _tiny(1).layers[0].weight)

@@ -100,3 +100,19 @@ def test_bad_timeouts_are_refused(timeout: Any, error: type[Exception]) -> None:
 
 def test_error_class_is_a_runtime_error() -> None:
     assert issubclass(CollectiveCallError, RuntimeError)
+
+
+def test_group_ranks_of_an_hsdp_mesh_and_a_model() -> None:
+    from torch import nn
+
+    from fsdp_core.mesh import build_mesh
+    from fsdp_core.parallelizer import ModelParallelizer
+
+    with fake_process_group(4):
+        mesh = build_mesh(dp_replicate=2, dp_shard=2)
+        assert group_ranks(mesh=mesh) == (0, 1, 2, 3)
+        model = nn.Sequential(nn.Linear(4, 4))
+        assert group_ranks(model=model) == (0, 1, 2, 3)  # not sharded: the world
+        ModelParallelizer().parallelize(model, mesh=mesh)
+        assert group_ranks(model=model) == (0, 1, 2, 3)
+    assert group_ranks() == ()
