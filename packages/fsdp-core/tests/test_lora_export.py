@@ -9,7 +9,9 @@ collectives); the sharded exports with real peft are tested in ``tests/``.
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -268,6 +270,10 @@ def test_bound_save_pretrained_is_the_library_export(tmp_path: Path) -> None:
     assert "model.safetensors.index.json" in _files(tmp_path / "lib")
     # The class's method is still there, and the library uses it to learn names.
     assert type(model).save_pretrained is HubModel.save_pretrained
+    # The instance's method travels with the model.
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        copied.save_pretrained(tmp_path / "copy", max_shard_size="100B")
+        assert _files(tmp_path / "copy") == _files(tmp_path / "lib")
 
 
 @pytest.mark.parametrize(

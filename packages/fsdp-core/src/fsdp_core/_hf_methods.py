@@ -4,7 +4,8 @@ transformers' ``model.save_pretrained(d)`` and peft's ``peft_model.save_pretrain
 read the parameters as plain tensors and fail deep in torch on a sharded model;
 users call them out of habit. When a plan is applied, the instance (and a peft
 model's base model) gets its own ``save_pretrained``, bound to the library's
-export: every rank must call it, rank 0 writes, and the files are those of
+export (a ``functools.partial`` in the instance's ``__dict__``, so it pickles
+and deep-copies with the model): every rank must call it, rank 0 writes, and the files are those of
 ``fsdp_core.save_pretrained`` (transformers models) or the adapter export
 (peft models). The class's method stays reachable as
 ``type(model).save_pretrained`` and is what the library runs internally to learn
@@ -14,9 +15,9 @@ honour are refused, on every rank and before anything is written.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import types
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
@@ -53,7 +54,8 @@ def install_collective_save(model: nn.Module) -> tuple[str, ...]:
     for path, module, method in targets:
         if not callable(getattr(type(module), _ATTRIBUTE, None)):
             continue
-        module.__dict__[_ATTRIBUTE] = types.MethodType(method, module)
+        # A partial, not a bound method: it pickles and deep-copies with the model.
+        module.__dict__[_ATTRIBUTE] = functools.partial(method, module)
         installed.append(path)
     if installed:
         logger.debug("collective save_pretrained bound to %s", [p or "<root>" for p in installed])
