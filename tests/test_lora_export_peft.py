@@ -155,18 +155,33 @@ def test_peft_method_saves_each_adapter_where_peft_does(tmp_path: Path) -> None:
         model.save_pretrained(str(tmp_path / "x"), selected_adapters=["third"])
 
 
-def test_loading_a_base_checkpoint_into_a_wrapped_model_says_what_works(tmp_path: Path) -> None:
-    """The sibling of the export refusal: base checkpoints have no adapter keys."""
+def test_loading_a_base_checkpoint_into_a_built_wrapped_model_keeps_its_adapters(
+    tmp_path: Path,
+) -> None:
+    """Base checkpoints have no adapter keys: the base weights are read under their
+    unwrapped names and adapters that already hold values keep them (the meta build,
+    whose adapters get peft's first values, is ``test_lora_load_peft.py``)."""
     from hf_lora import with_lora
     from hf_vlms import HF_VLMS
 
     from fsdp_core import load_pretrained
 
-    HF_VLMS["llava"].build().save_pretrained(tmp_path / "base")
+    base = HF_VLMS["llava"].build()
+    base.save_pretrained(tmp_path / "base")
+    expected = {k: v.clone() for k, v in base.state_dict().items()}
     model = with_lora(HF_VLMS["llava"].build(), "llava", "decoder")
     for target in (model, model.get_base_model()):
-        with pytest.raises(ValueError, match=r"adapter-wrapped modules.*before adding adapters"):
-            load_pretrained(target, tmp_path / "base")
+        adapters = {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
+        with torch.no_grad():
+            for param in model.parameters():
+                if not param.requires_grad:
+                    param.zero_()
+        load_pretrained(target, tmp_path / "base")
+        state = model.state_dict()
+        assert all(torch.equal(state[k], v) for k, v in adapters.items())
+        for name, value in model.get_base_model().state_dict().items():
+            if "lora_" not in name:
+                assert torch.equal(value, expected[name.replace(".base_layer", "")]), name
 
 
 def test_merged_export_of_a_transformers_model_loads_with_from_pretrained(

@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_core import _export_swap, _hf_model, _lora
+from fsdp_core import _export_swap, _hf_model, _lora, _lora_load
 from fsdp_core._safetensors_dir import (
     CheckpointLayout,
     SafeFile,
@@ -454,13 +454,87 @@ def load_pretrained(
         "load_pretrained", ranks=group_ranks(model=model), timeout=timeout
     ) as call:
         layout = call.run(
-            lambda: read_layout(directory), step=f"reading the layout of {str(directory)!r}"
+            lambda: _read_load_layout(directory),
+            step=f"reading the layout of {str(directory)!r}",
         )
         call.agree_on(_layout_fingerprint(layout), what=f"checkpoint layout of {str(directory)!r}")
         return call.run(
             lambda: _load(model, directory, layout, key_mapping, buffers, device, strict),
             step=f"loading {str(directory)!r}",
         )
+
+
+def _read_load_layout(directory: PathLike) -> CheckpointLayout:
+    """A model export's layout, else an adapter export's (peft's two files)."""
+    try:
+        return read_layout(directory)
+    except FileNotFoundError:
+        root = Path(directory)
+        weights = root / _hf_model.ADAPTER_WEIGHTS
+        if not (weights.is_file() and (root / _hf_model.ADAPTER_CONFIG).is_file()):
+            raise
+    with open_file(weights) as handle:
+        return CheckpointLayout(root, dict.fromkeys(handle.keys(), _hf_model.ADAPTER_WEIGHTS))
+
+
+def _is_adapter_layout(layout: CheckpointLayout) -> bool:
+    return layout.files == (_hf_model.ADAPTER_WEIGHTS,)
+
+
+def _renamed(slots: Sequence[_Slot], view: _lora_load.LoadView) -> list[_Slot]:
+    """The slots a base checkpoint holds, under the base model's names."""
+    out: list[_Slot] = []
+    for slot in slots:
+        names = tuple(dict.fromkeys(view.names[n] for n in slot.names if n in view.names))
+        if names:
+            out.append(_Slot(names, slot.tensor))
+    return out
+
+
+def _load_adapter(
+    model: nn.Module, directory: PathLike, layout: CheckpointLayout, strict: bool
+) -> PretrainedLoad:
+    """An adapter export (peft's files) into a loaded peft model: the adapter tensors only."""
+    if not _lora.is_peft_model(model):
+        raise ValueError(
+            f"{str(directory)!r} holds an adapter export (adapter_config.json, "
+            f"{_hf_model.ADAPTER_WEIGHTS}); it loads into the PeftModel, not into "
+            f"{type(model).__name__}"
+        )
+    _reshard(model)
+    slots = _persistent_slots(model)
+    if any(_is_meta(slot.tensor) for slot in slots):
+        raise ValueError(
+            f"{str(directory)!r} holds an adapter export, but the model still has tensors on "
+            "the meta device: load the base checkpoint first (load_pretrained(peft_model, "
+            "base_dir)), then the adapter export"
+        )
+    adapter = _lora.active_adapter(model)
+    table, _ = _hf_model.adapter_checkpoint(model, [slot.names for slot in slots], adapter=adapter)
+    wanted = [slot for slot in slots if any(name in table for name in slot.names)]
+    match = _match("adapter", wanted, layout.weight_map, lambda name: table.get(name, name))
+    if match.problems:
+        message = (
+            f"adapter export {str(directory)!r} does not match adapter {adapter!r} of "
+            f"{type(model).__name__}: {len(match.missing)} adapter tensors missing "
+            f"{_listed(match.missing)}, {len(match.unexpected)} unexpected keys "
+            f"{_listed(match.unexpected)}"
+        )
+        if strict:
+            raise ValueError(message + "; was it saved from a model with the same LoraConfig?")
+        logger.warning("%s", message)
+    cast = _load_tensors(layout, wanted, match)
+    logger.info("loaded adapter %r (%d tensors) from %s", adapter, match.matched, directory)
+    return PretrainedLoad(
+        directory=str(directory),
+        naming="adapter",
+        files=layout.files,
+        loaded=tuple(match.keys),
+        cast=tuple(cast),
+        recomputed_buffers=(),
+        missing=match.missing,
+        unexpected=match.unexpected,
+    )
 
 
 def _layout_fingerprint(layout: CheckpointLayout) -> str:
@@ -484,11 +558,29 @@ def _load(
         raise TypeError(
             f"key_mapping must be a function of a module name, got {type(key_mapping).__name__}"
         )
+    if _is_adapter_layout(layout):
+        if key_mapping is not None or buffers:
+            raise ValueError(
+                "key_mapping= and buffers= do not apply to an adapter export (peft names its keys)"
+            )
+        return _load_adapter(model, directory, layout, strict)
     given = dict(buffers or {})
     _check_buffer_names(model, given)
     _reshard(model)
     slots = _persistent_slots(model)
-    match = _resolve(model, slots, layout.weight_map, key_mapping)
+    view = (
+        _lora_load.load_view(
+            model,
+            [name for slot in slots for name in slot.names],
+            initialise=any(_is_meta(slot.tensor) for slot in slots),
+        )
+        if _lora_load.is_lora_model(model)
+        else None
+    )
+    if view is None:
+        match = _resolve(model, slots, layout.weight_map, key_mapping)
+    else:
+        match = _resolve(view.target, _renamed(slots, view), layout.weight_map, key_mapping)
     ignored = tuple(sorted(_declined(model, match.unexpected)))
     if ignored:
         unexpected = tuple(k for k in match.unexpected if k not in ignored)
@@ -516,7 +608,8 @@ def _load(
 
     non_persistent = _non_persistent_buffers(model)
     was_meta = {name for name, buf in non_persistent.items() if buf.is_meta}
-    if any(_is_meta(s.tensor) for s in slots) or was_meta:
+    allocated = any(_is_meta(s.tensor) for s in slots) or bool(was_meta)
+    if allocated:
         kept = {n: b.detach().clone() for n, b in non_persistent.items() if n not in was_meta}
         model.to_empty(device=device if device is not None else _default_device(model))
         _retie(model, slots)
@@ -524,7 +617,10 @@ def _load(
     else:
         kept = {}
     recomputed = _fill_buffers(model, was_meta, kept, given)
-    cast = _load_tensors(layout, _persistent_slots(model), match)
+    fresh = _persistent_slots(model)
+    cast = _load_tensors(layout, fresh if view is None else _renamed(fresh, view), match)
+    if view is not None and allocated:  # adapters that held no values: peft's first ones
+        _lora_load.initialise_adapters(model, view.adapters)
     logger.info(
         "loaded %d tensors from %s (%d files, names as %s; %d cast to the model's dtype)",
         match.matched,
