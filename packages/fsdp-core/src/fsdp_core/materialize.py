@@ -10,17 +10,25 @@ the full parameter is wrong. Two correct ways:
   No communication; each full tensor exists once at a time on each rank.
 - :func:`load_full_state_dict` - rank 0 holds a full state dict (a checkpoint
   or an unsharded init) and broadcasts it into the shards.
+
+Both are collective (every rank fills its own shards; the broadcast needs every
+rank): they check that every rank of the model's mesh arrived (``timeout=``,
+default the process group's timeout) and raise a failure of any rank on every
+rank.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
+from datetime import timedelta
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from fsdp_core.collective_entry import enter_collective, group_ranks
 
 __all__ = ["copy_full_into_", "load_full_state_dict", "materialize_from_full"]
 
@@ -52,13 +60,31 @@ def materialize_from_full(
     *,
     device: torch.device | str,
     buffers: Mapping[str, torch.Tensor] | None = None,
+    timeout: float | timedelta | None = None,
 ) -> nn.Module:
     """Allocate ``model`` on ``device`` and fill it from ``(name, full tensor)`` pairs.
 
     Every parameter must receive a value (a ``ValueError`` names the missing
     ones); the result is bit-identical to loading the same full tensors into an
-    unsharded model.
+    unsharded model. Collective (each rank fills its own shards): a failure on
+    any rank is raised on every rank.
     """
+    with enter_collective(
+        "materialize_from_full", ranks=group_ranks(model=model), timeout=timeout
+    ) as call:
+        return call.run(
+            lambda: _materialize(model, full_tensors, device=device, buffers=buffers),
+            step="filling the shards",
+        )
+
+
+def _materialize(
+    model: nn.Module,
+    full_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    device: torch.device | str,
+    buffers: Mapping[str, torch.Tensor] | None,
+) -> nn.Module:
     model.to_empty(device=device)
     named = dict(model.named_parameters())
     seen: set[str] = set()
@@ -84,13 +110,40 @@ def load_full_state_dict(
     *,
     broadcast_from_rank0: bool = True,
     strict: bool = True,
+    timeout: float | timedelta | None = None,
 ) -> None:
     """Load an unsharded state dict into a sharded ``model``.
 
     With ``broadcast_from_rank0`` only rank 0 needs the tensors (others may pass
     ``None`` or ``{}``), which keeps host memory at one copy per node.
+    Collective: every rank must call it (arrival check, ``timeout`` default the
+    process group's timeout); a state dict rank 0 lacks, or one that is not a
+    mapping of tensors, fails on every rank before the broadcast.
     """
     options = StateDictOptions(
         full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0, strict=strict
     )
-    set_model_state_dict(model, dict(state_dict or {}), options=options)
+    with enter_collective(
+        "load_full_state_dict", ranks=group_ranks(model=model), timeout=timeout
+    ) as call:
+        main = call.rank == (call.ranks[0] if call.active else call.rank)
+        call.run(
+            lambda: _check_state_dict(state_dict, needed=main or not broadcast_from_rank0),
+            step="checking the state dict",
+        )
+        set_model_state_dict(model, dict(state_dict or {}), options=options)
+
+
+def _check_state_dict(state_dict: Mapping[str, torch.Tensor] | None, *, needed: bool) -> None:
+    if state_dict is None:
+        if needed:
+            raise ValueError(
+                "state_dict is None on the rank that provides the tensors (rank 0 with "
+                "broadcast_from_rank0, else every rank); pass the full state dict there"
+            )
+        return
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping of name -> tensor, got {type(state_dict)}")
+    wrong = [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
+    if wrong:
+        raise TypeError(f"state_dict values must be tensors; not for {sorted(wrong)[:8]}")
