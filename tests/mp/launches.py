@@ -58,6 +58,7 @@ LAUNCHES: dict[int, list[str]] = {
         "misuse_optimizer_before_parallelize",
         "misuse_lora_after_parallelize",
         "misuse_plan_before_lora",
+        "lora_load_llava",
     ],
     4: [
         "core_fp32_1d",

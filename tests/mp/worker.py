@@ -35,6 +35,7 @@ for optional in (
     "scenarios_hf_export",
     "scenarios_inference",
     "scenarios_misuse",
+    "scenarios_lora_load",
 ):
     try:
         __import__(optional)
