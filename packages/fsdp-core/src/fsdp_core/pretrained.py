@@ -76,7 +76,8 @@ class PretrainedLoad:
 
     ``naming`` says how module names were matched to checkpoint keys:
     ``"module"`` (the same names), ``"save_pretrained"`` (the names the model's own
-    ``save_pretrained`` writes) or ``"key_mapping"`` (the caller's function).
+    ``save_pretrained`` writes), ``"key_mapping"`` (the caller's function) or
+    ``"adapter"`` (an adapter export, by the names peft writes).
     ``missing`` and ``unexpected`` are empty unless ``strict=False``; ``ignored``
     lists checkpoint keys the model declines on purpose (see :func:`load_pretrained`).
     """
@@ -444,6 +445,18 @@ def load_pretrained(
     missing tensors keep what they held (undefined after a ``meta`` build). Keys
     the model declines on purpose (an old saved ``inv_freq``, transformers'
     ``_keys_to_ignore_on_load_unexpected``) are skipped and listed as ``ignored``.
+
+    LoRA (peft): into a ``PeftModel`` (or its base model) the base weights are
+    read under their unwrapped names (``q_proj.base_layer.weight`` from
+    ``q_proj.weight``; ``modules_to_save`` copies from the module they copy).
+    When the load allocates the model (a ``meta`` build), the adapters get
+    peft's initial values (``init_lora_weights=True`` or ``"gaussian"``), drawn
+    from the default CPU generator in peft's order as full tensors on every
+    rank, each rank keeping its shard: seed every rank alike right before the
+    load. Other initialisations are refused before anything is read. A
+    directory holding an adapter export (``adapter_config.json``,
+    ``adapter_model.safetensors``) loads the active adapter into a ``PeftModel``
+    whose base weights are loaded.
 
     Collective: every rank of the model's mesh must call it; it waits at most
     ``timeout`` (default: the process group's timeout) for the others, checks
