@@ -19,7 +19,7 @@ read. peft is never imported: the module tree is duck-typed as in ``_lora``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from fsdp_core import _lora
-from fsdp_core.materialize import copy_full_into_
 
 #: ``init_lora_weights`` values whose initial adapters need no base weight.
 SUPPORTED_INITS: tuple[object, ...] = (True, "gaussian")
@@ -189,10 +188,17 @@ def _linear_draws(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         torch.empty(tuple(bias.shape)).uniform_(-bound, bound)
 
 
-def initialise_adapters(model: nn.Module, adapters: Sequence[AdapterInit]) -> None:
+#: Writes a full tensor into a (possibly sharded) tensor: this rank's part only.
+CopyFull = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def initialise_adapters(
+    model: nn.Module, adapters: Sequence[AdapterInit], copy_full_into_: CopyFull
+) -> None:
     """Give each adapter peft's initial values: full tensors from the default CPU
-    generator on every rank, each rank keeping its shard (never ``reset_parameters``
-    on sharded tensors, which draws the same shard on every rank)."""
+    generator on every rank, each rank keeping its shard through ``copy_full_into_``
+    (the load's own slicing; never ``reset_parameters`` on sharded tensors, which
+    draws the same shard on every rank)."""
     for item in adapters:
         layer = model.get_submodule(item.layer)
         down: Any = layer._modules["lora_A"]

@@ -311,6 +311,20 @@ def _read_into(handle: SafeFile, key: str, slot: _Slot) -> str:
     return code
 
 
+def _copy_full(target: torch.Tensor, value: torch.Tensor) -> None:
+    """A full tensor into ``target``: this rank's box of it, as the checkpoint reads cut it."""
+    if tuple(value.shape) != tuple(target.shape):
+        raise ValueError(f"a full tensor of {tuple(value.shape)} for one of {tuple(target.shape)}")
+    region = _local_region(target) if isinstance(target, DTensor) else None
+    if region is None or not isinstance(target, DTensor):
+        copy_full_into_(target, value)
+        return
+    local = target.to_local()
+    with torch.no_grad():
+        if local.numel():
+            local.copy_(value[region].to(device=local.device, dtype=local.dtype))
+
+
 def _code_of(dtype: torch.dtype) -> str:
     codes = {
         torch.float64: "F64",
@@ -633,7 +647,7 @@ def _load(
     fresh = _persistent_slots(model)
     cast = _load_tensors(layout, fresh if view is None else _renamed(fresh, view), match)
     if view is not None and allocated:  # adapters that held no values: peft's first ones
-        _lora_load.initialise_adapters(model, view.adapters)
+        _lora_load.initialise_adapters(model, view.adapters, _copy_full)
     logger.info(
         "loaded %d tensors from %s (%d files, names as %s; %d cast to the model's dtype)",
         match.matched,
