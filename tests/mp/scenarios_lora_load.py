@@ -56,7 +56,6 @@ def _meta_lora(source: Path) -> nn.Module:
     import peft
     import transformers
 
-
     config = transformers.AutoConfig.from_pretrained(source)
     with torch.device("meta"):
         base = transformers.LlavaForConditionalGeneration(config)
