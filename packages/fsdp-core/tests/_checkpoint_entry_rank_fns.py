@@ -61,6 +61,9 @@ def checkpoint_cases(rank: int, world_size: int, out_dir: str) -> None:
             results[name] = _outcome(call)
         dist.barrier()
     results["after_alone"] = _outcome(lambda: load_checkpoint(good, model))
+    # rank 0 (the source of the broadcast) has no state dict: every rank raises
+    state = None if rank == 0 else {}
+    results["full_none"] = _outcome(lambda: load_full_state_dict(model, state))
 
     # a checkpoint only rank 0 sees (a node-local path): every rank raises
     missing = good if rank == 0 else out / "nowhere"

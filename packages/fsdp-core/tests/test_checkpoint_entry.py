@@ -43,14 +43,16 @@ def test_a_call_on_rank_zero_only_names_the_missing_rank(
     assert "ranks [1] did not arrive" in outcome["message"]
 
 
-@pytest.mark.parametrize("case", ["load_missing", "save_not_dir"])
+@pytest.mark.parametrize(
+    ("case", "failing"), [("load_missing", 1), ("save_not_dir", 1), ("full_none", 0)]
+)
 def test_a_precondition_failing_on_one_rank_fails_on_every_rank(
-    cases: list[dict[str, Any]], case: str
+    cases: list[dict[str, Any]], case: str, failing: int
 ) -> None:
     first, second = cases[0][case], cases[1][case]
     assert first["type"] is not None
     assert first == second
-    assert "rank 1" in first["message"]
+    assert f"failed on rank {failing}" in first["message"]
 
 
 def test_a_save_failing_midway_keeps_the_previous_checkpoint(cases: list[dict[str, Any]]) -> None:

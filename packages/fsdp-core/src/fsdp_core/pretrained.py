@@ -470,7 +470,8 @@ def load_pretrained(
     load. Other initialisations are refused before anything is read. A
     directory holding an adapter export (``adapter_config.json``,
     ``adapter_model.safetensors``) loads the active adapter into a ``PeftModel``
-    whose base weights are loaded.
+    whose base weights are loaded. ``key_mapping`` then receives the base
+    model's (unwrapped) names.
 
     Collective: every rank of the model's mesh must call it; it waits at most
     ``timeout`` (default: the process group's timeout) for the others, checks
