@@ -1,7 +1,8 @@
 """fsdp-core: the base layer for sharding models with PyTorch FSDP2.
 
 Process-group and mesh set-up, mixed-precision policies, dtype-safe units,
-torch capability flags, and the :class:`ModelParallelizer` strategy base.
+torch capability flags, and the [`ModelParallelizer`][fsdp_core.parallelizer.ModelParallelizer]
+strategy base.
 """
 
 from fsdp_core import compat

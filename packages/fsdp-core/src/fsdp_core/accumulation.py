@@ -1,13 +1,14 @@
 """Make gradient accumulation safe when some units have not run yet.
 
 Two FSDP2 behaviours (torch 2.13) break gradient accumulation in VLM training
-(the third, ranks skipping parameters, is :mod:`fsdp_core.unused_params`):
+(the third, ranks skipping parameters, is [`fsdp_core.unused_params`][fsdp_core.unused_params]):
 
 - A unit whose parameters were never unsharded (say, a vision tower that has
   not yet seen an image) crashes the first non-syncing backward with
   ``'FSDPParam' object has no attribute '_unsharded_param'`` when FSDP's
-  final callback tries to stash its gradient. :func:`install_unshard_warmup`
-  unshards and reshards such units once, before that forward, on every rank.
+  final callback tries to stash its gradient.
+  [`install_unshard_warmup`][fsdp_core.accumulation.install_unshard_warmup] unshards and reshards
+  such units once, before that forward, on every rank.
 - With a reduce dtype (bf16 compute, fp32 reduction), a non-syncing backward
   stores fp32 "accumulated" gradients only for the parameters it reached. A
   parameter first reached later (the projector in the root unit, first used
@@ -17,7 +18,7 @@ Two FSDP2 behaviours (torch 2.13) break gradient accumulation in VLM training
   gives such parameters a zero fp32 accumulated gradient, so every gradient of
   the unit is accumulated in the reduce dtype.
 
-Both read FSDP2 internals, through :mod:`fsdp_core.internals` only.
+Both read FSDP2 internals, through [`fsdp_core.internals`][fsdp_core.internals] only.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Count collectives and their bytes exactly, by watching ``c10d`` ops.
 
-:class:`CommCounter` is a ``TorchDispatchMode``: every collective FSDP2 issues
-passes through the dispatcher as an op of the ``c10d`` namespace, so counting
+[`CommCounter`][fsdp_core.comm.CommCounter] is a ``TorchDispatchMode``: every collective FSDP2
+issues passes through the dispatcher as an op of the ``c10d`` namespace, so counting
 there is exact and works the same under the fake process group (one process,
 real layouts) and real gloo/NCCL ranks.
 
@@ -62,7 +62,8 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 class CommCounter(TorchDispatchMode):
     """Record every ``c10d`` collective run inside the ``with`` block.
 
-    Use :meth:`phase` to tag records (``"forward"``, ``"backward"``, ...).
+    Use [`phase`][fsdp_core.comm.CommCounter.phase] to tag records (``"forward"``, ``"backward"``,
+    ...).
     """
 
     def __init__(self) -> None:

@@ -2,7 +2,7 @@
 
 Every feature test of the project lives here, so no other module compares
 version numbers or probes torch features; private torch modules are reached
-through :mod:`fsdp_core.internals`. Each flag is computed once at
+through [`fsdp_core.internals`][fsdp_core.internals]. Each flag is computed once at
 import time by introspection, never from the version string alone, so a
 backport or a nightly build is judged by what it actually has.
 """

@@ -5,9 +5,9 @@ Not every dict of modules is a list of layers. An adapter library wraps one modu
 it in ``nn.ModuleDict`` objects keyed by adapter name: PEFT's ``lora_A`` / ``lora_B`` /
 ``lora_dropout`` / ``lora_magnitude_vector`` next to ``base_layer``, or
 ``modules_to_save`` next to ``original_module``. Such a *branch dict* belongs to the
-module that holds it (see :func:`is_branch_dict`); it is searched like any other
-child, and its items never become units. ``nn.ModuleList`` objects are always layer lists
-(stacked blocks, and MoE experts when a walk reaches them outside a layer).
+module that holds it (see [`is_branch_dict`][fsdp_core.containers.is_branch_dict]); it is searched
+like any other child, and its items never become units. ``nn.ModuleList`` objects are always layer
+lists (stacked blocks, and MoE experts when a walk reaches them outside a layer).
 """
 
 from __future__ import annotations
@@ -125,8 +125,8 @@ def iter_layer_items(module: nn.Module, prefix: str = "") -> Iterator[tuple[str,
     further (its inner lists belong to its unit), except that containers nested
     directly in containers are flattened so every leaf item is yielded. A
     container passed itself yields its own items. Branch dicts
-    (:func:`is_branch_dict`) are searched like plain modules: adapters stay in
-    the unit of the layer they adapt.
+    ([`is_branch_dict`][fsdp_core.containers.is_branch_dict]) are searched like plain modules:
+    adapters stay in the unit of the layer they adapt.
     """
     if is_module_container(module):
         yield from _iter_container(module, prefix)

@@ -97,8 +97,8 @@ def find_dtype_islands(
     """The dominant dtype of ``module``'s unit and the islands to split off.
 
     Only trainable parameters count by default, matching FSDP's rule (frozen
-    ones may mix). Raises :class:`MixedDtypeError` listing the offending
-    parameters when a module holds odd-dtype parameters directly.
+    ones may mix). Raises [`MixedDtypeError`][fsdp_core.dtype_units.MixedDtypeError] listing the
+    offending parameters when a module holds odd-dtype parameters directly.
     """
     skip_fn = skip or _never
     ignored = frozenset(ignored_param_names)
@@ -209,8 +209,8 @@ def fully_shard_dtype_safe(
 ) -> nn.Module:
     """Shard ``module`` as one unit after splitting off its odd-dtype islands.
 
-    Islands get :func:`fsdp_core.precision.island_policy` (their own dtype for
-    params and reduction, output cast to the surrounding compute dtype).
+    Islands get [`fsdp_core.precision.island_policy`][fsdp_core.precision.island_policy] (their own
+    dtype for params and reduction, output cast to the surrounding compute dtype).
     """
     ignored_names = {
         name for name, p in module.named_parameters() if ignored_params and p in ignored_params

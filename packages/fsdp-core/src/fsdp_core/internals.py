@@ -8,16 +8,18 @@ fix off silently (or crash every forward, as ``FSDPState._fsdp_param_group`` doe
 with several parameter groups). So:
 
 - only this module touches them, through small named accessors;
-- :func:`check_internals` probes a sharded model for everything a set of hooks
-  needs, once, when the hooks are installed, and raises :class:`FSDPInternalsError`
-  naming the missing pieces and the hook to switch off;
+- [`check_internals`][fsdp_core.internals.check_internals] probes a sharded model for everything a
+  set of hooks needs, once, when the hooks are installed, and raises
+  [`FSDPInternalsError`][fsdp_core.internals.FSDPInternalsError] naming the missing pieces and the
+  hook to switch off;
 - the accessors never guess: used on a torch that lacks the attribute, they raise
   the same error instead of returning a default.
 
 Private torch *modules* go through here too: the ``FakeStore`` of the
-single-process ``fake`` backend (:mod:`fsdp_core.fake_group`), the
-``FSDPMemTracker`` that :mod:`multimodal_fsdp.measure_memory` subclasses, and
-FSDP2's state module that :mod:`fsdp_core.compat` probes for features.
+single-process ``fake`` backend ([`fsdp_core.fake_group`][fsdp_core.fake_group]), the
+``FSDPMemTracker`` that [`multimodal_fsdp.measure_memory`][multimodal_fsdp.measure_memory]
+subclasses, and FSDP2's state module that [`fsdp_core.compat`][fsdp_core.compat] probes for
+features.
 """
 
 from __future__ import annotations
@@ -200,7 +202,8 @@ def reduces_gradients(unit: FSDPModule) -> bool:
 
 def unsharded_parameter(fsdp_param: Any) -> nn.Parameter | None:
     """The unsharded parameter autograd accumulates into; ``None`` before the first gather
-    (:func:`check_internals` has made sure the attribute exists on this torch)."""
+    ([`check_internals`][fsdp_core.internals.check_internals] has made sure the attribute exists on
+    this torch)."""
     value = getattr(fsdp_param, _PARAM_UNSHARDED.name, None)
     return value if isinstance(value, nn.Parameter) else None
 
@@ -324,7 +327,8 @@ def missing_internals(model: nn.Module, hooks: Iterable[str]) -> dict[str, list[
 
 
 def check_internals(model: nn.Module, hooks: Iterable[str]) -> None:
-    """Raise :class:`FSDPInternalsError` if a hook in ``hooks`` cannot work on this torch."""
+    """Raise [`FSDPInternalsError`][fsdp_core.internals.FSDPInternalsError] if a hook in ``hooks``
+    cannot work on this torch."""
     missing = missing_internals(model, hooks)
     if missing:
         lines = "; ".join(f"{hook} needs {', '.join(names)}" for hook, names in missing.items())
@@ -339,7 +343,7 @@ def check_internals(model: nn.Module, hooks: Iterable[str]) -> None:
 # ------------------------------------------------------------------- private modules
 def fsdp_state_module() -> ModuleType | None:
     """FSDP2's private state module (``FSDPState`` and its group hooks), or ``None`` when
-    this torch has none; :mod:`fsdp_core.compat` reads its features from it."""
+    this torch has none; [`fsdp_core.compat`][fsdp_core.compat] reads its features from it."""
     try:
         return importlib.import_module(_FSDP_STATE_MODULE)
     except ImportError:
@@ -357,7 +361,8 @@ def has_fake_store() -> bool:
 
 def fake_store() -> Any:
     """A new ``FakeStore`` for ``init_process_group("fake", store=...)``; torch keeps it
-    in a testing module, so a torch without it raises :class:`FSDPInternalsError`."""
+    in a testing module, so a torch without it raises
+    [`FSDPInternalsError`][fsdp_core.internals.FSDPInternalsError]."""
     try:
         module = importlib.import_module(_FAKE_PG_MODULE)
     except ImportError as error:
@@ -372,9 +377,9 @@ def fake_store() -> Any:
 
 
 def require_attributes(obj: object, names: Sequence[str], *, owner: str, user: str) -> None:
-    """Raise :class:`FSDPInternalsError` unless ``obj`` (an instance of a private torch
-    class, ``owner``) has every attribute in ``names`` that ``user`` reads: attributes
-    set in ``__init__`` cannot be checked on the class."""
+    """Raise [`FSDPInternalsError`][fsdp_core.internals.FSDPInternalsError] unless ``obj`` (an
+    instance of a private torch class, ``owner``) has every attribute in ``names`` that ``user``
+    reads: attributes set in ``__init__`` cannot be checked on the class."""
     missing = [name for name in names if not hasattr(obj, name)]
     if missing:
         raise FSDPInternalsError(
@@ -385,8 +390,8 @@ def require_attributes(obj: object, names: Sequence[str], *, owner: str, user: s
 
 def fsdp_mem_tracker_class(needs: Sequence[str], *, user: str) -> type[Any]:
     """torch's ``FSDPMemTracker`` class, checked for the attributes ``user`` relies on
-    beyond its public methods (``needs``); :class:`FSDPInternalsError` names what is
-    missing."""
+    beyond its public methods (``needs``);
+    [`FSDPInternalsError`][fsdp_core.internals.FSDPInternalsError] names what is missing."""
     try:
         module = importlib.import_module(_MEM_TRACKER_MODULE)
         tracker = module.FSDPMemTracker

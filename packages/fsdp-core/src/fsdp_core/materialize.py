@@ -5,11 +5,11 @@ but the usual next step, ``reset_parameters()`` on the sharded DTensors, draws
 random numbers per shard: on a CPU mesh every rank draws the *same* shard, so
 the full parameter is wrong. Two correct ways:
 
-- :func:`materialize_from_full` - every rank computes the full initial tensors
-  deterministically (same seed, CPU generator) and keeps only its own shard.
+- [`materialize_from_full`][fsdp_core.materialize.materialize_from_full] - every rank computes the
+  full initial tensors deterministically (same seed, CPU generator) and keeps only its own shard.
   No communication; each full tensor exists once at a time on each rank.
-- :func:`load_full_state_dict` - rank 0 holds a full state dict (a checkpoint
-  or an unsharded init) and broadcasts it into the shards.
+- [`load_full_state_dict`][fsdp_core.materialize.load_full_state_dict] - rank 0 holds a full state
+  dict (a checkpoint or an unsharded init) and broadcasts it into the shards.
 
 Both are collective (every rank fills its own shards; the broadcast needs every
 rank): they check that every rank of the model's mesh arrived (``timeout=``,

@@ -1,8 +1,9 @@
 """``ModelParallelizer``: decide the FSDP units of a model, then apply them.
 
-Planning walks the model and returns a :class:`~fsdp_core.plan.ShardingPlan`
+Planning walks the model and returns a [`ShardingPlan`][fsdp_core.plan.ShardingPlan]
 with no side effects; applying it sends every call through the single
-overridable method :meth:`ModelParallelizer._fully_shard_module`. Model
+overridable method
+[`_fully_shard_module`][fsdp_core.parallelizer.ModelParallelizer._fully_shard_module]. Model
 packages subclass this and override the planning hooks and that method.
 """
 
@@ -126,9 +127,10 @@ class ModelParallelizer:
     """Shard each layer-container item as an FSDP unit, then the root.
 
     Every unit is made dtype-safe (odd-dtype islands split off, see
-    :mod:`fsdp_core.dtype_units`) unless ``dtype_safe=False``. After sharding,
-    the runtime hooks the plan lists (:attr:`ShardingPlan.hooks`) are installed;
-    ``disabled_hooks`` names hooks to leave out (see :attr:`HOOKS`).
+    [`fsdp_core.dtype_units`][fsdp_core.dtype_units]) unless ``dtype_safe=False``. After sharding,
+    the runtime hooks the plan lists ([`ShardingPlan.hooks`][fsdp_core.plan.ShardingPlan.hooks]) are
+    installed; ``disabled_hooks`` names hooks to leave out (see
+    [`HOOKS`][fsdp_core.parallelizer.ModelParallelizer.HOOKS]).
     """
 
     #: Runtime hooks this parallelizer may plan, by name (subclasses add theirs).
@@ -214,7 +216,7 @@ class ModelParallelizer:
         offload_policy: OffloadPolicy | None = None,
     ) -> nn.Module:
         """Shard ``model`` in place as ``plan`` says; every call goes through
-        :meth:`_fully_shard_module`.
+        [`_fully_shard_module`][fsdp_core.parallelizer.ModelParallelizer._fully_shard_module].
 
         A transformers or peft model then has its own collective
         ``save_pretrained`` (the instance's, bound to the library's export;
@@ -421,10 +423,10 @@ class PlanMismatchError(RuntimeError):
 
 
 def check_applied_units(model: nn.Module, plan: ShardingPlan) -> None:
-    """Raise :class:`PlanMismatchError` unless the FSDP units in ``model`` are exactly
-    ``plan.units`` (same member modules). A parallelizer whose ``_fully_shard_module``
-    makes units of its own would otherwise print one plan and run another. Skipped,
-    with a warning, on a torch whose FSDP state cannot be read."""
+    """Raise [`PlanMismatchError`][fsdp_core.parallelizer.PlanMismatchError] unless the FSDP units
+    in ``model`` are exactly ``plan.units`` (same member modules). A parallelizer whose
+    ``_fully_shard_module`` makes units of its own would otherwise print one plan and run another.
+    Skipped, with a warning, on a torch whose FSDP state cannot be read."""
     try:
         applied = internals.applied_unit_paths(model)
     except internals.FSDPInternalsError as exc:

@@ -2,7 +2,8 @@
 
 A plan is built without a process group and without touching the model, so
 it can be printed, compared in tests and costed before a job starts. Applying
-it is a separate step (:meth:`fsdp_core.ModelParallelizer.apply_plan`).
+it is a separate step
+([`fsdp_core.ModelParallelizer.apply_plan`][fsdp_core.parallelizer.ModelParallelizer.apply_plan]).
 """
 
 from __future__ import annotations

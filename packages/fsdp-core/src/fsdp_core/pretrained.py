@@ -1,16 +1,16 @@
 """Pretrained weights in, trained weights out: Hugging Face checkpoint directories.
 
-:func:`load_pretrained` fills a model that was built on the ``meta`` device and
-sharded from a directory written by ``save_pretrained`` (one ``model.safetensors``,
-or ``model-0000i-of-0000n.safetensors`` files with ``model.safetensors.index.json``).
-Every rank reads only the slices of its own shards (``safe_open(...).get_slice``),
-with no communication; parameters that are not sharded (replicated, FSDP-ignored)
-and persistent buffers are read whole on every rank. Per rank, host memory holds
+[`load_pretrained`][fsdp_core.pretrained.load_pretrained] fills a model that was built on the
+``meta`` device and sharded from a directory written by ``save_pretrained`` (one
+``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` files with
+``model.safetensors.index.json``). Every rank reads only the slices of its own shards
+(``safe_open(...).get_slice``), with no communication; parameters that are not sharded (replicated,
+FSDP-ignored) and persistent buffers are read whole on every rank. Per rank, host memory holds
 one tensor's slice at a time beyond the shards themselves (the files are memory
 mapped: their pages sit in the node's shared page cache).
 
-:func:`save_pretrained` gathers the trained model into the same layout on rank 0,
-one output file at a time, so that ``transformers`` ``from_pretrained`` loads it.
+[`save_pretrained`][fsdp_core.pretrained.save_pretrained] gathers the trained model into the same
+layout on rank 0, one output file at a time, so that ``transformers`` ``from_pretrained`` loads it.
 
 Needs the ``safetensors`` package (the ``fsdp-core[hf]`` extra); transformers is
 never imported: its models are recognised by their ``save_pretrained`` methods.
@@ -72,14 +72,15 @@ _LISTED = 8
 
 @dataclass(frozen=True)
 class PretrainedLoad:
-    """What :func:`load_pretrained` did.
+    """What [`load_pretrained`][fsdp_core.pretrained.load_pretrained] did.
 
     ``naming`` says how module names were matched to checkpoint keys:
     ``"module"`` (the same names), ``"save_pretrained"`` (the names the model's own
     ``save_pretrained`` writes), ``"key_mapping"`` (the caller's function) or
     ``"adapter"`` (an adapter export, by the names peft writes).
     ``missing`` and ``unexpected`` are empty unless ``strict=False``; ``ignored``
-    lists checkpoint keys the model declines on purpose (see :func:`load_pretrained`).
+    lists checkpoint keys the model declines on purpose (see
+    [`load_pretrained`][fsdp_core.pretrained.load_pretrained]).
     """
 
     directory: str

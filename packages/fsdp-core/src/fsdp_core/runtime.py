@@ -3,13 +3,14 @@
 FSDP2 alone is not correct in every training loop a user writes (gradient
 accumulation with text-only micro-batches, ranks that skip part of a unit, ...),
 so the parallelizers add small hooks after sharding. Each hook is planned like a
-unit: a :class:`HookPlan` in :attr:`fsdp_core.ShardingPlan.hooks` says which hook,
-why, and what it costs per step; ``disabled_hooks=`` on the parallelizer opts out
-of any of them. :func:`installed_hooks` tells what a sharded model carries, and
-:func:`remove_runtime_hooks` takes hooks off again.
+unit: a [`HookPlan`][fsdp_core.runtime.HookPlan] in
+[`fsdp_core.ShardingPlan.hooks`][fsdp_core.plan.ShardingPlan.hooks] says which hook, why, and what
+it costs per step; ``disabled_hooks=`` on the parallelizer opts out of any of them.
+[`installed_hooks`][fsdp_core.runtime.installed_hooks] tells what a sharded model carries, and
+[`remove_runtime_hooks`][fsdp_core.runtime.remove_runtime_hooks] takes hooks off again.
 
-:class:`BackwardWatch` is the shared piece several hooks need: a callback when a
-backward through the model's outputs starts.
+[`BackwardWatch`][fsdp_core.runtime.BackwardWatch] is the shared piece several hooks need: a
+callback when a backward through the model's outputs starts.
 """
 
 from __future__ import annotations

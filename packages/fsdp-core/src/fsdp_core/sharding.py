@@ -1,8 +1,8 @@
 """The one call site of ``torch.distributed.fsdp.fully_shard`` in the project.
 
 Everything that turns modules into FSDP units comes through
-:func:`apply_fully_shard`, so the checks FSDP2 itself makes late (or not at
-all) are made here, before any state changes.
+[`apply_fully_shard`][fsdp_core.sharding.apply_fully_shard], so the checks FSDP2 itself makes late
+(or not at all) are made here, before any state changes.
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """Helpers for tests that need process groups, for this project and downstream ones.
 
-- :func:`fake_process_group`: FSDP2 in one process with exact collective
-  counts and bytes (numbers computed under it are meaningless); it lives in
-  :mod:`fsdp_core.fake_group` and is re-exported here.
-- :func:`run_on_gloo_ranks`: run a picklable function on N CPU ranks.
-- :func:`run_torchrun`: launch a script under torchrun with a hard timeout, so
-  a hang fails the test instead of stalling CI.
-- :func:`emulate_data_parallel`: a single-process reference for data-parallel
-  training. Comparing a sharded run with "the same model on one GPU" only works to
+- [`fake_process_group`][fsdp_core.fake_group.fake_process_group]: FSDP2 in one process with exact
+  collective counts and bytes (numbers computed under it are meaningless); it lives in
+  [`fsdp_core.fake_group`][fsdp_core.fake_group] and is re-exported here.
+- [`run_on_gloo_ranks`][fsdp_core.testing.run_on_gloo_ranks]: run a picklable function on N CPU
+  ranks.
+- [`run_torchrun`][fsdp_core.testing.run_torchrun]: launch a script under torchrun with a hard
+  timeout, so a hang fails the test instead of stalling CI.
+- [`emulate_data_parallel`][fsdp_core.testing.emulate_data_parallel]: a single-process reference for
+  data-parallel training. Comparing a sharded run with "the same model on one GPU" only works to
   within the rounding of the compute dtype; emulating each rank's arithmetic
   (parameters cast to the compute dtype, gradients upcast and averaged in fp32)
   removes that slack, so a real bug (a wrong shard, a lost reduction) stands out by

@@ -9,8 +9,8 @@ equal and gives a parameter used on some ranks the correct average. But it also
 turns "no rank used this parameter" into a zero gradient, which AdamW then moves
 by weight decay and momentum, unlike one process or plain FSDP.
 
-:class:`UnusedParamsHook` does both halves: it sets the flag on every unit and
-records, per FSDP parameter, whether autograd accumulated a gradient into it on
+[`UnusedParamsHook`][fsdp_core.unused_params.UnusedParamsHook] does both halves: it sets the flag on
+every unit and records, per FSDP parameter, whether autograd accumulated a gradient into it on
 this rank (a post-accumulate hook on the unsharded parameter). When a backward
 that reduces gradients ends, one all-reduce (MAX, one byte per trainable
 parameter tensor) over the data-parallel mesh tells every rank which parameters

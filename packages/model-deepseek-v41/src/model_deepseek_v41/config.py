@@ -1,7 +1,7 @@
 """Configuration for the DeepSeek-V4.1 multimodal reference model.
 
 The config is a frozen dataclass so it can be hashed, shared between ranks and
-varied safely with :func:`dataclasses.replace` (which re-runs validation).
+varied safely with ``dataclasses.replace`` (which re-runs validation).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 ``python -m model_deepseek_v41.demo [options]`` validates the options, then
 relaunches itself under torchrun (2 gloo ranks on CPU by default, one NCCL rank
 per GPU where GPUs exist). Each rank builds the model on the meta device,
-shards it with :data:`PARALLELIZER` (frozen vision tower under the chosen
-policy), materialises it from the seed, and trains a few steps on synthetic
+shards it with [`PARALLELIZER`][model_deepseek_v41.fsdp.PARALLELIZER] (frozen vision tower under the
+chosen policy), materialises it from the seed, and trains a few steps on synthetic
 image+text batches while counting collectives. Rank 0 shows the FSDP units,
 the loss and communication per step, and finally compares the losses with a
 single-process reference run of the same model and data.

@@ -281,17 +281,17 @@ def fully_shard_deepseek_v41(
 
 class DeepseekV41ModelParallelizer(MultimodalParallelizer):
     """Keeps DeepSeek-V4.1 vision norms in fp32; routes every unit through
-    :func:`fully_shard_deepseek_v41`.
+    [`fully_shard_deepseek_v41`][model_deepseek_v41.fsdp.fully_shard_deepseek_v41].
 
     Before any layer is sharded, the *trainable* fp32 norms of each vision tower
     are planned as one unit per tower (one per norm on torch without grouped
     casting), so the tower's blocks and the root hold only the caller's dtype.
     *Frozen* fp32 norms are replicated under every policy: kept whole and fp32
     on every rank, outside FSDP, so they cost no collective and the RMSNorm
-    computes in fp32. Towers are found by structure (:func:`find_vision_towers`)
-    plus the multimodal discovery (the V4.1 attribute ``vision`` is added to the
-    tower names). Every option of ``multimodal_fsdp.MultimodalParallelizer``
-    is accepted with the same meaning and default.
+    computes in fp32. Towers are found by structure
+    ([`find_vision_towers`][model_deepseek_v41.fsdp.find_vision_towers]) plus the multimodal
+    discovery (the V4.1 attribute ``vision`` is added to the tower names). Every option of
+    ``multimodal_fsdp.MultimodalParallelizer`` is accepted with the same meaning and default.
     """
 
     def __init__(

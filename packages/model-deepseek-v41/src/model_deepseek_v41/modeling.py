@@ -9,8 +9,9 @@ Layout (module names are part of the contract for sharding plans and tests)::
     model.embed_tokens / model.layers[i] / model.norm
     lm_head
 
-Vision-tower norms (:class:`RMSNorm`) keep fp32 weights through any
-floating dtype cast; text norms (:class:`TextRMSNorm`) follow the model dtype.
+Vision-tower norms ([`RMSNorm`][model_deepseek_v41.modeling.RMSNorm]) keep fp32 weights through any
+floating dtype cast; text norms ([`TextRMSNorm`][model_deepseek_v41.modeling.TextRMSNorm]) follow
+the model dtype.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ __all__ = [
 ]
 
 INIT_STD = 0.02
-"""Standard deviation of every Linear / Embedding weight drawn by :func:`init_parameters_`."""
+"""Standard deviation of every Linear / Embedding weight drawn by
+[`init_parameters_`][model_deepseek_v41.modeling.init_parameters_]."""
 
 IGNORE_INDEX = -100
 
@@ -236,7 +238,8 @@ class VisionAttention(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    """Pre-norm transformer block; norms are fp32-pinned :class:`RMSNorm`."""
+    """Pre-norm transformer block; norms are fp32-pinned
+    [`RMSNorm`][model_deepseek_v41.modeling.RMSNorm]."""
 
     def __init__(self, config: DeepseekV41Config) -> None:
         super().__init__()
@@ -395,8 +398,9 @@ def num_image_tokens(config: DeepseekV41Config) -> int:
 class DeepseekV41ForCausalLM(nn.Module):
     """Vision tower + aligner + text decoder + LM head.
 
-    Built eagerly (not on meta) it is initialised with :func:`init_parameters_`
-    at seed 0, i.e. identical to ``build_deepseek_v41(config, seed=0)``.
+    Built eagerly (not on meta) it is initialised with
+    [`init_parameters_`][model_deepseek_v41.modeling.init_parameters_] at seed 0, i.e. identical to
+    ``build_deepseek_v41(config, seed=0)``.
     """
 
     def __init__(self, config: DeepseekV41Config) -> None:
@@ -410,7 +414,8 @@ class DeepseekV41ForCausalLM(nn.Module):
             init_parameters_(self, 0)
 
     def init_weights(self, seed: int = 0) -> None:
-        """Deterministic re-init of every parameter (see :func:`init_parameters_`)."""
+        """Deterministic re-init of every parameter (see
+        [`init_parameters_`][model_deepseek_v41.modeling.init_parameters_])."""
         init_parameters_(self, seed)
 
     def forward(
@@ -512,10 +517,11 @@ def _copy_full_into(param: Tensor, full: Tensor) -> None:
 def init_parameters_(model: nn.Module, seed: int) -> nn.Module:
     """(Re)initialise every parameter in place, deterministically from ``seed``.
 
-    Full tensors come from :func:`iter_initial_parameters` and are copied
-    (cast) into the existing storage, so a CPU model, a meta-built model after
-    ``to_empty``, a bf16 model and a DTensor/FSDP2-sharded model all end up
-    with the same values. Returns ``model`` for chaining.
+    Full tensors come from
+    [`iter_initial_parameters`][model_deepseek_v41.modeling.iter_initial_parameters] and are copied
+    (cast) into the existing storage, so a CPU model, a meta-built model after ``to_empty``, a bf16
+    model and a DTensor/FSDP2-sharded model all end up with the same values. Returns ``model`` for
+    chaining.
     """
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -541,8 +547,8 @@ def build_deepseek_v41(
 
     Construction happens on meta (no wasted default init), then the model is
     cast to ``dtype`` (vision norms stay fp32), materialised on ``device`` and
-    filled by :func:`init_parameters_`. ``device="meta"`` stops before
-    allocating anything.
+    filled by [`init_parameters_`][model_deepseek_v41.modeling.init_parameters_]. ``device="meta"``
+    stops before allocating anything.
     """
     if not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating dtype, got {dtype}")
@@ -561,7 +567,8 @@ def build_deepseek_v41(
 
 
 class Batch(TypedDict):
-    """Keyword arguments for :meth:`DeepseekV41ForCausalLM.forward`."""
+    """Keyword arguments for
+    [`forward`][model_deepseek_v41.modeling.DeepseekV41ForCausalLM.forward]."""
 
     input_ids: Tensor
     pixel_values: Tensor | None

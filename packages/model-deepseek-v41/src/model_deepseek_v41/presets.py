@@ -1,8 +1,8 @@
 """The DeepSeek-V4.1 reference presets, registered for ``python -m multimodal_fsdp plan``.
 
-``pyproject.toml`` names :func:`model_presets` under the ``multimodal_fsdp.models``
-entry-point group, so the command line of the lower package finds these models
-without importing this one.
+``pyproject.toml`` names [`model_presets`][model_deepseek_v41.presets.model_presets] under the
+``multimodal_fsdp.models`` entry-point group, so the command line of the lower package finds these
+models without importing this one.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from multimodal_fsdp.models import ModelPreset
 
 __all__ = ["PRESET_SIZES", "model_presets"]
 
-#: Command-line name -> :meth:`DeepseekV41Config.preset` size.
+#: Command-line name ->
+#: [`DeepseekV41Config.preset`][model_deepseek_v41.config.DeepseekV41Config.preset] size.
 PRESET_SIZES: dict[str, str] = {
     "deepseek-v41-tiny": "tiny",
     "deepseek-v41-small": "small",

@@ -8,7 +8,7 @@
 The model is built on the meta device (no memory, no weights). ``--model``
 takes a preset that an installed model package registers (the DeepSeek-V4.1
 reference presets come with ``model-deepseek-v41``; see
-:mod:`multimodal_fsdp.models`), a transformers ``model_type`` or a local
+[`multimodal_fsdp.models`][multimodal_fsdp.models]), a transformers ``model_type`` or a local
 ``config.json`` / model directory (needs the ``multimodal-fsdp[transformers]``
 extra).
 """
@@ -243,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # --------------------------------------------------------------------------- models
 def _presets() -> dict[str, ModelPreset]:
-    """Presets registered by installed model packages (see :mod:`multimodal_fsdp.models`)."""
+    """Presets registered by installed model packages (see
+    [`multimodal_fsdp.models`][multimodal_fsdp.models])."""
     return model_presets()
 
 

@@ -1,12 +1,12 @@
 """What one batch costs beside the parameters, from one traced step (no process group).
 
-:func:`trace_activations` runs one forward and backward of a batch on an
-unsharded copy of the model, in one process, with every parameter in the dtype
+[`trace_activations`][multimodal_fsdp.activations.trace_activations] runs one forward and backward
+of a batch on an unsharded copy of the model, in one process, with every parameter in the dtype
 it computes in under the plan and FSDP2's casts at unit boundaries, and follows
 the bytes that are alive: what autograd saves in forward, what backward creates,
 and - replayed unit by unit as FSDP2 does it - the gathered parameters, each
 unit's unsharded gradients and reduce-scatter input, and the sharded gradients.
-:mod:`multimodal_fsdp.memory` adds the result to the plan's other figures.
+[`multimodal_fsdp.memory`][multimodal_fsdp.memory] adds the result to the plan's other figures.
 """
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ def _compute_copy(
 
 @dataclass(frozen=True)
 class ActivationTrace:
-    """What one batch needs beside the parameters, from :func:`trace_activations`."""
+    """What one batch needs beside the parameters, from
+    [`trace_activations`][multimodal_fsdp.activations.trace_activations]."""
 
     #: Bytes saved for backward when the forward ends (the loss included).
     saved_bytes: int
@@ -129,8 +130,8 @@ class ActivationTrace:
 
 
 class _LiveBytes(TorchDispatchMode):
-    """Follows the bytes of storages created under it (and those handed to :meth:`add`)
-    until they are freed, plus bytes no traced tensor holds (:meth:`bump`), and keeps
+    """Follows the bytes of storages created under it (and those handed to ``add``)
+    until they are freed, plus bytes no traced tensor holds (``bump``), and keeps
     the peak of everything and of everything but gathered parameters."""
 
     def __init__(self, skip: set[int]) -> None:

@@ -1,14 +1,14 @@
 """Choose the frozen-tower policy of each frozen module from a per-rank memory budget.
 
 Every frozen tower and projector (each discovered multimodal module with frozen
-parameters) may follow its own policy (see :class:`MultimodalParallelizer`), so
-the chooser plans and costs every combination: ``len(policies) ** k`` plans for
-``k`` frozen modules, at most :data:`MAX_COMBINATIONS` (restrict ``policies`` to
-search more modules). Among the combinations whose predicted per-rank peak fits
-the budget, the one that communicates least per step wins (bytes, then number of
-collectives, then the lower peak; ties go to the earlier policy in ``policies``).
-Memory and communication are those of the whole plan, so a combination is judged
-as it will run, not as a sum of separate guesses.
+parameters) may follow its own policy (see
+[`MultimodalParallelizer`][multimodal_fsdp.parallelizer.MultimodalParallelizer]), so the chooser
+plans and costs every combination: ``len(policies) ** k`` plans for ``k`` frozen modules, at most
+[`MAX_COMBINATIONS`][multimodal_fsdp.choose.MAX_COMBINATIONS] (restrict ``policies`` to search more
+modules). Among the combinations whose predicted per-rank peak fits the budget, the one that
+communicates least per step wins (bytes, then number of collectives, then the lower peak; ties go to
+the earlier policy in ``policies``). Memory and communication are those of the whole plan, so a
+combination is judged as it will run, not as a sum of separate guesses.
 
 What to expect per module: ``replicate`` communicates nothing for it and keeps it
 whole; ``root`` keeps it gathered (in the compute dtype) all step *and* stores a
@@ -268,10 +268,11 @@ def choose_frozen_policy(
     a size such as ``"40GiB"``).
 
     Activations come from ``loss_fn`` (one step traced per combination, see
-    :func:`~multimodal_fsdp.activations.trace_activations`), or ``activations``, or
-    are left out (the notes say so). Raises :class:`MemoryBudgetError` naming the
-    smallest achievable peak and its policies when nothing fits, and ``ValueError``
-    when more than :data:`MAX_COMBINATIONS` plans would be needed. Per-module
+    [`trace_activations`][multimodal_fsdp.activations.trace_activations]), or ``activations``, or
+    are left out (the notes say so). Raises
+    [`MemoryBudgetError`][multimodal_fsdp.choose.MemoryBudgetError] naming the smallest achievable
+    peak and its policies when nothing fits, and ``ValueError`` when more than
+    [`MAX_COMBINATIONS`][multimodal_fsdp.choose.MAX_COMBINATIONS] plans would be needed. Per-module
     policies the given ``parallelizer`` already has are replaced by the choice; with
     ``uneven_media=True`` it never chooses ``per_layer``, which that option refuses.
     """

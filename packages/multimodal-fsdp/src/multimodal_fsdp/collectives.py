@@ -1,12 +1,13 @@
 """Collective accounting: what one step's collectives are called and what they weigh.
 
-:mod:`multimodal_fsdp.costs` predicts collectives from a plan and
-:mod:`multimodal_fsdp.measure` counts them on a real step; both speak
-:class:`CommTally`, so a prediction and a measurement compare key by key. The
-byte rules live here too, in one place: each collective moves the unsharded
+[`multimodal_fsdp.costs`][multimodal_fsdp.costs] predicts collectives from a plan and
+[`multimodal_fsdp.measure`][multimodal_fsdp.measure] counts them on a real step; both speak
+[`CommTally`][multimodal_fsdp.collectives.CommTally], so a prediction and a measurement compare key
+by key. The byte rules live here too, in one place: each collective moves the unsharded
 buffer, with FSDP's padding of every parameter's dim 0 to a multiple of the
 shard-group size, in the dtype on the wire (the compute dtype for all-gathers,
-the reduce dtype for reduce-scatters), as :class:`fsdp_core.CommCounter` counts it.
+the reduce dtype for reduce-scatters), as [`fsdp_core.CommCounter`][fsdp_core.comm.CommCounter]
+counts it.
 """
 
 from __future__ import annotations
@@ -136,7 +137,8 @@ def _unit_collectives(
     shard: int,
     replicate: int,
 ) -> CommTally:
-    """The collectives one unit issues in a step (see :mod:`multimodal_fsdp.costs`)."""
+    """The collectives one unit issues in a step (see
+    [`multimodal_fsdp.costs`][multimodal_fsdp.costs])."""
     tally = CommTally()
     if not params:
         return tally

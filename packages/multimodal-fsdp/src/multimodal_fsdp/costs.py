@@ -1,10 +1,10 @@
 """What a sharding plan costs, computed from the plan alone (no process group).
 
 Users pick a frozen-tower policy, fp32 islands and reshard settings; this
-module turns a :class:`~fsdp_core.ShardingPlan` and its (meta-device) model
+module turns a [`ShardingPlan`][fsdp_core.plan.ShardingPlan] and its (meta-device) model
 into the numbers that decide between them: per FSDP unit and per rank, the
 sharded bytes, the collectives of a training step and the peak of gathered
-parameters. :mod:`multimodal_fsdp.measure` counts the same collectives on a
+parameters. [`multimodal_fsdp.measure`][multimodal_fsdp.measure] counts the same collectives on a
 real step; the two agree exactly (the project's tests hold them to it).
 
 **One step** is one forward and one backward of one batch in which every
@@ -23,21 +23,24 @@ and per step, FSDP2 (torch 2.13) then issues:
   all-reduce of the reduced shard per unit on an HSDP mesh);
 - nothing for parameters outside FSDP (``replicate``);
 - forward: one 16-byte all-reduce per checkpoint (per mesh dimension) of the
-  ``schedule_check`` hook, when media regions own units (:mod:`multimodal_fsdp.uneven`);
+  ``schedule_check`` hook, when media regions own units
+  ([`multimodal_fsdp.uneven`][multimodal_fsdp.uneven]);
 - backward: one all-reduce of one byte per trainable FSDP parameter (per mesh
-  dimension) of the ``unused_params`` hook (:mod:`fsdp_core.unused_params`).
+  dimension) of the ``unused_params`` hook ([`fsdp_core.unused_params`][fsdp_core.unused_params]).
 
-Without the prefetch guard (:mod:`multimodal_fsdp.prefetch`) the unit that
+Without the prefetch guard ([`multimodal_fsdp.prefetch`][multimodal_fsdp.prefetch]) the unit that
 finishes its forward right after a unit without backward re-gathers that unit
 in its pre-backward; ``prefetch_guard=False`` accounts for that waste.
 
 The parts of the model live in their own modules, one concept each:
-:mod:`multimodal_fsdp.collectives` (:class:`CommTally` and the byte rules),
-:mod:`multimodal_fsdp.reachability` (which frozen modules see no gradient),
-:mod:`multimodal_fsdp.timeline` (the peak of gathered parameters),
-:mod:`multimodal_fsdp.render` (the printed tree) and
-:mod:`multimodal_fsdp.rewrite` (plan variants such as :func:`ungroup_units`).
-Their public names stay importable from here.
+[`multimodal_fsdp.collectives`][multimodal_fsdp.collectives]
+([`CommTally`][multimodal_fsdp.collectives.CommTally] and the byte rules),
+[`multimodal_fsdp.reachability`][multimodal_fsdp.reachability] (which frozen modules see no
+gradient), [`multimodal_fsdp.timeline`][multimodal_fsdp.timeline] (the peak of gathered parameters),
+[`multimodal_fsdp.render`][multimodal_fsdp.render] (the printed tree) and
+[`multimodal_fsdp.rewrite`][multimodal_fsdp.rewrite] (plan variants such as
+[`ungroup_units`][multimodal_fsdp.rewrite.ungroup_units]). Their public names stay importable from
+here.
 """
 
 from __future__ import annotations
@@ -179,7 +182,8 @@ class PlanCosts:
     notes: tuple[str, ...] = ()
     #: The runtime hooks the plan installs (their collectives are in ``extra``).
     hooks: tuple[HookPlan, ...] = ()
-    #: Predicted per-rank memory of a step (:mod:`multimodal_fsdp.memory`), if estimated.
+    #: Predicted per-rank memory of a step ([`multimodal_fsdp.memory`][multimodal_fsdp.memory]), if
+    #: estimated.
     memory: MemoryEstimate | None = None
 
     @property
@@ -284,8 +288,9 @@ def plan_costs(
     ``requires_grad`` are read). ``parallelizer`` (the one that made the plan)
     finds the towers for the backward judgement and the media regions of the
     schedule check. ``no_backward`` replaces the judgement of which module
-    paths see no gradient (:func:`backward_free_paths`); ``with_backward`` forces
-    units under those paths to count as running backward.
+    paths see no gradient
+    ([`backward_free_paths`][multimodal_fsdp.reachability.backward_free_paths]); ``with_backward``
+    forces units under those paths to count as running backward.
     """
     if not isinstance(plan, ShardingPlan):
         raise TypeError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
@@ -458,11 +463,13 @@ def inspect_model(
     optimizer: str | None = "adamw",
     loss_fn: Callable[[nn.Module], torch.Tensor] | None = None,
 ) -> PlanCosts:
-    """Plan ``model`` with ``parallelizer`` (default :class:`MultimodalParallelizer`)
-    under ``policy`` and ``precision``, then cost the plan (see :func:`plan_costs`).
+    """Plan ``model`` with ``parallelizer`` (default
+    [`MultimodalParallelizer`][multimodal_fsdp.parallelizer.MultimodalParallelizer]) under
+    ``policy`` and ``precision``, then cost the plan (see
+    [`plan_costs`][multimodal_fsdp.costs.plan_costs]).
 
     Unless ``optimizer`` is ``None``, the costs carry the predicted memory of a
-    step with that optimizer (:mod:`multimodal_fsdp.memory`); with ``loss_fn``
+    step with that optimizer ([`multimodal_fsdp.memory`][multimodal_fsdp.memory]); with ``loss_fn``
     (one batch's loss) the activations are traced and included in the peak."""
     if parallelizer is None:
         parallelizer = MultimodalParallelizer()

@@ -26,16 +26,16 @@ Each result records the rule that matched. Three rules decide which matches are 
   so it covers decoder layers whatever the language model is called (``model.layers.N``,
   ``transformer.h.N``, Mllama's ``language_model.layers.N.cross_attn``).
 * **Language-model guard** -- nothing strictly below a module registered under a
-  language-model name (:data:`LANGUAGE_MODEL_NAMES`, e.g. ``language_model``) can match,
-  nor anything in a model built from an enclosing model's text or decoder sub-config, so
-  helper modules that a text decoder keeps outside its layer stack are not mistaken for
-  towers either.
+  language-model name ([`LANGUAGE_MODEL_NAMES`][multimodal_fsdp.discovery.LANGUAGE_MODEL_NAMES],
+  e.g. ``language_model``) can match, nor anything in a model built from an enclosing model's text
+  or decoder sub-config, so helper modules that a text decoder keeps outside its layer stack are not
+  mistaken for towers either.
 
 The root module is never reported: discovery is about parts of a model, not the model.
 
-The name tables live in :mod:`multimodal_fsdp.names` and the structural rules in
-:mod:`multimodal_fsdp.structure`; this module is the walk that applies them, and
-re-exports their public names.
+The name tables live in [`multimodal_fsdp.names`][multimodal_fsdp.names] and the structural rules in
+[`multimodal_fsdp.structure`][multimodal_fsdp.structure]; this module is the walk that applies them,
+and re-exports their public names.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ logger = logging.getLogger(__name__)
 def iter_multimodal_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """Yield ``(qualified_name, module)`` for the maximal towers and projectors of ``model``.
 
-    Same walk and rules (names and structure) as :func:`resolve_multimodal_modules` with no
+    Same walk and rules (names and structure) as
+    [`resolve_multimodal_modules`][multimodal_fsdp.discovery.resolve_multimodal_modules] with no
     extra names or excludes; results come in ``named_modules()`` pre-order.
     """
     _check_model(model)

@@ -43,8 +43,8 @@ def _shard_layer_containers_recursively(
     Containers are searched at any depth outside items; lists nested directly
     in lists are flattened, and items are not searched further (their inner
     lists belong to their unit). Adapter dicts beside the module they adapt
-    (:func:`fsdp_core.containers.is_branch_dict`) are no containers. Returns
-    whether anything was sharded.
+    ([`fsdp_core.containers.is_branch_dict`][fsdp_core.containers.is_branch_dict]) are no
+    containers. Returns whether anything was sharded.
     """
     if _is_module_container(module):
         return _shard_container(module, shard_module, set())

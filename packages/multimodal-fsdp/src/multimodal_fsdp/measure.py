@@ -1,12 +1,12 @@
-"""The measured counterpart of :mod:`multimodal_fsdp.costs`: count a real step.
+"""The measured counterpart of [`multimodal_fsdp.costs`][multimodal_fsdp.costs]: count a real step.
 
-:func:`measure_step` runs one forward and one backward of an already sharded
-model inside :class:`fsdp_core.CommCounter` (a dispatch mode over the ``c10d``
-ops), tagging each collective with its phase. :func:`measure_plan` does the
-whole round trip in one process: cost the plan analytically, shard the model
-under the fake process group (or the process group already initialised, e.g.
-real gloo ranks), run the step and compare. Under the fake group the numbers
-the model computes are meaningless, but the collectives and their sizes are
+[`measure_step`][multimodal_fsdp.measure.measure_step] runs one forward and one backward of an
+already sharded model inside [`fsdp_core.CommCounter`][fsdp_core.comm.CommCounter] (a dispatch mode
+over the ``c10d`` ops), tagging each collective with its phase.
+[`measure_plan`][multimodal_fsdp.measure.measure_plan] does the whole round trip in one process:
+cost the plan analytically, shard the model under the fake process group (or the process group
+already initialised, e.g. real gloo ranks), run the step and compare. Under the fake group the
+numbers the model computes are meaningless, but the collectives and their sizes are
 exactly those of a real job.
 """
 
@@ -45,7 +45,7 @@ LossFn = Callable[[nn.Module], torch.Tensor]
 
 
 def tally_from_counter(counter: CommCounter) -> CommTally:
-    """A :class:`~multimodal_fsdp.collectives.CommTally` of everything ``counter`` recorded."""
+    """A [`CommTally`][multimodal_fsdp.collectives.CommTally] of everything ``counter`` recorded."""
     tally = CommTally()
     for record in counter.records:
         tally.add(record.phase, record.kind, record.nbytes)

@@ -1,19 +1,21 @@
-"""The measured counterpart of :mod:`multimodal_fsdp.memory`: bytes of a real step, per rank.
+"""The measured counterpart of [`multimodal_fsdp.memory`][multimodal_fsdp.memory]: bytes of a real
+step, per rank.
 
-:func:`measure_memory` runs warm-up steps of an already sharded model, then one
-tracked step (forward, backward, optimizer step) under torch's
+[`measure_memory`][multimodal_fsdp.measure_memory.measure_memory] runs warm-up steps of an already
+sharded model, then one tracked step (forward, backward, optimizer step) under torch's
 ``FSDPMemTracker``, which attributes every tensor storage on the rank to a
 category (sharded and unsharded parameters, all-gather buffers, gradients,
 activations, temporaries, optimizer state). Parameters that FSDP ignores
 (``replicate``) are invisible to it, so they are registered with it as inputs
-and counted separately. :func:`measure_plan_memory` does the whole round trip
-like :func:`multimodal_fsdp.measure.measure_plan`: plan, predict (with the
-activation trace), shard, measure - under the initialised process group or
-else the fake one, where tensor sizes are exactly those of a real job.
+and counted separately. [`measure_plan_memory`][multimodal_fsdp.measure_memory.measure_plan_memory]
+does the whole round trip like
+[`multimodal_fsdp.measure.measure_plan`][multimodal_fsdp.measure.measure_plan]: plan, predict (with
+the activation trace), shard, measure - under the initialised process group or else the fake one,
+where tensor sizes are exactly those of a real job.
 
 The tracker lives in a private torch module, which only
-:func:`fsdp_core.internals.fsdp_mem_tracker_class` imports; it checks the
-attributes the "private torch" section below relies on (the per-operation hook
+[`fsdp_core.internals.fsdp_mem_tracker_class`][fsdp_core.internals.fsdp_mem_tracker_class] imports;
+it checks the attributes the "private torch" section below relies on (the per-operation hook
 it overrides, its snapshot methods), so that a torch without them fails with a
 message naming what is missing.
 """
@@ -75,8 +77,9 @@ _TRACKER_STATE = ("_curr_mem_snap", "_in_opt", "_mod_tracker")
 
 
 def _tracker_base() -> type[Any]:
-    """torch's ``FSDPMemTracker``, or a :class:`~fsdp_core.FSDPInternalsError` (a
-    RuntimeError) saying what is missing."""
+    """torch's ``FSDPMemTracker``, or a
+    [`FSDPInternalsError`][fsdp_core.internals.FSDPInternalsError] (a RuntimeError) saying what is
+    missing."""
     return fsdp_mem_tracker_class(_TRACKER_NEEDS, user="multimodal_fsdp.measure_memory")
 
 
@@ -187,7 +190,8 @@ class MeasuredMemory:
 def make_optimizer(
     name: str, params: Iterable[nn.Parameter], *, lr: float = 1e-3
 ) -> torch.optim.Optimizer | None:
-    """The optimizer :data:`multimodal_fsdp.memory.OPTIMIZER_STATES` names
+    """The optimizer
+    [`multimodal_fsdp.memory.OPTIMIZER_STATES`][multimodal_fsdp.memory.OPTIMIZER_STATES] names
     (``None`` for ``"none"`` or when nothing is trainable)."""
     check_optimizer(name)
     trainable = [p for p in params if p.requires_grad]

@@ -2,15 +2,15 @@
 
 A lower layer must not import an upper one, so the command line cannot know which
 model packages exist. A model package registers its presets under the entry-point
-group :data:`ENTRY_POINT_GROUP` in its ``pyproject.toml``::
+group [`ENTRY_POINT_GROUP`][multimodal_fsdp.models.ENTRY_POINT_GROUP] in its ``pyproject.toml``::
 
     [project.entry-points."multimodal_fsdp.models"]
     my-model = "my_model_package.presets:model_presets"
 
 The entry point names a function that takes no argument and returns
-:class:`ModelPreset` objects. :func:`model_presets` collects them from every
-installed package (a third model package plugs in the same way as
-``model-deepseek-v41``).
+[`ModelPreset`][multimodal_fsdp.models.ModelPreset] objects.
+[`model_presets`][multimodal_fsdp.models.model_presets] collects them from every installed package
+(a third model package plugs in the same way as ``model-deepseek-v41``).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The vocabulary of discovery: tower and projector names, modalities, the result type.
 
-Discovery (:mod:`multimodal_fsdp.discovery`) matches modules first by the attribute
-name under which they are registered, then by structure
-(:mod:`multimodal_fsdp.structure`). The tables of known names, the keyword rules
-that give a caller-supplied name its modality, and :class:`MultimodalModule` (what
-both report) live here, so the long list of model families reads in one place and
-the matching code stays short. :mod:`multimodal_fsdp.discovery` re-exports every
-public name.
+Discovery ([`multimodal_fsdp.discovery`][multimodal_fsdp.discovery]) matches modules first by the
+attribute name under which they are registered, then by structure
+([`multimodal_fsdp.structure`][multimodal_fsdp.structure]). The tables of known names, the keyword
+rules that give a caller-supplied name its modality, and
+[`MultimodalModule`][multimodal_fsdp.names.MultimodalModule] (what both report) live here, so the
+long list of model families reads in one place and the matching code stays short.
+[`multimodal_fsdp.discovery`][multimodal_fsdp.discovery] re-exports every public name.
 """
 
 from __future__ import annotations
@@ -199,8 +199,9 @@ _BUILTIN_RULES: Mapping[str, _Rule] = _builtin_rules()
 def is_multimodal_module_name(name: str) -> bool:
     """Whether the last component of a (possibly dotted) qualified name is a known name.
 
-    Only the name is checked; the structural guards of :func:`iter_multimodal_modules` need
-    the module tree and are not applied here.
+    Only the name is checked; the structural guards of
+    [`iter_multimodal_modules`][multimodal_fsdp.discovery.iter_multimodal_modules] need the module
+    tree and are not applied here.
     """
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}: {name!r}")

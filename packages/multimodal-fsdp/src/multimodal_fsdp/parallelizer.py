@@ -1,15 +1,15 @@
 """``MultimodalParallelizer``: the frozen-tower policy on top of layer-container sharding.
 
-How a multimodal module (tower or projector, see :mod:`multimodal_fsdp.discovery`)
-is planned:
+How a multimodal module (tower or projector, see
+[`multimodal_fsdp.discovery`][multimodal_fsdp.discovery]) is planned:
 
 1. Its *frozen parts* are its maximal fully frozen submodules (the module itself
    when all of it is frozen). Each frozen part follows the module's policy (one
    policy for all modules, or one per module path: see
-   :class:`MultimodalParallelizer`):
+   [`MultimodalParallelizer`][multimodal_fsdp.parallelizer.MultimodalParallelizer]):
    ``root`` - no unit, its parameters fall to the root unit;
-   ``per_layer`` - :func:`shard_multimodal_module` (one unit per layer item, or
-   the part as one unit when it has no layer container);
+   ``per_layer`` - [`shard_multimodal_module`][multimodal_fsdp.layers.shard_multimodal_module] (one
+   unit per layer item, or the part as one unit when it has no layer container);
    ``replicate`` - not sharded: its parameters are ignored by every unit that
    owns them, placed on the mesh device and cast to the compute dtype (odd-dtype
    islands such as fp32 norms keep their dtype), and made equal on every rank.
@@ -30,18 +30,21 @@ is planned:
    ``replicate`` - the frozen parameters (those of maximal frozen submodules) are
    replicated, the adapters join the root unit. Anything outside layers joins the
    root unit (replicated when frozen under ``replicate``).
-4. Everything outside multimodal modules follows :class:`fsdp_core.ModelParallelizer`:
+4. Everything outside multimodal modules follows
+[`fsdp_core.ModelParallelizer`][fsdp_core.parallelizer.ModelParallelizer]:
    one unit per layer-container item, then the root. Adapters there (LoRA on
    decoder projections) sit inside decoder layers and so in their units; adapter
-   dicts never make units of their own (:func:`fsdp_core.containers.is_branch_dict`).
+   dicts never make units of their own
+   ([`fsdp_core.containers.is_branch_dict`][fsdp_core.containers.is_branch_dict]).
 
 Code that only runs with media and owns units (towers and projectors with units,
-decoder layers that text-only batches skip, see :mod:`multimodal_fsdp.conditional`)
-is a *media region*. By default regions keep their units and the ``schedule_check``
-hook (:mod:`multimodal_fsdp.uneven`) stops a step with uneven media on every rank
-before a mismatched collective. ``uneven_media=True`` instead folds every region
-into the root unit: any media on any rank trains, at the price of keeping those
-parameters gathered (and their gradients unreduced) for the whole step.
+decoder layers that text-only batches skip, see
+[`multimodal_fsdp.conditional`][multimodal_fsdp.conditional]) is a *media region*. By default
+regions keep their units and the ``schedule_check`` hook
+([`multimodal_fsdp.uneven`][multimodal_fsdp.uneven]) stops a step with uneven media on every rank
+before a mismatched collective. ``uneven_media=True`` instead folds every region into the root unit:
+any media on any rank trains, at the price of keeping those parameters gathered (and their gradients
+unreduced) for the whole step.
 """
 
 from __future__ import annotations
@@ -101,7 +104,8 @@ logger = logging.getLogger(__name__)
 
 
 class MultimodalParallelizer(ModelParallelizer):
-    """A :class:`~fsdp_core.ModelParallelizer` that applies the frozen-tower policy.
+    """A [`ModelParallelizer`][fsdp_core.parallelizer.ModelParallelizer] that applies the
+    frozen-tower policy.
 
     ``frozen_multimodal_sharding`` is one policy for every frozen tower and
     projector, or a mapping from discovered multimodal module paths to policies
@@ -109,8 +113,10 @@ class MultimodalParallelizer(ModelParallelizer):
     ``{"model.vision_tower": "per_layer"}``: a big tower gathered block by block
     while a small projector stays in the root unit. A path that is not a
     discovered multimodal module fails when planning, listing the discovered ones.
-    :attr:`frozen_multimodal_sharding` is the default policy (the only one when a
-    string was given); :meth:`frozen_policies` gives each module's policy.
+    [`frozen_multimodal_sharding`][multimodal_fsdp.parallelizer.MultimodalParallelizer.frozen_multimodal_sharding]
+    is the default policy (the only one when a string was given);
+    [`frozen_policies`][multimodal_fsdp.parallelizer.MultimodalParallelizer.frozen_policies] gives
+    each module's policy.
 
     ``uneven_media=True`` folds media regions into the root unit (see the module
     docstring); it cannot be combined with ``per_layer`` for any module, whose
@@ -539,7 +545,8 @@ def _param_names_under(model: nn.Module, roots: Iterable[str]) -> list[str]:
 
 
 def _layer_unit_paths(model: nn.Module, path: str, ids: dict[int, str]) -> list[str]:
-    """Paths :func:`shard_multimodal_module` would shard for the module at ``path``."""
+    """Paths [`shard_multimodal_module`][multimodal_fsdp.layers.shard_multimodal_module] would shard
+    for the module at ``path``."""
     chosen: list[str] = []
     module = model.get_submodule(path) if path else model
     shard_multimodal_module(module, lambda m: chosen.append(ids[id(m)]))

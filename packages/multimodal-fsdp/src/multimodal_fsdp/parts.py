@@ -4,11 +4,13 @@ A tower or projector is fully frozen, fully trainable, or partly trainable (a
 trainable merger inside a frozen tower, LoRA adapters in frozen blocks). The
 parallelizer plans each piece differently, so the split is its own concept:
 
-- :func:`split_frozen_parts`: the maximal fully frozen and fully trainable
-  submodules;
-- :func:`classify_layers`: each layer-container item of a partly trainable module
-  as *frozen*, *trainable* or *adapted* (frozen weights with trainable ones inside);
-- :func:`partly_trainable_note`: the one-line plan note that summarises them.
+- [`split_frozen_parts`][multimodal_fsdp.parts.split_frozen_parts]: the maximal fully frozen and
+  fully trainable submodules;
+- [`classify_layers`][multimodal_fsdp.parts.classify_layers]: each layer-container item of a partly
+  trainable module as *frozen*, *trainable* or *adapted* (frozen weights with trainable ones
+  inside);
+- [`partly_trainable_note`][multimodal_fsdp.parts.partly_trainable_note]: the one-line plan note
+  that summarises them.
 """
 
 from __future__ import annotations

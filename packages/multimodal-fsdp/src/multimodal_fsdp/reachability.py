@@ -3,7 +3,7 @@
 FSDP2 runs a unit's backward (and re-gathers its parameters for it) only when
 its output needs a gradient. Frozen parts of towers and projectors that come
 before every trainable parameter of their modality see only media inputs
-(pixels, audio), so their backward never runs. :mod:`multimodal_fsdp.costs`
+(pixels, audio), so their backward never runs. [`multimodal_fsdp.costs`][multimodal_fsdp.costs]
 uses this judgement to count backward all-gathers and the prefetch guard's
 savings; it lives here so that the rule has one home and one test surface.
 """

@@ -1,8 +1,8 @@
 """Text rendering of plan costs: the unit tree, the totals, sizes and counts.
 
-What the ``plan`` command line prints and what :meth:`PlanCosts.format
-<multimodal_fsdp.costs.PlanCosts.format>` returns. The figures come from
-:mod:`multimodal_fsdp.costs`; this module only decides how they read, so that
+What the ``plan`` command line prints and what
+[`PlanCosts.format`][multimodal_fsdp.costs.PlanCosts.format] returns. The figures come from
+[`multimodal_fsdp.costs`][multimodal_fsdp.costs]; this module only decides how they read, so that
 the layout can change without touching the accounting.
 """
 

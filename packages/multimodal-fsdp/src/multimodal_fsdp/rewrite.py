@@ -1,9 +1,9 @@
 """Plan rewriting: variants of a plan that answer what-if questions.
 
-A rewrite takes a :class:`~fsdp_core.ShardingPlan` and returns another one, so
-that :mod:`multimodal_fsdp.costs` and :mod:`multimodal_fsdp.measure` can cost or
-run the variant exactly like the original (for example, to count what grouped
-units save over one unit per member module).
+A rewrite takes a [`ShardingPlan`][fsdp_core.plan.ShardingPlan] and returns another one, so
+that [`multimodal_fsdp.costs`][multimodal_fsdp.costs] and
+[`multimodal_fsdp.measure`][multimodal_fsdp.measure] can cost or run the variant exactly like the
+original (for example, to count what grouped units save over one unit per member module).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ whose ``main_input_name`` is a media input, a child encoder taking media (or a
 projector taking a tower's output) and no text right where media meets text, and a
 module holding nothing but two or more towers. A match that shares (ties) a
 parameter with the rest of the model is dropped. The walk that applies them, with
-its maximality and guard rules, is :mod:`multimodal_fsdp.discovery`; the rules live
-here so each can be read and tested on its own.
+its maximality and guard rules, is [`multimodal_fsdp.discovery`][multimodal_fsdp.discovery]; the
+rules live here so each can be read and tested on its own.
 """
 
 from __future__ import annotations

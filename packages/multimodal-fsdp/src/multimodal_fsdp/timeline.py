@@ -5,14 +5,15 @@ Peak gathered memory is a timeline model over module positions (pre-order
 each unit is gathered from its first member's forward to its last member's, and
 kept until backward when it is not resharded; in backward each unit is gathered
 from its pre-backward to its post-backward, and the implicit prefetch gathers
-the next one early. Without the prefetch guard (:mod:`multimodal_fsdp.prefetch`)
-the unit that finishes its forward right after a unit without backward
-re-gathers that unit in its pre-backward, which is wasted communication.
-Transient all-gather staging buffers are not included.
+the next one early. Without the prefetch guard
+([`multimodal_fsdp.prefetch`][multimodal_fsdp.prefetch]) the unit that finishes its forward right
+after a unit without backward re-gathers that unit in its pre-backward, which is wasted
+communication. Transient all-gather staging buffers are not included.
 
-:mod:`multimodal_fsdp.costs` places the units of a plan on this timeline; the
+[`multimodal_fsdp.costs`][multimodal_fsdp.costs] places the units of a plan on this timeline; the
 rules of order, prefetch and peak live here, apart from the byte rules
-(:mod:`multimodal_fsdp.collectives`) and the report (:mod:`multimodal_fsdp.render`).
+([`multimodal_fsdp.collectives`][multimodal_fsdp.collectives]) and the report
+([`multimodal_fsdp.render`][multimodal_fsdp.render]).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ that text-only batches skip. When such code owns units (a *media region*), ranks
 with different media issue different collectives, and the job hangs, crashes deep
 in the collective library, or (NCCL, equal sizes) silently mixes up data.
 
-:class:`ScheduleCheck` makes every rank agree on *where it is* at the few points
-where the ranks' schedules can part:
+[`ScheduleCheck`][multimodal_fsdp.uneven.ScheduleCheck] makes every rank agree on *where it is* at
+the few points where the ranks' schedules can part:
 
 - each entry into a region (every call);
 - the first unit to run after the root's forward starts, and after each region
@@ -20,14 +20,16 @@ where the ranks' schedules can part:
 
 At each such checkpoint all ranks all-reduce one 16-byte tensor (the position:
 which module, which call of it in this forward) over the data-parallel mesh. If
-the positions differ, every rank raises the same :class:`UnevenMediaError` at that
-same collective, naming where each side is and what to change; no mismatched
-collective has been issued. Between checkpoints the ranks run the same units.
-Forwards inside backward (activation-checkpoint recomputation) are not checked:
+the positions differ, every rank raises the same
+[`UnevenMediaError`][multimodal_fsdp.uneven.UnevenMediaError] at that same collective, naming where
+each side is and what to change; no mismatched collective has been issued. Between checkpoints the
+ranks run the same units. Forwards inside backward (activation-checkpoint recomputation) are not
+checked:
 they repeat a forward that was.
 
-The schedule plan (:class:`ScheduleLayout`) is data, so the plan's costs count its
-collectives exactly (:func:`ScheduleLayout.checkpoints_per_forward`).
+The schedule plan ([`ScheduleLayout`][multimodal_fsdp.uneven.ScheduleLayout]) is data, so the plan's
+costs count its collectives exactly
+([`checkpoints_per_forward`][multimodal_fsdp.uneven.ScheduleLayout.checkpoints_per_forward]).
 """
 
 from __future__ import annotations
