@@ -18,23 +18,24 @@ import torch
 MP_DIR = Path(__file__).parent / "mp"
 sys.path.insert(0, str(MP_DIR))
 
+from harness import run_scenarios  # noqa: E402
 from launches import LAUNCHES, MP_TIMEOUT_S, NEEDS_PREVIOUS, MpResults  # noqa: E402
-
-from fsdp_core.testing import run_torchrun  # noqa: E402
 
 
 def _launch(
     world_size: int, out: Path, backend: str | None, previous: Path | None, scenarios: list[str]
 ) -> None:
+    """Run ``scenarios``; a launch that stops early is relaunched with the rest."""
     env = {"FSDP_TEST_BACKEND": backend} if backend else {}
     if previous is not None:
         env["FSDP_TEST_PREVIOUS_OUT"] = str(previous)
-    run_torchrun(
-        str(MP_DIR / "worker.py"),
-        nproc=world_size,
-        args=[str(out), *scenarios],
-        timeout_s=MP_TIMEOUT_S,
+    run_scenarios(
+        MP_DIR / "worker.py",
+        world_size=world_size,
+        out=out,
+        scenarios=scenarios,
         env=env,
+        timeout_s=MP_TIMEOUT_S,
     )
 
 
