@@ -134,3 +134,29 @@ def test_descriptions_are_stable_and_address_free() -> None:
     text = dict(api_snapshot.describe(sample))[""]
     assert " at 0x" not in text
     assert text.startswith("function(a: 'int', *, key: 'object' = <object object")
+
+
+def test_snapshot_records_no_private_names(package: monorepo.Package) -> None:
+    """Underscore names are private, except the reference contract's few."""
+    recorded = monorepo.read_snapshot(package.snapshot)["api"]
+    private = [
+        key
+        for key in recorded
+        if any(
+            part.startswith("_") and part not in api_snapshot.CONTRACT_UNDERSCORE_NAMES
+            for part in key.split(".")
+        )
+    ]
+    assert not private, f"{package.snapshot.name} records private names: {private}"
+
+
+def test_only_contract_underscore_methods_are_described() -> None:
+    class Strategy:
+        def _helper(self) -> None: ...
+
+        def _fully_shard_module(self) -> None: ...
+
+        def run(self) -> None: ...
+
+    members = {key for key, _ in api_snapshot.describe(Strategy)}
+    assert members == {"", "._fully_shard_module", ".run"}

@@ -22,7 +22,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from fsdp_core import save_pretrained  # noqa: E402
+from fsdp_core.hf import save_pretrained  # noqa: E402
 
 
 class Net(nn.Module):
@@ -104,7 +104,7 @@ def test_adapter_export_replaces_only_adapter_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Written beside the old adapter and swapped in, like the model export."""
-    from fsdp_core import pretrained
+    from fsdp_core.hf import pretrained
 
     directory = tmp_path / "parent" / "adapter"
     model = _lora(target_modules=["up"])
@@ -135,7 +135,7 @@ def test_adapter_export_replaces_only_adapter_files(
 
 def test_peft_method_saves_each_adapter_where_peft_does(tmp_path: Path) -> None:
     """The bound collective method: "default" in the directory, others in sub-directories."""
-    from fsdp_core._hf_methods import install_collective_save
+    from fsdp_core.hf._hf_methods import install_collective_save
 
     model = _lora(target_modules=["up"])
     torch.manual_seed(2)
@@ -164,7 +164,7 @@ def test_loading_a_base_checkpoint_into_a_built_wrapped_model_keeps_its_adapters
     from hf_lora import with_lora
     from hf_vlms import HF_VLMS
 
-    from fsdp_core import load_pretrained
+    from fsdp_core.hf import load_pretrained
 
     base = HF_VLMS["llava"].build()
     base.save_pretrained(tmp_path / "base")

@@ -20,7 +20,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from fsdp_core import load_pretrained, save_pretrained  # noqa: E402
+from fsdp_core.hf import load_pretrained, save_pretrained  # noqa: E402
 
 
 class Net(nn.Module):

@@ -31,7 +31,7 @@ from scenarios_pretrained import (  # noqa: E402
 from torch import nn  # noqa: E402
 from vlm import build_vlm, is_vision_norm  # noqa: E402
 
-from fsdp_core import load_pretrained  # noqa: E402
+from fsdp_core.hf import load_pretrained  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.transformers]
 

@@ -1,4 +1,4 @@
-"""fsdp_core.pretrained on real transformers models, in one process (no ranks launched).
+"""fsdp_core.hf.pretrained on real transformers models, in one process (no ranks launched).
 
 Checkpoints are written by transformers' own ``save_pretrained`` (the original key
 layout of transformers 5, e.g. LLaVA's ``language_model.model.*``); the multi-process
@@ -22,8 +22,9 @@ from hf_vlms import HF_VLMS  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from fsdp_core import build_mesh, load_pretrained, mixed_precision_policy  # noqa: E402
-from fsdp_core import save_pretrained as export  # noqa: E402
+from fsdp_core import build_mesh, mixed_precision_policy  # noqa: E402
+from fsdp_core.hf import load_pretrained  # noqa: E402
+from fsdp_core.hf import save_pretrained as export  # noqa: E402
 from fsdp_core.testing import fake_process_group  # noqa: E402
 from multimodal_fsdp import MultimodalParallelizer  # noqa: E402
 

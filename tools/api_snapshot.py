@@ -2,10 +2,10 @@
 
 The public API is every name in ``__all__`` of the package and of each public
 submodule (no leading underscore in its dotted path), described by kind and
-signature. Classes add their own methods, properties and class attributes;
-for strategy classes (neither ``nn.Module`` nor dataclasses) single-underscore
-methods count too, because the model packages subclass ``ModelParallelizer``
-and override or call its hooks (``_fully_shard_module``, ``_plan_calls``, ...).
+signature. Classes add their own public methods, properties and class
+attributes. Underscore names are private and not recorded, except the few that
+the reference contract names (``CONTRACT_UNDERSCORE_NAMES``: helpers and hooks
+that model code written against nemo-automodel calls or overrides).
 Names re-exported from another public module are recorded as aliases of the
 first place they appear.
 
@@ -41,6 +41,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import monorepo
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+#: The underscore names of the reference contract: public despite the underscore.
+CONTRACT_UNDERSCORE_NAMES = frozenset(
+    {
+        "_container_items",
+        "_is_module_container",
+        "_shard_layer_containers_recursively",
+        "_fully_shard_module",
+    }
+)
 _SHORT_VALUE_TYPES = (str, int, float)
 
 
@@ -104,25 +113,14 @@ def _describe_class(cls: type) -> str:
     return f"{kind}{signature} bases=({bases})"
 
 
-def _has_hooks(cls: type) -> bool:
-    """Strategy classes: their single-underscore methods are hooks for subclasses.
-
-    ``nn.Module`` subclasses (``_apply`` overrides) and dataclasses (private
-    helpers) are excluded; their private methods are implementation details.
-    """
-    if dataclasses.is_dataclass(cls):
-        return False
-    return not any(base.__module__.startswith("torch.") for base in cls.__mro__)
+def _is_public(name: str) -> bool:
+    return not name.startswith("_") or name in CONTRACT_UNDERSCORE_NAMES
 
 
 def _describe_member(cls: type, name: str, value: Any) -> str | None:
     if name.startswith("__") and name.endswith("__"):
         return None
-    if name.startswith("_") and not _has_hooks(cls):
-        return None
-    if name.startswith("_") and not isinstance(
-        value, (types.FunctionType, staticmethod, classmethod)
-    ):
+    if not _is_public(name):
         return None
     if isinstance(value, staticmethod):
         return f"staticmethod{_signature(value.__func__)}"
@@ -178,7 +176,7 @@ def public_modules(import_name: str) -> list[str]:
 def _public_names(module: types.ModuleType) -> list[str]:
     exported = getattr(module, "__all__", None)
     if exported is not None:
-        return [name for name in exported if name != "__version__"]
+        return [name for name in exported if name != "__version__" and _is_public(name)]
     return [
         name
         for name, value in vars(module).items()

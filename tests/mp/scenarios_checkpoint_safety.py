@@ -29,12 +29,10 @@ from fsdp_core import (
     DistributedContext,
     ModelParallelizer,
     build_mesh,
-    load_pretrained,
     mixed_precision_policy,
-    pretrained,
-    save_pretrained,
 )
 from fsdp_core.comm import CommCounter
+from fsdp_core.hf import load_pretrained, pretrained, save_pretrained
 
 #: Small enough that the tiny model's export spans several files.
 SHARD_SIZE = "8KB"

@@ -27,7 +27,8 @@ from registry import scenario
 from scenarios_core import full
 from torch import nn
 
-from fsdp_core import DistributedContext, build_mesh, save_pretrained
+from fsdp_core import DistributedContext, build_mesh
+from fsdp_core.hf import save_pretrained
 
 FAMILIES = ("llava", "qwen2_vl")
 POLICIES = ("root", "per_layer", "replicate")

@@ -23,7 +23,8 @@ from registry import scenario
 from scenarios_core import full
 from torch import nn
 
-from fsdp_core import DistributedContext, build_mesh, load_pretrained, save_pretrained
+from fsdp_core import DistributedContext, build_mesh
+from fsdp_core.hf import load_pretrained, save_pretrained
 
 POLICIES = ("root", "per_layer", "replicate")
 SEED = 1234

@@ -3,8 +3,8 @@
 Each scenario: rank 0 writes a checkpoint directory the way users get one
 (transformers ``save_pretrained``, forced into several files; for DeepSeek-V4.1 a
 safetensors state dict in the same layout), every rank builds the model on
-``meta``, shards it, loads the directory with :func:`fsdp_core.load_pretrained`,
-trains a few steps and exports with :func:`fsdp_core.save_pretrained`. The result
+``meta``, shards it, loads the directory with ``fsdp_core.hf.load_pretrained``,
+trains a few steps and exports with ``fsdp_core.hf.save_pretrained``. The result
 holds the gathered state right after loading and after training, which the
 tests compare with ``from_pretrained`` of both directories in one process.
 
@@ -25,13 +25,8 @@ from scenarios_core import full
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_core import (
-    DistributedContext,
-    build_mesh,
-    load_pretrained,
-    mixed_precision_policy,
-    save_pretrained,
-)
+from fsdp_core import DistributedContext, build_mesh, mixed_precision_policy
+from fsdp_core.hf import load_pretrained, save_pretrained
 
 POLICIES = ("root", "per_layer", "replicate")
 STEPS = 2

@@ -19,8 +19,8 @@ from torch import nn
 
 pytest.importorskip("safetensors.torch")
 
-from fsdp_core import pretrained
-from fsdp_core.pretrained import load_pretrained, save_pretrained
+from fsdp_core.hf import pretrained
+from fsdp_core.hf.pretrained import load_pretrained, save_pretrained
 
 
 class Tiny(nn.Module):

@@ -22,8 +22,8 @@ from fsdp_core import (
     destroy_distributed,
     group_islands,
     init_distributed,
-    load_pretrained,
 )
+from fsdp_core.hf import load_pretrained
 from fsdp_core.sharding import ShardTarget, apply_fully_shard
 from fsdp_core.testing import TORCHRUN_ENV, fake_process_group
 

@@ -21,11 +21,11 @@ from torch import nn
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from fsdp_core import _lora  # noqa: E402
-from fsdp_core._hf_methods import install_collective_save  # noqa: E402
+from fsdp_core.hf import _lora  # noqa: E402
+from fsdp_core.hf._hf_methods import install_collective_save  # noqa: E402
+from fsdp_core.hf.pretrained import save_pretrained  # noqa: E402
 from fsdp_core.mesh import build_mesh  # noqa: E402
 from fsdp_core.parallelizer import ModelParallelizer  # noqa: E402
-from fsdp_core.pretrained import save_pretrained  # noqa: E402
 from fsdp_core.testing import fake_process_group  # noqa: E402
 
 IN, OUT, RANK = 5, 3, 2

@@ -233,7 +233,7 @@ def test_adapters_added_after_sharding_fail_in_load_and_save(
     """The same check before the collective entry points read or write anything, also
     when the sharded model is inside a wrapper (a ``PeftModel``)."""
     pytest.importorskip("safetensors")
-    from fsdp_core import load_pretrained, save_pretrained
+    from fsdp_core.hf import load_pretrained, save_pretrained
 
     source = tmp_path / "source"
     save_pretrained(Model(), source)  # an unsharded model: a plain export

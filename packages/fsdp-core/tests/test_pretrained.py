@@ -1,4 +1,4 @@
-"""fsdp_core.pretrained: Hugging Face checkpoint directories in and out (safetensors only).
+"""fsdp_core.hf.pretrained: Hugging Face checkpoint directories in and out (safetensors only).
 
 Loading is checked under the fake process group on several ranks: it issues no
 collectives, so each rank's shards must come out right from its own reads. Export
@@ -21,12 +21,12 @@ from torch.distributed.tensor import DTensor
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from fsdp_core import _safetensors_dir  # noqa: E402
 from fsdp_core.comm import CommCounter  # noqa: E402
+from fsdp_core.hf import _safetensors_dir  # noqa: E402
+from fsdp_core.hf.pretrained import PretrainedLoad, load_pretrained, save_pretrained  # noqa: E402
 from fsdp_core.mesh import build_mesh  # noqa: E402
 from fsdp_core.parallelizer import ModelParallelizer  # noqa: E402
 from fsdp_core.precision import mixed_precision_policy  # noqa: E402
-from fsdp_core.pretrained import PretrainedLoad, load_pretrained, save_pretrained  # noqa: E402
 from fsdp_core.testing import fake_process_group  # noqa: E402
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -209,7 +209,7 @@ def test_loading_needs_no_collectives_and_reads_only_slices(
         def __exit__(self, *exc: object) -> None:
             self.context.__exit__(*exc)  # type: ignore[arg-type]
 
-    monkeypatch.setattr("fsdp_core.pretrained.open_file", SpyOpen)
+    monkeypatch.setattr("fsdp_core.hf.pretrained.open_file", SpyOpen)
     with fake_process_group(2, rank=1):
         model = _shard(_toy(device="meta"), replicate_layer0=True)
         with CommCounter() as counter:

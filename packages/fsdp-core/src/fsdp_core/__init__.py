@@ -62,7 +62,6 @@ from fsdp_core.precision import (
     mixed_precision_policy,
     parse_dtype,
 )
-from fsdp_core.pretrained import KeyMapping, PretrainedLoad, load_pretrained, save_pretrained
 from fsdp_core.runtime import (
     BackwardWatch,
     HookPlan,
@@ -91,10 +90,6 @@ __all__ = [
     "load_checkpoint",
     "load_checkpoint_unsharded",
     "load_full_state_dict",
-    "KeyMapping",
-    "PretrainedLoad",
-    "load_pretrained",
-    "save_pretrained",
     "materialize_from_full",
     "save_checkpoint",
     "install_unshard_warmup",

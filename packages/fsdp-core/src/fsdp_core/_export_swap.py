@@ -27,8 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
-from fsdp_core._safetensors_dir import is_weight_file, open_file, read_layout
-
 logger = logging.getLogger(__name__)
 
 _AT_FDCWD: Final = -100
@@ -67,21 +65,6 @@ def prepare(root: Path, needed_bytes: int) -> Path:
 def discard(work: Path) -> None:
     """Remove a temporary directory (an unfinished export, or the old one after a swap)."""
     shutil.rmtree(work, ignore_errors=True)
-
-
-def verify(work: Path, weight_map: dict[str, str]) -> None:
-    """Read the written export back: the same keys in the same files, no empty file."""
-    layout = read_layout(work)
-    if dict(layout.weight_map) != weight_map:
-        wrong = sorted(set(layout.weight_map.items()) ^ set(weight_map.items()))[:4]
-        raise OSError(errno.EIO, f"the written export lists other keys than were saved: {wrong}")
-    for name, keys in layout.keys_by_file():
-        path = work / name
-        if path.stat().st_size == 0:
-            raise OSError(errno.EIO, "an exported file is empty", str(path))
-        with open_file(path) as handle:
-            if sorted(handle.keys()) != keys:
-                raise OSError(errno.EIO, "an exported file holds other keys", str(path))
 
 
 def _link_tree(source: Path, target: Path) -> None:
@@ -125,12 +108,12 @@ def _exchange(first: Path, second: Path) -> bool:
     raise OSError(code, os.strerror(code), str(second))
 
 
-def swap_in(work: Path, root: Path, *, replaces: Callable[[str], bool] = is_weight_file) -> None:
+def swap_in(work: Path, root: Path, *, replaces: Callable[[str], bool]) -> None:
     """Make the finished export in ``work`` the directory ``root``; the old one goes.
 
     The user's files of ``root`` (every entry the new export does not replace and
-    that ``replaces`` does not name: by default the weight files of an earlier
-    model export; an adapter export replaces only adapter files) are linked into
+    that ``replaces`` does not name: the weight files of an earlier model
+    export; an adapter export replaces only adapter files) are linked into
     ``work`` first.
     """
     if not root.exists():

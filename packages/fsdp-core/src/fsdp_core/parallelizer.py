@@ -22,7 +22,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp_core import internals
-from fsdp_core._hf_methods import install_collective_save
 from fsdp_core.accumulation import install_unshard_warmup
 from fsdp_core.collective_entry import enter_collective, group_ranks
 from fsdp_core.containers import is_under, iter_layer_items
@@ -253,6 +252,9 @@ class ModelParallelizer:
             if installed is not None:
                 register_installed_hook(model, installed)
         install_first_forward_check(model, module_tree_fingerprint(model))
+        # Imported here so that ``import fsdp_core`` does not load the checkpoint I/O.
+        from fsdp_core.hf._hf_methods import install_collective_save
+
         install_collective_save(model)
         logger.info(
             "applied %d FSDP units in %d calls; runtime hooks: %s",

@@ -6,7 +6,7 @@ users call them out of habit. When a plan is applied, the instance (and a peft
 model's base model) gets its own ``save_pretrained``, bound to the library's
 export (a ``functools.partial`` in the instance's ``__dict__``, so it pickles
 and deep-copies with the model): every rank must call it, rank 0 writes, and the files are those of
-``fsdp_core.save_pretrained`` (transformers models) or the adapter export
+``fsdp_core.hf.save_pretrained`` (transformers models) or the adapter export
 (peft models). The class's method stays reachable as
 ``type(model).save_pretrained`` and is what the library runs internally to learn
 checkpoint names. Keyword arguments of the original that the export cannot
@@ -25,8 +25,8 @@ from typing import Any
 
 from torch import nn
 
-from fsdp_core import _hf_model, _lora
-from fsdp_core.pretrained import export_adapter, save_pretrained
+from fsdp_core.hf import _hf_model, _lora
+from fsdp_core.hf.pretrained import export_adapter, save_pretrained
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def _refuse(method: str, problems: Iterable[str]) -> None:
     if found:
         raise ValueError(
             f"{method} on a sharded model is the library's collective export "
-            f"(fsdp_core.save_pretrained), which cannot honour {'; '.join(found)}. Call it on "
+            f"(fsdp_core.hf.save_pretrained), which cannot honour {'; '.join(found)}. Call it on "
             "every rank without them, or call the original on an unsharded model: "
             f"type(model).{_ATTRIBUTE}(model, ...)"
         )
@@ -104,7 +104,7 @@ def save_hf_model(
     timeout: float | timedelta | None = None,
     **kwargs: Any,
 ) -> None:
-    """transformers' ``save_pretrained`` on a sharded model: ``fsdp_core.save_pretrained``.
+    """transformers' ``save_pretrained`` on a sharded model: ``fsdp_core.hf.save_pretrained``.
 
     Collective: call it on every rank (``is_main_process`` is accepted and not
     needed: rank 0 writes). ``max_shard_size`` is honoured (transformers'
@@ -181,7 +181,7 @@ def save_peft_model(
     and any other in a sub-directory of its name; only the adapter tensors
     (and ``modules_to_save``) are gathered. ``save_embedding_layers`` is
     honoured; ``merge_adapters=True`` instead writes the merged model
-    (``fsdp_core.save_pretrained(model, d, merge_adapters=True)``).
+    (``fsdp_core.hf.save_pretrained(model, d, merge_adapters=True)``).
     ``safe_serialization=False``, ``path_initial_model_for_weight_conversion``
     and ``state_dict`` are refused.
     """

@@ -35,11 +35,12 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_core._safetensors_dir import open_file, read_layout
+from fsdp_core.hf import _transformers as tf
+from fsdp_core.hf._safetensors_dir import open_file, read_layout
 
 logger = logging.getLogger(__name__)
 
-_FLAG = "_is_hf_initialized"
+_FLAG = tf.IS_HF_INITIALIZED
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -75,14 +76,14 @@ def _original_classes(model: nn.Module) -> Iterator[None]:
 @contextmanager
 def _writes_on_this_rank(model: nn.Module) -> Iterator[None]:
     """transformers saves on global rank 0 only; every rank derives the names itself."""
-    if not callable(getattr(model, "should_save_on_this_rank", None)):
+    if not callable(getattr(model, tf.SHOULD_SAVE_ON_THIS_RANK, None)):
         yield
         return
-    model.__dict__["should_save_on_this_rank"] = lambda is_main_process: True
+    model.__dict__[tf.SHOULD_SAVE_ON_THIS_RANK] = lambda is_main_process: True
     try:
         yield
     finally:
-        del model.__dict__["should_save_on_this_rank"]
+        del model.__dict__[tf.SHOULD_SAVE_ON_THIS_RANK]
 
 
 @contextmanager
@@ -92,7 +93,7 @@ def _quiet(save: Any) -> Iterator[None]:
     The switch is found in the saving function's own module (transformers'
     ``logging`` helpers), so transformers is never imported here.
     """
-    helpers = getattr(getattr(save, "__func__", save), "__globals__", {}).get("logging")
+    helpers = getattr(getattr(save, "__func__", save), "__globals__", {}).get(tf.LOGGING_GLOBAL)
     enabled = getattr(helpers, "is_progress_bar_enabled", None)
     disable = getattr(helpers, "disable_progress_bar", None)
     enable = getattr(helpers, "enable_progress_bar", None)
@@ -109,14 +110,14 @@ def _quiet(save: Any) -> Iterator[None]:
 @contextmanager
 def _base_names_only(model: nn.Module) -> Iterator[None]:
     """transformers saves only adapters of a model that loaded some: the markers are base names."""
-    if getattr(model, "_hf_peft_config_loaded", False) is not True:
+    if getattr(model, tf.HF_PEFT_CONFIG_LOADED, False) is not True:
         yield
         return
-    model.__dict__["_hf_peft_config_loaded"] = False
+    model.__dict__[tf.HF_PEFT_CONFIG_LOADED] = False
     try:
         yield
     finally:
-        model.__dict__["_hf_peft_config_loaded"] = True
+        model.__dict__[tf.HF_PEFT_CONFIG_LOADED] = True
 
 
 def own_save(model: nn.Module) -> Any:
@@ -268,7 +269,7 @@ def _initializer(model: nn.Module, path: str) -> Any:
     for depth in range(len(parts) + 1):
         if depth:
             module = module.get_submodule(parts[depth - 1])
-        init = getattr(module, "_init_weights", None)
+        init = getattr(module, tf.INIT_WEIGHTS, None)
         if callable(init) and getattr(module, "config", None) is not None:
             found = init
     return found

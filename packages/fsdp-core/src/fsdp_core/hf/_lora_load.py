@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_core import _lora
+from fsdp_core.hf import _lora
 
 #: ``init_lora_weights`` values whose initial adapters need no base weight.
 SUPPORTED_INITS: tuple[object, ...] = (True, "gaussian")

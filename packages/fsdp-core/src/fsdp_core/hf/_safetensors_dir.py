@@ -9,6 +9,7 @@ it is reached through small protocols so that type checking needs no stubs.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import os
@@ -152,3 +153,18 @@ def write_file(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 def write_index(directory: Path, weight_map: Mapping[str, str], total_size: int) -> None:
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
     (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+
+
+def verify_export(work: Path, weight_map: dict[str, str]) -> None:
+    """Read the written export back: the same keys in the same files, no empty file."""
+    layout = read_layout(work)
+    if dict(layout.weight_map) != weight_map:
+        wrong = sorted(set(layout.weight_map.items()) ^ set(weight_map.items()))[:4]
+        raise OSError(errno.EIO, f"the written export lists other keys than were saved: {wrong}")
+    for name, keys in layout.keys_by_file():
+        path = work / name
+        if path.stat().st_size == 0:
+            raise OSError(errno.EIO, "an exported file is empty", str(path))
+        with open_file(path) as handle:
+            if sorted(handle.keys()) != keys:
+                raise OSError(errno.EIO, "an exported file holds other keys", str(path))

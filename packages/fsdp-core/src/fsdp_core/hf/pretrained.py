@@ -1,6 +1,6 @@
 """Pretrained weights in, trained weights out: Hugging Face checkpoint directories.
 
-[`load_pretrained`][fsdp_core.pretrained.load_pretrained] fills a model that was built on the
+[`load_pretrained`][fsdp_core.hf.pretrained.load_pretrained] fills a model that was built on the
 ``meta`` device and sharded from a directory written by ``save_pretrained`` (one
 ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` files with
 ``model.safetensors.index.json``). Every rank reads only the slices of its own shards
@@ -9,7 +9,7 @@ FSDP-ignored) and persistent buffers are read whole on every rank. Per rank, hos
 one tensor's slice at a time beyond the shards themselves (the files are memory
 mapped: their pages sit in the node's shared page cache).
 
-[`save_pretrained`][fsdp_core.pretrained.save_pretrained] gathers the trained model into the same
+[`save_pretrained`][fsdp_core.hf.pretrained.save_pretrained] gathers the trained model into the same
 layout on rank 0, one output file at a time, so that ``transformers`` ``from_pretrained`` loads it.
 
 Needs the ``safetensors`` package (the ``fsdp-core[hf]`` extra); transformers is
@@ -39,21 +39,25 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_core import _export_swap, _hf_model, _lora, _lora_load
-from fsdp_core._safetensors_dir import (
+from fsdp_core import _export_swap
+from fsdp_core.collective_entry import CollectiveCall, enter_collective, group_ranks
+from fsdp_core.dtype_units import dominant_dtype
+from fsdp_core.hf import _hf_model, _lora, _lora_load
+from fsdp_core.hf import _transformers as tf
+from fsdp_core.hf._safetensors_dir import (
     CheckpointLayout,
     SafeFile,
     file_names,
     is_floating_code,
+    is_weight_file,
     open_file,
     plan_files,
     read_layout,
     require_safetensors,
+    verify_export,
     write_file,
     write_index,
 )
-from fsdp_core.collective_entry import CollectiveCall, enter_collective, group_ranks
-from fsdp_core.dtype_units import dominant_dtype
 from fsdp_core.materialize import copy_full_into_
 from fsdp_core.module_tree import check_unchanged_since_sharding
 from fsdp_core.sizes import parse_size
@@ -72,7 +76,7 @@ _LISTED = 8
 
 @dataclass(frozen=True)
 class PretrainedLoad:
-    """What [`load_pretrained`][fsdp_core.pretrained.load_pretrained] did.
+    """What [`load_pretrained`][fsdp_core.hf.pretrained.load_pretrained] did.
 
     ``naming`` says how module names were matched to checkpoint keys:
     ``"module"`` (the same names), ``"save_pretrained"`` (the names the model's own
@@ -80,7 +84,7 @@ class PretrainedLoad:
     ``"adapter"`` (an adapter export, by the names peft writes).
     ``missing`` and ``unexpected`` are empty unless ``strict=False``; ``ignored``
     lists checkpoint keys the model declines on purpose (see
-    [`load_pretrained`][fsdp_core.pretrained.load_pretrained]).
+    [`load_pretrained`][fsdp_core.hf.pretrained.load_pretrained]).
     """
 
     directory: str
@@ -215,7 +219,7 @@ def _declined(model: nn.Module, keys: Iterable[str]) -> set[str]:
     transformers models also list patterns in ``_keys_to_ignore_on_load_unexpected``.
     """
     leaves = {name.rpartition(".")[2] for name in _non_persistent_buffers(model)}
-    patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+    patterns = getattr(model, tf.KEYS_TO_IGNORE_ON_LOAD_UNEXPECTED, None) or []
     if not isinstance(patterns, (list, tuple, set)):
         patterns = []
     return {
@@ -824,7 +828,11 @@ def save_pretrained(
         try:
             written = _write_export(model, plan, work, call)
             call.run(
-                lambda: _export_swap.swap_in(work, root) if work is not None else None,
+                lambda: (
+                    _export_swap.swap_in(work, root, replaces=is_weight_file)
+                    if work is not None
+                    else None
+                ),
                 step=f"replacing the export in {str(root)!r}",
             )
         except BaseException:
@@ -923,7 +931,7 @@ def _write_export(
         configs = _hf_model.write_configs(
             plan.export.config_model, work, dtype=dominant_dtype(floating)
         )
-        _export_swap.verify(work, weight_map)
+        verify_export(work, weight_map)
         return configs
 
     configs = call.run(finish, step="writing the index and configs and reading them back")
