@@ -15,12 +15,11 @@ against one unit per norm.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from padded_deepseek import PADDED_TINY
 from torch import nn
 
@@ -42,15 +41,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor"),
     pytest.mark.filterwarnings("ignore:.*mm_token_type_ids.*"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def _no_process_group_leak() -> Iterator[None]:
-    assert not dist.is_initialized(), "a process group leaked into this test"
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-        pytest.fail("the test left a process group initialised")
 
 
 # --- DeepSeek-V4.1 ---------------------------------------------------------------------------

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from hf_vlms import HF_VLMS, hf_loss
 from padded_deepseek import PADDED_TINY
 from torch import nn
@@ -73,15 +72,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor"),
     pytest.mark.filterwarnings("ignore:.*mm_token_type_ids.*"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def _no_process_group_leak() -> Iterator[None]:
-    assert not dist.is_initialized(), "a process group leaked into this test"
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-        pytest.fail("the test left a process group initialised")
 
 
 def _deepseek() -> nn.Module:

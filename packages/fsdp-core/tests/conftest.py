@@ -1,7 +1,7 @@
 """Shared fixtures for the fsdp-core unit tests.
 
-Every fixture that initialises a process group tears it down again, and an
-autouse guard fails any test that leaves one behind.
+Every fixture that initialises a process group tears it down again; the
+repository's root conftest.py fails any test that leaves one behind.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import os
 from collections.abc import Iterator
 
 import pytest
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_core.mesh import build_mesh
@@ -25,16 +24,6 @@ TORCHRUN_ENV = (
     "MASTER_ADDR",
     "MASTER_PORT",
 )
-
-
-@pytest.fixture(autouse=True)
-def _no_process_group_leak() -> Iterator[None]:
-    """Fail (and clean up) a test that leaves a process group initialised."""
-    assert not dist.is_initialized(), "a process group leaked into this test"
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-        pytest.fail("the test left a process group initialised")
 
 
 @pytest.fixture

@@ -30,13 +30,12 @@ here); run ``pytest -s -k table`` on this file to print the tables.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_core import CommCounter, build_mesh, compat, mixed_precision_policy
@@ -104,18 +103,6 @@ EXPECTED_FROZEN: dict[tuple[int, str], tuple[int, int, int, int, int, int, int, 
     (8, "per_layer"): (11, 0, 17, 17, 11, 2, 3, 2),
     (8, "replicate"): (3, 0, 83, 83, 3, 2, 3, 0),
 }
-
-
-@pytest.fixture(autouse=True)
-def _no_process_group_leak() -> Iterator[None]:
-    """Fail (and clean up) a test that leaves a process group initialised."""
-    assert not dist.is_initialized(), "a process group leaked into this test"
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-            pytest.fail("the test left a process group initialised")
 
 
 def _dtensors(model: torch.nn.Module) -> set[torch.nn.Parameter]:

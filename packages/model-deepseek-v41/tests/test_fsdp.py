@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
@@ -84,18 +83,6 @@ CASE_IDS = [f"{policy}-{'frozen' if frozen else 'trainable'}" for policy, frozen
 
 
 # Fixtures and helpers ----------------------------------------------------------------
-
-
-@pytest.fixture(autouse=True)
-def _no_process_group_leak() -> Iterator[None]:
-    """Fail (and clean up) a test that leaves a process group initialised."""
-    assert not dist.is_initialized(), "a process group leaked into this test"
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-            pytest.fail("the test left a process group initialised")
 
 
 @pytest.fixture

@@ -187,16 +187,6 @@ def step(model: nn.Module) -> torch.Tensor:
 # --- fixtures ------------------------------------------------------------------------------
 
 
-@pytest.fixture(autouse=True)
-def _no_process_group_leak() -> Iterator[None]:
-    """Fail (and clean up) a test that leaves a process group initialised."""
-    assert not dist.is_initialized(), "a process group leaked into this test"
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-        pytest.fail("the test left a process group initialised")
-
-
 @pytest.fixture
 def mesh2() -> Iterator[DeviceMesh]:
     """A 1-D CPU mesh of size 2 over the fake process group (destroyed afterwards)."""
