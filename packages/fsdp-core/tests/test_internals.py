@@ -6,10 +6,8 @@ meaningless numbers).
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,10 +28,11 @@ from fsdp_core import (
     internals,
     mixed_precision_policy,
 )
+from fsdp_core.accumulation import AccumulationWarmupRuntimeHook
 from fsdp_core.testing import fake_process_group
+from fsdp_core.unused_params import UnusedParamsRuntimeHook
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "fsdp_core"
-ALL_HOOKS = tuple(internals.INTERNALS_BY_HOOK)
+ALL_HOOKS = {hook.name: hook.reads for hook in ModelParallelizer.HOOKS}
 
 
 @pytest.fixture
@@ -82,7 +81,7 @@ def test_a_missing_attribute_is_named_with_the_hook_to_switch_off(
     assert "unused_params needs FSDPParamGroup.reduce_grads" in message
     assert "disabled_hooks=('accumulation_warmup', 'unused_params')" in message
     # Hooks that need none of it are fine.
-    check_internals(model, ["schedule_check", "prefetch_guard"])
+    check_internals(model, {"reads_nothing": (), "reads_autograd": (internals.GRAPH_TASK,)})
     # The accessors raise the same error instead of guessing a default.
     with pytest.raises(FSDPInternalsError, match=r"FSDPParamGroup\.reduce_grads"):
         internals.reduces_gradients(model)
@@ -92,13 +91,12 @@ def test_the_parallelizer_fails_at_apply_time_when_an_internal_was_renamed(
     mesh: DeviceMesh, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Not at the first forward, and not by silently switching the fix off."""
-    renamed = internals._Probe("group", "reduce_grads_renamed")
-    for hook in ("accumulation_warmup", "unused_params"):
-        probes = internals.INTERNALS_BY_HOOK[hook]
-        monkeypatch.setitem(
-            internals.INTERNALS_BY_HOOK,
+    renamed = internals.Probe("group", "reduce_grads_renamed")
+    for hook in (AccumulationWarmupRuntimeHook, UnusedParamsRuntimeHook):
+        monkeypatch.setattr(
             hook,
-            tuple(renamed if p is internals._GROUP_REDUCE else p for p in probes),
+            "reads",
+            tuple(renamed if p is internals.GROUP_REDUCE else p for p in hook.reads),
         )
     with pytest.raises(FSDPInternalsError, match="reduce_grads_renamed"):
         ModelParallelizer().parallelize(Net(), mesh=mesh)
@@ -150,36 +148,17 @@ def test_in_backward_and_the_end_of_backward_callback() -> None:
     assert seen == ["hook in_backward=True", "end"]
 
 
-#: Attribute accesses of FSDP2 / autograd internals (an ``internals.`` accessor is fine).
-PRIVATE = re.compile(
-    r"(?<!internals)\.(_get_fsdp_state|_fsdp_param_groups?|_unsharded_param|"
-    r"unsharded_accumulated_grad|_execution_engine|_current_graph_task_id|fsdp_params|"
-    r"reduce_grads)\b"
-)
-#: Private torch modules (FSDP2's own, the fake store, the memory tracker).
-PRIVATE_MODULES = re.compile(
-    r"torch\.(testing\._internal|distributed\._tools|distributed\.fsdp\._)"
-)
-
-
-def test_no_other_module_reads_private_fsdp_state() -> None:
-    offenders = []
-    # Every package of the monorepo; this package alone when run from its sdist.
-    roots = sorted(SRC.parents[3].glob("packages/*/src/*")) or [SRC]
-    assert SRC in roots
-    for root in roots:
-        for path in sorted(root.rglob("*.py")):
-            if path.name == "internals.py":
-                continue
-            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-                if PRIVATE.search(line) or PRIVATE_MODULES.search(line):
-                    offenders.append(f"{path.name}:{number}: {line.strip()}")
-    assert offenders == []
+# That no other module reads private torch is checked for every package by
+# tests/test_private_torch_access.py (from the sources' syntax trees).
 
 
 def test_private_torch_modules_come_through_internals() -> None:
     assert internals.has_fake_store()
     assert internals.fsdp_state_module() is not None
+    assert internals.has_grouped_forward_hooks()
+    assert internals.casts_per_grouped_module()
+    assert internals.tracks_grouped_passes()
+    assert issubclass(internals.TorchDispatchMode, object)
     tracker = internals.fsdp_mem_tracker_class(("track_inputs",), user="this test")
     assert tracker.__name__ == "FSDPMemTracker"
     with pytest.raises(FSDPInternalsError, match=r"lacks \['no_such_hook'\], which this test"):

@@ -11,11 +11,8 @@ through such a call. Equality with one process is checked on real ranks in
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -91,15 +88,6 @@ def pixels(width: int = PATCH) -> torch.Tensor:
 
 def plan_for(policy: str, model: nn.Module, **options: object) -> ShardingPlan:
     return MultimodalParallelizer(frozen_multimodal_sharding=policy, **options).plan(model)  # type: ignore[arg-type]
-
-
-@pytest.fixture(autouse=True)
-def _no_process_group_leak() -> Iterator[None]:
-    assert not dist.is_initialized(), "a process group leaked into this test"
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-        pytest.fail("the test left a process group initialised")
 
 
 # --- plan data ---------------------------------------------------------------------------

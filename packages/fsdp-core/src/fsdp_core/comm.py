@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from fsdp_core.internals import TorchDispatchMode
 
 __all__ = ["CollectiveRecord", "CommCounter", "collective_kind"]
 

@@ -62,28 +62,17 @@ def _fully_shard_parameters() -> frozenset[str]:
 FULLY_SHARD_IGNORED_PARAMS: Final[bool] = "ignored_params" in _fully_shard_parameters()
 
 
-def _fsdp_state_class() -> type | None:
-    if not FSDP2_AVAILABLE:
-        return None
-    module = internals.fsdp_state_module()
-    state = getattr(module, "FSDPState", None)
-    return state if isinstance(state, type) else None
-
-
 def _has_grouped_modules() -> bool:
     """``fully_shard([m1, m2])``: several modules share one unit (one all-gather)."""
-    if not FSDP2_AVAILABLE:
-        return False
-    module = internals.fsdp_state_module()
-    return hasattr(module, "_register_group_forward_hooks")
+    return FSDP2_AVAILABLE and internals.has_grouped_forward_hooks()
 
 
 FULLY_SHARD_GROUPED_MODULES: Final[bool] = _has_grouped_modules()
 
 #: Grouped units cast inputs and outputs around *each* member module. Without it,
 #: a group of fp32 islands would only cast at the group's first and last call.
-GROUPED_PER_MODULE_CASTING: Final[bool] = FULLY_SHARD_GROUPED_MODULES and hasattr(
-    _fsdp_state_class() or object, "_cast_output_dtype"
+GROUPED_PER_MODULE_CASTING: Final[bool] = (
+    FULLY_SHARD_GROUPED_MODULES and internals.casts_per_grouped_module()
 )
 
 
@@ -91,13 +80,9 @@ def _has_grouped_unit_reuse() -> bool:
     """Grouped units track which members ran in the current pass, so a member called
     again later in the same iteration (a tower run once per image) starts a new pass
     instead of corrupting the unit (pytorch issue 183702). torch 2.13 has the
-    per-pass bookkeeping (``_force_complete_incomplete_states``); the multi-process
-    tests run exactly that reuse against a reference, so a torch where the flag and
-    the behaviour disagree fails them."""
-    state = _fsdp_state_class()
-    return FULLY_SHARD_GROUPED_MODULES and hasattr(
-        state or object, "_force_complete_incomplete_states"
-    )
+    per-pass bookkeeping; the multi-process tests run exactly that reuse against a
+    reference, so a torch where the flag and the behaviour disagree fails them."""
+    return FULLY_SHARD_GROUPED_MODULES and internals.tracks_grouped_passes()
 
 
 #: A grouped unit stays correct when one of its modules runs again in the same

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_core import ShardingPlan, UnitPlan, unit_parameters
+from fsdp_core.internals import TorchDispatchMode
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 
 __all__ = ["ActivationTrace", "LossFn", "trace_activations"]

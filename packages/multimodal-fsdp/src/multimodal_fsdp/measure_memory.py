@@ -13,10 +13,10 @@ does the whole round trip like
 the activation trace), shard, measure - under the initialised process group or else the fake one,
 where tensor sizes are exactly those of a real job.
 
-The tracker lives in a private torch module, which only
-[`fsdp_core.internals.fsdp_mem_tracker_class`][fsdp_core.internals.fsdp_mem_tracker_class] imports;
-it checks the attributes the "private torch" section below relies on (the per-operation hook
-it overrides, its snapshot methods), so that a torch without them fails with a
+The tracker lives in a private torch module, and the timeline needs its per-operation
+method and state: only
+[`fsdp_core.internals.memory_timeline_tracker`][fsdp_core.internals.memory_timeline_tracker]
+touches them, and checks them up front, so that a torch without them fails with a
 message naming what is missing.
 """
 
@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_core import ShardingPlan, build_mesh, resolve_mesh_shape
 from fsdp_core.collective_entry import enter_collective
 from fsdp_core.fake_group import current_or_fake_group
-from fsdp_core.internals import fsdp_mem_tracker_class, require_attributes
+from fsdp_core.internals import memory_timeline_tracker
 from multimodal_fsdp.activations import trace_activations
 from multimodal_fsdp.costs import PlanCosts, plan_costs
 from multimodal_fsdp.memory import check_optimizer, with_memory
@@ -69,49 +69,27 @@ _INPUTS = "Inputs"
 _TOTAL = "Total"
 
 
-# --------------------------------------------------------------------------- private torch
-#: What this module uses of the tracker beyond its public methods: on the class, and
-#: on an instance (attributes its ``__init__`` sets).
-_TRACKER_NEEDS = ("_update_peak_stats", "get_tracker_snapshot", "track_inputs")
-_TRACKER_STATE = ("_curr_mem_snap", "_in_opt", "_mod_tracker")
-
-
-def _tracker_base() -> type[Any]:
-    """torch's ``FSDPMemTracker``, or a
-    [`FSDPInternalsError`][fsdp_core.internals.FSDPInternalsError] (a RuntimeError) saying what is
-    missing."""
-    return fsdp_mem_tracker_class(_TRACKER_NEEDS, user="multimodal_fsdp.measure_memory")
-
-
+# --------------------------------------------------------------------------- the tracker
 def _new_tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
-    """An ``FSDPMemTracker`` that also records a timeline point whenever bytes change."""
-    base = _tracker_base()
+    """An ``FSDPMemTracker`` that also records a timeline point whenever bytes change
+    (its ``points``)."""
+    points: list[MemoryPoint] = []
 
-    class _Timeline(base):  # type: ignore[misc,valid-type]
-        def __init__(self) -> None:
-            super().__init__(model, optimizer)
-            self.points: list[MemoryPoint] = []
+    def record(phase: str, snapshot: dict[torch.device, dict[str, int]]) -> None:
+        snap = _cpu_or_first(snapshot)
+        point = MemoryPoint(
+            phase=phase,
+            gathered_bytes=snap.get(_UNSHARDED, 0) + snap.get(_ALL_GATHER, 0),
+            activation_bytes=sum(snap.get(key, 0) for key in _WORKING),
+            total_bytes=snap.get(_TOTAL, 0),
+        )
+        if not points or points[-1] != point:
+            points.append(point)
 
-        def _update_peak_stats(self, peak_state: Any) -> None:
-            super()._update_peak_stats(peak_state)
-            snap = _cpu_or_first(self._curr_mem_snap)
-            if self._in_opt:
-                phase = "optimizer"
-            else:
-                phase = "backward" if self._mod_tracker.is_bw else "forward"
-            point = MemoryPoint(
-                phase=phase,
-                gathered_bytes=snap.get(_UNSHARDED, 0) + snap.get(_ALL_GATHER, 0),
-                activation_bytes=sum(snap.get(key, 0) for key in _WORKING),
-                total_bytes=snap.get(_TOTAL, 0),
-            )
-            if not self.points or self.points[-1] != point:
-                self.points.append(point)
-
-    tracker = _Timeline()
-    require_attributes(
-        tracker, _TRACKER_STATE, owner="FSDPMemTracker", user="multimodal_fsdp.measure_memory"
+    tracker = memory_timeline_tracker(
+        model, optimizer, on_change=record, user="multimodal_fsdp.measure_memory"
     )
+    tracker.points = points
     return tracker
 
 
