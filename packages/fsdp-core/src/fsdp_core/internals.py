@@ -34,6 +34,7 @@ from typing import Any, Final
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.utils._python_dispatch import TorchDispatchMode  # re-exported for subclassing
 
 __all__ = [
     "FSDPInternalsError",
@@ -61,6 +62,12 @@ __all__ = [
     "fsdp_state_module",
     "require_attributes",
     "process_group_timeout",
+    "TorchDispatchMode",
+    "param_fqn",
+    "has_grouped_forward_hooks",
+    "casts_per_grouped_module",
+    "tracks_grouped_passes",
+    "memory_timeline_tracker",
 ]
 
 _FAKE_PG_MODULE: Final = "torch.testing._internal.distributed.fake_pg"
@@ -341,6 +348,36 @@ def check_internals(model: nn.Module, hooks: Iterable[str]) -> None:
 
 
 # ------------------------------------------------------------------- private modules
+def param_fqn(fsdp_param: Any) -> str | None:
+    """The model path FSDP recorded for a parameter record, ``None`` when it has none
+    (used only to name parameters in messages, so it never raises)."""
+    name = getattr(fsdp_param, "_param_fqn", None)
+    return name if isinstance(name, str) else None
+
+
+def _state_class_has(name: str) -> bool:
+    module = fsdp_state_module()
+    state = getattr(module, "FSDPState", None)
+    return isinstance(state, type) and hasattr(state, name)
+
+
+def has_grouped_forward_hooks() -> bool:
+    """Whether FSDP2's state module can hook a group of modules as one unit
+    (``fully_shard([m1, m2])``)."""
+    return hasattr(fsdp_state_module(), "_register_group_forward_hooks")
+
+
+def casts_per_grouped_module() -> bool:
+    """Whether ``FSDPState`` casts inputs and outputs around each member of a grouped unit."""
+    return _state_class_has("_cast_output_dtype")
+
+
+def tracks_grouped_passes() -> bool:
+    """Whether ``FSDPState`` tracks which members of a grouped unit ran in this pass
+    (its per-pass bookkeeping), so a member may run again in the same iteration."""
+    return _state_class_has("_force_complete_incomplete_states")
+
+
 def fsdp_state_module() -> ModuleType | None:
     """FSDP2's private state module (``FSDPState`` and its group hooks), or ``None`` when
     this torch has none; [`fsdp_core.compat`][fsdp_core.compat] reads its features from it."""
@@ -408,6 +445,41 @@ def fsdp_mem_tracker_class(needs: Sequence[str], *, user: str) -> type[Any]:
         )
     if not isinstance(tracker, type):
         raise FSDPInternalsError(f"{_MEM_TRACKER_MODULE}.FSDPMemTracker is not a class")
+    return tracker
+
+
+#: What [`memory_timeline_tracker`][fsdp_core.internals.memory_timeline_tracker] reads of
+#: the tracker beyond its public methods: on the class, and on an instance (attributes
+#: its ``__init__`` sets).
+_TRACKER_NEEDS: Final = ("_update_peak_stats", "get_tracker_snapshot", "track_inputs")
+_TRACKER_STATE: Final = ("_curr_mem_snap", "_in_opt", "_mod_tracker")
+
+
+def memory_timeline_tracker(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    on_change: Callable[[str, dict[torch.device, dict[str, int]]], None],
+    user: str,
+) -> Any:
+    """A new ``FSDPMemTracker`` of ``model`` (and ``optimizer``) that also calls
+    ``on_change(phase, snapshot)`` whenever its byte counts change: ``phase`` is
+    ``"forward"``, ``"backward"`` or ``"optimizer"``, ``snapshot`` the current bytes per
+    device and category. The tracker has no public hook for this, so its per-operation
+    method and state are read here, checked up front for ``user``."""
+    base = fsdp_mem_tracker_class(_TRACKER_NEEDS, user=user)
+
+    class _Timeline(base):  # type: ignore[misc,valid-type]
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            super()._update_peak_stats(peak_state)
+            if self._in_opt:
+                phase = "optimizer"
+            else:
+                phase = "backward" if self._mod_tracker.is_bw else "forward"
+            on_change(phase, self._curr_mem_snap)
+
+    tracker = _Timeline(model, optimizer)
+    require_attributes(tracker, _TRACKER_STATE, owner="FSDPMemTracker", user=user)
     return tracker
 
 

@@ -133,8 +133,8 @@ class UnusedParamsHook:
 
 
 def _name(fsdp_param: Any, index: int) -> str:
-    name = getattr(fsdp_param, "_param_fqn", None)
-    return name if isinstance(name, str) else f"<parameter {index}>"
+    name = internals.param_fqn(fsdp_param)
+    return name if name is not None else f"<parameter {index}>"
 
 
 def install_unused_params_hook(model: nn.Module, *, mesh: DeviceMesh) -> UnusedParamsHook | None:
