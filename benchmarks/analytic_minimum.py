@@ -27,7 +27,8 @@ import math
 import torch
 from torch import nn
 
-from fsdp_core import ShardingPlan, UnitPlan, unit_parameters
+from fsdp_core import ShardingPlan
+from fsdp_core.plan import UnitPlan, unit_parameters
 
 Minimum = dict[tuple[str, str], tuple[int, int]]
 

@@ -31,17 +31,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from fsdp_core import (
-    CommCounter,
-    all_reduce_max_over_mesh,
-    build_mesh,
-    exit_rank,
-    init_distributed,
-    installed_hooks,
-    mixed_precision_policy,
-)
+from fsdp_core import CommCounter, build_mesh, exit_rank, init_distributed, mixed_precision_policy
+from fsdp_core.mesh_collectives import all_reduce_max_over_mesh
+from fsdp_core.runtime import installed_hooks
 from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
-from multimodal_fsdp.costs import CommTally, plan_costs
+from multimodal_fsdp.collectives import CommTally
+from multimodal_fsdp.costs import plan_costs
 from multimodal_fsdp.measure import tally_from_counter
 
 #: A small model whose step is not all Python overhead, still quick on 2 CPU cores.

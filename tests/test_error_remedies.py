@@ -16,7 +16,7 @@ import torch
 from vlm import CONFIG
 
 from fsdp_core import ModelParallelizer, build_mesh, compat
-from fsdp_core.testing import fake_process_group
+from fsdp_core.fake_group import fake_process_group
 from model_deepseek_v41 import DeepseekV41ModelParallelizer, build_deepseek_v41
 from multimodal_fsdp import MultimodalParallelizer
 

@@ -27,8 +27,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from fsdp_core import ShardingPlan, build_mesh, unit_parameters
-from fsdp_core.testing import fake_process_group
+from fsdp_core import ShardingPlan, build_mesh
+from fsdp_core.fake_group import fake_process_group
+from fsdp_core.plan import unit_parameters
 from multimodal_fsdp import (
     VALID_FROZEN_MULTIMODAL_SHARDING,
     MultimodalParallelizer,

@@ -23,7 +23,7 @@ import fsdp_core
 import model_deepseek_v41
 import multimodal_fsdp
 from fsdp_core import FSDPInternalsError, ModelParallelizer, build_mesh, internals
-from fsdp_core.testing import fake_process_group
+from fsdp_core.fake_group import fake_process_group
 
 DIM = 8
 PACKAGES = ("fsdp_core", "multimodal_fsdp", "model_deepseek_v41")

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from fsdp_core import ModelParallelizer, ShardingPlan, build_mesh, mixed_precision_policy
+from fsdp_core.fake_group import fake_process_group
 from fsdp_core.internals import applied_unit_paths
-from fsdp_core.testing import fake_process_group
 from multimodal_fsdp import MultimodalParallelizer
 
 sys.path.insert(0, str(Path(__file__).parent / "mp"))

@@ -28,9 +28,12 @@ from padded_deepseek import PADDED_TINY
 from torch import nn
 
 from fsdp_core import mixed_precision_policy
-from fsdp_core.testing import fake_process_group, run_on_gloo_ranks
+from fsdp_core.fake_group import fake_process_group
+from fsdp_core.sizes import parse_size
+from fsdp_core.testing import run_on_gloo_ranks
 from model_deepseek_v41 import PARALLELIZER, build_deepseek_v41, make_batch
 from multimodal_fsdp import MultimodalParallelizer
+from multimodal_fsdp.activations import trace_activations
 from multimodal_fsdp.choose import (
     MemoryBudgetError,
     PolicyCandidate,
@@ -44,13 +47,7 @@ from multimodal_fsdp.measure_memory import (
     measure_memory,
     measure_plan_memory,
 )
-from multimodal_fsdp.memory import (
-    OPTIMIZER_STATES,
-    estimate_memory,
-    optimizer_state_bytes,
-    parse_size,
-    trace_activations,
-)
+from multimodal_fsdp.memory import OPTIMIZER_STATES, estimate_memory, optimizer_state_bytes
 
 POLICIES = ("root", "per_layer", "replicate")
 MP = mixed_precision_policy("bf16", "fp32")

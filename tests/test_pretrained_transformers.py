@@ -23,9 +23,9 @@ from torch import nn  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from fsdp_core import build_mesh, mixed_precision_policy  # noqa: E402
+from fsdp_core.fake_group import fake_process_group  # noqa: E402
 from fsdp_core.hf import load_pretrained  # noqa: E402
 from fsdp_core.hf import save_pretrained as export  # noqa: E402
-from fsdp_core.testing import fake_process_group  # noqa: E402
 from multimodal_fsdp import MultimodalParallelizer  # noqa: E402
 
 pytestmark = pytest.mark.transformers

@@ -27,7 +27,8 @@ from fsdp_core import (
     mixed_precision_policy,
     save_checkpoint,
 )
-from model_deepseek_v41 import PARALLELIZER, build_deepseek_v41, iter_initial_parameters
+from model_deepseek_v41 import PARALLELIZER, build_deepseek_v41
+from model_deepseek_v41.modeling import iter_initial_parameters
 from multimodal_fsdp.uneven import UnevenMediaError
 
 BF16 = mixed_precision_policy("bf16", "fp32")

@@ -7,7 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from model_deepseek_v41 import Batch, DeepseekV41Config, build_deepseek_v41, make_batch
+from model_deepseek_v41 import DeepseekV41Config, build_deepseek_v41, make_batch
+from model_deepseek_v41.modeling import Batch
 
 CONFIG = DeepseekV41Config.tiny()
 SEQ = 16

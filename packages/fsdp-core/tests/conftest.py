@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdp_core.fake_group import fake_process_group
 from fsdp_core.mesh import build_mesh
-from fsdp_core.testing import fake_process_group
 
 #: Variables that make ``init_distributed`` think it runs under torchrun.
 TORCHRUN_ENV = (

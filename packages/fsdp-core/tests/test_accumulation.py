@@ -25,12 +25,12 @@ from fsdp_core import (
     compat,
     destroy_distributed,
     init_distributed,
-    install_unshard_warmup,
-    install_unused_params_hook,
-    installed_hooks,
     internals,
     mixed_precision_policy,
 )
+from fsdp_core.accumulation import install_unshard_warmup
+from fsdp_core.runtime import installed_hooks
+from fsdp_core.unused_params import install_unused_params_hook
 
 DIM = 8
 #: bf16 compute, fp32 gradient reduction: the setting that needs aligned gradients.

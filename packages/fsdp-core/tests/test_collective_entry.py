@@ -14,7 +14,8 @@ import pytest
 
 from fsdp_core.collective_entry import CollectiveCallError, enter_collective, group_ranks
 from fsdp_core.comm import CommCounter
-from fsdp_core.testing import fake_process_group, run_on_gloo_ranks
+from fsdp_core.fake_group import fake_process_group
+from fsdp_core.testing import run_on_gloo_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _collective_entry_rank_fns as rank_fns

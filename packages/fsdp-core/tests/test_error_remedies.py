@@ -14,18 +14,19 @@ from torch import nn
 from fsdp_core import (
     MixedDtypeError,
     ModelParallelizer,
-    PlanContext,
     PlanMismatchError,
-    ShardCall,
     build_mesh,
     compat,
     destroy_distributed,
-    group_islands,
     init_distributed,
 )
+from fsdp_core.dtype_units import group_islands
+from fsdp_core.fake_group import fake_process_group
 from fsdp_core.hf import load_pretrained
+from fsdp_core.parallelizer import PlanContext
+from fsdp_core.plan import ShardCall
 from fsdp_core.sharding import ShardTarget, apply_fully_shard
-from fsdp_core.testing import TORCHRUN_ENV, fake_process_group
+from fsdp_core.testing import TORCHRUN_ENV
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 

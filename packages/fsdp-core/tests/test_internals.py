@@ -22,15 +22,13 @@ from fsdp_core import (
     FSDPInternalsError,
     ModelParallelizer,
     build_mesh,
-    check_internals,
-    install_unshard_warmup,
-    install_unused_params_hook,
     internals,
     mixed_precision_policy,
 )
-from fsdp_core.accumulation import AccumulationWarmupRuntimeHook
-from fsdp_core.testing import fake_process_group
-from fsdp_core.unused_params import UnusedParamsRuntimeHook
+from fsdp_core.accumulation import AccumulationWarmupRuntimeHook, install_unshard_warmup
+from fsdp_core.fake_group import fake_process_group
+from fsdp_core.internals import check_internals
+from fsdp_core.unused_params import UnusedParamsRuntimeHook, install_unused_params_hook
 
 ALL_HOOKS = {hook.name: hook.reads for hook in ModelParallelizer.HOOKS}
 

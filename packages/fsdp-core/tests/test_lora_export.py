@@ -21,12 +21,12 @@ from torch import nn
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+from fsdp_core.fake_group import fake_process_group  # noqa: E402
 from fsdp_core.hf import _lora  # noqa: E402
 from fsdp_core.hf._hf_methods import install_collective_save  # noqa: E402
 from fsdp_core.hf.pretrained import save_pretrained  # noqa: E402
 from fsdp_core.mesh import build_mesh  # noqa: E402
 from fsdp_core.parallelizer import ModelParallelizer  # noqa: E402
-from fsdp_core.testing import fake_process_group  # noqa: E402
 
 IN, OUT, RANK = 5, 3, 2
 

@@ -21,10 +21,10 @@ from torch.distributed.tensor import DTensor
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+from fsdp_core.fake_group import fake_process_group  # noqa: E402
 from fsdp_core.hf.pretrained import load_pretrained  # noqa: E402
 from fsdp_core.mesh import build_mesh  # noqa: E402
 from fsdp_core.parallelizer import ModelParallelizer  # noqa: E402
-from fsdp_core.testing import fake_process_group  # noqa: E402
 
 IN, OUT, RANK = 6, 8, 4
 

@@ -8,8 +8,8 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdp_core.fake_group import fake_process_group
 from fsdp_core.mesh import REPLICATE_DIM, SHARD_DIM, MeshShape, build_mesh, resolve_mesh_shape
-from fsdp_core.testing import fake_process_group
 
 # MeshShape ---------------------------------------------------------------------------------------
 

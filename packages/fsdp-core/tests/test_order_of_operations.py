@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fsdp_core import ModelParallelizer, build_mesh
-from fsdp_core.testing import fake_process_group
+from fsdp_core.fake_group import fake_process_group
 
 DIM = 8
 

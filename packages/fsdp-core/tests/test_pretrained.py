@@ -22,12 +22,12 @@ from torch.distributed.tensor import DTensor
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from fsdp_core.comm import CommCounter  # noqa: E402
+from fsdp_core.fake_group import fake_process_group  # noqa: E402
 from fsdp_core.hf import _safetensors_dir  # noqa: E402
 from fsdp_core.hf.pretrained import PretrainedLoad, load_pretrained, save_pretrained  # noqa: E402
 from fsdp_core.mesh import build_mesh  # noqa: E402
 from fsdp_core.parallelizer import ModelParallelizer  # noqa: E402
 from fsdp_core.precision import mixed_precision_policy  # noqa: E402
-from fsdp_core.testing import fake_process_group  # noqa: E402
 
 BF16, FP32 = torch.bfloat16, torch.float32
 VOCAB, DIM, WIDE = 7, 4, 5  # odd sizes: uneven shards, an empty one on 4 ranks

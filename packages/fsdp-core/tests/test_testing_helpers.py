@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_core.testing import fake_process_group, free_port, run_on_gloo_ranks, run_torchrun
+from fsdp_core.fake_group import fake_process_group
+from fsdp_core.testing import free_port, run_on_gloo_ranks, run_torchrun
 
 TESTS_DIR = Path(__file__).resolve().parent
 

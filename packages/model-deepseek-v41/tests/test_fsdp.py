@@ -23,24 +23,25 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_core.sharding as fsdp_sharding
 from fsdp_core import ShardingPlan, build_mesh, compat, mixed_precision_policy
-from fsdp_core.testing import fake_process_group
+from fsdp_core.fake_group import fake_process_group
 from model_deepseek_v41 import (
     PARALLELIZER,
     DeepseekV41Config,
     DeepseekV41ForCausalLM,
     DeepseekV41ModelParallelizer,
-    NormGroup,
-    RMSNorm,
     build_deepseek_v41,
-    find_vision_towers,
     fully_shard_deepseek_v41,
+    make_batch,
+)
+from model_deepseek_v41.fsdp import (
+    NormGroup,
+    find_vision_towers,
     is_norm_module,
     is_vision_block,
     is_vision_tower,
-    make_batch,
     plan_fp32_norm_groups,
 )
-from model_deepseek_v41.modeling import TextRMSNorm
+from model_deepseek_v41.modeling import RMSNorm, TextRMSNorm
 
 TINY = DeepseekV41Config.tiny()
 L = TINY.vision_layers

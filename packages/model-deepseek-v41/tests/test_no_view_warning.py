@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fsdp_core import build_mesh, mixed_precision_policy
-from fsdp_core.testing import fake_process_group
+from fsdp_core.fake_group import fake_process_group
 from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
 
 

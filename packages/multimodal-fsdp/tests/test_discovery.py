@@ -9,15 +9,14 @@ from collections import OrderedDict
 import pytest
 from torch import nn
 
-from multimodal_fsdp.discovery import (
+from multimodal_fsdp.discovery import iter_multimodal_modules, resolve_multimodal_modules
+from multimodal_fsdp.names import (
     LANGUAGE_MODEL_NAMES,
     MULTIMODAL_MODULE_NAMES,
     MULTIMODAL_PROJECTOR_NAMES,
     MULTIMODAL_TOWER_NAMES,
     MultimodalModule,
     is_multimodal_module_name,
-    iter_multimodal_modules,
-    resolve_multimodal_modules,
 )
 
 

@@ -11,11 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from multimodal_fsdp.discovery import (
-    MultimodalModule,
-    iter_multimodal_modules,
-    resolve_multimodal_modules,
-)
+from multimodal_fsdp.discovery import iter_multimodal_modules, resolve_multimodal_modules
+from multimodal_fsdp.names import MultimodalModule
 
 
 class Config:

@@ -16,9 +16,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_core import CommCounter, ShardingPlan, build_mesh, installed_hooks, mixed_precision_policy
+from fsdp_core import CommCounter, ShardingPlan, build_mesh, mixed_precision_policy
 from fsdp_core.entry_unshard import entry_owners
-from fsdp_core.testing import fake_process_group
+from fsdp_core.fake_group import fake_process_group
+from fsdp_core.runtime import installed_hooks
 from multimodal_fsdp import MultimodalParallelizer
 
 DIM = 8
@@ -309,7 +310,7 @@ def test_a_wrapped_model_generates_outside_the_wrappers_forward() -> None:
 def test_generate_holds_the_owners_for_the_whole_call_and_comes_off() -> None:
     """A rank without images never calls the tower: the gather is made once per
     ``generate`` call, on every rank, not per tower call."""
-    from fsdp_core import remove_runtime_hooks
+    from fsdp_core.runtime import remove_runtime_hooks
 
     with fake_process_group(2):
         model = Wrapper()

@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_core import ModelParallelizer, mixed_precision_policy, resolve_mesh_shape
+from fsdp_core import ModelParallelizer, mixed_precision_policy
+from fsdp_core.mesh import resolve_mesh_shape
 from multimodal_fsdp import MultimodalParallelizer
 from multimodal_fsdp.collectives import CommTally
 from multimodal_fsdp.costs import PlanCosts, inspect_model, plan_costs

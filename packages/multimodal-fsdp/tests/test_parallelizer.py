@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from _mm_toy_vlm import DIM, PATCH, TEXT_DEPTH, TOWER_DEPTH, VOCAB, ToyVLM
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -22,22 +23,13 @@ from fsdp_core import (
     ModelParallelizer,
     ShardingPlan,
     build_mesh,
-    installed_hooks,
     mixed_precision_policy,
 )
-from fsdp_core.testing import fake_process_group
-from multimodal_fsdp import (
-    VALID_FROZEN_MULTIMODAL_SHARDING,
-    MultimodalParallelizer,
-    MultimodalParts,
-    split_frozen_parts,
-)
+from fsdp_core.fake_group import fake_process_group
+from fsdp_core.runtime import installed_hooks
+from multimodal_fsdp import VALID_FROZEN_MULTIMODAL_SHARDING, MultimodalParallelizer
+from multimodal_fsdp.parts import MultimodalParts, split_frozen_parts
 
-DIM = 8
-PATCH = 4
-VOCAB = 16
-TOWER_DEPTH = 3
-TEXT_DEPTH = 2
 POLICIES = VALID_FROZEN_MULTIMODAL_SHARDING
 
 TEXT_UNITS = [f"language_model.layers.{i}" for i in range(TEXT_DEPTH)]
@@ -53,108 +45,19 @@ pytestmark = pytest.mark.filterwarnings(
 # --- models ------------------------------------------------------------------------------
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.fc = nn.Linear(DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc(self.norm(x))
-
-
-class VisionTower(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.patch_embed = nn.Linear(PATCH, DIM)
-        self.blocks = nn.ModuleList([Block() for _ in range(TOWER_DEPTH)])
-        self.post_norm = nn.LayerNorm(DIM)
-
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        hidden = self.patch_embed(pixels)
-        for block in self.blocks:
-            hidden = block(hidden)
-        return self.post_norm(hidden)
-
-
-class LanguageModel(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList([Block() for _ in range(TEXT_DEPTH)])
-        self.norm = nn.LayerNorm(DIM)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            hidden = layer(hidden)
-        return self.norm(hidden)
-
-
-class Vlm(nn.Module):
-    """LLaVA-shaped: vision_tower, multi_modal_projector, language_model, lm_head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.vision_tower = VisionTower()
-        self.multi_modal_projector = nn.Sequential(
-            nn.Linear(DIM, DIM), nn.GELU(), nn.Linear(DIM, DIM)
-        )
-        self.language_model = LanguageModel()
-        self.lm_head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, pixel_values: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor:
-        if pixel_values is None:  # a text-only batch
-            return self.lm_head(self.language_model(self.language_model.embed_tokens(input_ids)))
-        image = self.multi_modal_projector(self.vision_tower(pixel_values))
-        text = self.language_model.embed_tokens(input_ids).to(image.dtype)
-        return self.lm_head(self.language_model(torch.cat([image, text], dim=1)))
-
-
-class VlmWithoutMediaArgument(Vlm):
+class VlmWithoutMediaArgument(ToyVLM):
     """The same VLM, but its forward names no media argument the guard knows."""
 
-    def forward(self, pixels: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixels: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return super().forward(pixels, input_ids)
 
 
-class QwenVisual(nn.Module):
-    """Qwen-VL style tower: the projector (``merger``) lives inside the tower."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.patch_embed = nn.Linear(PATCH, DIM)
-        self.blocks = nn.ModuleList([Block() for _ in range(TOWER_DEPTH)])
-        self.merger = nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, DIM))
-
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        hidden = self.patch_embed(pixels)
-        for block in self.blocks:
-            hidden = block(hidden)
-        return self.merger(hidden)
+def frozen_vlm() -> ToyVLM:
+    return ToyVLM(frozen_tower=True)
 
 
-class QwenVlm(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.visual = QwenVisual()
-        self.language_model = LanguageModel()
-        self.lm_head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        image = self.visual(pixel_values)
-        text = self.language_model.embed_tokens(input_ids).to(image.dtype)
-        return self.lm_head(self.language_model(torch.cat([image, text], dim=1)))
-
-
-def frozen_vlm() -> Vlm:
-    model = Vlm()
-    model.vision_tower.requires_grad_(False)
-    return model
-
-
-def merger_trainable_vlm() -> QwenVlm:
-    model = QwenVlm()
-    model.visual.requires_grad_(False)
+def merger_trainable_vlm() -> ToyVLM:
+    model = ToyVLM(qwen=True, frozen_tower=True)
     model.visual.merger.requires_grad_(True)
     return model
 
@@ -246,7 +149,7 @@ def test_constructor_options_are_keyword_only() -> None:
 @pytest.mark.parametrize("argument", ["extra_tower_names", "extra_projector_names", "exclude"])
 def test_name_options_reject_a_bare_string(argument: str) -> None:
     with pytest.raises(TypeError, match=f"{argument} must be a collection of str"):
-        MultimodalParallelizer(**{argument: "vision_tower"}).plan(Vlm())
+        MultimodalParallelizer(**{argument: "vision_tower"}).plan(ToyVLM())
 
 
 def test_with_options_returns_a_copy_with_the_new_policy() -> None:
@@ -292,7 +195,7 @@ def test_split_frozen_parts_of_a_fully_frozen_module() -> None:
 
 
 def test_split_frozen_parts_of_a_trainable_module() -> None:
-    model = Vlm()
+    model = ToyVLM()
     assert split_frozen_parts(model.vision_tower, "vision_tower") == ([], ["vision_tower"])
 
 
@@ -309,7 +212,7 @@ def test_split_frozen_parts_of_a_tower_with_a_trainable_merger() -> None:
 
 
 def test_split_frozen_parts_recurses_into_mixed_children() -> None:
-    model = Vlm()
+    model = ToyVLM()
     model.vision_tower.requires_grad_(False)
     model.vision_tower.blocks[1].fc.requires_grad_(True)
     frozen, trainable = split_frozen_parts(model.vision_tower, "vision_tower")
@@ -416,7 +319,7 @@ def test_plan_notes_name_the_policy_and_the_frozen_parts(policy: str) -> None:
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_plan_of_a_trainable_tower_is_the_same_under_every_policy(policy: str) -> None:
-    model = Vlm()
+    model = ToyVLM()
     plan = MultimodalParallelizer(frozen_multimodal_sharding=policy).plan(model)
     # The trainable tower's blocks are units; patch_embed, post_norm and the projector
     # (no layer container) stay in the root unit.
@@ -497,7 +400,7 @@ def test_plan_of_a_tower_with_a_trainable_merger(policy: str, tower_units: list[
 # --- apply under the fake process group ----------------------------------------------------
 
 
-def bf16_tower_with_fp32_norm() -> Vlm:
+def bf16_tower_with_fp32_norm() -> ToyVLM:
     """A frozen tower stored in bf16 except its fp32 ``post_norm``; the rest fp32."""
     model = frozen_vlm()
     model.vision_tower.to(torch.bfloat16)
@@ -621,7 +524,7 @@ def test_apply_replicate_broadcasts_each_replicated_parameter_once(
 
 def test_apply_replicate_on_the_meta_device(mesh2: DeviceMesh) -> None:
     with torch.device("meta"):
-        model = Vlm()
+        model = ToyVLM()
     model.vision_tower.requires_grad_(False)
     apply("replicate", model, mesh2)
     for param in model.vision_tower.parameters():
@@ -633,7 +536,7 @@ def test_apply_replicate_on_the_meta_device(mesh2: DeviceMesh) -> None:
 @pytest.mark.parametrize("policy", ["root", "per_layer"])
 def test_apply_on_the_meta_device(mesh2: DeviceMesh, policy: str) -> None:
     with torch.device("meta"):
-        model = Vlm()
+        model = ToyVLM()
     model.vision_tower.requires_grad_(False)
     apply(policy, model, mesh2)
     assert all(isinstance(p, DTensor) and p.device.type == "meta" for p in model.parameters())
@@ -707,7 +610,7 @@ GUARDED: list[tuple[str, str, list[str]]] = [
     ("merger", "per_layer", ["visual"]),
     ("merger", "replicate", []),
 ]
-MODELS = {"frozen": frozen_vlm, "trainable": Vlm, "merger": merger_trainable_vlm}
+MODELS = {"frozen": frozen_vlm, "trainable": ToyVLM, "merger": merger_trainable_vlm}
 
 
 @pytest.mark.parametrize(("kind", "policy", "owners"), GUARDED)
@@ -943,9 +846,9 @@ class LoraLinear(nn.Module):
         return self.base_layer(x) + self.lora_B["default"](self.lora_A["default"](x))
 
 
-def lora_vlm(*, tower: bool) -> Vlm:
+def lora_vlm(*, tower: bool) -> ToyVLM:
     """Every base weight frozen; an adapter on each decoder layer's (and block's) ``fc``."""
-    model = Vlm().requires_grad_(False)
+    model = ToyVLM().requires_grad_(False)
     blocks = [*model.language_model.layers, *(model.vision_tower.blocks if tower else [])]
     for block in blocks:
         block.fc = LoraLinear(block.fc)
@@ -958,7 +861,7 @@ def test_adapters_keep_the_units_of_the_frozen_model(policy: str, tower: bool) -
     model = lora_vlm(tower=tower)
     plan = MultimodalParallelizer(frozen_multimodal_sharding=policy).plan(model)
     frozen = MultimodalParallelizer(frozen_multimodal_sharding=policy).plan(
-        Vlm().requires_grad_(False)
+        ToyVLM().requires_grad_(False)
     )
     assert unit_paths(plan) == unit_paths(frozen)
     tower_units = [*TOWER_BLOCKS, "multi_modal_projector"] if policy == "per_layer" else []
@@ -1021,7 +924,7 @@ def test_apply_with_adapters_trains_only_the_adapters(policy: str, mesh2: Device
 PROJECTOR = "multi_modal_projector"
 
 
-def all_frozen_vlm() -> Vlm:
+def all_frozen_vlm() -> ToyVLM:
     """Tower and projector both frozen: two frozen parts, each with its own policy."""
     model = frozen_vlm()
     model.multi_modal_projector.requires_grad_(False)
@@ -1118,7 +1021,7 @@ def test_an_unknown_path_fails_when_planning_and_lists_the_discovered_ones() -> 
     )
     message = (
         r"frozen_multimodal_sharding names 'vision_tower.blocks', 'lm_head', not a discovered "
-        r"multimodal module of Vlm; discovered: 'vision_tower', 'multi_modal_projector' "
+        r"multimodal module of ToyVLM; discovered: 'vision_tower', 'multi_modal_projector' "
         r"\(use '\*' for the rest\)"
     )
     with pytest.raises(ValueError, match=message):

@@ -17,8 +17,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from fsdp_core import CommCounter, build_mesh, installed_hooks, mixed_precision_policy
-from fsdp_core.testing import fake_process_group
+from fsdp_core import CommCounter, build_mesh, mixed_precision_policy
+from fsdp_core.fake_group import fake_process_group
+from fsdp_core.runtime import installed_hooks
 from multimodal_fsdp import MultimodalParallelizer, UnevenMediaError
 from multimodal_fsdp import uneven as uneven_module
 from multimodal_fsdp.uneven import CHECKPOINT_BYTES, ScheduleCheck

@@ -36,14 +36,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from fsdp_core.fake_group import fake_process_group
-
 __all__ = [
     "ReferenceResult",
     "emulate_data_parallel",
     "TORCHRUN_ENV",
     "ExampleRun",
-    "fake_process_group",
     "free_port",
     "python_blocks",
     "run_markdown_example",

@@ -37,21 +37,20 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from fsdp_core import (
-    PlanContext,
-    ShardCall,
+from fsdp_core import compat, fp32_island_policy
+from fsdp_core.containers import is_module_container, is_under, join_path, unwrap_module
+from fsdp_core.dtype_units import dominant_dtype, shard_groups_then_module
+from fsdp_core.parallelizer import PlanContext
+from fsdp_core.plan import ShardCall
+from fsdp_core.sharding import (
     apply_fully_shard,
     check_reshard_after_forward,
-    compat,
-    dominant_dtype,
-    fp32_island_policy,
     is_sharded,
     shard_group_size,
-    shard_groups_then_module,
 )
-from fsdp_core.containers import is_module_container, is_under, join_path, unwrap_module
-from multimodal_fsdp import MultimodalParallelizer, check_attribute_names
+from multimodal_fsdp import MultimodalParallelizer
 from multimodal_fsdp.policy import FrozenShardingSpec
+from multimodal_fsdp.validation import check_attribute_names
 
 __all__ = [
     "DeepseekV41ModelParallelizer",

@@ -23,8 +23,9 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fsdp_core import ShardingPlan, UnitPlan, unit_parameters
+from fsdp_core import ShardingPlan
 from fsdp_core.internals import TorchDispatchMode
+from fsdp_core.plan import UnitPlan, unit_parameters
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 
 __all__ = ["ActivationTrace", "LossFn", "trace_activations"]

@@ -31,14 +31,13 @@ from typing import Any, Final
 import torch
 from torch import nn
 
-from fsdp_core import (
-    MeshShape,
-    check_reshard_after_forward,
-    mixed_precision_policy,
-)
+from fsdp_core import mixed_precision_policy
+from fsdp_core.mesh import MeshShape
+from fsdp_core.sharding import check_reshard_after_forward
+from fsdp_core.sizes import parse_size
 from multimodal_fsdp.activations import ActivationTrace, trace_activations
-from multimodal_fsdp.costs import PlanCosts, _resolve_mesh, format_bytes, plan_costs
-from multimodal_fsdp.memory import check_optimizer, parse_size, with_memory
+from multimodal_fsdp.costs import PlanCosts, _resolve_mesh, plan_costs
+from multimodal_fsdp.memory import check_optimizer, with_memory
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 from multimodal_fsdp.parts import MultimodalParts
 from multimodal_fsdp.policy import (
@@ -48,6 +47,7 @@ from multimodal_fsdp.policy import (
     FrozenShardingSpec,
     normalize_frozen_multimodal_sharding,
 )
+from multimodal_fsdp.render import format_bytes
 
 __all__ = [
     "MAX_COMBINATIONS",

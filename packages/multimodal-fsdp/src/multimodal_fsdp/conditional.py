@@ -24,8 +24,13 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from fsdp_core import iter_layer_items
-from fsdp_core.containers import container_items, is_module_container, join_path, unwrap_module
+from fsdp_core.containers import (
+    container_items,
+    is_module_container,
+    iter_layer_items,
+    join_path,
+    unwrap_module,
+)
 
 __all__ = ["find_media_conditional_layers", "required_forward_arguments"]
 

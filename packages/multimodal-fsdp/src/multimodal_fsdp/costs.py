@@ -54,19 +54,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from fsdp_core import (
-    HookPlan,
-    MeshShape,
-    ShardingPlan,
-    check_reshard_after_forward,
-    mixed_precision_policy,
-    resolve_mesh_shape,
-    unit_parameters,
-)
+from fsdp_core import ShardingPlan, mixed_precision_policy
 from fsdp_core.containers import is_under
+from fsdp_core.mesh import MeshShape, resolve_mesh_shape
+from fsdp_core.plan import unit_parameters
+from fsdp_core.runtime import HookPlan
+from fsdp_core.sharding import check_reshard_after_forward
 from multimodal_fsdp.collectives import (
-    KINDS,
-    PHASES,
     CommTally,
     _compute_dtype,
     _gathered_bytes,
@@ -76,9 +70,7 @@ from multimodal_fsdp.collectives import (
 )
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 from multimodal_fsdp.reachability import backward_free_paths
-from multimodal_fsdp.render import format_bytes, format_costs
-from multimodal_fsdp.render import format_count as format_count  # re-exported
-from multimodal_fsdp.rewrite import ungroup_units
+from multimodal_fsdp.render import format_costs
 from multimodal_fsdp.timeline import (
     _effective_reshard,
     _module_spans,
@@ -91,18 +83,7 @@ from multimodal_fsdp.uneven import CHECKPOINT_BYTES, plan_schedule_layout
 if TYPE_CHECKING:
     from multimodal_fsdp.memory import MemoryEstimate
 
-__all__ = [
-    "KINDS",
-    "PHASES",
-    "CommTally",
-    "PlanCosts",
-    "UnitCost",
-    "backward_free_paths",
-    "format_bytes",
-    "inspect_model",
-    "plan_costs",
-    "ungroup_units",
-]
+__all__ = ["PlanCosts", "UnitCost", "inspect_model", "plan_costs"]
 
 
 @dataclass(frozen=True)

@@ -49,20 +49,14 @@ from fsdp_core.containers import unwrap_module
 from multimodal_fsdp.names import (
     _BUILTIN_RULES,
     LANGUAGE_MODEL_NAMES,
-    MULTIMODAL_MODULE_NAMES,
-    MULTIMODAL_PROJECTOR_NAMES,
-    MULTIMODAL_TOWER_NAMES,
     Modality,
     MultimodalModule,
     Role,
     _modality_from_keywords,
     _Rule,
-    is_multimodal_module_name,
 )
 from multimodal_fsdp.structure import (
     _BLOCK_CONTAINERS,
-    MEDIA_FEATURE_INPUTS,
-    MEDIA_INPUTS,
     _absorb_bundles,
     _is_text_model,
     _match_structure,
@@ -71,20 +65,7 @@ from multimodal_fsdp.structure import (
 )
 from multimodal_fsdp.validation import check_attribute_names, check_module_paths
 
-__all__ = [
-    "LANGUAGE_MODEL_NAMES",
-    "MEDIA_FEATURE_INPUTS",
-    "MEDIA_INPUTS",
-    "MULTIMODAL_MODULE_NAMES",
-    "MULTIMODAL_PROJECTOR_NAMES",
-    "MULTIMODAL_TOWER_NAMES",
-    "Modality",
-    "MultimodalModule",
-    "Role",
-    "is_multimodal_module_name",
-    "iter_multimodal_modules",
-    "resolve_multimodal_modules",
-]
+__all__ = ["iter_multimodal_modules", "resolve_multimodal_modules"]
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,10 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fsdp_core import CommCounter, ShardingPlan, build_mesh, resolve_mesh_shape
+from fsdp_core import CommCounter, ShardingPlan, build_mesh
 from fsdp_core.collective_entry import enter_collective
 from fsdp_core.fake_group import current_or_fake_group
+from fsdp_core.mesh import resolve_mesh_shape
 from multimodal_fsdp.collectives import KINDS, PHASES, CommTally
 from multimodal_fsdp.costs import PlanCosts, plan_costs
 from multimodal_fsdp.parallelizer import MultimodalParallelizer

@@ -32,10 +32,11 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from fsdp_core import ShardingPlan, build_mesh, resolve_mesh_shape
+from fsdp_core import ShardingPlan, build_mesh
 from fsdp_core.collective_entry import enter_collective
 from fsdp_core.fake_group import current_or_fake_group
 from fsdp_core.internals import memory_timeline_tracker
+from fsdp_core.mesh import resolve_mesh_shape
 from multimodal_fsdp.activations import trace_activations
 from multimodal_fsdp.costs import PlanCosts, plan_costs
 from multimodal_fsdp.memory import check_optimizer, with_memory

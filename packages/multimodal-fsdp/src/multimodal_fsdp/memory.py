@@ -43,27 +43,23 @@ from typing import Any
 
 from torch import nn
 
-from fsdp_core import ShardingPlan, unit_parameters
-from fsdp_core.sizes import parse_size
+from fsdp_core import ShardingPlan
+from fsdp_core.plan import unit_parameters
 from multimodal_fsdp.activations import (
     ActivationTrace,
     check_shard,
     padded_shard_numel,
-    trace_activations,
 )
 from multimodal_fsdp.costs import PlanCosts
 from multimodal_fsdp.render import format_bytes
 
 __all__ = [
     "OPTIMIZER_STATES",
-    "ActivationTrace",
     "MemoryEstimate",
     "check_optimizer",
     "estimate_memory",
     "gradient_bytes",
     "optimizer_state_bytes",
-    "parse_size",
-    "trace_activations",
     "with_memory",
 ]
 

@@ -59,17 +59,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_core import (
-    HookPlan,
-    InstalledHook,
-    ModelParallelizer,
-    PlanContext,
-    ShardingPlan,
-    dominant_dtype,
-    iter_layer_items,
-    mesh_device,
-)
-from fsdp_core.containers import is_under, join_path
+from fsdp_core import ModelParallelizer, ShardingPlan
+from fsdp_core.containers import is_under, iter_layer_items, join_path
+from fsdp_core.dtype_units import dominant_dtype
+from fsdp_core.mesh_collectives import mesh_device
+from fsdp_core.parallelizer import PlanContext
+from fsdp_core.runtime import HookPlan, InstalledHook
 from multimodal_fsdp.conditional import find_media_conditional_layers
 from multimodal_fsdp.discovery import (
     resolve_multimodal_modules,
@@ -98,7 +93,7 @@ from multimodal_fsdp.uneven import (
 )
 from multimodal_fsdp.validation import check_attribute_names, check_module_paths
 
-__all__ = ["MultimodalParallelizer", "MultimodalParts", "split_frozen_parts"]
+__all__ = ["MultimodalParallelizer"]
 
 logger = logging.getLogger(__name__)
 

@@ -22,9 +22,8 @@ from typing import Literal
 
 from torch import nn
 
-from fsdp_core import iter_layer_items
-from fsdp_core.containers import join_path
-from multimodal_fsdp.discovery import MultimodalModule
+from fsdp_core.containers import iter_layer_items, join_path
+from multimodal_fsdp.names import MultimodalModule
 from multimodal_fsdp.policy import module_is_fully_frozen
 
 __all__ = [

@@ -51,15 +51,15 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
-from fsdp_core import (
+from fsdp_core import ShardingPlan
+from fsdp_core.plan import unit_parameters
+from fsdp_core.runtime import (
     BackwardWatch,
-    ShardingPlan,
     installed_hooks,
+    output_tensors,
     register_installed_hook,
     remove_runtime_hooks,
-    unit_parameters,
 )
-from fsdp_core.runtime import output_tensors
 
 __all__ = [
     "BackwardPrefetchGuard",

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from fsdp_core import ShardCall, ShardingPlan, UnitPlan
+from fsdp_core import ShardingPlan
 from fsdp_core.containers import is_under
+from fsdp_core.plan import ShardCall, UnitPlan
 
 __all__ = ["ungroup_units"]
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from fsdp_core import UnitPlan
 from fsdp_core.containers import join_path
+from fsdp_core.plan import UnitPlan
 from multimodal_fsdp.collectives import CommTally
 
 __all__: list[str] = []

@@ -44,9 +44,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
-from fsdp_core import ShardingPlan, all_reduce_max_over_mesh, mesh_device
+from fsdp_core import ShardingPlan
 from fsdp_core.containers import is_under
 from fsdp_core.internals import in_backward
+from fsdp_core.mesh_collectives import all_reduce_max_over_mesh, mesh_device
 
 __all__ = [
     "DEFAULT_MEDIA_INPUTS",
