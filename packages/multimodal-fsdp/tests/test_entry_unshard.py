@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _mm_toy_vlm import DIM, PATCH, VOCAB, LanguageModel, ToyVLM
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -22,65 +23,26 @@ from fsdp_core.fake_group import fake_process_group
 from fsdp_core.runtime import installed_hooks
 from multimodal_fsdp import MultimodalParallelizer
 
-DIM = 8
-PATCH = 4
-VOCAB = 16
-
 pytestmark = pytest.mark.filterwarnings(
     "ignore:FSDP2-wrapped module .* returned a view tensor:UserWarning"
 )
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.fc = nn.Linear(DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc(self.norm(x))
-
-
-class VisionTower(nn.Module):
-    def __init__(self, *, embed: bool = True) -> None:
-        super().__init__()
-        self.patch_embed = nn.Linear(PATCH, DIM) if embed else None
-        self.blocks = nn.ModuleList([Block() for _ in range(2)])
-
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        hidden = pixels if self.patch_embed is None else self.patch_embed(pixels)
-        for block in self.blocks:
-            hidden = block(hidden)
-        return hidden
-
-
-class LanguageModel(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList([Block() for _ in range(2)])
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            hidden = layer(hidden)
-        return hidden
-
-
-class Vlm(nn.Module):
-    """LLaVA-shaped, tower frozen: vision_tower, multi_modal_projector, language_model."""
+class Vlm(ToyVLM):
+    """The shared toy as these tests use it: a frozen two-block tower without a final
+    norm (``embed=False``: without ``patch_embed``), a two-linear projector, a
+    two-layer decoder without a final norm."""
 
     def __init__(self, *, embed: bool = True) -> None:
-        super().__init__()
-        self.vision_tower = VisionTower(embed=embed)
-        self.multi_modal_projector = nn.Sequential(nn.Linear(DIM, DIM), nn.Linear(DIM, DIM))
-        self.language_model = LanguageModel()
-        self.lm_head = nn.Linear(DIM, VOCAB)
-        self.vision_tower.requires_grad_(False)
-
-    def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        image = self.multi_modal_projector(self.vision_tower(pixel_values))
-        text = self.language_model.embed_tokens(input_ids).to(image.dtype)
-        return self.lm_head(self.language_model(torch.cat([image, text], dim=1)))
+        super().__init__(
+            tower_depth=2,
+            text_depth=2,
+            patch_embed=embed,
+            tower_norm=False,
+            text_norm=False,
+            projector_gelu=False,
+            frozen_tower=True,
+        )
 
 
 def pixels(width: int = PATCH) -> torch.Tensor:
@@ -333,7 +295,7 @@ class TextModel(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.inner = LanguageModel()
+        self.inner = LanguageModel(depth=2, norm=False)
 
     def get_input_embeddings(self) -> nn.Module:
         return self.inner.embed_tokens

@@ -13,7 +13,7 @@ keeps beside them, so that the plan predicts the whole per-rank peak:
   ``sgd_momentum`` keeps one; ``sgd`` and ``none`` keep nothing;
 - **activations**: what the forward saves for backward. They do not depend on
   sharding (each rank runs its own batch), so
-  [`trace_activations`][multimodal_fsdp.activations.trace_activations] (re-exported here) runs
+  [`trace_activations`][multimodal_fsdp.activations.trace_activations] runs
   one step of the batch on an unsharded copy in one process, with the plan's
   compute dtypes and input casts, adds up the tensors autograd saves, and
   follows the live bytes through backward.

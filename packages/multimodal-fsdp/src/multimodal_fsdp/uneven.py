@@ -50,7 +50,6 @@ from fsdp_core.internals import in_backward
 from fsdp_core.mesh_collectives import all_reduce_max_over_mesh, mesh_device
 
 __all__ = [
-    "DEFAULT_MEDIA_INPUTS",
     "MediaRegion",
     "ScheduleCheck",
     "ScheduleLayout",
@@ -60,21 +59,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Forward arguments that carry images, video or audio in common VLM/ALM signatures.
-DEFAULT_MEDIA_INPUTS: Final[tuple[str, ...]] = (
-    "pixel_values",
-    "pixel_values_videos",
-    "images",
-    "image",
-    "videos",
-    "input_features",
-    "input_values",
-    "audio_values",
-    "input_audio_embeds",
-    "image_embeds",
-    "audio_input_features",
-)
 
 #: Bytes of one checkpoint's all-reduce (two int64 values) per mesh dimension.
 CHECKPOINT_BYTES: Final[int] = 2 * 8
