@@ -40,7 +40,7 @@ from multimodal_fsdp.choose import (
     PolicyChoice,
     choose_frozen_policy,
 )
-from multimodal_fsdp.costs import inspect_model
+from multimodal_fsdp.inspection import inspect_model
 from multimodal_fsdp.measure_memory import (
     MemoryMeasurement,
     make_optimizer,

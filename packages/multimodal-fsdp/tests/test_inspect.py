@@ -18,7 +18,8 @@ from fsdp_core import ModelParallelizer, mixed_precision_policy
 from fsdp_core.mesh import resolve_mesh_shape
 from multimodal_fsdp import MultimodalParallelizer
 from multimodal_fsdp.collectives import CommTally
-from multimodal_fsdp.costs import PlanCosts, inspect_model, plan_costs
+from multimodal_fsdp.costs import PlanCosts, plan_costs
+from multimodal_fsdp.inspection import inspect_model
 from multimodal_fsdp.reachability import backward_free_paths
 from multimodal_fsdp.render import format_bytes
 from multimodal_fsdp.rewrite import ungroup_units

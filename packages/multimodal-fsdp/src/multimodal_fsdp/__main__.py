@@ -32,7 +32,8 @@ from fsdp_core.mesh import MeshShape, resolve_mesh_shape
 from fsdp_core.precision import DTYPE_ALIASES, parse_dtype
 from fsdp_core.sizes import parse_size
 from multimodal_fsdp.choose import PolicyChoice, choose_frozen_policy
-from multimodal_fsdp.costs import PlanCosts, inspect_model
+from multimodal_fsdp.costs import PlanCosts
+from multimodal_fsdp.inspection import inspect_model
 from multimodal_fsdp.memory import OPTIMIZER_STATES
 from multimodal_fsdp.models import ModelPreset, model_presets
 from multimodal_fsdp.parallelizer import MultimodalParallelizer

@@ -36,7 +36,7 @@ from fsdp_core.mesh import MeshShape
 from fsdp_core.sharding import check_reshard_after_forward
 from fsdp_core.sizes import parse_size
 from multimodal_fsdp.activations import ActivationTrace, trace_activations
-from multimodal_fsdp.costs import PlanCosts, _resolve_mesh, plan_costs
+from multimodal_fsdp.costs import PlanCosts, plan_costs, resolve_cost_mesh
 from multimodal_fsdp.memory import check_optimizer, with_memory
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 from multimodal_fsdp.parts import MultimodalParts
@@ -292,7 +292,7 @@ def choose_frozen_policy(
             )
     if loss_fn is not None and activations is not None:
         raise ValueError("give loss_fn (to trace activations) or activations, not both")
-    shape = _resolve_mesh(mesh, world_size, dp_replicate)
+    shape = resolve_cost_mesh(mesh, world_size, dp_replicate)
     check_reshard_after_forward(reshard_after_forward, shape.dp_shard)
     check_optimizer(optimizer)
     mp = mixed_precision_policy(precision, reduce_precision)

@@ -47,14 +47,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from fsdp_core import ShardingPlan, mixed_precision_policy
+from fsdp_core import ShardingPlan
 from fsdp_core.containers import is_under
 from fsdp_core.mesh import MeshShape, resolve_mesh_shape
 from fsdp_core.plan import unit_parameters
@@ -80,10 +80,10 @@ from multimodal_fsdp.timeline import (
 )
 from multimodal_fsdp.uneven import CHECKPOINT_BYTES, plan_schedule_layout
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # an annotation only: memory builds on this module
     from multimodal_fsdp.memory import MemoryEstimate
 
-__all__ = ["PlanCosts", "UnitCost", "inspect_model", "plan_costs"]
+__all__ = ["PlanCosts", "UnitCost", "plan_costs", "resolve_cost_mesh"]
 
 
 @dataclass(frozen=True)
@@ -229,7 +229,10 @@ def _short(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _resolve_mesh(mesh: MeshShape | None, world_size: int | None, dp_replicate: int) -> MeshShape:
+def resolve_cost_mesh(
+    mesh: MeshShape | None, world_size: int | None, dp_replicate: int
+) -> MeshShape:
+    """The mesh shape costs are computed for: ``mesh``, else one of ``world_size`` ranks."""
     if mesh is not None:
         if not isinstance(mesh, MeshShape):
             raise TypeError(f"mesh must be a fsdp_core.MeshShape, got {type(mesh).__name__}")
@@ -281,7 +284,7 @@ def plan_costs(
         raise TypeError(
             f"parallelizer must be a MultimodalParallelizer, got {type(parallelizer).__name__}"
         )
-    shape = _resolve_mesh(mesh, world_size, dp_replicate)
+    shape = resolve_cost_mesh(mesh, world_size, dp_replicate)
     shard, replicate = shape.dp_shard, shape.dp_replicate
     for unit in plan.units:
         check_reshard_after_forward(unit.reshard_after_forward, shard)
@@ -426,61 +429,3 @@ def _unit_cost(index: int, item: _Unit, shard: int) -> UnitCost:
         comm=item.comm,
         wasted=item.wasted,
     )
-
-
-def inspect_model(
-    model: nn.Module,
-    *,
-    world_size: int | None = None,
-    dp_replicate: int = 1,
-    mesh: MeshShape | None = None,
-    precision: str = "bf16",
-    reduce_precision: str | None = "fp32",
-    policy: str = "root",
-    parallelizer: MultimodalParallelizer | None = None,
-    reshard_after_forward: bool | int | None = None,
-    prefetch_guard: bool = True,
-    no_backward: Iterable[str] | None = None,
-    optimizer: str | None = "adamw",
-    loss_fn: Callable[[nn.Module], torch.Tensor] | None = None,
-) -> PlanCosts:
-    """Plan ``model`` with ``parallelizer`` (default
-    [`MultimodalParallelizer`][multimodal_fsdp.parallelizer.MultimodalParallelizer]) under
-    ``policy`` and ``precision``, then cost the plan (see
-    [`plan_costs`][multimodal_fsdp.costs.plan_costs]).
-
-    Unless ``optimizer`` is ``None``, the costs carry the predicted memory of a
-    step with that optimizer ([`multimodal_fsdp.memory`][multimodal_fsdp.memory]); with ``loss_fn``
-    (one batch's loss) the activations are traced and included in the peak."""
-    if parallelizer is None:
-        parallelizer = MultimodalParallelizer()
-    if not isinstance(parallelizer, MultimodalParallelizer):
-        raise TypeError(
-            f"parallelizer must be a MultimodalParallelizer, got {type(parallelizer).__name__}"
-        )
-    shape = _resolve_mesh(mesh, world_size, dp_replicate)
-    check_reshard_after_forward(reshard_after_forward, shape.dp_shard)
-    chosen = parallelizer.with_options(frozen_multimodal_sharding=policy)
-    mp = mixed_precision_policy(precision, reduce_precision)
-    plan = chosen.plan(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    costs = plan_costs(
-        plan,
-        model,
-        mesh=shape,
-        parallelizer=chosen,
-        prefetch_guard=prefetch_guard,
-        no_backward=no_backward,
-        policy=chosen.frozen_multimodal_sharding,
-        precision=f"param={precision} reduce={reduce_precision}",
-    )
-    if optimizer is None:
-        return costs
-    from multimodal_fsdp.activations import trace_activations
-    from multimodal_fsdp.memory import with_memory  # imports this module
-
-    traced = (
-        None
-        if loss_fn is None
-        else trace_activations(model, plan, loss_fn, parallelizer=chosen, shard=shape.dp_shard)
-    )
-    return with_memory(costs, plan, model, optimizer=optimizer, activations=traced)
