@@ -14,6 +14,8 @@ import pytest
 import torch
 from harness import AGREE_TIMEOUT_ENV, EXTRA_SCENARIOS_ENV, run_scenarios
 
+pytestmark = pytest.mark.distributed
+
 MP_DIR = Path(__file__).parent / "mp"
 SCENARIOS = [
     "harness_ok_first",
@@ -32,7 +34,11 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
         world_size=2,
         out=out,
         scenarios=SCENARIOS,
-        env={EXTRA_SCENARIOS_ENV: "scenarios_harness_selftest", AGREE_TIMEOUT_ENV: "5"},
+        env={
+            EXTRA_SCENARIOS_ENV: "scenarios_harness_selftest",
+            AGREE_TIMEOUT_ENV: "5",
+            "FSDP_TEST_BACKEND": "gloo",  # the harness, not a backend, is under test
+        },
         timeout_s=120.0,
     )
     return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in SCENARIOS}
