@@ -126,9 +126,9 @@ def fake2() -> Iterator[None]:
 def test_disabled_hooks_advice_works_for_every_parallelizer(
     fake2: None, monkeypatch: pytest.MonkeyPatch, cls: type[ModelParallelizer]
 ) -> None:
-    renamed = internals._Probe("group", "renamed_in_a_future_torch")
-    for hook, probes in list(internals.INTERNALS_BY_HOOK.items()):
-        monkeypatch.setitem(internals.INTERNALS_BY_HOOK, hook, (*probes, renamed))
+    renamed = internals.Probe("group", "renamed_in_a_future_torch")
+    for hook in cls.HOOKS:
+        monkeypatch.setattr(hook, "reads", (*hook.reads, renamed))
     with pytest.raises(FSDPInternalsError) as info:
         cls().parallelize(Net(), mesh=build_mesh())
     found = re.search(r"disabled_hooks=(\([^)]*\))", str(info.value))

@@ -24,17 +24,19 @@ Both read FSDP2 internals, through [`fsdp_core.internals`][fsdp_core.internals] 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import internals
+from fsdp_core.runtime import RuntimeHook
 
-__all__ = ["AccumulationWarmup", "install_unshard_warmup"]
+__all__ = ["AccumulationWarmup", "AccumulationWarmupRuntimeHook", "install_unshard_warmup"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,15 +71,18 @@ def _align_accumulated_grads(unit: FSDPModule) -> bool:
     return changed
 
 
-@dataclass
 class AccumulationWarmup:
-    """The installed warm-up (a forward pre-hook on the root)."""
+    """The installed warm-up: a forward pre-hook on ``root``, registered on construction."""
 
     name: str = NAME
-    _handle: RemovableHandle | None = field(default=None, repr=False)
-    #: How many units the last forward warmed up, and aligned.
-    last_warmed: int = 0
-    last_aligned: int = 0
+
+    def __init__(self, root: nn.Module) -> None:
+        self._handle: RemovableHandle | None = root.register_forward_pre_hook(
+            self._before_forward, prepend=True, with_kwargs=True
+        )
+        #: How many units the last forward warmed up, and aligned.
+        self.last_warmed = 0
+        self.last_aligned = 0
 
     def _before_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         units = _units(module)
@@ -106,8 +111,22 @@ def install_unshard_warmup(root: nn.Module) -> AccumulationWarmup:
     accumulation each such unit costs one all-gather, once per run. Every rank
     sees the same sync flags and history, so all ranks warm up the same units.
     """
-    hook = AccumulationWarmup()
-    hook._handle = root.register_forward_pre_hook(
-        hook._before_forward, prepend=True, with_kwargs=True
+    return AccumulationWarmup(root)
+
+
+@dataclass(frozen=True)
+class AccumulationWarmupRuntimeHook(RuntimeHook):
+    """The ``accumulation_warmup`` runtime hook (no plan data beyond its targets)."""
+
+    name: ClassVar[str] = NAME
+    reads: ClassVar[tuple[internals.Probe, ...]] = (
+        internals.STATE_GROUPS,
+        internals.GROUP_PARAMS,
+        internals.GROUP_REDUCE,
+        internals.PARAM_UNSHARDED,
+        internals.PARAM_ACCUMULATED,
+        internals.PARAM_REDUCE_DTYPE,
     )
-    return hook
+
+    def install(self, model: nn.Module, *, mesh: DeviceMesh) -> AccumulationWarmup:
+        return install_unshard_warmup(model)

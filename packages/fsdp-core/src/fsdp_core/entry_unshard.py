@@ -41,21 +41,27 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import internals
 from fsdp_core.containers import is_under
-from fsdp_core.plan import ShardingPlan, unit_parameters
-from fsdp_core.runtime import output_tensors
+from fsdp_core.plan import ShardingPlan, UnitPlan, unit_parameters
+from fsdp_core.runtime import RuntimeHook, output_tensors
 
-__all__ = ["EntryUnshardHook", "entry_owners", "install_entry_unshard"]
+__all__ = [
+    "EntryUnshardHook",
+    "EntryUnshardRuntimeHook",
+    "entry_owners",
+    "install_entry_unshard",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -211,16 +217,15 @@ class EntryUnshardHook:
 
 
 def install_entry_unshard(
-    model: nn.Module, plan: ShardingPlan, owners: Mapping[str, tuple[int, ...]]
+    model: nn.Module, owners: Mapping[str, Sequence[UnitPlan]]
 ) -> EntryUnshardHook:
-    """Hook each entry module of ``owners`` (from
-    [entry_owners][fsdp_core.entry_unshard.entry_owners]) on the sharded ``model``;
-    the units are looked up in ``model`` by their plan paths."""
+    """Hook each entry module of ``owners`` (entry path to the plan's units that own its
+    parameters, from [entry_owners][fsdp_core.entry_unshard.entry_owners]) on the sharded
+    ``model``; the units are looked up in ``model`` by their plan paths."""
     hook = EntryUnshardHook(model)
     hook.watch_root()
     entries: dict[str, tuple[FSDPModule, ...]] = {}
-    for path, indices in owners.items():
-        units = [plan.units[i] for i in indices]
+    for path, units in owners.items():
         modules = tuple(_unit_module(model, unit.paths[0]) for unit in units)
         policies = [
             unit.mp_policy
@@ -240,6 +245,35 @@ def install_entry_unshard(
             inside = [units for entry, units in entries.items() if is_under(entry, path)]
             hook.wrap_generate(module, tuple(dict.fromkeys(u for units in inside for u in units)))
     return hook
+
+
+@dataclass(frozen=True)
+class EntryUnshardRuntimeHook(RuntimeHook):
+    """The ``entry_unshard`` runtime hook; its plan data: each entry path with the units
+    of the plan that own its parameters (from
+    [entry_owners][fsdp_core.entry_unshard.entry_owners], computed once at plan time)."""
+
+    name: ClassVar[str] = NAME
+    reads: ClassVar[tuple[internals.Probe, ...]] = (
+        internals.STATE_GROUPS,
+        internals.GROUP_UNSHARDED,
+        internals.STATE_IS_ROOT,
+        internals.STATE_LAZY_INIT,
+        internals.GRAPH_TASK,
+    )
+
+    owners: tuple[tuple[str, tuple[UnitPlan, ...]], ...]
+
+    @classmethod
+    def from_plan(
+        cls, plan: ShardingPlan, owners: Mapping[str, tuple[int, ...]]
+    ) -> EntryUnshardRuntimeHook:
+        """The hook for ``owners`` (entry path to unit indices in ``plan.units``)."""
+        units = plan.units
+        return cls(tuple((path, tuple(units[i] for i in idx)) for path, idx in owners.items()))
+
+    def install(self, model: nn.Module, *, mesh: DeviceMesh) -> EntryUnshardHook:
+        return install_entry_unshard(model, dict(self.owners))
 
 
 def _unit_module(model: nn.Module, path: str) -> FSDPModule:

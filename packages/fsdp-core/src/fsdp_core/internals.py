@@ -25,7 +25,7 @@ features.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import ModuleType
@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # re-exported for su
 
 __all__ = [
     "FSDPInternalsError",
-    "INTERNALS_BY_HOOK",
+    "Probe",
     "check_internals",
     "fsdp_params",
     "param_groups",
@@ -80,8 +80,9 @@ class FSDPInternalsError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class _Probe:
-    """One private attribute a hook needs, and where to look for it."""
+class Probe:
+    """One private attribute a runtime hook reads, and where to look for it (each hook
+    declares its probes: ``RuntimeHook.reads`` in [`fsdp_core.runtime`][fsdp_core.runtime])."""
 
     where: str  # "state", "group", "param" or "autograd"
     name: str
@@ -98,52 +99,24 @@ class _Probe:
         return f"{owner}.{self.name}"
 
 
-_STATE_GROUPS = _Probe("state", "_fsdp_param_groups")
-_STATE_MODULES = _Probe("state", "_modules")
-_GROUP_PARAMS = _Probe("group", "fsdp_params")
-_GROUP_REDUCE = _Probe("group", "reduce_grads")
-_PARAM_UNSHARDED = _Probe("param", "_unsharded_param", created_by="init_unsharded_param")
-_PARAM_ACCUMULATED = _Probe("param", "unsharded_accumulated_grad")
-_PARAM_REDUCE_DTYPE = _Probe("param", "reduce_dtype", created_by="init_dtype_attrs")
-_PARAM_SHARDED = _Probe("param", "sharded_param")
-_GRAPH_TASK = _Probe("autograd", "_current_graph_task_id")
-_QUEUE_CALLBACK = _Probe("autograd", "queue_callback")
-_GROUP_UNSHARDED = _Probe("group", "is_unsharded")
-_STATE_IS_ROOT = _Probe("state", "_is_root")
-_STATE_LAZY_INIT = _Probe("state", "_lazy_init")
-
-#: The internals each runtime hook reads (hook names as the parallelizers plan them).
-INTERNALS_BY_HOOK: Final[dict[str, tuple[_Probe, ...]]] = {
-    "accumulation_warmup": (
-        _STATE_GROUPS,
-        _GROUP_PARAMS,
-        _GROUP_REDUCE,
-        _PARAM_UNSHARDED,
-        _PARAM_ACCUMULATED,
-        _PARAM_REDUCE_DTYPE,
-    ),
-    "unused_params": (
-        _STATE_GROUPS,
-        _GROUP_PARAMS,
-        _GROUP_REDUCE,
-        _PARAM_UNSHARDED,
-        _PARAM_SHARDED,
-        _QUEUE_CALLBACK,
-    ),
-    "schedule_check": (_GRAPH_TASK,),
-    "entry_unshard": (
-        _STATE_GROUPS,
-        _GROUP_UNSHARDED,
-        _STATE_IS_ROOT,
-        _STATE_LAZY_INIT,
-        _GRAPH_TASK,
-    ),
-    "prefetch_guard": (),
-}
+# The probes: what each runtime hook declares it reads (``RuntimeHook.reads``).
+STATE_GROUPS = Probe("state", "_fsdp_param_groups")
+_STATE_MODULES = Probe("state", "_modules")
+GROUP_PARAMS = Probe("group", "fsdp_params")
+GROUP_REDUCE = Probe("group", "reduce_grads")
+PARAM_UNSHARDED = Probe("param", "_unsharded_param", created_by="init_unsharded_param")
+PARAM_ACCUMULATED = Probe("param", "unsharded_accumulated_grad")
+PARAM_REDUCE_DTYPE = Probe("param", "reduce_dtype", created_by="init_dtype_attrs")
+PARAM_SHARDED = Probe("param", "sharded_param")
+GRAPH_TASK = Probe("autograd", "_current_graph_task_id")
+QUEUE_CALLBACK = Probe("autograd", "queue_callback")
+GROUP_UNSHARDED = Probe("group", "is_unsharded")
+STATE_IS_ROOT = Probe("state", "_is_root")
+STATE_LAZY_INIT = Probe("state", "_lazy_init")
 
 
 # ------------------------------------------------------------------------ accessors
-def _require(obj: object, probe: _Probe) -> Any:
+def _require(obj: object, probe: Probe) -> Any:
     try:
         return getattr(obj, probe.name)
     except AttributeError:
@@ -193,31 +166,31 @@ def applied_unit_paths(model: nn.Module) -> list[tuple[str, ...]]:
 
 def param_groups(unit: FSDPModule) -> tuple[Any, ...]:
     """The unit's parameter groups (several when parameters live on different meshes)."""
-    return tuple(_require(_state(unit), _STATE_GROUPS))
+    return tuple(_require(_state(unit), STATE_GROUPS))
 
 
 def fsdp_params(unit: FSDPModule) -> Iterator[Any]:
     """Every FSDP-managed parameter record of the unit, over all its groups."""
     for group in param_groups(unit):
-        yield from _require(group, _GROUP_PARAMS)
+        yield from _require(group, GROUP_PARAMS)
 
 
 def reduces_gradients(unit: FSDPModule) -> bool:
     """Whether this backward reduce-scatters the unit's gradients (not a no-sync step)."""
-    return any(bool(_require(group, _GROUP_REDUCE)) for group in param_groups(unit))
+    return any(bool(_require(group, GROUP_REDUCE)) for group in param_groups(unit))
 
 
 def unsharded_parameter(fsdp_param: Any) -> nn.Parameter | None:
     """The unsharded parameter autograd accumulates into; ``None`` before the first gather
     ([`check_internals`][fsdp_core.internals.check_internals] has made sure the attribute exists on
     this torch)."""
-    value = getattr(fsdp_param, _PARAM_UNSHARDED.name, None)
+    value = getattr(fsdp_param, PARAM_UNSHARDED.name, None)
     return value if isinstance(value, nn.Parameter) else None
 
 
 def sharded_parameter(fsdp_param: Any) -> nn.Parameter:
     """The sharded (DTensor) parameter registered on the module between steps."""
-    value = _require(fsdp_param, _PARAM_SHARDED)
+    value = _require(fsdp_param, PARAM_SHARDED)
     if not isinstance(value, nn.Parameter):
         raise FSDPInternalsError(f"FSDPParam.sharded_param is a {type(value).__name__}")
     return value
@@ -232,34 +205,32 @@ def never_unsharded(unit: FSDPModule) -> bool:
 
 
 def accumulated_gradient(fsdp_param: Any) -> torch.Tensor | None:
-    value = _require(fsdp_param, _PARAM_ACCUMULATED)
+    value = _require(fsdp_param, PARAM_ACCUMULATED)
     return value if isinstance(value, torch.Tensor) else None
 
 
 def set_accumulated_gradient(fsdp_param: Any, value: torch.Tensor) -> None:
-    _require(fsdp_param, _PARAM_ACCUMULATED)
+    _require(fsdp_param, PARAM_ACCUMULATED)
     fsdp_param.unsharded_accumulated_grad = value
 
 
 def reduce_dtype(fsdp_param: Any) -> torch.dtype | None:
-    value = _require(fsdp_param, _PARAM_REDUCE_DTYPE)
+    value = _require(fsdp_param, PARAM_REDUCE_DTYPE)
     return value if isinstance(value, torch.dtype) else None
 
 
 def in_backward() -> bool:
     """Whether autograd is running a backward right now (e.g. an activation-checkpoint
     recomputation calls forward hooks from inside backward)."""
-    task_id = getattr(torch._C, _GRAPH_TASK.name, None)
+    task_id = getattr(torch._C, GRAPH_TASK.name, None)
     if task_id is None:
-        raise FSDPInternalsError(
-            f"this torch ({torch.__version__}) has no {_GRAPH_TASK.describe()}"
-        )
+        raise FSDPInternalsError(f"this torch ({torch.__version__}) has no {GRAPH_TASK.describe()}")
     return bool(task_id() != -1)
 
 
 def is_gathered(unit: FSDPModule) -> bool:
     """Whether every parameter group of ``unit`` holds its unsharded parameters now."""
-    return all(bool(_require(group, _GROUP_UNSHARDED)) for group in param_groups(unit))
+    return all(bool(_require(group, GROUP_UNSHARDED)) for group in param_groups(unit))
 
 
 def initialize_root(root: FSDPModule) -> None:
@@ -267,18 +238,18 @@ def initialize_root(root: FSDPModule) -> None:
     whichever unit runs forward first; a tower block called before the model's first
     forward would otherwise become one, and the model's forward would then fail."""
     state = _state(root)
-    if _require(state, _STATE_IS_ROOT) is None:
-        _require(state, _STATE_LAZY_INIT)()
+    if _require(state, STATE_IS_ROOT) is None:
+        _require(state, STATE_LAZY_INIT)()
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
     """Run ``callback`` once the current backward has finished, after every callback
     queued before it (FSDP2 queues its own post-backward work the same way)."""
     engine = torch.autograd.Variable._execution_engine
-    queue = getattr(engine, _QUEUE_CALLBACK.name, None)
+    queue = getattr(engine, QUEUE_CALLBACK.name, None)
     if queue is None:
         raise FSDPInternalsError(
-            f"this torch ({torch.__version__}) has no {_QUEUE_CALLBACK.describe()}"
+            f"this torch ({torch.__version__}) has no {QUEUE_CALLBACK.describe()}"
         )
     queue(callback)
 
@@ -287,29 +258,31 @@ def queue_end_of_backward(callback: Callable[[], None]) -> None:
 def _probe_object(unit: FSDPModule, where: str) -> list[object]:
     if where == "state":
         return [_state(unit)]
-    groups = list(getattr(_state(unit), _STATE_GROUPS.name, ()))
+    groups = list(getattr(_state(unit), STATE_GROUPS.name, ()))
     if where == "group":
         return groups
-    params = [p for g in groups for p in getattr(g, _GROUP_PARAMS.name, ())]
+    params = [p for g in groups for p in getattr(g, GROUP_PARAMS.name, ())]
     return params
 
 
-def _has(obj: object, probe: _Probe) -> bool:
+def _has(obj: object, probe: Probe) -> bool:
     if hasattr(obj, probe.name):
         return True
     return probe.created_by is not None and hasattr(type(obj), probe.created_by)
 
 
-def missing_internals(model: nn.Module, hooks: Iterable[str]) -> dict[str, list[str]]:
-    """For each hook, the internals it needs that this torch (and ``model``'s units) lack."""
+def missing_internals(
+    model: nn.Module, hooks: Mapping[str, Iterable[Probe]]
+) -> dict[str, list[str]]:
+    """For each hook (its name and the probes it declares), the internals it reads that
+    this torch (and ``model``'s units) lack."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     missing: dict[str, list[str]] = {}
-    for hook in hooks:
-        probes = INTERNALS_BY_HOOK.get(hook, ())
+    for hook, probes in hooks.items():
         gaps: list[str] = []
         for probe in probes:
             if probe.where == "autograd":
-                if probe is _GRAPH_TASK:
+                if probe is GRAPH_TASK:
                     present = hasattr(torch._C, probe.name)
                 else:
                     engine = torch.autograd.Variable._execution_engine
@@ -333,9 +306,9 @@ def missing_internals(model: nn.Module, hooks: Iterable[str]) -> dict[str, list[
     return missing
 
 
-def check_internals(model: nn.Module, hooks: Iterable[str]) -> None:
+def check_internals(model: nn.Module, hooks: Mapping[str, Iterable[Probe]]) -> None:
     """Raise [`FSDPInternalsError`][fsdp_core.internals.FSDPInternalsError] if a hook in ``hooks``
-    cannot work on this torch."""
+    (hook name to the probes it reads, as each hook declares them) cannot work on this torch."""
     missing = missing_internals(model, hooks)
     if missing:
         lines = "; ".join(f"{hook} needs {', '.join(names)}" for hook, names in missing.items())

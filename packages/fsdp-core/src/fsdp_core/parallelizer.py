@@ -22,11 +22,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp_core import internals
-from fsdp_core.accumulation import install_unshard_warmup
+from fsdp_core.accumulation import AccumulationWarmupRuntimeHook
 from fsdp_core.collective_entry import enter_collective, group_ranks
 from fsdp_core.containers import is_under, iter_layer_items
 from fsdp_core.dtype_units import find_dtype_islands, group_islands
-from fsdp_core.entry_unshard import entry_owners, install_entry_unshard
+from fsdp_core.entry_unshard import EntryUnshardRuntimeHook, entry_owners
 from fsdp_core.module_tree import (
     check_module_tree,
     install_first_forward_check,
@@ -34,7 +34,7 @@ from fsdp_core.module_tree import (
 )
 from fsdp_core.plan import ShardCall, ShardingPlan, UnitPlan, unit_parameters
 from fsdp_core.precision import island_policy
-from fsdp_core.runtime import HookPlan, InstalledHook, register_installed_hook
+from fsdp_core.runtime import HookPlan, RuntimeHook, register_installed_hook
 from fsdp_core.sharding import (
     ShardTarget,
     apply_fully_shard,
@@ -43,7 +43,7 @@ from fsdp_core.sharding import (
     shard_group_size,
 )
 from fsdp_core.stale_optimizer import mark_replaced_parameters
-from fsdp_core.unused_params import install_unused_params_hook
+from fsdp_core.unused_params import UnusedParamsRuntimeHook
 
 __all__ = [
     "PlanContext",
@@ -132,14 +132,19 @@ class ModelParallelizer:
     [`HOOKS`][fsdp_core.parallelizer.ModelParallelizer.HOOKS]).
     """
 
-    #: Runtime hooks this parallelizer may plan, by name (subclasses add theirs).
-    HOOKS: ClassVar[tuple[str, ...]] = ("accumulation_warmup", "unused_params", "entry_unshard")
+    #: The runtime hook classes this parallelizer may plan (subclasses add theirs); their
+    #: names are what ``disabled_hooks`` accepts.
+    HOOKS: ClassVar[tuple[type[RuntimeHook], ...]] = (
+        AccumulationWarmupRuntimeHook,
+        UnusedParamsRuntimeHook,
+        EntryUnshardRuntimeHook,
+    )
 
     def __init__(self, *, dtype_safe: bool = True, disabled_hooks: Iterable[str] = ()) -> None:
         if not isinstance(dtype_safe, bool):
             raise TypeError(f"dtype_safe must be a bool, got {dtype_safe!r}")
         self.dtype_safe = dtype_safe
-        self.disabled_hooks = _check_hook_names(disabled_hooks, self.HOOKS)
+        self.disabled_hooks = _check_hook_names(disabled_hooks, _names(self.HOOKS))
 
     # ----------------------------------------------------------------- public API
     def parallelize(
@@ -246,9 +251,10 @@ class ModelParallelizer:
         self._after_apply(model, plan, mesh=mesh)
         mark_replaced_parameters(model, named)
         check_applied_units(model, plan)
-        internals.check_internals(model, plan.hook_names())
-        for hook in plan.hooks:
-            installed = self._install_hook(model, plan, hook, mesh=mesh)
+        hooks = [self._runtime_hook(planned) for planned in plan.hooks]
+        internals.check_internals(model, {hook.name: hook.reads for hook in hooks})
+        for hook in hooks:
+            installed = hook.install(model, mesh=mesh)
             if installed is not None:
                 register_installed_hook(model, installed)
         install_first_forward_check(model, module_tree_fingerprint(model))
@@ -305,39 +311,32 @@ class ModelParallelizer:
         if not trainable:
             return entries
         return [
-            HookPlan(
-                name="accumulation_warmup",
+            AccumulationWarmupRuntimeHook().planned(
                 reason="no-sync backwards stay valid when a unit has not run yet or a "
                 "parameter is first reached by a later micro-batch",
-                targets=tuple(trainable),
+                targets=trainable,
                 cost="one all-gather per never-gathered unit, once, in no-sync steps",
             ),
-            HookPlan(
-                name="unused_params",
+            UnusedParamsRuntimeHook().planned(
                 reason="ranks that skip part of a unit send zeros in its reduce-scatter; "
                 "parameters that no rank used keep grad None",
-                targets=tuple(trainable),
+                targets=trainable,
                 cost="one all-reduce of one byte per trainable parameter tensor per "
                 "syncing backward",
             ),
             *entries,
         ]
 
-    def _install_hook(
-        self, model: nn.Module, plan: ShardingPlan, hook: HookPlan, *, mesh: DeviceMesh
-    ) -> InstalledHook | None:
-        """Install one planned hook on the sharded ``model`` (subclasses add names)."""
-        if hook.name == "accumulation_warmup":
-            return install_unshard_warmup(model)
-        if hook.name == "unused_params":
-            return install_unused_params_hook(model, mesh=mesh)
-        if hook.name == "entry_unshard":
-            owners = entry_owners(model, plan, hook.targets)
-            return install_entry_unshard(model, plan, owners)
-        raise ValueError(
-            f"{type(self).__name__} cannot install a runtime hook named {hook.name!r}; "
-            f"it installs {', '.join(self.HOOKS)}"
-        )
+    def _runtime_hook(self, planned: HookPlan) -> RuntimeHook:
+        """The hook object of a planned hook: one of this parallelizer's
+        [`HOOKS`][fsdp_core.parallelizer.ModelParallelizer.HOOKS]."""
+        hook = planned.hook
+        if hook is None or not isinstance(hook, self.HOOKS):
+            raise ValueError(
+                f"{type(self).__name__} cannot install a runtime hook named {planned.name!r}; "
+                f"it installs {', '.join(_names(self.HOOKS))}"
+            )
+        return hook
 
     def _before_apply(self, model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> None:
         """Runs once before the first unit is made (e.g. to place replicated parameters)."""
@@ -470,17 +469,20 @@ def _entry_hooks(owners: dict[str, tuple[int, ...]], plan: ShardingPlan) -> list
         return []
     units = sorted({plan.units[i].label for indices in owners.values() for i in indices})
     return [
-        HookPlan(
-            name="entry_unshard",
+        EntryUnshardRuntimeHook.from_plan(plan, owners).planned(
             reason="modules called outside the model's forward (generate()'s image "
             "features, a PeftModel's generate(), a tower called by hand) gather the units "
             f"that own their parameters ({', '.join(units) or 'their own units only'}) and "
             "reshard them after",
-            targets=tuple(owners),
+            targets=owners,
             cost="no collective inside the model's forward; outside it one all-gather "
             "of each owning unit per call (per generate() call: held for all of it)",
         )
     ]
+
+
+def _names(hooks: Iterable[type[RuntimeHook]]) -> tuple[str, ...]:
+    return tuple(hook.name for hook in hooks)
 
 
 def _check_hook_names(names: Iterable[str], known: tuple[str, ...]) -> frozenset[str]:

@@ -9,6 +9,12 @@ it costs per step; ``disabled_hooks=`` on the parallelizer opts out of any of th
 [`installed_hooks`][fsdp_core.runtime.installed_hooks] tells what a sharded model carries, and
 [`remove_runtime_hooks`][fsdp_core.runtime.remove_runtime_hooks] takes hooks off again.
 
+Each hook is an object ([`RuntimeHook`][fsdp_core.runtime.RuntimeHook]): its class says its
+name and the private FSDP internals it reads (checked before it is installed), its fields
+are its plan data (computed once, by ``plan()``, and kept in the
+[`HookPlan`][fsdp_core.runtime.HookPlan]), and ``install`` puts it on a sharded model. Each
+package defines its own hooks; a parallelizer lists the hook classes it may plan.
+
 [`BackwardWatch`][fsdp_core.runtime.BackwardWatch] is the shared piece several hooks need: a
 callback when a backward through the model's outputs starts.
 """
@@ -17,16 +23,23 @@ from __future__ import annotations
 
 import logging
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fsdp_core.internals import Probe
+
 __all__ = [
     "HookPlan",
+    "RuntimeHook",
     "InstalledHook",
     "BackwardWatch",
     "installed_hooks",
@@ -38,6 +51,36 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+class InstalledHook(Protocol):
+    """What an installed hook must offer: its plan name and a way to take it off."""
+
+    @property
+    def name(self) -> str: ...
+
+    def remove(self) -> None: ...
+
+
+class RuntimeHook(ABC):
+    """A planned runtime hook: subclasses are frozen dataclasses whose fields are the
+    hook's plan data, computed once when the plan is made, so installing it derives
+    nothing again."""
+
+    #: The hook's name in plans, ``disabled_hooks=`` and ``installed_hooks``.
+    name: ClassVar[str]
+    #: The private FSDP internals ``install`` and the installed hook read; applying a
+    #: plan checks them first (``fsdp_core.internals.check_internals``).
+    reads: ClassVar[tuple[Probe, ...]] = ()
+
+    @abstractmethod
+    def install(self, model: nn.Module, *, mesh: DeviceMesh) -> InstalledHook | None:
+        """Put the hook on the sharded ``model``; ``None`` when this torch cannot (it
+        says so in a warning)."""
+
+    def planned(self, *, reason: str, targets: Iterable[str] = (), cost: str) -> HookPlan:
+        """This hook as a plan entry: why it is there, what it acts on, what it costs."""
+        return HookPlan(name=self.name, reason=reason, targets=tuple(targets), cost=cost, hook=self)
+
+
 @dataclass(frozen=True)
 class HookPlan:
     """One runtime hook of a plan: its name, why it is there, and its cost per step."""
@@ -47,19 +90,28 @@ class HookPlan:
     #: What the hook acts on: unit labels, or module paths it watches.
     targets: tuple[str, ...] = ()
     cost: str = "no collective"
+    #: The hook itself, with its plan data; ``apply_plan`` installs it.
+    hook: RuntimeHook | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.hook is not None and self.hook.name != self.name:
+            raise ValueError(
+                f"a HookPlan named {self.name!r} holds a {self.hook.name!r} hook "
+                f"({type(self.hook).__name__})"
+            )
+
+    def as_dict(self) -> dict[str, Any]:
+        """Name, reason, targets and cost (the hook's plan data stays out: JSON-ready)."""
+        return {
+            "name": self.name,
+            "reason": self.reason,
+            "targets": self.targets,
+            "cost": self.cost,
+        }
 
     def format(self) -> str:
         where = f" on {len(self.targets)} targets" if self.targets else ""
         return f"{self.name}{where}: {self.reason} (cost: {self.cost})"
-
-
-class InstalledHook(Protocol):
-    """What an installed hook must offer: its plan name and a way to take it off."""
-
-    @property
-    def name(self) -> str: ...
-
-    def remove(self) -> None: ...
 
 
 _INSTALLED: weakref.WeakKeyDictionary[nn.Module, dict[str, InstalledHook]] = (

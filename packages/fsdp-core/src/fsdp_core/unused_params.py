@@ -29,8 +29,8 @@ so every rank reduces every unit at the same point of its backward.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -41,9 +41,9 @@ from torch.utils.hooks import RemovableHandle
 from fsdp_core import compat, internals
 from fsdp_core._backward_order import anchor_unit_inputs
 from fsdp_core.mesh_collectives import all_reduce_max_over_mesh, mesh_device
-from fsdp_core.runtime import BackwardWatch
+from fsdp_core.runtime import BackwardWatch, RuntimeHook
 
-__all__ = ["UnusedParamsHook", "install_unused_params_hook"]
+__all__ = ["UnusedParamsHook", "UnusedParamsRuntimeHook", "install_unused_params_hook"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,20 +57,31 @@ class _Record:
     hooked: bool = False
 
 
-@dataclass
 class UnusedParamsHook:
-    """The installed hook (see the module docstring)."""
+    """The installed hook (see the module docstring), put on the sharded ``model`` by its
+    constructor."""
 
-    model: nn.Module
-    mesh: DeviceMesh
     name: str = NAME
-    _records: list[_Record] = field(default_factory=list, repr=False)
-    _used: list[bool] = field(default_factory=list, repr=False)
-    _handles: list[Any] = field(default_factory=list, repr=False)
-    _queued: bool = False
-    _watch: BackwardWatch | None = field(default=None, repr=False)
-    #: Parameter tensors whose gradient the last syncing backward set back to ``None``.
-    last_unused: tuple[str, ...] = ()
+
+    def __init__(self, model: nn.Module, *, mesh: DeviceMesh) -> None:
+        self.model = model
+        self.mesh = mesh
+        units = internals.distinct_units(model)
+        self._handles: list[Any] = list(anchor_unit_inputs(model, units))
+        self._records: list[_Record] = []
+        for unit in units:
+            unit.set_reduce_scatter_unused_params(True, recurse=False)
+            for fsdp_param in internals.fsdp_params(unit):
+                if internals.sharded_parameter(fsdp_param).requires_grad:
+                    self._records.append(_Record(unit, fsdp_param))
+        self._used = [False] * len(self._records)
+        self._queued = False
+        #: Parameter tensors whose gradient the last syncing backward set back to ``None``.
+        self.last_unused: tuple[str, ...] = ()
+        handle: RemovableHandle = model.register_forward_hook(self._after_forward)
+        self._handles.append(handle)
+        self._watch: BackwardWatch | None = BackwardWatch(model, self._on_backward)
+        self._attach()
 
     def _attach(self) -> None:
         """Hook every unsharded parameter that exists by now (they appear at a unit's
@@ -146,17 +157,22 @@ def install_unused_params_hook(model: nn.Module, *, mesh: DeviceMesh) -> UnusedP
             "a unit may disagree on reduce-scatter sizes"
         )
         return None
-    units = internals.distinct_units(model)
-    hook = UnusedParamsHook(model=model, mesh=mesh)
-    hook._handles.extend(anchor_unit_inputs(model, units))
-    for unit in units:
-        unit.set_reduce_scatter_unused_params(True, recurse=False)
-        for fsdp_param in internals.fsdp_params(unit):
-            if internals.sharded_parameter(fsdp_param).requires_grad:
-                hook._records.append(_Record(unit, fsdp_param))
-    hook._used = [False] * len(hook._records)
-    handle: RemovableHandle = model.register_forward_hook(hook._after_forward)
-    hook._handles.append(handle)
-    hook._watch = BackwardWatch(model, hook._on_backward)
-    hook._attach()
-    return hook
+    return UnusedParamsHook(model, mesh=mesh)
+
+
+@dataclass(frozen=True)
+class UnusedParamsRuntimeHook(RuntimeHook):
+    """The ``unused_params`` runtime hook (no plan data beyond its targets)."""
+
+    name: ClassVar[str] = NAME
+    reads: ClassVar[tuple[internals.Probe, ...]] = (
+        internals.STATE_GROUPS,
+        internals.GROUP_PARAMS,
+        internals.GROUP_REDUCE,
+        internals.PARAM_UNSHARDED,
+        internals.PARAM_SHARDED,
+        internals.QUEUE_CALLBACK,
+    )
+
+    def install(self, model: nn.Module, *, mesh: DeviceMesh) -> UnusedParamsHook | None:
+        return install_unused_params_hook(model, mesh=mesh)

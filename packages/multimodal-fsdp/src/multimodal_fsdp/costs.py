@@ -45,7 +45,6 @@ here.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -78,7 +77,11 @@ from multimodal_fsdp.timeline import (
     _prefetch_waste,
     _Unit,
 )
-from multimodal_fsdp.uneven import CHECKPOINT_BYTES, plan_schedule_layout
+from multimodal_fsdp.uneven import (
+    CHECKPOINT_BYTES,
+    ScheduleCheckRuntimeHook,
+    plan_schedule_layout,
+)
 
 if TYPE_CHECKING:  # an annotation only: memory builds on this module
     from multimodal_fsdp.memory import MemoryEstimate
@@ -216,7 +219,7 @@ class PlanCosts:
             },
             "units": [u.as_dict() for u in self.units],
             "notes": list(self.notes),
-            "hooks": [dataclasses.asdict(hook) for hook in self.hooks],
+            "hooks": [hook.as_dict() for hook in self.hooks],
             "memory": None if self.memory is None else self.memory.as_dict(),
         }
 
@@ -246,8 +249,12 @@ def _schedule_checkpoints(
     parallelizer: MultimodalParallelizer | None, model: nn.Module, plan: ShardingPlan, world: int
 ) -> int:
     """All-reduces of the ``schedule_check`` hook in one step (every region runs once)."""
-    if parallelizer is None or world <= 1 or plan.hook("schedule_check") is None:
+    planned = plan.hook(ScheduleCheckRuntimeHook.name)
+    if parallelizer is None or world <= 1 or planned is None:
         return 0
+    hook = planned.hook
+    if isinstance(hook, ScheduleCheckRuntimeHook):  # the layout the plan computed
+        return hook.layout.checkpoints_per_forward()
     layout = plan_schedule_layout(model, plan, parallelizer.media_regions(model, plan))
     return 0 if layout is None else layout.checkpoints_per_forward()
 

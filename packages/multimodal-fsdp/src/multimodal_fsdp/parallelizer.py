@@ -64,7 +64,7 @@ from fsdp_core.containers import is_under, iter_layer_items, join_path
 from fsdp_core.dtype_units import dominant_dtype
 from fsdp_core.mesh_collectives import mesh_device
 from fsdp_core.parallelizer import PlanContext
-from fsdp_core.runtime import HookPlan, InstalledHook
+from fsdp_core.runtime import HookPlan
 from multimodal_fsdp.conditional import find_media_conditional_layers
 from multimodal_fsdp.discovery import (
     resolve_multimodal_modules,
@@ -84,11 +84,11 @@ from multimodal_fsdp.policy import (
     frozen_sharding_label,
     normalize_frozen_sharding_spec,
 )
-from multimodal_fsdp.prefetch import build_backward_prefetch_guard, frozen_unit_labels
+from multimodal_fsdp.prefetch import PrefetchGuardRuntimeHook, frozen_unit_labels
 from multimodal_fsdp.uneven import (
     CHECKPOINT_BYTES,
     MediaRegion,
-    install_schedule_check,
+    ScheduleCheckRuntimeHook,
     plan_schedule_layout,
 )
 from multimodal_fsdp.validation import check_attribute_names, check_module_paths
@@ -118,7 +118,7 @@ class MultimodalParallelizer(ModelParallelizer):
     point is a unit per tower block.
     """
 
-    HOOKS = (*ModelParallelizer.HOOKS, "prefetch_guard", "schedule_check")
+    HOOKS = (*ModelParallelizer.HOOKS, PrefetchGuardRuntimeHook, ScheduleCheckRuntimeHook)
 
     def __init__(
         self,
@@ -363,11 +363,10 @@ class MultimodalParallelizer(ModelParallelizer):
         frozen = self._guarded_frozen_units(model, plan)
         if frozen:
             hooks.append(
-                HookPlan(
-                    name="prefetch_guard",
+                PrefetchGuardRuntimeHook.from_plan(model, plan, frozen).planned(
                     reason="frozen units that no gradient reaches are not re-gathered by "
                     "FSDP's implicit backward prefetch",
-                    targets=tuple(frozen),
+                    targets=frozen,
                     cost="no collective (saves one all-gather per step)",
                 )
             )
@@ -381,12 +380,11 @@ class MultimodalParallelizer(ModelParallelizer):
         )
         if layout is not None:
             hooks.append(
-                HookPlan(
-                    name="schedule_check",
+                ScheduleCheckRuntimeHook(layout).planned(
                     reason="media regions own units; ranks agree on their position before "
                     "each region call and after it, so uneven media fail on every rank "
                     "with UnevenMediaError instead of hanging",
-                    targets=tuple(r.path for r in layout.regions),
+                    targets=[r.path for r in layout.regions],
                     cost=f"{layout.checkpoints_per_forward()} all-reduces of "
                     f"{CHECKPOINT_BYTES} bytes and host syncs per forward (one call of each "
                     "region); one more per extra region call",
@@ -417,23 +415,6 @@ class MultimodalParallelizer(ModelParallelizer):
             for label in labels
             if all(any(is_under(path, tower) for tower in towers) for path in paths[label])
         ]
-
-    def _install_hook(
-        self, model: nn.Module, plan: ShardingPlan, hook: HookPlan, *, mesh: DeviceMesh
-    ) -> InstalledHook | None:
-        if hook.name == "prefetch_guard":
-            return build_backward_prefetch_guard(model, plan, units=hook.targets)
-        if hook.name == "schedule_check":
-            layout = plan_schedule_layout(
-                model,
-                plan,
-                self.media_regions(model, plan),
-                per_layer=_per_layer_where(
-                    self.frozen_multimodal_sharding, self.frozen_multimodal_sharding_by_path
-                ),
-            )
-            return None if layout is None else install_schedule_check(model, layout, mesh=mesh)
-        return super()._install_hook(model, plan, hook, mesh=mesh)
 
     # -------------------------------------------------------- apply hooks
     def replicated_param_dtypes(

@@ -42,19 +42,22 @@ it (used to show the difference).
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import ShardingPlan
+from fsdp_core.internals import Probe
 from fsdp_core.plan import unit_parameters
 from fsdp_core.runtime import (
     BackwardWatch,
+    RuntimeHook,
     installed_hooks,
     output_tensors,
     register_installed_hook,
@@ -63,6 +66,7 @@ from fsdp_core.runtime import (
 
 __all__ = [
     "BackwardPrefetchGuard",
+    "PrefetchGuardRuntimeHook",
     "backward_prefetch_guard",
     "build_backward_prefetch_guard",
     "frozen_unit_labels",
@@ -75,17 +79,36 @@ logger = logging.getLogger(__name__)
 NAME = "prefetch_guard"
 
 
-@dataclass
 class BackwardPrefetchGuard:
-    """The installed guard: which units it watches, and which ran a backward last step."""
+    """The installed guard: which units it watches, and which ran a backward last step.
 
-    units: tuple[str, ...]
+    Built on a sharded ``model`` from the frozen units to watch: (label, the unit's FSDP
+    module, its member module paths) each."""
+
     name: str = NAME
-    _modules: list[FSDPModule] = field(default_factory=list, repr=False)
-    _handles: list[RemovableHandle] = field(default_factory=list, repr=False)
-    _needed: list[bool] = field(default_factory=list, repr=False)
-    _watch: BackwardWatch | None = field(default=None, repr=False)
-    _backward_ran: bool = True
+
+    def __init__(
+        self, model: nn.Module, watched: Sequence[tuple[str, FSDPModule, Sequence[str]]]
+    ) -> None:
+        self.units = tuple(label for label, _, _ in watched)
+        self._modules = [unit for _, unit, _ in watched]
+        self._needed = [True] * len(watched)
+        self._handles: list[RemovableHandle] = []
+        for index, (_, _, paths) in enumerate(watched):
+            for path in paths:
+                member = model.get_submodule(path) if path else model
+                self._handles.append(member.register_forward_hook(self._mark_hook(index)))
+        self._handles.append(model.register_forward_pre_hook(self._before_forward))
+        self._watch: BackwardWatch | None = BackwardWatch(model, self._saw_backward)
+        self._reset()
+        self._backward_ran = False
+
+    def _mark_hook(self, index: int) -> Callable[[nn.Module, Any, Any], None]:
+        def mark(_module: nn.Module, _args: Any, output: Any) -> None:
+            if torch.is_grad_enabled() and output_tensors(output):
+                self._mark(index)
+
+        return mark
 
     def _saw_backward(self) -> None:
         self._backward_ran = True
@@ -184,28 +207,54 @@ def build_backward_prefetch_guard(
     if units is not None:
         wanted = set(units)
         frozen = [entry for entry in frozen if entry[0] in wanted]
+    return _install_guard(model, frozen)
+
+
+def _install_guard(
+    model: nn.Module, frozen: Sequence[tuple[str, FSDPModule, Sequence[str]]]
+) -> BackwardPrefetchGuard | None:
     if not frozen:
         return None
-    guard = BackwardPrefetchGuard(units=tuple(label for label, _, _ in frozen))
-    for index, (_, unit, paths) in enumerate(frozen):
-        guard._modules.append(unit)
-        guard._needed.append(True)
-
-        def mark(_module: nn.Module, _args: Any, output: Any, index: int = index) -> None:
-            if torch.is_grad_enabled() and output_tensors(output):
-                guard._mark(index)
-
-        for path in paths:
-            member = model.get_submodule(path) if path else model
-            guard._handles.append(member.register_forward_hook(mark))
-    guard._handles.append(model.register_forward_pre_hook(guard._before_forward))
-    guard._watch = BackwardWatch(model, guard._saw_backward)
-    guard._reset()
-    guard._backward_ran = False
+    guard = BackwardPrefetchGuard(model, frozen)
     logger.info(
         "backward prefetch guarded for %d frozen units: %s", len(guard.units), list(guard.units)
     )
     return guard
+
+
+@dataclass(frozen=True)
+class PrefetchGuardRuntimeHook(RuntimeHook):
+    """The ``prefetch_guard`` runtime hook; its plan data: the frozen units to guard, as
+    (label, member module paths), decided at plan time."""
+
+    name: ClassVar[str] = NAME
+    reads: ClassVar[tuple[Probe, ...]] = ()
+
+    units: tuple[tuple[str, tuple[str, ...]], ...]
+
+    @classmethod
+    def from_plan(
+        cls, model: nn.Module, plan: ShardingPlan, labels: Collection[str]
+    ) -> PrefetchGuardRuntimeHook:
+        """The hook guarding the frozen units of ``plan`` named in ``labels``."""
+        wanted = set(labels)
+        return cls(
+            tuple(
+                (label, tuple(paths))
+                for label, paths in _frozen_plan_units(model, plan)
+                if label in wanted
+            )
+        )
+
+    def install(self, model: nn.Module, *, mesh: DeviceMesh) -> BackwardPrefetchGuard | None:
+        watched = []
+        for label, paths in self.units:
+            first = model.get_submodule(paths[0]) if paths[0] else model
+            if not isinstance(first, FSDPModule):
+                logger.warning("unit %s is not an FSDP module; not guarded", label)
+                continue
+            watched.append((label, first, paths))
+        return _install_guard(model, watched)
 
 
 def backward_prefetch_guard(model: nn.Module) -> BackwardPrefetchGuard | None:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 import torch
 from torch import nn
@@ -46,12 +46,14 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import ShardingPlan
 from fsdp_core.containers import is_under
-from fsdp_core.internals import in_backward
+from fsdp_core.internals import GRAPH_TASK, Probe, in_backward
 from fsdp_core.mesh_collectives import all_reduce_max_over_mesh, mesh_device
+from fsdp_core.runtime import RuntimeHook
 
 __all__ = [
     "MediaRegion",
     "ScheduleCheck",
+    "ScheduleCheckRuntimeHook",
     "ScheduleLayout",
     "UnevenMediaError",
     "install_schedule_check",
@@ -59,6 +61,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+NAME = "schedule_check"
 
 #: Bytes of one checkpoint's all-reduce (two int64 values) per mesh dimension.
 CHECKPOINT_BYTES: Final[int] = 2 * 8
@@ -164,18 +168,37 @@ def plan_schedule_layout(
     )
 
 
-@dataclass
 class ScheduleCheck:
-    """The installed check (see the module docstring)."""
+    """The installed check (see the module docstring), put on the sharded ``model`` by
+    its constructor.
 
-    layout: ScheduleLayout
-    mesh: DeviceMesh
-    name: str = "schedule_check"
-    _handles: list[RemovableHandle] = field(default_factory=list, repr=False)
-    _calls: list[int] = field(default_factory=list, repr=False)
-    _armed: bool = True
-    #: Checkpoints run in the last forward (for tests and the benchmark).
-    last_checkpoints: int = 0
+    The hooks run before FSDP's own (``prepend=True``), so a checkpoint comes before
+    the all-gather of the unit it guards.
+    """
+
+    name: str = NAME
+
+    def __init__(self, model: nn.Module, layout: ScheduleLayout, *, mesh: DeviceMesh) -> None:
+        self.layout = layout
+        self.mesh = mesh
+        self._calls: list[int] = []
+        self._armed = True
+        #: Checkpoints run in the last forward (for tests and the benchmark).
+        self.last_checkpoints = 0
+        self._start()
+        handles = [model.register_forward_pre_hook(self._start, prepend=True)]
+        for region in layout.regions:
+            module = model.get_submodule(region.path)
+            handles.append(module.register_forward_pre_hook(self._enter(region.path), prepend=True))
+            handles.append(module.register_forward_hook(self._exit, always_call=True))
+        region_paths = {region.path for region in layout.regions}
+        for path in layout.units:
+            if path in region_paths:
+                continue  # a region that is a unit itself: its entry checkpoint covers it
+            module = model.get_submodule(path)
+            handles.append(module.register_forward_pre_hook(self._unit(path), prepend=True))
+        handles.append(model.register_forward_hook(self._end))
+        self._handles: list[RemovableHandle] = handles
 
     def _site(self, path: str, *, region: bool) -> int:
         if region:
@@ -273,29 +296,25 @@ class ScheduleCheck:
 def install_schedule_check(
     model: nn.Module, layout: ScheduleLayout, *, mesh: DeviceMesh
 ) -> ScheduleCheck:
-    """Install the checkpoints of ``layout`` on a sharded ``model``.
-
-    The hooks run before FSDP's own (``prepend=True``), so a checkpoint comes before
-    the all-gather of the unit it guards.
-    """
-    check = ScheduleCheck(layout=layout, mesh=mesh)
-    check._start()
-    handles = check._handles
-    handles.append(model.register_forward_pre_hook(check._start, prepend=True))
-    for region in layout.regions:
-        module = model.get_submodule(region.path)
-        handles.append(module.register_forward_pre_hook(check._enter(region.path), prepend=True))
-        handles.append(module.register_forward_hook(check._exit, always_call=True))
-    region_paths = {region.path for region in layout.regions}
-    for path in layout.units:
-        if path in region_paths:
-            continue  # a region that is a unit itself: its entry checkpoint covers it
-        module = model.get_submodule(path)
-        handles.append(module.register_forward_pre_hook(check._unit(path), prepend=True))
-    handles.append(model.register_forward_hook(check._end))
+    """Install the checkpoints of ``layout`` on a sharded ``model``."""
+    check = ScheduleCheck(model, layout, mesh=mesh)
     logger.info(
         "schedule check on %d media regions: %s",
         len(layout.regions),
         [region.path for region in layout.regions],
     )
     return check
+
+
+@dataclass(frozen=True)
+class ScheduleCheckRuntimeHook(RuntimeHook):
+    """The ``schedule_check`` runtime hook; its plan data: the schedule layout, computed
+    once when the plan is made."""
+
+    name: ClassVar[str] = NAME
+    reads: ClassVar[tuple[Probe, ...]] = (GRAPH_TASK,)
+
+    layout: ScheduleLayout
+
+    def install(self, model: nn.Module, *, mesh: DeviceMesh) -> ScheduleCheck:
+        return install_schedule_check(model, self.layout, mesh=mesh)
