@@ -106,3 +106,21 @@ def test_only_lists_and_dicts_are_layer_containers() -> None:
     assert _is_module_container(nn.ModuleList()) is True
     assert _is_module_container(nn.ModuleDict()) is True
     assert _is_module_container(nn.Sequential()) is False
+
+
+def test_vision_is_a_tower_name_as_in_the_reference() -> None:
+    """nemo-automodel 0.7.0 lists ``vision`` among the tower names (DeepSeek-V4.1's tower)."""
+    assert "vision" in MULTIMODAL_TOWER_NAMES
+    model = nn.Module()
+    model.vision = nn.Sequential(nn.Linear(2, 2))
+    model.language_model = nn.Linear(2, 2)
+    assert list(iter_multimodal_modules(model)) == [("vision", model.vision)]
+
+
+def test_a_vision_module_inside_a_decoder_or_a_layer_is_no_tower() -> None:
+    model = nn.Module()
+    model.language_model = nn.Module()
+    model.language_model.vision = nn.Linear(2, 2)
+    model.layers = nn.ModuleList(nn.Module() for _ in range(2))
+    model.layers[0].vision = nn.Linear(2, 2)
+    assert list(iter_multimodal_modules(model)) == []

@@ -49,6 +49,8 @@ _TOWER_MODALITY: Mapping[str, Modality] = {
     "audio_tower": "audio",
     "audio_encoder": "audio",
     "audio_model": "audio",
+    # nemo-automodel 0.7.0 also lists "vision" (DeepSeek-V4.1 registers its tower so).
+    "vision": "vision",
     # Video-LLaVA keeps separate image and video towers.
     "image_tower": "vision",
     "video_tower": "video",
