@@ -921,3 +921,33 @@ def test_per_block_calls_keep_fp32_norm_units_whatever_the_storage_dtype(
     # Text layers are ordinary units under the caller's policy.
     fully_shard_deepseek_v41(model.model.layers[0], mesh, MP)
     assert not isinstance(model.model.layers[0].input_layernorm, FSDPModule)
+
+
+def test_the_tower_is_found_by_the_shared_name_table() -> None:
+    """``vision`` is a built-in tower name now: the parallelizer adds no name of its own."""
+    assert DeepseekV41ModelParallelizer().extra_tower_names == ()
+    parts = PARALLELIZER.multimodal_parts(_model())
+    assert [(part.found.path, part.found.rule) for part in parts] == [
+        ("vision", "name:vision"),
+        ("aligner", "name:aligner"),
+    ]
+
+
+@pytest.mark.parametrize("path", ["vision", "vision.blocks.0", "model.layers.0", "aligner"])
+def test_the_function_shards_the_norm_units_the_parallelizer_plans(
+    path: str, mesh: DeviceMesh
+) -> None:
+    """One planner: the norm units ``fully_shard_deepseek_v41`` makes on a module are the
+    ones the parallelizer plans for the same norms."""
+    model = _model()
+    plan = PARALLELIZER.plan(model, mp_policy=MP)
+    planned = [
+        tuple(sorted(p.removeprefix(f"{path}.") for p in unit.paths if p.startswith(f"{path}.")))
+        for unit in plan.units
+        if unit.role == "fp32_norms"
+    ]
+    planned = [paths for paths in planned if paths]
+    module = model.get_submodule(path)
+    fully_shard_deepseek_v41(module, mesh, MP)
+    made = sorted(tuple(sorted(names)) for _, names in _states(module).values() if "" not in names)
+    assert made == sorted(planned)

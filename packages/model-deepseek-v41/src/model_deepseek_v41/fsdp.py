@@ -50,7 +50,6 @@ from fsdp_core.sharding import (
 )
 from multimodal_fsdp import MultimodalParallelizer
 from multimodal_fsdp.policy import FrozenShardingSpec
-from multimodal_fsdp.validation import check_attribute_names
 
 __all__ = [
     "DeepseekV41ModelParallelizer",
@@ -201,13 +200,13 @@ def plan_fp32_norm_groups(
     """
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    paths = list(_fp32_norm_paths(module, prefix, set(ignored_param_names), planned or set()))
+    if not paths:
+        return []
     surrounding = dominant_dtype(p for p in module.parameters() if p.dim() > 1) or dominant_dtype(
         module.parameters()
     )
     policy = fp32_island_policy(mp_policy, surrounding_dtype=surrounding)
-    paths = list(_fp32_norm_paths(module, prefix, set(ignored_param_names), planned or set()))
-    if not paths:
-        return []
     group = (
         compat.GROUPED_PER_MODULE_CASTING and compat.GROUPED_UNIT_REUSE
         if grouped is None
@@ -216,6 +215,40 @@ def plan_fp32_norm_groups(
     if group:
         return [NormGroup(tuple(paths), policy)]
     return [NormGroup((path,), policy) for path in paths]
+
+
+def _plan_norm_groups(
+    model: nn.Module,
+    regions: Iterable[str],
+    *,
+    mp_policy: MixedPrecisionPolicy,
+    ignored_param_names: Iterable[str],
+    planned: set[int] | None = None,
+) -> list[NormGroup]:
+    """The fp32-norm units of each region of ``model`` (a path; ``""`` is ``model``), in
+    order: the one planning step behind both the parallelizer's plan and
+    ``fully_shard_deepseek_v41``. A region
+    that is no vision tower or block has none (``vision_norm_paths`` is the one detector)."""
+    ignored = sorted(ignored_param_names)
+    groups: list[NormGroup] = []
+    for path in regions:
+        groups.extend(
+            plan_fp32_norm_groups(
+                model.get_submodule(path) if path else model,
+                mp_policy=mp_policy,
+                prefix=path,
+                ignored_param_names=ignored,
+                planned=planned,
+            )
+        )
+    return groups
+
+
+def _vision_norm_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """Every parameter of the vision norms of ``model``'s towers, by name."""
+    for tower in find_vision_towers(model):
+        for path in _fp32_norm_paths(model.get_submodule(tower), tower, set(), set()):
+            yield from model.get_submodule(path).named_parameters(prefix=path)
 
 
 def fully_shard_deepseek_v41(
@@ -255,17 +288,15 @@ def fully_shard_deepseek_v41(
     if is_sharded(module):
         logger.info("%s is already an FSDP unit; leaving it as it is", type(module).__name__)
         return module
-    groups: list[tuple[Sequence[str], MixedPrecisionPolicy]] = []
-    if is_vision_tower(module) or is_vision_block(module):
-        ignored_names = [
-            name for name, p in module.named_parameters() if ignored_params and p in ignored_params
-        ]
-        groups = [
-            (group.paths, group.mp_policy)
-            for group in plan_fp32_norm_groups(
-                module, mp_policy=mp_policy, ignored_param_names=ignored_names
-            )
-        ]
+    ignored_names = [
+        name for name, p in module.named_parameters() if ignored_params and p in ignored_params
+    ]
+    groups: list[tuple[Sequence[str], MixedPrecisionPolicy]] = [
+        (group.paths, group.mp_policy)
+        for group in _plan_norm_groups(
+            module, [""], mp_policy=mp_policy, ignored_param_names=ignored_names
+        )
+    ]
     shard_groups_then_module(
         module,
         groups,
@@ -288,8 +319,8 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
     *Frozen* fp32 norms are replicated under every policy: kept whole and fp32
     on every rank, outside FSDP, so they cost no collective and the RMSNorm
     computes in fp32. Towers are found by structure
-    ([`find_vision_towers`][model_deepseek_v41.fsdp.find_vision_towers]) plus the multimodal
-    discovery (the V4.1 attribute ``vision`` is added to the tower names). Every option of
+    ([`find_vision_towers`][model_deepseek_v41.fsdp.find_vision_towers]); the multimodal
+    discovery knows the V4.1 attribute ``vision`` as a tower name. Every option of
     ``multimodal_fsdp.MultimodalParallelizer`` is accepted with the same meaning and default.
     """
 
@@ -305,10 +336,9 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
         uneven_media: bool = False,
         disabled_hooks: Iterable[str] = (),
     ) -> None:
-        towers = check_attribute_names(extra_tower_names, "extra_tower_names")
         super().__init__(
             frozen_multimodal_sharding=frozen_multimodal_sharding,
-            extra_tower_names=("vision", *(t for t in towers if t != "vision")),
+            extra_tower_names=extra_tower_names,
             extra_projector_names=extra_projector_names,
             exclude=exclude,
             sync_replicated=sync_replicated,
@@ -321,26 +351,23 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
         fully_shard_deepseek_v41(module, **kwargs)  # type: ignore[arg-type]
 
     def _plan_leading_calls(self, ctx: PlanContext) -> list[ShardCall]:
-        calls = []
-        for tower in find_vision_towers(ctx.model):
-            module = ctx.module(tower)
-            for group in plan_fp32_norm_groups(
-                module,
-                mp_policy=ctx.mp_policy,
-                prefix=tower,
-                ignored_param_names=sorted(ctx.ignored_param_names),
-                planned=ctx.planned,
-            ):
-                calls.append(
-                    self._make_call(
-                        group.paths,
-                        ctx,
-                        mp_policy=group.mp_policy,
-                        reshard_after_forward=ctx.reshard_after_forward,
-                        role="fp32_norms",
-                    )
-                )
-        return calls
+        groups = _plan_norm_groups(
+            ctx.model,
+            find_vision_towers(ctx.model),
+            mp_policy=ctx.mp_policy,
+            ignored_param_names=ctx.ignored_param_names,
+            planned=ctx.planned,
+        )
+        return [
+            self._make_call(
+                group.paths,
+                ctx,
+                mp_policy=group.mp_policy,
+                reshard_after_forward=ctx.reshard_after_forward,
+                role="fp32_norms",
+            )
+            for group in groups
+        ]
 
     def _replicated_param_names(self, model: nn.Module) -> list[str]:
         """Also replicate frozen fp32 vision norms, whatever the policy.
@@ -352,23 +379,19 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
         """
         names = super()._replicated_param_names(model)
         seen = set(names)
-        for tower in find_vision_towers(model):
-            for path in _fp32_norm_paths(model.get_submodule(tower), tower, set(), set()):
-                for name, param in model.get_submodule(path).named_parameters(prefix=path):
-                    if not param.requires_grad and name not in seen:
-                        seen.add(name)
-                        names.append(name)
+        for name, param in _vision_norm_parameters(model):
+            if not param.requires_grad and name not in seen:
+                seen.add(name)
+                names.append(name)
         return names
 
     def _replicated_keep_dtype(self, model: nn.Module, names: Iterable[str]) -> Iterator[str]:
         wanted = list(names)
         yield from super()._replicated_keep_dtype(model, wanted)
         wanted_set = set(wanted)
-        for tower in find_vision_towers(model):
-            for path in _fp32_norm_paths(model.get_submodule(tower), tower, set(), set()):
-                for name, _ in model.get_submodule(path).named_parameters(prefix=path):
-                    if name in wanted_set:
-                        yield name
+        for name, _ in _vision_norm_parameters(model):
+            if name in wanted_set:
+                yield name
 
 
 #: The ready-to-use parallelizer (frozen towers follow ``root``; see ``with_options``).
