@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 import fsdp_core
+import fsdp_core.parallelizer
 from fsdp_core import build_mesh, mixed_precision_policy
 from fsdp_core.fake_group import fake_process_group
 from fsdp_core.runtime import installed_hooks
@@ -153,6 +154,34 @@ def layout_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         ):
             monkeypatch.setattr(module, "plan_schedule_layout", counting)
     return calls
+
+
+@pytest.fixture
+def owner_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts calls of ``entry_owners`` (the ``entry_unshard`` hook's data) by the parallelizer."""
+    original: Callable[..., Any] = fsdp_core.parallelizer.entry_owners
+    calls: list[int] = []
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fsdp_core.parallelizer, "entry_owners", counting)
+    return calls
+
+
+def test_hook_data_is_computed_once_per_plan(
+    fake2: None, layout_calls: list[int], owner_calls: list[int]
+) -> None:
+    """The schedule layout and the entry modules' owning units: planned once, installed as is."""
+    model = Vlm()
+    parallelizer = MultimodalParallelizer(frozen_multimodal_sharding="per_layer")
+    plan = parallelizer.plan(model, mp_policy=mixed_precision_policy("fp32", "fp32"))
+    assert {"schedule_check", "entry_unshard"} <= set(plan.hook_names())
+    assert (len(layout_calls), len(owner_calls)) == (1, 1)
+    parallelizer.apply_plan(model, plan, mesh=build_mesh())
+    assert {"schedule_check", "entry_unshard"} <= set(installed_hooks(model))
+    assert (len(layout_calls), len(owner_calls)) == (1, 1), "apply_plan computed hook data again"
 
 
 def test_the_schedule_layout_is_computed_once_per_plan(
