@@ -29,6 +29,7 @@ __all__ = [
     "owned_ignored_params",
     "shard_group_size",
     "is_sharded",
+    "original_class",
     "check_reshard_after_forward",
     "check_ignored_params_supported",
 ]
@@ -42,6 +43,18 @@ ShardTarget = nn.Module | Sequence[nn.Module]
 def is_sharded(module: nn.Module) -> bool:
     """Whether ``module`` already is (or belongs to a group that is) an FSDP unit."""
     return isinstance(module, FSDPModule)
+
+
+def original_class(module: nn.Module) -> type[nn.Module]:
+    """The class ``fully_shard`` replaced by its ``FSDP<name>`` subclass (else the class).
+
+    Read from the swap itself (the subclass's bases are ``FSDPModule`` and the original),
+    never from the ``FSDP`` name prefix, which a user's own class may carry too."""
+    cls = type(module)
+    bases = cls.__bases__
+    if len(bases) == 2 and bases[0] is FSDPModule and issubclass(bases[1], nn.Module):
+        return bases[1]
+    return cls
 
 
 def _as_modules(target: object) -> list[nn.Module]:

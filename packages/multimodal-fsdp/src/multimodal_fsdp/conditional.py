@@ -31,24 +31,17 @@ from fsdp_core.containers import (
     join_path,
     unwrap_module,
 )
+from fsdp_core.sharding import original_class
 
 __all__ = ["find_media_conditional_layers", "required_forward_arguments"]
 
 logger = logging.getLogger(__name__)
 
 
-def _layer_class(module: nn.Module) -> type[nn.Module]:
-    """The model's own class (FSDP2 swaps in a subclass named ``FSDP<name>``)."""
-    for cls in type(module).__mro__:
-        if not cls.__name__.startswith("FSDP") and issubclass(cls, nn.Module):
-            return cls
-    return type(module)
-
-
 def required_forward_arguments(module: nn.Module) -> frozenset[str]:
     """Names of the forward parameters without a default (positional or keyword)."""
     try:
-        signature = inspect.signature(_layer_class(module).forward)
+        signature = inspect.signature(original_class(module).forward)
     except (TypeError, ValueError):
         return frozenset()
     kinds = (
@@ -82,15 +75,15 @@ def find_media_conditional_layers(model: nn.Module) -> list[str]:
             (join_path(prefix, key), unwrap_module(item))
             for key, item in container_items(container)
         ]
-        classes = Counter(_layer_class(item) for _, item in items)
+        classes = Counter(original_class(item) for _, item in items)
         if len(classes) < 2:
             continue
         majority = max(classes, key=lambda cls: classes[cls])
         majority_required = required_forward_arguments(
-            next(item for _, item in items if _layer_class(item) is majority)
+            next(item for _, item in items if original_class(item) is majority)
         )
         for path, item in items:
-            if _layer_class(item) is majority:
+            if original_class(item) is majority:
                 continue
             extra = required_forward_arguments(item) - majority_required
             if extra:

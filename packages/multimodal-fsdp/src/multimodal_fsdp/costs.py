@@ -58,7 +58,7 @@ from fsdp_core.containers import is_under
 from fsdp_core.mesh import MeshShape, resolve_mesh_shape
 from fsdp_core.plan import unit_parameters
 from fsdp_core.runtime import HookPlan
-from fsdp_core.sharding import check_reshard_after_forward
+from fsdp_core.sharding import check_reshard_after_forward, original_class
 from multimodal_fsdp.collectives import (
     CommTally,
     _compute_dtype,
@@ -392,10 +392,7 @@ def plan_costs(
 
 def _model_name(model: nn.Module) -> str:
     """The model's own class name (FSDP2 swaps in a subclass named ``FSDP<name>``)."""
-    return next(
-        (c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP")),
-        type(model).__name__,
-    )
+    return original_class(model).__name__
 
 
 def _replicated(

@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from fsdp_core.hf import _transformers as tf
 from fsdp_core.hf._safetensors_dir import open_file, read_layout
+from fsdp_core.sharding import original_class as original_class  # _hf_methods reads it here
 
 logger = logging.getLogger(__name__)
 
@@ -49,15 +49,6 @@ def is_hf_model(model: nn.Module) -> bool:
     return callable(getattr(model, "save_pretrained", None)) and callable(
         getattr(config, "save_pretrained", None)
     )
-
-
-def original_class(module: nn.Module) -> type[nn.Module]:
-    """The class ``fully_shard`` replaced by its ``FSDP<name>`` subclass (else the class)."""
-    cls = type(module)
-    bases = cls.__bases__
-    if len(bases) == 2 and bases[0] is FSDPModule and issubclass(bases[1], nn.Module):
-        return bases[1]
-    return cls
 
 
 @contextmanager
