@@ -2,11 +2,12 @@
 
 In the worker, after every scenario the ranks meet over the c10d store (never a
 collective, so a rank stuck in one cannot block the meeting) and exchange whether the
-scenario passed. If every rank arrived and a short probe collective gives the right
-sum, the process group is healthy: the error is recorded for that scenario and the
-launch goes on. If a rank did not arrive in time (it died, or hangs in a collective
-the failing rank never joined) the group is not usable: the scenario's error is
-recorded and the rank exits non-zero, which makes torchrun stop the whole launch.
+scenario passed. If every rank arrived (and, after a failure, a probe all-reduce gives
+the right sum on every rank), the process group is healthy: an error is recorded for
+that scenario only and the launch goes on. If a rank did not arrive in time (it died,
+or hangs in a collective the failing rank never joined) or a probe failed, the group is
+not usable: the scenario's error is recorded and the ranks exit non-zero, which makes
+torchrun stop the whole launch.
 
 Outside, ``run_scenarios`` relaunches torchrun with the scenarios that have no result
 yet (a few times at most), so every scenario ends with a result or its own error.
@@ -130,6 +131,7 @@ def run_scenarios(
     output as its error, and the scenarios after it run in a fresh launch, at most
     ``MAX_RELAUNCHES`` times.
     """
+    out.mkdir(parents=True, exist_ok=True)
     remaining = list(scenarios)
     for attempt in range(MAX_RELAUNCHES + 1):
         start = time.perf_counter()
