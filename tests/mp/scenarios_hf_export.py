@@ -36,8 +36,6 @@ WHERE = ("decoder", "tower")
 LR = 0.05
 #: Small enough that each tiny model's export spans several files.
 SHARD_SIZE = "40KB"
-#: What each LoRA case exports, by directory name.
-LORA_EXPORTS = ("adapter_lib", "adapter_own", "merged_lib", "merged_base")
 
 
 def case_dir(out: Path, name: str, policy: str, where: str) -> Path:

@@ -477,13 +477,6 @@ def _scenario(name: str) -> Callable[[DistributedContext, Path], dict[str, Any]]
     return run
 
 
-INFERENCE_SCENARIOS = (
-    *(f"inference_{name}" for name in MODELS),
-    "inference_more_vlms",
-    "inference_lora",
-    "inference_uneven",
-)
-
 for _name in MODELS:
     scenario(f"inference_{_name}")(_scenario(_name))
 
