@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from fsdp_core import ShardingPlan
 from fsdp_core.internals import TorchDispatchMode
 from fsdp_core.plan import UnitPlan, unit_parameters
+from multimodal_fsdp.collectives import padded_shard_numel
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 
 __all__ = ["ActivationTrace", "LossFn", "trace_activations"]
@@ -34,13 +34,6 @@ logger = logging.getLogger(__name__)
 
 #: Runs the forward of one batch and returns the scalar loss.
 LossFn = Callable[[nn.Module], torch.Tensor]
-
-
-def padded_shard_numel(param: nn.Parameter, shard: int) -> int:
-    """Elements of one rank's shard after FSDP pads dim 0 to a multiple of ``shard``."""
-    if param.dim() == 0:
-        return 1
-    return -(-param.shape[0] // shard) * math.prod(param.shape[1:])
 
 
 def check_shard(shard: int) -> None:

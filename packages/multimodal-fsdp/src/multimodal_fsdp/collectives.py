@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-__all__ = ["KINDS", "PHASES", "CommTally"]
+__all__ = ["KINDS", "PHASES", "CommTally", "padded_shard_numel"]
 
 PHASES: tuple[str, ...] = ("forward", "backward")
 KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
@@ -92,9 +92,20 @@ class CommTally:
 
 
 def _dim0_padded_numel(shape: torch.Size, factor: int) -> int:
-    """Elements after FSDP pads dim 0 to a multiple of ``factor``."""
+    """Elements after FSDP pads dim 0 to a multiple of ``factor``; FSDP2 refuses scalar
+    (0-d) parameters, so they have none."""
+    if not shape:
+        raise ValueError(
+            "fully_shard does not support scalar parameters; make them 1-D (numel 1) or ignore them"
+        )
     rows = math.ceil(shape[0] / factor) * factor
     return rows * math.prod(shape[1:])
+
+
+def padded_shard_numel(param: nn.Parameter, shard: int) -> int:
+    """Elements of one rank's shard after FSDP pads dim 0 to a multiple of ``shard`` (the
+    one padding rule of the estimates: collectives, activation replay, memory)."""
+    return _dim0_padded_numel(param.shape, shard) // shard
 
 
 def _compute_dtype(param: nn.Parameter, policy: MixedPrecisionPolicy) -> torch.dtype:

@@ -45,11 +45,8 @@ from torch import nn
 
 from fsdp_core import ShardingPlan
 from fsdp_core.plan import unit_parameters
-from multimodal_fsdp.activations import (
-    ActivationTrace,
-    check_shard,
-    padded_shard_numel,
-)
+from multimodal_fsdp.activations import ActivationTrace, check_shard
+from multimodal_fsdp.collectives import padded_shard_numel
 from multimodal_fsdp.costs import PlanCosts
 from multimodal_fsdp.render import format_bytes
 
