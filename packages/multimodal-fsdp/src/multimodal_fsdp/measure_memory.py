@@ -39,7 +39,7 @@ from fsdp_core.internals import memory_timeline_tracker
 from fsdp_core.mesh import resolve_mesh_shape
 from multimodal_fsdp.activations import trace_activations
 from multimodal_fsdp.costs import PlanCosts, plan_costs
-from multimodal_fsdp.memory import check_optimizer, with_memory
+from multimodal_fsdp.memory import check_optimizer, memory_figures, with_memory
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 
 __all__ = [
@@ -150,16 +150,7 @@ class MeasuredMemory:
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready, every figure marked as measured."""
         return {
-            "source": "measured",
-            "optimizer": self.optimizer,
-            "sharded_param_bytes": self.sharded_param_bytes,
-            "replicated_param_bytes": self.replicated_param_bytes,
-            "peak_gathered_forward_bytes": self.peak_gathered_forward_bytes,
-            "peak_gathered_backward_bytes": self.peak_gathered_backward_bytes,
-            "gradient_bytes": self.gradient_bytes,
-            "optimizer_bytes": self.optimizer_bytes,
-            "activation_bytes": self.activation_bytes,
-            "backward_activation_bytes": self.backward_activation_bytes,
+            **memory_figures(self, source="measured"),
             "peak_bytes": self.peak_bytes,
             "peak_breakdown": dict(self.peak_breakdown),
         }

@@ -56,6 +56,7 @@ __all__ = [
     "check_optimizer",
     "estimate_memory",
     "gradient_bytes",
+    "memory_figures",
     "optimizer_state_bytes",
     "with_memory",
 ]
@@ -85,6 +86,26 @@ def check_optimizer(name: str) -> str:
 
 
 # --------------------------------------------------------------------------- result
+#: The figures a predicted and a measured step both report, in their JSON order.
+_FIGURES = (
+    "optimizer",
+    "sharded_param_bytes",
+    "replicated_param_bytes",
+    "peak_gathered_forward_bytes",
+    "peak_gathered_backward_bytes",
+    "gradient_bytes",
+    "optimizer_bytes",
+    "activation_bytes",
+    "backward_activation_bytes",
+)
+
+
+def memory_figures(memory: Any, *, source: str) -> dict[str, Any]:
+    """The figures a predicted and a measured step share, JSON-ready and marked with their
+    ``source`` (``"predicted"`` or ``"measured"``), so the two read side by side."""
+    return {"source": source, **{name: getattr(memory, name) for name in _FIGURES}}
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Predicted bytes per rank for one training step (see the module doc)."""
@@ -169,16 +190,7 @@ class MemoryEstimate:
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready, every figure marked as predicted."""
         return {
-            "source": "predicted",
-            "optimizer": self.optimizer,
-            "sharded_param_bytes": self.sharded_param_bytes,
-            "replicated_param_bytes": self.replicated_param_bytes,
-            "peak_gathered_forward_bytes": self.peak_gathered_forward_bytes,
-            "peak_gathered_backward_bytes": self.peak_gathered_backward_bytes,
-            "gradient_bytes": self.gradient_bytes,
-            "optimizer_bytes": self.optimizer_bytes,
-            "activation_bytes": self.activation_bytes,
-            "backward_activation_bytes": self.backward_activation_bytes,
+            **memory_figures(self, source="predicted"),
             "step_peak_bytes": self.step_peak_bytes,
             "resting_bytes": self.resting_bytes,
             "peak_bytes": self.peak_bytes,
