@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional
 
+from fsdp_core.materialize import copy_full_into_
 from model_deepseek_v41.config import DeepseekV41Config
 
 __all__ = [
@@ -500,20 +501,6 @@ def iter_initial_parameters(model: nn.Module, seed: int) -> Iterator[tuple[str, 
         yield name, full
 
 
-def _copy_full_into(param: Tensor, full: Tensor) -> None:
-    if torch.distributed.is_available():
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
-        if isinstance(param, DTensor):
-            # Slice the global tensor locally (src_data_rank=None: no collective).
-            shard = distribute_tensor(
-                full, param.device_mesh, param.placements, src_data_rank=None
-            ).to_local()
-            param.to_local().copy_(shard)
-            return
-    param.copy_(full)
-
-
 def init_parameters_(model: nn.Module, seed: int) -> nn.Module:
     """(Re)initialise every parameter in place, deterministically from ``seed``.
 
@@ -532,7 +519,7 @@ def init_parameters_(model: nn.Module, seed: int) -> nn.Module:
                     f"parameter {name!r} is on the meta device; materialise the model "
                     "(e.g. model.to_empty(device=...)) before init_parameters_"
                 )
-            _copy_full_into(param, full)
+            copy_full_into_(param, full)
     return model
 
 
