@@ -24,9 +24,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp_core import ShardingPlan
 from fsdp_core.internals import TorchDispatchMode
-from fsdp_core.plan import UnitPlan, unit_parameters
+from fsdp_core.plan import unit_parameters
 from multimodal_fsdp.collectives import padded_shard_numel
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
+from multimodal_fsdp.timeline import kept_after_forward
 
 __all__ = ["ActivationTrace", "LossFn", "trace_activations"]
 
@@ -258,7 +259,7 @@ class _Gathers:
                 for _, p in params
             )
             self.size[index] = size
-            self.kept[index] = _kept_after_forward(unit, size, shard)
+            self.kept[index] = kept_after_forward(unit, size, shard)
             self.held[index] = 0
             self.members[index] = len(unit.paths)
             if any(p.requires_grad for _, p in params):
@@ -331,18 +332,6 @@ def _compute_itemsize(param: nn.Parameter, policy: MixedPrecisionPolicy) -> int:
     if policy.param_dtype is not None and param.is_floating_point():
         return policy.param_dtype.itemsize
     return param.dtype.itemsize
-
-
-def _kept_after_forward(unit: UnitPlan, size: int, shard: int) -> int:
-    """Gathered bytes a unit keeps after forward (FSDP2: the root keeps all by default)."""
-    setting = unit.reshard_after_forward
-    if setting is None:
-        return size if unit.is_root else 0
-    if setting is True or setting == shard:
-        return 0
-    if setting is False or setting == 1:
-        return size
-    return size // int(setting)
 
 
 class _GradStaging:

@@ -71,11 +71,11 @@ from multimodal_fsdp.parallelizer import MultimodalParallelizer
 from multimodal_fsdp.reachability import backward_free_paths
 from multimodal_fsdp.render import format_costs
 from multimodal_fsdp.timeline import (
-    _effective_reshard,
     _module_spans,
     _peaks,
     _prefetch_waste,
     _Unit,
+    effective_reshard,
 )
 from multimodal_fsdp.uneven import (
     CHECKPOINT_BYTES,
@@ -323,7 +323,7 @@ def plan_costs(
         if any(is_under(p, root) for p in unit.paths for root in forced):
             gradient_free = False
         runs_backward = any_trainable and (unit.is_root or not gradient_free)
-        reshard = _effective_reshard(unit, shard)
+        reshard = effective_reshard(unit, shard)
         gathered = _gathered_bytes(params, unit.mp_policy, shard)
         units.append(
             _Unit(

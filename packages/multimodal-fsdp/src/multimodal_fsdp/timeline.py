@@ -27,7 +27,7 @@ from fsdp_core.containers import join_path
 from fsdp_core.plan import UnitPlan
 from multimodal_fsdp.collectives import CommTally
 
-__all__: list[str] = []
+__all__ = ["effective_reshard", "kept_after_forward"]
 
 
 @dataclass
@@ -69,8 +69,9 @@ def _module_spans(model: nn.Module) -> dict[str, tuple[int, int]]:
     return spans
 
 
-def _effective_reshard(unit: UnitPlan, shard: int) -> bool | int:
-    """What FSDP2 does after forward: root ``None`` keeps, others ``None`` reshard."""
+def effective_reshard(unit: UnitPlan, shard: int) -> bool | int:
+    """What FSDP2 does after forward: root ``None`` keeps, others ``None`` reshard; an int
+    1 keeps (FSDP2 checks it before comparing with the shard-group size)."""
     value = unit.reshard_after_forward
     if value is None:
         return not unit.is_root
@@ -81,6 +82,16 @@ def _effective_reshard(unit: UnitPlan, shard: int) -> bool | int:
     if value == shard:
         return True
     return value
+
+
+def _kept(reshard: bool | int, size: int) -> int:
+    return 0 if reshard is True else size if reshard is False else size // int(reshard)
+
+
+def kept_after_forward(unit: UnitPlan, size: int, shard: int) -> int:
+    """Gathered bytes (of ``size``) ``unit`` keeps after forward: the one rule of the
+    parameter timeline and the activation replay."""
+    return _kept(effective_reshard(unit, shard), size)
 
 
 def _post_forward_order(units: list[_Unit]) -> list[_Unit]:
@@ -111,7 +122,7 @@ def _peaks(units: list[_Unit], end: int, *, guard: bool) -> tuple[int, int]:
             continue
         full = u.gathered
         forward.append((u.start, u.end, full))
-        kept = 0 if u.reshard is True else full if u.reshard is False else full // int(u.reshard)
+        kept = _kept(u.reshard, full)
         if kept:
             forward.append((u.end, end, kept))
         early = prefetched_at.get(id(u), u.end)
