@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from fsdp_core.containers import is_layer_container, is_module_container
+from fsdp_core.containers import is_module_container, iter_layer_items
 
 __all__ = [
     "shard_multimodal_module",
@@ -44,37 +44,16 @@ def _shard_layer_containers_recursively(
     in lists are flattened, and items are not searched further (their inner
     lists belong to their unit). Adapter dicts beside the module they adapt
     ([`fsdp_core.containers.is_branch_dict`][fsdp_core.containers.is_branch_dict]) are no
-    containers. Returns whether anything was sharded.
+    containers. Returns whether anything was sharded. The walk is
+    [`fsdp_core.containers.iter_layer_items`][fsdp_core.containers.iter_layer_items], the one
+    the planner uses.
     """
-    if _is_module_container(module):
-        return _shard_container(module, shard_module, set())
-    return _shard_children(module, shard_module, set())
-
-
-def _shard_children(
-    module: nn.Module, shard_module: Callable[[nn.Module], object], seen: set[int]
-) -> bool:
-    sharded = False
-    for child in module.children():
-        if is_layer_container(child, module):
-            sharded = _shard_container(child, shard_module, seen) or sharded
-        else:
-            sharded = _shard_children(child, shard_module, seen) or sharded
-    return sharded
-
-
-def _shard_container(
-    container: nn.Module, shard_module: Callable[[nn.Module], object], seen: set[int]
-) -> bool:
-    sharded = False
-    for _, item in _container_items(container):
-        if is_layer_container(item, container):
-            sharded = _shard_container(item, shard_module, seen) or sharded
-        elif id(item) not in seen:  # a layer registered in two containers is one unit
+    seen: set[int] = set()
+    for _, item in iter_layer_items(module):
+        if id(item) not in seen:  # a layer registered in two containers is one unit
             seen.add(id(item))
             shard_module(item)
-            sharded = True
-    return sharded
+    return bool(seen)
 
 
 def shard_multimodal_module(module: nn.Module, shard_module: Callable[[nn.Module], object]) -> None:
