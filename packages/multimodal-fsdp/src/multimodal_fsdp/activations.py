@@ -25,7 +25,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from fsdp_core import ShardingPlan
 from fsdp_core.internals import TorchDispatchMode
 from fsdp_core.plan import unit_parameters
-from multimodal_fsdp.collectives import padded_shard_numel
+from multimodal_fsdp.collectives import (
+    padded_shard_numel,
+    param_compute_dtype,
+    param_reduce_dtype,
+)
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 from multimodal_fsdp.timeline import kept_after_forward
 
@@ -255,7 +259,9 @@ class _Gathers:
             if not params:
                 continue
             size = sum(
-                padded_shard_numel(p, shard) * shard * _compute_itemsize(p, unit.mp_policy)
+                padded_shard_numel(p, shard)
+                * shard
+                * param_compute_dtype(p, unit.mp_policy).itemsize
                 for _, p in params
             )
             self.size[index] = size
@@ -328,12 +334,6 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _compute_itemsize(param: nn.Parameter, policy: MixedPrecisionPolicy) -> int:
-    if policy.param_dtype is not None and param.is_floating_point():
-        return policy.param_dtype.itemsize
-    return param.dtype.itemsize
-
-
 class _GradStaging:
     """Post-accumulate hooks that give the traced copy FSDP2's per-unit gradient lifetimes."""
 
@@ -364,7 +364,7 @@ class _GradStaging:
             self.pending[index] = {n for n, _ in trainable}
             self.members[index] = [named[n] for n, _ in trainable]
             self.reduce_bytes[index] = sum(
-                padded_shard_numel(p, shard) * shard * _reduce_itemsize(p, policy)
+                padded_shard_numel(p, shard) * shard * param_reduce_dtype(p, policy).itemsize
                 for _, p in trainable
             )
             self.sharded_bytes[index] = sum(
@@ -387,12 +387,6 @@ class _GradStaging:
             self.live.bump(self.sharded_bytes[index] - self.reduce_bytes[index])
 
         return hook
-
-
-def _reduce_itemsize(param: nn.Parameter, policy: MixedPrecisionPolicy) -> int:
-    """Bytes per element of a gradient on the wire: the reduce dtype, else the compute dtype."""
-    dtype = policy.reduce_dtype or policy.param_dtype or param.dtype
-    return dtype.itemsize
 
 
 def _packer(live: _LiveBytes) -> Callable[[torch.Tensor], torch.Tensor]:

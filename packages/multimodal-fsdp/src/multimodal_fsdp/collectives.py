@@ -19,7 +19,17 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-__all__ = ["KINDS", "PHASES", "CommTally", "padded_shard_numel"]
+from fsdp_core.precision import compute_dtype
+
+__all__ = [
+    "KINDS",
+    "PHASES",
+    "CommTally",
+    "padded_shard_numel",
+    "param_compute_dtype",
+    "param_reduce_dtype",
+    "unit_reduce_dtype",
+]
 
 PHASES: tuple[str, ...] = ("forward", "backward")
 KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
@@ -108,20 +118,29 @@ def padded_shard_numel(param: nn.Parameter, shard: int) -> int:
     return _dim0_padded_numel(param.shape, shard) // shard
 
 
-def _compute_dtype(param: nn.Parameter, policy: MixedPrecisionPolicy) -> torch.dtype:
-    if policy.param_dtype is not None and param.dtype.is_floating_point:
-        return policy.param_dtype
+def param_compute_dtype(param: nn.Parameter, policy: MixedPrecisionPolicy) -> torch.dtype:
+    """The dtype ``param`` is gathered and computes in: the policy's ``param_dtype`` for a
+    floating parameter, else its own (the one dtype rule of the estimates)."""
+    if param.dtype.is_floating_point:
+        return compute_dtype(policy, param.dtype)
     return param.dtype
 
 
-def _reduce_dtype(
+def param_reduce_dtype(param: nn.Parameter, policy: MixedPrecisionPolicy) -> torch.dtype:
+    """The dtype ``param``'s gradient is reduced in: ``reduce_dtype``, else its compute dtype."""
+    if policy.reduce_dtype is not None:
+        return policy.reduce_dtype
+    return param_compute_dtype(param, policy)
+
+
+def unit_reduce_dtype(
     params: list[tuple[str, nn.Parameter]], policy: MixedPrecisionPolicy
 ) -> torch.dtype:
+    """The reduce dtype of a unit: that of its first trainable (else first) parameter."""
     trainable = [p for _, p in params if p.requires_grad] or [p for _, p in params]
     if not trainable:
         return policy.reduce_dtype or policy.param_dtype or torch.float32
-    compute = _compute_dtype(trainable[0], policy)
-    return policy.reduce_dtype if policy.reduce_dtype is not None else compute
+    return param_reduce_dtype(trainable[0], policy)
 
 
 def _gathered_bytes(
@@ -129,7 +148,8 @@ def _gathered_bytes(
 ) -> int:
     """All-gather output bytes: every parameter padded, in its compute dtype."""
     return sum(
-        _dim0_padded_numel(p.shape, shard) * _compute_dtype(p, policy).itemsize for _, p in params
+        _dim0_padded_numel(p.shape, shard) * param_compute_dtype(p, policy).itemsize
+        for _, p in params
     )
 
 
@@ -160,7 +180,7 @@ def _unit_collectives(
     trainable = [p for _, p in params if p.requires_grad]
     if not trainable:
         return tally
-    reduce = _reduce_dtype(params, policy)
+    reduce = unit_reduce_dtype(params, policy)
     padded = sum(_dim0_padded_numel(p.shape, shard) for p in trainable)
     if shard > 1:
         tally.add("backward", "reduce_scatter", padded * reduce.itemsize)

@@ -61,11 +61,11 @@ from fsdp_core.runtime import HookPlan
 from fsdp_core.sharding import check_reshard_after_forward, original_class
 from multimodal_fsdp.collectives import (
     CommTally,
-    _compute_dtype,
     _gathered_bytes,
-    _reduce_dtype,
     _sharded_bytes,
     _unit_collectives,
+    param_compute_dtype,
+    unit_reduce_dtype,
 )
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 from multimodal_fsdp.reachability import backward_free_paths
@@ -414,7 +414,7 @@ def _replicated(
 def _unit_cost(index: int, item: _Unit, shard: int) -> UnitCost:
     params = [p for _, p in item.params]
     policy = item.plan.mp_policy
-    compute = sorted({_short(_compute_dtype(p, policy)) for p in params}) or ["-"]
+    compute = sorted({_short(param_compute_dtype(p, policy)) for p in params}) or ["-"]
     return UnitCost(
         index=index,
         label=item.plan.label,
@@ -425,7 +425,7 @@ def _unit_cost(index: int, item: _Unit, shard: int) -> UnitCost:
         trainable_numel=sum(p.numel() for p in params if p.requires_grad),
         storage_dtypes=tuple(sorted({_short(p.dtype) for p in params})),
         compute_dtype=",".join(compute),
-        reduce_dtype=_short(_reduce_dtype(item.params, policy)) if params else "-",
+        reduce_dtype=_short(unit_reduce_dtype(item.params, policy)) if params else "-",
         reshard_after_forward=item.reshard,
         runs_backward=item.runs_backward,
         sharded_bytes=item.sharded,
