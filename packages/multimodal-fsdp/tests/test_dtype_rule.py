@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from fsdp_core import runtime
 from multimodal_fsdp import activations, collectives, costs
 from multimodal_fsdp.collectives import param_compute_dtype, param_reduce_dtype, unit_reduce_dtype
 
@@ -35,3 +36,5 @@ def test_every_estimate_uses_the_one_rule() -> None:
     assert activations.param_reduce_dtype is collectives.param_reduce_dtype
     assert costs.param_compute_dtype is collectives.param_compute_dtype
     assert costs.unit_reduce_dtype is collectives.unit_reduce_dtype
+    # The replay watches unit outputs with the runtime hooks' tensor walker.
+    assert activations.output_tensors is runtime.output_tensors

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from fsdp_core.internals import TorchDispatchMode
+from fsdp_core.runtime import nested_tensors
 
 __all__ = ["CollectiveRecord", "CommCounter", "collective_kind"]
 
@@ -50,14 +51,6 @@ class CollectiveRecord:
     phase: str
     nbytes: int
     dtype: torch.dtype | None
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
 
 
 class CommCounter(TorchDispatchMode):
@@ -91,7 +84,7 @@ class CommCounter(TorchDispatchMode):
             op = func._schema.name.split("::")[-1]
             kind = collective_kind(op)
             if kind in ("all_gather", "reduce_scatter", "all_reduce", "broadcast"):
-                tensors = list(_tensors(args[:2]))
+                tensors = nested_tensors(args[:2])
                 largest = max(tensors, key=lambda t: t.numel() * t.element_size(), default=None)
                 self.records.append(
                     CollectiveRecord(

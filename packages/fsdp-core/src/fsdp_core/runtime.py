@@ -145,21 +145,26 @@ def remove_runtime_hooks(model: nn.Module, names: Iterable[str] | None = None) -
     return removed
 
 
-def output_tensors(value: Any, depth: int = 0) -> list[torch.Tensor]:
-    """Tensors of a forward output that require a gradient, in nested containers,
-    dataclasses and ``ModelOutput``-like mappings."""
+def nested_tensors(value: Any, depth: int = 0) -> list[torch.Tensor]:
+    """Every tensor in ``value``: nested lists, tuples, mappings (``ModelOutput``) and
+    dataclasses, eight levels deep (the one tensor walker of the project)."""
     if depth > 8:
         return []
     if isinstance(value, torch.Tensor):
-        return [value] if value.requires_grad else []
+        return [value]
     if isinstance(value, Mapping):
-        return [t for v in value.values() for t in output_tensors(v, depth + 1)]
+        return [t for v in value.values() for t in nested_tensors(v, depth + 1)]
     if isinstance(value, (list, tuple)):
-        return [t for v in value for t in output_tensors(v, depth + 1)]
+        return [t for v in value for t in nested_tensors(v, depth + 1)]
     fields = getattr(value, "__dataclass_fields__", None)
     if isinstance(fields, dict) and not isinstance(value, type):
-        return [t for name in fields for t in output_tensors(getattr(value, name, None), depth + 1)]
+        return [t for name in fields for t in nested_tensors(getattr(value, name, None), depth + 1)]
     return []
+
+
+def output_tensors(value: Any) -> list[torch.Tensor]:
+    """Tensors of a forward output that require a gradient (see ``nested_tensors``)."""
+    return [tensor for tensor in nested_tensors(value) if tensor.requires_grad]
 
 
 class BackwardWatch:

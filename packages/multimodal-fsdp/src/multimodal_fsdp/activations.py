@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from fsdp_core import ShardingPlan
 from fsdp_core.internals import TorchDispatchMode
 from fsdp_core.plan import unit_parameters
+from fsdp_core.runtime import output_tensors
 from multimodal_fsdp.collectives import (
     padded_shard_numel,
     param_compute_dtype,
@@ -297,9 +298,8 @@ class _Gathers:
                 return
             if index not in self.order:
                 self.order.append(index)
-            for tensor in _tensors(output):
-                if tensor.requires_grad:
-                    tensor.register_hook(self._pre_backward(index))  # type: ignore[no-untyped-call]
+            for tensor in output_tensors(output):
+                tensor.register_hook(self._pre_backward(index))  # type: ignore[no-untyped-call]
 
         return hook
 
@@ -320,18 +320,6 @@ class _Gathers:
         """A unit's gradients are complete: it reshards."""
         if index in self.size:
             self._set(index, 0)
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in a module output (tensors, tuples, lists, mappings such as
-    transformers' ``ModelOutput``)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, tuple | list):
-        return [t for item in value for t in _tensors(item)]
-    if isinstance(value, Mapping):
-        return [t for item in value.values() for t in _tensors(item)]
-    return []
 
 
 class _GradStaging:
