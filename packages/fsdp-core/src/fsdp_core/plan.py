@@ -81,6 +81,12 @@ class ShardingPlan:
     #: differs (adapters added, parameters frozen), and the first forward checks again.
     #: ``None`` for plans built by hand (no check). Not part of plan equality.
     fingerprint: ModuleTreeFingerprint | None = field(default=None, compare=False, repr=False)
+    #: The dtype of each replicated parameter once the plan is applied, as the planner
+    #: decided it, so that applying the plan and the estimates need not re-derive it.
+    #: Empty for plans built by hand (derived when applied). Not part of plan equality.
+    replicated_param_dtypes: tuple[tuple[str, torch.dtype], ...] = field(
+        default=(), compare=False, repr=False
+    )
 
     def hook_names(self) -> tuple[str, ...]:
         return tuple(hook.name for hook in self.hooks)

@@ -120,6 +120,10 @@ class MultimodalParallelizer(ModelParallelizer):
 
     HOOKS = (*ModelParallelizer.HOOKS, PrefetchGuardRuntimeHook, ScheduleCheckRuntimeHook)
 
+    #: The model being planned and its discovered parts, held while ``plan()`` runs so
+    #: that its stages share one discovery (``None`` outside ``plan()``).
+    _discovered: tuple[nn.Module, list[MultimodalParts]] | None = None
+
     def __init__(
         self,
         *,
@@ -202,7 +206,10 @@ class MultimodalParallelizer(ModelParallelizer):
 
     # ------------------------------------------------------------ discovery
     def multimodal_parts(self, model: nn.Module) -> list[MultimodalParts]:
-        """Discovered multimodal modules with their frozen and trainable parts."""
+        """Discovered multimodal modules with their frozen and trainable parts (while
+        ``plan()`` runs: the one discovery of the model being planned)."""
+        if self._discovered is not None and self._discovered[0] is model:
+            return list(self._discovered[1])
         found = resolve_multimodal_modules(
             model,
             extra_tower_names=self.extra_tower_names,
@@ -300,6 +307,26 @@ class MultimodalParallelizer(ModelParallelizer):
         reshard_after_forward: bool | int | None = None,
         ignored_params: set[nn.Parameter] | None = None,
     ) -> ShardingPlan:
+        # Discovery runs once here; every stage of planning reads its result.
+        self._discovered = (model, self.multimodal_parts(model))
+        try:
+            return self._plan_discovered(
+                model,
+                mp_policy=mp_policy,
+                reshard_after_forward=reshard_after_forward,
+                ignored_params=ignored_params,
+            )
+        finally:
+            self._discovered = None
+
+    def _plan_discovered(
+        self,
+        model: nn.Module,
+        *,
+        mp_policy: torch.distributed.fsdp.MixedPrecisionPolicy | None,
+        reshard_after_forward: bool | int | None,
+        ignored_params: set[nn.Parameter] | None,
+    ) -> ShardingPlan:
         plan = super().plan(
             model,
             mp_policy=mp_policy,
@@ -308,6 +335,8 @@ class MultimodalParallelizer(ModelParallelizer):
         )
         replicated = tuple(sorted(set(self._replicated_param_names(model))))
         plan = dataclasses.replace(plan, replicated_param_names=replicated)
+        dtypes = self._derive_replicated_dtypes(model, plan)
+        plan = dataclasses.replace(plan, replicated_param_dtypes=tuple(dtypes.items()))
         if self.uneven_media:
             regions = self.media_regions(model, plan)
             if regions:
@@ -421,7 +450,16 @@ class MultimodalParallelizer(ModelParallelizer):
         self, model: nn.Module, plan: ShardingPlan
     ) -> dict[str, torch.dtype]:
         """The dtype each replicated parameter has once the plan is applied: the plan's
-        compute dtype, except odd-dtype islands (fp32 norms), which keep their own."""
+        compute dtype, except odd-dtype islands (fp32 norms), which keep their own.
+        Read from the plan when ``plan()`` recorded them (no discovery)."""
+        recorded = dict(plan.replicated_param_dtypes)
+        if set(recorded) == set(plan.replicated_param_names):
+            return {name: recorded[name] for name in plan.replicated_param_names}
+        return self._derive_replicated_dtypes(model, plan)
+
+    def _derive_replicated_dtypes(
+        self, model: nn.Module, plan: ShardingPlan
+    ) -> dict[str, torch.dtype]:
         compute = _plan_compute_dtype(plan)
         named = dict(model.named_parameters())
         keep = set(self._replicated_keep_dtype(model, plan.replicated_param_names))

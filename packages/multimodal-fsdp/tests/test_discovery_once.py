@@ -1,0 +1,39 @@
+"""Discovery runs once per ``plan()`` and never during ``apply_plan()``: later stages
+read what the plan recorded instead of walking the model again."""
+
+from __future__ import annotations
+
+import pytest
+from _mm_toy_vlm import ToyVLM
+from torch import nn
+
+import multimodal_fsdp.parallelizer as parallelizer_module
+from fsdp_core import build_mesh, mixed_precision_policy
+from fsdp_core.fake_group import fake_process_group
+from multimodal_fsdp import MultimodalParallelizer
+from multimodal_fsdp.discovery import resolve_multimodal_modules
+
+
+@pytest.fixture
+def discovery_calls(monkeypatch: pytest.MonkeyPatch) -> list[nn.Module]:
+    """Counts the parallelizer's discovery runs (one entry per run)."""
+    calls: list[nn.Module] = []
+
+    def counting(model: nn.Module, **kwargs: object) -> object:
+        calls.append(model)
+        return resolve_multimodal_modules(model, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(parallelizer_module, "resolve_multimodal_modules", counting)
+    return calls
+
+
+@pytest.mark.parametrize("policy", ["root", "per_layer", "replicate"])
+def test_plan_discovers_once_and_apply_never(policy: str, discovery_calls: list[nn.Module]) -> None:
+    model = ToyVLM(frozen_tower=True)
+    parallelizer = MultimodalParallelizer(frozen_multimodal_sharding=policy)  # type: ignore[arg-type]
+    plan = parallelizer.plan(model, mp_policy=mixed_precision_policy("bf16", "fp32"))
+    assert len(discovery_calls) == 1
+    discovery_calls.clear()
+    with fake_process_group(2):
+        parallelizer.apply_plan(model, plan, mesh=build_mesh())
+    assert discovery_calls == []
