@@ -98,7 +98,9 @@ def _compute_copy(
     model: nn.Module, plan: ShardingPlan, parallelizer: MultimodalParallelizer | None
 ) -> nn.Module:
     """An unsharded copy with every parameter in the dtype it computes in under ``plan``."""
-    replicated = parallelizer.replicated_param_dtypes(model, plan) if parallelizer else {}
+    replicated = dict(plan.replicated_param_dtypes)  # recorded by the planner
+    if parallelizer is not None and set(replicated) != set(plan.replicated_param_names):
+        replicated = parallelizer.replicated_param_dtypes(model, plan)
     twin = copy.deepcopy(model)
     _materialise(twin)
     with torch.no_grad():

@@ -248,13 +248,17 @@ def resolve_cost_mesh(
 def _schedule_checkpoints(
     parallelizer: MultimodalParallelizer | None, model: nn.Module, plan: ShardingPlan, world: int
 ) -> int:
-    """All-reduces of the ``schedule_check`` hook in one step (every region runs once)."""
+    """All-reduces of the ``schedule_check`` hook in one step (every region runs once):
+    the layout the plan recorded as the hook's data; ``parallelizer`` only serves a
+    hand-built hook entry without that data."""
     planned = plan.hook(ScheduleCheckRuntimeHook.name)
-    if parallelizer is None or world <= 1 or planned is None:
+    if world <= 1 or planned is None:
         return 0
     hook = planned.hook
     if isinstance(hook, ScheduleCheckRuntimeHook):  # the layout the plan computed
         return hook.layout.checkpoints_per_forward()
+    if parallelizer is None:
+        return 0
     layout = plan_schedule_layout(model, plan, parallelizer.media_regions(model, plan))
     return 0 if layout is None else layout.checkpoints_per_forward()
 
@@ -276,10 +280,10 @@ def plan_costs(
     """Cost ``plan`` for ``model`` on a mesh (``world_size``/``dp_replicate`` or ``mesh``).
 
     ``model`` may be on the meta device (only shapes, dtypes and
-    ``requires_grad`` are read). ``parallelizer`` (the one that made the plan)
-    finds the towers for the backward judgement and the media regions of the
-    schedule check. ``no_backward`` replaces the judgement of which module
-    paths see no gradient
+    ``requires_grad`` are read). The schedule check's all-reduces and the replicated
+    parameters' dtypes come from the plan; ``parallelizer`` (the one that made the
+    plan) finds the towers for the backward judgement. ``no_backward`` replaces the
+    judgement of which module paths see no gradient
     ([`backward_free_paths`][multimodal_fsdp.reachability.backward_free_paths]); ``with_backward``
     forces units under those paths to count as running backward.
     """
@@ -401,8 +405,8 @@ def _replicated(
     """Elements and per-rank bytes of parameters kept whole (ignored) on every rank."""
     named = dict(model.named_parameters())
     names = [n for n in plan.ignored_param_names if n in named]
-    dtypes: dict[str, torch.dtype] = {}
-    if parallelizer is not None and plan.replicated_param_names:
+    dtypes = dict(plan.replicated_param_dtypes)  # recorded by the planner
+    if parallelizer is not None and set(dtypes) != set(plan.replicated_param_names):
         dtypes = parallelizer.replicated_param_dtypes(model, plan)
     total = 0
     for name in names:
