@@ -87,6 +87,10 @@ class ShardingPlan:
     replicated_param_dtypes: tuple[tuple[str, torch.dtype], ...] = field(
         default=(), compare=False, repr=False
     )
+    #: Module paths no gradient reaches in a step (frozen parts that see only media
+    #: inputs), as the planner judged them for the estimates; ``None`` when the planner
+    #: made no such judgement (plans built by hand). Not part of plan equality.
+    backward_free_paths: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
 
     def hook_names(self) -> tuple[str, ...]:
         return tuple(hook.name for hook in self.hooks)

@@ -299,9 +299,12 @@ def plan_costs(
     shard, replicate = shape.dp_shard, shape.dp_replicate
     for unit in plan.units:
         check_reshard_after_forward(unit.reshard_after_forward, shard)
-    free = (
-        list(no_backward) if no_backward is not None else backward_free_paths(model, parallelizer)
-    )
+    if no_backward is not None:
+        free = list(no_backward)
+    elif plan.backward_free_paths is not None:  # the planner's judgement
+        free = list(plan.backward_free_paths)
+    else:
+        free = backward_free_paths(model, parallelizer)
     forced = tuple(with_backward)
     spans = _module_spans(model)
     any_trainable = any(p.requires_grad for p in model.parameters())

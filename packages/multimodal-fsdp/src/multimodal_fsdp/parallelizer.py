@@ -85,6 +85,7 @@ from multimodal_fsdp.policy import (
     normalize_frozen_sharding_spec,
 )
 from multimodal_fsdp.prefetch import PrefetchGuardRuntimeHook, frozen_unit_labels
+from multimodal_fsdp.reachability import backward_free_paths
 from multimodal_fsdp.uneven import (
     CHECKPOINT_BYTES,
     MediaRegion,
@@ -336,7 +337,10 @@ class MultimodalParallelizer(ModelParallelizer):
         replicated = tuple(sorted(set(self._replicated_param_names(model))))
         plan = dataclasses.replace(plan, replicated_param_names=replicated)
         dtypes = self._derive_replicated_dtypes(model, plan)
-        plan = dataclasses.replace(plan, replicated_param_dtypes=tuple(dtypes.items()))
+        free = backward_free_paths(model, parts=self.multimodal_parts(model))
+        plan = dataclasses.replace(
+            plan, replicated_param_dtypes=tuple(dtypes.items()), backward_free_paths=tuple(free)
+        )
         if self.uneven_media:
             regions = self.media_regions(model, plan)
             if regions:

@@ -11,12 +11,16 @@ savings; it lives here so that the rule has one home and one test surface.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from torch import nn
 
-from multimodal_fsdp.parallelizer import MultimodalParallelizer
-from multimodal_fsdp.parts import MultimodalParts
+from multimodal_fsdp.discovery import resolve_multimodal_modules
+from multimodal_fsdp.parts import MultimodalParts, split_frozen_parts
 from multimodal_fsdp.timeline import _module_spans
+
+if TYPE_CHECKING:
+    from multimodal_fsdp.parallelizer import MultimodalParallelizer
 
 __all__ = ["backward_free_paths"]
 
@@ -32,15 +36,28 @@ def _parts_in_flow_order(parts: Sequence[MultimodalParts]) -> dict[str, list[Mul
 
 
 def backward_free_paths(
-    model: nn.Module, parallelizer: MultimodalParallelizer | None = None
+    model: nn.Module,
+    parallelizer: MultimodalParallelizer | None = None,
+    *,
+    parts: Sequence[MultimodalParts] | None = None,
 ) -> list[str]:
     """Frozen module paths that no gradient reaches in a step.
 
     Per modality, towers then projectors are walked in registration order; the
     frozen parts met before the first trainable parameter (or the first module
     holding one directly) see only media inputs, so their backward never runs.
+    ``parts`` are the discovered parts when the caller has them (the planner);
+    else ``parallelizer`` discovers them (default options when ``None``).
     """
-    found = (parallelizer or MultimodalParallelizer()).multimodal_parts(model)
+    if parts is not None:
+        found = list(parts)
+    elif parallelizer is not None:
+        found = parallelizer.multimodal_parts(model)
+    else:
+        found = [
+            MultimodalParts(item, *split_frozen_parts(item.module, item.path))
+            for item in resolve_multimodal_modules(model)
+        ]
     spans = _module_spans(model)
     free: list[str] = []
     for members in _parts_in_flow_order(found).values():
