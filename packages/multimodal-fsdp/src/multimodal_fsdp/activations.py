@@ -16,7 +16,7 @@ import logging
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -31,8 +31,10 @@ from multimodal_fsdp.collectives import (
     param_compute_dtype,
     param_reduce_dtype,
 )
-from multimodal_fsdp.parallelizer import MultimodalParallelizer
 from multimodal_fsdp.timeline import kept_after_forward
+
+if TYPE_CHECKING:  # only a fallback for hand-built plans; plans record their dtypes
+    from multimodal_fsdp.parallelizer import MultimodalParallelizer
 
 __all__ = ["ActivationTrace", "LossFn", "trace_activations"]
 
