@@ -62,7 +62,7 @@ def test_rank0_only_calls_raise_naming_the_missing_rank(mp2: MpResults) -> None:
         outcome = result[call]
         assert outcome["type"] == "CollectiveCallError"
         assert f"{call}_pretrained is collective" in outcome["message"]
-        assert "ranks [1] did not arrive within 3 s" in outcome["message"]
+        assert "ranks [1] did not arrive" in outcome["message"]
     mixed = result["mixed"]
     assert [o["type"] for o in mixed] == ["CollectiveCallError"] * 2
     assert "rank 1 entered load_pretrained" in mixed[0]["message"]

@@ -45,7 +45,7 @@ def test_a_rank_that_never_arrives_is_named_and_the_group_recovers(
     alone = protocol[0]["alone"]
     assert alone["type"] == "CollectiveCallError"
     assert "alone is collective" in alone["message"]
-    assert "ranks [1] did not arrive within 1.5 s" in alone["message"]
+    assert "ranks [1] did not arrive" in alone["message"]
     assert [r["after_alone"]["type"] for r in protocol] == [None, None]
     assert [r["after_alone_all_reduce"] for r in protocol] == [True, True]
 

@@ -26,7 +26,8 @@ import logging
 import os
 import re
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -819,26 +820,8 @@ def save_pretrained(
         )
         if plan is None:  # a PeftModel: its adapter alone, in peft's format
             return _export_adapter(model, directory, None, "auto", call)
-        main = call.rank == (call.ranks[0] if call.active else call.rank)
-        root = _export_swap.destination(directory)
-        work = call.run(
-            lambda: _export_swap.prepare(root, plan.total_size) if main else None,
-            step=f"preparing a directory beside {str(root)!r}",
-        )
-        try:
+        with _beside(call, directory, plan.total_size, replaces=is_weight_file) as work:
             written = _write_export(model, plan, work, call)
-            call.run(
-                lambda: (
-                    _export_swap.swap_in(work, root, replaces=is_weight_file)
-                    if work is not None
-                    else None
-                ),
-                step=f"replacing the export in {str(root)!r}",
-            )
-        except BaseException:
-            if work is not None and work.exists():
-                _export_swap.discard(work)
-            raise
     logger.info("saved %d tensors to %s in %d files", len(plan.entries), directory, len(plan.files))
     return written
 
@@ -1010,6 +993,33 @@ def _verify_adapter(work: Path, keys: Sequence[str]) -> None:
         raise OSError(errno.EIO, "the adapter config was not written", str(work))
 
 
+@contextmanager
+def _beside(
+    call: CollectiveCall, directory: PathLike, total_size: int, *, replaces: Callable[[str], bool]
+) -> Iterator[Path | None]:
+    """A directory beside ``directory`` to write into (on the writing rank; ``None`` on the
+    others); when the block ends well it is swapped in (replacing only the files
+    ``replaces`` accepts), else discarded, so ``directory`` keeps its old export."""
+    main = call.rank == (call.ranks[0] if call.active else call.rank)
+    root = _export_swap.destination(directory)
+    work = call.run(
+        lambda: _export_swap.prepare(root, total_size) if main else None,
+        step=f"preparing a directory beside {str(root)!r}",
+    )
+    try:
+        yield work
+        call.run(
+            lambda: (
+                _export_swap.swap_in(work, root, replaces=replaces) if work is not None else None
+            ),
+            step=f"replacing the export in {str(root)!r}",
+        )
+    except BaseException:
+        if work is not None and work.exists():
+            _export_swap.discard(work)
+        raise
+
+
 def _export_adapter(
     model: nn.Module,
     directory: PathLike,
@@ -1022,13 +1032,9 @@ def _export_adapter(
         lambda: _plan_adapter(model, adapter, save_embedding_layers),
         step="deriving the adapter's keys",
     )
-    main = call.rank == (call.ranks[0] if call.active else call.rank)
-    root = _export_swap.destination(directory)
-    work = call.run(
-        lambda: _export_swap.prepare(root, plan.total_size) if main else None,
-        step=f"preparing a directory beside {str(root)!r}",
-    )
-    try:
+    with _beside(
+        call, directory, plan.total_size, replaces=_hf_model.ADAPTER_FILES.__contains__
+    ) as work:
         tensors: dict[str, torch.Tensor] = {}
         for key, slot in plan.entries:
             value = _full(slot.tensor, keep=work is not None)
@@ -1043,17 +1049,5 @@ def _export_adapter(
 
         call.run(write, step=f"writing {_hf_model.ADAPTER_WEIGHTS} and reading it back")
         tensors.clear()
-        call.run(
-            lambda: (
-                _export_swap.swap_in(work, root, replaces=_hf_model.ADAPTER_FILES.__contains__)
-                if work is not None
-                else None
-            ),
-            step=f"replacing the adapter in {str(root)!r}",
-        )
-    except BaseException:
-        if work is not None and work.exists():
-            _export_swap.discard(work)
-        raise
     logger.info("saved adapter %r (%d tensors) to %s", plan.adapter, len(plan.entries), directory)
     return (_hf_model.ADAPTER_WEIGHTS, _hf_model.ADAPTER_CONFIG)
