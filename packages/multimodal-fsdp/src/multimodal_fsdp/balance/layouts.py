@@ -1,0 +1,447 @@
+"""Layout adapters: how one tower call splits into media items and back.
+
+Balancing moves single images, tiles or clips between ranks, so something must know
+which rows of which call argument belong to one item, what an item costs to encode,
+and which rows of the tower's output are that item's. A
+[MediaLayout][multimodal_fsdp.balance.layouts.MediaLayout] says so for one family of
+tower forward signatures:
+
+- ``split_call`` turns the call's ``(args, kwargs)`` into a
+  [MediaCall][multimodal_fsdp.balance.layouts.MediaCall]: the per-item tensor arguments
+  (*fields*, cut into items by rows of dim 0) and the rest, passed through unchanged;
+- ``build_call`` rebuilds call arguments from any list of items, wherever they came from;
+- ``split_output`` / ``join_output`` cut the tower's output (a tensor, a tuple or list,
+  a mapping or a dataclass such as a transformers ``ModelOutput``, nested) into per-item
+  pieces and join pieces back into an output of the same structure and types.
+
+Each output tensor is split along dim 0 in proportion to the rows of the item's first
+field (one row per image for batch-first towers, ``t*h*w`` patches for packed ones),
+which also covers outputs with fewer rows than patches (a spatial merge).
+
+Two generic layouts are built in: ``batch-first``
+([BatchFirstLayout][multimodal_fsdp.balance.layouts.BatchFirstLayout]) and
+``packed-by-grid`` ([PackedByGridLayout][multimodal_fsdp.balance.layouts.PackedByGridLayout]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "MediaItem",
+    "CallSpec",
+    "MediaCall",
+    "FieldSpec",
+    "OutputSpec",
+    "MediaLayout",
+    "BatchFirstLayout",
+    "PackedByGridLayout",
+]
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    """One image, tile or clip of a tower call.
+
+    ``fields`` holds this item's rows of each per-item argument (in
+    ``CallSpec.fields`` order), ``cost`` what encoding it costs (patches or pixels),
+    ``sizes`` small layout-specific integers another rank needs to rebuild the item
+    or a placeholder of it (``(t, h, w)`` for packed towers)."""
+
+    fields: tuple[Tensor, ...]
+    cost: int
+    sizes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """What a call passes besides the items: the names of the per-item tensor arguments
+    (``fields``), the other arguments by name (``constants``, passed through unchanged
+    and sent to ranks that have no call of their own, so they must be picklable), and
+    which names are positional-only."""
+
+    fields: tuple[str, ...]
+    constants: tuple[tuple[str, Any], ...] = ()
+    positional: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class MediaCall:
+    """A tower call split into items: ``spec`` plus the items in call order."""
+
+    spec: CallSpec
+    items: tuple[MediaItem, ...]
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One per-item field as another rank sees it: dtype, the shape of one row, and the
+    number of rows the item has (used for placeholders)."""
+
+    dtype: torch.dtype
+    row_shape: tuple[int, ...]
+    rows: int
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """The structure of a tower output with its tensors taken out (``tree``), and for each
+    tensor (*leaf*, in walk order) its dtype, row shape and rows per unit of item weight."""
+
+    tree: Any
+    dtypes: tuple[torch.dtype, ...]
+    row_shapes: tuple[tuple[int, ...], ...]
+    rows_per_weight: tuple[Fraction, ...]
+
+    def rows(self, leaf: int, weight: int) -> int:
+        """Rows of leaf ``leaf`` that belong to an item of weight ``weight``."""
+        value = self.rows_per_weight[leaf] * weight
+        if value.denominator != 1:
+            raise ValueError(
+                f"output tensor {leaf} has {self.rows_per_weight[leaf]} rows per input row, "
+                f"which gives no whole number of rows for an item of {weight} input rows"
+            )
+        return int(value)
+
+
+# ----------------------------------------------------------------------- tree walking
+_MAX_DEPTH = 8
+
+
+def _flatten(value: Any, leaves: list[Tensor], depth: int = 0) -> Any:
+    """The structure of ``value`` with every tensor replaced by ("leaf", index)."""
+    if depth > _MAX_DEPTH:
+        raise ValueError(f"tower output nested deeper than {_MAX_DEPTH} levels")
+    if isinstance(value, Tensor):
+        leaves.append(value)
+        return ("leaf", len(leaves) - 1)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = tuple(f.name for f in dataclasses.fields(value) if f.init)
+        children = tuple(_flatten(getattr(value, n), leaves, depth + 1) for n in names)
+        return ("dataclass", type(value), names, children)
+    if isinstance(value, Mapping):
+        keys = tuple(value.keys())
+        children = tuple(_flatten(value[k], leaves, depth + 1) for k in keys)
+        return ("mapping", type(value), keys, children)
+    if isinstance(value, (tuple, list)):
+        children = tuple(_flatten(v, leaves, depth + 1) for v in value)
+        return ("sequence", type(value), children)
+    return ("const", value)
+
+
+def _unflatten(tree: Any, leaves: Sequence[Tensor]) -> Any:
+    kind = tree[0]
+    if kind == "leaf":
+        return leaves[tree[1]]
+    if kind == "const":
+        return tree[1]
+    if kind == "dataclass":
+        _, cls, names, children = tree
+        return cls(**{n: _unflatten(c, leaves) for n, c in zip(names, children, strict=True)})
+    if kind == "mapping":
+        _, cls, keys, children = tree
+        return cls([(k, _unflatten(c, leaves)) for k, c in zip(keys, children, strict=True)])
+    _, cls, children = tree
+    values = [_unflatten(c, leaves) for c in children]
+    if cls is tuple or cls is list:
+        return cls(values)
+    if issubclass(cls, tuple) and hasattr(cls, "_fields"):  # a namedtuple
+        return cls(*values)
+    return cls(values)
+
+
+# ----------------------------------------------------------------------- the protocol
+def forward_signature(tower: nn.Module) -> inspect.Signature:
+    """The signature a call of ``tower`` is bound against (its ``forward``)."""
+    return inspect.signature(tower.forward)
+
+
+def _bind(tower: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The call's arguments by name, ``**kwargs`` merged in, defaults left out."""
+    signature = forward_signature(tower)
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as error:
+        raise TypeError(
+            f"cannot bind the call to {type(tower).__name__}.forward{signature}: {error}"
+        ) from None
+    named: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                raise TypeError(
+                    f"{type(tower).__name__}.forward takes *{name}; a balanced call cannot "
+                    f"name its extra positional arguments {len(value)}"
+                )
+        else:
+            named[name] = value
+    return named
+
+
+def _positional_only(tower: nn.Module) -> tuple[str, ...]:
+    return tuple(
+        name
+        for name, p in forward_signature(tower).parameters.items()
+        if p.kind is inspect.Parameter.POSITIONAL_ONLY
+    )
+
+
+def _check_constants(tower: nn.Module, constants: Mapping[str, Any], layout: str) -> None:
+    for name, value in constants.items():
+        leaves: list[Tensor] = []
+        _flatten(value, leaves)
+        if leaves:
+            raise ValueError(
+                f"the {layout!r} layout cannot split argument {name!r} of "
+                f"{type(tower).__name__}.forward (it holds tensors that are not one row per "
+                "item); register a layout adapter that knows it (register_media_layout)"
+            )
+
+
+class MediaLayout(ABC):
+    """How calls of one family of towers split into items (see the module docstring).
+
+    Subclass it for a tower whose call neither built-in layout covers, and register an
+    instance with ``register_media_layout``. ``split_output``/``join_output`` are
+    generic; a subclass implements ``applies_to``, ``split_call`` and ``build_call`` and
+    may override ``placeholder``.
+    """
+
+    #: The name plans and messages use.
+    name: ClassVar[str] = ""
+
+    @abstractmethod
+    def applies_to(self, tower: nn.Module) -> bool:
+        """Whether this layout understands calls of ``tower`` (from its forward signature)."""
+
+    @abstractmethod
+    def split_call(
+        self, tower: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> MediaCall:
+        """Split one call of ``tower`` into items; raise ValueError/TypeError if it cannot."""
+
+    def build_call(
+        self, spec: CallSpec, items: Sequence[MediaItem]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Call arguments for ``items`` (any number, from any rank): each field's rows are
+        concatenated along dim 0, the constants passed through."""
+        if not items:
+            raise ValueError("build_call needs at least one item")
+        fields = {
+            name: torch.cat([item.fields[i] for item in items], dim=0)
+            for i, name in enumerate(spec.fields)
+        }
+        named: dict[str, Any] = {**fields, **dict(spec.constants)}
+        args = tuple(named.pop(name) for name in spec.positional if name in named)
+        return args, named
+
+    def placeholder(
+        self, spec: CallSpec, fields: Sequence[FieldSpec], sizes: tuple[int, ...]
+    ) -> MediaItem:
+        """An item of the given shape whose values keep the tower finite: zeros for floating
+        fields, ones for the others (an all-valid mask). Its output is multiplied by 0."""
+        tensors = tuple(
+            (torch.zeros if f.dtype.is_floating_point else torch.ones)(
+                (f.rows, *f.row_shape), dtype=f.dtype
+            )
+            for f in fields
+        )
+        return MediaItem(fields=tensors, cost=1, sizes=sizes)
+
+    # ---------------------------------------------------------------- outputs (generic)
+    def split_output(
+        self, output: Any, weights: Sequence[int]
+    ) -> tuple[OutputSpec, list[tuple[Tensor, ...]]]:
+        """Cut ``output`` (of a call on items of the given weights, in call order) into one
+        piece per item: each piece holds that item's rows of every output tensor."""
+        if not weights:
+            raise ValueError("split_output needs the weights of at least one item")
+        leaves: list[Tensor] = []
+        tree = _flatten(output, leaves)
+        total = sum(weights)
+        ratios: list[Fraction] = []
+        per_leaf: list[tuple[Tensor, ...]] = []
+        for index, leaf in enumerate(leaves):
+            if leaf.dim() == 0:
+                raise ValueError(
+                    f"tower output tensor {index} is a scalar; the {self.name!r} layout "
+                    "splits outputs along dim 0 per item"
+                )
+            ratio = Fraction(leaf.shape[0], total)
+            rows = [ratio * w for w in weights]
+            if any(r.denominator != 1 for r in rows):
+                raise ValueError(
+                    f"tower output tensor {index} has {leaf.shape[0]} rows for items of "
+                    f"{list(weights)} input rows; the {self.name!r} layout needs a whole "
+                    "number of rows per item (register an adapter for this tower)"
+                )
+            ratios.append(ratio)
+            per_leaf.append(tuple(torch.split(leaf, [int(r) for r in rows], dim=0)))
+        spec = OutputSpec(
+            tree=tree,
+            dtypes=tuple(leaf.dtype for leaf in leaves),
+            row_shapes=tuple(tuple(leaf.shape[1:]) for leaf in leaves),
+            rows_per_weight=tuple(ratios),
+        )
+        pieces = [tuple(parts[i] for parts in per_leaf) for i in range(len(weights))]
+        return spec, pieces
+
+    def join_output(self, spec: OutputSpec, pieces: Sequence[Sequence[Tensor]]) -> Any:
+        """The output a call on the pieces' items would give: each tensor's pieces are
+        concatenated along dim 0 and the structure rebuilt with its own types."""
+        leaves = [
+            torch.cat([piece[i] for piece in pieces], dim=0)
+            if pieces
+            else torch.empty((0, *spec.row_shapes[i]), dtype=spec.dtypes[i])
+            for i in range(len(spec.dtypes))
+        ]
+        return _unflatten(spec.tree, leaves)
+
+
+class BatchFirstLayout(MediaLayout):
+    """One row of ``pixel_values`` per image or tile (CLIP, SigLIP, Idefics3/SmolVLM,
+    the DeepSeek-V4.1 reference tower): every tensor argument is cut by rows with it
+    (``pixel_attention_mask``, ``patch_attention_mask``, ``image_sizes``), the others
+    (``output_hidden_states=True``, ``return_dict``...) pass through. Cost: the elements
+    of one ``pixel_values`` row, proportional to the patches."""
+
+    name: ClassVar[str] = "batch-first"
+    pixel_argument: ClassVar[str] = "pixel_values"
+
+    def applies_to(self, tower: nn.Module) -> bool:
+        params = forward_signature(tower).parameters
+        return self.pixel_argument in params and "grid_thw" not in params
+
+    def split_call(
+        self, tower: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> MediaCall:
+        named = _bind(tower, args, kwargs)
+        pixels = named.get(self.pixel_argument)
+        if not isinstance(pixels, Tensor) or pixels.dim() < 1:
+            raise TypeError(
+                f"the {self.name!r} layout needs {self.pixel_argument} as a tensor of one row "
+                f"per item, got {type(pixels).__name__}"
+            )
+        count = pixels.shape[0]
+        names = [self.pixel_argument] + [
+            n for n, v in named.items() if isinstance(v, Tensor) and n != self.pixel_argument
+        ]
+        for name in names:
+            value = named[name]
+            if value.dim() < 1 or value.shape[0] != count:
+                raise ValueError(
+                    f"the {self.name!r} layout cuts every tensor argument with the "
+                    f"{count} rows of {self.pixel_argument}, but {name!r} has shape "
+                    f"{tuple(value.shape)}; register a layout adapter for "
+                    f"{type(tower).__name__}"
+                )
+        constants = {n: v for n, v in named.items() if n not in names}
+        _check_constants(tower, constants, self.name)
+        cost = max(1, pixels[0].numel()) if count else 1
+        items = tuple(
+            MediaItem(fields=tuple(named[n][i : i + 1] for n in names), cost=cost)
+            for i in range(count)
+        )
+        spec = CallSpec(
+            fields=tuple(names),
+            constants=tuple(constants.items()),
+            positional=_positional_only(tower),
+        )
+        return MediaCall(spec=spec, items=items)
+
+
+class PackedByGridLayout(MediaLayout):
+    """Patches of all items concatenated along dim 0, ``grid_thw`` giving each item's
+    ``(t, h, w)`` (Qwen2-VL, Qwen2.5-VL: ``visual(pixel_values, grid_thw=...)``). Item
+    ``i`` owns ``t*h*w`` patch rows and one ``grid_thw`` row; its cost is ``t*h*w``. The
+    outputs are packed too, with rows per item proportional to its patches (the spatial
+    merge gives fewer)."""
+
+    name: ClassVar[str] = "packed-by-grid"
+    grid_argument: ClassVar[str] = "grid_thw"
+
+    def applies_to(self, tower: nn.Module) -> bool:
+        params = list(forward_signature(tower).parameters)
+        return self.grid_argument in params and params[0] != self.grid_argument
+
+    def split_call(
+        self, tower: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> MediaCall:
+        named = _bind(tower, args, kwargs)
+        first = next(iter(forward_signature(tower).parameters))
+        patches, grid = named.get(first), named.get(self.grid_argument)
+        if not isinstance(patches, Tensor) or patches.dim() < 1:
+            raise TypeError(
+                f"the {self.name!r} layout needs {first} as a tensor of patch rows, got "
+                f"{type(patches).__name__}"
+            )
+        if not isinstance(grid, Tensor) or grid.dim() != 2 or grid.shape[1] != 3:
+            shape = tuple(grid.shape) if isinstance(grid, Tensor) else type(grid).__name__
+            raise ValueError(
+                f"the {self.name!r} layout needs {self.grid_argument} as an integer tensor of "
+                f"shape (items, 3), got {shape}"
+            )
+        others = sorted(
+            n
+            for n, v in named.items()
+            if isinstance(v, Tensor) and n not in (first, self.grid_argument)
+        )
+        if others:
+            raise ValueError(
+                f"the {self.name!r} layout cannot split the precomputed tensor arguments "
+                f"{others} of {type(tower).__name__}.forward (they span all items); leave "
+                f"them out (the tower computes them from {self.grid_argument})"
+            )
+        sizes = [tuple(int(x) for x in row) for row in grid.tolist()]
+        rows = [t * h * w for t, h, w in sizes]
+        if sum(rows) != patches.shape[0]:
+            raise ValueError(
+                f"{self.grid_argument} gives {sum(rows)} patches ({sizes}) but {first} has "
+                f"{patches.shape[0]} rows"
+            )
+        if any(r <= 0 for r in rows):
+            raise ValueError(f"every {self.grid_argument} row must be positive, got {sizes}")
+        chunks = torch.split(patches, rows, dim=0)
+        items = tuple(
+            MediaItem(fields=(chunk, grid[i : i + 1]), cost=r, sizes=size)
+            for i, (chunk, r, size) in enumerate(zip(chunks, rows, sizes, strict=True))
+        )
+        constants = {n: v for n, v in named.items() if n not in (first, self.grid_argument)}
+        _check_constants(tower, constants, self.name)
+        spec = CallSpec(
+            fields=(first, self.grid_argument),
+            constants=tuple(constants.items()),
+            positional=_positional_only(tower),
+        )
+        return MediaCall(spec=spec, items=items)
+
+    def placeholder(
+        self, spec: CallSpec, fields: Sequence[FieldSpec], sizes: tuple[int, ...]
+    ) -> MediaItem:
+        """Zero patches on the grid ``sizes`` (a real item's ``(t, h, w)``)."""
+        if len(sizes) != 3 or len(fields) != 2:
+            raise ValueError(
+                f"a {self.name!r} placeholder needs (t, h, w) and two fields, got {sizes}"
+            )
+        patches, grid = fields
+        t, h, w = sizes
+        return MediaItem(
+            fields=(
+                torch.zeros((t * h * w, *patches.row_shape), dtype=patches.dtype),
+                torch.tensor([[t, h, w]], dtype=grid.dtype),
+            ),
+            cost=t * h * w,
+            sizes=sizes,
+        )

@@ -1,0 +1,324 @@
+"""Run on spawned gloo ranks by ``test_balance_exchange`` (importable by the children).
+
+Each case builds the same tiny tower on every rank, gives each rank its items (or none:
+``join_without_call``), runs one balanced call and a backward, and compares with a
+single-process reference computed on the rank itself: the outputs of the rank's items,
+the gradients of its inputs, and the parameter gradients summed over ranks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from fsdp_core.internals import TorchDispatchMode
+from multimodal_fsdp.balance import balanced_call, join_without_call
+
+
+class _Collectives(TorchDispatchMode):
+    """Names of the c10d ops run inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace == "c10d":
+            self.ops.append(func._schema.name.split("::")[-1])
+        return func(*args, **(kwargs or {}))
+
+
+def _clip() -> nn.Module:
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(0)
+    config = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=16,
+        patch_size=8,
+    )
+    return CLIPVisionModel(config)
+
+
+def _qwen() -> nn.Module:
+    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+        Qwen2VisionTransformerPretrainedModel,
+    )
+
+    torch.manual_seed(0)
+    config = Qwen2VLVisionConfig(
+        depth=2, embed_dim=32, hidden_size=48, num_heads=4, patch_size=2, temporal_patch_size=1
+    )
+    return Qwen2VisionTransformerPretrainedModel(config)
+
+
+def _clip_items(count: int, seed: int) -> list[dict[str, Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [{"pixels": torch.randn(1, 3, 16, 16, generator=generator)} for _ in range(count)]
+
+
+def _qwen_items(grids: list[tuple[int, int, int]], seed: int) -> list[dict[str, Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        {
+            "pixels": torch.randn(t * h * w, 3 * 2 * 2, generator=generator),
+            "grid": torch.tensor([[t, h, w]]),
+        }
+        for t, h, w in grids
+    ]
+
+
+def _clip_call(items: list[dict[str, Tensor]]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """LLaVA's call: pixels positional, ``return_dict`` and all hidden states."""
+    pixels = torch.cat([i["pixels"] for i in items])
+    return (pixels,), {"return_dict": True, "output_hidden_states": True}
+
+
+def _qwen_call(items: list[dict[str, Tensor]]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    pixels = torch.cat([i["pixels"] for i in items])
+    return (pixels,), {"grid_thw": torch.cat([i["grid"] for i in items])}
+
+
+def _clip_loss(output: Any, weights: Tensor) -> Tensor:
+    """Per-item weights, so an item's output landing on the wrong item changes the loss;
+    reads a middle hidden state as LLaVA does."""
+    hidden = output.hidden_states[-2]
+    per_item = (hidden * hidden).mean(dim=(1, 2)) + output.pooler_output.sum(dim=1)
+    return (per_item * weights).sum()
+
+
+def _qwen_loss(output: Any, rows: list[int], weights: Tensor) -> Tensor:
+    pieces = torch.split(output.pooler_output, [r // 4 for r in rows])
+    return sum(
+        ((piece * piece).mean() * w for piece, w in zip(pieces, weights, strict=True)),
+        start=torch.zeros(()),
+    )
+
+
+def _case(
+    *,
+    rank: int,
+    tower_kind: str,
+    counts: list[int | None],
+    trainable: bool,
+    input_grad: bool,
+    run_when_empty: bool = False,
+) -> dict[str, Any]:
+    """``counts[r]``: items of rank r (``None``: no call, join_without_call)."""
+    world = dist.get_world_size()
+    build = _clip if tower_kind == "clip" else _qwen
+    tower, reference = build(), build()
+    tower.requires_grad_(trainable)
+    reference.requires_grad_(trainable)
+    grid_pool = [(1, 2, 2), (2, 2, 4), (1, 4, 4), (1, 2, 6), (2, 2, 2), (1, 4, 2)]
+    per_rank: list[list[dict[str, Tensor]]] = []
+    for r in range(world):
+        n = counts[r] or 0
+        if tower_kind == "clip":
+            per_rank.append(_clip_items(n, seed=100 + r))
+        else:
+            per_rank.append(_qwen_items(grid_pool[r : r + n], seed=100 + r))
+    for items in per_rank:
+        for item in items:
+            item["pixels"].requires_grad_(input_grad)
+    weights = [
+        torch.arange(1, len(items) + 1, dtype=torch.float32) * (r + 1)
+        for r, items in enumerate(per_rank)
+    ]
+
+    def loss_of(output: Any, items: list[dict[str, Tensor]], w: Tensor) -> Tensor:
+        if tower_kind == "clip":
+            return _clip_loss(output, w)
+        return _qwen_loss(output, [int(i["grid"].prod()) for i in items], w)
+
+    make_call = _clip_call if tower_kind == "clip" else _qwen_call
+    runs = []
+    tower.register_forward_hook(lambda *_: runs.append(1))
+    counter = _Collectives()
+    mine = per_rank[rank]
+    with counter:
+        if counts[rank] is None:
+            loss = join_without_call(tower, run_when_empty=run_when_empty)
+            output = None
+        else:
+            args, kwargs = make_call(mine)
+            output = balanced_call(tower, args, kwargs, run_when_empty=run_when_empty)
+            loss = loss_of(output, mine, weights[rank])
+        forward_ops = list(counter.ops)
+        if torch.is_grad_enabled() and (trainable or input_grad):
+            loss.backward()
+    backward_ops = counter.ops[len(forward_ops) :]
+    result: dict[str, Any] = {
+        "tower_runs": len(runs),
+        "forward_ops": forward_ops,
+        "backward_ops": backward_ops,
+    }
+    # The single-process reference: every rank's items through one tower.
+    everything = [item for items in per_rank for item in items]
+    ref_items = [
+        {k: v.detach().clone().requires_grad_(v.requires_grad) for k, v in i.items()}
+        for i in everything
+    ]
+    args, kwargs = make_call(ref_items)
+    ref_output = reference(*args, **kwargs)
+    start = sum(len(items) for items in per_rank[:rank])
+    if output is not None:
+        if tower_kind == "clip":
+            got = [output.last_hidden_state, output.pooler_output, *output.hidden_states]
+            want = [
+                ref_output.last_hidden_state,
+                ref_output.pooler_output,
+                *ref_output.hidden_states,
+            ]
+            want = [t[start : start + len(mine)] for t in want]
+        else:
+            rows = [int(i["grid"].prod()) for i in everything]
+            begin, n = sum(rows[:start]), sum(rows[start : start + len(mine)])
+            got = [output.last_hidden_state, output.pooler_output]
+            want = [
+                ref_output.last_hidden_state[begin : begin + n],
+                ref_output.pooler_output[begin // 4 : (begin + n) // 4],
+            ]
+        result["output_diff"] = max(
+            float((g - w).detach().abs().max()) for g, w in zip(got, want, strict=True)
+        )
+        result["output_shapes_equal"] = all(
+            g.shape == w.shape for g, w in zip(got, want, strict=True)
+        )
+        result["output_type"] = type(output).__name__
+    if trainable or input_grad:
+        ref_loss = sum(
+            (
+                loss_of(
+                    _slice_output(
+                        ref_output,
+                        tower_kind,
+                        everything,
+                        sum(len(x) for x in per_rank[:r]),
+                        len(per_rank[r]),
+                    ),
+                    per_rank[r],
+                    weights[r],
+                )
+                for r in range(world)
+                if per_rank[r]
+            ),
+            start=torch.zeros(()),
+        )
+        ref_loss.backward()
+    if trainable:
+        diffs = []
+        for (_name, p), q in zip(tower.named_parameters(), reference.parameters(), strict=True):
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(grad)
+            want = q.grad if q.grad is not None else torch.zeros_like(q)
+            diffs.append(float((grad - want).abs().max()))
+        result["param_grad_diff"] = max(diffs)
+        result["param_grad_norm"] = float(
+            sum(float(q.grad.norm()) for q in reference.parameters() if q.grad is not None)
+        )
+    if input_grad and mine:
+        result["input_grad_diff"] = max(
+            float((item["pixels"].grad - ref["pixels"].grad).abs().max())  # type: ignore[operator]
+            for item, ref in zip(mine, ref_items[start : start + len(mine)], strict=True)
+        )
+    return result
+
+
+def _slice_output(
+    output: Any, kind: str, everything: list[dict[str, Tensor]], start: int, n: int
+) -> Any:
+    """The reference output restricted to items ``start .. start+n`` (the same type)."""
+    if kind == "clip":
+        return type(output)(
+            last_hidden_state=output.last_hidden_state[start : start + n],
+            pooler_output=output.pooler_output[start : start + n],
+            hidden_states=tuple(h[start : start + n] for h in output.hidden_states),
+        )
+    rows = [int(i["grid"].prod()) for i in everything]
+    begin, size = sum(rows[:start]), sum(rows[start : start + n])
+    return type(output)(
+        last_hidden_state=output.last_hidden_state[begin : begin + size],
+        pooler_output=output.pooler_output[begin // 4 : (begin + size) // 4],
+    )
+
+
+CASES: dict[str, dict[str, Any]] = {
+    "clip_all_on_one_rank": {
+        "tower_kind": "clip",
+        "counts": [4, None],
+        "trainable": True,
+        "input_grad": True,
+    },
+    "clip_three_to_one": {
+        "tower_kind": "clip",
+        "counts": [3, 1],
+        "trainable": True,
+        "input_grad": True,
+    },
+    "clip_frozen_text_only_rank": {
+        "tower_kind": "clip",
+        "counts": [3, None],
+        "trainable": False,
+        "input_grad": False,
+    },
+    "clip_frozen_even": {
+        "tower_kind": "clip",
+        "counts": [2, 2],
+        "trainable": False,
+        "input_grad": False,
+    },
+    "clip_fewer_than_ranks": {
+        "tower_kind": "clip",
+        "counts": [1, None],
+        "trainable": True,
+        "input_grad": True,
+        "run_when_empty": True,
+    },
+    "qwen_three_to_one": {
+        "tower_kind": "qwen",
+        "counts": [3, 1],
+        "trainable": True,
+        "input_grad": True,
+    },
+    "qwen_text_only_rank": {
+        "tower_kind": "qwen",
+        "counts": [None, 3],
+        "trainable": True,
+        "input_grad": False,
+    },
+}
+
+
+def _bad_call_on_one_rank(rank: int) -> dict[str, Any]:
+    """Rank 1's call cannot be split (a mask with the wrong rows): every rank raises, and
+    the group still works afterwards."""
+    tower = _clip()
+    pixels = torch.randn(2, 3, 16, 16)
+    kwargs: dict[str, Any] = {"return_dict": True}
+    if rank == 1:
+        kwargs["pixel_attention_mask"] = torch.ones(3, 16, 16)
+    outcome: dict[str, Any] = {"type": None, "message": ""}
+    try:
+        balanced_call(tower, (pixels,), kwargs)
+    except Exception as error:
+        outcome = {"type": type(error).__name__, "message": str(error)}
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    outcome["group_works"] = bool(value.item() == dist.get_world_size())
+    return outcome
+
+
+def run_cases(rank: int, world_size: int, out_dir: str) -> None:
+    results = {name: _case(rank=rank, **spec) for name, spec in CASES.items()}
+    results["bad_call_on_one_rank"] = _bad_call_on_one_rank(rank)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))

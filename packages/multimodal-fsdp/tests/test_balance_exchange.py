@@ -1,0 +1,68 @@
+"""The balanced tower call on 2 spawned gloo ranks against a single-process reference:
+the outputs of each rank's items, its input gradients and the parameter gradients summed
+over ranks equal the reference, under skewed media distributions; the collectives are
+the documented ones; an unsplittable call fails on every rank."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fsdp_core.testing import run_on_gloo_ranks
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _balance_exchange_rank_fns as rank_fns
+
+FORWARD = ["allgather_", "allgather_", "alltoall_base_", "allgather_", "alltoall_base_"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("balance")
+    run_on_gloo_ranks(rank_fns.run_cases, 2, str(out), timeout_s=90)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("case", sorted(rank_fns.CASES))
+def test_outputs_and_gradients_match_one_process(case: str, results: list[dict[str, Any]]) -> None:
+    spec = rank_fns.CASES[case]
+    for rank, by_case in enumerate(results):
+        outcome = by_case[case]
+        if spec["counts"][rank]:
+            assert outcome["output_type"] == "BaseModelOutputWithPooling"
+            assert outcome["output_shapes_equal"]
+            assert outcome["output_diff"] < 1e-5, (rank, outcome)
+            if spec["input_grad"]:
+                assert outcome["input_grad_diff"] < 1e-5, (rank, outcome)
+        else:
+            assert "output_diff" not in outcome
+        if spec["trainable"]:
+            assert outcome["param_grad_norm"] > 0
+            assert outcome["param_grad_diff"] < 1e-5 * max(1.0, outcome["param_grad_norm"])
+
+
+@pytest.mark.parametrize("case", sorted(rank_fns.CASES))
+def test_every_rank_runs_the_tower_once_with_the_documented_collectives(
+    case: str, results: list[dict[str, Any]]
+) -> None:
+    spec = rank_fns.CASES[case]
+    backward = (["alltoall_base_"] if spec["trainable"] or spec["input_grad"] else []) + (
+        ["alltoall_base_"] if spec["input_grad"] else []
+    )
+    for by_case in results:
+        outcome = by_case[case]
+        assert outcome["tower_runs"] == 1
+        assert outcome["forward_ops"] == FORWARD
+        assert outcome["backward_ops"] == backward
+
+
+def test_an_unsplittable_call_fails_on_every_rank(results: list[dict[str, Any]]) -> None:
+    outcomes = [r["bad_call_on_one_rank"] for r in results]
+    assert [o["type"] for o in outcomes] == ["ValueError", "ValueError"]
+    assert "'pixel_attention_mask' has shape (3, 16, 16)" in outcomes[1]["message"]
+    assert "rank(s) [1] could not split their call" in outcomes[0]["message"]
+    assert [o["group_works"] for o in outcomes] == [True, True]
