@@ -17,19 +17,32 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from fsdp_core.internals import TorchDispatchMode
-from multimodal_fsdp.balance import balanced_call, join_without_call
+from multimodal_fsdp.balance import (
+    balanced_call,
+    exchange_traffic,
+    join_without_call,
+    media_layout_for,
+)
 
 
 class _Collectives(TorchDispatchMode):
-    """Names of the c10d ops run inside the block."""
+    """Names of the c10d ops run inside the block, and their bytes (sent, received)."""
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.ops: list[str] = []
+        self.sizes: list[tuple[int, int]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func.namespace == "c10d":
-            self.ops.append(func._schema.name.split("::")[-1])
+            op = func._schema.name.split("::")[-1]
+            self.ops.append(op)
+            if op == "allgather_":
+                sent = sum(t.nbytes for t in args[1])
+                received = sum(t.nbytes for slots in args[0] for t in slots)
+            else:
+                sent, received = args[1].nbytes, args[0].nbytes
+            self.sizes.append((sent, received))
         return func(*args, **(kwargs or {}))
 
 
@@ -161,6 +174,7 @@ def _case(
         "tower_runs": len(runs),
         "forward_ops": forward_ops,
         "backward_ops": backward_ops,
+        "measured_bytes": counter.sizes,
     }
     # The single-process reference: every rank's items through one tower.
     everything = [item for items in per_rank for item in items]
@@ -171,6 +185,9 @@ def _case(
     args, kwargs = make_call(ref_items)
     ref_output = reference(*args, **kwargs)
     start = sum(len(items) for items in per_rank[:rank])
+    result["predicted_bytes"] = _predicted(
+        reference, make_call, per_rank, counts, ref_output, everything, rank, trainable, input_grad
+    )
     if output is not None:
         if tower_kind == "clip":
             got = [output.last_hidden_state, output.pooler_output, *output.hidden_states]
@@ -232,6 +249,46 @@ def _case(
             for item, ref in zip(mine, ref_items[start : start + len(mine)], strict=True)
         )
     return result
+
+
+def _predicted(
+    tower: nn.Module,
+    make_call: Any,
+    per_rank: list[list[dict[str, Tensor]]],
+    counts: list[int | None],
+    ref_output: Any,
+    everything: list[dict[str, Tensor]],
+    rank: int,
+    trainable: bool,
+    input_grad: bool,
+) -> list[tuple[int, int]]:
+    """``exchange_traffic`` from the item sizes: field bytes from each rank's split call,
+    output bytes from the reference output split per item."""
+    layout = media_layout_for(tower)
+    calls = [layout.split_call(tower, *make_call(items)) if items else None for items in per_rank]
+    costs = [[item.cost for item in c.items] if c else [] for c in calls]
+    inputs = [[sum(t.nbytes for t in item.fields) for item in c.items] if c else [] for c in calls]
+    floating = [
+        [sum(t.nbytes for t in item.fields if t.is_floating_point()) for item in c.items]
+        if c
+        else []
+        for c in calls
+    ]
+    weights = [item.fields[0].shape[0] for c in calls if c for item in c.items]
+    _, pieces = layout.split_output(ref_output, weights)
+    sizes = iter([sum(t.nbytes for t in piece) for piece in pieces])
+    outputs = [[next(sizes) for _ in items] for items in per_rank]
+    spec = next((c.spec for c in calls if c is not None), None)
+    traffic = exchange_traffic(
+        costs,
+        rank=rank,
+        spec=spec,
+        input_bytes=inputs,
+        output_bytes=outputs,
+        input_grad_bytes=floating if input_grad else None,
+        output_grad_bytes=outputs if (trainable or input_grad) else None,
+    )
+    return [(c.sent, c.received) for c in traffic]
 
 
 def _slice_output(

@@ -60,6 +60,17 @@ def test_every_rank_runs_the_tower_once_with_the_documented_collectives(
         assert outcome["backward_ops"] == backward
 
 
+@pytest.mark.parametrize("case", sorted(rank_fns.CASES))
+def test_exchange_traffic_predicts_the_bytes_exactly(
+    case: str, results: list[dict[str, Any]]
+) -> None:
+    for by_case in results:
+        outcome = by_case[case]
+        assert [tuple(x) for x in outcome["measured_bytes"]] == [
+            tuple(x) for x in outcome["predicted_bytes"]
+        ]
+
+
 def test_an_unsplittable_call_fails_on_every_rank(results: list[dict[str, Any]]) -> None:
     outcomes = [r["bad_call_on_one_rank"] for r in results]
     assert [o["type"] for o in outcomes] == ["ValueError", "ValueError"]

@@ -4,7 +4,8 @@ The pieces a runtime hook puts together: layout adapters that split a tower call
 items (``MediaLayout`` and the built-in ``batch-first`` and ``packed-by-grid``
 layouts, found with ``media_layout_for``), the deterministic rule that assigns items to
 ranks (``assign_items``), and the differentiable exchange that runs one tower call
-balanced (``balanced_call``, and ``join_without_call`` for a rank without that call).
+balanced (``balanced_call``, and ``join_without_call`` for a rank without that call),
+with its collectives and bytes predicted by ``exchange_traffic``.
 """
 
 from multimodal_fsdp.balance.assign import assign_items
@@ -20,6 +21,7 @@ from multimodal_fsdp.balance.layouts import (
     PackedByGridLayout,
 )
 from multimodal_fsdp.balance.registry import media_layout_for, register_media_layout
+from multimodal_fsdp.balance.traffic import ExchangeCollective, exchange_traffic
 
 __all__ = [
     "MediaLayout",
@@ -35,4 +37,6 @@ __all__ = [
     "assign_items",
     "balanced_call",
     "join_without_call",
+    "ExchangeCollective",
+    "exchange_traffic",
 ]
