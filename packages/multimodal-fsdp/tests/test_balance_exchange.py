@@ -77,3 +77,45 @@ def test_an_unsplittable_call_fails_on_every_rank(results: list[dict[str, Any]])
     assert "'pixel_attention_mask' has shape (3, 16, 16)" in outcomes[1]["message"]
     assert "rank(s) [1] could not split their call" in outcomes[0]["message"]
     assert [o["group_works"] for o in outcomes] == [True, True]
+
+
+def test_under_the_fake_group_the_collectives_are_the_predicted_ones() -> None:
+    """Plan costs are measured under the fake group, where every rank looks like the
+    calling one: the same collectives and bytes as ``exchange_traffic`` predicts."""
+    import torch
+
+    from fsdp_core.fake_group import fake_process_group
+    from multimodal_fsdp.balance import balanced_call, exchange_traffic, media_layout_for
+
+    world = 4
+    with fake_process_group(world, rank=1):
+        tower = rank_fns._clip()
+        pixels = torch.randn(3, 3, 16, 16)
+        kwargs = {"return_dict": True, "output_hidden_states": True}
+        counter = rank_fns._Collectives()
+        with counter:
+            output = balanced_call(tower, (pixels,), kwargs)
+            (output.last_hidden_state.sum() + output.hidden_states[1].sum()).backward()
+        layout = media_layout_for(tower)
+        call = layout.split_call(tower, (pixels,), kwargs)
+        _, pieces = layout.split_output(output, [1, 1, 1])
+        inputs = [[t.fields[0].nbytes for t in call.items]] * world
+        outputs = [[sum(t.nbytes for t in piece) for piece in pieces]] * world
+        predicted = exchange_traffic(
+            [[item.cost for item in call.items]] * world,
+            rank=1,
+            spec=call.spec,
+            input_bytes=inputs,
+            output_bytes=outputs,
+            output_grad_bytes=outputs,
+        )
+    assert counter.ops == [*FORWARD, "alltoall_base_"]
+    assert counter.sizes == [(c.sent, c.received) for c in predicted]
+    assert [c.kind for c in predicted] == [
+        "all_gather",
+        "all_gather",
+        "all_to_all",
+        "all_gather",
+        "all_to_all",
+        "all_to_all",
+    ]

@@ -22,12 +22,16 @@ longest pickled ``CallSpec`` in bytes, ``F`` fields):
    proportional to the item's first-field rows).
 
 Backward, when gradients are needed (grad mode on and the tower trainable or some
-rank's input requiring grad): one ``all_to_all_single`` (uint8) with the output
-gradients along the inverse route of 5 (floating tensors only, same bytes as 5 for
-them), then, when some rank's floating input requires grad, one with the input
-gradients along the inverse of 3 (floating fields only). So a call costs 4 all_gathers
-and all_to_alls... precisely: 2 all_gathers if no rank has an item, else 3 all_gathers
-and 2 all_to_all_single forward plus 0, 1 or 2 all_to_all_single backward.
+rank's floating input requiring grad): one ``all_to_all_single`` (uint8) with the
+output gradients along the inverse route of 5 (floating output tensors, the same bytes
+as 5 for them); then, when some rank's floating input requires grad, one with the
+input gradients along the inverse route of 3 (floating fields only).
+
+In all: 2 all_gathers when no rank has an item; else 3 all_gathers and 2
+all_to_all_single in forward, and 0, 1 or 2 all_to_all_single in backward.
+[exchange_traffic][multimodal_fsdp.balance.traffic.exchange_traffic] computes each
+rank's list with its bytes. Under the fake process group every rank looks like the
+calling one (the gathers start from its own values), so the same code runs there.
 
 All tensors are sent as raw bytes, so one collective carries every field or output
 tensor whatever their dtypes, and a rank that sends and receives nothing still takes
@@ -666,8 +670,9 @@ def balanced_call(
     the ranks of ``group`` (collective: every rank calls this or ``join_without_call``).
 
     Returns what the tower would have returned for this rank's items, built from pieces
-    encoded anywhere; gradients flow back to the encoding ranks and, where inputs
-    require grad, to the inputs. ``runner`` runs the tower on the local share (default
+    encoded anywhere (``None`` for a call with no items while other ranks have some:
+    use ``join_without_call`` there); gradients flow back to the encoding ranks and,
+    where inputs require grad, to the inputs. ``runner`` runs the tower on the local share (default
     ``tower`` itself; a hook that replaces the tower's forward passes the original).
     ``run_when_empty``: run the tower on a placeholder whose output counts 0 when this
     rank gets nothing to encode (for towers that own FSDP units).
