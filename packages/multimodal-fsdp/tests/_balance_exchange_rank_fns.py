@@ -379,3 +379,96 @@ def run_cases(rank: int, world_size: int, out_dir: str) -> None:
     results = {name: _case(rank=rank, **spec) for name, spec in CASES.items()}
     results["bad_call_on_one_rank"] = _bad_call_on_one_rank(rank)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def _plain_loss(output: Any, weights: Tensor) -> Tensor:
+    """Without hidden states: transformers 5.24 records them by the tower's class name,
+    which ``fully_shard`` changes, so a sharded tower returns none."""
+    last = output.last_hidden_state
+    per_item = (last * last).mean(dim=(1, 2)) + output.pooler_output.sum(dim=1)
+    return (per_item * weights).sum()
+
+
+def _slice_plain(output: Any, kind: str, everything: Any, start: int, n: int) -> Any:
+    return type(output)(
+        last_hidden_state=output.last_hidden_state[start : start + n],
+        pooler_output=output.pooler_output[start : start + n],
+    )
+
+
+def _sharded_case(rank: int, counts: list[int | None]) -> dict[str, Any]:
+    """A trainable tower with FSDP units per encoder layer (as ``per_layer`` shards it):
+    every rank must run it, a rank with nothing to encode on a placeholder. Gradients
+    (averaged by FSDP's reduce-scatter) equal the one-process ones over the world size."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    tower, reference = _clip(), _clip()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in tower.encoder.layers:  # type: ignore[union-attr]
+        fully_shard(layer, mesh=mesh)
+    fully_shard(tower, mesh=mesh)
+    per_rank = [_clip_items(counts[r] or 0, seed=200 + r) for r in range(world)]
+    weights = [
+        torch.arange(1, len(i) + 1, dtype=torch.float32) * (r + 1) for r, i in enumerate(per_rank)
+    ]
+    runs: list[int] = []
+    tower.register_forward_hook(lambda *_: runs.append(1))
+    counter = _Collectives()
+    with counter:
+        if counts[rank] is None:
+            loss = join_without_call(tower, run_when_empty=True)
+        else:
+            args, kwargs = _clip_call(per_rank[rank])
+            kwargs.pop("output_hidden_states")
+            loss = _plain_loss(
+                balanced_call(tower, args, kwargs, run_when_empty=True), weights[rank]
+            )
+        loss.backward()
+    everything = [item for items in per_rank for item in items]
+    args, kwargs = _clip_call(everything)
+    kwargs.pop("output_hidden_states")
+    ref_output = reference(*args, **kwargs)
+    ref_loss = sum(
+        (
+            _plain_loss(
+                _slice_plain(
+                    ref_output,
+                    "clip",
+                    everything,
+                    sum(len(x) for x in per_rank[:r]),
+                    len(per_rank[r]),
+                ),
+                weights[r],
+            )
+            for r in range(world)
+            if per_rank[r]
+        ),
+        start=torch.zeros(()),
+    )
+    ref_loss.backward()
+    diffs = []
+    for p, q in zip(tower.parameters(), reference.parameters(), strict=True):
+        grad = p.grad.full_tensor() if p.grad is not None else torch.zeros(q.shape)  # type: ignore[attr-defined]
+        want = q.grad if q.grad is not None else torch.zeros_like(q)
+        diffs.append(float((grad * world - want).abs().max()))
+    return {
+        "tower_runs": len(runs),
+        "param_grad_diff": max(diffs),
+        "param_grad_norm": float(
+            sum(float(q.grad.norm()) for q in reference.parameters() if q.grad is not None)
+        ),
+        "ops": counter.ops,
+    }
+
+
+SHARDED_CASES: dict[str, list[int | None]] = {
+    "sharded_fewer_than_ranks": [1, None],
+    "sharded_three_to_one": [3, 1],
+}
+
+
+def run_sharded_cases(rank: int, world_size: int, out_dir: str) -> None:
+    results = {name: _sharded_case(rank, counts) for name, counts in SHARDED_CASES.items()}
+    Path(out_dir, f"sharded{rank}.json").write_text(json.dumps(results))

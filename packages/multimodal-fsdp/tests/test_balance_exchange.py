@@ -119,3 +119,26 @@ def test_under_the_fake_group_the_collectives_are_the_predicted_ones() -> None:
         "all_to_all",
         "all_to_all",
     ]
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("balance_sharded")
+    run_on_gloo_ranks(rank_fns.run_sharded_cases, 2, str(out), timeout_s=90)
+    return [json.loads((out / f"sharded{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("case", sorted(rank_fns.SHARDED_CASES))
+def test_a_tower_with_fsdp_units_runs_on_every_rank_in_step(
+    case: str, sharded: list[dict[str, Any]]
+) -> None:
+    """``run_when_empty``: a rank with nothing to encode runs the tower on a placeholder,
+    so both ranks issue the same collectives (the tower's all-gathers and
+    reduce-scatters included) and the gradients equal one process's."""
+    outcomes = [by_case[case] for by_case in sharded]
+    assert [o["tower_runs"] for o in outcomes] == [1, 1]
+    assert outcomes[0]["ops"] == outcomes[1]["ops"]
+    assert "_reduce_scatter_base_" in outcomes[0]["ops"]
+    for outcome in outcomes:
+        assert outcome["param_grad_norm"] > 0
+        assert outcome["param_grad_diff"] < 1e-5 * max(1.0, outcome["param_grad_norm"])
