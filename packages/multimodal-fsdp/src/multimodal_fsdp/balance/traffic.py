@@ -14,11 +14,17 @@ import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from multimodal_fsdp.balance._metadata import HEADER_INTS, ITEM_INTS, STATUS_INTS
 from multimodal_fsdp.balance.assign import assign_items
-from multimodal_fsdp.balance.exchange import HEADER_INTS, ITEM_INTS, STATUS_INTS
 from multimodal_fsdp.balance.layouts import CallSpec
 
-__all__ = ["ExchangeCollective", "exchange_traffic"]
+__all__ = [
+    "ExchangeCollective",
+    "exchange_traffic",
+    "HEADER_INTS",
+    "ITEM_INTS",
+    "STATUS_INTS",
+]
 
 
 @dataclass(frozen=True)
