@@ -1,6 +1,6 @@
 """The least FSDP communication a sharding plan needs per step, from the plan alone.
 
-Written apart from :mod:`multimodal_fsdp.costs` on purpose: the benchmark holds
+Written apart from :mod:`multimodal_fsdp.estimate.costs` on purpose: the benchmark holds
 both the measured step and the cost model against it, so it must not share the
 cost model's code. It reads only the plan's units, their parameters
 (``fsdp_core.unit_parameters``: which parameters ``fully_shard`` gives each unit)

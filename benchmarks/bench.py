@@ -52,12 +52,12 @@ from fsdp_core import build_mesh, mixed_precision_policy
 from fsdp_core.fake_group import fake_process_group
 from fsdp_core.testing import run_torchrun
 from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
-from multimodal_fsdp.collectives import CommTally
-from multimodal_fsdp.costs import PlanCosts, plan_costs
-from multimodal_fsdp.measure import Measurement, measure_plan
-from multimodal_fsdp.measure_memory import measure_plan_memory
-from multimodal_fsdp.render import format_bytes
-from multimodal_fsdp.rewrite import ungroup_units
+from multimodal_fsdp.estimate.collectives import CommTally
+from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs
+from multimodal_fsdp.estimate.render import format_bytes
+from multimodal_fsdp.estimate.rewrite import ungroup_units
+from multimodal_fsdp.measure.comm import Measurement, measure_plan
+from multimodal_fsdp.measure.memory import measure_plan_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("root", "per_layer", "replicate")

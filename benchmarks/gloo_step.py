@@ -35,9 +35,9 @@ from fsdp_core import CommCounter, build_mesh, exit_rank, init_distributed, mixe
 from fsdp_core.mesh_collectives import all_reduce_max_over_mesh
 from fsdp_core.runtime import installed_hooks
 from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
-from multimodal_fsdp.collectives import CommTally
-from multimodal_fsdp.costs import plan_costs
-from multimodal_fsdp.measure import tally_from_counter
+from multimodal_fsdp.estimate.collectives import CommTally
+from multimodal_fsdp.estimate.costs import plan_costs
+from multimodal_fsdp.measure.comm import tally_from_counter
 
 #: A small model whose step is not all Python overhead, still quick on 2 CPU cores.
 CONFIG = DeepseekV41Config.tiny(

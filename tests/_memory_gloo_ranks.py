@@ -11,7 +11,7 @@ from padded_deepseek import PADDED_TINY
 
 from fsdp_core import mixed_precision_policy
 from model_deepseek_v41 import PARALLELIZER, build_deepseek_v41, make_batch
-from multimodal_fsdp.measure_memory import measure_plan_memory
+from multimodal_fsdp.measure.memory import measure_plan_memory
 
 CONFIG = PADDED_TINY
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from multimodal_fsdp.__main__ import main
+from multimodal_fsdp.cli.main import main
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -220,7 +220,7 @@ def test_missing_deepseek_package(
 
 
 def test_presets_come_from_the_entry_point_group() -> None:
-    from multimodal_fsdp.models import ENTRY_POINT_GROUP, model_presets
+    from multimodal_fsdp.cli.presets import ENTRY_POINT_GROUP, model_presets
 
     presets = model_presets()
     assert {"deepseek-v41-tiny", "deepseek-v41-small", "deepseek-v41-base"} <= set(presets)
@@ -233,7 +233,7 @@ def test_presets_come_from_the_entry_point_group() -> None:
 def test_a_broken_or_duplicate_preset_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
     from importlib import metadata
 
-    from multimodal_fsdp import models
+    from multimodal_fsdp.cli import presets as models
 
     def entry(value: str) -> metadata.EntryPoint:
         return metadata.EntryPoint("x", value, models.ENTRY_POINT_GROUP)

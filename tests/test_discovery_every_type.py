@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers.models.auto import modeling_auto  # noqa: E402
 
-from multimodal_fsdp.discovery import (  # noqa: E402
+from multimodal_fsdp.discovery.walk import (  # noqa: E402
     iter_multimodal_modules,
     resolve_multimodal_modules,
 )

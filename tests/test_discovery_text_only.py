@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers.models.auto import modeling_auto  # noqa: E402
 
-from multimodal_fsdp.discovery import resolve_multimodal_modules  # noqa: E402
+from multimodal_fsdp.discovery.walk import resolve_multimodal_modules  # noqa: E402
 
 pytestmark = pytest.mark.transformers
 

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from multimodal_fsdp.discovery import (  # noqa: E402
+from multimodal_fsdp.discovery.walk import (  # noqa: E402
     iter_multimodal_modules,
     resolve_multimodal_modules,
 )

@@ -74,7 +74,7 @@ def test_the_layers_are_what_the_design_says() -> None:
 def test_the_check_sees_every_kind_of_import() -> None:
     source = (
         "import model_deepseek_v41\n"
-        "from multimodal_fsdp.costs import plan_costs\n"
+        "from multimodal_fsdp.estimate.costs import plan_costs\n"
         "def lazy():\n"
         "    import importlib\n"
         "    return importlib.import_module('other_pkg.sub'), __import__('third')\n"

@@ -2,9 +2,9 @@
 
 For each frozen-tower policy, on the DeepSeek-V4.1 reference model and on two
 transformers VLMs (LLaVA, Qwen2-VL) built small on CPU, the collectives that
-:func:`multimodal_fsdp.costs.plan_costs` predicts from the plan alone equal,
+:func:`multimodal_fsdp.estimate.costs.plan_costs` predicts from the plan alone equal,
 per phase and per kind, count and bytes, those that
-:func:`multimodal_fsdp.measure.measure_plan` counts on one forward+backward
+:func:`multimodal_fsdp.measure.comm.measure_plan` counts on one forward+backward
 under the fake process group. Odd widths and world sizes make FSDP pad.
 
 Also here: the frozen-tower minimum (gathered once per step, in forward only,
@@ -26,9 +26,9 @@ from torch import nn
 from fsdp_core import mixed_precision_policy
 from model_deepseek_v41 import PARALLELIZER, build_deepseek_v41, make_batch
 from multimodal_fsdp import MultimodalParallelizer
-from multimodal_fsdp.collectives import CommTally
-from multimodal_fsdp.measure import Measurement, measure_plan
-from multimodal_fsdp.rewrite import ungroup_units
+from multimodal_fsdp.estimate.collectives import CommTally
+from multimodal_fsdp.estimate.rewrite import ungroup_units
+from multimodal_fsdp.measure.comm import Measurement, measure_plan
 
 POLICIES = ("root", "per_layer", "replicate")
 MP = mixed_precision_policy("bf16", "fp32")

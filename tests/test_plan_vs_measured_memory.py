@@ -2,7 +2,7 @@
 
 For each frozen-tower policy, on the DeepSeek-V4.1 reference model and on two
 transformers VLMs (LLaVA, Qwen2-VL) built small on CPU, the per-rank memory that
-:mod:`multimodal_fsdp.memory` predicts from the plan (parameters, gradients,
+:mod:`multimodal_fsdp.estimate.memory` predicts from the plan (parameters, gradients,
 AdamW state, and the activations traced from one unsharded forward+backward)
 is compared with what torch's ``FSDPMemTracker`` measures on one training step
 (forward, backward, optimizer step) under the fake process group, where every
@@ -33,21 +33,21 @@ from fsdp_core.sizes import parse_size
 from fsdp_core.testing import run_on_gloo_ranks
 from model_deepseek_v41 import PARALLELIZER, build_deepseek_v41, make_batch
 from multimodal_fsdp import MultimodalParallelizer
-from multimodal_fsdp.activations import trace_activations
-from multimodal_fsdp.choose import (
+from multimodal_fsdp.cli.inspection import inspect_model
+from multimodal_fsdp.estimate.activations import trace_activations
+from multimodal_fsdp.estimate.choose import (
     MemoryBudgetError,
     PolicyCandidate,
     PolicyChoice,
     choose_frozen_policy,
 )
-from multimodal_fsdp.inspection import inspect_model
-from multimodal_fsdp.measure_memory import (
+from multimodal_fsdp.estimate.memory import OPTIMIZER_STATES, estimate_memory, optimizer_state_bytes
+from multimodal_fsdp.measure.memory import (
     MemoryMeasurement,
     make_optimizer,
     measure_memory,
     measure_plan_memory,
 )
-from multimodal_fsdp.memory import OPTIMIZER_STATES, estimate_memory, optimizer_state_bytes
 
 POLICIES = ("root", "per_layer", "replicate")
 MP = mixed_precision_policy("bf16", "fp32")
@@ -545,7 +545,7 @@ def test_a_batch_is_traced_for_every_combination(combos: dict[Combo, PolicyCandi
 
 
 def test_the_search_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
-    import multimodal_fsdp.choose as choose
+    import multimodal_fsdp.estimate.choose as choose
 
     monkeypatch.setattr(choose, "MAX_COMBINATIONS", 8)
     with pytest.raises(

@@ -63,5 +63,5 @@ def test_every_contract_name_is_exported(package: str) -> None:
 
 def test_unread_media_defaults_are_gone() -> None:
     """``DEFAULT_MEDIA_INPUTS`` disagreed with ``structure.MEDIA_INPUTS`` and was read nowhere."""
-    uneven = importlib.import_module("multimodal_fsdp.uneven")
+    uneven = importlib.import_module("multimodal_fsdp.runtime.schedule_check")
     assert not hasattr(uneven, "DEFAULT_MEDIA_INPUTS")

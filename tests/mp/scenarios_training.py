@@ -29,7 +29,7 @@ from fsdp_core import (
 )
 from model_deepseek_v41 import PARALLELIZER, build_deepseek_v41
 from model_deepseek_v41.modeling import iter_initial_parameters
-from multimodal_fsdp.uneven import UnevenMediaError
+from multimodal_fsdp.runtime.schedule_check import UnevenMediaError
 
 BF16 = mixed_precision_policy("bf16", "fp32")
 

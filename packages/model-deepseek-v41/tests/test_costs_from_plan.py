@@ -9,7 +9,7 @@ import torch
 
 from fsdp_core import mixed_precision_policy
 from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41
-from multimodal_fsdp.costs import plan_costs
+from multimodal_fsdp.estimate.costs import plan_costs
 
 
 @pytest.mark.parametrize("policy", ["root", "per_layer", "replicate"])
@@ -31,7 +31,7 @@ def test_plan_discovers_once_and_apply_never(monkeypatch: pytest.MonkeyPatch) ->
     import multimodal_fsdp.parallelizer as parallelizer_module
     from fsdp_core import build_mesh
     from fsdp_core.fake_group import fake_process_group
-    from multimodal_fsdp.discovery import resolve_multimodal_modules
+    from multimodal_fsdp.discovery.walk import resolve_multimodal_modules
 
     calls: list[object] = []
 

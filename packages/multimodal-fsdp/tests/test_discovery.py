@@ -1,4 +1,4 @@
-"""Unit tests for multimodal_fsdp.discovery on small hand-made module trees."""
+"""Unit tests for multimodal_fsdp.discovery.walk on small hand-made module trees."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from collections import OrderedDict
 import pytest
 from torch import nn
 
-from multimodal_fsdp.discovery import iter_multimodal_modules, resolve_multimodal_modules
-from multimodal_fsdp.names import (
+from multimodal_fsdp.discovery.names import (
     LANGUAGE_MODEL_NAMES,
     MULTIMODAL_MODULE_NAMES,
     MULTIMODAL_PROJECTOR_NAMES,
@@ -18,6 +17,7 @@ from multimodal_fsdp.names import (
     MultimodalModule,
     is_multimodal_module_name,
 )
+from multimodal_fsdp.discovery.walk import iter_multimodal_modules, resolve_multimodal_modules
 
 
 class Tower(nn.Module):
@@ -393,7 +393,7 @@ def test_unknown_exclude_is_a_value_error_naming_it() -> None:
 
 
 def test_matches_are_logged_at_debug(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.DEBUG, logger="multimodal_fsdp.discovery"):
+    with caplog.at_level(logging.DEBUG, logger="multimodal_fsdp.discovery.walk"):
         resolve_multimodal_modules(Vlm(), exclude=["model.multi_modal_projector"])
     text = caplog.text
     assert "found tower model.vision_tower" in text

@@ -11,7 +11,7 @@ import multimodal_fsdp.parallelizer as parallelizer_module
 from fsdp_core import build_mesh, mixed_precision_policy
 from fsdp_core.fake_group import fake_process_group
 from multimodal_fsdp import MultimodalParallelizer
-from multimodal_fsdp.discovery import resolve_multimodal_modules
+from multimodal_fsdp.discovery.walk import resolve_multimodal_modules
 
 
 @pytest.fixture
@@ -42,7 +42,7 @@ def test_plan_discovers_once_and_apply_never(policy: str, discovery_calls: list[
 def test_costs_use_the_plans_backward_judgement() -> None:
     """Without ``parallelizer=`` the costs read the plan's backward-free paths, not a
     discovery with default options (which would find the excluded tower)."""
-    from multimodal_fsdp.costs import plan_costs
+    from multimodal_fsdp.estimate.costs import plan_costs
 
     model = ToyVLM(frozen_tower=True)
     parallelizer = MultimodalParallelizer(exclude=("vision_tower",))

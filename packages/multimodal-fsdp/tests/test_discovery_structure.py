@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from multimodal_fsdp.discovery import iter_multimodal_modules, resolve_multimodal_modules
-from multimodal_fsdp.names import MultimodalModule
+from multimodal_fsdp.discovery.names import MultimodalModule
+from multimodal_fsdp.discovery.walk import iter_multimodal_modules, resolve_multimodal_modules
 
 
 class Config:

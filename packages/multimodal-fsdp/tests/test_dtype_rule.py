@@ -1,4 +1,4 @@
-"""One dtype rule for the estimates (``multimodal_fsdp.collectives``): a floating parameter
+"""One dtype rule for the estimates (``multimodal_fsdp.estimate.collectives``): a floating parameter
 is gathered in the policy's ``param_dtype`` (``fsdp_core.precision.compute_dtype``), others
 in their own dtype; gradients are reduced in ``reduce_dtype``, else the compute dtype. The
 collectives, the costs and the activation replay all use it."""
@@ -10,8 +10,12 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp_core import runtime
-from multimodal_fsdp import activations, collectives, costs
-from multimodal_fsdp.collectives import param_compute_dtype, param_reduce_dtype, unit_reduce_dtype
+from multimodal_fsdp.estimate import activations, collectives, costs
+from multimodal_fsdp.estimate.collectives import (
+    param_compute_dtype,
+    param_reduce_dtype,
+    unit_reduce_dtype,
+)
 
 BF16_FP32 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)

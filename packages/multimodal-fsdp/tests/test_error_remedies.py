@@ -19,7 +19,7 @@ from fsdp_core import build_mesh, mixed_precision_policy
 from fsdp_core.fake_group import fake_process_group
 from fsdp_core.runtime import installed_hooks
 from multimodal_fsdp import MultimodalParallelizer, UnevenMediaError
-from multimodal_fsdp import uneven as uneven_module
+from multimodal_fsdp.runtime import schedule_check as uneven_module
 
 DIM = 8
 FP32 = mixed_precision_policy("fp32", "fp32")

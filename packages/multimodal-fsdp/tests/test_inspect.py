@@ -1,4 +1,4 @@
-"""Unit tests for multimodal_fsdp.costs: plan accounting on small hand-made models.
+"""Unit tests for multimodal_fsdp.estimate.costs: plan accounting on small hand-made models.
 
 No process group: every figure is computed from the plan and the (meta or CPU)
 model alone. Hand-computed numbers pin the padding, dtype and reshard rules;
@@ -17,12 +17,12 @@ from torch import nn
 from fsdp_core import ModelParallelizer, mixed_precision_policy
 from fsdp_core.mesh import resolve_mesh_shape
 from multimodal_fsdp import MultimodalParallelizer
-from multimodal_fsdp.collectives import CommTally
-from multimodal_fsdp.costs import PlanCosts, plan_costs
-from multimodal_fsdp.inspection import inspect_model
+from multimodal_fsdp.cli.inspection import inspect_model
+from multimodal_fsdp.estimate.collectives import CommTally
+from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs
+from multimodal_fsdp.estimate.render import format_bytes
+from multimodal_fsdp.estimate.rewrite import ungroup_units
 from multimodal_fsdp.reachability import backward_free_paths
-from multimodal_fsdp.render import format_bytes
-from multimodal_fsdp.rewrite import ungroup_units
 
 MP = mixed_precision_policy("bf16", "fp32")
 POLICIES = ("root", "per_layer", "replicate")

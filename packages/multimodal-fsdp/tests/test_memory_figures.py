@@ -1,10 +1,10 @@
 """A predicted and a measured step report their shared figures through one list
-(``multimodal_fsdp.memory.memory_figures``), so the two dicts read side by side."""
+(``multimodal_fsdp.estimate.memory.memory_figures``), so the two dicts read side by side."""
 
 from __future__ import annotations
 
-from multimodal_fsdp.measure_memory import MeasuredMemory
-from multimodal_fsdp.memory import MemoryEstimate
+from multimodal_fsdp.estimate.memory import MemoryEstimate
+from multimodal_fsdp.measure.memory import MeasuredMemory
 
 
 def test_predicted_and_measured_memory_report_the_same_figures_in_order() -> None:

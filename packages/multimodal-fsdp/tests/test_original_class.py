@@ -17,7 +17,7 @@ from fsdp_core import build_mesh
 from fsdp_core.fake_group import fake_process_group
 from fsdp_core.sharding import original_class
 from multimodal_fsdp import plan_costs
-from multimodal_fsdp.conditional import required_forward_arguments
+from multimodal_fsdp.discovery.conditional import required_forward_arguments
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 
 

@@ -1,4 +1,5 @@
-"""What a unit keeps gathered after forward follows one rule (``multimodal_fsdp.timeline``),
+"""What a unit keeps gathered after forward follows one rule
+(``multimodal_fsdp.estimate.timeline``),
 for the parameter timeline and the activation replay alike, and it is FSDP2's rule: an int
 ``reshard_after_forward=1`` means "keep everything" (FSDP2 turns it into ``False``) even on
 a shard group of one, where it also equals the group size."""
@@ -9,8 +10,8 @@ import pytest
 
 from fsdp_core import mixed_precision_policy
 from fsdp_core.plan import UnitPlan
-from multimodal_fsdp import activations, timeline
-from multimodal_fsdp.timeline import effective_reshard, kept_after_forward
+from multimodal_fsdp.estimate import activations, timeline
+from multimodal_fsdp.estimate.timeline import effective_reshard, kept_after_forward
 
 MP = mixed_precision_policy("bf16", "fp32")
 

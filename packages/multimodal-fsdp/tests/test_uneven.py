@@ -1,4 +1,5 @@
-"""Unit tests for multimodal_fsdp.uneven: where the schedule checkpoints sit, what they
+"""Unit tests for multimodal_fsdp.runtime.schedule_check: where the schedule checkpoints sit, what
+they
 cost, and that disagreeing ranks stop before any mismatched collective.
 
 The model is sharded under the single-process ``fake`` backend (exact collectives,
@@ -21,8 +22,8 @@ from fsdp_core import CommCounter, build_mesh, mixed_precision_policy
 from fsdp_core.fake_group import fake_process_group
 from fsdp_core.runtime import installed_hooks
 from multimodal_fsdp import MultimodalParallelizer, UnevenMediaError
-from multimodal_fsdp import uneven as uneven_module
-from multimodal_fsdp.uneven import CHECKPOINT_BYTES, ScheduleCheck
+from multimodal_fsdp.runtime import schedule_check as uneven_module
+from multimodal_fsdp.runtime.schedule_check import CHECKPOINT_BYTES, ScheduleCheck
 
 DIM = 8
 FP32 = mixed_precision_policy("fp32", "fp32")

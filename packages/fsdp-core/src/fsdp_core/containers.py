@@ -25,6 +25,7 @@ __all__ = [
     "join_path",
     "is_under",
     "unwrap_module",
+    "module_spans",
 ]
 
 #: Attributes under which wrappers keep the module they wrap: torch's activation
@@ -150,3 +151,27 @@ def _iter_container(container: nn.Module, prefix: str) -> Iterator[tuple[str, nn
             yield from _iter_container(item, path)
         else:
             yield path, item
+
+
+def module_spans(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Pre-order position and subtree end of every module (``named_modules`` order), so
+    that "runs before" and "lies inside" are integer comparisons."""
+    spans: dict[str, tuple[int, int]] = {}
+    seen: set[int] = set()
+    counter = 0
+    stack: list[tuple[str, nn.Module, bool]] = [("", model, False)]
+    starts: dict[str, int] = {}
+    while stack:
+        path, module, done = stack.pop()
+        if done:
+            spans[path] = (starts[path], counter)
+            continue
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        starts[path] = counter
+        counter += 1
+        stack.append((path, module, True))
+        children = [(join_path(path, name), child) for name, child in module.named_children()]
+        stack.extend((p, c, False) for p, c in reversed(children))
+    return spans

@@ -3,8 +3,8 @@
 Under the ``fake`` backend FSDP2 shards exactly as on a real job and issues the
 same collectives with the same byte counts, in one process (the numbers it
 computes are meaningless). The product uses it to count the collectives and the
-memory of a plan without a cluster ([`multimodal_fsdp.measure`][multimodal_fsdp.measure],
-[`multimodal_fsdp.measure_memory`][multimodal_fsdp.measure_memory]); tests use it for layouts. Its
+memory of a plan without a cluster ([`multimodal_fsdp.measure.comm`][multimodal_fsdp.measure.comm],
+[`multimodal_fsdp.measure.memory`][multimodal_fsdp.measure.memory]); tests use it for layouts. Its
 store lives in a private torch module, reached through [`fsdp_core.internals`][fsdp_core.internals].
 """
 

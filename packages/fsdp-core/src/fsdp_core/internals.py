@@ -17,7 +17,7 @@ with several parameter groups). So:
 
 Private torch *modules* go through here too: the ``FakeStore`` of the
 single-process ``fake`` backend ([`fsdp_core.fake_group`][fsdp_core.fake_group]), the
-``FSDPMemTracker`` that [`multimodal_fsdp.measure_memory`][multimodal_fsdp.measure_memory]
+``FSDPMemTracker`` that [`multimodal_fsdp.measure.memory`][multimodal_fsdp.measure.memory]
 subclasses, and FSDP2's state module that [`fsdp_core.compat`][fsdp_core.compat] probes for
 features.
 """

@@ -1,7 +1,8 @@
 """The DeepSeek-V4.1 reference presets, registered for ``python -m multimodal_fsdp plan``.
 
 ``pyproject.toml`` names [`model_presets`][model_deepseek_v41.presets.model_presets] under the
-``multimodal_fsdp.models`` entry-point group, so the command line of the lower package finds these
+``multimodal_fsdp.cli.presets`` entry-point group, so the command line of the lower package finds
+these
 models without importing this one.
 """
 
@@ -16,7 +17,7 @@ from model_deepseek_v41.config import DeepseekV41Config
 from model_deepseek_v41.fsdp import PARALLELIZER
 from model_deepseek_v41.modeling import build_deepseek_v41, make_batch
 from multimodal_fsdp import MultimodalParallelizer
-from multimodal_fsdp.models import ModelPreset
+from multimodal_fsdp.cli.presets import ModelPreset
 
 __all__ = ["PRESET_SIZES", "model_presets"]
 

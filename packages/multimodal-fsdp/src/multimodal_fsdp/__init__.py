@@ -5,22 +5,22 @@ Finds towers and projectors, applies the frozen-tower policy (``root``,
 """
 
 from multimodal_fsdp.__about__ import __version__
-from multimodal_fsdp.choose import MemoryBudgetError, choose_frozen_policy
-from multimodal_fsdp.costs import plan_costs
-from multimodal_fsdp.discovery import iter_multimodal_modules, resolve_multimodal_modules
+from multimodal_fsdp.discovery.names import (
+    MULTIMODAL_MODULE_NAMES,
+    MULTIMODAL_PROJECTOR_NAMES,
+    MULTIMODAL_TOWER_NAMES,
+    is_multimodal_module_name,
+)
+from multimodal_fsdp.discovery.walk import iter_multimodal_modules, resolve_multimodal_modules
+from multimodal_fsdp.estimate.choose import MemoryBudgetError, choose_frozen_policy
+from multimodal_fsdp.estimate.costs import plan_costs
 from multimodal_fsdp.layers import (
     _container_items,
     _is_module_container,
     _shard_layer_containers_recursively,
     shard_multimodal_module,
 )
-from multimodal_fsdp.measure import measure_plan
-from multimodal_fsdp.names import (
-    MULTIMODAL_MODULE_NAMES,
-    MULTIMODAL_PROJECTOR_NAMES,
-    MULTIMODAL_TOWER_NAMES,
-    is_multimodal_module_name,
-)
+from multimodal_fsdp.measure.comm import measure_plan
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 from multimodal_fsdp.policy import (
     VALID_FROZEN_MULTIMODAL_SHARDING,
@@ -30,7 +30,7 @@ from multimodal_fsdp.policy import (
     module_parameters,
     normalize_frozen_multimodal_sharding,
 )
-from multimodal_fsdp.uneven import UnevenMediaError
+from multimodal_fsdp.runtime.schedule_check import UnevenMediaError
 
 __all__ = [
     "__version__",

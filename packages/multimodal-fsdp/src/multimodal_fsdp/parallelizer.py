@@ -1,7 +1,7 @@
 """``MultimodalParallelizer``: the frozen-tower policy on top of layer-container sharding.
 
 How a multimodal module (tower or projector, see
-[`multimodal_fsdp.discovery`][multimodal_fsdp.discovery]) is planned:
+[`multimodal_fsdp.discovery.walk`][multimodal_fsdp.discovery.walk]) is planned:
 
 1. Its *frozen parts* are its maximal fully frozen submodules (the module itself
    when all of it is frozen). Each frozen part follows the module's policy (one
@@ -39,9 +39,11 @@ How a multimodal module (tower or projector, see
 
 Code that only runs with media and owns units (towers and projectors with units,
 decoder layers that text-only batches skip, see
-[`multimodal_fsdp.conditional`][multimodal_fsdp.conditional]) is a *media region*. By default
+[`multimodal_fsdp.discovery.conditional`][multimodal_fsdp.discovery.conditional]) is a *media
+region*. By default
 regions keep their units and the ``schedule_check`` hook
-([`multimodal_fsdp.uneven`][multimodal_fsdp.uneven]) stops a step with uneven media on every rank
+([`multimodal_fsdp.runtime.schedule_check`][multimodal_fsdp.runtime.schedule_check]) stops a step
+with uneven media on every rank
 before a mismatched collective. ``uneven_media=True`` instead folds every region into the root unit:
 any media on any rank trains, at the price of keeping those parameters gathered (and their gradients
 unreduced) for the whole step.
@@ -65,8 +67,9 @@ from fsdp_core.dtype_units import dominant_dtype
 from fsdp_core.mesh_collectives import mesh_device
 from fsdp_core.parallelizer import PlanContext
 from fsdp_core.runtime import HookPlan
-from multimodal_fsdp.conditional import find_media_conditional_layers
-from multimodal_fsdp.discovery import (
+from multimodal_fsdp.discovery.conditional import find_media_conditional_layers
+from multimodal_fsdp.discovery.validation import check_attribute_names, check_module_paths
+from multimodal_fsdp.discovery.walk import (
     resolve_multimodal_modules,
 )
 from multimodal_fsdp.layers import shard_multimodal_module
@@ -84,15 +87,14 @@ from multimodal_fsdp.policy import (
     frozen_sharding_label,
     normalize_frozen_sharding_spec,
 )
-from multimodal_fsdp.prefetch import PrefetchGuardRuntimeHook, frozen_unit_labels
 from multimodal_fsdp.reachability import backward_free_paths
-from multimodal_fsdp.uneven import (
+from multimodal_fsdp.runtime.prefetch_guard import PrefetchGuardRuntimeHook, frozen_unit_labels
+from multimodal_fsdp.runtime.schedule_check import (
     CHECKPOINT_BYTES,
     MediaRegion,
     ScheduleCheckRuntimeHook,
     plan_schedule_layout,
 )
-from multimodal_fsdp.validation import check_attribute_names, check_module_paths
 
 __all__ = ["MultimodalParallelizer"]
 

@@ -23,7 +23,7 @@ from typing import Literal
 from torch import nn
 
 from fsdp_core.containers import iter_layer_items, join_path
-from multimodal_fsdp.names import MultimodalModule
+from multimodal_fsdp.discovery.names import MultimodalModule
 from multimodal_fsdp.policy import module_is_fully_frozen
 
 __all__ = [

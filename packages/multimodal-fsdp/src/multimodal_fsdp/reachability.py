@@ -3,7 +3,8 @@
 FSDP2 runs a unit's backward (and re-gathers its parameters for it) only when
 its output needs a gradient. Frozen parts of towers and projectors that come
 before every trainable parameter of their modality see only media inputs
-(pixels, audio), so their backward never runs. [`multimodal_fsdp.costs`][multimodal_fsdp.costs]
+(pixels, audio), so their backward never runs.
+[`multimodal_fsdp.estimate.costs`][multimodal_fsdp.estimate.costs]
 uses this judgement to count backward all-gathers and the prefetch guard's
 savings; it lives here so that the rule has one home and one test surface.
 """
@@ -15,9 +16,9 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from multimodal_fsdp.discovery import resolve_multimodal_modules
+from fsdp_core.containers import module_spans
+from multimodal_fsdp.discovery.walk import resolve_multimodal_modules
 from multimodal_fsdp.parts import MultimodalParts, split_frozen_parts
-from multimodal_fsdp.timeline import _module_spans
 
 if TYPE_CHECKING:
     from multimodal_fsdp.parallelizer import MultimodalParallelizer
@@ -58,7 +59,7 @@ def backward_free_paths(
             MultimodalParts(item, *split_frozen_parts(item.module, item.path))
             for item in resolve_multimodal_modules(model)
         ]
-    spans = _module_spans(model)
+    spans = module_spans(model)
     free: list[str] = []
     for members in _parts_in_flow_order(found).values():
         for part in members:

@@ -4,7 +4,8 @@ Users pick a frozen-tower policy, fp32 islands and reshard settings; this
 module turns a [`ShardingPlan`][fsdp_core.plan.ShardingPlan] and its (meta-device) model
 into the numbers that decide between them: per FSDP unit and per rank, the
 sharded bytes, the collectives of a training step and the peak of gathered
-parameters. [`multimodal_fsdp.measure`][multimodal_fsdp.measure] counts the same collectives on a
+parameters. [`multimodal_fsdp.measure.comm`][multimodal_fsdp.measure.comm] counts the same
+collectives on a
 real step; the two agree exactly (the project's tests hold them to it).
 
 **One step** is one forward and one backward of one batch in which every
@@ -24,22 +25,25 @@ and per step, FSDP2 (torch 2.13) then issues:
 - nothing for parameters outside FSDP (``replicate``);
 - forward: one 16-byte all-reduce per checkpoint (per mesh dimension) of the
   ``schedule_check`` hook, when media regions own units
-  ([`multimodal_fsdp.uneven`][multimodal_fsdp.uneven]);
+  ([`multimodal_fsdp.runtime.schedule_check`][multimodal_fsdp.runtime.schedule_check]);
 - backward: one all-reduce of one byte per trainable FSDP parameter (per mesh
   dimension) of the ``unused_params`` hook ([`fsdp_core.unused_params`][fsdp_core.unused_params]).
 
-Without the prefetch guard ([`multimodal_fsdp.prefetch`][multimodal_fsdp.prefetch]) the unit that
+Without the prefetch guard
+([`multimodal_fsdp.runtime.prefetch_guard`][multimodal_fsdp.runtime.prefetch_guard]) the unit that
 finishes its forward right after a unit without backward re-gathers that unit
 in its pre-backward; ``prefetch_guard=False`` accounts for that waste.
 
 The parts of the model live in their own modules, one concept each:
-[`multimodal_fsdp.collectives`][multimodal_fsdp.collectives]
-([`CommTally`][multimodal_fsdp.collectives.CommTally] and the byte rules),
+[`multimodal_fsdp.estimate.collectives`][multimodal_fsdp.estimate.collectives]
+([`CommTally`][multimodal_fsdp.estimate.collectives.CommTally] and the byte rules),
 [`multimodal_fsdp.reachability`][multimodal_fsdp.reachability] (which frozen modules see no
-gradient), [`multimodal_fsdp.timeline`][multimodal_fsdp.timeline] (the peak of gathered parameters),
-[`multimodal_fsdp.render`][multimodal_fsdp.render] (the printed tree) and
-[`multimodal_fsdp.rewrite`][multimodal_fsdp.rewrite] (plan variants such as
-[`ungroup_units`][multimodal_fsdp.rewrite.ungroup_units]). Their public names stay importable from
+gradient), [`multimodal_fsdp.estimate.timeline`][multimodal_fsdp.estimate.timeline] (the peak of
+gathered parameters),
+[`multimodal_fsdp.estimate.render`][multimodal_fsdp.estimate.render] (the printed tree) and
+[`multimodal_fsdp.estimate.rewrite`][multimodal_fsdp.estimate.rewrite] (plan variants such as
+[`ungroup_units`][multimodal_fsdp.estimate.rewrite.ungroup_units]). Their public names stay
+importable from
 here.
 """
 
@@ -54,12 +58,12 @@ import torch
 from torch import nn
 
 from fsdp_core import ShardingPlan
-from fsdp_core.containers import is_under
+from fsdp_core.containers import is_under, module_spans
 from fsdp_core.mesh import MeshShape, resolve_mesh_shape
 from fsdp_core.plan import unit_parameters
 from fsdp_core.runtime import HookPlan
 from fsdp_core.sharding import check_reshard_after_forward, original_class
-from multimodal_fsdp.collectives import (
+from multimodal_fsdp.estimate.collectives import (
     CommTally,
     _gathered_bytes,
     _sharded_bytes,
@@ -67,24 +71,23 @@ from multimodal_fsdp.collectives import (
     param_compute_dtype,
     unit_reduce_dtype,
 )
-from multimodal_fsdp.parallelizer import MultimodalParallelizer
-from multimodal_fsdp.reachability import backward_free_paths
-from multimodal_fsdp.render import format_costs
-from multimodal_fsdp.timeline import (
-    _module_spans,
+from multimodal_fsdp.estimate.render import format_costs
+from multimodal_fsdp.estimate.timeline import (
     _peaks,
     _prefetch_waste,
     _Unit,
     effective_reshard,
 )
-from multimodal_fsdp.uneven import (
+from multimodal_fsdp.parallelizer import MultimodalParallelizer
+from multimodal_fsdp.reachability import backward_free_paths
+from multimodal_fsdp.runtime.schedule_check import (
     CHECKPOINT_BYTES,
     ScheduleCheckRuntimeHook,
     plan_schedule_layout,
 )
 
 if TYPE_CHECKING:  # an annotation only: memory builds on this module
-    from multimodal_fsdp.memory import MemoryEstimate
+    from multimodal_fsdp.estimate.memory import MemoryEstimate
 
 __all__ = ["PlanCosts", "UnitCost", "plan_costs", "resolve_cost_mesh"]
 
@@ -166,7 +169,8 @@ class PlanCosts:
     notes: tuple[str, ...] = ()
     #: The runtime hooks the plan installs (their collectives are in ``extra``).
     hooks: tuple[HookPlan, ...] = ()
-    #: Predicted per-rank memory of a step ([`multimodal_fsdp.memory`][multimodal_fsdp.memory]), if
+    #: Predicted per-rank memory of a step
+    #: ([`multimodal_fsdp.estimate.memory`][multimodal_fsdp.estimate.memory]), if
     #: estimated.
     memory: MemoryEstimate | None = None
 
@@ -306,7 +310,7 @@ def plan_costs(
     else:
         free = backward_free_paths(model, parallelizer)
     forced = tuple(with_backward)
-    spans = _module_spans(model)
+    spans = module_spans(model)
     any_trainable = any(p.requires_grad for p in model.parameters())
     owned = unit_parameters(plan, model)
 

@@ -1,6 +1,6 @@
 """Per-rank memory of a sharding plan: parameters, gradients, optimizer state, activations.
 
-[`plan_costs`][multimodal_fsdp.costs.plan_costs] already gives the parameter figures
+[`plan_costs`][multimodal_fsdp.estimate.costs.plan_costs] already gives the parameter figures
 (the sharded bytes at rest, the replicated bytes, the peaks of gathered
 parameters in forward and in backward). This module adds what a training step
 keeps beside them, so that the plan predicts the whole per-rank peak:
@@ -13,7 +13,7 @@ keeps beside them, so that the plan predicts the whole per-rank peak:
   ``sgd_momentum`` keeps one; ``sgd`` and ``none`` keep nothing;
 - **activations**: what the forward saves for backward. They do not depend on
   sharding (each rank runs its own batch), so
-  [`trace_activations`][multimodal_fsdp.activations.trace_activations] runs
+  [`trace_activations`][multimodal_fsdp.estimate.activations.trace_activations] runs
   one step of the batch on an unsharded copy in one process, with the plan's
   compute dtypes and input casts, adds up the tensors autograd saves, and
   follows the live bytes through backward.
@@ -45,10 +45,10 @@ from torch import nn
 
 from fsdp_core import ShardingPlan
 from fsdp_core.plan import unit_parameters
-from multimodal_fsdp.activations import ActivationTrace, check_shard
-from multimodal_fsdp.collectives import padded_shard_numel
-from multimodal_fsdp.costs import PlanCosts
-from multimodal_fsdp.render import format_bytes
+from multimodal_fsdp.estimate.activations import ActivationTrace, check_shard
+from multimodal_fsdp.estimate.collectives import padded_shard_numel
+from multimodal_fsdp.estimate.costs import PlanCosts
+from multimodal_fsdp.estimate.render import format_bytes
 
 __all__ = [
     "OPTIMIZER_STATES",
@@ -224,7 +224,8 @@ def gradient_bytes(plan: ShardingPlan, model: nn.Module, *, shard: int) -> int:
 def optimizer_state_bytes(
     plan: ShardingPlan, model: nn.Module, *, shard: int, optimizer: str = "adamw"
 ) -> int:
-    """Per-rank optimizer state: [`OPTIMIZER_STATES`][multimodal_fsdp.memory.OPTIMIZER_STATES]
+    """Per-rank optimizer state:
+    [`OPTIMIZER_STATES`][multimodal_fsdp.estimate.memory.OPTIMIZER_STATES]
     tensors per trainable shard, plus Adam's 4-byte ``step`` per parameter."""
     check_shard(shard)
     states = OPTIMIZER_STATES[check_optimizer(optimizer)]
@@ -244,7 +245,8 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """The whole per-rank memory estimate of ``plan`` (costed as ``costs``) for ``model``.
 
-    ``activations`` comes from [`trace_activations`][multimodal_fsdp.activations.trace_activations],
+    ``activations`` comes from
+    [`trace_activations`][multimodal_fsdp.estimate.activations.trace_activations],
     or is a number of bytes (taken for the end of forward and for backward alike), or ``None``
     (the peak then leaves activations out and says so).
     """
@@ -292,6 +294,6 @@ def with_memory(
     optimizer: str = "adamw",
     activations: ActivationTrace | int | None = None,
 ) -> PlanCosts:
-    """``costs`` with its [`memory`][multimodal_fsdp.costs.PlanCosts.memory] filled in."""
+    """``costs`` with its [`memory`][multimodal_fsdp.estimate.costs.PlanCosts.memory] filled in."""
     estimate = estimate_memory(costs, plan, model, optimizer=optimizer, activations=activations)
     return dataclasses.replace(costs, memory=estimate)

@@ -1,8 +1,9 @@
 """Plan rewriting: variants of a plan that answer what-if questions.
 
 A rewrite takes a [`ShardingPlan`][fsdp_core.plan.ShardingPlan] and returns another one, so
-that [`multimodal_fsdp.costs`][multimodal_fsdp.costs] and
-[`multimodal_fsdp.measure`][multimodal_fsdp.measure] can cost or run the variant exactly like the
+that [`multimodal_fsdp.estimate.costs`][multimodal_fsdp.estimate.costs] and
+[`multimodal_fsdp.measure.comm`][multimodal_fsdp.measure.comm] can cost or run the variant exactly
+like the
 original (for example, to count what grouped units save over one unit per member module).
 """
 

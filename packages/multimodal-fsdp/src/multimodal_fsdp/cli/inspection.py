@@ -1,8 +1,9 @@
 """One call from a model to its plan's costs and memory: plan, cost, predict.
 
-[`inspect_model`][multimodal_fsdp.inspection.inspect_model] sits above
-[`multimodal_fsdp.costs`][multimodal_fsdp.costs] and
-[`multimodal_fsdp.memory`][multimodal_fsdp.memory] (which builds on the costs), so that
+[`inspect_model`][multimodal_fsdp.cli.inspection.inspect_model] sits above
+[`multimodal_fsdp.estimate.costs`][multimodal_fsdp.estimate.costs] and
+[`multimodal_fsdp.estimate.memory`][multimodal_fsdp.estimate.memory] (which builds on the costs),
+so that
 neither of them has to import the other back.
 """
 
@@ -16,9 +17,9 @@ from torch import nn
 from fsdp_core import mixed_precision_policy
 from fsdp_core.mesh import MeshShape
 from fsdp_core.sharding import check_reshard_after_forward
-from multimodal_fsdp.activations import trace_activations
-from multimodal_fsdp.costs import PlanCosts, plan_costs, resolve_cost_mesh
-from multimodal_fsdp.memory import with_memory
+from multimodal_fsdp.estimate.activations import trace_activations
+from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs, resolve_cost_mesh
+from multimodal_fsdp.estimate.memory import with_memory
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 
 __all__ = ["inspect_model"]
@@ -43,10 +44,11 @@ def inspect_model(
     """Plan ``model`` with ``parallelizer`` (default
     [`MultimodalParallelizer`][multimodal_fsdp.parallelizer.MultimodalParallelizer]) under
     ``policy`` and ``precision``, then cost the plan (see
-    [`plan_costs`][multimodal_fsdp.costs.plan_costs]).
+    [`plan_costs`][multimodal_fsdp.estimate.costs.plan_costs]).
 
     Unless ``optimizer`` is ``None``, the costs carry the predicted memory of a
-    step with that optimizer ([`multimodal_fsdp.memory`][multimodal_fsdp.memory]); with ``loss_fn``
+    step with that optimizer
+    ([`multimodal_fsdp.estimate.memory`][multimodal_fsdp.estimate.memory]); with ``loss_fn``
     (one batch's loss) the activations are traced and included in the peak."""
     if parallelizer is None:
         parallelizer = MultimodalParallelizer()

@@ -7,7 +7,8 @@ whose ``main_input_name`` is a media input, a child encoder taking media (or a
 projector taking a tower's output) and no text right where media meets text, and a
 module holding nothing but two or more towers. A match that shares (ties) a
 parameter with the rest of the model is dropped. The walk that applies them, with
-its maximality and guard rules, is [`multimodal_fsdp.discovery`][multimodal_fsdp.discovery]; the
+its maximality and guard rules, is
+[`multimodal_fsdp.discovery.walk`][multimodal_fsdp.discovery.walk]; the
 rules live here so each can be read and tested on its own.
 """
 
@@ -20,7 +21,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from fsdp_core.containers import unwrap_module
-from multimodal_fsdp.names import (
+from multimodal_fsdp.discovery.names import (
     _INPUT_MODALITY_KEYWORDS,
     Modality,
     MultimodalModule,
@@ -30,7 +31,7 @@ from multimodal_fsdp.names import (
 __all__ = ["MEDIA_FEATURE_INPUTS", "MEDIA_INPUTS"]
 
 # Discovery's logger: the structural rules log as part of the walk.
-logger = logging.getLogger("multimodal_fsdp.discovery")
+logger = logging.getLogger("multimodal_fsdp.discovery.walk")
 
 _BLOCK_CONTAINERS: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 

@@ -6,14 +6,16 @@ each unit is gathered from its first member's forward to its last member's, and
 kept until backward when it is not resharded; in backward each unit is gathered
 from its pre-backward to its post-backward, and the implicit prefetch gathers
 the next one early. Without the prefetch guard
-([`multimodal_fsdp.prefetch`][multimodal_fsdp.prefetch]) the unit that finishes its forward right
+([`multimodal_fsdp.runtime.prefetch_guard`][multimodal_fsdp.runtime.prefetch_guard]) the unit that
+finishes its forward right
 after a unit without backward re-gathers that unit in its pre-backward, which is wasted
 communication. Transient all-gather staging buffers are not included.
 
-[`multimodal_fsdp.costs`][multimodal_fsdp.costs] places the units of a plan on this timeline; the
+[`multimodal_fsdp.estimate.costs`][multimodal_fsdp.estimate.costs] places the units of a plan on
+this timeline; the
 rules of order, prefetch and peak live here, apart from the byte rules
-([`multimodal_fsdp.collectives`][multimodal_fsdp.collectives]) and the report
-([`multimodal_fsdp.render`][multimodal_fsdp.render]).
+([`multimodal_fsdp.estimate.collectives`][multimodal_fsdp.estimate.collectives]) and the report
+([`multimodal_fsdp.estimate.render`][multimodal_fsdp.estimate.render]).
 """
 
 from __future__ import annotations
@@ -23,9 +25,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from fsdp_core.containers import join_path
 from fsdp_core.plan import UnitPlan
-from multimodal_fsdp.collectives import CommTally
+from multimodal_fsdp.estimate.collectives import CommTally
 
 __all__ = ["effective_reshard", "kept_after_forward"]
 
@@ -44,29 +45,6 @@ class _Unit:
     sharded: int
     comm: CommTally = field(default_factory=CommTally)
     wasted: CommTally = field(default_factory=CommTally)
-
-
-def _module_spans(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """Pre-order position and subtree end of every module (``named_modules`` order)."""
-    spans: dict[str, tuple[int, int]] = {}
-    seen: set[int] = set()
-    counter = 0
-    stack: list[tuple[str, nn.Module, bool]] = [("", model, False)]
-    starts: dict[str, int] = {}
-    while stack:
-        path, module, done = stack.pop()
-        if done:
-            spans[path] = (starts[path], counter)
-            continue
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        starts[path] = counter
-        counter += 1
-        stack.append((path, module, True))
-        children = [(join_path(path, name), child) for name, child in module.named_children()]
-        stack.extend((p, c, False) for p, c in reversed(children))
-    return spans
 
 
 def effective_reshard(unit: UnitPlan, shard: int) -> bool | int:

@@ -26,15 +26,18 @@ Each result records the rule that matched. Three rules decide which matches are 
   so it covers decoder layers whatever the language model is called (``model.layers.N``,
   ``transformer.h.N``, Mllama's ``language_model.layers.N.cross_attn``).
 * **Language-model guard** -- nothing strictly below a module registered under a
-  language-model name ([`LANGUAGE_MODEL_NAMES`][multimodal_fsdp.discovery.LANGUAGE_MODEL_NAMES],
+  language-model name
+  ([`LANGUAGE_MODEL_NAMES`][multimodal_fsdp.discovery.walk.LANGUAGE_MODEL_NAMES],
   e.g. ``language_model``) can match, nor anything in a model built from an enclosing model's text
   or decoder sub-config, so helper modules that a text decoder keeps outside its layer stack are not
   mistaken for towers either.
 
 The root module is never reported: discovery is about parts of a model, not the model.
 
-The name tables live in [`multimodal_fsdp.names`][multimodal_fsdp.names] and the structural rules in
-[`multimodal_fsdp.structure`][multimodal_fsdp.structure]; this module is the walk that applies them,
+The name tables live in [`multimodal_fsdp.discovery.names`][multimodal_fsdp.discovery.names] and
+the structural rules in
+[`multimodal_fsdp.discovery.structure`][multimodal_fsdp.discovery.structure]; this module is the
+walk that applies them,
 and re-exports their public names.
 """
 
@@ -46,7 +49,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from torch import nn
 
 from fsdp_core.containers import unwrap_module
-from multimodal_fsdp.names import (
+from multimodal_fsdp.discovery.names import (
     _BUILTIN_RULES,
     LANGUAGE_MODEL_NAMES,
     Modality,
@@ -55,7 +58,7 @@ from multimodal_fsdp.names import (
     _modality_from_keywords,
     _Rule,
 )
-from multimodal_fsdp.structure import (
+from multimodal_fsdp.discovery.structure import (
     _BLOCK_CONTAINERS,
     _absorb_bundles,
     _is_text_model,
@@ -63,7 +66,7 @@ from multimodal_fsdp.structure import (
     _register_subconfigs,
     _shares_parameters,
 )
-from multimodal_fsdp.validation import check_attribute_names, check_module_paths
+from multimodal_fsdp.discovery.validation import check_attribute_names, check_module_paths
 
 __all__ = ["iter_multimodal_modules", "resolve_multimodal_modules"]
 
@@ -74,7 +77,8 @@ def iter_multimodal_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]
     """Yield ``(qualified_name, module)`` for the maximal towers and projectors of ``model``.
 
     Same walk and rules (names and structure) as
-    [`resolve_multimodal_modules`][multimodal_fsdp.discovery.resolve_multimodal_modules] with no
+    [`resolve_multimodal_modules`][multimodal_fsdp.discovery.walk.resolve_multimodal_modules] with
+    no
     extra names or excludes; results come in ``named_modules()`` pre-order.
     """
     _check_model(model)

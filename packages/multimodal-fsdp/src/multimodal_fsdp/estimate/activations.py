@@ -1,12 +1,14 @@
 """What one batch costs beside the parameters, from one traced step (no process group).
 
-[`trace_activations`][multimodal_fsdp.activations.trace_activations] runs one forward and backward
+[`trace_activations`][multimodal_fsdp.estimate.activations.trace_activations] runs one forward and
+backward
 of a batch on an unsharded copy of the model, in one process, with every parameter in the dtype
 it computes in under the plan and FSDP2's casts at unit boundaries, and follows
 the bytes that are alive: what autograd saves in forward, what backward creates,
 and - replayed unit by unit as FSDP2 does it - the gathered parameters, each
 unit's unsharded gradients and reduce-scatter input, and the sharded gradients.
-[`multimodal_fsdp.memory`][multimodal_fsdp.memory] adds the result to the plan's other figures.
+[`multimodal_fsdp.estimate.memory`][multimodal_fsdp.estimate.memory] adds the result to the plan's
+other figures.
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ from fsdp_core import ShardingPlan
 from fsdp_core.internals import TorchDispatchMode
 from fsdp_core.plan import unit_parameters
 from fsdp_core.runtime import output_tensors
-from multimodal_fsdp.collectives import (
+from multimodal_fsdp.estimate.collectives import (
     padded_shard_numel,
     param_compute_dtype,
     param_reduce_dtype,
 )
-from multimodal_fsdp.timeline import kept_after_forward
+from multimodal_fsdp.estimate.timeline import kept_after_forward
 
 if TYPE_CHECKING:  # only a fallback for hand-built plans; plans record their dtypes
     from multimodal_fsdp.parallelizer import MultimodalParallelizer
@@ -121,7 +123,7 @@ def _compute_copy(
 @dataclass(frozen=True)
 class ActivationTrace:
     """What one batch needs beside the parameters, from
-    [`trace_activations`][multimodal_fsdp.activations.trace_activations]."""
+    [`trace_activations`][multimodal_fsdp.estimate.activations.trace_activations]."""
 
     #: Bytes saved for backward when the forward ends (the loss included).
     saved_bytes: int

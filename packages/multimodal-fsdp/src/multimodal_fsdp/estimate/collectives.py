@@ -1,8 +1,11 @@
 """Collective accounting: what one step's collectives are called and what they weigh.
 
-[`multimodal_fsdp.costs`][multimodal_fsdp.costs] predicts collectives from a plan and
-[`multimodal_fsdp.measure`][multimodal_fsdp.measure] counts them on a real step; both speak
-[`CommTally`][multimodal_fsdp.collectives.CommTally], so a prediction and a measurement compare key
+[`multimodal_fsdp.estimate.costs`][multimodal_fsdp.estimate.costs] predicts collectives from a
+plan and
+[`multimodal_fsdp.measure.comm`][multimodal_fsdp.measure.comm] counts them on a real step; both
+speak
+[`CommTally`][multimodal_fsdp.estimate.collectives.CommTally], so a prediction and a measurement
+compare key
 by key. The byte rules live here too, in one place: each collective moves the unsharded
 buffer, with FSDP's padding of every parameter's dim 0 to a multiple of the
 shard-group size, in the dtype on the wire (the compute dtype for all-gathers,
@@ -169,7 +172,7 @@ def _unit_collectives(
     replicate: int,
 ) -> CommTally:
     """The collectives one unit issues in a step (see
-    [`multimodal_fsdp.costs`][multimodal_fsdp.costs])."""
+    [`multimodal_fsdp.estimate.costs`][multimodal_fsdp.estimate.costs])."""
     tally = CommTally()
     if not params:
         return tally

@@ -1,9 +1,11 @@
-"""The measured counterpart of [`multimodal_fsdp.costs`][multimodal_fsdp.costs]: count a real step.
+"""The measured counterpart of [`multimodal_fsdp.estimate.costs`][multimodal_fsdp.estimate.costs]:
+count a real step.
 
-[`measure_step`][multimodal_fsdp.measure.measure_step] runs one forward and one backward of an
+[`measure_step`][multimodal_fsdp.measure.comm.measure_step] runs one forward and one backward of an
 already sharded model inside [`fsdp_core.CommCounter`][fsdp_core.comm.CommCounter] (a dispatch mode
 over the ``c10d`` ops), tagging each collective with its phase.
-[`measure_plan`][multimodal_fsdp.measure.measure_plan] does the whole round trip in one process:
+[`measure_plan`][multimodal_fsdp.measure.comm.measure_plan] does the whole round trip in one
+process:
 cost the plan analytically, shard the model under the fake process group (or the process group
 already initialised, e.g. real gloo ranks), run the step and compare. Under the fake group the
 numbers the model computes are meaningless, but the collectives and their sizes are
@@ -24,10 +26,13 @@ from fsdp_core import CommCounter, ShardingPlan, build_mesh
 from fsdp_core.collective_entry import enter_collective
 from fsdp_core.fake_group import current_or_fake_group
 from fsdp_core.mesh import resolve_mesh_shape
-from multimodal_fsdp.collectives import KINDS, PHASES, CommTally
-from multimodal_fsdp.costs import PlanCosts, plan_costs
+from multimodal_fsdp.estimate.collectives import KINDS, PHASES, CommTally
+from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
-from multimodal_fsdp.prefetch import backward_prefetch_guard, remove_backward_prefetch_guard
+from multimodal_fsdp.runtime.prefetch_guard import (
+    backward_prefetch_guard,
+    remove_backward_prefetch_guard,
+)
 
 __all__ = [
     "Comparison",
@@ -46,7 +51,8 @@ LossFn = Callable[[nn.Module], torch.Tensor]
 
 
 def tally_from_counter(counter: CommCounter) -> CommTally:
-    """A [`CommTally`][multimodal_fsdp.collectives.CommTally] of everything ``counter`` recorded."""
+    """A [`CommTally`][multimodal_fsdp.estimate.collectives.CommTally] of everything ``counter``
+    recorded."""
     tally = CommTally()
     for record in counter.records:
         tally.add(record.phase, record.kind, record.nbytes)

@@ -7,7 +7,8 @@ parameters need no gradient, so its backward never runs, yet the prefetch
 all-gathers it anyway, and the gathered parameters are only dropped at the end
 of backward. One wasted all-gather (and the memory of one tower unit) per step.
 
-[`guard_backward_prefetch`][multimodal_fsdp.prefetch.guard_backward_prefetch] closes that gap with
+[`guard_backward_prefetch`][multimodal_fsdp.runtime.prefetch_guard.guard_backward_prefetch] closes
+that gap with
 public FSDP2 API. Every non-root unit whose parameters are all frozen is marked
 ``set_unshard_in_backward(False)`` and is marked back as soon as one of its
 forward outputs requires a gradient (then its own backward runs and needs its
@@ -35,8 +36,7 @@ every rank.
 
 [`MultimodalParallelizer`][multimodal_fsdp.parallelizer.MultimodalParallelizer] installs it after
 sharding;
-[`remove_backward_prefetch_guard`][multimodal_fsdp.prefetch.remove_backward_prefetch_guard] undoes
-it (used to show the difference).
+``remove_backward_prefetch_guard`` undoes it (used to show the difference).
 """
 
 from __future__ import annotations
@@ -264,6 +264,5 @@ def backward_prefetch_guard(model: nn.Module) -> BackwardPrefetchGuard | None:
 
 
 def remove_backward_prefetch_guard(model: nn.Module) -> bool:
-    """Undo [`guard_backward_prefetch`][multimodal_fsdp.prefetch.guard_backward_prefetch] on
-    ``model``; returns whether there was one."""
+    """Undo ``guard_backward_prefetch`` on ``model``; returns whether there was one."""
     return bool(remove_runtime_hooks(model, [NAME]))

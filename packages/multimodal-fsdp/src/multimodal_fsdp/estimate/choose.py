@@ -4,7 +4,8 @@ Every frozen tower and projector (each discovered multimodal module with frozen
 parameters) may follow its own policy (see
 [`MultimodalParallelizer`][multimodal_fsdp.parallelizer.MultimodalParallelizer]), so the chooser
 plans and costs every combination: ``len(policies) ** k`` plans for ``k`` frozen modules, at most
-[`MAX_COMBINATIONS`][multimodal_fsdp.choose.MAX_COMBINATIONS] (restrict ``policies`` to search more
+[`MAX_COMBINATIONS`][multimodal_fsdp.estimate.choose.MAX_COMBINATIONS] (restrict ``policies`` to
+search more
 modules). Among the combinations whose predicted per-rank peak fits the budget, the one that
 communicates least per step wins (bytes, then number of collectives, then the lower peak; ties go to
 the earlier policy in ``policies``). Memory and communication are those of the whole plan, so a
@@ -35,9 +36,10 @@ from fsdp_core import mixed_precision_policy
 from fsdp_core.mesh import MeshShape
 from fsdp_core.sharding import check_reshard_after_forward
 from fsdp_core.sizes import parse_size
-from multimodal_fsdp.activations import ActivationTrace, trace_activations
-from multimodal_fsdp.costs import PlanCosts, plan_costs, resolve_cost_mesh
-from multimodal_fsdp.memory import check_optimizer, with_memory
+from multimodal_fsdp.estimate.activations import ActivationTrace, trace_activations
+from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs, resolve_cost_mesh
+from multimodal_fsdp.estimate.memory import check_optimizer, with_memory
+from multimodal_fsdp.estimate.render import format_bytes
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 from multimodal_fsdp.parts import MultimodalParts
 from multimodal_fsdp.policy import (
@@ -47,7 +49,6 @@ from multimodal_fsdp.policy import (
     FrozenShardingSpec,
     normalize_frozen_multimodal_sharding,
 )
-from multimodal_fsdp.render import format_bytes
 
 __all__ = [
     "MAX_COMBINATIONS",
@@ -268,11 +269,14 @@ def choose_frozen_policy(
     a size such as ``"40GiB"``).
 
     Activations come from ``loss_fn`` (one step traced per combination, see
-    [`trace_activations`][multimodal_fsdp.activations.trace_activations]), or ``activations``, or
+    [`trace_activations`][multimodal_fsdp.estimate.activations.trace_activations]), or
+    ``activations``, or
     are left out (the notes say so). Raises
-    [`MemoryBudgetError`][multimodal_fsdp.choose.MemoryBudgetError] naming the smallest achievable
+    [`MemoryBudgetError`][multimodal_fsdp.estimate.choose.MemoryBudgetError] naming the smallest
+    achievable
     peak and its policies when nothing fits, and ``ValueError`` when more than
-    [`MAX_COMBINATIONS`][multimodal_fsdp.choose.MAX_COMBINATIONS] plans would be needed. Per-module
+    [`MAX_COMBINATIONS`][multimodal_fsdp.estimate.choose.MAX_COMBINATIONS] plans would be needed.
+    Per-module
     policies the given ``parallelizer`` already has are replaced by the choice; with
     ``uneven_media=True`` it never chooses ``per_layer``, which that option refuses.
     """

@@ -2,14 +2,16 @@
 
 A lower layer must not import an upper one, so the command line cannot know which
 model packages exist. A model package registers its presets under the entry-point
-group [`ENTRY_POINT_GROUP`][multimodal_fsdp.models.ENTRY_POINT_GROUP] in its ``pyproject.toml``::
+group [`ENTRY_POINT_GROUP`][multimodal_fsdp.cli.presets.ENTRY_POINT_GROUP] in its
+``pyproject.toml``::
 
     [project.entry-points."multimodal_fsdp.models"]
     my-model = "my_model_package.presets:model_presets"
 
 The entry point names a function that takes no argument and returns
-[`ModelPreset`][multimodal_fsdp.models.ModelPreset] objects.
-[`model_presets`][multimodal_fsdp.models.model_presets] collects them from every installed package
+[`ModelPreset`][multimodal_fsdp.cli.presets.ModelPreset] objects.
+[`model_presets`][multimodal_fsdp.cli.presets.model_presets] collects them from every installed
+package
 (a third model package plugs in the same way as ``model-deepseek-v41``).
 """
 

@@ -1,15 +1,17 @@
-"""The measured counterpart of [`multimodal_fsdp.memory`][multimodal_fsdp.memory]: bytes of a real
+"""The measured counterpart of
+[`multimodal_fsdp.estimate.memory`][multimodal_fsdp.estimate.memory]: bytes of a real
 step, per rank.
 
-[`measure_memory`][multimodal_fsdp.measure_memory.measure_memory] runs warm-up steps of an already
+[`measure_memory`][multimodal_fsdp.measure.memory.measure_memory] runs warm-up steps of an already
 sharded model, then one tracked step (forward, backward, optimizer step) under torch's
 ``FSDPMemTracker``, which attributes every tensor storage on the rank to a
 category (sharded and unsharded parameters, all-gather buffers, gradients,
 activations, temporaries, optimizer state). Parameters that FSDP ignores
 (``replicate``) are invisible to it, so they are registered with it as inputs
-and counted separately. [`measure_plan_memory`][multimodal_fsdp.measure_memory.measure_plan_memory]
+and counted separately. [`measure_plan_memory`][multimodal_fsdp.measure.memory.measure_plan_memory]
 does the whole round trip like
-[`multimodal_fsdp.measure.measure_plan`][multimodal_fsdp.measure.measure_plan]: plan, predict (with
+[`multimodal_fsdp.measure.comm.measure_plan`][multimodal_fsdp.measure.comm.measure_plan]: plan,
+predict (with
 the activation trace), shard, measure - under the initialised process group or else the fake one,
 where tensor sizes are exactly those of a real job.
 
@@ -37,9 +39,9 @@ from fsdp_core.collective_entry import enter_collective
 from fsdp_core.fake_group import current_or_fake_group
 from fsdp_core.internals import memory_timeline_tracker
 from fsdp_core.mesh import resolve_mesh_shape
-from multimodal_fsdp.activations import trace_activations
-from multimodal_fsdp.costs import PlanCosts, plan_costs
-from multimodal_fsdp.memory import check_optimizer, memory_figures, with_memory
+from multimodal_fsdp.estimate.activations import trace_activations
+from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs
+from multimodal_fsdp.estimate.memory import check_optimizer, memory_figures, with_memory
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 
 __all__ = [
@@ -88,7 +90,7 @@ def _new_tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> A
             points.append(point)
 
     tracker = memory_timeline_tracker(
-        model, optimizer, on_change=record, user="multimodal_fsdp.measure_memory"
+        model, optimizer, on_change=record, user="multimodal_fsdp.measure.memory"
     )
     tracker.points = points
     return tracker
@@ -160,8 +162,8 @@ class MeasuredMemory:
 def make_optimizer(
     name: str, params: Iterable[nn.Parameter], *, lr: float = 1e-3
 ) -> torch.optim.Optimizer | None:
-    """The optimizer
-    [`multimodal_fsdp.memory.OPTIMIZER_STATES`][multimodal_fsdp.memory.OPTIMIZER_STATES] names
+    """The optimizer that ``name`` (a key of
+    [`OPTIMIZER_STATES`][multimodal_fsdp.estimate.memory.OPTIMIZER_STATES]) names
     (``None`` for ``"none"`` or when nothing is trainable)."""
     check_optimizer(name)
     trainable = [p for p in params if p.requires_grad]

@@ -8,7 +8,8 @@ that text-only batches skip. When such code owns units (a *media region*), ranks
 with different media issue different collectives, and the job hangs, crashes deep
 in the collective library, or (NCCL, equal sizes) silently mixes up data.
 
-[`ScheduleCheck`][multimodal_fsdp.uneven.ScheduleCheck] makes every rank agree on *where it is* at
+[`ScheduleCheck`][multimodal_fsdp.runtime.schedule_check.ScheduleCheck] makes every rank agree on
+*where it is* at
 the few points where the ranks' schedules can part:
 
 - each entry into a region (every call);
@@ -21,15 +22,17 @@ the few points where the ranks' schedules can part:
 At each such checkpoint all ranks all-reduce one 16-byte tensor (the position:
 which module, which call of it in this forward) over the data-parallel mesh. If
 the positions differ, every rank raises the same
-[`UnevenMediaError`][multimodal_fsdp.uneven.UnevenMediaError] at that same collective, naming where
+[`UnevenMediaError`][multimodal_fsdp.runtime.schedule_check.UnevenMediaError] at that same
+collective, naming where
 each side is and what to change; no mismatched collective has been issued. Between checkpoints the
 ranks run the same units. Forwards inside backward (activation-checkpoint recomputation) are not
 checked:
 they repeat a forward that was.
 
-The schedule plan ([`ScheduleLayout`][multimodal_fsdp.uneven.ScheduleLayout]) is data, so the plan's
+The schedule plan ([`ScheduleLayout`][multimodal_fsdp.runtime.schedule_check.ScheduleLayout]) is
+data, so the plan's
 costs count its collectives exactly
-([`checkpoints_per_forward`][multimodal_fsdp.uneven.ScheduleLayout.checkpoints_per_forward]).
+([`checkpoints_per_forward`][multimodal_fsdp.runtime.schedule_check.ScheduleLayout.checkpoints_per_forward]).
 """
 
 from __future__ import annotations

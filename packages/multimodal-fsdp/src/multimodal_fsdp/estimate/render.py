@@ -1,8 +1,9 @@
 """Text rendering of plan costs: the unit tree, the totals, sizes and counts.
 
 What the ``plan`` command line prints and what
-[`PlanCosts.format`][multimodal_fsdp.costs.PlanCosts.format] returns. The figures come from
-[`multimodal_fsdp.costs`][multimodal_fsdp.costs]; this module only decides how they read, so that
+[`PlanCosts.format`][multimodal_fsdp.estimate.costs.PlanCosts.format] returns. The figures come from
+[`multimodal_fsdp.estimate.costs`][multimodal_fsdp.estimate.costs]; this module only decides how
+they read, so that
 the layout can change without touching the accounting.
 """
 
@@ -11,8 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from multimodal_fsdp.collectives import CommTally
-    from multimodal_fsdp.costs import PlanCosts, UnitCost
+    from multimodal_fsdp.estimate.collectives import CommTally
+    from multimodal_fsdp.estimate.costs import PlanCosts, UnitCost
 
 __all__ = ["format_bytes", "format_costs", "format_count"]
 

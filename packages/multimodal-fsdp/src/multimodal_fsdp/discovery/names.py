@@ -1,12 +1,15 @@
 """The vocabulary of discovery: tower and projector names, modalities, the result type.
 
-Discovery ([`multimodal_fsdp.discovery`][multimodal_fsdp.discovery]) matches modules first by the
+Discovery ([`multimodal_fsdp.discovery.walk`][multimodal_fsdp.discovery.walk]) matches modules
+first by the
 attribute name under which they are registered, then by structure
-([`multimodal_fsdp.structure`][multimodal_fsdp.structure]). The tables of known names, the keyword
+([`multimodal_fsdp.discovery.structure`][multimodal_fsdp.discovery.structure]). The tables of
+known names, the keyword
 rules that give a caller-supplied name its modality, and
-[`MultimodalModule`][multimodal_fsdp.names.MultimodalModule] (what both report) live here, so the
+[`MultimodalModule`][multimodal_fsdp.discovery.names.MultimodalModule] (what both report) live
+here, so the
 long list of model families reads in one place and the matching code stays short.
-[`multimodal_fsdp.discovery`][multimodal_fsdp.discovery] re-exports every public name.
+[`multimodal_fsdp.discovery.walk`][multimodal_fsdp.discovery.walk] re-exports every public name.
 """
 
 from __future__ import annotations
@@ -202,7 +205,8 @@ def is_multimodal_module_name(name: str) -> bool:
     """Whether the last component of a (possibly dotted) qualified name is a known name.
 
     Only the name is checked; the structural guards of
-    [`iter_multimodal_modules`][multimodal_fsdp.discovery.iter_multimodal_modules] need the module
+    [`iter_multimodal_modules`][multimodal_fsdp.discovery.walk.iter_multimodal_modules] need the
+    module
     tree and are not applied here.
     """
     if not isinstance(name, str):
