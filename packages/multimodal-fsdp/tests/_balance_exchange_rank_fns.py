@@ -469,6 +469,71 @@ SHARDED_CASES: dict[str, list[int | None]] = {
 }
 
 
+class _ToyVLM(nn.Module):
+    """A tower whose pooled features join the text embeddings before FSDP-sharded decoder
+    layers (reduce-scatters in backward): a text-only rank joins where the tower would
+    run and adds the zero anchor to its loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vision_tower = _clip()
+        torch.manual_seed(1)
+        self.embed = nn.Embedding(50, 32)
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(3))
+        self.head = nn.Linear(32, 50)
+
+    def forward(self, ids: Tensor, pixels: Tensor | None, balanced: bool) -> Tensor:
+        x = self.embed(ids)
+        anchor = torch.zeros(())
+        if balanced and pixels is None:
+            anchor = join_without_call(self.vision_tower, run_when_empty=True)
+        elif balanced:
+            out = balanced_call(
+                self.vision_tower, (pixels,), {"return_dict": True}, run_when_empty=True
+            )
+            x = x + out.pooler_output.sum(0)
+        elif pixels is not None:
+            x = x + self.vision_tower(pixels, return_dict=True).pooler_output.sum(0)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        loss: Tensor = nn.functional.cross_entropy(self.head(x), ids) + anchor
+        return loss
+
+
+def _vlm_case(rank: int, tower_units: bool) -> dict[str, Any]:
+    """Rank 1 text-only; every decoder layer its own unit; the tower in the root unit or
+    with a unit per encoder layer. Gradients (FSDP averages) equal one process's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model, reference = _ToyVLM(), _ToyVLM()
+    mesh = init_device_mesh("cpu", (world,))
+    if tower_units:
+        for layer in model.vision_tower.encoder.layers:  # type: ignore[union-attr]
+            fully_shard(layer, mesh=mesh)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    generator = torch.Generator().manual_seed(5)
+    ids = [torch.randint(0, 50, (6,), generator=generator) for _ in range(world)]
+    pixels: list[Tensor | None] = [torch.randn(3, 3, 16, 16, generator=generator)]
+    pixels += [None] * (world - 1)
+    model(ids[rank], pixels[rank], True).backward()
+    sum((reference(ids[r], pixels[r], False) for r in range(world)), torch.zeros(())).backward()
+    diffs = [
+        float((p.grad.full_tensor() * world - q.grad).abs().max())  # type: ignore[attr-defined,union-attr,operator]
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+        if q.grad is not None
+    ]
+    return {"param_grad_diff": max(diffs), "params_with_grad": len(diffs)}
+
+
 def run_sharded_cases(rank: int, world_size: int, out_dir: str) -> None:
-    results = {name: _sharded_case(rank, counts) for name, counts in SHARDED_CASES.items()}
+    results: dict[str, Any] = {
+        name: _sharded_case(rank, counts) for name, counts in SHARDED_CASES.items()
+    }
+    results["vlm_text_only_rank_tower_in_root"] = _vlm_case(rank, tower_units=False)
+    results["vlm_text_only_rank_tower_units"] = _vlm_case(rank, tower_units=True)
     Path(out_dir, f"sharded{rank}.json").write_text(json.dumps(results))

@@ -142,3 +142,18 @@ def test_a_tower_with_fsdp_units_runs_on_every_rank_in_step(
     for outcome in outcomes:
         assert outcome["param_grad_norm"] > 0
         assert outcome["param_grad_diff"] < 1e-5 * max(1.0, outcome["param_grad_norm"])
+
+
+@pytest.mark.parametrize(
+    "case", ["vlm_text_only_rank_tower_in_root", "vlm_text_only_rank_tower_units"]
+)
+def test_a_text_only_rank_joins_inside_a_sharded_model(
+    case: str, sharded: list[dict[str, Any]]
+) -> None:
+    """The exchange's backward collectives and FSDP's reduce-scatters of the decoder
+    layers run in the same order on a rank with media and on a text-only rank that
+    joined where the tower would run (else this hangs or the gradients differ)."""
+    for by_case in sharded:
+        outcome = by_case[case]
+        assert outcome["params_with_grad"] > 20
+        assert outcome["param_grad_diff"] < 1e-5
