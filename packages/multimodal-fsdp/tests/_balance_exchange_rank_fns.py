@@ -20,6 +20,7 @@ from fsdp_core.internals import TorchDispatchMode
 from multimodal_fsdp.balance import (
     balanced_call,
     exchange_traffic,
+    join_remaining_calls,
     join_without_call,
     media_layout_for,
 )
@@ -482,10 +483,19 @@ class _ToyVLM(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(3))
         self.head = nn.Linear(32, 50)
 
-    def forward(self, ids: Tensor, pixels: Tensor | None, balanced: bool) -> Tensor:
+    def forward(self, ids: Tensor, pixels: Tensor | None, balanced: bool | str) -> Tensor:
         x = self.embed(ids)
         anchor = torch.zeros(())
-        if balanced and pixels is None:
+        if balanced == "per_image":  # one call per image, then every rank at the barrier
+            for image in pixels if pixels is not None else []:
+                out = balanced_call(
+                    self.vision_tower, (image[None],), {"return_dict": True}, run_when_empty=True
+                )
+                x = x + out.pooler_output.sum(0)
+            anchor, self.joined = join_remaining_calls(self.vision_tower, run_when_empty=True)
+            x = x + anchor
+            anchor = torch.zeros(())
+        elif balanced and pixels is None:
             anchor = join_without_call(self.vision_tower, run_when_empty=True)
         elif balanced:
             out = balanced_call(
@@ -500,7 +510,7 @@ class _ToyVLM(nn.Module):
         return loss
 
 
-def _vlm_case(rank: int, tower_units: bool) -> dict[str, Any]:
+def _vlm_case(rank: int, tower_units: bool, mode: bool | str = True) -> dict[str, Any]:
     """Rank 1 text-only; every decoder layer its own unit; the tower in the root unit or
     with a unit per encoder layer. Gradients (FSDP averages) equal one process's."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -520,14 +530,18 @@ def _vlm_case(rank: int, tower_units: bool) -> dict[str, Any]:
     ids = [torch.randint(0, 50, (6,), generator=generator) for _ in range(world)]
     pixels: list[Tensor | None] = [torch.randn(3, 3, 16, 16, generator=generator)]
     pixels += [None] * (world - 1)
-    model(ids[rank], pixels[rank], True).backward()
+    model(ids[rank], pixels[rank], mode).backward()
     sum((reference(ids[r], pixels[r], False) for r in range(world)), torch.zeros(())).backward()
     diffs = [
         float((p.grad.full_tensor() * world - q.grad).abs().max())  # type: ignore[attr-defined,union-attr,operator]
         for p, q in zip(model.parameters(), reference.parameters(), strict=True)
         if q.grad is not None
     ]
-    return {"param_grad_diff": max(diffs), "params_with_grad": len(diffs)}
+    return {
+        "param_grad_diff": max(diffs),
+        "params_with_grad": len(diffs),
+        "joined": getattr(model, "joined", None),
+    }
 
 
 def run_sharded_cases(rank: int, world_size: int, out_dir: str) -> None:
@@ -536,4 +550,5 @@ def run_sharded_cases(rank: int, world_size: int, out_dir: str) -> None:
     }
     results["vlm_text_only_rank_tower_in_root"] = _vlm_case(rank, tower_units=False)
     results["vlm_text_only_rank_tower_units"] = _vlm_case(rank, tower_units=True)
+    results["vlm_call_per_image_and_barrier"] = _vlm_case(rank, tower_units=True, mode="per_image")
     Path(out_dir, f"sharded{rank}.json").write_text(json.dumps(results))

@@ -145,7 +145,12 @@ def test_a_tower_with_fsdp_units_runs_on_every_rank_in_step(
 
 
 @pytest.mark.parametrize(
-    "case", ["vlm_text_only_rank_tower_in_root", "vlm_text_only_rank_tower_units"]
+    "case",
+    [
+        "vlm_text_only_rank_tower_in_root",
+        "vlm_text_only_rank_tower_units",
+        "vlm_call_per_image_and_barrier",
+    ],
 )
 def test_a_text_only_rank_joins_inside_a_sharded_model(
     case: str, sharded: list[dict[str, Any]]
@@ -157,3 +162,12 @@ def test_a_text_only_rank_joins_inside_a_sharded_model(
         outcome = by_case[case]
         assert outcome["params_with_grad"] > 20
         assert outcome["param_grad_diff"] < 1e-5
+
+
+def test_join_remaining_calls_joins_as_many_calls_as_the_busiest_rank_made(
+    sharded: list[dict[str, Any]],
+) -> None:
+    """Rank 0 makes one call per image (3), rank 1 none: at the barrier rank 1 joins all
+    three, rank 0 none; both then end on the same round."""
+    joined = [by_case["vlm_call_per_image_and_barrier"]["joined"] for by_case in sharded]
+    assert joined == [0, 3]

@@ -9,7 +9,7 @@ with its collectives and bytes predicted by ``exchange_traffic``.
 """
 
 from multimodal_fsdp.balance.assign import assign_items
-from multimodal_fsdp.balance.exchange import balanced_call, join_without_call
+from multimodal_fsdp.balance.exchange import balanced_call, join_remaining_calls, join_without_call
 from multimodal_fsdp.balance.layouts import (
     BatchFirstLayout,
     CallSpec,
@@ -37,6 +37,7 @@ __all__ = [
     "assign_items",
     "balanced_call",
     "join_without_call",
+    "join_remaining_calls",
     "ExchangeCollective",
     "exchange_traffic",
 ]

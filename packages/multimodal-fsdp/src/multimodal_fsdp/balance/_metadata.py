@@ -3,7 +3,9 @@
 Two ``all_gather`` of int64 rows: a fixed-size header per rank (item count, the
 fields' dtypes and row shapes, whether inputs need gradients, an error flag), then the
 item table (cost, rows per field and sizes per item, and the pickled ``CallSpec`` that
-a rank without a call needs), padded to the longest. Every rank reads the same rows, so
+a rank without a call needs), padded to the longest. When no rank calls (every rank
+joins: the last round of ``join_remaining_calls``), the headers say so and the table
+gather is skipped on every rank. Every rank reads the same rows, so
 every check here fails on every rank alike.
 """
 
@@ -142,6 +144,8 @@ def exchange_metadata(
         if blob_words:
             words = torch.frombuffer(bytearray(padded), dtype=torch.int64)
             table[most * ITEM_INTS :] = words
+    if not callers:  # every rank knows from the headers: no table to exchange
+        return _read_table(rows, [table] * world, callers, most, world, rank)
     tables = [t.cpu() for t in gather(table.to(device), group)]
     return _read_table(rows, tables, callers, most, world, rank)
 

@@ -10,7 +10,8 @@ longest pickled ``CallSpec`` in bytes, ``F`` fields):
 1. ``all_gather`` of the header: ``HEADER_INTS`` int64 per rank
    (``W * HEADER_INTS * 8`` bytes received per rank);
 2. ``all_gather`` of the item table: ``N * ITEM_INTS + ceil(B / 8)`` int64 per rank
-   (``W`` times that, times 8 bytes, received per rank).
+   (``W`` times that, times 8 bytes, received per rank); skipped when no rank calls
+   (a round of ``join_remaining_calls`` in which every rank joins: it ends there).
    When no rank has an item, the call ends here.
 3. ``all_to_all_single`` (uint8) of the inputs: rank ``r`` sends, to each rank ``d``,
    the bytes of every field row of its items that ``d`` encodes
@@ -27,7 +28,7 @@ output gradients along the inverse route of 5 (floating output tensors, the same
 as 5 for them); then, when some rank's floating input requires grad, one with the
 input gradients along the inverse route of 3 (floating fields only).
 
-In all: 2 all_gathers when no rank has an item; else 3 all_gathers and 2
+In all: 1 all_gather when no rank calls; 2 when no rank has an item; else 3 and 2
 all_to_all_single in forward, and 0, 1 or 2 all_to_all_single in backward.
 [exchange_traffic][multimodal_fsdp.balance.traffic.exchange_traffic] computes each
 rank's list with its bytes. Under the fake process group every rank looks like the
@@ -61,7 +62,7 @@ from multimodal_fsdp.balance.layouts import (
 )
 from multimodal_fsdp.balance.registry import media_layout_for
 
-__all__ = ["balanced_call", "join_without_call"]
+__all__ = ["balanced_call", "join_without_call", "join_remaining_calls"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,8 @@ def _run(
     run_when_empty: bool,
     runner: Callable[..., Any],
     original: tuple[tuple[Any, ...], dict[str, Any]] | None = None,
-) -> tuple[Any, Tensor]:
+) -> tuple[Any, Tensor, bool]:
+    """The call's output on this rank, the zero anchor, and whether any rank called."""
     device = _device(tower, call, group)
     trainable = any(p.requires_grad for p in tower.parameters())
     table = exchange_metadata(
@@ -105,8 +107,8 @@ def _run(
     anchor = torch.zeros((), device=device)
     if not any(table.costs):
         if original is None:
-            return None, anchor
-        return runner(*original[0], **original[1]), anchor  # no rank has an item: as unbalanced
+            return None, anchor, bool(table.callers)
+        return runner(*original[0], **original[1]), anchor, True  # no items: as unbalanced
     spec = table.spec
     if spec is None:
         raise RuntimeError("balanced tower call: items without a call spec")  # cannot happen
@@ -239,7 +241,7 @@ def _run(
         out_route, zero_link, *out_send
     )
     if out_spec is None:
-        return None, out_token
+        return None, out_token, True
     # Pieces arrive by source rank; put them back in call order.
     cursor = [0] * nleaves
     by_item: dict[int, tuple[Tensor, ...]] = {}
@@ -251,7 +253,7 @@ def _run(
             cursor[leaf] += n
         by_item[i] = tuple(piece)
     output = layout.join_output(out_spec, [by_item[i] for i in range(local)])
-    return output, out_token
+    return output, out_token, True
 
 
 def _placeholder_run(
@@ -314,7 +316,7 @@ def balanced_call(
     except (ValueError, TypeError) as raised:
         error = raised
         call = MediaCall(spec=CallSpec(fields=()), items=())
-    output, _ = _run(
+    output, _, _ = _run(
         tower,
         chosen,
         call,
@@ -339,7 +341,7 @@ def join_without_call(
     it (a text-only batch): this rank may still encode others' items. Returns a zero
     scalar; add it to the loss so this rank joins the exchange's backward collectives."""
     chosen = layout if layout is not None else media_layout_for(tower)
-    _, anchor = _run(
+    _, anchor, _ = _run(
         tower,
         chosen,
         None,
@@ -349,3 +351,40 @@ def join_without_call(
         runner=runner or tower,
     )
     return anchor
+
+
+def join_remaining_calls(
+    tower: nn.Module,
+    *,
+    layout: MediaLayout | None = None,
+    group: Any = None,
+    run_when_empty: bool = False,
+    runner: Callable[..., Any] | None = None,
+) -> tuple[Tensor, int]:
+    """Join, as a rank without a call, every balanced call of ``tower`` that other ranks
+    still make, until a round in which no rank calls (collective: every rank calls this
+    once it has made all of its own calls of this forward, e.g. just before the decoder).
+
+    Ranks need not know each other's number of calls (text-only batches, an image call
+    here and an image and a video call there, one call per image). Returns the sum of the
+    zero anchors (add it to a tensor the loss depends on, before the decoder, so the
+    backward collectives keep their order) and the number of calls joined. The last
+    round costs one ``all_gather`` of the header.
+    """
+    chosen = layout if layout is not None else media_layout_for(tower)
+    total = torch.zeros(())
+    joined = 0
+    while True:
+        _, anchor, called = _run(
+            tower,
+            chosen,
+            None,
+            None,
+            group=group,
+            run_when_empty=run_when_empty,
+            runner=runner or tower,
+        )
+        if not called:
+            return total, joined
+        total = total + anchor.to(total.device) if joined else anchor
+        joined += 1

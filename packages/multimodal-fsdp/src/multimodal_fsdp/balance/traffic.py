@@ -60,7 +60,8 @@ def exchange_traffic(
 ) -> list[ExchangeCollective]:
     """The collectives ``rank`` runs in one balanced call, in order.
 
-    ``spec`` is the calls' ``CallSpec`` (``None`` when no rank calls the tower).
+    ``spec`` is the calls' ``CallSpec`` (``None`` when no rank calls the tower: the
+    last round of ``join_remaining_calls``, one header gather).
     ``output_grad_bytes`` is ``None`` when no gradient flows back (grad mode off, or a
     frozen tower with inputs that need none), else the floating output bytes per item;
     ``input_grad_bytes`` likewise for the inputs (``None`` unless some rank's floating
@@ -80,10 +81,12 @@ def exchange_traffic(
     most = max(len(costs) for costs in costs_by_rank)
     blob = len(pickle.dumps(spec)) if spec is not None else 0
     table_ints = most * ITEM_INTS + math.ceil(blob / 8)
-    result = [
-        ExchangeCollective("all_gather", "forward", HEADER_INTS * 8, world * HEADER_INTS * 8),
-        ExchangeCollective("all_gather", "forward", table_ints * 8, world * table_ints * 8),
-    ]
+    result = [ExchangeCollective("all_gather", "forward", HEADER_INTS * 8, world * HEADER_INTS * 8)]
+    if spec is None:  # no rank calls: the round ends after the headers
+        return result
+    result.append(
+        ExchangeCollective("all_gather", "forward", table_ints * 8, world * table_ints * 8)
+    )
     if not any(costs_by_rank):
         return result
     owners = assign_items(costs_by_rank)
