@@ -171,3 +171,16 @@ def test_join_remaining_calls_joins_as_many_calls_as_the_busiest_rank_made(
     three, rank 0 none; both then end on the same round."""
     joined = [by_case["vlm_call_per_image_and_barrier"]["joined"] for by_case in sharded]
     assert joined == [0, 3]
+
+
+def test_the_last_round_of_the_barrier_is_one_header_gather() -> None:
+    from multimodal_fsdp.balance import exchange_traffic
+    from multimodal_fsdp.balance.traffic import HEADER_INTS
+
+    empty: list[list[int]] = [[], []]
+    rounds = exchange_traffic(empty, rank=1, spec=None, input_bytes=empty, output_bytes=empty)
+    assert [(c.kind, c.sent, c.received) for c in rounds] == [
+        ("all_gather", HEADER_INTS * 8, 2 * HEADER_INTS * 8)
+    ]
+    with pytest.raises(ValueError, match="one size per item"):
+        exchange_traffic([[1], []], rank=0, spec=None, input_bytes=empty, output_bytes=empty)
