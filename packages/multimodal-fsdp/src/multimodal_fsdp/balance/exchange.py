@@ -113,6 +113,15 @@ def _run(
     if spec is None:
         raise RuntimeError("balanced tower call: items without a call spec")  # cannot happen
     owners = assign_items(table.costs)
+    if logger.isEnabledFor(logging.DEBUG):
+        loads = [0] * world
+        for r, costs in enumerate(table.costs):
+            for i, cost in enumerate(costs):
+                loads[owners[r][i]] += cost
+        before = [sum(costs) for costs in table.costs]
+        logger.debug(
+            "balanced call of %s: cost per rank %s -> %s", type(tower).__name__, before, loads
+        )
     nfields = len(table.fields)
     # Inputs: my items to their encoders (grouped by destination), others' to me.
     mine = sorted(range(len(table.costs[rank])), key=lambda i: (owners[rank][i], i))
