@@ -35,11 +35,10 @@ from model_deepseek_v41 import (
 )
 from model_deepseek_v41.fsdp import (
     NormGroup,
-    find_vision_towers,
     is_norm_module,
     is_vision_block,
-    is_vision_tower,
     plan_fp32_norm_groups,
+    vision_norm_paths,
 )
 from model_deepseek_v41.modeling import RMSNorm, TextRMSNorm
 
@@ -807,23 +806,19 @@ def test_is_vision_block() -> None:
     assert not is_vision_block(bf16)
 
 
-def test_is_vision_tower_and_find_vision_towers() -> None:
+def test_vision_norm_paths_read_the_layout_inside_a_tower() -> None:
+    """Which modules are towers is the discovery's decision; inside one (or a block) the
+    norms are found by the V4 layout, whatever the storage dtype."""
     for dtype in (torch.bfloat16, torch.float32):
         model = _model(dtype=dtype)
-        assert is_vision_tower(model.vision)
-        assert is_vision_tower(checkpoint_wrapper(model.vision))
-        assert not is_vision_tower(model.model)  # has nn.Embedding
-        assert not is_vision_tower(model)  # the whole model holds the embedding too
-        assert not is_vision_tower(model.vision.blocks)
-        assert not is_vision_tower(model.vision.blocks[0])
-        assert not is_vision_tower(model.aligner)
-        assert find_vision_towers(model) == ["vision"]
-        assert find_vision_towers(model.model) == []
-    two = nn.Module()
-    two.add_module("left", _model().vision)
-    two.add_module("right", _model().vision)
-    assert find_vision_towers(two) == ["left", "right"]
-    assert find_vision_towers(nn.Sequential(_model().vision)) == ["0"]
+        assert vision_norm_paths(model.vision, "vision") == list(NORM_PATHS)
+        wrapped = vision_norm_paths(checkpoint_wrapper(model.vision), "vision")
+        assert wrapped == [
+            p.replace("vision.", "vision._checkpoint_wrapped_module.", 1) for p in NORM_PATHS
+        ]
+        assert vision_norm_paths(model.vision.blocks[0]) == ["norm1", "norm2"]
+        for path in ("", "model", "vision.blocks", "aligner", "model.layers.0"):
+            assert vision_norm_paths(model.get_submodule(path)) == [], path
 
 
 def test_plan_fp32_norm_groups_grouped_and_not() -> None:

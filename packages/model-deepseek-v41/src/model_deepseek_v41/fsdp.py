@@ -7,19 +7,23 @@ weights in a unit with bf16 weights, and a bf16 ``param_dtype`` would round
 them, so they become fp32 units (fp32 params and reduction, output cast back to
 the caller's compute dtype) before the module itself is sharded.
 
-Recognition rests on the V4 tower's structure, never on storage dtypes, so it
+Which modules are vision towers is decided once, by the multimodal discovery
+([`multimodal_fsdp.discovery`][multimodal_fsdp.discovery]; its name table knows the V4.1
+attribute ``vision``): the parallelizer reads the discovery its ``plan()`` made, so
+``exclude`` and ``extra_tower_names`` apply to the norms too, and
+``fully_shard_deepseek_v41`` runs it with default options on the module it is given.
+Inside a tower the norms are found by the V4 layout, never by storage dtypes, so it
 holds for a bf16 model with fp32 norms and for fp32 master weights under a bf16
-policy alike, and other implementations of the same layout are served too:
+policy alike:
 
 - a *norm* is a module without parameterised children whose parameters are all
   1-D and include ``weight`` (RMSNorm, LayerNorm);
 - a *vision block* has the V4 block layout: norms registered as ``norm1`` and
   ``norm2`` beside other parameterised layers (the text decoder's layers name
   theirs ``input_layernorm`` / ``post_attention_layernorm``);
-- a *vision tower* holds a layer container of vision blocks and no token
-  embedding (``nn.Embedding``), which tells it from the text model;
-- its *vision norms* are the norms that are direct children of its blocks and
-  of the tower itself (``norm1``, ``norm2`` and the final ``norm``).
+- the *vision norms* of a tower are the norms that are direct children of the
+  blocks in its layer containers and of the tower itself (``norm1``, ``norm2``
+  and the final ``norm``); those of a block are its ``norm1`` and ``norm2``.
 
 Activation-checkpoint wrappers are looked through. The grouped norm unit needs a
 torch whose grouped units survive a module being called again in the same
@@ -38,17 +42,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp_core import compat, fp32_island_policy
-from fsdp_core.containers import is_module_container, is_under, join_path, unwrap_module
+from fsdp_core.containers import is_module_container, join_path, unwrap_module
 from fsdp_core.dtype_units import dominant_dtype, shard_groups_then_module
 from fsdp_core.parallelizer import PlanContext
 from fsdp_core.plan import ShardCall
 from fsdp_core.sharding import (
+    ShardTarget,
     apply_fully_shard,
     check_reshard_after_forward,
     is_sharded,
     shard_group_size,
 )
 from multimodal_fsdp import MultimodalParallelizer
+from multimodal_fsdp.discovery import resolve_multimodal_modules
+from multimodal_fsdp.discovery.names import MultimodalModule
 from multimodal_fsdp.policy import FrozenShardingSpec
 
 __all__ = [
@@ -56,10 +63,8 @@ __all__ = [
     "PARALLELIZER",
     "NormGroup",
     "fully_shard_deepseek_v41",
-    "find_vision_towers",
     "is_norm_module",
     "is_vision_block",
-    "is_vision_tower",
     "plan_fp32_norm_groups",
 ]
 
@@ -109,42 +114,32 @@ def _block_containers(tower: nn.Module) -> list[nn.Module]:
     ]
 
 
-def is_vision_tower(module: nn.Module) -> bool:
-    """A stack of vision blocks and no token embedding."""
-    inner = _unwrap(module)
-    if any(isinstance(sub, nn.Embedding) for sub in inner.modules()):
-        return False
-    return bool(_block_containers(inner))
-
-
-def find_vision_towers(model: nn.Module) -> list[str]:
-    """Qualified names of the maximal vision towers in ``model`` (by structure)."""
-    found: list[str] = []
-    for name, module in model.named_modules():
-        if any(is_under(name, f) for f in found):
-            continue
-        if name and is_vision_tower(module):
-            found.append(name)
-    return found
-
-
 def vision_norm_paths(module: nn.Module, prefix: str = "") -> list[str]:
-    """Paths of the vision norms of a vision tower or block (see the module doc)."""
+    """Paths of the vision norms of a vision tower or block (see the module doc); none
+    for a module that holds no vision blocks. Which modules are towers is the
+    discovery's decision: this only reads the layout inside one."""
     inner = _unwrap(module)
     inner_prefix = _inner_prefix(module, prefix)
     if is_vision_block(inner):
         return [join_path(inner_prefix, name) for name in BLOCK_NORM_NAMES]
-    if not is_vision_tower(inner):
+    containers = _block_containers(inner)
+    if not containers:
         return []
     paths: list[str] = []
     for name, child in inner.named_children():
         path = join_path(inner_prefix, name)
-        if is_module_container(child) and child in _block_containers(inner):
+        if any(child is container for container in containers):
             for key, block in child.named_children():
                 paths.extend(vision_norm_paths(block, join_path(path, key)))
         elif is_norm_module(_unwrap(child)):
             paths.append(_inner_prefix(child, path))
     return paths
+
+
+def _vision_tower_paths(found: Iterable[MultimodalModule]) -> list[str]:
+    """The vision towers among discovered multimodal modules (role ``tower``, modality
+    ``vision``): the regions whose norms become fp32 units."""
+    return [item.path for item in found if item.role == "tower" and item.modality == "vision"]
 
 
 def _inner_prefix(module: nn.Module, prefix: str) -> str:
@@ -227,28 +222,85 @@ def _plan_norm_groups(
 ) -> list[NormGroup]:
     """The fp32-norm units of each region of ``model`` (a path; ``""`` is ``model``), in
     order: the one planning step behind both the parallelizer's plan and
-    ``fully_shard_deepseek_v41``. A region
-    that is no vision tower or block has none (``vision_norm_paths`` is the one detector)."""
+    ``fully_shard_deepseek_v41``. A region that holds no vision blocks has none; a norm
+    is planned once even if two regions reach it."""
     ignored = sorted(ignored_param_names)
+    taken = set(planned or ())
     groups: list[NormGroup] = []
     for path in regions:
-        groups.extend(
-            plan_fp32_norm_groups(
-                model.get_submodule(path) if path else model,
-                mp_policy=mp_policy,
-                prefix=path,
-                ignored_param_names=ignored,
-                planned=planned,
-            )
+        found = plan_fp32_norm_groups(
+            model.get_submodule(path) if path else model,
+            mp_policy=mp_policy,
+            prefix=path,
+            ignored_param_names=ignored,
+            planned=taken,
         )
+        for group in found:
+            taken.update(id(model.get_submodule(p)) for p in group.paths)
+        groups.extend(found)
     return groups
 
 
-def _vision_norm_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    """Every parameter of the vision norms of ``model``'s towers, by name."""
-    for tower in find_vision_towers(model):
+def _vision_norm_parameters(
+    model: nn.Module, towers: Iterable[str]
+) -> Iterator[tuple[str, nn.Parameter]]:
+    """Every parameter of the vision norms of the ``towers`` of ``model``, by name."""
+    for tower in towers:
         for path in _fp32_norm_paths(model.get_submodule(tower), tower, set(), set()):
             yield from model.get_submodule(path).named_parameters(prefix=path)
+
+
+def _check_call(
+    module: object, mesh: object, mp_policy: object, reshard_after_forward: bool | int | None
+) -> nn.Module:
+    """``module``, once everything a call is checked for holds: checked before the first
+    unit is made, so a bad call shards nothing."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    check_reshard_after_forward(reshard_after_forward, shard_group_size(mesh))
+    return module
+
+
+def _shard_planned(
+    module: ShardTarget,
+    groups: Sequence[NormGroup],
+    *,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy | None,
+    reshard_after_forward: bool | int | None,
+    ignored_params: set[nn.Parameter] | None,
+) -> None:
+    """Execute one planned call: ``groups`` (already planned norm units under ``module``)
+    first, then ``module``. A list of modules is one grouped unit; a module that already
+    is an FSDP unit is left as it is (no double wrapping). Decides nothing."""
+    if isinstance(module, (list, tuple)):
+        apply_fully_shard(
+            list(module),
+            mesh=mesh,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            reshard_after_forward=reshard_after_forward,
+            ignored_params=ignored_params,
+        )
+        return
+    checked = _check_call(module, mesh, mp_policy, reshard_after_forward)
+    if is_sharded(checked):
+        logger.info("%s is already an FSDP unit; leaving it as it is", type(checked).__name__)
+        return
+    shard_groups_then_module(
+        checked,
+        [(group.paths, group.mp_policy) for group in groups],
+        mesh=mesh,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        reshard_after_forward=reshard_after_forward,
+        ignored_params=ignored_params,
+    )
 
 
 def fully_shard_deepseek_v41(
@@ -261,15 +313,19 @@ def fully_shard_deepseek_v41(
 ) -> nn.Module:
     """Shard ``module`` in place; vision towers and blocks keep fp32 norm units.
 
-    On a vision tower or block the fp32 norms are sharded first as fp32 units
-    (grouped when torch allows), then the module with ``mp_policy``. Anything
-    else gets ordinary FSDP with ``mp_policy`` unchanged. A module that already
-    is an FSDP unit is left as it is (no double wrapping). A list of modules is
-    sharded as one grouped unit with ``mp_policy`` (used for norm groups).
+    The fp32 norms of ``module`` (when it is a vision tower or block) and of the vision
+    towers the multimodal discovery finds in it (default options) are sharded first as
+    fp32 units (grouped when torch allows), then the module with ``mp_policy``: the
+    planning step of
+    [`DeepseekV41ModelParallelizer`][model_deepseek_v41.fsdp.DeepseekV41ModelParallelizer],
+    applied to ``module``. Anything else gets ordinary FSDP with ``mp_policy`` unchanged.
+    A module that already is an FSDP unit is left as it is (no double wrapping). A list
+    of modules is sharded as one grouped unit with ``mp_policy`` (used for norm groups).
     """
-    if isinstance(module, (list, tuple)):
-        apply_fully_shard(
-            list(module),
+    if isinstance(module, (list, tuple)) or not isinstance(module, nn.Module):
+        _shard_planned(
+            module,
+            (),
             mesh=mesh,
             mp_policy=mp_policy,
             offload_policy=offload_policy,
@@ -277,27 +333,17 @@ def fully_shard_deepseek_v41(
             ignored_params=ignored_params,
         )
         return module
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
-    # Check everything before the first unit is made, so a bad call shards nothing.
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    check_reshard_after_forward(reshard_after_forward, shard_group_size(mesh))
-    if is_sharded(module):
-        logger.info("%s is already an FSDP unit; leaving it as it is", type(module).__name__)
-        return module
-    ignored_names = [
-        name for name, p in module.named_parameters() if ignored_params and p in ignored_params
-    ]
-    groups: list[tuple[Sequence[str], MixedPrecisionPolicy]] = [
-        (group.paths, group.mp_policy)
-        for group in _plan_norm_groups(
-            module, [""], mp_policy=mp_policy, ignored_param_names=ignored_names
+    _check_call(module, mesh, mp_policy, reshard_after_forward)
+    groups: list[NormGroup] = []
+    if not is_sharded(module):
+        ignored_names = [
+            name for name, p in module.named_parameters() if ignored_params and p in ignored_params
+        ]
+        towers = _vision_tower_paths(resolve_multimodal_modules(module))
+        groups = _plan_norm_groups(
+            module, ["", *towers], mp_policy=mp_policy, ignored_param_names=ignored_names
         )
-    ]
-    shard_groups_then_module(
+    _shard_planned(
         module,
         groups,
         mesh=mesh,
@@ -310,7 +356,7 @@ def fully_shard_deepseek_v41(
 
 
 class DeepseekV41ModelParallelizer(MultimodalParallelizer):
-    """Keeps DeepSeek-V4.1 vision norms in fp32; routes every unit through
+    """Keeps DeepSeek-V4.1 vision norms in fp32, with the planning step of
     [`fully_shard_deepseek_v41`][model_deepseek_v41.fsdp.fully_shard_deepseek_v41].
 
     Before any layer is sharded, the *trainable* fp32 norms of each vision tower
@@ -318,10 +364,11 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
     casting), so the tower's blocks and the root hold only the caller's dtype.
     *Frozen* fp32 norms are replicated under every policy: kept whole and fp32
     on every rank, outside FSDP, so they cost no collective and the RMSNorm
-    computes in fp32. Towers are found by structure
-    ([`find_vision_towers`][model_deepseek_v41.fsdp.find_vision_towers]); the multimodal
-    discovery knows the V4.1 attribute ``vision`` as a tower name. Every option of
-    ``multimodal_fsdp.MultimodalParallelizer`` is accepted with the same meaning and default.
+    computes in fp32. The towers are the vision towers of the multimodal discovery
+    that ``plan()`` made (its name table knows the V4.1 attribute ``vision``), so
+    ``exclude`` and ``extra_tower_names`` decide the norms' units too; applying a plan
+    only executes its calls. Every option of ``multimodal_fsdp.MultimodalParallelizer``
+    is accepted with the same meaning and default.
     """
 
     def __init__(
@@ -348,12 +395,19 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
         )
 
     def _fully_shard_module(self, module: object, **kwargs: object) -> None:
-        fully_shard_deepseek_v41(module, **kwargs)  # type: ignore[arg-type]
+        """Execute one planned call: the norm units are calls of the plan already
+        (``_plan_leading_calls``), so nothing is discovered or planned here."""
+        _shard_planned(module, (), **kwargs)  # type: ignore[arg-type]
+
+    def _vision_towers(self, model: nn.Module) -> list[str]:
+        """The vision towers of this parallelizer's discovery (while ``plan()`` runs: the
+        one discovery of that plan)."""
+        return _vision_tower_paths(part.found for part in self.multimodal_parts(model))
 
     def _plan_leading_calls(self, ctx: PlanContext) -> list[ShardCall]:
         groups = _plan_norm_groups(
             ctx.model,
-            find_vision_towers(ctx.model),
+            self._vision_towers(ctx.model),
             mp_policy=ctx.mp_policy,
             ignored_param_names=ctx.ignored_param_names,
             planned=ctx.planned,
@@ -379,7 +433,7 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
         """
         names = super()._replicated_param_names(model)
         seen = set(names)
-        for name, param in _vision_norm_parameters(model):
+        for name, param in _vision_norm_parameters(model, self._vision_towers(model)):
             if not param.requires_grad and name not in seen:
                 seen.add(name)
                 names.append(name)
@@ -389,7 +443,7 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
         wanted = list(names)
         yield from super()._replicated_keep_dtype(model, wanted)
         wanted_set = set(wanted)
-        for name, _ in _vision_norm_parameters(model):
+        for name, _ in _vision_norm_parameters(model, self._vision_towers(model)):
             if name in wanted_set:
                 yield name
 
