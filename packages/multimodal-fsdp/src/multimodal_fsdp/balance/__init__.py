@@ -4,7 +4,8 @@ The pieces a runtime hook puts together: layout adapters that split a tower call
 items (``MediaLayout`` and the built-in ``batch-first`` and ``packed-by-grid``
 layouts, found with ``media_layout_for``), the deterministic rule that assigns items to
 ranks (``assign_items``), and the differentiable exchange that runs one tower call
-balanced (``balanced_call``, and ``join_without_call`` for a rank without that call),
+balanced (``balanced_call``; ``join_without_call`` for a rank without that call, and
+``join_remaining_calls``, the barrier for ranks that made fewer calls),
 with its collectives and bytes predicted by ``exchange_traffic``.
 """
 
