@@ -22,6 +22,13 @@ versions. Sections:
    plan and measured by ``FSDPMemTracker`` under the fake group, per policy, and
    a chart of per-rank parameter memory over the step (``--chart``, default
    docs/img/memory-timeline.png; needs matplotlib, a benchmark-only dependency).
+8. Balanced media on 2 and 4 real gloo ranks (``balance_media.py``, one launch per world
+   size): step time with ``balance_media=True`` over step time without, for an even
+   distribution of images, a 3:1 skew and all images on one rank; the tower's time per
+   rank (max / mean); the exchange's collectives, bytes and time; and a chart of each
+   rank's step timeline under the skew (``--balance-chart``, default
+   docs/img/balanced-media-timeline.png). ``--only balance-media`` runs this section
+   alone (``--balance-steps N`` timed steps per variant).
 
 The analytic minimum of section 1 comes from ``analytic_minimum.py``, written
 apart from the cost model it checks (docs/benchmark.md derives it).
@@ -655,6 +662,188 @@ def write_memory_chart(rows: list[dict[str, Any]], path: Path) -> Path | None:
     return path
 
 
+# --------------------------------------------------------------------------- 8. balanced media
+BALANCE_CHART = ROOT / "docs" / "img" / "balanced-media-timeline.png"
+BALANCE_WORLDS = (2, 4)
+#: The goals of issue 19: step time balanced / unbalanced per distribution, and the
+#: tower's time per rank (max over mean) with balancing.
+BALANCE_STEP_GOALS = {"one": 0.65, "even": 1.05}
+BALANCE_TOWER_GOAL = 1.15
+
+
+def bench_balance(steps: int, worlds: tuple[int, ...]) -> list[dict[str, Any]]:
+    """One torchrun launch of balance_media.py per world size (gloo, one thread per rank)."""
+    rows = []
+    script = Path(__file__).with_name("balance_media.py")
+    for world in worlds:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "balance.json"
+            run_torchrun(
+                str(script), nproc=world, args=[str(out), "--steps", str(steps)], timeout_s=900
+            )
+            rows.append(json.loads(out.read_text()))
+    return rows
+
+
+def _goal(value: float, limit: float | None) -> str:
+    if limit is None:
+        return f"{value:.2f}"
+    return f"{value:.2f} (goal <= {limit:.2f}: {'met' if value <= limit else 'MISSED'})"
+
+
+def _comm_cells(variant: dict[str, Any]) -> tuple[int, int, int]:
+    """The exchange's collectives per step and the most bytes one rank sent / received."""
+    per_rank = variant["comm_per_rank"]
+    return (
+        max(c["exchange_collectives"] for c in per_rank),
+        max(c["exchange_sent"] for c in per_rank),
+        max(c["exchange_received"] for c in per_rank),
+    )
+
+
+def _other_collectives(variant: dict[str, Any]) -> int:
+    """Collectives per step besides the exchange's (FSDP's and the runtime hooks')."""
+    counts = variant["comm_per_rank"][0]["counts"]
+    exchange = variant["comm_per_rank"][0]["exchange_by_kind"]
+    return sum(counts.values()) - exchange["all_gather"] - exchange["all_to_all"]
+
+
+def format_balance(rows: list[dict[str, Any]]) -> str:
+    header = [
+        "ranks",
+        "media",
+        "images per rank",
+        "without ms",
+        "with ms",
+        "with / without",
+        "tower max/mean without",
+        "tower max/mean with",
+        "exchange ms (max rank)",
+        "exchange coll. / step",
+        "exchange KiB sent / received (max rank)",
+        "other coll. without / with",
+        "loss diff",
+    ]
+    names = {"even": "even", "skew": "3:1 skew", "one": "all on one rank"}
+    table = []
+    for run in rows:
+        for d in run["distributions"]:
+            without, with_ = d["variants"]["unbalanced"], d["variants"]["balanced"]
+            count, sent, received = _comm_cells(with_)
+            table.append(
+                [
+                    str(run["world_size"]),
+                    names.get(d["distribution"], d["distribution"]),
+                    ", ".join(str(n) for n in d["images_per_rank"]),
+                    f"{without['median_step_s'] * 1e3:.1f}",
+                    f"{with_['median_step_s'] * 1e3:.1f}",
+                    _goal(
+                        d["ratio_balanced_to_unbalanced"],
+                        BALANCE_STEP_GOALS.get(d["distribution"]),
+                    ),
+                    f"{without['median_tower_max_over_mean']:.2f}",
+                    _goal(with_["median_tower_max_over_mean"], BALANCE_TOWER_GOAL),
+                    f"{max(with_['median_exchange_s_per_rank']) * 1e3:.1f}",
+                    str(count),
+                    f"{sent / 1024:.1f} / {received / 1024:.1f}",
+                    f"{_other_collectives(without)} / {_other_collectives(with_)}",
+                    f"{d['max_loss_difference']:.1e}",
+                ]
+            )
+    return _table(header, table)
+
+
+def write_balance_chart(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """Each rank's timeline of one step (the median one), without and with balance_media,
+    under the 3:1 skew: tower compute, exchange (waiting included), rest of the step."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError:
+        print("[bench] matplotlib not installed: no balanced-media chart", file=sys.stderr)
+        return None
+    runs = [(run, d) for run in rows for d in run["distributions"] if d["distribution"] == "skew"]
+    if not runs:
+        return None
+    colours = {"rest": "#d9d9d9", "tower": "#3b6ea8", "exchange": "#e08a2c"}
+    panels = [(run, d, v) for run, d in runs for v in ("unbalanced", "balanced")]
+    heights = [run["world_size"] + 1.2 for run, _, _ in panels]
+    fig, axes = plt.subplots(
+        len(panels),
+        1,
+        figsize=(9, 0.42 * sum(heights) + 1.2),
+        sharex=True,
+        gridspec_kw={"height_ratios": heights},
+    )
+    for ax, (run, d, variant) in zip(axes, panels, strict=True):
+        timeline = d["variants"][variant]["timeline"]
+        step_ms = max(r["step_s"] for r in timeline) * 1e3
+        for rank, record in enumerate(timeline):
+            y = len(timeline) - 1 - rank
+            ax.barh(y, record["step_s"] * 1e3, left=0, height=0.6, color=colours["rest"])
+            for kind, start, end in record["events"]:
+                if kind in ("tower", "exchange"):
+                    ax.barh(
+                        y, (end - start) * 1e3, left=start * 1e3, height=0.6, color=colours[kind]
+                    )
+                elif kind == "forward_end":
+                    ax.plot([start * 1e3] * 2, [y - 0.35, y + 0.35], color="black", linewidth=1)
+        ax.set_yticks(
+            range(len(timeline)),
+            [f"rank {r} ({n} img)" for r, n in reversed(list(enumerate(d["images_per_rank"])))],
+            fontsize=8,
+        )
+        label = "balance_media=True" if variant == "balanced" else "balance_media=False"
+        ax.set_title(
+            f"{run['world_size']} ranks, {label}: step {step_ms:.0f} ms",
+            fontsize=9,
+            loc="left",
+        )
+    axes[-1].set_xlabel("ms from the start of the step (black tick: end of forward)", fontsize=8)
+    fig.legend(
+        handles=[
+            Patch(color=colours["tower"], label="tower compute"),
+            Patch(color=colours["exchange"], label="exchange (waiting included)"),
+            Patch(color=colours["rest"], label="rest of the step (waiting included)"),
+        ],
+        loc="upper left",
+        bbox_to_anchor=(0.01, 0.965),
+        fontsize=8,
+        ncols=3,
+        frameon=False,
+    )
+    fig.suptitle(
+        "Per-rank step timeline under a 3:1 media skew (gloo, CPU, median step)",
+        fontsize=10,
+        x=0.01,
+        ha="left",
+    )
+    fig.tight_layout(rect=(0, 0, 1, 0.92))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def balance_report(rows: list[dict[str, Any]], chart: Path | None) -> list[str]:
+    first = rows[0]
+    model = first["model"]
+    return [
+        f"## 8. Balanced media on gloo ranks: step time with balance_media=True / without "
+        f"(frozen {model['vision_blocks']}-block tower of {first['tower_params'] / 1e6:.1f}M "
+        f"parameters, {model['patches']} patches per image, policy {first['policy']}, "
+        f"{first['images_per_rank_mean']} images per rank on average, {first['steps']} "
+        "timed steps, medians)",
+        "",
+        format_balance(rows),
+        "",
+        f"Chart: {_relative_path(chart)}" if chart else "Chart: not written (no matplotlib)",
+    ]
+
+
 # --------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -667,6 +856,21 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         default=CHART,
         help="where to write the memory-timeline chart (PNG; needs matplotlib)",
+    )
+    parser.add_argument(
+        "--only",
+        choices=("balance-media",),
+        default=None,
+        help="run one section only (balance-media: section 8, 2 and 4 gloo ranks)",
+    )
+    parser.add_argument(
+        "--balance-steps", type=int, default=10, help="timed steps per variant in section 8"
+    )
+    parser.add_argument(
+        "--balance-chart",
+        type=Path,
+        default=BALANCE_CHART,
+        help="where to write the balanced-media timeline chart (PNG; needs matplotlib)",
     )
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
@@ -687,6 +891,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[bench] {name}: {timings[name]:.1f} s", file=sys.stderr, flush=True)
         return value
 
+    if args.only == "balance-media":
+        return _balance_only(args, argv, started, timed, timings)
     sections["policies"] = timed("policies", lambda: bench_policies(depths, worlds))
     sections["fp32_norms"] = timed("fp32_norms", lambda: bench_norms(depths, 8))
     sections["memory"] = timed("memory", lambda: bench_memory(depths, (8, 64)))
@@ -699,6 +905,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_gloo:
         steps = 4 if args.quick else args.gloo_steps
         sections["gloo"] = timed("gloo", lambda: bench_gloo(steps, ("per_layer", "root")))
+        balance_steps = 3 if args.quick else args.balance_steps
+        balance_worlds = BALANCE_WORLDS[:1] if args.quick else BALANCE_WORLDS
+        sections["balance_media"] = timed(
+            "balance_media", lambda: bench_balance(balance_steps, balance_worlds)
+        )
+        balance_chart = write_balance_chart(sections["balance_media"], args.balance_chart)
     total = time.perf_counter() - started
 
     command = "nox -s bench" + (" -- " + " ".join(argv) if argv else "")
@@ -746,6 +958,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Chart: {_relative_path(chart)}" if chart else "Chart: not written (no matplotlib)",
     ]
+    if "balance_media" in sections:
+        report += ["", *balance_report(sections["balance_media"], balance_chart)]
     print("\n".join(report))
 
     out = args.out or ROOT / "bench-results" / (
@@ -770,6 +984,45 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n[bench] wrote {out}", file=sys.stderr)
     ok = all(r["plan_matches_measured"] for r in sections["policies"] + sections["fp32_norms"])
     return 0 if ok else 1
+
+
+def _balance_only(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    started: float,
+    timed: Callable[[str, Callable[[], Any]], Any],
+    timings: dict[str, float],
+) -> int:
+    """``--only balance-media``: section 8 alone (report, chart and JSON)."""
+    rows = timed("balance_media", lambda: bench_balance(args.balance_steps, BALANCE_WORLDS))
+    chart = write_balance_chart(rows, args.balance_chart)
+    total = time.perf_counter() - started
+    command = "nox -s bench" + (" -- " + " ".join(argv) if argv else "")
+    print(
+        "\n".join(
+            [
+                f"`{command}` - torch {torch.__version__}, {platform.machine()}, "
+                f"{os.cpu_count()} CPUs, {total:.0f} s",
+                "",
+                *balance_report(rows, chart),
+            ]
+        )
+    )
+    out = args.out or ROOT / "bench-results" / (
+        "bench-balance-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S") + ".json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "command": command,
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "seconds": total,
+        "section_seconds": timings,
+        "balance_media": rows,
+    }
+    out.write_text(json.dumps(payload, indent=2))
+    print(f"\n[bench] wrote {out}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
