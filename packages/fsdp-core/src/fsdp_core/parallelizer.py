@@ -13,7 +13,7 @@ import dataclasses
 import hashlib
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -34,6 +34,7 @@ from fsdp_core.module_tree import (
 )
 from fsdp_core.plan import ShardCall, ShardingPlan, UnitPlan, unit_parameters
 from fsdp_core.precision import island_policy
+from fsdp_core.replicated import place_replicated_params
 from fsdp_core.runtime import HookPlan, RuntimeHook, register_installed_hook
 from fsdp_core.sharding import (
     ShardTarget,
@@ -48,6 +49,7 @@ from fsdp_core.unused_params import UnusedParamsRuntimeHook
 __all__ = [
     "PlanContext",
     "ModelParallelizer",
+    "apply_plan",
     "PlanMismatchError",
     "check_applied_units",
     "parameter_names",
@@ -226,49 +228,16 @@ class ModelParallelizer:
         ``save_pretrained`` (the instance's, bound to the library's export;
         the class's stays ``type(model).save_pretrained``): see
         docs/meta-init-and-checkpoints.md."""
-        if not isinstance(plan, ShardingPlan):
-            raise TypeError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
-        # Collective: every rank of the mesh arrives and applies the same plan.
-        entry = enter_collective("apply_plan", ranks=group_ranks(mesh=mesh))
-        entry.agree_on(_plan_digest(plan), what="sharding plan", error=PlanMismatchError)
-        if plan.fingerprint is not None:
-            check_module_tree(model, plan.fingerprint)
-        check_ignored_params_supported(plan.ignored_param_names, plan.replicated_param_names)
-        named = dict(model.named_parameters())
-        self._before_apply(model, plan, mesh=mesh)
-        for call in plan.calls:
-            members = [model.get_submodule(path) if path else model for path in call.paths]
-            ignored = {named[name] for name in call.ignored_param_names}
-            target: ShardTarget = members[0] if len(members) == 1 else members
-            self._fully_shard_module(
-                target,
-                mesh=mesh,
-                mp_policy=call.mp_policy,
-                offload_policy=offload_policy,
-                reshard_after_forward=call.reshard_after_forward,
-                ignored_params=ignored or None,
-            )
-        self._after_apply(model, plan, mesh=mesh)
-        mark_replaced_parameters(model, named)
-        check_applied_units(model, plan)
-        hooks = [self._runtime_hook(planned) for planned in plan.hooks]
-        internals.check_internals(model, {hook.name: hook.reads for hook in hooks})
-        for hook in hooks:
-            installed = hook.install(model, mesh=mesh)
-            if installed is not None:
-                register_installed_hook(model, installed)
-        install_first_forward_check(model, module_tree_fingerprint(model))
-        # Imported here so that ``import fsdp_core`` does not load the checkpoint I/O.
-        from fsdp_core.hf._hf_methods import install_collective_save
-
-        install_collective_save(model)
-        logger.info(
-            "applied %d FSDP units in %d calls; runtime hooks: %s",
-            len(plan.units),
-            len(plan.calls),
-            ", ".join(plan.hook_names()) or "none",
+        return _apply(
+            model,
+            plan,
+            mesh=mesh,
+            offload_policy=offload_policy,
+            shard_module=self._fully_shard_module,
+            before=self._before_apply,
+            after=self._after_apply,
+            hook_of=self._runtime_hook,
         )
-        return model
 
     # ------------------------------------------------------------ hooks to override
     def _fully_shard_module(self, module: ShardTarget, **kwargs: object) -> None:
@@ -445,6 +414,106 @@ def check_applied_units(model: nn.Module, plan: ShardingPlan) -> None:
         f"{_paths_text(missing)}. Plan every unit (override the planning hooks, e.g. "
         "_plan_leading_calls or _plan_calls), so that _fully_shard_module only applies it."
     )
+
+
+def apply_plan(
+    model: nn.Module,
+    plan: ShardingPlan,
+    *,
+    mesh: DeviceMesh,
+    offload_policy: OffloadPolicy | None = None,
+) -> nn.Module:
+    """Shard ``model`` in place as ``plan`` says, from the plan alone: place the
+    replicated parameters as it recorded, make each planned unit with torch's
+    ``fully_shard``, check the units, and install the planned runtime hooks from their
+    plan data. Collective over the mesh's ranks; what a parallelizer's
+    [`apply_plan`][fsdp_core.parallelizer.ModelParallelizer.apply_plan] does, without
+    its overridable steps."""
+    return _apply(
+        model,
+        plan,
+        mesh=mesh,
+        offload_policy=offload_policy,
+        shard_module=_shard_module,
+        before=None,
+        after=None,
+        hook_of=_planned_hook,
+    )
+
+
+_ApplyStep = Callable[..., None]
+
+
+def _shard_module(module: ShardTarget, **kwargs: object) -> None:
+    apply_fully_shard(module, **kwargs)  # type: ignore[arg-type]
+
+
+def _planned_hook(planned: HookPlan) -> RuntimeHook:
+    if planned.hook is None:
+        raise ValueError(
+            f"the plan lists a runtime hook {planned.name!r} without its hook object; "
+            "plans made by a parallelizer's plan() carry it"
+        )
+    return planned.hook
+
+
+def _apply(
+    model: nn.Module,
+    plan: ShardingPlan,
+    *,
+    mesh: DeviceMesh,
+    offload_policy: OffloadPolicy | None,
+    shard_module: Callable[..., None],
+    before: _ApplyStep | None,
+    after: _ApplyStep | None,
+    hook_of: Callable[[HookPlan], RuntimeHook],
+) -> nn.Module:
+    if not isinstance(plan, ShardingPlan):
+        raise TypeError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
+    # Collective: every rank of the mesh arrives and applies the same plan.
+    entry = enter_collective("apply_plan", ranks=group_ranks(mesh=mesh))
+    entry.agree_on(_plan_digest(plan), what="sharding plan", error=PlanMismatchError)
+    if plan.fingerprint is not None:
+        check_module_tree(model, plan.fingerprint)
+    check_ignored_params_supported(plan.ignored_param_names, plan.replicated_param_names)
+    named = dict(model.named_parameters())
+    place_replicated_params(model, plan, mesh=mesh)
+    if before is not None:
+        before(model, plan, mesh=mesh)
+    for call in plan.calls:
+        members = [model.get_submodule(path) if path else model for path in call.paths]
+        ignored = {named[name] for name in call.ignored_param_names}
+        target: ShardTarget = members[0] if len(members) == 1 else members
+        shard_module(
+            target,
+            mesh=mesh,
+            mp_policy=call.mp_policy,
+            offload_policy=offload_policy,
+            reshard_after_forward=call.reshard_after_forward,
+            ignored_params=ignored or None,
+        )
+    if after is not None:
+        after(model, plan, mesh=mesh)
+    mark_replaced_parameters(model, named)
+    check_applied_units(model, plan)
+    hooks = [hook_of(planned) for planned in plan.hooks]
+    internals.check_internals(model, {hook.name: hook.reads for hook in hooks})
+    for hook in hooks:
+        installed = hook.install(model, mesh=mesh)
+        if installed is not None:
+            register_installed_hook(model, installed)
+    install_first_forward_check(model, module_tree_fingerprint(model))
+    # Imported here so that ``import fsdp_core`` does not load the checkpoint I/O.
+    from fsdp_core.hf._hf_methods import install_collective_save
+
+    install_collective_save(model)
+    logger.info(
+        "applied %d FSDP units in %d calls; runtime hooks: %s",
+        len(plan.units),
+        len(plan.calls),
+        ", ".join(plan.hook_names()) or "none",
+    )
+    return model
 
 
 def _paths_text(units: list[tuple[str, ...]], limit: int = 4) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -21,6 +22,8 @@ from fsdp_core.runtime import HookPlan
 __all__ = ["UnitPlan", "ShardCall", "ShardingPlan", "unit_parameters", "format_policy"]
 
 ROOT_LABEL = "<root>"
+
+_Record = TypeVar("_Record")
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,20 @@ class ShardingPlan:
     #: inputs), as the planner judged them for the estimates; ``None`` when the planner
     #: made no such judgement (plans built by hand). Not part of plan equality.
     backward_free_paths: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
+    #: Whether applying the plan broadcasts the replicated parameters from rank 0, so
+    #: that every rank holds the same values (the planner's ``sync_replicated``). Not
+    #: part of plan equality.
+    sync_replicated: bool = field(default=True, compare=False, repr=False)
+    #: What the planner found and decided that later stages read instead of asking it
+    #: again: frozen dataclasses of the planner's own package (a multimodal planner
+    #: records its discovered towers and media regions), found with
+    #: [`record`][fsdp_core.plan.ShardingPlan.record]. Core does not read them. Not part
+    #: of plan equality.
+    records: tuple[object, ...] = field(default=(), compare=False, repr=False)
+
+    def record(self, kind: type[_Record]) -> _Record | None:
+        """The planner's record of type ``kind``, if the plan has one."""
+        return next((r for r in self.records if isinstance(r, kind)), None)
 
     def hook_names(self) -> tuple[str, ...]:
         return tuple(hook.name for hook in self.hooks)

@@ -55,16 +55,14 @@ import copy
 import dataclasses
 import logging
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_core import ModelParallelizer, ShardingPlan
 from fsdp_core.containers import is_under, iter_layer_items, join_path
 from fsdp_core.dtype_units import dominant_dtype
-from fsdp_core.mesh_collectives import mesh_device
 from fsdp_core.parallelizer import PlanContext
 from fsdp_core.runtime import HookPlan
 from multimodal_fsdp.discovery.conditional import find_media_conditional_layers
@@ -88,6 +86,8 @@ from multimodal_fsdp.policy import (
     normalize_frozen_sharding_spec,
 )
 from multimodal_fsdp.reachability import backward_free_paths
+from multimodal_fsdp.record import MultimodalRecord, PlannedPart, media_regions_of, plan_record
+from multimodal_fsdp.runtime.balance_media import BalanceMediaRuntimeHook
 from multimodal_fsdp.runtime.prefetch_guard import PrefetchGuardRuntimeHook, frozen_unit_labels
 from multimodal_fsdp.runtime.schedule_check import (
     CHECKPOINT_BYTES,
@@ -121,11 +121,16 @@ class MultimodalParallelizer(ModelParallelizer):
     point is a unit per tower block.
     """
 
-    HOOKS = (*ModelParallelizer.HOOKS, PrefetchGuardRuntimeHook, ScheduleCheckRuntimeHook)
+    HOOKS = (
+        *ModelParallelizer.HOOKS,
+        PrefetchGuardRuntimeHook,
+        ScheduleCheckRuntimeHook,
+        BalanceMediaRuntimeHook,
+    )
 
-    #: The model being planned and its discovered parts, held while ``plan()`` runs so
-    #: that its stages share one discovery (``None`` outside ``plan()``).
-    _discovered: tuple[nn.Module, list[MultimodalParts]] | None = None
+    #: The discovery of the model being planned, held while ``plan()`` runs so that its
+    #: stages share one discovery (``None`` outside ``plan()``); the plan records it.
+    _discovered: _Discovery | None = None
 
     def __init__(
         self,
@@ -138,11 +143,15 @@ class MultimodalParallelizer(ModelParallelizer):
         dtype_safe: bool = True,
         uneven_media: bool = False,
         disabled_hooks: Iterable[str] = (),
+        balance_media: bool = False,
     ) -> None:
         super().__init__(dtype_safe=dtype_safe, disabled_hooks=disabled_hooks)
         if not isinstance(uneven_media, bool):
             raise TypeError(f"uneven_media must be a bool, got {uneven_media!r}")
+        if not isinstance(balance_media, bool):
+            raise TypeError(f"balance_media must be a bool, got {balance_media!r}")
         self.uneven_media = uneven_media
+        self.balance_media = balance_media
         self.frozen_multimodal_sharding: FrozenMultimodalSharding = "root"
         self.frozen_multimodal_sharding_by_path: Mapping[str, FrozenMultimodalSharding] = {}
         self._set_frozen_sharding(frozen_multimodal_sharding)
@@ -166,7 +175,8 @@ class MultimodalParallelizer(ModelParallelizer):
 
     def _set_frozen_sharding(self, value: FrozenShardingSpec) -> None:
         default, by_path = normalize_frozen_sharding_spec(value)
-        _check_policy_and_media(default, by_path, self.uneven_media)
+        # Balanced towers keep their units under uneven_media: per_layer is fine then.
+        _check_policy_and_media(default, by_path, self.uneven_media and not self.balance_media)
         self.frozen_multimodal_sharding = default
         self.frozen_multimodal_sharding_by_path = by_path
 
@@ -211,8 +221,8 @@ class MultimodalParallelizer(ModelParallelizer):
     def multimodal_parts(self, model: nn.Module) -> list[MultimodalParts]:
         """Discovered multimodal modules with their frozen and trainable parts (while
         ``plan()`` runs: the one discovery of the model being planned)."""
-        if self._discovered is not None and self._discovered[0] is model:
-            return list(self._discovered[1])
+        if self._discovered is not None and self._discovered.model is model:
+            return list(self._discovered.parts)
         found = resolve_multimodal_modules(
             model,
             extra_tower_names=self.extra_tower_names,
@@ -224,6 +234,27 @@ class MultimodalParallelizer(ModelParallelizer):
             frozen, trainable = split_frozen_parts(item.module, item.path)
             result.append(MultimodalParts(item, frozen, trainable))
         return result
+
+    def _conditional_layers(self, model: nn.Module) -> list[str]:
+        """Decoder layers that run only with media (while ``plan()`` runs: found once)."""
+        if self._discovered is not None and self._discovered.model is model:
+            return list(self._discovered.conditional)
+        return find_media_conditional_layers(model)
+
+    def _planned_parts(self, model: nn.Module) -> list[PlannedPart]:
+        """The discovered modules as the plan records them, with their policies."""
+        return [
+            PlannedPart(
+                path=part.found.path,
+                rule=part.found.rule,
+                modality=part.found.modality,
+                role=part.found.role,
+                frozen=tuple(part.frozen),
+                trainable=tuple(part.trainable),
+                policy=policy,
+            )
+            for part, policy in self._parts_with_policies(model)
+        ]
 
     def _replicated_paths(self, model: nn.Module) -> list[str]:
         return [
@@ -245,15 +276,17 @@ class MultimodalParallelizer(ModelParallelizer):
         model = ctx.model
         parts = self._parts_with_policies(model)
         roots = [p.found.path for p, _ in parts]
-        conditional = set(find_media_conditional_layers(model))
+        conditional = set(self._conditional_layers(model))
         paths = [
             path
             for path, _ in iter_layer_items(model)
             if not any(is_under(path, root) for root in roots)
             and not (self.uneven_media and path in conditional)
         ]
-        if self.uneven_media:
+        if self.uneven_media and not self.balance_media:
             return paths  # towers, projectors and conditional layers stay in the root
+        if self.uneven_media:  # only balanced towers keep their units
+            parts = [(part, policy) for part, policy in parts if part.found.role == "tower"]
         ids = {id(module): name for name, module in model.named_modules()}
         for part, policy in parts:
             if part.frozen and part.trainable:
@@ -281,7 +314,7 @@ class MultimodalParallelizer(ModelParallelizer):
 
     def _plan_notes(self, ctx: PlanContext) -> list[str]:
         notes = []
-        conditional = find_media_conditional_layers(ctx.model)
+        conditional = self._conditional_layers(ctx.model)
         if conditional:
             where = "join the root unit" if self.uneven_media else "are media regions"
             notes.append(
@@ -310,8 +343,11 @@ class MultimodalParallelizer(ModelParallelizer):
         reshard_after_forward: bool | int | None = None,
         ignored_params: set[nn.Parameter] | None = None,
     ) -> ShardingPlan:
-        # Discovery runs once here; every stage of planning reads its result.
-        self._discovered = (model, self.multimodal_parts(model))
+        # Discovery runs once here; every stage of planning reads its result, and the
+        # plan records it for the stages after planning.
+        self._discovered = _Discovery(
+            model, self.multimodal_parts(model), find_media_conditional_layers(model)
+        )
         try:
             return self._plan_discovered(
                 model,
@@ -341,10 +377,13 @@ class MultimodalParallelizer(ModelParallelizer):
         dtypes = self._derive_replicated_dtypes(model, plan)
         free = backward_free_paths(model, parts=self.multimodal_parts(model))
         plan = dataclasses.replace(
-            plan, replicated_param_dtypes=tuple(dtypes.items()), backward_free_paths=tuple(free)
+            plan,
+            replicated_param_dtypes=tuple(dtypes.items()),
+            backward_free_paths=tuple(free),
+            sync_replicated=self.sync_replicated,
         )
         if self.uneven_media:
-            regions = self.media_regions(model, plan)
+            regions = self._unbalanced_regions(model, plan)
             if regions:
                 raise ValueError(
                     "uneven_media=True folds towers, projectors and media-dependent decoder "
@@ -355,23 +394,26 @@ class MultimodalParallelizer(ModelParallelizer):
                     "them the model's dtype, or use uneven_media=False and the same media "
                     "calls on every rank."
                 )
-        return plan
+        parts = tuple(self._planned_parts(model))
+        conditional = tuple(self._conditional_layers(model))
+        record = MultimodalRecord(
+            parts=parts,
+            conditional_layers=conditional,
+            media_regions=tuple(media_regions_of(parts, conditional, plan)),
+            policy_label=self.frozen_sharding_label,
+            default_policy=self.frozen_multimodal_sharding,
+            uneven_media=self.uneven_media,
+        )
+        return dataclasses.replace(plan, records=(*plan.records, record))
 
     def media_regions(self, model: nn.Module, plan: ShardingPlan) -> list[MediaRegion]:
-        """Modules that only run with media and own units of ``plan`` (see the module doc)."""
-        members = [path for unit in plan.units if not unit.is_root for path in unit.paths]
-        regions: list[MediaRegion] = []
-        for part in self.multimodal_parts(model):
-            root = part.found.path
-            inside = tuple(p for p in members if is_under(p, root))
-            if inside:
-                frozen = bool(part.frozen) and not part.trainable
-                regions.append(MediaRegion(root, part.found.role, inside, frozen=frozen))
-        taken = [r.path for r in regions]
-        for path in find_media_conditional_layers(model):
-            if path in members and not any(is_under(path, r) for r in taken):
-                regions.append(MediaRegion(path, "decoder layer", (path,)))
-        return regions
+        """Modules that only run with media and own units of ``plan`` (see the module doc),
+        from the towers and media-dependent layers the plan recorded (no discovery; a plan
+        made by hand, with no record, is read against this parallelizer's discovery)."""
+        record = plan_record(plan)
+        if record is not None:
+            return media_regions_of(record.parts, record.conditional_layers, plan)
+        return media_regions_of(self._planned_parts(model), self._conditional_layers(model), plan)
 
     def modules_with_units(self, model: nn.Module, plan: ShardingPlan) -> list[str]:
         """Paths of the media regions of ``plan``: only ranks with media would run them."""
@@ -393,6 +435,19 @@ class MultimodalParallelizer(ModelParallelizer):
         towers = [part.found.path for part in self.multimodal_parts(model)]
         return paths + [path for path in towers if path not in paths]
 
+    def _balanced_towers(self, model: nn.Module) -> list[str]:
+        """The towers ``balance_media=True`` balances: every discovered tower."""
+        if not self.balance_media:
+            return []
+        parts = self.multimodal_parts(model)
+        return [part.found.path for part in parts if part.found.role == "tower"]
+
+    def _unbalanced_regions(self, model: nn.Module, plan: ShardingPlan) -> list[MediaRegion]:
+        """Media regions whose calls still depend on the batch: balanced towers run on
+        every rank in every balanced call, so they are none."""
+        balanced = set(self._balanced_towers(model))
+        return [r for r in self.media_regions(model, plan) if r.path not in balanced]
+
     def _plan_hooks(self, model: nn.Module, plan: ShardingPlan) -> list[HookPlan]:
         hooks = super()._plan_hooks(model, plan)
         frozen = self._guarded_frozen_units(model, plan)
@@ -408,7 +463,7 @@ class MultimodalParallelizer(ModelParallelizer):
         layout = plan_schedule_layout(
             model,
             plan,
-            self.media_regions(model, plan),
+            self._unbalanced_regions(model, plan),
             per_layer=_per_layer_where(
                 self.frozen_multimodal_sharding, self.frozen_multimodal_sharding_by_path
             ),
@@ -425,6 +480,16 @@ class MultimodalParallelizer(ModelParallelizer):
                     "region); one more per extra region call",
                 )
             )
+        towers = self._balanced_towers(model)
+        if towers:
+            media_only = [part.found.path for part in self.multimodal_parts(model)]
+            media_only += self._conditional_layers(model)
+            balance = BalanceMediaRuntimeHook.from_plan(
+                model, plan, towers=towers, media_only=media_only
+            )
+            hooks.append(
+                balance.planned(reason=balance.describe(), targets=towers, cost=balance.cost())
+            )
         return hooks
 
     def _guarded_frozen_units(self, model: nn.Module, plan: ShardingPlan) -> list[str]:
@@ -437,7 +502,7 @@ class MultimodalParallelizer(ModelParallelizer):
         and projector units stay guarded: their inputs never need a gradient."""
         labels = frozen_unit_labels(model, plan)
         towers = [part.found.path for part in self.multimodal_parts(model)]
-        media_only = [*towers, *find_media_conditional_layers(model)]
+        media_only = [*towers, *self._conditional_layers(model)]
         if not labels or not any(
             param.requires_grad
             for name, param in model.named_parameters()
@@ -451,7 +516,7 @@ class MultimodalParallelizer(ModelParallelizer):
             if all(any(is_under(path, tower) for tower in towers) for path in paths[label])
         ]
 
-    # -------------------------------------------------------- apply hooks
+    # ------------------------------------------------- replicated parameters
     def replicated_param_dtypes(
         self, model: nn.Module, plan: ShardingPlan
     ) -> dict[str, torch.dtype]:
@@ -476,31 +541,6 @@ class MultimodalParallelizer(ModelParallelizer):
             for name in plan.replicated_param_names
         }
 
-    def _before_apply(self, model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> None:
-        """Place replicated parameters: mesh device, compute dtype, same values everywhere."""
-        if not plan.replicated_param_names:
-            return
-        named = dict(model.named_parameters())
-        dtypes = self.replicated_param_dtypes(model, plan)
-        device = mesh_device(mesh)
-        for name, dtype in dtypes.items():
-            param = named[name]
-            # A meta parameter stays on meta (materialised later with the rest).
-            target = param.device if param.device.type == "meta" else device
-            if param.device != target or param.dtype != dtype:
-                param.data = param.data.to(device=target, dtype=dtype)
-        if self.sync_replicated and dist.is_initialized() and dist.get_world_size() > 1:
-            for name in plan.replicated_param_names:
-                param = named[name]
-                if param.device.type != "meta":
-                    dist.broadcast(param.data, src=0)
-        logger.info(
-            "replicated %d parameters on %s (dtypes %s)",
-            len(dtypes),
-            device,
-            sorted({str(d) for d in dtypes.values()}),
-        )
-
     def _replicated_keep_dtype(self, model: nn.Module, names: Iterable[str]) -> Iterator[str]:
         """Replicated parameters that keep their dtype: odd-dtype islands of each module.
 
@@ -517,6 +557,16 @@ class MultimodalParallelizer(ModelParallelizer):
             if dominant is None:
                 continue
             yield from (n for n, p in params if n in wanted and p.dtype != dominant)
+
+
+@dataclass(frozen=True)
+class _Discovery:
+    """One ``plan()``'s discovery: the model, its multimodal parts and its decoder layers
+    that run only with media."""
+
+    model: nn.Module
+    parts: list[MultimodalParts]
+    conditional: list[str]
 
 
 #: Methods of transformers models that run towers and projectors outside the forward.

@@ -1,0 +1,52 @@
+"""Place a plan's replicated parameters before sharding, from the plan alone.
+
+Replicated parameters are ignored by every FSDP unit and kept whole on every rank
+([`ShardingPlan.replicated_param_names`][fsdp_core.plan.ShardingPlan.replicated_param_names]).
+The planner decided their dtypes and whether ranks synchronise them; applying the plan
+only carries that out, so it needs no parallelizer.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp_core.mesh_collectives import mesh_device
+from fsdp_core.plan import ShardingPlan
+
+__all__ = ["place_replicated_params"]
+
+logger = logging.getLogger(__name__)
+
+
+def place_replicated_params(model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> None:
+    """Move the replicated parameters to the mesh device in the dtypes the plan recorded
+    (their own dtype where it recorded none), then broadcast them from rank 0 when
+    ``plan.sync_replicated``. Meta parameters stay on meta (materialised later)."""
+    if not plan.replicated_param_names:
+        return
+    named = dict(model.named_parameters())
+    recorded = dict(plan.replicated_param_dtypes)
+    device = mesh_device(mesh)
+    dtypes = {}
+    for name in plan.replicated_param_names:
+        param = named[name]
+        dtype = recorded.get(name, param.dtype)
+        dtypes[name] = dtype
+        target = param.device if param.device.type == "meta" else device
+        if param.device != target or param.dtype != dtype:
+            param.data = param.data.to(device=target, dtype=dtype)
+    if plan.sync_replicated and dist.is_initialized() and dist.get_world_size() > 1:
+        for name in plan.replicated_param_names:
+            param = named[name]
+            if param.device.type != "meta":
+                dist.broadcast(param.data, src=0)
+    logger.info(
+        "replicated %d parameters on %s (dtypes %s)",
+        len(dtypes),
+        device,
+        sorted({str(d) for d in dtypes.values()}),
+    )

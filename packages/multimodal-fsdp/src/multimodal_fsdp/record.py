@@ -1,0 +1,79 @@
+"""What ``MultimodalParallelizer.plan()`` found and decided, recorded in the plan.
+
+Later stages (the media regions, the costs, the chooser, the CLI) read this record
+from [`ShardingPlan.records`][fsdp_core.plan.ShardingPlan.records] instead of asking the
+parallelizer to discover the model again: discovery runs once, in ``plan()``. The
+record is plain data (paths and names, no modules) and not part of plan equality.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from fsdp_core import ShardingPlan
+from fsdp_core.containers import is_under
+from multimodal_fsdp.policy import FrozenMultimodalSharding
+from multimodal_fsdp.runtime.schedule_check import MediaRegion
+
+__all__ = ["MultimodalRecord", "PlannedPart", "media_regions_of", "plan_record"]
+
+
+@dataclass(frozen=True)
+class PlannedPart:
+    """One discovered tower or projector as planned: where it is, the discovery rule
+    that found it (``"name:<attr>"``, ``"extra:<attr>"`` or a structural rule, see
+    [`MultimodalModule`][multimodal_fsdp.discovery.names.MultimodalModule]), its
+    maximal frozen and trainable submodules, and the frozen-tower policy it follows."""
+
+    path: str
+    rule: str
+    modality: str
+    role: str
+    frozen: tuple[str, ...]
+    trainable: tuple[str, ...]
+    policy: FrozenMultimodalSharding
+
+    @property
+    def fully_frozen(self) -> bool:
+        return bool(self.frozen) and not self.trainable
+
+
+@dataclass(frozen=True)
+class MultimodalRecord:
+    """The multimodal planner's record in a plan (see the module doc)."""
+
+    parts: tuple[PlannedPart, ...]
+    #: Decoder layers that run only with media (``find_media_conditional_layers``).
+    conditional_layers: tuple[str, ...]
+    #: The media regions of the plan's units, as planned.
+    media_regions: tuple[MediaRegion, ...]
+    #: The policy options as they read: the policy, or ``path=policy, ..., *=default``.
+    policy_label: str
+    #: The policy of modules the options do not name.
+    default_policy: FrozenMultimodalSharding
+    uneven_media: bool
+
+
+def plan_record(plan: ShardingPlan) -> MultimodalRecord | None:
+    """The multimodal record of ``plan``; ``None`` for plans made otherwise (by hand,
+    by a plain ``ModelParallelizer``)."""
+    return plan.record(MultimodalRecord)
+
+
+def media_regions_of(
+    parts: Iterable[PlannedPart], conditional_layers: Iterable[str], plan: ShardingPlan
+) -> list[MediaRegion]:
+    """Modules that only run with media and own units of ``plan``: towers and projectors
+    with units inside, then media-dependent decoder layers that are units themselves."""
+    members = [path for unit in plan.units if not unit.is_root for path in unit.paths]
+    regions: list[MediaRegion] = []
+    for part in parts:
+        inside = tuple(p for p in members if is_under(p, part.path))
+        if inside:
+            regions.append(MediaRegion(part.path, part.role, inside, frozen=part.fully_frozen))
+    taken = [r.path for r in regions]
+    for path in conditional_layers:
+        if path in members and not any(is_under(path, r) for r in taken):
+            regions.append(MediaRegion(path, "decoder layer", (path,)))
+    return regions
