@@ -382,6 +382,7 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
         dtype_safe: bool = True,
         uneven_media: bool = False,
         disabled_hooks: Iterable[str] = (),
+        balance_media: bool = False,
     ) -> None:
         super().__init__(
             frozen_multimodal_sharding=frozen_multimodal_sharding,
@@ -392,6 +393,7 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
             dtype_safe=dtype_safe,
             uneven_media=uneven_media,
             disabled_hooks=disabled_hooks,
+            balance_media=balance_media,
         )
 
     def _fully_shard_module(self, module: object, **kwargs: object) -> None:
