@@ -35,6 +35,8 @@ LAUNCHES: dict[int, list[str]] = {
         "uneven_replicate",
         "uneven_per_layer",
         "accum_text_only",
+        "balance_media",
+        "balance_media_accumulation",
         "ckpt_load_other_world",
         *(f"loop_{name}" for name in cases_for(2)),
         *(

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import balance
+import balanced_vlm as balance
 import torch
 import torch.distributed as dist
 from registry import scenario

@@ -124,7 +124,7 @@ def reference(tower: str, *, world: int = 2) -> dict[str, Any]:
     for step in range(len(DISTRIBUTIONS)):
         loss = sum(step_loss(model, step, r) for r in range(world)) / world
         loss.backward()  # type: ignore[union-attr]
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         grads.append(
             {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         )
