@@ -38,6 +38,7 @@ NON_DEFAULTS: dict[str, Any] = {
     "exclude": ("some.module",),
     "sync_replicated": False,
     "uneven_media": True,
+    "balance_media": True,
 }
 
 

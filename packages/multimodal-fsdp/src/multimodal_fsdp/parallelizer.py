@@ -321,7 +321,12 @@ class MultimodalParallelizer(ModelParallelizer):
                 f"{len(conditional)} decoder layers run only with media "
                 f"({summarise(conditional)}) and {where}"
             )
-        if self.uneven_media:
+        if self.uneven_media and self.balance_media:
+            notes.append(
+                "uneven_media=True with balance_media=True: projectors join the root unit, "
+                "balanced towers keep their units"
+            )
+        elif self.uneven_media:
             notes.append("uneven_media=True: towers and projectors join the root unit")
         if self.frozen_multimodal_sharding_by_path:
             notes.append(f"frozen-tower policies per module: {self.frozen_sharding_label}")
@@ -383,7 +388,7 @@ class MultimodalParallelizer(ModelParallelizer):
             sync_replicated=self.sync_replicated,
         )
         if self.uneven_media:
-            regions = self._unbalanced_regions(model, plan)
+            regions = self.media_regions(model, plan)
             if regions:
                 raise ValueError(
                     "uneven_media=True folds towers, projectors and media-dependent decoder "
@@ -399,21 +404,32 @@ class MultimodalParallelizer(ModelParallelizer):
         record = MultimodalRecord(
             parts=parts,
             conditional_layers=conditional,
-            media_regions=tuple(media_regions_of(parts, conditional, plan)),
+            media_regions=tuple(
+                media_regions_of(parts, conditional, plan, balanced=self._balanced_towers(model))
+            ),
             policy_label=self.frozen_sharding_label,
             default_policy=self.frozen_multimodal_sharding,
             uneven_media=self.uneven_media,
+            balanced_towers=tuple(self._balanced_towers(model)),
         )
         return dataclasses.replace(plan, records=(*plan.records, record))
 
     def media_regions(self, model: nn.Module, plan: ShardingPlan) -> list[MediaRegion]:
         """Modules that only run with media and own units of ``plan`` (see the module doc),
         from the towers and media-dependent layers the plan recorded (no discovery; a plan
-        made by hand, with no record, is read against this parallelizer's discovery)."""
+        made by hand, with no record, is read against this parallelizer's discovery).
+        Towers that ``balance_media=True`` balances are none."""
         record = plan_record(plan)
         if record is not None:
-            return media_regions_of(record.parts, record.conditional_layers, plan)
-        return media_regions_of(self._planned_parts(model), self._conditional_layers(model), plan)
+            return media_regions_of(
+                record.parts, record.conditional_layers, plan, balanced=record.balanced_towers
+            )
+        return media_regions_of(
+            self._planned_parts(model),
+            self._conditional_layers(model),
+            plan,
+            balanced=self._balanced_towers(model),
+        )
 
     def modules_with_units(self, model: nn.Module, plan: ShardingPlan) -> list[str]:
         """Paths of the media regions of ``plan``: only ranks with media would run them."""
@@ -436,17 +452,12 @@ class MultimodalParallelizer(ModelParallelizer):
         return paths + [path for path in towers if path not in paths]
 
     def _balanced_towers(self, model: nn.Module) -> list[str]:
-        """The towers ``balance_media=True`` balances: every discovered tower."""
-        if not self.balance_media:
+        """The towers ``balance_media=True`` balances: every discovered tower (none when
+        the ``balance_media`` hook is disabled: they stay media regions then)."""
+        if not self.balance_media or BalanceMediaRuntimeHook.name in self.disabled_hooks:
             return []
         parts = self.multimodal_parts(model)
         return [part.found.path for part in parts if part.found.role == "tower"]
-
-    def _unbalanced_regions(self, model: nn.Module, plan: ShardingPlan) -> list[MediaRegion]:
-        """Media regions whose calls still depend on the batch: balanced towers run on
-        every rank in every balanced call, so they are none."""
-        balanced = set(self._balanced_towers(model))
-        return [r for r in self.media_regions(model, plan) if r.path not in balanced]
 
     def _plan_hooks(self, model: nn.Module, plan: ShardingPlan) -> list[HookPlan]:
         hooks = super()._plan_hooks(model, plan)
@@ -463,7 +474,7 @@ class MultimodalParallelizer(ModelParallelizer):
         layout = plan_schedule_layout(
             model,
             plan,
-            self._unbalanced_regions(model, plan),
+            self.media_regions(model, plan),
             per_layer=_per_layer_where(
                 self.frozen_multimodal_sharding, self.frozen_multimodal_sharding_by_path
             ),

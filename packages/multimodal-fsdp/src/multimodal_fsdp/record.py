@@ -53,6 +53,8 @@ class MultimodalRecord:
     #: The policy of modules the options do not name.
     default_policy: FrozenMultimodalSharding
     uneven_media: bool
+    #: Towers whose calls ``balance_media=True`` spreads over every rank (no media regions).
+    balanced_towers: tuple[str, ...] = ()
 
 
 def plan_record(plan: ShardingPlan) -> MultimodalRecord | None:
@@ -62,13 +64,21 @@ def plan_record(plan: ShardingPlan) -> MultimodalRecord | None:
 
 
 def media_regions_of(
-    parts: Iterable[PlannedPart], conditional_layers: Iterable[str], plan: ShardingPlan
+    parts: Iterable[PlannedPart],
+    conditional_layers: Iterable[str],
+    plan: ShardingPlan,
+    *,
+    balanced: Iterable[str] = (),
 ) -> list[MediaRegion]:
     """Modules that only run with media and own units of ``plan``: towers and projectors
-    with units inside, then media-dependent decoder layers that are units themselves."""
+    with units inside, then media-dependent decoder layers that are units themselves.
+    ``balanced`` towers are none: every rank takes part in each of their calls."""
     members = [path for unit in plan.units if not unit.is_root for path in unit.paths]
+    skip = set(balanced)
     regions: list[MediaRegion] = []
     for part in parts:
+        if part.path in skip:
+            continue
         inside = tuple(p for p in members if is_under(p, part.path))
         if inside:
             regions.append(MediaRegion(part.path, part.role, inside, frozen=part.fully_frozen))
