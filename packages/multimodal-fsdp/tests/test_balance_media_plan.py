@@ -61,8 +61,12 @@ def test_balance_media_must_be_a_bool() -> None:
 
 @pytest.mark.parametrize(
     ("policy", "frozen", "owns_units"),
-    [("per_layer", True, True), ("root", True, False), ("replicate", True, False)]
-    + [("root", False, True)],
+    [
+        ("per_layer", True, True),
+        ("root", True, False),
+        ("replicate", True, False),
+        ("root", False, True),
+    ],
 )
 def test_the_plan_holds_the_hook_data(policy: str, frozen: bool, owns_units: bool) -> None:
     plan = _parallelizer(policy).plan(_model(frozen=frozen))
@@ -113,7 +117,8 @@ def test_with_uneven_media_the_tower_keeps_its_per_layer_units() -> None:
         frozen_multimodal_sharding="per_layer", uneven_media=True, balance_media=True
     ).plan(_model())
     labels = [unit.label for unit in plan.units]
-    assert "vision.blocks.0" in labels and "vision.blocks.1" in labels
+    assert "vision.blocks.0" in labels
+    assert "vision.blocks.1" in labels
     assert "schedule_check" not in plan.hook_names()
     assert any("balanced towers keep their units" in note for note in plan.notes)
     with pytest.raises(ValueError, match="uneven_media=True use 'root' or"):
@@ -147,11 +152,12 @@ class _ToyVLM(nn.Module):
 
 
 def test_a_tower_of_unknown_layout_fails_at_plan_time() -> None:
-    with pytest.raises(ValueError) as caught:
+    with pytest.raises(ValueError, match="cannot balance tower") as caught:
         MultimodalParallelizer(balance_media=True).plan(_ToyVLM())
     message = str(caught.value)
     assert "cannot balance tower 'vision_tower'" in message
-    assert "_PixelsTower" in message and "pixels" in message
+    assert "_PixelsTower" in message
+    assert "pixels" in message
     assert "register_media_layout" in message
     MultimodalParallelizer().plan(_ToyVLM())  # fine without the option
 
