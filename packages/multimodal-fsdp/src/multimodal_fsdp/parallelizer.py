@@ -46,7 +46,8 @@ regions keep their units and the ``schedule_check`` hook
 with uneven media on every rank
 before a mismatched collective. ``uneven_media=True`` instead folds every region into the root unit:
 any media on any rank trains, at the price of keeping those parameters gathered (and their gradients
-unreduced) for the whole step.
+unreduced) for the whole step. ``balance_media=True`` instead makes every rank take part in every
+tower call (each call spread over all ranks), so towers are no media regions at all.
 """
 
 from __future__ import annotations
@@ -118,7 +119,17 @@ class MultimodalParallelizer(ModelParallelizer):
 
     ``uneven_media=True`` folds media regions into the root unit (see the module
     docstring); it cannot be combined with ``per_layer`` for any module, whose
-    point is a unit per tower block.
+    point is a unit per tower block, unless ``balance_media=True``.
+
+    ``balance_media=True`` spreads each call of every discovered tower over all
+    data-parallel ranks and makes ranks join the calls they do not make before the
+    decoder (the ``balance_media`` hook,
+    [`multimodal_fsdp.runtime.balance_media`][multimodal_fsdp.runtime.balance_media]):
+    balanced towers are no media regions, so ``per_layer`` and trainable towers train
+    under any media distribution. A tower whose call no layout adapter understands is a
+    ``ValueError`` at plan time. With ``uneven_media=True`` as well, projectors and
+    media-dependent decoder layers fold into the root unit and balanced towers keep
+    their units.
     """
 
     HOOKS = (
