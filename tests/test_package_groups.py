@@ -1,8 +1,8 @@
 """multimodal_fsdp is grouped by its seams, and the groups form layers.
 
-From the bottom: ``discovery`` (reads the module tree), ``runtime`` (hooks that run
-during steps) and ``balance`` (the media exchange), then the planning modules at the
-top level (the policy, the parts, the parallelizer), then ``estimate`` (what a plan
+From the bottom: ``discovery`` (reads the module tree) and ``balance`` (the media
+exchange), then ``runtime`` (hooks that run during steps; the ``balance_media`` hook runs
+the exchange), then the planning modules at the top level (the policy, the parts, the parallelizer), then ``estimate`` (what a plan
 costs), ``measure`` (one real step, compared with the estimates) and ``cli``. A module
 imports only from its own group and the groups below it, and never a private
 (underscore) name of a module in another group: a group's private names are its own
@@ -24,12 +24,12 @@ SOURCE = ROOT / "packages" / "multimodal-fsdp" / "src" / "multimodal_fsdp"
 #: A group may import the groups with a lower number and its own.
 LEVELS = {
     "discovery": 0,
-    "runtime": 0,
     "balance": 0,
-    "planning": 1,
-    "estimate": 2,
-    "measure": 3,
-    "cli": 4,
+    "runtime": 1,
+    "planning": 2,
+    "estimate": 3,
+    "measure": 4,
+    "cli": 5,
 }
 FACADES = {"__init__", "__main__"}  # re-export the public names; above everything
 
