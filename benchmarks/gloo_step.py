@@ -69,7 +69,7 @@ def manual(model: nn.Module, policy: str, mesh: Any) -> None:
     named = dict(model.named_parameters())
     # Replicated parameters (frozen fp32 norms, a replicated tower) stay plain tensors,
     # cast to the compute dtype unless they are fp32 islands - as a user would do by hand.
-    for name, dtype in parallelizer.replicated_param_dtypes(model, plan).items():
+    for name, dtype in plan.replicated_param_dtypes:
         named[name].data = named[name].data.to(dtype)
     for call in plan.calls:
         members = [model.get_submodule(p) if p else model for p in call.paths]
@@ -98,7 +98,7 @@ def main() -> None:
 
     reference = build()
     plan = parallelizer.plan(reference, mp_policy=MP)
-    guarded = plan_costs(plan, reference, world_size=ctx.world_size, parallelizer=parallelizer)
+    guarded = plan_costs(plan, reference, world_size=ctx.world_size)
     # The hand-written variant: FSDP2's default prefetch and no uneven-media guard.
     manual_expected = CommTally()
     for unit in guarded.units:

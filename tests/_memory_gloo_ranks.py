@@ -25,12 +25,12 @@ def build() -> torch.nn.Module:
 def measure(rank: int, world_size: int, policy: str, out: str) -> None:
     """Predict and measure one AdamW step on this rank; write both as JSON."""
     batch = make_batch(CONFIG, batch_size=2, seq_len=16)
+    model = build()
+    plan = PARALLELIZER.with_options(frozen_multimodal_sharding=policy).plan(
+        model, mp_policy=mixed_precision_policy("bf16", "fp32")
+    )
     result = measure_plan_memory(
-        build,
-        PARALLELIZER.with_options(frozen_multimodal_sharding=policy),
-        lambda model: model(**batch),
-        world_size=world_size,
-        mp_policy=mixed_precision_policy("bf16", "fp32"),
+        plan, model, lambda sharded: sharded(**batch), world_size=world_size
     )
     assert result.costs.memory is not None
     figures = {"predicted": result.costs.memory.as_dict(), "measured": result.measured.as_dict()}

@@ -78,9 +78,7 @@ def _violations() -> tuple[list[str], list[str]]:
             if not target.startswith("multimodal_fsdp.") or target == "multimodal_fsdp":
                 continue
             other = _group(target)
-            if LEVELS[other] > LEVELS[group] or (
-                LEVELS[other] == LEVELS[group] and other != group
-            ):
+            if LEVELS[other] > LEVELS[group] or (LEVELS[other] == LEVELS[group] and other != group):
                 upward.append(f"{module} ({group}) imports {target} ({other})")
             if other != group:
                 hidden = [n for n in names if n.startswith("_")]
@@ -122,3 +120,28 @@ def test_an_upward_import_is_reported(tmp_path: Path) -> None:
     found = _runtime_imports(tree)
     assert ("multimodal_fsdp.estimate.costs", ["_hidden"]) in found
     assert all(target != "multimodal_fsdp.cli.main" for target, _ in found)
+
+
+#: Groups whose modules take plans: they read what ``plan()`` recorded and never ask the
+#: parallelizer again, so none imports it (only the CLI, the application layer, builds one).
+PLAN_READERS = ("estimate", "measure")
+PARALLELIZER = "multimodal_fsdp.parallelizer"
+
+
+def _parallelizer_importers() -> list[str]:
+    found = []
+    for path in sorted(SOURCE.rglob("*.py")):
+        module = _module_of(path)
+        if _group(module) not in PLAN_READERS and module != "multimodal_fsdp.cli.inspection":
+            continue
+        targets = _runtime_imports(ast.parse(path.read_text(encoding="utf-8")))
+        if any(target == PARALLELIZER for target, _ in targets):
+            found.append(module)
+    return found
+
+
+def test_no_estimate_or_measure_module_imports_the_parallelizer() -> None:
+    """Costs, memory, activations, the chooser, the measurements and ``inspect_model``
+    take ``(plan, model)``: the parallelizer is imported for type checking at most."""
+    found = _parallelizer_importers()
+    assert not found, "modules that import the parallelizer at run time: " + ", ".join(found)

@@ -22,8 +22,9 @@ import pytest
 import torch
 from padded_deepseek import PADDED_TINY
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fsdp_core import mixed_precision_policy
+from fsdp_core import ShardingPlan, mixed_precision_policy
 from model_deepseek_v41 import PARALLELIZER, build_deepseek_v41, make_batch
 from multimodal_fsdp import MultimodalParallelizer
 from multimodal_fsdp.estimate.collectives import CommTally
@@ -60,10 +61,31 @@ def _ds_loss(model: nn.Module) -> torch.Tensor:
     return loss
 
 
+def _plan_and_measure(
+    build: Callable[[], nn.Module],
+    parallelizer: MultimodalParallelizer,
+    loss: Callable[[nn.Module], torch.Tensor],
+    *,
+    mp_policy: MixedPrecisionPolicy = MP,
+    reshard_after_forward: bool | int | None = None,
+    transform_plan: Callable[[ShardingPlan], ShardingPlan] | None = None,
+    **options: Any,
+) -> Measurement:
+    """Plan the model ``build()`` returns, optionally rewrite the plan, then measure it:
+    the measurement takes the plan and the model only."""
+    model = build()
+    plan = parallelizer.plan(
+        model, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
+    )
+    if transform_plan is not None:
+        plan = transform_plan(plan)
+    return measure_plan(plan, model, loss, **options)
+
+
 def _measure_ds(policy: str, **kwargs: Any) -> Measurement:
-    options = {"world_size": DS_WORLD, "mp_policy": MP, **kwargs}
+    options = {"world_size": DS_WORLD, **kwargs}
     build = options.pop("build", _deepseek)
-    return measure_plan(
+    return _plan_and_measure(
         build, PARALLELIZER.with_options(frozen_multimodal_sharding=policy), _ds_loss, **options
     )
 
@@ -313,12 +335,11 @@ def _measure_hf(
         out: torch.Tensor = sharded(**batch).loss
         return out
 
-    result = measure_plan(
+    result = _plan_and_measure(
         lambda: model,
         MultimodalParallelizer(frozen_multimodal_sharding=policy),
         loss,
         world_size=3,
-        mp_policy=MP,
         **kwargs,
     )
     return result, tower

@@ -41,6 +41,7 @@ from multimodal_fsdp.estimate.choose import (
     PolicyChoice,
     choose_frozen_policy,
 )
+from multimodal_fsdp.estimate.costs import PlanCosts
 from multimodal_fsdp.estimate.memory import OPTIMIZER_STATES, estimate_memory, optimizer_state_bytes
 from multimodal_fsdp.measure.memory import (
     MemoryMeasurement,
@@ -119,14 +120,15 @@ def _measure(
         pytest.importorskip("transformers")
         build, loss = _hf(name)
         base = MultimodalParallelizer()
-    return measure_plan_memory(
-        build,
-        base.with_options(frozen_multimodal_sharding=policy),
-        loss,
-        world_size=WORLD,
-        mp_policy=MP,
-        optimizer=optimizer,
-    )
+    model = build()
+    plan = base.with_options(frozen_multimodal_sharding=policy).plan(model, mp_policy=MP)
+    return measure_plan_memory(plan, model, loss, world_size=WORLD, optimizer=optimizer)
+
+
+def _inspect(model: nn.Module, policy: str) -> PlanCosts:
+    """The costs and predicted memory of the DeepSeek-V4.1 plan under ``policy``."""
+    plan = PARALLELIZER.with_options(frozen_multimodal_sharding=policy).plan(model, mp_policy=MP)
+    return inspect_model(plan, model, world_size=WORLD, precision="param=bf16 reduce=fp32")
 
 
 def _relative(predicted: int, measured: int) -> float:
@@ -234,10 +236,9 @@ def test_activations_do_not_depend_on_the_policy() -> None:
     model = _deepseek()
     traces = {
         policy: trace_activations(
-            model,
             PARALLELIZER.with_options(frozen_multimodal_sharding=policy).plan(model, mp_policy=MP),
+            model,
             _ds_loss,
-            parallelizer=PARALLELIZER,
         )
         for policy in POLICIES
     }
@@ -253,9 +254,9 @@ def test_activations_do_not_depend_on_the_policy() -> None:
 def test_activations_grow_with_the_batch() -> None:
     model = _deepseek()
     plan = PARALLELIZER.plan(model, mp_policy=MP)
-    small = trace_activations(model, plan, _ds_loss)
+    small = trace_activations(plan, model, _ds_loss)
     big_batch = make_batch(DS_CONFIG, batch_size=4, seq_len=16)
-    big = trace_activations(model, plan, lambda m: m(**big_batch))
+    big = trace_activations(plan, model, lambda m: m(**big_batch))
     assert 1.8 * small.saved_bytes < big.saved_bytes < 2.2 * small.saved_bytes
 
 
@@ -264,14 +265,14 @@ def test_meta_model_is_traced_on_a_copy() -> None:
     meta.vision.requires_grad_(False)
     real = _deepseek()
     plan = PARALLELIZER.plan(meta, mp_policy=MP)
-    assert trace_activations(meta, plan, _ds_loss) == trace_activations(real, plan, _ds_loss)
+    assert trace_activations(plan, meta, _ds_loss) == trace_activations(plan, real, _ds_loss)
     assert all(p.is_meta for p in meta.parameters())
 
 
 def test_estimate_without_a_batch_says_so() -> None:
     model = build_deepseek_v41(DS_CONFIG, dtype=torch.bfloat16, device="meta")
     model.vision.requires_grad_(False)
-    costs = inspect_model(model, world_size=WORLD, policy="per_layer", parallelizer=PARALLELIZER)
+    costs = _inspect(model, "per_layer")
     assert costs.memory is not None
     assert costs.memory.activation_bytes is None
     assert "without activations" in costs.format()
@@ -294,7 +295,7 @@ def test_bad_arguments_are_named() -> None:
         measure_memory(model, _ds_loss)
     assert make_optimizer("none", model.parameters()) is None
     assert make_optimizer("adamw", [p for p in model.parameters() if not p.requires_grad]) is None
-    costs = inspect_model(model, world_size=WORLD, parallelizer=PARALLELIZER)
+    costs = _inspect(model, "root")
     with pytest.raises(ValueError, match="activations must be"):
         estimate_memory(costs, plan, model, activations=-1)
 
@@ -497,7 +498,7 @@ def test_uniform_combinations_cost_what_inspect_model_costs(
     model.vision.requires_grad_(False)
     model.aligner.requires_grad_(False)
     for policy in POLICIES:
-        costs = inspect_model(model, world_size=WORLD, policy=policy, parallelizer=PARALLELIZER)
+        costs = _inspect(model, policy)
         assert costs.memory is not None
         candidate = combos[policy, policy]
         assert candidate.policy == policy

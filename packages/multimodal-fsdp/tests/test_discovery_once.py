@@ -40,15 +40,15 @@ def test_plan_discovers_once_and_apply_never(policy: str, discovery_calls: list[
 
 
 def test_costs_use_the_plans_backward_judgement() -> None:
-    """Without ``parallelizer=`` the costs read the plan's backward-free paths, not a
-    discovery with default options (which would find the excluded tower)."""
+    """The costs read the plan's backward-free paths, not a discovery with default
+    options (which would find the excluded tower)."""
     from multimodal_fsdp.estimate.costs import plan_costs
 
     model = ToyVLM(frozen_tower=True)
     parallelizer = MultimodalParallelizer(exclude=("vision_tower",))
     plan = parallelizer.plan(model, mp_policy=mixed_precision_policy("bf16", "fp32"))
     assert plan.backward_free_paths == ()
-    given = plan_costs(plan, model, world_size=2, parallelizer=parallelizer)
+    given = plan_costs(plan, model, world_size=2, no_backward=())
     alone = plan_costs(plan, model, world_size=2)
     assert alone.comm.counts == given.comm.counts
     assert alone.notes == given.notes

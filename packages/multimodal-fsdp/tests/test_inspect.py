@@ -88,9 +88,28 @@ def block_gathered(dim: int, world: int, itemsize: int) -> int:
     return (padded((dim, dim), world) + padded((dim,), world)) * itemsize
 
 
+def inspect_planned(
+    model: nn.Module,
+    *,
+    policy: str = "root",
+    precision: str = "bf16",
+    reduce_precision: str = "fp32",
+    reshard_after_forward: bool | int | None = None,
+    **options: object,
+) -> PlanCosts:
+    """Plan ``model`` under ``policy`` and the precisions, then cost the plan."""
+    parallelizer = MultimodalParallelizer(frozen_multimodal_sharding=policy)  # type: ignore[arg-type]
+    plan = parallelizer.plan(
+        model,
+        mp_policy=mixed_precision_policy(precision, reduce_precision),
+        reshard_after_forward=reshard_after_forward,
+    )
+    label = f"param={precision} reduce={reduce_precision}"
+    return inspect_model(plan, model, precision=label, **options)  # type: ignore[arg-type]
+
+
 def costs_for(policy: str, world: int = 4, **kwargs: object) -> PlanCosts:
-    model = toy()
-    return inspect_model(model, world_size=world, policy=policy, **kwargs)  # type: ignore[arg-type]
+    return inspect_planned(toy(), world_size=world, policy=policy, **kwargs)
 
 
 def unit(costs: PlanCosts, label: str):  # type: ignore[no-untyped-def]
@@ -101,7 +120,7 @@ def unit(costs: PlanCosts, label: str):  # type: ignore[no-untyped-def]
 
 
 def test_padding_dtypes_and_bytes_of_one_unit() -> None:
-    costs = inspect_model(toy(frozen_tower=False), world_size=4, policy="per_layer")
+    costs = inspect_planned(toy(frozen_tower=False), world_size=4, policy="per_layer")
     layer = unit(costs, "layers.0")
     # weight [9, 9] -> 12 rows, bias [9] -> 12: 120 elements.
     assert layer.numel == 90
@@ -123,7 +142,7 @@ def test_padding_dtypes_and_bytes_of_one_unit() -> None:
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8, 64])
 def test_padding_follows_the_shard_group_size(world: int) -> None:
-    costs = inspect_model(toy(frozen_tower=False), world_size=world, policy="per_layer")
+    costs = inspect_planned(toy(frozen_tower=False), world_size=world, policy="per_layer")
     assert unit(costs, "layers.1").gathered_bytes == block_gathered(9, world, 2)
     expected = sum(u.sharded_bytes for u in costs.units)
     assert costs.sharded_param_bytes == expected
@@ -225,7 +244,7 @@ def test_root_policy_keeps_the_tower_gathered_all_step() -> None:
 
 def test_peaks_follow_the_timeline_model() -> None:
     model = toy(frozen_tower=False, text_depth=3, tower_depth=1)
-    costs = inspect_model(model, world_size=4, policy="per_layer")
+    costs = inspect_planned(model, world_size=4, policy="per_layer")
     root = unit(costs, "<root>").gathered_bytes
     block7 = block_gathered(7, 4, 2)
     block9 = block_gathered(9, 4, 2)
@@ -330,11 +349,13 @@ def test_bad_arguments() -> None:
     with pytest.raises(TypeError, match="MeshShape"):
         plan_costs(plan, model, mesh=(2, 2))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="valid choices"):
-        inspect_model(model, world_size=2, policy="sideways")
+        inspect_planned(model, world_size=2, policy="sideways")
     with pytest.raises(ValueError, match="valid names"):
-        inspect_model(model, world_size=2, precision="bf17")
-    with pytest.raises(TypeError, match="MultimodalParallelizer"):
-        inspect_model(model, world_size=2, parallelizer=ModelParallelizer())  # type: ignore[arg-type]
+        inspect_planned(model, world_size=2, precision="bf17")
+    with pytest.raises(TypeError, match="ShardingPlan"):
+        inspect_model("plan", model, world_size=2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"nn\.Module"):
+        inspect_model(plan, "model", world_size=2)  # type: ignore[arg-type]
     assert plan_costs(plan, model, mesh=resolve_mesh_shape(world_size=2)).world_size == 2
     model.lm_head.register_parameter("scale", nn.Parameter(torch.tensor(1.0, device="meta")))
     with pytest.raises(ValueError, match="scalar parameters"):
@@ -343,6 +364,6 @@ def test_bad_arguments() -> None:
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_meta_and_cpu_models_cost_the_same(policy: str) -> None:
-    meta = inspect_model(toy(), world_size=4, policy=policy)
-    cpu = inspect_model(toy(device="cpu"), world_size=4, policy=policy)
+    meta = inspect_planned(toy(), world_size=4, policy=policy)
+    cpu = inspect_planned(toy(device="cpu"), world_size=4, policy=policy)
     assert meta.as_dict() == cpu.as_dict()

@@ -4,6 +4,10 @@ Finds towers and projectors, applies the frozen-tower policy (``root``,
 ``per_layer``, ``replicate``) and shards layer containers item by item.
 """
 
+from typing import Any
+
+from torch import nn
+
 from multimodal_fsdp.__about__ import __version__
 from multimodal_fsdp.discovery.names import (
     MULTIMODAL_MODULE_NAMES,
@@ -12,7 +16,8 @@ from multimodal_fsdp.discovery.names import (
     is_multimodal_module_name,
 )
 from multimodal_fsdp.discovery.walk import iter_multimodal_modules, resolve_multimodal_modules
-from multimodal_fsdp.estimate.choose import MemoryBudgetError, choose_frozen_policy
+from multimodal_fsdp.estimate import choose as _choose
+from multimodal_fsdp.estimate.choose import MemoryBudgetError, PolicyChoice, PolicyPlanner
 from multimodal_fsdp.estimate.costs import plan_costs
 from multimodal_fsdp.layers import (
     _container_items,
@@ -57,3 +62,17 @@ __all__ = [
     "plan_costs",
     "measure_plan",
 ]
+
+
+def choose_frozen_policy(
+    model: nn.Module,
+    budget: int | str,
+    *,
+    parallelizer: PolicyPlanner | None = None,
+    **options: Any,
+) -> PolicyChoice:
+    """[`multimodal_fsdp.estimate.choose.choose_frozen_policy`][multimodal_fsdp.estimate.choose.choose_frozen_policy]
+    planning with ``parallelizer``, a default ``MultimodalParallelizer()`` when ``None``
+    (the chooser itself takes any planner and imports no parallelizer)."""
+    planner = MultimodalParallelizer() if parallelizer is None else parallelizer
+    return _choose.choose_frozen_policy(model, budget, parallelizer=planner, **options)

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from fsdp_core.mesh import MeshShape, resolve_mesh_shape
-from fsdp_core.precision import DTYPE_ALIASES, parse_dtype
+from fsdp_core.precision import DTYPE_ALIASES, mixed_precision_policy, parse_dtype
+from fsdp_core.sharding import check_reshard_after_forward
 from fsdp_core.sizes import parse_size
 from multimodal_fsdp.cli.inspection import inspect_model
 from multimodal_fsdp.cli.presets import ModelPreset, model_presets
@@ -427,26 +428,43 @@ def _costs(
     parallelizer: MultimodalParallelizer,
     mesh: MeshShape,
 ) -> tuple[PlanCosts, PolicyChoice | None]:
-    """The plan of ``--policy``, or of the policy chosen for ``--memory-budget``."""
+    """The plan of ``--policy``, or of the policy chosen for ``--memory-budget``: the
+    parallelizer plans, the estimates read the plan."""
+    loss_fn = _batch_loss(args)
     options: dict[str, Any] = {
         "mesh": mesh,
-        "precision": args.precision,
-        "reduce_precision": args.reduce_precision,
-        "parallelizer": parallelizer,
-        "reshard_after_forward": args.reshard_after_forward,
         "prefetch_guard": not args.no_prefetch_guard,
         "optimizer": args.optimizer,
-        "loss_fn": _batch_loss(args),
+        "loss_fn": loss_fn,
     }
     try:
         if args.memory_budget is not None:
             if args.policy is not None:
                 raise CliError("give --policy or --memory-budget (which chooses it), not both")
             choice = choose_frozen_policy(
-                model, args.memory_budget, activations=args.activations, **options
+                model,
+                args.memory_budget,
+                activations=args.activations,
+                precision=args.precision,
+                reduce_precision=args.reduce_precision,
+                parallelizer=parallelizer,
+                reshard_after_forward=args.reshard_after_forward,
+                **options,
             )
             return choice.costs, choice
-        costs = inspect_model(model, policy=args.policy or "root", **options)
+        check_reshard_after_forward(args.reshard_after_forward, mesh.dp_shard)
+        chosen = parallelizer.with_options(frozen_multimodal_sharding=args.policy or "root")
+        plan = chosen.plan(
+            model,
+            mp_policy=mixed_precision_policy(args.precision, args.reduce_precision),
+            reshard_after_forward=args.reshard_after_forward,
+        )
+        costs = inspect_model(
+            plan,
+            model,
+            precision=f"param={args.precision} reduce={args.reduce_precision}",
+            **options,
+        )
     except ValueError as error:
         raise CliError(str(error)) from None
     return _with_activations(costs, args.activations), None

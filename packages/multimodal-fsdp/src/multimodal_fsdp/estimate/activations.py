@@ -18,7 +18,7 @@ import logging
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,9 +34,6 @@ from multimodal_fsdp.estimate.collectives import (
     param_reduce_dtype,
 )
 from multimodal_fsdp.estimate.timeline import kept_after_forward
-
-if TYPE_CHECKING:  # only a fallback for hand-built plans; plans record their dtypes
-    from multimodal_fsdp.parallelizer import MultimodalParallelizer
 
 __all__ = ["ActivationTrace", "LossFn", "trace_activations"]
 
@@ -98,13 +95,10 @@ def _materialise(model: nn.Module) -> None:
                 tensor.zero_()
 
 
-def _compute_copy(
-    model: nn.Module, plan: ShardingPlan, parallelizer: MultimodalParallelizer | None
-) -> nn.Module:
-    """An unsharded copy with every parameter in the dtype it computes in under ``plan``."""
-    replicated = dict(plan.replicated_param_dtypes)  # recorded by the planner
-    if parallelizer is not None and set(replicated) != set(plan.replicated_param_names):
-        replicated = parallelizer.replicated_param_dtypes(model, plan)
+def _compute_copy(model: nn.Module, plan: ShardingPlan) -> nn.Module:
+    """An unsharded copy with every parameter in the dtype it computes in under ``plan``
+    (replicated parameters: the dtypes the planner recorded)."""
+    replicated = dict(plan.replicated_param_dtypes)
     twin = copy.deepcopy(model)
     _materialise(twin)
     with torch.no_grad():
@@ -186,11 +180,10 @@ class _LiveBytes(TorchDispatchMode):
 
 
 def trace_activations(
-    model: nn.Module,
     plan: ShardingPlan,
+    model: nn.Module,
     loss_fn: LossFn,
     *,
-    parallelizer: MultimodalParallelizer | None = None,
     shard: int = 1,
 ) -> ActivationTrace:
     """What one training step of one batch needs beside parameters, per rank, under ``plan``.
@@ -210,7 +203,7 @@ def trace_activations(
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     check_shard(shard)
-    twin = _compute_copy(model, plan, parallelizer)
+    twin = _compute_copy(model, plan)
     live = _LiveBytes({p.untyped_storage().data_ptr() for p in twin.parameters()})
     handles = []
     for unit in plan.units:

@@ -27,12 +27,13 @@ import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fsdp_core import mixed_precision_policy
+from fsdp_core import ShardingPlan, mixed_precision_policy
 from fsdp_core.mesh import MeshShape
 from fsdp_core.sharding import check_reshard_after_forward
 from fsdp_core.sizes import parse_size
@@ -40,8 +41,6 @@ from multimodal_fsdp.estimate.activations import ActivationTrace, trace_activati
 from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs, resolve_cost_mesh
 from multimodal_fsdp.estimate.memory import check_optimizer, with_memory
 from multimodal_fsdp.estimate.render import format_bytes
-from multimodal_fsdp.parallelizer import MultimodalParallelizer
-from multimodal_fsdp.parts import MultimodalParts
 from multimodal_fsdp.policy import (
     DEFAULT_FROZEN_SHARDING_KEY,
     VALID_FROZEN_MULTIMODAL_SHARDING,
@@ -49,12 +48,14 @@ from multimodal_fsdp.policy import (
     FrozenShardingSpec,
     normalize_frozen_multimodal_sharding,
 )
+from multimodal_fsdp.record import PlannedPart, plan_record
 
 __all__ = [
     "MAX_COMBINATIONS",
     "MemoryBudgetError",
     "PolicyCandidate",
     "PolicyChoice",
+    "PolicyPlanner",
     "choose_frozen_policy",
 ]
 
@@ -63,6 +64,22 @@ logger = logging.getLogger(__name__)
 #: The most plans one choice costs (3 policies for 4 frozen modules); each may
 #: trace a step when a batch is given, so the search stays exhaustive but small.
 MAX_COMBINATIONS: Final = 81
+
+
+class PolicyPlanner(Protocol):
+    """What the chooser needs of a parallelizer: plans of a model, and a copy with other
+    frozen-tower policies (a ``MultimodalParallelizer`` is one). Everything else it
+    reads from the plans' records."""
+
+    def plan(
+        self,
+        model: nn.Module,
+        *,
+        mp_policy: MixedPrecisionPolicy | None = ...,
+        reshard_after_forward: bool | int | None = ...,
+    ) -> ShardingPlan: ...
+
+    def with_options(self, *, frozen_multimodal_sharding: FrozenShardingSpec) -> PolicyPlanner: ...
 
 
 def _label(policies: Mapping[str, str], fallback: str) -> str:
@@ -99,7 +116,8 @@ class PolicyCandidate:
 class PolicyChoice:
     """The chosen policies, their costs, every candidate and why.
 
-    ``parallelizer`` is the given one with the chosen policies, ready to apply.
+    ``parallelizer`` is the given one with the chosen policies, ready to apply, and
+    ``plan`` its plan (the one ``costs`` describe).
     """
 
     policy: str
@@ -108,7 +126,8 @@ class PolicyChoice:
     candidates: tuple[PolicyCandidate, ...]
     notes: tuple[str, ...]
     policies: dict[str, str] = field(default_factory=dict)
-    parallelizer: MultimodalParallelizer | None = None
+    parallelizer: PolicyPlanner | None = None
+    plan: ShardingPlan | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -162,13 +181,13 @@ def _policies(policies: Sequence[str]) -> tuple[FrozenMultimodalSharding, ...]:
 
 
 def _combinations(
-    frozen: list[MultimodalParts], names: tuple[FrozenMultimodalSharding, ...]
+    frozen: list[PlannedPart], names: tuple[FrozenMultimodalSharding, ...]
 ) -> list[dict[str, FrozenMultimodalSharding]]:
     """Every assignment of ``names`` to the frozen modules; one policy for all when
     there is no frozen module (the plans are then the same)."""
     if not frozen:
         return [{} for _ in names]
-    paths = [p.found.path for p in frozen]
+    paths = [p.path for p in frozen]
     count = len(names) ** len(frozen)
     if count > MAX_COMBINATIONS:
         raise ValueError(
@@ -202,7 +221,7 @@ def _why_not(other: PolicyCandidate, chosen: PolicyCandidate) -> str:
 def _notes(
     chosen: PolicyCandidate,
     candidates: list[PolicyCandidate],
-    frozen: list[MultimodalParts],
+    frozen: list[PlannedPart],
     budget: int,
 ) -> list[str]:
     fitting = sum(c.fits for c in candidates)
@@ -224,7 +243,7 @@ def _notes(
     mine = tuple(chosen.policies.values())
     context = " with the other modules as chosen" if len(frozen) > 1 else ""
     for index, part in enumerate(frozen):
-        path = part.found.path
+        path = part.path
         # The same plan with only this module's policy changed.
         others = [
             (policy, by_combo[(*mine[:index], policy, *mine[index + 1 :])])
@@ -237,8 +256,7 @@ def _notes(
             else "the least communication that fits"
         )
         lines.append(
-            f"{part.found.role} {path!r} ({part.found.modality}): policy {mine[index]!r}, "
-            f"{why}{context}"
+            f"{part.role} {path!r} ({part.modality}): policy {mine[index]!r}, {why}{context}"
         )
         lines.extend(
             f"policy {policy!r} not chosen for {path!r}: {_why_not(other, chosen)}"
@@ -257,7 +275,7 @@ def choose_frozen_policy(
     mesh: MeshShape | None = None,
     precision: str = "bf16",
     reduce_precision: str | None = "fp32",
-    parallelizer: MultimodalParallelizer | None = None,
+    parallelizer: PolicyPlanner,
     reshard_after_forward: bool | int | None = None,
     prefetch_guard: bool = True,
     optimizer: str = "adamw",
@@ -276,16 +294,34 @@ def choose_frozen_policy(
     achievable
     peak and its policies when nothing fits, and ``ValueError`` when more than
     [`MAX_COMBINATIONS`][multimodal_fsdp.estimate.choose.MAX_COMBINATIONS] plans would be needed.
+    ``parallelizer`` plans each combination (``multimodal_fsdp.MultimodalParallelizer()``
+    by default when called as ``multimodal_fsdp.choose_frozen_policy``); the frozen
+    modules, the default policy and ``uneven_media`` are read from its plan's record.
     Per-module
     policies the given ``parallelizer`` already has are replaced by the choice; with
     ``uneven_media=True`` it never chooses ``per_layer``, which that option refuses.
     """
     limit = _budget(budget)
     names = _policies(policies)
-    base = parallelizer if parallelizer is not None else MultimodalParallelizer()
-    if not isinstance(base, MultimodalParallelizer):
-        raise TypeError(f"parallelizer must be a MultimodalParallelizer, got {type(base).__name__}")
-    left_out = base.uneven_media and "per_layer" in names
+    base = parallelizer
+    if not callable(getattr(base, "plan", None)) or not callable(
+        getattr(base, "with_options", None)
+    ):
+        raise TypeError(
+            "parallelizer must plan models and take with_options(frozen_multimodal_sharding=...) "
+            f"(e.g. a MultimodalParallelizer), got {type(base).__name__}"
+        )
+    shape = resolve_cost_mesh(mesh, world_size, dp_replicate)
+    check_reshard_after_forward(reshard_after_forward, shape.dp_shard)
+    mp = mixed_precision_policy(precision, reduce_precision)
+    first = base.plan(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    record = plan_record(first)
+    if record is None:
+        raise TypeError(
+            f"{type(base).__name__}'s plans carry no multimodal record; "
+            "the chooser needs a MultimodalParallelizer (or a subclass)"
+        )
+    left_out = record.uneven_media and "per_layer" in names
     if left_out:
         # uneven_media=True refuses per_layer for any module (ranks may skip the tower).
         names = tuple(name for name in names if name != "per_layer")
@@ -296,19 +332,16 @@ def choose_frozen_policy(
             )
     if loss_fn is not None and activations is not None:
         raise ValueError("give loss_fn (to trace activations) or activations, not both")
-    shape = resolve_cost_mesh(mesh, world_size, dp_replicate)
-    check_reshard_after_forward(reshard_after_forward, shape.dp_shard)
     check_optimizer(optimizer)
-    mp = mixed_precision_policy(precision, reduce_precision)
-    frozen = [part for part in base.multimodal_parts(model) if part.frozen]
+    frozen = [part for part in record.parts if part.frozen]
 
     def cost(
         assignment: dict[str, FrozenMultimodalSharding], fallback: str
-    ) -> tuple[PlanCosts, MultimodalParallelizer]:
+    ) -> tuple[PlanCosts, PolicyPlanner, ShardingPlan]:
         """The plan's costs and memory under ``assignment`` (``fallback`` for all when
-        there is no frozen module), and the parallelizer that plans it."""
+        there is no frozen module), the parallelizer that plans it and its plan."""
         spec: FrozenShardingSpec = (
-            {**assignment, DEFAULT_FROZEN_SHARDING_KEY: base.frozen_multimodal_sharding}
+            {**assignment, DEFAULT_FROZEN_SHARDING_KEY: record.default_policy}
             if assignment
             else fallback
         )
@@ -318,7 +351,6 @@ def choose_frozen_policy(
             plan,
             model,
             mesh=shape,
-            parallelizer=chosen,
             prefetch_guard=prefetch_guard,
             policy=_label(assignment, fallback),
             precision=f"param={precision} reduce={reduce_precision}",
@@ -326,21 +358,21 @@ def choose_frozen_policy(
         traced = (
             None
             if loss_fn is None
-            else trace_activations(model, plan, loss_fn, parallelizer=chosen, shard=shape.dp_shard)
+            else trace_activations(plan, model, loss_fn, shard=shape.dp_shard)
         )
         costs = with_memory(costs, plan, model, optimizer=optimizer, activations=traced)
         if activations is not None and costs.memory is not None:
             costs = dataclasses.replace(costs, memory=costs.memory.with_activations(activations))
-        return costs, chosen
+        return costs, chosen, plan
 
-    costed: list[tuple[PlanCosts, MultimodalParallelizer]] = []
+    costed: list[tuple[PlanCosts, PolicyPlanner, ShardingPlan]] = []
     candidates: list[PolicyCandidate] = []
     for index, assignment in enumerate(_combinations(frozen, names)):
-        fallback = names[index] if not frozen else base.frozen_multimodal_sharding
-        costs, planner = cost(assignment, fallback)
+        fallback = names[index] if not frozen else record.default_policy
+        costs, planner, plan = cost(assignment, fallback)
         assert costs.memory is not None
         peak = costs.memory.peak_bytes
-        costed.append((costs, planner))
+        costed.append((costs, planner, plan))
         candidates.append(
             PolicyCandidate(
                 policy=_label(assignment, fallback),
@@ -372,7 +404,7 @@ def choose_frozen_policy(
     if not traced:
         notes.append("peaks leave activations out (no batch given)")
     logger.info("%s", notes[0])
-    costs, planner = costed[best]
+    costs, planner, plan = costed[best]
     costs = dataclasses.replace(costs, notes=(*notes, *costs.notes))
     return PolicyChoice(
         policy=chosen.policy,
@@ -382,4 +414,5 @@ def choose_frozen_policy(
         notes=tuple(notes),
         policies=dict(chosen.policies),
         parallelizer=planner,
+        plan=plan,
     )

@@ -78,8 +78,8 @@ from multimodal_fsdp.estimate.timeline import (
     _Unit,
     effective_reshard,
 )
-from multimodal_fsdp.parallelizer import MultimodalParallelizer
 from multimodal_fsdp.reachability import backward_free_paths
+from multimodal_fsdp.record import media_regions_of, plan_record
 from multimodal_fsdp.runtime.schedule_check import (
     CHECKPOINT_BYTES,
     ScheduleCheckRuntimeHook,
@@ -249,21 +249,21 @@ def resolve_cost_mesh(
     return resolve_mesh_shape(world_size=world_size, dp_replicate=dp_replicate)
 
 
-def _schedule_checkpoints(
-    parallelizer: MultimodalParallelizer | None, model: nn.Module, plan: ShardingPlan, world: int
-) -> int:
+def _schedule_checkpoints(model: nn.Module, plan: ShardingPlan, world: int) -> int:
     """All-reduces of the ``schedule_check`` hook in one step (every region runs once):
-    the layout the plan recorded as the hook's data; ``parallelizer`` only serves a
-    hand-built hook entry without that data."""
+    the layout the plan recorded as the hook's data; a hand-built hook entry without
+    that data is laid out from the plan's record of media regions (none: no count)."""
     planned = plan.hook(ScheduleCheckRuntimeHook.name)
     if world <= 1 or planned is None:
         return 0
     hook = planned.hook
     if isinstance(hook, ScheduleCheckRuntimeHook):  # the layout the plan computed
         return hook.layout.checkpoints_per_forward()
-    if parallelizer is None:
+    record = plan_record(plan)
+    if record is None:
         return 0
-    layout = plan_schedule_layout(model, plan, parallelizer.media_regions(model, plan))
+    regions = media_regions_of(record.parts, record.conditional_layers, plan)
+    layout = plan_schedule_layout(model, plan, regions)
     return 0 if layout is None else layout.checkpoints_per_forward()
 
 
@@ -274,7 +274,6 @@ def plan_costs(
     world_size: int | None = None,
     dp_replicate: int = 1,
     mesh: MeshShape | None = None,
-    parallelizer: MultimodalParallelizer | None = None,
     no_backward: Iterable[str] | None = None,
     with_backward: Iterable[str] = (),
     prefetch_guard: bool = True,
@@ -284,21 +283,19 @@ def plan_costs(
     """Cost ``plan`` for ``model`` on a mesh (``world_size``/``dp_replicate`` or ``mesh``).
 
     ``model`` may be on the meta device (only shapes, dtypes and
-    ``requires_grad`` are read). The schedule check's all-reduces and the replicated
-    parameters' dtypes come from the plan; ``parallelizer`` (the one that made the
-    plan) finds the towers for the backward judgement. ``no_backward`` replaces the
-    judgement of which module paths see no gradient
-    ([`backward_free_paths`][multimodal_fsdp.reachability.backward_free_paths]); ``with_backward``
-    forces units under those paths to count as running backward.
+    ``requires_grad`` are read). Everything else comes from the plan: the schedule
+    check's all-reduces, the replicated parameters' dtypes, which module paths no
+    gradient reaches and the policy label, as ``plan()`` recorded them (a plan built by
+    hand without that judgement gets
+    [`backward_free_paths`][multimodal_fsdp.reachability.backward_free_paths] under default
+    discovery). ``no_backward`` replaces that judgement; ``with_backward`` forces units
+    under those paths to count as running backward; ``policy`` and ``precision`` are
+    labels for the report.
     """
     if not isinstance(plan, ShardingPlan):
         raise TypeError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if parallelizer is not None and not isinstance(parallelizer, MultimodalParallelizer):
-        raise TypeError(
-            f"parallelizer must be a MultimodalParallelizer, got {type(parallelizer).__name__}"
-        )
     shape = resolve_cost_mesh(mesh, world_size, dp_replicate)
     shard, replicate = shape.dp_shard, shape.dp_replicate
     for unit in plan.units:
@@ -308,7 +305,7 @@ def plan_costs(
     elif plan.backward_free_paths is not None:  # the planner's judgement
         free = list(plan.backward_free_paths)
     else:
-        free = backward_free_paths(model, parallelizer)
+        free = backward_free_paths(model)
     forced = tuple(with_backward)
     spans = module_spans(model)
     any_trainable = any(p.requires_grad for p in model.parameters())
@@ -361,7 +358,7 @@ def plan_costs(
     _prefetch_waste(units, shard)
 
     extra = CommTally()
-    checkpoints = _schedule_checkpoints(parallelizer, model, plan, shape.world_size)
+    checkpoints = _schedule_checkpoints(model, plan, shape.world_size)
     dims = sum(1 for size in shape.sizes if size > 1)
     for _ in range(checkpoints * dims):
         extra.add("forward", "all_reduce", CHECKPOINT_BYTES)
@@ -377,7 +374,7 @@ def plan_costs(
             total.merge(item.wasted)
     total.merge(extra)
 
-    replicated_numel, replicated_bytes = _replicated(plan, model, parallelizer)
+    replicated_numel, replicated_bytes = _replicated(plan, model)
     forward_peak, backward_peak = _peaks(units, spans[""][1], guard=prefetch_guard)
     notes = list(plan.notes)
     if free and no_backward is None:
@@ -394,7 +391,7 @@ def plan_costs(
         replicated_numel=replicated_numel,
         peak_gathered_forward_bytes=forward_peak,
         peak_gathered_backward_bytes=backward_peak,
-        policy=policy or (parallelizer.frozen_sharding_label if parallelizer else None),
+        policy=policy or _planned_policy(plan),
         precision=precision,
         notes=tuple(notes),
         hooks=plan.hooks,
@@ -406,15 +403,18 @@ def _model_name(model: nn.Module) -> str:
     return original_class(model).__name__
 
 
-def _replicated(
-    plan: ShardingPlan, model: nn.Module, parallelizer: MultimodalParallelizer | None
-) -> tuple[int, int]:
-    """Elements and per-rank bytes of parameters kept whole (ignored) on every rank."""
+def _planned_policy(plan: ShardingPlan) -> str | None:
+    """The frozen-tower policy the plan was made with, as its options read."""
+    record = plan_record(plan)
+    return None if record is None else record.policy_label
+
+
+def _replicated(plan: ShardingPlan, model: nn.Module) -> tuple[int, int]:
+    """Elements and per-rank bytes of parameters kept whole (ignored) on every rank, in
+    the dtypes the planner recorded (their own where it recorded none)."""
     named = dict(model.named_parameters())
     names = [n for n in plan.ignored_param_names if n in named]
-    dtypes = dict(plan.replicated_param_dtypes)  # recorded by the planner
-    if parallelizer is not None and set(dtypes) != set(plan.replicated_param_names):
-        dtypes = parallelizer.replicated_param_dtypes(model, plan)
+    dtypes = dict(plan.replicated_param_dtypes)
     total = 0
     for name in names:
         param = named[name]

@@ -20,15 +20,14 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp_core import CommCounter, ShardingPlan, build_mesh
 from fsdp_core.collective_entry import enter_collective
 from fsdp_core.fake_group import current_or_fake_group
 from fsdp_core.mesh import resolve_mesh_shape
+from fsdp_core.parallelizer import apply_plan
 from multimodal_fsdp.estimate.collectives import KINDS, PHASES, CommTally
 from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs
-from multimodal_fsdp.parallelizer import MultimodalParallelizer
 from multimodal_fsdp.runtime.prefetch_guard import (
     backward_prefetch_guard,
     remove_backward_prefetch_guard,
@@ -157,56 +156,42 @@ class Measurement:
 
 
 def measure_plan(
-    build_model: Callable[[], nn.Module],
-    parallelizer: MultimodalParallelizer,
+    plan: ShardingPlan,
+    model: nn.Module,
     loss_fn: LossFn,
     *,
     world_size: int,
     dp_replicate: int = 1,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    reshard_after_forward: bool | int | None = None,
     prefetch_guard: bool = True,
-    transform_plan: Callable[[ShardingPlan], ShardingPlan] | None = None,
     no_backward: Iterable[str] | None = None,
     steps: int = 1,
 ) -> Measurement:
-    """Plan, cost, shard and run one step of the model ``build_model()`` returns.
+    """Cost ``plan``, apply it to ``model`` (sharded in place, from the plan alone: see
+    [`fsdp_core.parallelizer.apply_plan`][fsdp_core.parallelizer.apply_plan]) and run
+    one step.
 
     Runs under the initialised process group, or else under the fake group of
-    ``world_size`` ranks. ``transform_plan`` may rewrite the plan before it is
-    costed and applied (e.g. one unit per norm); ``prefetch_guard=False``
-    removes the guard after sharding, to show what FSDP2 does by default.
+    ``world_size`` ranks. ``prefetch_guard=False`` removes the guard after sharding,
+    to show what FSDP2 does by default.
     """
-    if not isinstance(parallelizer, MultimodalParallelizer):
-        raise TypeError(
-            f"parallelizer must be a MultimodalParallelizer, got {type(parallelizer).__name__}"
-        )
     shape = resolve_mesh_shape(world_size=world_size, dp_replicate=dp_replicate)
     with current_or_fake_group(world_size):
-        # Collective on a real group: every rank arrives, and a failure while building
-        # or planning on one rank is raised on all (no-ops under the fake group).
+        # Collective on a real group: every rank arrives, and a failure while costing
+        # on one rank is raised on all (no-ops under the fake group).
         call = enter_collective("measure_plan")
         mesh = build_mesh(dp_replicate=shape.dp_replicate, dp_shard=shape.dp_shard)
 
-        def prepare() -> tuple[nn.Module, ShardingPlan, PlanCosts]:
-            model = build_model()
-            plan = parallelizer.plan(
-                model, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
-            )
-            if transform_plan is not None:
-                plan = transform_plan(plan)
-            costs = plan_costs(
+        def prepare() -> PlanCosts:
+            return plan_costs(
                 plan,
                 model,
                 mesh=shape,
-                parallelizer=parallelizer,
                 prefetch_guard=prefetch_guard,
                 no_backward=no_backward,
             )
-            return model, plan, costs
 
-        model, plan, costs = call.run(prepare, step="building, planning and costing the model")
-        parallelizer.apply_plan(model, plan, mesh=mesh)
+        costs = call.run(prepare, step="costing the plan")
+        apply_plan(model, plan, mesh=mesh)
         if not prefetch_guard:
             remove_backward_prefetch_guard(model)
         measured = measure_step(model, loss_fn, steps=steps)

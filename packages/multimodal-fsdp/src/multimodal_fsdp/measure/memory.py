@@ -10,10 +10,10 @@ activations, temporaries, optimizer state). Parameters that FSDP ignores
 (``replicate``) are invisible to it, so they are registered with it as inputs
 and counted separately. [`measure_plan_memory`][multimodal_fsdp.measure.memory.measure_plan_memory]
 does the whole round trip like
-[`multimodal_fsdp.measure.comm.measure_plan`][multimodal_fsdp.measure.comm.measure_plan]: plan,
-predict (with
-the activation trace), shard, measure - under the initialised process group or else the fake one,
-where tensor sizes are exactly those of a real job.
+[`multimodal_fsdp.measure.comm.measure_plan`][multimodal_fsdp.measure.comm.measure_plan] for a
+plan and its model: predict (with the activation trace), shard, measure - under the
+initialised process group or else the fake one, where tensor sizes are exactly those of a
+real job.
 
 The tracker lives in a private torch module, and the timeline needs its per-operation
 method and state: only
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fsdp_core import ShardingPlan, build_mesh
@@ -39,10 +39,10 @@ from fsdp_core.collective_entry import enter_collective
 from fsdp_core.fake_group import current_or_fake_group
 from fsdp_core.internals import memory_timeline_tracker
 from fsdp_core.mesh import resolve_mesh_shape
+from fsdp_core.parallelizer import apply_plan
 from multimodal_fsdp.estimate.activations import trace_activations
 from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs
 from multimodal_fsdp.estimate.memory import check_optimizer, memory_figures, with_memory
-from multimodal_fsdp.parallelizer import MultimodalParallelizer
 
 __all__ = [
     "MeasuredMemory",
@@ -286,21 +286,17 @@ class MemoryMeasurement:
 
 
 def measure_plan_memory(
-    build_model: Callable[[], nn.Module],
-    parallelizer: MultimodalParallelizer,
+    plan: ShardingPlan,
+    model: nn.Module,
     loss_fn: LossFn,
     *,
     world_size: int,
-    mp_policy: MixedPrecisionPolicy | None = None,
     optimizer: str = "adamw",
     warmup: int = 1,
 ) -> MemoryMeasurement:
-    """Plan the model ``build_model()`` returns, predict its memory (tracing the
-    activations of ``loss_fn`` on an unsharded copy), shard it and measure a step."""
-    if not isinstance(parallelizer, MultimodalParallelizer):
-        raise TypeError(
-            f"parallelizer must be a MultimodalParallelizer, got {type(parallelizer).__name__}"
-        )
+    """Predict the memory of ``plan`` (tracing the activations of ``loss_fn`` on an
+    unsharded copy of ``model``), apply it to ``model`` from the plan alone and measure
+    a step."""
     check_optimizer(optimizer)
     shape = resolve_mesh_shape(world_size=world_size)
     with current_or_fake_group(world_size):
@@ -308,17 +304,12 @@ def measure_plan_memory(
         call = enter_collective("measure_plan_memory")
         mesh = build_mesh(dp_shard=shape.dp_shard)
 
-        def prepare() -> tuple[nn.Module, ShardingPlan, PlanCosts]:
-            model = build_model()
-            plan = parallelizer.plan(model, mp_policy=mp_policy)
-            costs = plan_costs(plan, model, mesh=shape, parallelizer=parallelizer)
-            activations = trace_activations(
-                model, plan, loss_fn, parallelizer=parallelizer, shard=shape.dp_shard
-            )
-            costs = with_memory(costs, plan, model, optimizer=optimizer, activations=activations)
-            return model, plan, costs
+        def prepare() -> PlanCosts:
+            costs = plan_costs(plan, model, mesh=shape)
+            activations = trace_activations(plan, model, loss_fn, shard=shape.dp_shard)
+            return with_memory(costs, plan, model, optimizer=optimizer, activations=activations)
 
-        model, plan, costs = call.run(prepare, step="building, planning and costing the model")
-        parallelizer.apply_plan(model, plan, mesh=mesh)
+        costs = call.run(prepare, step="costing the plan")
+        apply_plan(model, plan, mesh=mesh)
         measured = measure_memory(model, loss_fn, optimizer=optimizer, warmup=warmup)
     return MemoryMeasurement(plan=plan, costs=costs, measured=measured)
