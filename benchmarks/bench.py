@@ -55,10 +55,11 @@ import torch
 from analytic_minimum import analytic_minimum, minimum_totals
 from torch import nn
 
-from fsdp_core import build_mesh, mixed_precision_policy
+from fsdp_core import ShardingPlan, build_mesh, mixed_precision_policy
 from fsdp_core.fake_group import fake_process_group
 from fsdp_core.testing import run_torchrun
 from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
+from multimodal_fsdp import MultimodalParallelizer
 from multimodal_fsdp.estimate.collectives import CommTally
 from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs
 from multimodal_fsdp.estimate.render import format_bytes
@@ -93,6 +94,24 @@ def _meta_to_cpu(config: DeepseekV41Config, *, frozen_tower: bool) -> Callable[[
         return model
 
     return build
+
+
+def _plan_and_measure(
+    build: Callable[[], nn.Module],
+    parallelizer: MultimodalParallelizer,
+    loss: Callable[[nn.Module], torch.Tensor],
+    *,
+    world: int,
+    transform: Callable[[ShardingPlan], ShardingPlan] | None = None,
+    prefetch_guard: bool = True,
+) -> Measurement:
+    """Plan a fresh model (optionally rewriting the plan), then measure that plan: the
+    measurement takes the plan and the model, no parallelizer."""
+    model = build()
+    plan = parallelizer.plan(model, mp_policy=MP)
+    if transform is not None:
+        plan = transform(plan)
+    return measure_plan(plan, model, loss, world_size=world, prefetch_guard=prefetch_guard)
 
 
 def _loss(config: DeepseekV41Config) -> Callable[[nn.Module], torch.Tensor]:
@@ -132,9 +151,9 @@ def bench_policies(depths: tuple[int, ...], worlds: tuple[int, ...]) -> list[dic
         for world in worlds:
             for policy in POLICIES:
                 parallelizer = PARALLELIZER.with_options(frozen_multimodal_sharding=policy)
-                guarded = measure_plan(build, parallelizer, loss, world_size=world, mp_policy=MP)
-                default = measure_plan(
-                    build, parallelizer, loss, world_size=world, mp_policy=MP, prefetch_guard=False
+                guarded = _plan_and_measure(build, parallelizer, loss, world=world)
+                default = _plan_and_measure(
+                    build, parallelizer, loss, world=world, prefetch_guard=False
                 )
                 shapes = build_deepseek_v41(config, dtype=torch.float32, device="meta")
                 shapes.vision.requires_grad_(False)
@@ -240,9 +259,7 @@ def bench_norms(depths: tuple[int, ...], world: int) -> list[dict[str, Any]]:
             transform = (
                 (lambda p: ungroup_units(p, role="fp32_norms")) if layout == "per_norm" else None
             )
-            result = measure_plan(
-                build, PARALLELIZER, loss, world_size=world, mp_policy=MP, transform_plan=transform
-            )
+            result = _plan_and_measure(build, PARALLELIZER, loss, world=world, transform=transform)
             norm_units = [u for u in result.costs.units if u.role == "fp32_norms"]
             extra = {
                 "all_gather_forward": sum(
@@ -313,7 +330,7 @@ def bench_memory(depths: tuple[int, ...], worlds: tuple[int, ...]) -> list[dict[
                 model.vision.requires_grad_(False)
                 parallelizer = PARALLELIZER.with_options(frozen_multimodal_sharding=policy)
                 plan = parallelizer.plan(model, mp_policy=MP)
-                costs = plan_costs(plan, model, world_size=world, parallelizer=parallelizer)
+                costs = plan_costs(plan, model, world_size=world)
                 rows.append(_memory_row(costs, depth, world, policy, model))
     return rows
 
@@ -391,7 +408,7 @@ def bench_scaling(scales: tuple[int, ...], world: int, repeats: int) -> list[dic
                 t0 = time.perf_counter()
                 plan = parallelizer.plan(model, mp_policy=MP)
                 t1 = time.perf_counter()
-                plan_costs(plan, model, world_size=world, parallelizer=parallelizer)
+                plan_costs(plan, model, world_size=world)
                 t2 = time.perf_counter()
                 parallelizer.apply_plan(model, plan, mesh=mesh)
                 t3 = time.perf_counter()
@@ -552,7 +569,9 @@ def bench_measured_memory(depth: int, world: int) -> list[dict[str, Any]]:
     rows = []
     for policy in POLICIES:
         parallelizer = PARALLELIZER.with_options(frozen_multimodal_sharding=policy)
-        result = measure_plan_memory(build, parallelizer, loss, world_size=world, mp_policy=MP)
+        model = build()
+        plan = parallelizer.plan(model, mp_policy=MP)
+        result = measure_plan_memory(plan, model, loss, world_size=world)
         predicted, measured = result.costs.memory, result.measured
         assert predicted is not None
         resting = measured.sharded_param_bytes + measured.replicated_param_bytes
