@@ -19,7 +19,9 @@ warm-up steps. What is measured, outside the library:
 - the step time of every rank (forward, backward, optimizer step), after a barrier; a
   step takes the slowest rank's time;
 - the tower's compute per rank: forward pre/post hooks on the tower's ``encoder``, the
-  module that does all of its work (it runs on whatever share the rank encodes);
+  module that does all of its work (it runs on whatever share the rank encodes), in
+  wall time and in the CPU time of the rank's thread (which other processes on the
+  machine cannot inflate);
 - the exchange: every ``all_gather`` / ``all_to_all_single`` issued from
   ``multimodal_fsdp.balance``, timed (waiting for other ranks included), counted, with
   the bytes each rank puts in and gets;
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -49,6 +52,7 @@ from torch.nn import functional
 
 from fsdp_core import CommCounter, build_mesh, exit_rank, init_distributed
 from multimodal_fsdp import MultimodalParallelizer
+from multimodal_fsdp.balance import exchange_traffic, media_layout_for
 
 #: The tower: PATCHES patches of PATCH_DIM pixels per image, VISION_BLOCKS MLP blocks of
 #: width VISION_DIM. The decoder: TEXT_LAYERS layers of width TEXT_DIM over BATCH x SEQ
@@ -56,7 +60,7 @@ from multimodal_fsdp import MultimodalParallelizer
 PATCHES = 576
 PATCH_DIM = 48
 VISION_DIM = 192
-VISION_BLOCKS = 4
+VISION_BLOCKS = 8
 TEXT_DIM = 128
 TEXT_LAYERS = 2
 VOCAB = 512
@@ -183,10 +187,13 @@ class Recorder:
         self.active = False
         self.events: list[tuple[str, float, float]] = []
         self.exchange: list[dict[str, Any]] = []
+        #: CPU time of this rank's thread in the tower (what contention cannot inflate).
+        self.tower_cpu = 0.0
         self._tower_start = 0.0
+        self._tower_cpu_start = 0.0
 
     def start(self) -> None:
-        self.events, self.exchange, self.active = [], [], True
+        self.events, self.exchange, self.active, self.tower_cpu = [], [], True, 0.0
         self.origin = time.perf_counter()
 
     def now(self) -> float:
@@ -199,10 +206,12 @@ class Recorder:
 
     def tower_pre(self, *_: Any) -> None:
         self._tower_start = self.now()
+        self._tower_cpu_start = time.thread_time()
 
     def tower_post(self, *_: Any) -> None:
         if self.active:
             self.events.append(("tower", self._tower_start, self.now()))
+            self.tower_cpu += time.thread_time() - self._tower_cpu_start
 
     def total(self, name: str) -> float:
         return sum(end - start for kind, start, end in self.events if kind == name)
@@ -259,9 +268,7 @@ def patch_collectives() -> None:
 # --------------------------------------------------------------------------- steps
 def parallelizer(policy: str, balanced: bool) -> MultimodalParallelizer:
     if balanced:
-        return MultimodalParallelizer(  # type: ignore[call-arg]
-            frozen_multimodal_sharding=policy, balance_media=True
-        )
+        return MultimodalParallelizer(frozen_multimodal_sharding=policy, balance_media=True)
     return MultimodalParallelizer(frozen_multimodal_sharding=policy)
 
 
@@ -304,6 +311,30 @@ def counted_step(
     }
 
 
+def predicted_exchange(counts: list[int], rank: int) -> dict[str, int]:
+    """The exchange of one forward on ``rank`` as ``exchange_traffic`` predicts it: the
+    tower call (when any rank has images; a rank without images joins it) and the last
+    round of the join barrier (one header all_gather). The tower is frozen and its
+    inputs need no gradient, so nothing moves in backward."""
+    tower = BenchVLM().vision_tower
+    spec = media_layout_for(tower).split_call(tower, (torch.zeros(1, PATCHES, PATCH_DIM),), {})
+    costs = [[PATCHES * PATCH_DIM] * n for n in counts]
+    inputs = [[PATCHES * PATCH_DIM * 4] * n for n in counts]
+    outputs = [[PATCHES * VISION_DIM * 4] * n for n in counts]
+    rounds = []
+    if any(counts):
+        rounds += exchange_traffic(
+            costs, rank=rank, spec=spec.spec, input_bytes=inputs, output_bytes=outputs
+        )
+    empty: list[list[int]] = [[] for _ in counts]
+    rounds += exchange_traffic(empty, rank=rank, spec=None, input_bytes=empty, output_bytes=empty)
+    return {
+        "collectives": len(rounds),
+        "sent": sum(r.sent for r in rounds),
+        "received": sum(r.received for r in rounds),
+    }
+
+
 @contextmanager
 def _quiet() -> Iterator[None]:
     import warnings
@@ -336,6 +367,7 @@ def run_distribution(
             mine = {
                 "step_s": elapsed,
                 "tower_s": RECORDER.total("tower"),
+                "tower_cpu_s": RECORDER.tower_cpu,
                 "exchange_s": RECORDER.total("exchange"),
                 "events": RECORDER.events,
             }
@@ -348,6 +380,7 @@ def run_distribution(
         variant: counted_step(model, optimizers[variant], make_batch(counts[rank], seed=7 + rank))
         for variant, model in variants.items()
     }
+    comm["balanced"]["predicted"] = predicted_exchange(counts, rank)
     comm_all: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(comm_all, comm)
     return summarise(name, counts, steps, comm_all, losses)
@@ -355,6 +388,11 @@ def run_distribution(
 
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
+
+
+def _max_over_mean(values: list[float]) -> float:
+    mean = statistics.mean(values)
+    return max(values) / mean if mean > 0 else 0.0
 
 
 def summarise(
@@ -369,13 +407,17 @@ def summarise(
         step_s = [max(r["step_s"] for r in s["ranks"]) for s in records]
         tower = [[r["tower_s"] for r in s["ranks"]] for s in records]
         exchange = [[r["exchange_s"] for r in s["ranks"]] for s in records]
-        imbalance = [max(t) / statistics.mean(t) if statistics.mean(t) > 0 else 0.0 for t in tower]
+        cpu = [[r["tower_cpu_s"] for r in s["ranks"]] for s in records]
         median_index = sorted(range(len(step_s)), key=lambda i: step_s[i])[len(step_s) // 2]
         result["variants"][variant] = {
             "median_step_s": _median(step_s),
             "step_s": step_s,
             "median_tower_s_per_rank": [_median([t[r] for t in tower]) for r in range(len(counts))],
-            "median_tower_max_over_mean": _median(imbalance),
+            "median_tower_max_over_mean": _median([_max_over_mean(t) for t in tower]),
+            "median_tower_cpu_s_per_rank": [
+                _median([t[r] for t in cpu]) for r in range(len(counts))
+            ],
+            "median_tower_cpu_max_over_mean": _median([_max_over_mean(t) for t in cpu]),
             "median_exchange_s_per_rank": [
                 _median([x[r] for x in exchange]) for r in range(len(counts))
             ],
@@ -414,6 +456,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    load_at_start = os.getloadavg()[0]
     ctx = init_distributed(backend="gloo")
     mesh = build_mesh()
     patch_collectives()
@@ -441,6 +484,10 @@ def main() -> None:
             "steps": args.steps,
             "warmup": args.warmup,
             "images_per_rank_mean": args.images,
+            # The machine's 1-minute load average at the start and the end of the launch:
+            # other processes on the same cores make every time here noisier.
+            "load_average": [load_at_start, os.getloadavg()[0]],
+            "cpus": os.cpu_count(),
             "option": not args.no_option,
             "params": sum(p.numel() for p in reference.parameters()),
             "tower_params": tower,

@@ -710,14 +710,21 @@ def _goal(value: float, limit: float | None) -> str:
     return f"{value:.2f} (goal <= {limit:.2f}: {'met' if value <= limit else 'MISSED'})"
 
 
-def _comm_cells(variant: dict[str, Any]) -> tuple[int, int, int]:
-    """The exchange's collectives per step and the most bytes one rank sent / received."""
+def _comm_cells(variant: dict[str, Any]) -> tuple[str, str]:
+    """The exchange's collectives per step and the most KiB one rank sent / received,
+    measured, with ``(!)`` where a rank's figures differ from ``exchange_traffic``'s."""
     per_rank = variant["comm_per_rank"]
-    return (
-        max(c["exchange_collectives"] for c in per_rank),
-        max(c["exchange_sent"] for c in per_rank),
-        max(c["exchange_received"] for c in per_rank),
+    count = max(c["exchange_collectives"] for c in per_rank)
+    sent = max(c["exchange_sent"] for c in per_rank)
+    received = max(c["exchange_received"] for c in per_rank)
+    differ = any(
+        "predicted" in c
+        and (c["exchange_collectives"], c["exchange_sent"], c["exchange_received"])
+        != (c["predicted"]["collectives"], c["predicted"]["sent"], c["predicted"]["received"])
+        for c in per_rank
     )
+    flag = " (!)" if differ else ""
+    return f"{count}{flag}", f"{sent / 1024:.1f} / {received / 1024:.1f}{flag}"
 
 
 def _other_collectives(variant: dict[str, Any]) -> int:
@@ -737,6 +744,7 @@ def format_balance(rows: list[dict[str, Any]]) -> str:
         "with / without",
         "tower max/mean without",
         "tower max/mean with",
+        "tower CPU max/mean without / with",
         "exchange ms (max rank)",
         "exchange coll. / step",
         "exchange KiB sent / received (max rank)",
@@ -748,7 +756,7 @@ def format_balance(rows: list[dict[str, Any]]) -> str:
     for run in rows:
         for d in run["distributions"]:
             without, with_ = d["variants"]["unbalanced"], d["variants"]["balanced"]
-            count, sent, received = _comm_cells(with_)
+            count, nbytes = _comm_cells(with_)
             table.append(
                 [
                     str(run["world_size"]),
@@ -762,9 +770,11 @@ def format_balance(rows: list[dict[str, Any]]) -> str:
                     ),
                     f"{without['median_tower_max_over_mean']:.2f}",
                     _goal(with_["median_tower_max_over_mean"], BALANCE_TOWER_GOAL),
+                    f"{without['median_tower_cpu_max_over_mean']:.2f} / "
+                    f"{with_['median_tower_cpu_max_over_mean']:.2f}",
                     f"{max(with_['median_exchange_s_per_rank']) * 1e3:.1f}",
-                    str(count),
-                    f"{sent / 1024:.1f} / {received / 1024:.1f}",
+                    count,
+                    nbytes,
                     f"{_other_collectives(without)} / {_other_collectives(with_)}",
                     f"{d['max_loss_difference']:.1e}",
                 ]
@@ -790,10 +800,11 @@ def write_balance_chart(rows: list[dict[str, Any]], path: Path) -> Path | None:
     colours = {"rest": "#d9d9d9", "tower": "#3b6ea8", "exchange": "#e08a2c"}
     panels = [(run, d, v) for run, d in runs for v in ("unbalanced", "balanced")]
     heights = [run["world_size"] + 1.2 for run, _, _ in panels]
+    fig_height = 0.42 * sum(heights) + 1.2
     fig, axes = plt.subplots(
         len(panels),
         1,
-        figsize=(9, 0.42 * sum(heights) + 1.2),
+        figsize=(9, fig_height),
         sharex=True,
         gridspec_kw={"height_ratios": heights},
     )
@@ -829,18 +840,19 @@ def write_balance_chart(rows: list[dict[str, Any]], path: Path) -> Path | None:
             Patch(color=colours["rest"], label="rest of the step (waiting included)"),
         ],
         loc="upper left",
-        bbox_to_anchor=(0.01, 0.965),
+        bbox_to_anchor=(0.01, 1 - 0.25 / fig_height),
         fontsize=8,
         ncols=3,
         frameon=False,
     )
     fig.suptitle(
-        "Per-rank step timeline under a 3:1 media skew (gloo, CPU, median step)",
+        "Each rank's step under a 3:1 media skew, without and with balance_media "
+        "(gloo, CPU, one thread per rank; the median step)",
         fontsize=10,
         x=0.01,
         ha="left",
     )
-    fig.tight_layout(rect=(0, 0, 1, 0.92))
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig_height))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -858,6 +870,22 @@ def balance_report(rows: list[dict[str, Any]], chart: Path | None) -> list[str]:
         "timed steps, medians)",
         "",
         format_balance(rows),
+        "",
+        "Tower max/mean: the tower's wall time per rank, the slowest rank over the mean "
+        "(CPU: the ranks' thread CPU time in the tower, which other processes cannot "
+        "inflate). Exchange: the collectives of `multimodal_fsdp.balance` in one step "
+        "(header, item table and status all-gathers, inputs and outputs all-to-all, the "
+        "join's last round), counted on the real group (`(!)`: a rank's count or bytes "
+        "differ from `exchange_traffic`'s prediction); exchange ms includes waiting for "
+        "other ranks. Other coll.: FSDP's and the runtime hooks' (`CommCounter`).",
+        "",
+        "Machine load (1-minute load average at the start / end of each launch): "
+        + ", ".join(
+            f"{run['world_size']} ranks {run['load_average'][0]:.1f} / {run['load_average'][1]:.1f}"
+            for run in rows
+            if "load_average" in run
+        )
+        + f" on {first.get('cpus', '?')} CPUs.",
         "",
         f"Chart: {_relative_path(chart)}" if chart else "Chart: not written (no matplotlib)",
     ]
