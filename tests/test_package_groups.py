@@ -2,12 +2,13 @@
 
 From the bottom: ``discovery`` (reads the module tree) and ``balance`` (the media
 exchange), then ``runtime`` (hooks that run during steps; the ``balance_media`` hook runs
-the exchange), then the planning modules at the top level (the policy, the parts, the parallelizer), then ``estimate`` (what a plan
-costs), ``measure`` (one real step, compared with the estimates) and ``cli``. A module
-imports only from its own group and the groups below it, and never a private
-(underscore) name of a module in another group: a group's private names are its own
-business. Imports under ``if TYPE_CHECKING:`` do not count (they never run).
-Everything is read from the syntax trees, so lazy imports inside functions count.
+the exchange), then the planning modules at the top level (the policy, the parts, the
+parallelizer), then ``estimate`` (what a plan costs), ``measure`` (one real step,
+compared with the estimates) and ``cli``. A module imports only from its own group and
+the groups below it, and never a private (underscore) name of a module in another group:
+a group's private names are its own business. Imports under ``if TYPE_CHECKING:`` do not
+count (they never run). Everything is read from the syntax trees, so lazy imports inside
+functions count.
 """
 
 from __future__ import annotations
