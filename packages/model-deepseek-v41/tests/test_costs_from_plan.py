@@ -61,3 +61,33 @@ def test_plan_discovers_once_and_apply_never(monkeypatch: pytest.MonkeyPatch) ->
     with fake_process_group(2):
         parallelizer.apply_plan(model, plan, mesh=build_mesh())
     assert calls == []
+
+
+@pytest.mark.parametrize("policy", ["root", "per_layer", "replicate"])
+def test_the_plan_alone_applies_as_the_parallelizer_does(policy: str) -> None:
+    """``fsdp_core.parallelizer.apply_plan`` (no parallelizer) makes the units the
+    DeepSeek-V4.1 parallelizer makes, fp32 norm groups included, and places the frozen
+    fp32 norms and the replicated tower as the plan recorded."""
+    from fsdp_core import build_mesh, internals
+    from fsdp_core.fake_group import fake_process_group
+    from fsdp_core.parallelizer import apply_plan
+
+    applied = []
+    for alone in (False, True):
+        model = build_deepseek_v41(DeepseekV41Config.tiny(), dtype=torch.bfloat16)
+        model.vision.requires_grad_(False)
+        parallelizer = PARALLELIZER.with_options(frozen_multimodal_sharding=policy)
+        plan = parallelizer.plan(model, mp_policy=mixed_precision_policy("bf16", "fp32"))
+        with fake_process_group(2):
+            if alone:
+                apply_plan(model, plan, mesh=build_mesh())
+            else:
+                parallelizer.apply_plan(model, plan, mesh=build_mesh())
+        replicated = {
+            name: p.dtype
+            for name, p in model.named_parameters()
+            if name in plan.replicated_param_names
+        }
+        applied.append((sorted(internals.applied_unit_paths(model)), replicated))
+    assert applied[1] == applied[0]
+    assert any(dtype == torch.float32 for dtype in applied[0][1].values())

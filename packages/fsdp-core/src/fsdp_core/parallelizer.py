@@ -4,7 +4,9 @@ Planning walks the model and returns a [`ShardingPlan`][fsdp_core.plan.ShardingP
 with no side effects; applying it sends every call through the single
 overridable method
 [`_fully_shard_module`][fsdp_core.parallelizer.ModelParallelizer._fully_shard_module]. Model
-packages subclass this and override the planning hooks and that method.
+packages subclass this and override the planning hooks and that method. Applying needs
+nothing but the plan: [`apply_plan`][fsdp_core.parallelizer.apply_plan] does it without a
+parallelizer (the method delegates to it).
 """
 
 from __future__ import annotations
@@ -308,7 +310,8 @@ class ModelParallelizer:
         return hook
 
     def _before_apply(self, model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> None:
-        """Runs once before the first unit is made (e.g. to place replicated parameters)."""
+        """Runs once before the first unit is made, after the plan's replicated parameters
+        are placed (``fsdp_core.replicated``)."""
 
     def _after_apply(self, model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> None:
         """Runs once after the last unit is made (e.g. to tune prefetching or add guards)."""
