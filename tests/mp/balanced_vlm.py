@@ -147,3 +147,50 @@ def accumulation_reference(tower: str, *, world: int = 2) -> dict[str, Any]:
     )
     (total / world).backward()
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# --- tiny transformers LLaVA and Qwen2-VL (images and videos: two tower calls) -----------
+#: Per model, per step, each rank's media: LLaVA images; Qwen2-VL (images, videos).
+HF_MEDIA: dict[str, tuple[tuple[Any, ...], ...]] = {
+    "llava": ((2, 0), (0, 1), (1, 1)),
+    "qwen2_vl": (((1, 1), (0, 0)), ((2, 0), (0, 1)), ((0, 0), (1, 1))),
+}
+HF_CASES = tuple(f"{model}/{tower}" for model in HF_MEDIA for tower in ("frozen", "trainable"))
+
+
+def hf_build(name: str, tower: str) -> nn.Module:
+    from hf_vlms import HF_VLMS
+
+    vlm = HF_VLMS[name]
+    model = vlm.build()
+    if tower == "frozen":
+        model.get_submodule(vlm.tower).requires_grad_(False)
+    return model
+
+
+def hf_step_loss(model: nn.Module, name: str, step: int, rank: int) -> Tensor:
+    from hf_vlms import HF_VLMS, hf_loss
+
+    media = HF_MEDIA[name][step][rank]
+    seed = 300 + 10 * step + rank
+    if name == "llava":
+        batch = HF_VLMS[name].batch(seed, images=media)
+    else:
+        batch = HF_VLMS[name].batch(seed, images=media[0], videos=media[1])
+    return hf_loss(model, batch)
+
+
+def hf_reference(name: str, tower: str, *, world: int = 2) -> dict[str, Any]:
+    model = hf_build(name, tower)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses, grads = [], []
+    for step in range(len(HF_MEDIA[name])):
+        loss = sum(hf_step_loss(model, name, step, r) for r in range(world)) / world
+        loss.backward()  # type: ignore[union-attr]
+        losses.append(float(loss.detach()))  # type: ignore[union-attr]
+        grads.append(
+            {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        )
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "grads": grads}

@@ -37,6 +37,7 @@ LAUNCHES: dict[int, list[str]] = {
         "accum_text_only",
         "balance_media",
         "balance_media_accumulation",
+        "balance_media_hf",
         "ckpt_load_other_world",
         *(f"loop_{name}" for name in cases_for(2)),
         *(

@@ -122,3 +122,32 @@ def balance_media_accumulation(ctx: DistributedContext, out: Path) -> dict[str, 
             "hooks": plan.hook_names(),
         }
     return results
+
+
+@scenario("balance_media_hf")
+def balance_media_hf(ctx: DistributedContext, out: Path) -> dict[str, Any]:
+    """Tiny transformers LLaVA (CLIP tower, hidden states) and Qwen2-VL (packed patches;
+    images and videos: two tower calls on one rank, one or none on the other) under
+    per_layer, frozen and trainable tower, media on some ranks only."""
+    from multimodal_fsdp import MultimodalParallelizer as Parallelizer
+
+    results: dict[str, Any] = {}
+    for case in balance.HF_CASES:
+        name, tower = case.split("/")
+        model = balance.hf_build(name, tower)
+        parallelizer = Parallelizer(frozen_multimodal_sharding="per_layer", balance_media=True)
+        plan = parallelizer.plan(model)
+        parallelizer.apply_plan(model, plan, mesh=build_mesh())
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+        losses, grads = [], []
+        for step in range(len(balance.HF_MEDIA[name])):
+            loss = balance.hf_step_loss(model, name, step, ctx.rank)
+            loss.backward()
+            grads.append(
+                {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+            )
+            opt.step()
+            opt.zero_grad()
+            losses.append(_mean(loss, ctx))
+        results[case] = {"losses": losses, "grads": grads, "hooks": plan.hook_names()}
+    return results
