@@ -12,16 +12,12 @@ savings; it lives here so that the rule has one home and one test surface.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from torch import nn
 
 from fsdp_core.containers import module_spans
 from multimodal_fsdp.discovery.walk import resolve_multimodal_modules
 from multimodal_fsdp.parts import MultimodalParts, split_frozen_parts
-
-if TYPE_CHECKING:
-    from multimodal_fsdp.parallelizer import MultimodalParallelizer
 
 __all__ = ["backward_free_paths"]
 
@@ -38,7 +34,6 @@ def _parts_in_flow_order(parts: Sequence[MultimodalParts]) -> dict[str, list[Mul
 
 def backward_free_paths(
     model: nn.Module,
-    parallelizer: MultimodalParallelizer | None = None,
     *,
     parts: Sequence[MultimodalParts] | None = None,
 ) -> list[str]:
@@ -47,13 +42,11 @@ def backward_free_paths(
     Per modality, towers then projectors are walked in registration order; the
     frozen parts met before the first trainable parameter (or the first module
     holding one directly) see only media inputs, so their backward never runs.
-    ``parts`` are the discovered parts when the caller has them (the planner);
-    else ``parallelizer`` discovers them (default options when ``None``).
+    ``parts`` are the discovered parts when the caller has them (the planner, which
+    records the result in the plan); else discovery with default options finds them.
     """
     if parts is not None:
         found = list(parts)
-    elif parallelizer is not None:
-        found = parallelizer.multimodal_parts(model)
     else:
         found = [
             MultimodalParts(item, *split_frozen_parts(item.module, item.path))
