@@ -99,3 +99,22 @@ def test_transformers_llava_and_qwen2_vl_under_per_layer(case: str, mp2: MpResul
         extra = set(got) - set(want)
         assert all(float(got[name].abs().max()) == 0.0 for name in extra), sorted(extra)
         _close({n: got[n] for n in want}, want, f"step {step}")
+
+
+@pytest.mark.parametrize("tower", ["trainable", "adapter"])
+def test_hsdp_2x2_balances_over_both_dimensions(tower: str, mp4: MpResults) -> None:
+    """4 ranks, an HSDP 2x2 mesh, per_layer: all media on one rank, a skew, one call per
+    image (4 calls, none, none, 2): gradients equal one process's, and the images are
+    spread over all four ranks (not only within a shard group)."""
+    result = mp4("balance_media_hsdp")[f"per_layer/{tower}"]
+    ref = _hsdp_reference(tower)
+    assert result["losses"] == pytest.approx(ref["losses"], rel=TOL, abs=TOL)
+    assert result["eval_loss"] == pytest.approx(ref["eval_loss"], rel=TOL, abs=TOL)
+    for step, grads in enumerate(ref["grads"]):
+        _close(result["grads"][step], grads, f"step {step}")
+    assert result["encoded"][1] == [2, 2, 1, 1]  # 6 images on ranks 1 and 2
+
+
+@functools.cache
+def _hsdp_reference(tower: str) -> dict[str, Any]:
+    return balance.reference(tower, table=balance.HSDP_DISTRIBUTIONS)

@@ -20,15 +20,19 @@ from model_deepseek_v41 import make_batch
 from model_deepseek_v41.modeling import IGNORE_INDEX, Batch, DeepseekV41ForCausalLM
 
 #: Per step: (images per sample on rank 0, on rank 1, one tower call per image).
-DISTRIBUTIONS: tuple[tuple[int, int, bool], ...] = (
+DISTRIBUTIONS: tuple[tuple[int | bool, ...], ...] = (
     (1, 1, False),  # even
     (1, 0, False),  # rank 1 text-only
     (0, 2, False),  # all media on rank 1, rank 0 text-only
     (2, 1, True),  # one call per image: 4 calls on rank 0, 2 on rank 1
     (2, 0, True),  # 4 calls on rank 0 only
 )
-#: The eval pass after step 1: media on rank 0 only.
-EVAL_IMAGES = (1, 0)
+#: The same on 4 ranks (an HSDP 2x2 mesh): all on one rank, skewed, calls per image.
+HSDP_DISTRIBUTIONS: tuple[tuple[int | bool, ...], ...] = (
+    (1, 0, 0, 0, False),
+    (0, 2, 1, 0, False),
+    (2, 0, 0, 1, True),
+)
 POLICIES = ("root", "per_layer", "replicate")
 TOWERS = ("frozen", "trainable", "adapter")
 
@@ -94,17 +98,23 @@ def batch(step: int, rank: int, images: int, *, seed: int = 9000) -> Batch:
     )
 
 
-def step_loss(model: nn.Module, step: int, rank: int) -> Tensor:
-    """Rank ``rank``'s loss of step ``step`` (the distribution of ``DISTRIBUTIONS``)."""
-    images = DISTRIBUTIONS[step][rank]
-    model.per_image = DISTRIBUTIONS[step][2]  # type: ignore[assignment]
+def step_loss(
+    model: nn.Module,
+    step: int,
+    rank: int,
+    table: tuple[tuple[int | bool, ...], ...] = DISTRIBUTIONS,
+) -> Tensor:
+    """Rank ``rank``'s loss of step ``step`` (the distribution of ``table``)."""
+    images = int(table[step][rank])
+    model.per_image = bool(table[step][-1])  # type: ignore[assignment]
     loss: Tensor = model(**batch(step, rank, images))
     return loss
 
 
 def eval_loss(model: nn.Module, rank: int) -> Tensor:
+    """The eval pass after step 1: media on rank 0 only."""
     model.per_image = False  # type: ignore[assignment]
-    loss: Tensor = model(**batch(99, rank, EVAL_IMAGES[rank], seed=5))
+    loss: Tensor = model(**batch(99, rank, 1 if rank == 0 else 0, seed=5))  # rank 0 only
     return loss
 
 
@@ -114,15 +124,18 @@ def micro_batches(rank: int) -> list[Batch]:
     return [batch(50 + index, rank, images) for index, images in enumerate(order)]
 
 
-def reference(tower: str, *, world: int = 2) -> dict[str, Any]:
+def reference(
+    tower: str, *, table: tuple[tuple[int | bool, ...], ...] = DISTRIBUTIONS
+) -> dict[str, Any]:
     """One process running each step's whole global batch: the mean of the ranks' losses
     (FSDP averages the ranks' gradients), SGD with the scenarios' rate."""
+    world = len(table[0]) - 1
     model = build(tower)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses, grads = [], []
     eval_value = 0.0
-    for step in range(len(DISTRIBUTIONS)):
-        loss = sum(step_loss(model, step, r) for r in range(world)) / world
+    for step in range(len(table)):
+        loss = sum(step_loss(model, step, r, table) for r in range(world)) / world
         loss.backward()  # type: ignore[union-attr]
         losses.append(float(loss.detach()))
         grads.append(

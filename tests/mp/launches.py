@@ -72,6 +72,7 @@ LAUNCHES: dict[int, list[str]] = {
         "uneven_root",
         "uneven_per_layer",
         "accum_text_only",
+        "balance_media_hsdp",
         "ckpt_save_resume",
         *(f"loop_{name}" for name in cases_for(4)),
     ],

@@ -25,7 +25,7 @@ from fsdp_core import DistributedContext, build_mesh
 from multimodal_fsdp import MultimodalParallelizer
 
 
-def _parallelize(model: nn.Module, policy: str, **options: Any) -> Any:
+def _parallelize(model: nn.Module, policy: str, *, dp_replicate: int = 1, **options: Any) -> Any:
     parallelizer = MultimodalParallelizer(
         frozen_multimodal_sharding=policy,
         extra_tower_names=("vision",),
@@ -33,7 +33,7 @@ def _parallelize(model: nn.Module, policy: str, **options: Any) -> Any:
         **options,
     )
     plan = parallelizer.plan(model)
-    parallelizer.apply_plan(model, plan, mesh=build_mesh())
+    parallelizer.apply_plan(model, plan, mesh=build_mesh(dp_replicate=dp_replicate))
     return plan
 
 
@@ -61,16 +61,23 @@ def _mean(value: torch.Tensor, ctx: DistributedContext) -> float:
     return total.item() / ctx.world_size
 
 
-def _case(ctx: DistributedContext, policy: str, tower: str) -> dict[str, Any]:
+def _case(
+    ctx: DistributedContext,
+    policy: str,
+    tower: str,
+    *,
+    table: tuple[tuple[int | bool, ...], ...] = balance.DISTRIBUTIONS,
+    dp_replicate: int = 1,
+) -> dict[str, Any]:
     model = balance.build(tower)
-    plan = _parallelize(model, policy)
+    plan = _parallelize(model, policy, dp_replicate=dp_replicate)
     seen = _encoded_counter(model)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses, grads, encoded = [], [], []
     eval_loss = 0.0
-    for step in range(len(balance.DISTRIBUTIONS)):
+    for step in range(len(table)):
         seen[0] = 0
-        loss = balance.step_loss(model, step, ctx.rank)
+        loss = balance.step_loss(model, step, ctx.rank, table)
         loss.backward()
         encoded.append(_gathered(seen[0], ctx))
         grads.append({n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
@@ -100,6 +107,17 @@ def balance_media(ctx: DistributedContext, out: Path) -> dict[str, Any]:
         f"{policy}/{tower}": _case(ctx, policy, tower)
         for policy in balance.POLICIES
         for tower in balance.TOWERS
+    }
+
+
+@scenario("balance_media_hsdp")
+def balance_media_hsdp(ctx: DistributedContext, out: Path) -> dict[str, Any]:
+    """4 ranks on an HSDP 2x2 mesh: the calls are balanced over both dimensions."""
+    return {
+        f"per_layer/{tower}": _case(
+            ctx, "per_layer", tower, table=balance.HSDP_DISTRIBUTIONS, dp_replicate=2
+        )
+        for tower in ("trainable", "adapter")
     }
 
 
