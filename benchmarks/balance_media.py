@@ -20,8 +20,8 @@ warm-up steps. What is measured, outside the library:
   step takes the slowest rank's time;
 - the tower's compute per rank: forward pre/post hooks on the tower's ``encoder``, the
   module that does all of its work (it runs on whatever share the rank encodes), in
-  wall time and in the CPU time of the rank's thread (which other processes on the
-  machine cannot inflate);
+  wall time and in the CPU time of the rank's thread (time spent waiting for a core
+  that other processes hold is not counted; shared caches still slow it);
 - the exchange: every ``all_gather`` / ``all_to_all_single`` issued from
   ``multimodal_fsdp.balance``, timed (waiting for other ranks included), counted, with
   the bytes each rank puts in and gets;
@@ -187,7 +187,7 @@ class Recorder:
         self.active = False
         self.events: list[tuple[str, float, float]] = []
         self.exchange: list[dict[str, Any]] = []
-        #: CPU time of this rank's thread in the tower (what contention cannot inflate).
+        #: CPU time of this rank's thread in the tower (waiting for a core not counted).
         self.tower_cpu = 0.0
         self._tower_start = 0.0
         self._tower_cpu_start = 0.0

@@ -705,9 +705,11 @@ def bench_balance(steps: int, worlds: tuple[int, ...]) -> list[dict[str, Any]]:
 
 
 def _goal(value: float, limit: float | None) -> str:
+    """``value`` with its goal and verdict (three decimals, so that a value just above
+    the goal never reads as equal to it)."""
     if limit is None:
-        return f"{value:.2f}"
-    return f"{value:.2f} (goal <= {limit:.2f}: {'met' if value <= limit else 'MISSED'})"
+        return f"{value:.3f}"
+    return f"{value:.3f} (goal <= {limit:.2f}: {'met' if value <= limit else 'MISSED'})"
 
 
 def _comm_cells(variant: dict[str, Any]) -> tuple[str, str]:
@@ -872,8 +874,8 @@ def balance_report(rows: list[dict[str, Any]], chart: Path | None) -> list[str]:
         format_balance(rows),
         "",
         "Tower max/mean: the tower's wall time per rank, the slowest rank over the mean "
-        "(CPU: the ranks' thread CPU time in the tower, which other processes cannot "
-        "inflate). Exchange: the collectives of `multimodal_fsdp.balance` in one step "
+        "(CPU: the ranks' thread CPU time in the tower, which leaves out time spent "
+        "waiting for a core). Exchange: the collectives of `multimodal_fsdp.balance` in one step "
         "(header, item table and status all-gathers, inputs and outputs all-to-all, the "
         "join's last round), counted on the real group (`(!)`: a rank's count or bytes "
         "differ from `exchange_traffic`'s prediction); exchange ms includes waiting for "
