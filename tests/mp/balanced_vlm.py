@@ -168,7 +168,10 @@ HF_MEDIA: dict[str, tuple[tuple[Any, ...], ...]] = {
     "llava": ((2, 0), (0, 1), (1, 1)),
     "qwen2_vl": (((1, 1), (0, 0)), ((2, 0), (0, 1)), ((0, 0), (1, 1))),
 }
-HF_CASES = tuple(f"{model}/{tower}" for model in HF_MEDIA for tower in ("frozen", "trainable"))
+HF_CASES = (
+    *(f"{model}/{tower}" for model in HF_MEDIA for tower in ("frozen", "trainable")),
+    "llava/checkpointed",  # trainable, transformers gradient_checkpointing_enable()
+)
 
 
 def hf_build(name: str, tower: str) -> nn.Module:
@@ -178,6 +181,9 @@ def hf_build(name: str, tower: str) -> nn.Module:
     model = vlm.build()
     if tower == "frozen":
         model.get_submodule(vlm.tower).requires_grad_(False)
+    if tower == "checkpointed":
+        model.gradient_checkpointing_enable()  # type: ignore[operator]
+        model.train()
     return model
 
 
