@@ -39,7 +39,7 @@ ALLOWED_PRIVATE_WRITES: dict[str, str] = {
     "_buffers": "nn.Module's buffer registry",
 }
 
-MULTIMODAL_HOOKS = ("schedule_check", "prefetch_guard")
+MULTIMODAL_HOOKS = ("schedule_check", "prefetch_guard", "balance_media")
 
 
 def test_fsdp_core_names_no_multimodal_hook() -> None:
