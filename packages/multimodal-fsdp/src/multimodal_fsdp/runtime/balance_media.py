@@ -178,6 +178,7 @@ class BalanceMedia:
         self._training = False
         self._joined = True
         self._bypass = 0
+        self._warned: set[str] = set()
         #: Calls balanced and calls joined in the last forward (for tests and benchmarks).
         self.last_calls = 0
         self.last_joined = 0
@@ -237,6 +238,8 @@ class BalanceMedia:
         @functools.wraps(original)
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not self._balances(tower):
+                if self._in_forward and self._joined and tower.run_when_empty:
+                    self._warn_late(tower)
                 return original(*args, **kwargs)
             self.last_calls += 1
             return balanced_call(
@@ -250,6 +253,19 @@ class BalanceMedia:
             )
 
         return forward
+
+    def _warn_late(self, tower: BalancedTower) -> None:
+        """A tower with units called after the join site (or in a recomputation): it
+        runs locally, so ranks that do not call it there would hang."""
+        if self._bypass or in_backward() or tower.path in self._warned:
+            return
+        self._warned.add(tower.path)
+        logger.warning(
+            "balance_media: tower %r was called after %s; it runs locally there, so every "
+            "rank must make the same calls of it",
+            tower.path,
+            repr(self.join_site) if self.join_site else "the end of the forward",
+        )
 
     def _runner(self, module: nn.Module) -> Callable[..., Any]:
         """The tower's call for a joining rank: through its ``__call__`` (its module hooks
@@ -388,8 +404,11 @@ class BalanceMediaRuntimeHook(RuntimeHook):
     def describe(self) -> str:
         """Which towers are balanced, with which layout, and where ranks join."""
         towers = ", ".join(f"{t.path!r} ({t.layout})" for t in self.towers)
-        where = repr(self.join_site) if self.join_site else "the end of the forward"
-        return f"tower calls balanced over all data-parallel ranks: {towers}; joined before {where}"
+        where = f"before {self.join_site!r}" if self.join_site else "at the end of the forward"
+        return (
+            f"tower calls balanced over all data-parallel ranks: {towers}; ranks join the "
+            f"calls they do not make {where}"
+        )
 
     def install(self, model: nn.Module, *, mesh: DeviceMesh) -> BalanceMedia:
         group = _balanced_group(mesh)
