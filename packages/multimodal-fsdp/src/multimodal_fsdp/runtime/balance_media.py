@@ -182,24 +182,26 @@ class BalanceMedia:
         #: Calls balanced and calls joined in the last forward (for tests and benchmarks).
         self.last_calls = 0
         self.last_joined = 0
-        handles: list[RemovableHandle] = [
-            model.register_forward_pre_hook(self._start, prepend=True),
-            model.register_forward_hook(self._end, always_call=True),
-        ]
-        if join_site:
-            site = model.get_submodule(join_site)
-            handles.append(
-                site.register_forward_pre_hook(self._join_hook, prepend=True, with_kwargs=True)
-            )
-        self._handles = handles
+        found = []  # every check before anything is installed
         for tower in towers:
             module = model.get_submodule(tower.path)
-            layout = media_layout_for(module, name=tower.layout)
             if "forward" in vars(module):
                 raise ValueError(
                     f"balance_media: tower {tower.path!r} already has an instance forward "
                     "(another hook or a patch); it cannot be balanced"
                 )
+            found.append((module, tower, media_layout_for(module, name=tower.layout)))
+        site = model.get_submodule(join_site) if join_site else None
+        handles: list[RemovableHandle] = [
+            model.register_forward_pre_hook(self._start, prepend=True),
+            model.register_forward_hook(self._end, always_call=True),
+        ]
+        if site is not None:
+            handles.append(
+                site.register_forward_pre_hook(self._join_hook, prepend=True, with_kwargs=True)
+            )
+        self._handles = handles
+        for module, tower, layout in found:
             module.forward = self._balanced_forward(module, tower, layout)
             self._modules.append((module, tower, layout))
 
