@@ -111,3 +111,43 @@ def test_counter_clear(fake_pg2: None) -> None:
     with counter:
         dist.all_reduce(torch.ones(2))
     assert counter.counts() == {"all_reduce": 1}
+
+
+@pytest.mark.parametrize(
+    ("op", "kind"), [("alltoall_base_", "all_to_all"), ("alltoall_", "all_to_all")]
+)
+def test_all_to_all_kind(op: str, kind: str) -> None:
+    assert collective_kind(op) == kind
+
+
+def test_counter_records_all_to_all_sent_and_received(fake_pg2: None) -> None:
+    """An all_to_all's bytes are what this rank sends (its whole input buffer, its own
+    part included); what it receives is recorded beside them."""
+    counter = CommCounter()
+    with counter:
+        dist.all_to_all_single(
+            torch.empty(7, dtype=torch.uint8),
+            torch.empty(5, dtype=torch.uint8),
+            output_split_sizes=[3, 4],
+            input_split_sizes=[2, 3],
+        )
+        dist.all_to_all(
+            [torch.empty(2), torch.empty(4)], [torch.empty(1), torch.empty(1, dtype=torch.float32)]
+        )
+    assert counter.records == [
+        CollectiveRecord("all_to_all", "unspecified", 5, torch.uint8, received=7),
+        CollectiveRecord("all_to_all", "unspecified", 8, torch.float32, received=24),
+    ]
+    assert counter.counts() == {"all_to_all": 2}
+    assert counter.bytes() == {"all_to_all": 13}
+    assert counter.received_bytes() == {"all_to_all": 31}
+
+
+def test_counter_list_all_gather_counts_the_whole_output(fake_pg2: None) -> None:
+    """``dist.all_gather`` into a list of slots: the bytes are the gathered output (every
+    slot), as for the flat all-gather FSDP issues, not one slot."""
+    counter = CommCounter()
+    with counter:
+        dist.all_gather([torch.empty(3), torch.empty(3)], torch.empty(3))
+    assert counter.records == [CollectiveRecord("all_gather", "unspecified", 24, torch.float32)]
+    assert counter.received_bytes() == {}

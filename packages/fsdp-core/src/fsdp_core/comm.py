@@ -6,8 +6,12 @@ there is exact and works the same under the fake process group (one process,
 real layouts) and real gloo/NCCL ranks.
 
 Byte convention: the size of the *unsharded* buffer of a collective (the
-all-gather output, the reduce-scatter input, the all-reduce/broadcast tensor).
-What a rank actually sends on a ring is ``(world - 1) / world`` of that.
+all-gather output, every slot of it, the reduce-scatter input, the all-reduce/broadcast
+tensor). What a rank actually sends on a ring is ``(world - 1) / world`` of that.
+An ``all_to_all`` has no such buffer (each rank sends and receives its own amounts):
+its bytes are those this rank sends (its whole input buffer, the part for itself
+included), and what it receives is recorded beside them
+([`CollectiveRecord.received`][fsdp_core.comm.CollectiveRecord]).
 """
 
 from __future__ import annotations
@@ -35,22 +39,42 @@ _KINDS = {
     "allreduce_": "all_reduce",
     "allreduce_coalesced_": "all_reduce",
     "broadcast_": "broadcast",
+    "alltoall_base_": "all_to_all",
+    "alltoall_": "all_to_all",
 }
+
+#: Per counted kind, the argument of the ``c10d`` op that holds the buffer counted as
+#: the collective's bytes (the unsharded one; for ``all_to_all`` the one sent), and for
+#: ``all_to_all`` the one received.
+_BUFFER = {"all_gather": 0, "reduce_scatter": 1, "all_reduce": 0, "broadcast": 0, "all_to_all": 1}
+_RECEIVED = {"all_to_all": 0}
 
 
 def collective_kind(op_name: str) -> str:
-    """``all_gather``, ``reduce_scatter``, ``all_reduce``, ``broadcast`` or the raw name."""
+    """``all_gather``, ``reduce_scatter``, ``all_reduce``, ``broadcast``, ``all_to_all``
+    or the raw name."""
     return _KINDS.get(op_name, op_name)
 
 
 @dataclass(frozen=True)
 class CollectiveRecord:
-    """One collective: its kind, the phase it ran in, bytes and dtype of its full buffer."""
+    """One collective: its kind, the phase it ran in, bytes and dtype of its full buffer
+    (of an ``all_to_all``: of what this rank sends, with ``received`` the bytes it
+    receives; ``None`` for the other kinds)."""
 
     kind: str
     phase: str
     nbytes: int
     dtype: torch.dtype | None
+    received: int | None = None
+
+
+def _buffer(value: Any) -> tuple[int, torch.dtype | None]:
+    """Bytes of every tensor in ``value`` (a tensor or nested lists of them) and the
+    dtype of the first."""
+    tensors = nested_tensors(value)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return nbytes, (tensors[0].dtype if tensors else None)
 
 
 class CommCounter(TorchDispatchMode):
@@ -83,15 +107,12 @@ class CommCounter(TorchDispatchMode):
         if func.namespace == "c10d":
             op = func._schema.name.split("::")[-1]
             kind = collective_kind(op)
-            if kind in ("all_gather", "reduce_scatter", "all_reduce", "broadcast"):
-                tensors = nested_tensors(args[:2])
-                largest = max(tensors, key=lambda t: t.numel() * t.element_size(), default=None)
+            if kind in _BUFFER:
+                nbytes, dtype = _buffer(args[_BUFFER[kind]])
+                received = _buffer(args[_RECEIVED[kind]])[0] if kind in _RECEIVED else None
                 self.records.append(
                     CollectiveRecord(
-                        kind=kind,
-                        phase=self._phase,
-                        nbytes=0 if largest is None else largest.numel() * largest.element_size(),
-                        dtype=None if largest is None else largest.dtype,
+                        kind=kind, phase=self._phase, nbytes=nbytes, dtype=dtype, received=received
                     )
                 )
         return func(*args, **(kwargs or {}))
@@ -101,11 +122,20 @@ class CommCounter(TorchDispatchMode):
         return dict(Counter(r.kind for r in self.records if phase in (None, r.phase)))
 
     def bytes(self, phase: str | None = None) -> dict[str, int]:
-        """Full-buffer bytes per kind (optionally of one phase)."""
+        """Full-buffer bytes per kind (optionally of one phase); ``all_to_all``: sent."""
         totals: Counter[str] = Counter()
         for record in self.records:
             if phase in (None, record.phase):
                 totals[record.kind] += record.nbytes
+        return dict(totals)
+
+    def received_bytes(self, phase: str | None = None) -> dict[str, int]:
+        """Bytes received per kind that records them (``all_to_all``), optionally of one
+        phase."""
+        totals: Counter[str] = Counter()
+        for record in self.records:
+            if record.received is not None and phase in (None, record.phase):
+                totals[record.kind] += record.received
         return dict(totals)
 
     def clear(self) -> None:

@@ -18,6 +18,7 @@ from fsdp_core import ShardingPlan
 from fsdp_core.mesh import MeshShape
 from multimodal_fsdp.estimate.activations import trace_activations
 from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs, resolve_cost_mesh
+from multimodal_fsdp.estimate.exchange import StepMedia
 from multimodal_fsdp.estimate.memory import with_memory
 
 __all__ = ["inspect_model"]
@@ -35,6 +36,7 @@ def inspect_model(
     optimizer: str | None = "adamw",
     loss_fn: Callable[[nn.Module], torch.Tensor] | None = None,
     precision: str | None = None,
+    media: StepMedia | None = None,
 ) -> PlanCosts:
     """Cost ``plan`` for ``model`` (see
     [`plan_costs`][multimodal_fsdp.estimate.costs.plan_costs]) and predict its memory.
@@ -43,7 +45,9 @@ def inspect_model(
     step with that optimizer
     ([`multimodal_fsdp.estimate.memory`][multimodal_fsdp.estimate.memory]); with ``loss_fn``
     (one batch's loss) the activations are traced and included in the peak.
-    ``precision`` labels the report (e.g. ``"param=bf16 reduce=fp32"``)."""
+    ``precision`` labels the report (e.g. ``"param=bf16 reduce=fp32"``). ``media``: the
+    step's media for the towers the plan balances (``balance_media=True``), so that their
+    exchange is counted and its buffers traced."""
     shape = resolve_cost_mesh(mesh, world_size, dp_replicate)
     costs = plan_costs(
         plan,
@@ -52,10 +56,13 @@ def inspect_model(
         prefetch_guard=prefetch_guard,
         no_backward=no_backward,
         precision=precision,
+        media=media,
     )
     if optimizer is None:
         return costs
     traced = (
-        None if loss_fn is None else trace_activations(plan, model, loss_fn, shard=shape.dp_shard)
+        None
+        if loss_fn is None
+        else trace_activations(plan, model, loss_fn, shard=shape.dp_shard, media=media)
     )
     return with_memory(costs, plan, model, optimizer=optimizer, activations=traced)

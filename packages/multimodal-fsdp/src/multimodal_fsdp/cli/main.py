@@ -17,6 +17,7 @@ extra).
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import difflib
 import json
@@ -37,6 +38,7 @@ from multimodal_fsdp.cli.inspection import inspect_model
 from multimodal_fsdp.cli.presets import ModelPreset, model_presets
 from multimodal_fsdp.estimate.choose import PolicyChoice, choose_frozen_policy
 from multimodal_fsdp.estimate.costs import PlanCosts
+from multimodal_fsdp.estimate.exchange import balanced_towers, record_step_media
 from multimodal_fsdp.estimate.memory import OPTIMIZER_STATES
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 from multimodal_fsdp.policy import (
@@ -190,6 +192,15 @@ def build_parser() -> argparse.ArgumentParser:
             "per-rank memory budget, e.g. 40GiB: choose a policy for each frozen tower and "
             "projector, the combination with the least communication whose predicted peak "
             "fits; the notes say why for each (instead of --policy)"
+        ),
+    )
+    plan.add_argument(
+        "--balance-media",
+        action="store_true",
+        help=(
+            "plan with balance_media=True: every tower call spread over all data-parallel "
+            "ranks; the plan lists the balanced towers and their collectives per call "
+            "(with --batch, the exchange of that batch on every rank is counted)"
         ),
     )
     plan.add_argument(
@@ -459,15 +470,26 @@ def _costs(
             mp_policy=mixed_precision_policy(args.precision, args.reduce_precision),
             reshard_after_forward=args.reshard_after_forward,
         )
+        media = None
+        if loss_fn is not None and balanced_towers(plan):
+            media = record_step_media(plan, model, loss_fn, world_size=mesh.world_size)
         costs = inspect_model(
             plan,
             model,
             precision=f"param={args.precision} reduce={args.reduce_precision}",
+            media=media,
             **options,
         )
     except ValueError as error:
         raise CliError(str(error)) from None
     return _with_activations(costs, args.activations), None
+
+
+def _balancing(parallelizer: MultimodalParallelizer) -> MultimodalParallelizer:
+    """A copy of ``parallelizer`` with ``balance_media=True`` (``--balance-media``)."""
+    clone = copy.copy(parallelizer)
+    clone.balance_media = True
+    return clone
 
 
 def _plan(args: argparse.Namespace) -> tuple[PlanCosts, PolicyChoice | None]:
@@ -476,6 +498,8 @@ def _plan(args: argparse.Namespace) -> tuple[PlanCosts, PolicyChoice | None]:
     except ValueError as error:
         raise CliError(str(error)) from None
     model, parallelizer, described = _build_described(args.model, parse_dtype(args.storage_dtype))
+    if args.balance_media:
+        parallelizer = _balancing(parallelizer)
     frozen = freeze(model, parallelizer, args.freeze)
     costs, choice = _costs(args, model, parallelizer, mesh)
     notes = list(costs.notes)

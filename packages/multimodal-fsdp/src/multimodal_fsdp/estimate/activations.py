@@ -7,6 +7,8 @@ it computes in under the plan and FSDP2's casts at unit boundaries, and follows
 the bytes that are alive: what autograd saves in forward, what backward creates,
 and - replayed unit by unit as FSDP2 does it - the gathered parameters, each
 unit's unsharded gradients and reduce-scatter input, and the sharded gradients.
+With balanced towers and the step's media, each tower call also adds the exchange's
+buffers (inputs and outputs sent and received) at the moments they exist.
 [`multimodal_fsdp.estimate.memory`][multimodal_fsdp.estimate.memory] adds the result to the plan's
 other figures.
 """
@@ -33,6 +35,7 @@ from multimodal_fsdp.estimate.collectives import (
     param_compute_dtype,
     param_reduce_dtype,
 )
+from multimodal_fsdp.estimate.exchange import StepMedia, balanced_towers, exchange_rounds
 from multimodal_fsdp.estimate.timeline import kept_after_forward
 
 __all__ = ["ActivationTrace", "LossFn", "trace_activations"]
@@ -185,6 +188,7 @@ def trace_activations(
     loss_fn: LossFn,
     *,
     shard: int = 1,
+    media: StepMedia | None = None,
 ) -> ActivationTrace:
     """What one training step of one batch needs beside parameters, per rank, under ``plan``.
 
@@ -199,6 +203,12 @@ def trace_activations(
     reduce-scatter input (reduce dtype) exists beside them, then both give way to
     the unit's sharded gradients. Activations themselves do not depend on
     sharding: every rank runs its own batch through the whole model.
+
+    ``media`` (a plan with balanced towers): each local call of a balanced tower adds
+    the exchange's buffers of ``media.rank`` for that call (see ``_ExchangeBuffers``).
+    The tower's own activations are traced on this rank's items, which the balanced
+    step encodes elsewhere in exchange for others' items of about the same cost; calls
+    this rank only joins (a text-only batch) run no tower in the trace.
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
@@ -212,6 +222,8 @@ def trace_activations(
     gathers = _Gathers(plan, model, twin, live, shard)
     handles += gathers.hooks
     handles += _GradStaging(plan, model, twin, live, shard, gathers).hooks
+    if media is not None:
+        handles += _ExchangeBuffers(plan, twin, live, media).hooks
     try:
         with torch.autograd.graph.saved_tensors_hooks(_packer(live), lambda tensor: tensor):
             loss = loss_fn(twin)
@@ -372,6 +384,78 @@ class _GradStaging:
             for param in self.members[index]:
                 param.grad = None
             self.live.bump(self.sharded_bytes[index] - self.reduce_bytes[index])
+
+        return hook
+
+
+class _ExchangeBuffers:
+    """The balanced exchange's buffers around each call of a balanced tower, in the
+    order ``multimodal_fsdp.balance.exchange`` allocates them (``S``/``R``: the input
+    bytes this rank sends/receives in the call, ``s``/``r`` the output bytes):
+
+    - inputs: this rank's items gathered by destination (``S``) and their send buffer
+      (``S``), the receive buffer (``R``), its pieces (``R``) and the fields rebuilt from
+      them (``R``); after the exchange ``S + R`` stay (the gathered items and the
+      received fields the tower encodes) until the call returns;
+    - outputs: the encoded pieces gathered (``s``) and sent (``s``), the receive buffer
+      (``r``), its pieces (``r``); the output rebuilt from them replaces the tower's own
+      (the same bytes on this rank's items);
+    - backward: the output gradients go back the same way (``r`` sent, ``s`` received,
+      with their pieces and concatenation), transient.
+
+    Autograd keeps none of them: the exchange saves nothing for backward."""
+
+    def __init__(
+        self, plan: ShardingPlan, twin: nn.Module, live: _LiveBytes, media: StepMedia
+    ) -> None:
+        self.live = live
+        self.hooks: list[Any] = []
+        for tower in balanced_towers(plan):
+            rounds = exchange_rounds(media, tower)
+            module = twin.get_submodule(tower.path) if tower.path else twin
+            calls = [0]
+            self.hooks.append(module.register_forward_pre_hook(self._pre(rounds, calls)))
+            self.hooks.append(module.register_forward_hook(self._post(rounds, calls)))
+
+    @staticmethod
+    def _sizes(rounds: list[list[Any]], index: int) -> list[tuple[int, int]]:
+        """(sent, received) of each all_to_all of round ``index`` (none beyond them)."""
+        if index >= len(rounds):
+            return []
+        return [(c.sent, c.received) for c in rounds[index] if c.kind == "all_to_all"]
+
+    def _pre(self, rounds: list[list[Any]], calls: list[int]) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            sizes = self._sizes(rounds, calls[0])
+            if sizes:
+                sent, received = sizes[0]
+                self.live.bump(2 * sent + 3 * received)
+                self.live.bump(-(sent + 2 * received))  # the gathered items and the fields stay
+
+        return hook
+
+    def _post(self, rounds: list[list[Any]], calls: list[int]) -> Callable[..., None]:
+        def hook(_: nn.Module, __: Any, output: Any) -> None:
+            sizes = self._sizes(rounds, calls[0])
+            calls[0] += 1
+            if len(sizes) < 2:
+                return
+            (in_sent, in_received), (sent, received) = sizes[0], sizes[1]
+            self.live.bump(2 * sent + 2 * received)
+            self.live.bump(-(2 * sent + 2 * received) - (in_sent + in_received))
+            if len(sizes) > 2:
+                back_sent, back_received = sizes[2]
+                transient = back_sent + 3 * back_received
+                tensors = [t for t in output_tensors(output) if t.requires_grad]
+                if tensors:
+                    tensors[0].register_hook(self._backward(transient))  # type: ignore[no-untyped-call]
+
+        return hook
+
+    def _backward(self, transient: int) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            self.live.bump(transient)
+            self.live.bump(-transient)
 
         return hook
 

@@ -10,7 +10,8 @@ by key. The byte rules live here too, in one place: each collective moves the un
 buffer, with FSDP's padding of every parameter's dim 0 to a multiple of the
 shard-group size, in the dtype on the wire (the compute dtype for all-gathers,
 the reduce dtype for reduce-scatters), as [`fsdp_core.CommCounter`][fsdp_core.comm.CommCounter]
-counts it.
+counts it. An ``all_to_all`` (the exchange of balanced media) counts the bytes a rank
+sends, and the tally keeps what it receives beside them (``received``).
 """
 
 from __future__ import annotations
@@ -35,26 +36,34 @@ __all__ = [
 ]
 
 PHASES: tuple[str, ...] = ("forward", "backward")
-KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
 
 
 @dataclass
 class CommTally:
-    """Collectives of one step: per (phase, kind), how many and how many bytes."""
+    """Collectives of one step: per (phase, kind), how many and how many bytes (of an
+    ``all_to_all``: sent, with the bytes received in ``received``)."""
 
     counts: dict[tuple[str, str], int] = field(default_factory=dict)
     nbytes: dict[tuple[str, str], int] = field(default_factory=dict)
+    received: dict[tuple[str, str], int] = field(default_factory=dict)
 
-    def add(self, phase: str, kind: str, nbytes: int, count: int = 1) -> None:
+    def add(
+        self, phase: str, kind: str, nbytes: int, count: int = 1, *, received: int | None = None
+    ) -> None:
         if count <= 0:
             return
         key = (phase, kind)
         self.counts[key] = self.counts.get(key, 0) + count
         self.nbytes[key] = self.nbytes.get(key, 0) + nbytes
+        if received is not None:
+            self.received[key] = self.received.get(key, 0) + received
 
     def merge(self, other: CommTally) -> None:
         for key, count in other.counts.items():
-            self.add(key[0], key[1], other.nbytes.get(key, 0), count)
+            self.add(
+                key[0], key[1], other.nbytes.get(key, 0), count, received=other.received.get(key)
+            )
 
     def count(self, kind: str | None = None, phase: str | None = None) -> int:
         """Number of collectives, optionally of one kind and/or phase."""
@@ -68,6 +77,13 @@ class CommTally:
             n for (p, k), n in self.nbytes.items() if kind in (None, k) and phase in (None, p)
         )
 
+    def received_bytes(self, kind: str | None = None, phase: str | None = None) -> int:
+        """Bytes received by the collectives that record them (``all_to_all``),
+        optionally of one kind and/or phase."""
+        return sum(
+            n for (p, k), n in self.received.items() if kind in (None, k) and phase in (None, p)
+        )
+
     def pairs(self) -> list[tuple[str, str]]:
         """(phase, kind) pairs present, phases and kinds in their natural order."""
         order = {name: i for i, name in enumerate((*PHASES, *KINDS))}
@@ -77,10 +93,13 @@ class CommTally:
         """``{phase: {kind: {"count": n, "bytes": b}}}`` (JSON-ready)."""
         result: dict[str, dict[str, dict[str, int]]] = {}
         for phase, kind in self.pairs():
-            result.setdefault(phase, {})[kind] = {
+            entry = {
                 "count": self.counts[(phase, kind)],
                 "bytes": self.nbytes.get((phase, kind), 0),
             }
+            if (phase, kind) in self.received:
+                entry["received_bytes"] = self.received[(phase, kind)]
+            result.setdefault(phase, {})[kind] = entry
         return result
 
     def differences(self, other: CommTally) -> list[str]:
@@ -93,6 +112,11 @@ class CommTally:
                 lines.append(
                     f"{key[0]} {key[1]}: expected {mine[0]} ({mine[1]} B), "
                     f"got {theirs[0]} ({theirs[1]} B)"
+                )
+            elif self.received.get(key) != other.received.get(key):
+                lines.append(
+                    f"{key[0]} {key[1]}: expected {self.received.get(key)} B received, "
+                    f"got {other.received.get(key)} B"
                 )
         return lines
 

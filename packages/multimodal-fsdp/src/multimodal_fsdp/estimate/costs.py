@@ -27,7 +27,12 @@ and per step, FSDP2 (torch 2.13) then issues:
   ``schedule_check`` hook, when media regions own units
   ([`multimodal_fsdp.runtime.schedule_check`][multimodal_fsdp.runtime.schedule_check]);
 - backward: one all-reduce of one byte per trainable FSDP parameter (per mesh
-  dimension) of the ``unused_params`` hook ([`fsdp_core.unused_params`][fsdp_core.unused_params]).
+  dimension) of the ``unused_params`` hook ([`fsdp_core.unused_params`][fsdp_core.unused_params]);
+- with ``balance_media=True``: the exchange of each balanced tower call (all-gathers of
+  sizes, all-to-alls of inputs, outputs and, in backward, gradients) and the join
+  barrier's last round per tower. They depend on the step's media, so they are counted
+  only for a given [`StepMedia`][multimodal_fsdp.estimate.exchange.StepMedia]
+  (``media=``); without it the plan's notes give the fixed collectives per call.
 
 Without the prefetch guard
 ([`multimodal_fsdp.runtime.prefetch_guard`][multimodal_fsdp.runtime.prefetch_guard]) the unit that
@@ -60,9 +65,10 @@ from torch import nn
 from fsdp_core import ShardingPlan
 from fsdp_core.containers import is_under, module_spans
 from fsdp_core.mesh import MeshShape, resolve_mesh_shape
-from fsdp_core.plan import unit_parameters
+from fsdp_core.plan import UnitPlan, unit_parameters
 from fsdp_core.runtime import HookPlan
 from fsdp_core.sharding import check_reshard_after_forward, original_class
+from multimodal_fsdp.balance.traffic import HEADER_INTS, STATUS_INTS
 from multimodal_fsdp.estimate.collectives import (
     CommTally,
     _gathered_bytes,
@@ -71,7 +77,13 @@ from multimodal_fsdp.estimate.collectives import (
     param_compute_dtype,
     unit_reduce_dtype,
 )
-from multimodal_fsdp.estimate.render import format_costs
+from multimodal_fsdp.estimate.exchange import (
+    StepMedia,
+    balanced_towers,
+    exchange_tally,
+    tower_runs,
+)
+from multimodal_fsdp.estimate.render import format_bytes, format_costs
 from multimodal_fsdp.estimate.timeline import (
     _peaks,
     _prefetch_waste,
@@ -80,6 +92,7 @@ from multimodal_fsdp.estimate.timeline import (
 )
 from multimodal_fsdp.reachability import backward_free_paths
 from multimodal_fsdp.record import media_regions_of, plan_record
+from multimodal_fsdp.runtime.balance_media import BalancedTower
 from multimodal_fsdp.runtime.schedule_check import (
     CHECKPOINT_BYTES,
     ScheduleCheckRuntimeHook,
@@ -173,6 +186,12 @@ class PlanCosts:
     #: ([`multimodal_fsdp.estimate.memory`][multimodal_fsdp.estimate.memory]), if
     #: estimated.
     memory: MemoryEstimate | None = None
+    #: The towers ``balance_media=True`` balances (their exchange is in ``extra`` only
+    #: when ``media`` was given).
+    balanced_towers: tuple[str, ...] = ()
+    #: The balanced-media exchange's collectives (part of ``extra``), counted for the
+    #: step's media; ``None`` when the plan balances no tower or no media was given.
+    exchange: CommTally | None = None
 
     @property
     def world_size(self) -> int:
@@ -225,6 +244,16 @@ class PlanCosts:
             "notes": list(self.notes),
             "hooks": [hook.as_dict() for hook in self.hooks],
             "memory": None if self.memory is None else self.memory.as_dict(),
+            **(
+                {
+                    "balanced_towers": list(self.balanced_towers),
+                    "exchange_collectives": (
+                        None if self.exchange is None else self.exchange.as_dict()
+                    ),
+                }
+                if self.balanced_towers
+                else {}
+            ),
         }
 
     def format(self, *, collapse: bool = True) -> str:
@@ -262,7 +291,9 @@ def _schedule_checkpoints(model: nn.Module, plan: ShardingPlan, world: int) -> i
     record = plan_record(plan)
     if record is None:
         return 0
-    regions = media_regions_of(record.parts, record.conditional_layers, plan)
+    regions = media_regions_of(
+        record.parts, record.conditional_layers, plan, balanced=record.balanced_towers
+    )
     layout = plan_schedule_layout(model, plan, regions)
     return 0 if layout is None else layout.checkpoints_per_forward()
 
@@ -279,6 +310,7 @@ def plan_costs(
     prefetch_guard: bool = True,
     policy: str | None = None,
     precision: str | None = None,
+    media: StepMedia | None = None,
 ) -> PlanCosts:
     """Cost ``plan`` for ``model`` on a mesh (``world_size``/``dp_replicate`` or ``mesh``).
 
@@ -290,7 +322,11 @@ def plan_costs(
     [`backward_free_paths`][multimodal_fsdp.reachability.backward_free_paths] under default
     discovery). ``no_backward`` replaces that judgement; ``with_backward`` forces units
     under those paths to count as running backward; ``policy`` and ``precision`` are
-    labels for the report.
+    labels for the report. ``media`` describes the step's media for the towers the plan
+    balances (``balance_media=True``; see
+    [`record_step_media`][multimodal_fsdp.estimate.exchange.record_step_media]): their
+    exchange's collectives are then counted for ``media.rank``; without it they are
+    not, and a note gives their fixed collectives per call.
     """
     if not isinstance(plan, ShardingPlan):
         raise TypeError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
@@ -310,6 +346,10 @@ def plan_costs(
     spans = module_spans(model)
     any_trainable = any(p.requires_grad for p in model.parameters())
     owned = unit_parameters(plan, model)
+    towers = balanced_towers(plan)
+    if media is not None and not isinstance(media, StepMedia):
+        raise TypeError(f"media must be a StepMedia, got {type(media).__name__}")
+    runs = _balanced_runs(towers, media)
 
     units: list[_Unit] = []
     for unit, params in zip(plan.units, owned, strict=True):
@@ -343,14 +383,17 @@ def plan_costs(
                 runs_backward=runs_backward,
                 gathered=gathered,
                 sharded=_sharded_bytes(params, shard),
-                comm=_unit_collectives(
-                    params,
-                    unit.mp_policy,
-                    gathered=gathered,
-                    reshard=reshard,
-                    runs_backward=runs_backward,
-                    shard=shard,
-                    replicate=replicate,
+                comm=_repeated(
+                    _unit_collectives(
+                        params,
+                        unit.mp_policy,
+                        gathered=gathered,
+                        reshard=reshard,
+                        runs_backward=runs_backward,
+                        shard=shard,
+                        replicate=replicate,
+                    ),
+                    _unit_runs(unit, runs),
                 ),
             )
         )
@@ -362,6 +405,12 @@ def plan_costs(
     dims = sum(1 for size in shape.sizes if size > 1)
     for _ in range(checkpoints * dims):
         extra.add("forward", "all_reduce", CHECKPOINT_BYTES)
+    exchange: CommTally | None = None
+    if media is not None:
+        exchange = exchange_tally(media, towers, world_size=shape.world_size)
+        extra.merge(exchange)
+        if not towers:
+            exchange = None
     if plan.hook("unused_params") is not None and shape.world_size > 1:
         # One usage flag (a byte) per trainable parameter tensor that a unit manages.
         flags = sum(1 for params in owned for _, p in params if p.requires_grad)
@@ -379,6 +428,8 @@ def plan_costs(
     notes = list(plan.notes)
     if free and no_backward is None:
         notes.append(f"no gradient reaches {sorted(free)} (media inputs only)")
+    if towers and media is None:
+        notes.append(_exchange_note(towers, shape.world_size))
     return PlanCosts(
         model=_model_name(model),
         mesh=shape,
@@ -395,6 +446,57 @@ def plan_costs(
         precision=precision,
         notes=tuple(notes),
         hooks=plan.hooks,
+        balanced_towers=tuple(tower.path for tower in towers),
+        exchange=exchange,
+    )
+
+
+def _balanced_runs(towers: Iterable[BalancedTower], media: StepMedia | None) -> dict[str, int]:
+    """Per balanced tower that owns units, how often it runs in the step's media (its
+    units' collectives repeat per run); empty without media (every module runs once)."""
+    if media is None:
+        return {}
+    return {tower.path: tower_runs(media, tower.path) for tower in towers if tower.run_when_empty}
+
+
+def _unit_runs(unit: UnitPlan, runs: dict[str, int]) -> int:
+    """How often a non-root unit inside a balanced tower runs in the step (1 elsewhere)."""
+    if unit.is_root:
+        return 1
+    for path, count in runs.items():
+        if all(is_under(member, path) for member in unit.paths):
+            return count
+    return 1
+
+
+def _repeated(tally: CommTally, times: int) -> CommTally:
+    """``tally`` issued ``times`` times (a unit that runs that often in the step)."""
+    if times == 1:
+        return tally
+    result = CommTally()
+    for _ in range(times):
+        result.merge(tally)
+    return result
+
+
+def _exchange_note(towers: Iterable[BalancedTower], world: int) -> str:
+    """What the exchange of each balanced tower costs per call, where the plan alone
+    cannot count it."""
+    header = format_bytes(world * HEADER_INTS * 8)
+    status = format_bytes(world * STATUS_INTS * 8)
+    parts = []
+    for tower in towers:
+        backward = "1 all_to_all (output gradients)" if tower.trainable else "none"
+        parts.append(
+            f"{tower.path!r} per call: forward 3 all_gather (header {header}, item table, "
+            f"status {status}) and 2 all_to_all (inputs, outputs), backward {backward} "
+            "(+1 all_to_all when inputs need a gradient); per forward 1 all_gather "
+            f"({header}, the join barrier)"
+        )
+    return (
+        "balanced-media exchange NOT counted above: its calls and bytes depend on the "
+        "step's media (give plan_costs media=, e.g. from record_step_media, or the CLI --batch); "
+        + "; ".join(parts)
     )
 
 
@@ -406,7 +508,7 @@ def _model_name(model: nn.Module) -> str:
 def _planned_policy(plan: ShardingPlan) -> str | None:
     """The frozen-tower policy the plan was made with, as its options read."""
     record = plan_record(plan)
-    return None if record is None else record.policy_label
+    return None if record is None else record.policies.label
 
 
 def _replicated(plan: ShardingPlan, model: nn.Module) -> tuple[int, int]:

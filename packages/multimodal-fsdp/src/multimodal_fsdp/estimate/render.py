@@ -210,9 +210,14 @@ def format_costs(costs: PlanCosts, *, collapse: bool = True) -> str:
         lines.extend(costs.memory.format_lines())
     for phase, kind in costs.comm.pairs():
         label = f"{phase} {kind}"
+        received = (
+            f" sent, {format_bytes(costs.comm.received[(phase, kind)])} received"
+            if (phase, kind) in costs.comm.received
+            else ""
+        )
         lines.append(
             f"  {label:<25} {costs.comm.count(kind, phase):>5}  "
-            f"{format_bytes(costs.comm.bytes(kind, phase))}"
+            f"{format_bytes(costs.comm.bytes(kind, phase))}{received}"
         )
     if not costs.comm.pairs():
         lines.append("  collectives               none")
@@ -224,9 +229,22 @@ def format_costs(costs: PlanCosts, *, collapse: bool = True) -> str:
             f"{format_bytes(wasted.bytes())} ({state})"
         )
     if costs.extra.pairs():
+        kinds = sorted({kind for _, kind in costs.extra.pairs()})
+        what = (
+            "all-reduce"
+            if kinds == ["all_reduce"]
+            else "collectives (" + ", ".join(f"{costs.extra.count(k)} {k}" for k in kinds) + ")"
+        )
         lines.append(
-            f"  outside FSDP units        {costs.extra.count()} all-reduce "
+            f"  outside FSDP units        {costs.extra.count()} {what} "
             "(runtime hooks, included above)"
+        )
+    if costs.exchange is not None:
+        lines.append(
+            f"  balanced-media exchange   {costs.exchange.count()} collectives, "
+            f"{format_bytes(costs.exchange.bytes())} sent or gathered, "
+            f"{format_bytes(costs.exchange.received_bytes())} received by all_to_all "
+            f"(towers {', '.join(repr(t) for t in costs.balanced_towers)}, included above)"
         )
     lines.extend(f"  hook: {hook.format()}" for hook in costs.hooks)
     lines.extend(f"  note: {note}" for note in costs.notes)

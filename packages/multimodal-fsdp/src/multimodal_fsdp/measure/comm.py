@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fsdp_core import CommCounter, ShardingPlan, build_mesh
@@ -28,6 +29,7 @@ from fsdp_core.mesh import resolve_mesh_shape
 from fsdp_core.parallelizer import apply_plan
 from multimodal_fsdp.estimate.collectives import KINDS, PHASES, CommTally
 from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs
+from multimodal_fsdp.estimate.exchange import StepMedia, balanced_towers, record_step_media
 from multimodal_fsdp.runtime.prefetch_guard import (
     backward_prefetch_guard,
     remove_backward_prefetch_guard,
@@ -49,12 +51,17 @@ logger = logging.getLogger(__name__)
 LossFn = Callable[[nn.Module], torch.Tensor]
 
 
+def _rank() -> int:
+    """This process's rank (0 outside a process group)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def tally_from_counter(counter: CommCounter) -> CommTally:
     """A [`CommTally`][multimodal_fsdp.estimate.collectives.CommTally] of everything ``counter``
     recorded."""
     tally = CommTally()
     for record in counter.records:
-        tally.add(record.phase, record.kind, record.nbytes)
+        tally.add(record.phase, record.kind, record.nbytes, received=record.received)
     return tally
 
 
@@ -96,16 +103,25 @@ class Comparison:
     """Expected (analytic) against measured collectives, per phase and kind."""
 
     rows: tuple[tuple[str, str, int, int, int, int], ...]  # phase, kind, n_exp, b_exp, n, b
+    #: Bytes received where the kind records them (``all_to_all``): phase, kind,
+    #: expected, measured.
+    received: tuple[tuple[str, str, int, int], ...] = ()
 
     @property
     def matches(self) -> bool:
-        return all(r[2] == r[4] and r[3] == r[5] for r in self.rows)
+        return all(r[2] == r[4] and r[3] == r[5] for r in self.rows) and all(
+            r[2] == r[3] for r in self.received
+        )
 
     def differences(self) -> list[str]:
         return [
             f"{phase} {kind}: expected {n0} ({b0} B), measured {n1} ({b1} B)"
             for phase, kind, n0, b0, n1, b1 in self.rows
             if (n0, b0) != (n1, b1)
+        ] + [
+            f"{phase} {kind}: expected {r0} B received, measured {r1} B"
+            for phase, kind, r0, r1 in self.received
+            if r0 != r1
         ]
 
     def format(self) -> str:
@@ -114,6 +130,10 @@ class Comparison:
         for phase, kind, n0, b0, n1, b1 in self.rows:
             mark = "" if (n0, b0) == (n1, b1) else "  <-- differs"
             lines.append(f"{phase:<9} {kind:<15} {n0:>6} {n1:>9} {b0:>12} {b1:>12}{mark}")
+        for phase, kind, r0, r1 in self.received:
+            mark = "" if r0 == r1 else "  <-- differs"
+            label = f"{kind} recv"
+            lines.append(f"{phase:<9} {label:<15} {'':>6} {'':>9} {r0:>12} {r1:>12}{mark}")
         return "\n".join(lines)
 
 
@@ -137,7 +157,12 @@ def compare(expected: CommTally | PlanCosts, measured: CommTally | MeasuredStep)
                 seen.nbytes.get((phase, kind), 0),
             )
             for phase, kind in keys
-        )
+        ),
+        received=tuple(
+            (phase, kind, plan.received.get((phase, kind), 0), seen.received.get((phase, kind), 0))
+            for phase, kind in keys
+            if (phase, kind) in plan.received or (phase, kind) in seen.received
+        ),
     )
 
 
@@ -165,6 +190,7 @@ def measure_plan(
     prefetch_guard: bool = True,
     no_backward: Iterable[str] | None = None,
     steps: int = 1,
+    media: StepMedia | None = None,
 ) -> Measurement:
     """Cost ``plan``, apply it to ``model`` (sharded in place, from the plan alone: see
     [`fsdp_core.parallelizer.apply_plan`][fsdp_core.parallelizer.apply_plan]) and run
@@ -173,6 +199,12 @@ def measure_plan(
     Runs under the initialised process group, or else under the fake group of
     ``world_size`` ranks. ``prefetch_guard=False`` removes the guard after sharding,
     to show what FSDP2 does by default.
+
+    A plan with balanced towers (``balance_media=True``) is costed for ``media``, by
+    default the media of ``loss_fn``'s batch on every rank
+    ([`record_step_media`][multimodal_fsdp.estimate.exchange.record_step_media]): what
+    the fake group runs, where every rank looks like the calling one. On real ranks
+    with different media, give ``media`` with each rank's calls.
     """
     shape = resolve_mesh_shape(world_size=world_size, dp_replicate=dp_replicate)
     with current_or_fake_group(world_size):
@@ -182,12 +214,18 @@ def measure_plan(
         mesh = build_mesh(dp_replicate=shape.dp_replicate, dp_shard=shape.dp_shard)
 
         def prepare() -> PlanCosts:
+            step_media = media
+            if step_media is None and balanced_towers(plan):
+                step_media = record_step_media(
+                    plan, model, loss_fn, world_size=shape.world_size, rank=_rank()
+                )
             return plan_costs(
                 plan,
                 model,
                 mesh=shape,
                 prefetch_guard=prefetch_guard,
                 no_backward=no_backward,
+                media=step_media,
             )
 
         costs = call.run(prepare, step="costing the plan")

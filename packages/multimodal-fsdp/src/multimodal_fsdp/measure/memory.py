@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -42,6 +43,7 @@ from fsdp_core.mesh import resolve_mesh_shape
 from fsdp_core.parallelizer import apply_plan
 from multimodal_fsdp.estimate.activations import trace_activations
 from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs
+from multimodal_fsdp.estimate.exchange import StepMedia, balanced_towers, record_step_media
 from multimodal_fsdp.estimate.memory import check_optimizer, memory_figures, with_memory
 
 __all__ = [
@@ -293,10 +295,15 @@ def measure_plan_memory(
     world_size: int,
     optimizer: str = "adamw",
     warmup: int = 1,
+    media: StepMedia | None = None,
 ) -> MemoryMeasurement:
     """Predict the memory of ``plan`` (tracing the activations of ``loss_fn`` on an
     unsharded copy of ``model``), apply it to ``model`` from the plan alone and measure
-    a step."""
+    a step.
+
+    A plan with balanced towers is predicted for ``media`` (by default the media of
+    ``loss_fn``'s batch on every rank, what the fake group runs; see
+    [`measure_plan`][multimodal_fsdp.measure.comm.measure_plan])."""
     check_optimizer(optimizer)
     shape = resolve_mesh_shape(world_size=world_size)
     with current_or_fake_group(world_size):
@@ -305,8 +312,16 @@ def measure_plan_memory(
         mesh = build_mesh(dp_shard=shape.dp_shard)
 
         def prepare() -> PlanCosts:
-            costs = plan_costs(plan, model, mesh=shape)
-            activations = trace_activations(plan, model, loss_fn, shard=shape.dp_shard)
+            step_media = media
+            if step_media is None and balanced_towers(plan):
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                step_media = record_step_media(
+                    plan, model, loss_fn, world_size=shape.world_size, rank=rank
+                )
+            costs = plan_costs(plan, model, mesh=shape, media=step_media)
+            activations = trace_activations(
+                plan, model, loss_fn, shard=shape.dp_shard, media=step_media
+            )
             return with_memory(costs, plan, model, optimizer=optimizer, activations=activations)
 
         costs = call.run(prepare, step="costing the plan")

@@ -1,0 +1,205 @@
+"""Plan costs of balanced towers (``balance_media=True``) against a measured step, exactly.
+
+The exchange's collectives depend on the step's media, so the plan is costed for a
+``StepMedia`` (recorded from the batch with ``record_step_media``, as ``measure_plan``
+does by default); under the fake process group every rank looks like the calling one.
+For each policy and tower (frozen, trainable, a trainable adapter in a frozen tower) on
+the DeepSeek-V4.1 VLM of the balanced-media scenarios, the collectives ``plan_costs``
+predicts equal, per phase and kind, count and bytes (all_to_all: sent and received),
+those ``measure_plan`` counts: several tower calls per forward, a text-only step (only
+the join barrier's round; the tower's units never run) and HSDP included. Without
+media the plan says what it leaves out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import balanced_vlm
+import pytest
+from torch import nn
+
+from multimodal_fsdp import MultimodalParallelizer
+from multimodal_fsdp.balance import CallSpec, exchange_traffic
+from multimodal_fsdp.balance.traffic import HEADER_INTS
+from multimodal_fsdp.estimate.collectives import CommTally
+from multimodal_fsdp.estimate.costs import plan_costs
+from multimodal_fsdp.estimate.exchange import (
+    BalancedCall,
+    ItemSizes,
+    StepMedia,
+    exchange_tally,
+    record_step_media,
+)
+from multimodal_fsdp.measure.comm import Measurement, measure_plan
+from multimodal_fsdp.runtime.balance_media import BalancedTower
+
+POLICIES = ("root", "per_layer", "replicate")
+TOWERS = ("frozen", "trainable", "adapter")
+
+pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor")
+
+
+def _plan(model: nn.Module, policy: str) -> Any:
+    return MultimodalParallelizer(
+        frozen_multimodal_sharding=policy,  # type: ignore[arg-type]
+        extra_tower_names=("vision",),
+        balance_media=True,
+    ).plan(model)
+
+
+def _measure(
+    policy: str, tower: str, *, step: int = 0, rank: int = 0, **options: Any
+) -> Measurement:
+    """Plan a fresh model, then measure rank ``rank``'s batch of ``step`` (every fake
+    rank has it)."""
+    model = balanced_vlm.build(tower)
+    plan = _plan(model, policy)
+    result = measure_plan(
+        plan,
+        model,
+        lambda m: balanced_vlm.step_loss(m, step, rank),
+        world_size=options.pop("world_size", 2),
+        **options,
+    )
+    assert result.costs.balanced_towers == ("vision",)
+    return result
+
+
+def _exchange(result: Measurement) -> dict[str, Any]:
+    assert result.costs.exchange is not None
+    return result.costs.exchange.as_dict()
+
+
+@pytest.mark.parametrize("tower", TOWERS)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_balanced_plan_matches_measured(policy: str, tower: str) -> None:
+    result = _measure(policy, tower)
+    assert result.matches, result.comparison.format()
+    exchange = _exchange(result)
+    # One call (header, item table, status) and the join barrier's last round.
+    assert exchange["forward"]["all_gather"]["count"] == 4
+    assert exchange["forward"]["all_to_all"]["count"] == 2
+    backward = exchange.get("backward", {}).get("all_to_all", {}).get("count", 0)
+    assert backward == (0 if tower == "frozen" else 1)
+    # The measurement saw them: the kinds are counted on both sides.
+    assert result.measured.comm.count("all_to_all", "forward") == 2
+    assert result.measured.comm.received_bytes("all_to_all") > 0
+    # Balanced towers are no schedule-check regions: no 16-byte forward all-reduce.
+    assert result.measured.comm.count("all_reduce", "forward") == 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_several_calls_per_forward_match(policy: str) -> None:
+    """One tower call per image (4 on this batch): the exchange per call, and a tower
+    with units (trainable) runs, gathers and reduces once per call."""
+    result = _measure(policy, "trainable", step=3)
+    assert result.matches, result.comparison.format()
+    exchange = _exchange(result)
+    assert exchange["forward"]["all_gather"]["count"] == 4 * 3 + 1
+    assert exchange["forward"]["all_to_all"]["count"] == 4 * 2
+    assert exchange["backward"]["all_to_all"]["count"] == 4
+    vision = [u for u in result.costs.units if u.paths[0].startswith("vision.")]
+    assert vision
+    assert all(u.comm.count("all_gather", "forward") == 4 for u in vision)
+
+
+@pytest.mark.parametrize("tower", ["frozen", "trainable"])
+def test_a_text_only_step_costs_the_barrier_round_only(tower: str) -> None:
+    result = _measure("per_layer", tower, step=1, rank=1)
+    assert result.matches, result.comparison.format()
+    assert _exchange(result) == {
+        "forward": {"all_gather": {"count": 1, "bytes": 2 * HEADER_INTS * 8}}
+    }
+    vision = [u for u in result.costs.units if u.paths[0].startswith("vision.")]
+    assert vision
+    assert all(u.comm.count() == 0 for u in vision)
+
+
+def test_hsdp_matches() -> None:
+    result = _measure("per_layer", "trainable", world_size=4, dp_replicate=2)
+    assert result.matches, result.comparison.format()
+    assert _exchange(result)["forward"]["all_gather"]["bytes"] > 0
+
+
+def test_without_media_the_plan_says_what_it_does_not_count() -> None:
+    model = balanced_vlm.build("trainable")
+    plan = _plan(model, "per_layer")
+    costs = plan_costs(plan, model, world_size=2)
+    assert costs.exchange is None
+    assert costs.comm.count("all_to_all") == 0
+    (note,) = [n for n in costs.notes if "balanced-media exchange" in n]
+    assert "NOT counted" in note
+    assert "'vision' per call: forward 3 all_gather (header 1.3 KiB" in note
+    assert "backward 1 all_to_all" in note
+    assert "record_step_media" in note
+    assert note in costs.format()
+    assert costs.as_dict()["exchange_collectives"] is None
+    # With the media, the same plan counts the exchange and says so in its totals.
+    media = record_step_media(plan, model, lambda m: balanced_vlm.step_loss(m, 0, 0), world_size=2)
+    counted = plan_costs(plan, model, world_size=2, media=media)
+    assert counted.exchange is not None
+    assert not [n for n in counted.notes if "balanced-media exchange" in n]
+    text = counted.format()
+    assert "forward all_to_all" in text
+    assert "balanced-media exchange   7 collectives" in text
+    # A plan without balanced towers: nothing of this.
+    unbalanced = MultimodalParallelizer(
+        frozen_multimodal_sharding="per_layer", extra_tower_names=("vision",)
+    ).plan(balanced_vlm.build("trainable"))
+    plain = plan_costs(unbalanced, model, world_size=2)
+    assert plain.balanced_towers == ()
+    assert "balanced_towers" not in plain.as_dict()
+
+
+def _items(*costs: int) -> tuple[ItemSizes, ...]:
+    return tuple(
+        ItemSizes(cost=c, input_bytes=10 * c, output_bytes=3 * c, output_grad_bytes=3 * c)
+        for c in costs
+    )
+
+
+def test_ranks_with_different_media_follow_the_exchange_rule() -> None:
+    """Rank 0 calls twice (3 images, then 1), rank 1 not at all (text-only): it joins
+    both calls. Each rank's tally is exchange_traffic's, round by round, then the
+    barrier's last round."""
+    spec = CallSpec(fields=("pixel_values",))
+    media = StepMedia(
+        ranks=(
+            (
+                BalancedCall("vision", spec, _items(4, 4, 2)),
+                BalancedCall("vision", spec, _items(5)),
+            ),
+            (),
+        )
+    )
+    tower = BalancedTower(path="vision", layout="batch-first", run_when_empty=False, trainable=True)
+    rounds = [[[4, 4, 2], []], [[5], []]]
+    for rank in (0, 1):
+        expected = CommTally()
+        for costs in rounds:
+            for c in exchange_traffic(
+                costs,
+                rank=rank,
+                spec=spec,
+                input_bytes=[[10 * x for x in r] for r in costs],
+                output_bytes=[[3 * x for x in r] for r in costs],
+                output_grad_bytes=[[3 * x for x in r] for r in costs],
+            ):
+                if c.kind == "all_to_all":
+                    expected.add(c.phase, c.kind, c.sent, received=c.received)
+                else:
+                    expected.add(c.phase, c.kind, c.received)
+        expected.add("forward", "all_gather", 2 * HEADER_INTS * 8)
+        tally = exchange_tally(StepMedia(ranks=media.ranks, rank=rank), (tower,), world_size=2)
+        assert tally == expected, tally.differences(expected)
+        assert tally.count("all_to_all", "forward") == 4
+    # Rank 1 encodes some of rank 0's items: it receives inputs and sends outputs.
+    joined = exchange_tally(StepMedia(ranks=media.ranks, rank=1), (tower,), world_size=2)
+    assert joined.received_bytes("all_to_all", "forward") > 0
+    with pytest.raises(ValueError, match="describes 2 ranks but the plan is costed on 4"):
+        exchange_tally(media, (tower,), world_size=4)
+    with pytest.raises(ValueError, match=r"names towers \['vision'\] that the plan does not"):
+        exchange_tally(media, (), world_size=2)
+    with pytest.raises(ValueError, match="rank 2 is not one of the 2 ranks"):
+        StepMedia(ranks=media.ranks, rank=2)
