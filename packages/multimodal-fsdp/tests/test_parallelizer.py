@@ -29,6 +29,8 @@ from fsdp_core.fake_group import fake_process_group
 from fsdp_core.runtime import installed_hooks
 from multimodal_fsdp import VALID_FROZEN_MULTIMODAL_SHARDING, MultimodalParallelizer
 from multimodal_fsdp.parts import MultimodalParts, split_frozen_parts
+from multimodal_fsdp.policy import FrozenPolicies
+from multimodal_fsdp.record import plan_record
 
 POLICIES = VALID_FROZEN_MULTIMODAL_SHARDING
 
@@ -103,7 +105,7 @@ def mesh2() -> Iterator[DeviceMesh]:
 def test_is_a_model_parallelizer_with_root_as_default() -> None:
     parallelizer = MultimodalParallelizer()
     assert isinstance(parallelizer, ModelParallelizer)
-    assert parallelizer.frozen_multimodal_sharding == "root"
+    assert parallelizer.frozen_policies == FrozenPolicies("root")
     assert parallelizer.sync_replicated is True
     assert parallelizer.dtype_safe is True
 
@@ -114,7 +116,7 @@ def test_is_a_model_parallelizer_with_root_as_default() -> None:
 )
 def test_constructor_normalizes_the_policy(value: str, expected: str) -> None:
     parallelizer = MultimodalParallelizer(frozen_multimodal_sharding=value)
-    assert parallelizer.frozen_multimodal_sharding == expected
+    assert parallelizer.frozen_policies == FrozenPolicies(expected)  # type: ignore[arg-type]
 
 
 def test_constructor_rejects_an_unknown_policy() -> None:
@@ -162,8 +164,8 @@ def test_with_options_returns_a_copy_with_the_new_policy() -> None:
     clone = original.with_options(frozen_multimodal_sharding="Per-Layer")
     assert clone is not original
     assert type(clone) is MultimodalParallelizer
-    assert clone.frozen_multimodal_sharding == "per_layer"
-    assert original.frozen_multimodal_sharding == "root"
+    assert clone.frozen_policies.label == "per_layer"
+    assert original.frozen_policies.label == "root"
     assert clone.extra_tower_names == ("my_encoder",)
     assert clone.sync_replicated is False
     assert clone.dtype_safe is False
@@ -183,7 +185,7 @@ def test_with_options_rejects_bad_values() -> None:
         parallelizer.with_options(frozen_multimodal_sharding="layerwise")
     with pytest.raises(TypeError, match=r"must be a str, got int \(2\)"):
         parallelizer.with_options(frozen_multimodal_sharding=2)  # type: ignore[arg-type]
-    assert parallelizer.frozen_multimodal_sharding == "replicate"
+    assert parallelizer.frozen_policies.label == "replicate"
 
 
 # --- split_frozen_parts and multimodal_parts -----------------------------------------------
@@ -959,14 +961,17 @@ def test_per_module_policies_plan_each_module_by_its_own(
     expected = sorted(name for path in replicated for name in param_names(model, path))
     assert sorted(plan.replicated_param_names) == expected
     assert sorted(plan.ignored_param_names) == expected
-    resolved = parallelizer.frozen_policies(model)
+    record = plan_record(plan)
+    assert record is not None
+    assert record.policies == parallelizer.frozen_policies
+    resolved = {part.path: part.policy for part in record.parts}
     assert set(resolved) == {"vision_tower", PROJECTOR}
     for path, policy in resolved.items():
         assert policy == policies.get(path, policies.get("*", "root"))
         role = "tower" if path == "vision_tower" else "projector"
         assert f"{role} {path!r} (vision): frozen, policy {policy!r}" in plan.notes
     assert (
-        plan.notes[0] == f"frozen-tower policies per module: {parallelizer.frozen_sharding_label}"
+        plan.notes[0] == f"frozen-tower policies per module: {parallelizer.frozen_policies.label}"
     )
 
 
@@ -984,24 +989,21 @@ def test_a_mapping_of_one_policy_plans_like_the_string() -> None:
 
 def test_the_attribute_stays_the_default_policy_and_the_label_names_the_rest() -> None:
     plain = MultimodalParallelizer(frozen_multimodal_sharding="Per-Layer")
-    assert plain.frozen_multimodal_sharding == "per_layer"
-    assert plain.frozen_multimodal_sharding_by_path == {}
-    assert plain.frozen_sharding_label == "per_layer"
+    assert plain.frozen_policies.default == "per_layer"
+    assert plain.frozen_policies.by_path == ()
+    assert plain.frozen_policies.label == "per_layer"
     mixed = plain.with_options(
         frozen_multimodal_sharding={"vision_tower": "Per-Layer", "*": " replicate "}
     )
-    assert mixed.frozen_multimodal_sharding == "replicate"
-    assert mixed.frozen_multimodal_sharding_by_path == {"vision_tower": "per_layer"}
-    assert mixed.frozen_sharding_label == "vision_tower=per_layer, *=replicate"
-    assert plain.frozen_sharding_label == "per_layer"  # with_options copies
+    assert mixed.frozen_policies.default == "replicate"
+    assert mixed.frozen_policies.by_path == (("vision_tower", "per_layer"),)
+    assert mixed.frozen_policies.label == "vision_tower=per_layer, *=replicate"
+    assert plain.frozen_policies.label == "per_layer"  # with_options copies
     # A string clears the per-module entries: the contract's one policy for all.
-    assert mixed.with_options(frozen_multimodal_sharding="root").frozen_sharding_label == "root"
-    assert (
-        mixed.with_options(frozen_multimodal_sharding="root").frozen_multimodal_sharding_by_path
-        == {}
-    )
+    assert mixed.with_options(frozen_multimodal_sharding="root").frozen_policies.label == "root"
+    assert mixed.with_options(frozen_multimodal_sharding="root").frozen_policies.by_path == ()
     same = MultimodalParallelizer(frozen_multimodal_sharding={"vision_tower": "root"})
-    assert same.frozen_sharding_label == "root"
+    assert same.frozen_policies.label == "root"
 
 
 def test_a_trainable_module_named_in_the_mapping_is_sharded_normally() -> None:
@@ -1026,8 +1028,6 @@ def test_an_unknown_path_fails_when_planning_and_lists_the_discovered_ones() -> 
     )
     with pytest.raises(ValueError, match=message):
         parallelizer.plan(all_frozen_vlm())
-    with pytest.raises(ValueError, match=message):
-        parallelizer.frozen_policies(all_frozen_vlm())
     # uneven_media plans skip the units but still check the paths.
     uneven = MultimodalParallelizer(frozen_multimodal_sharding={"tower": "root"}, uneven_media=True)
     with pytest.raises(ValueError, match="names 'tower', not a discovered"):
@@ -1056,7 +1056,7 @@ def test_bad_mappings_are_refused_at_the_boundary(
     base = MultimodalParallelizer(frozen_multimodal_sharding="replicate")
     with pytest.raises(error, match=message):
         base.with_options(frozen_multimodal_sharding=value)  # type: ignore[arg-type]
-    assert base.frozen_sharding_label == "replicate"
+    assert base.frozen_policies.label == "replicate"
 
 
 @pytest.mark.parametrize(

@@ -57,7 +57,7 @@ def test_the_plan_records_the_discovered_parts(policy: str) -> None:
         frozen, trainable = split_frozen_parts(found.module, found.path)
         assert (list(part.frozen), list(part.trainable)) == (frozen, trainable)
         assert part.policy == policy
-    assert record.policy_label == parallelizer.frozen_sharding_label
+    assert record.policies == parallelizer.frozen_policies
     assert list(record.media_regions) == parallelizer.media_regions(model, plan)
 
 
@@ -189,7 +189,7 @@ def test_costs_carry_the_planned_policy() -> None:
     parallelizer = MultimodalParallelizer(frozen_multimodal_sharding=policy)  # type: ignore[arg-type]
     plan = parallelizer.plan(model, mp_policy=MP)
     costs = plan_costs(plan, model, world_size=2)
-    assert costs.policy == parallelizer.frozen_sharding_label
+    assert costs.policy == parallelizer.frozen_policies.label
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -12,6 +12,7 @@ from torch import nn
 from multimodal_fsdp.policy import (
     VALID_FROZEN_MULTIMODAL_SHARDING,
     FrozenMultimodalSharding,
+    FrozenPolicies,
     ignored_params_for_root,
     module_is_fully_frozen,
     module_parameters,
@@ -267,3 +268,94 @@ def test_ignored_params_for_root_is_none_when_root_owns_none() -> None:
 def test_ignored_params_for_root_sees_shared_parameters() -> None:
     model = Tied()
     assert ignored_params_for_root(model.b, {model.a.weight}) == {model.a.weight}
+
+
+# --- FrozenPolicies ------------------------------------------------------------------------
+
+
+def test_frozen_policies_of_a_string_is_one_policy_for_every_module() -> None:
+    policies = FrozenPolicies.parse(" Per-Layer ")
+    assert policies == FrozenPolicies("per_layer")
+    assert policies.by_path == ()
+    assert policies.label == "per_layer"
+    assert policies.policy_of("vision_tower") == "per_layer"
+    assert policies.option() == "per_layer"
+    assert FrozenPolicies() == FrozenPolicies.parse("root")
+
+
+def test_frozen_policies_of_a_mapping_keep_the_order_and_the_rest() -> None:
+    policies = FrozenPolicies.parse({"vision": "Per-Layer", "*": "replicate", "audio": "root"})
+    assert policies.default == "replicate"
+    assert policies.by_path == (("vision", "per_layer"), ("audio", "root"))
+    assert policies.label == "vision=per_layer, audio=root, *=replicate"
+    assert policies.policy_of("vision") == "per_layer"
+    assert policies.policy_of("aligner") == "replicate"
+    # option() is what the user would give: it parses back to the same policies.
+    assert FrozenPolicies.parse(policies.option()) == policies
+    assert hash(policies) == hash(FrozenPolicies.parse(policies.option()))
+
+
+def test_frozen_policies_without_a_rest_default_to_root() -> None:
+    policies = FrozenPolicies.parse({"vision": "replicate"})
+    assert policies.default == "root"
+    assert policies.label == "vision=replicate, *=root"
+    # Entries equal to the default read as the one policy.
+    assert FrozenPolicies.parse({"vision": "root"}).label == "root"
+    assert FrozenPolicies.parse({"*": "replicate"}) == FrozenPolicies("replicate")
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        (
+            "shard",
+            ValueError,
+            rf"unknown frozen multimodal sharding 'shard'; valid choices: {CHOICES}",
+        ),
+        ({"vision": "sideways"}, ValueError, r"'vision': unknown frozen multimodal sharding"),
+        ({"*": 3}, TypeError, r"'\*': frozen multimodal sharding must be a str, got int"),
+        ({1: "root"}, TypeError, r"keys must be module paths \(str\) or '\*', got int \(1\)"),
+        ({}, ValueError, rf"mapping is empty; give a policy \({CHOICES}\)"),
+    ],
+)
+def test_frozen_policies_refuse_bad_values_naming_them_and_the_choices(
+    value: object, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        FrozenPolicies.parse(value)  # type: ignore[arg-type]
+
+
+def test_frozen_policies_resolve_each_discovered_path() -> None:
+    policies = FrozenPolicies.parse({"vision": "per_layer", "*": "replicate"})
+    resolved = policies.resolve(["vision", "aligner"], owner="Model")
+    assert resolved == {"vision": "per_layer", "aligner": "replicate"}
+    assert FrozenPolicies("root").resolve([], owner="Model") == {}
+
+
+def test_frozen_policies_refuse_a_path_that_is_not_discovered() -> None:
+    policies = FrozenPolicies.parse({"vision.blocks": "per_layer", "lm_head": "root"})
+    with pytest.raises(
+        ValueError,
+        match=r"frozen_multimodal_sharding names 'vision.blocks', 'lm_head', not a discovered "
+        r"multimodal module of Model; discovered: 'vision', 'aligner' \(use '\*' for the rest\)",
+    ):
+        policies.resolve(["vision", "aligner"], owner="Model")
+    with pytest.raises(ValueError, match=r"names 'vision', not a .* discovered: none"):
+        FrozenPolicies.parse({"vision": "root"}).resolve([], owner="Model")
+
+
+@pytest.mark.parametrize(
+    ("value", "where"),
+    [
+        ("per_layer", "frozen_multimodal_sharding='per_layer'"),
+        ({"vision": "per_layer"}, "frozen_multimodal_sharding 'per_layer' for 'vision'"),
+        (
+            {"vision": "per_layer", "*": "per_layer"},
+            "frozen_multimodal_sharding 'per_layer' for 'vision', '*'",
+        ),
+        ("replicate", ""),
+        ({"vision": "root", "*": "replicate"}, ""),
+    ],
+)
+def test_frozen_policies_say_where_per_layer_is_set(value: object, where: str) -> None:
+    assert FrozenPolicies.parse(value).per_layer_where == where  # type: ignore[arg-type]

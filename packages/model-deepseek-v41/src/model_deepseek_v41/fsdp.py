@@ -34,7 +34,7 @@ iteration (the tower run once per image); elsewhere each norm is its own unit
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -56,7 +56,6 @@ from fsdp_core.sharding import (
 from multimodal_fsdp import MultimodalParallelizer
 from multimodal_fsdp.discovery import resolve_multimodal_modules
 from multimodal_fsdp.discovery.names import MultimodalModule
-from multimodal_fsdp.policy import FrozenShardingSpec
 
 __all__ = [
     "DeepseekV41ModelParallelizer",
@@ -374,7 +373,7 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
     def __init__(
         self,
         *,
-        frozen_multimodal_sharding: FrozenShardingSpec = "root",
+        frozen_multimodal_sharding: str | Mapping[str, str] = "root",
         extra_tower_names: Iterable[str] = (),
         extra_projector_names: Iterable[str] = (),
         exclude: Iterable[str] = (),

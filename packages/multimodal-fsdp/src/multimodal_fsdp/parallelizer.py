@@ -79,13 +79,7 @@ from multimodal_fsdp.parts import (
     split_frozen_parts,
     summarise,
 )
-from multimodal_fsdp.policy import (
-    DEFAULT_FROZEN_SHARDING_KEY,
-    FrozenMultimodalSharding,
-    FrozenShardingSpec,
-    frozen_sharding_label,
-    normalize_frozen_sharding_spec,
-)
+from multimodal_fsdp.policy import FrozenMultimodalSharding, FrozenPolicies
 from multimodal_fsdp.reachability import backward_free_paths
 from multimodal_fsdp.record import MultimodalRecord, PlannedPart, media_regions_of, plan_record
 from multimodal_fsdp.runtime.balance_media import BalanceMediaRuntimeHook
@@ -112,10 +106,9 @@ class MultimodalParallelizer(ModelParallelizer):
     ``{"model.vision_tower": "per_layer"}``: a big tower gathered block by block
     while a small projector stays in the root unit. A path that is not a
     discovered multimodal module fails when planning, listing the discovered ones.
-    [`frozen_multimodal_sharding`][multimodal_fsdp.parallelizer.MultimodalParallelizer.frozen_multimodal_sharding]
-    is the default policy (the only one when a string was given);
-    [`frozen_policies`][multimodal_fsdp.parallelizer.MultimodalParallelizer.frozen_policies] gives
-    each module's policy.
+    ``frozen_policies`` holds the option as a
+    [`FrozenPolicies`][multimodal_fsdp.policy.FrozenPolicies] (the default policy, the
+    per-module ones, the label); the plan's record keeps it with each module's policy.
 
     ``uneven_media=True`` folds media regions into the root unit (see the module
     docstring); it cannot be combined with ``per_layer`` for any module, whose
@@ -146,7 +139,7 @@ class MultimodalParallelizer(ModelParallelizer):
     def __init__(
         self,
         *,
-        frozen_multimodal_sharding: FrozenShardingSpec = "root",
+        frozen_multimodal_sharding: str | Mapping[str, str] = "root",
         extra_tower_names: Iterable[str] = (),
         extra_projector_names: Iterable[str] = (),
         exclude: Iterable[str] = (),
@@ -163,8 +156,7 @@ class MultimodalParallelizer(ModelParallelizer):
             raise TypeError(f"balance_media must be a bool, got {balance_media!r}")
         self.uneven_media = uneven_media
         self.balance_media = balance_media
-        self.frozen_multimodal_sharding: FrozenMultimodalSharding = "root"
-        self.frozen_multimodal_sharding_by_path: Mapping[str, FrozenMultimodalSharding] = {}
+        self.frozen_policies = FrozenPolicies()
         self._set_frozen_sharding(frozen_multimodal_sharding)
         self.extra_tower_names = check_attribute_names(extra_tower_names, "extra_tower_names")
         self.extra_projector_names = check_attribute_names(
@@ -176,7 +168,7 @@ class MultimodalParallelizer(ModelParallelizer):
         self.sync_replicated = sync_replicated
 
     def with_options(
-        self, *, frozen_multimodal_sharding: FrozenShardingSpec
+        self, *, frozen_multimodal_sharding: str | Mapping[str, str]
     ) -> MultimodalParallelizer:
         """A copy of this parallelizer with another frozen-tower policy (a string: the
         same for every module) or per-module policies (a mapping)."""
@@ -184,48 +176,25 @@ class MultimodalParallelizer(ModelParallelizer):
         clone._set_frozen_sharding(frozen_multimodal_sharding)
         return clone
 
-    def _set_frozen_sharding(self, value: FrozenShardingSpec) -> None:
-        default, by_path = normalize_frozen_sharding_spec(value)
-        # Balanced towers keep their units under uneven_media: per_layer is fine then.
-        _check_policy_and_media(default, by_path, self.uneven_media and not self.balance_media)
-        self.frozen_multimodal_sharding = default
-        self.frozen_multimodal_sharding_by_path = by_path
-
-    @property
-    def frozen_sharding_label(self) -> str:
-        """The policy, or ``path=policy, ..., *=default`` when modules differ."""
-        return frozen_sharding_label(
-            self.frozen_multimodal_sharding, self.frozen_multimodal_sharding_by_path
-        )
-
-    def frozen_policies(self, model: nn.Module) -> dict[str, FrozenMultimodalSharding]:
-        """The policy of each discovered multimodal module of ``model``, by path.
-
-        Raises ``ValueError`` when the per-module policies name a path that is not
-        a discovered multimodal module, listing the discovered paths.
-        """
-        paths = [part.found.path for part in self.multimodal_parts(model)]
-        return self._policies_of(model, paths)
-
-    def _policies_of(
-        self, model: nn.Module, paths: list[str]
-    ) -> dict[str, FrozenMultimodalSharding]:
-        given = self.frozen_multimodal_sharding_by_path
-        unknown = [path for path in given if path not in paths]
-        if unknown:
-            found = ", ".join(repr(p) for p in paths) or "none"
+    def _set_frozen_sharding(self, value: str | Mapping[str, str]) -> None:
+        policies = FrozenPolicies.parse(value)
+        # per_layer and uneven_media exclude each other, for every module, unless the
+        # towers are balanced (balanced towers keep their units under uneven_media).
+        where = policies.per_layer_where
+        if where and self.uneven_media and not self.balance_media:
             raise ValueError(
-                f"frozen_multimodal_sharding names {', '.join(repr(p) for p in unknown)}, "
-                f"not a discovered multimodal module of {type(model).__name__}; "
-                f"discovered: {found} (use {DEFAULT_FROZEN_SHARDING_KEY!r} for the rest)"
+                f"{where} gives frozen towers one unit per block, "
+                "which only ranks with media run; with uneven_media=True use 'root' or "
+                "'replicate' (or keep per_layer and the same media calls on every rank)"
             )
-        return {path: given.get(path, self.frozen_multimodal_sharding) for path in paths}
+        self.frozen_policies = policies
 
     def _parts_with_policies(
         self, model: nn.Module
     ) -> list[tuple[MultimodalParts, FrozenMultimodalSharding]]:
         parts = self.multimodal_parts(model)
-        policies = self._policies_of(model, [part.found.path for part in parts])
+        paths = [part.found.path for part in parts]
+        policies = self.frozen_policies.resolve(paths, owner=type(model).__name__)
         return [(part, policies[part.found.path]) for part in parts]
 
     # ------------------------------------------------------------ discovery
@@ -339,8 +308,8 @@ class MultimodalParallelizer(ModelParallelizer):
             )
         elif self.uneven_media:
             notes.append("uneven_media=True: towers and projectors join the root unit")
-        if self.frozen_multimodal_sharding_by_path:
-            notes.append(f"frozen-tower policies per module: {self.frozen_sharding_label}")
+        if self.frozen_policies.by_path:
+            notes.append(f"frozen-tower policies per module: {self.frozen_policies.label}")
         for part, policy in self._parts_with_policies(ctx.model):
             head = f"{part.found.role} {part.found.path!r} ({part.found.modality})"
             if not part.frozen:
@@ -418,8 +387,7 @@ class MultimodalParallelizer(ModelParallelizer):
             media_regions=tuple(
                 media_regions_of(parts, conditional, plan, balanced=self._balanced_towers(model))
             ),
-            policy_label=self.frozen_sharding_label,
-            default_policy=self.frozen_multimodal_sharding,
+            policies=self.frozen_policies,
             uneven_media=self.uneven_media,
             balanced_towers=tuple(self._balanced_towers(model)),
         )
@@ -486,9 +454,7 @@ class MultimodalParallelizer(ModelParallelizer):
             model,
             plan,
             self.media_regions(model, plan),
-            per_layer=_per_layer_where(
-                self.frozen_multimodal_sharding, self.frozen_multimodal_sharding_by_path
-            ),
+            per_layer=self.frozen_policies.per_layer_where,
         )
         if layout is not None:
             hooks.append(
@@ -593,38 +559,6 @@ class _Discovery:
 
 #: Methods of transformers models that run towers and projectors outside the forward.
 _FEATURE_METHODS = ("get_image_features", "get_video_features", "get_audio_features")
-
-
-def _check_policy_and_media(
-    default: FrozenMultimodalSharding,
-    by_path: Mapping[str, FrozenMultimodalSharding],
-    uneven_media: bool,
-) -> None:
-    """``per_layer`` and ``uneven_media`` exclude each other, for every module."""
-    if not uneven_media:
-        return
-    where = _per_layer_where(default, by_path)
-    if not where:
-        return
-    raise ValueError(
-        f"{where} gives frozen towers one unit per block, "
-        "which only ranks with media run; with uneven_media=True use 'root' or "
-        "'replicate' (or keep per_layer and the same media calls on every rank)"
-    )
-
-
-def _per_layer_where(
-    default: FrozenMultimodalSharding, by_path: Mapping[str, FrozenMultimodalSharding]
-) -> str:
-    """Where the options set ``per_layer``, as they read ('' when nowhere)."""
-    per_layer = [path for path, policy in by_path.items() if policy == "per_layer"]
-    if default == "per_layer" and not by_path:
-        return "frozen_multimodal_sharding='per_layer'"
-    if default == "per_layer":
-        per_layer.append(DEFAULT_FROZEN_SHARDING_KEY)
-    if not per_layer:
-        return ""
-    return f"frozen_multimodal_sharding 'per_layer' for {', '.join(map(repr, per_layer))}"
 
 
 def _param_names_under(model: nn.Module, roots: Iterable[str]) -> list[str]:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Final, Literal, TypeAlias, get_args
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Final, Literal, get_args
 
 from torch import nn
 
@@ -13,10 +14,7 @@ __all__ = [
     "FrozenMultimodalSharding",
     "VALID_FROZEN_MULTIMODAL_SHARDING",
     "normalize_frozen_multimodal_sharding",
-    "FrozenShardingSpec",
-    "DEFAULT_FROZEN_SHARDING_KEY",
-    "normalize_frozen_sharding_spec",
-    "frozen_sharding_label",
+    "FrozenPolicies",
     "module_parameters",
     "module_is_fully_frozen",
     "ignored_params_for_root",
@@ -63,61 +61,108 @@ def normalize_frozen_multimodal_sharding(value: str) -> FrozenMultimodalSharding
     )
 
 
-#: ``frozen_multimodal_sharding`` as the parallelizer takes it: one policy for every
-#: frozen part, or a mapping from discovered multimodal module paths (such as
-#: ``"model.vision_tower"``) to policies, with ``"*"`` for the rest (default ``root``).
-FrozenShardingSpec: TypeAlias = str | Mapping[str, str]
+@dataclass(frozen=True)
+class FrozenPolicies:
+    """Which frozen-tower policy each discovered multimodal module follows: ``default``
+    for every module that ``by_path`` does not name.
 
-#: The mapping key of the policy for multimodal modules the mapping does not name.
-DEFAULT_FROZEN_SHARDING_KEY: Final = "*"
-
-
-def normalize_frozen_sharding_spec(
-    value: FrozenShardingSpec,
-) -> tuple[FrozenMultimodalSharding, dict[str, FrozenMultimodalSharding]]:
-    """The default policy and the per-path policies of ``value``.
-
-    A string is one policy for every frozen part (no per-path entries). A mapping
-    gives policies per multimodal module path, ``"*"`` the default (``root`` when
-    absent). Only the values can be checked here; whether each path is a
-    discovered multimodal module depends on the model and is checked when planning.
+    One value carries the option from the user (see
+    [`parse`][multimodal_fsdp.policy.FrozenPolicies.parse]) through the parallelizer to
+    the plan's record, so planning, the chooser and the costs read the same policies.
+    Whether each path of ``by_path`` is a discovered multimodal module depends on the
+    model: [`resolve`][multimodal_fsdp.policy.FrozenPolicies.resolve] checks it when
+    planning.
     """
-    if not isinstance(value, Mapping):
-        return normalize_frozen_multimodal_sharding(value), {}
-    if not value:
-        raise ValueError(
-            "frozen multimodal sharding mapping is empty; give a policy "
-            f"({', '.join(VALID_FROZEN_MULTIMODAL_SHARDING)}) or map multimodal module "
-            f"paths (and {DEFAULT_FROZEN_SHARDING_KEY!r} for the rest) to policies"
-        )
+
     default: FrozenMultimodalSharding = "root"
-    by_path: dict[str, FrozenMultimodalSharding] = {}
-    for path, policy in value.items():
-        if not isinstance(path, str):
-            raise TypeError(
-                f"frozen multimodal sharding keys must be module paths (str) or "
-                f"{DEFAULT_FROZEN_SHARDING_KEY!r}, got {type(path).__name__} ({path!r})"
+    #: ``(path, policy)`` pairs in the order given (a tuple, so the value is hashable).
+    by_path: tuple[tuple[str, FrozenMultimodalSharding], ...] = ()
+
+    #: The mapping key of the policy for the modules the mapping does not name.
+    REST: ClassVar[str] = "*"
+
+    @classmethod
+    def parse(cls, value: str | Mapping[str, str]) -> FrozenPolicies:
+        """The policies of ``frozen_multimodal_sharding`` as the user gives it.
+
+        A string is one policy for every frozen part (no per-path entries). A mapping
+        gives policies per multimodal module path, ``"*"`` the default (``root`` when
+        absent). Bad values are a ``ValueError`` (a non-string one also a ``TypeError``)
+        naming the value and the valid choices.
+        """
+        if not isinstance(value, Mapping):
+            return cls(normalize_frozen_multimodal_sharding(value))
+        if not value:
+            raise ValueError(
+                "frozen multimodal sharding mapping is empty; give a policy "
+                f"({', '.join(VALID_FROZEN_MULTIMODAL_SHARDING)}) or map multimodal module "
+                f"paths (and {cls.REST!r} for the rest) to policies"
             )
-        try:
-            normalized = normalize_frozen_multimodal_sharding(policy)
-        except ValueError as error:
-            raise type(error)(f"{path!r}: {error}") from None
-        if path == DEFAULT_FROZEN_SHARDING_KEY:
-            default = normalized
-        else:
-            by_path[path] = normalized
-    return default, by_path
+        default: FrozenMultimodalSharding = "root"
+        by_path: dict[str, FrozenMultimodalSharding] = {}
+        for path, policy in value.items():
+            if not isinstance(path, str):
+                raise TypeError(
+                    f"frozen multimodal sharding keys must be module paths (str) or "
+                    f"{cls.REST!r}, got {type(path).__name__} ({path!r})"
+                )
+            try:
+                normalized = normalize_frozen_multimodal_sharding(policy)
+            except ValueError as error:
+                raise type(error)(f"{path!r}: {error}") from None
+            if path == cls.REST:
+                default = normalized
+            else:
+                by_path[path] = normalized
+        return cls(default, tuple(by_path.items()))
 
+    def option(self) -> str | dict[str, str]:
+        """The ``frozen_multimodal_sharding`` value that parses to these policies."""
+        if not self.by_path:
+            return self.default
+        return {**dict(self.by_path), self.REST: self.default}
 
-def frozen_sharding_label(
-    default: FrozenMultimodalSharding, by_path: Mapping[str, FrozenMultimodalSharding]
-) -> str:
-    """``per_layer`` for one policy, ``vision=per_layer, *=root`` for a mapping whose
-    entries differ from its default (plan headers, choices and errors)."""
-    if all(policy == default for policy in by_path.values()):
-        return default
-    entries = [f"{path}={policy}" for path, policy in by_path.items()]
-    return ", ".join([*entries, f"{DEFAULT_FROZEN_SHARDING_KEY}={default}"])
+    @property
+    def label(self) -> str:
+        """``per_layer`` for one policy, ``vision=per_layer, *=root`` when the named
+        modules differ from the default (plan headers, choices and errors)."""
+        if all(policy == self.default for _, policy in self.by_path):
+            return self.default
+        entries = [f"{path}={policy}" for path, policy in self.by_path]
+        return ", ".join([*entries, f"{self.REST}={self.default}"])
+
+    def policy_of(self, path: str) -> FrozenMultimodalSharding:
+        """The policy of the multimodal module at ``path``."""
+        return dict(self.by_path).get(path, self.default)
+
+    def resolve(self, paths: Sequence[str], *, owner: str) -> dict[str, FrozenMultimodalSharding]:
+        """The policy of each discovered multimodal module path of the model ``owner``
+        (its class name, for the error).
+
+        Raises ``ValueError`` when ``by_path`` names a path that is not among ``paths``,
+        listing the discovered ones.
+        """
+        unknown = [path for path, _ in self.by_path if path not in paths]
+        if unknown:
+            found = ", ".join(repr(p) for p in paths) or "none"
+            raise ValueError(
+                f"frozen_multimodal_sharding names {', '.join(repr(p) for p in unknown)}, "
+                f"not a discovered multimodal module of {owner}; "
+                f"discovered: {found} (use {self.REST!r} for the rest)"
+            )
+        return {path: self.policy_of(path) for path in paths}
+
+    @property
+    def per_layer_where(self) -> str:
+        """Where ``per_layer`` is set, as the option reads ('' when nowhere)."""
+        per_layer = [path for path, policy in self.by_path if policy == "per_layer"]
+        if self.default == "per_layer" and not self.by_path:
+            return "frozen_multimodal_sharding='per_layer'"
+        if self.default == "per_layer":
+            per_layer.append(self.REST)
+        if not per_layer:
+            return ""
+        return f"frozen_multimodal_sharding 'per_layer' for {', '.join(map(repr, per_layer))}"
 
 
 def module_parameters(module: nn.Module) -> list[nn.Parameter]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from fsdp_core import ShardingPlan
 from fsdp_core.containers import is_under
-from multimodal_fsdp.policy import FrozenMultimodalSharding
+from multimodal_fsdp.policy import FrozenMultimodalSharding, FrozenPolicies
 from multimodal_fsdp.runtime.schedule_check import MediaRegion
 
 __all__ = ["MultimodalRecord", "PlannedPart", "media_regions_of", "plan_record"]
@@ -48,10 +48,10 @@ class MultimodalRecord:
     conditional_layers: tuple[str, ...]
     #: The media regions of the plan's units, as planned.
     media_regions: tuple[MediaRegion, ...]
-    #: The policy options as they read: the policy, or ``path=policy, ..., *=default``.
-    policy_label: str
-    #: The policy of modules the options do not name.
-    default_policy: FrozenMultimodalSharding
+    #: The frozen-tower policies the plan was made with (its ``label`` as the option
+    #: reads, its ``default`` for modules the option does not name); each part's own
+    #: policy is ``PlannedPart.policy``.
+    policies: FrozenPolicies
     uneven_media: bool
     #: Towers whose calls ``balance_media=True`` spreads over every rank (no media regions).
     balanced_towers: tuple[str, ...] = ()

@@ -42,10 +42,9 @@ from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs, resolve_cost_m
 from multimodal_fsdp.estimate.memory import check_optimizer, with_memory
 from multimodal_fsdp.estimate.render import format_bytes
 from multimodal_fsdp.policy import (
-    DEFAULT_FROZEN_SHARDING_KEY,
     VALID_FROZEN_MULTIMODAL_SHARDING,
     FrozenMultimodalSharding,
-    FrozenShardingSpec,
+    FrozenPolicies,
     normalize_frozen_multimodal_sharding,
 )
 from multimodal_fsdp.record import PlannedPart, plan_record
@@ -79,7 +78,9 @@ class PolicyPlanner(Protocol):
         reshard_after_forward: bool | int | None = ...,
     ) -> ShardingPlan: ...
 
-    def with_options(self, *, frozen_multimodal_sharding: FrozenShardingSpec) -> PolicyPlanner: ...
+    def with_options(
+        self, *, frozen_multimodal_sharding: str | Mapping[str, str]
+    ) -> PolicyPlanner: ...
 
 
 def _label(policies: Mapping[str, str], fallback: str) -> str:
@@ -340,12 +341,12 @@ def choose_frozen_policy(
     ) -> tuple[PlanCosts, PolicyPlanner, ShardingPlan]:
         """The plan's costs and memory under ``assignment`` (``fallback`` for all when
         there is no frozen module), the parallelizer that plans it and its plan."""
-        spec: FrozenShardingSpec = (
-            {**assignment, DEFAULT_FROZEN_SHARDING_KEY: record.default_policy}
+        option = (
+            FrozenPolicies(record.policies.default, tuple(assignment.items())).option()
             if assignment
             else fallback
         )
-        chosen = base.with_options(frozen_multimodal_sharding=spec)
+        chosen = base.with_options(frozen_multimodal_sharding=option)
         plan = chosen.plan(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         costs = plan_costs(
             plan,
@@ -368,7 +369,7 @@ def choose_frozen_policy(
     costed: list[tuple[PlanCosts, PolicyPlanner, ShardingPlan]] = []
     candidates: list[PolicyCandidate] = []
     for index, assignment in enumerate(_combinations(frozen, names)):
-        fallback = names[index] if not frozen else record.default_policy
+        fallback = names[index] if not frozen else record.policies.default
         costs, planner, plan = cost(assignment, fallback)
         assert costs.memory is not None
         peak = costs.memory.peak_bytes
