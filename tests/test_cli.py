@@ -397,3 +397,26 @@ def test_a_hub_id_says_to_pass_the_downloaded_config(
     (snapshot / "config.json").write_text("{}")
     err = fail(capsys, "--model", "Qwen/Qwen2-VL-7B-Instruct")
     assert f"--model {snapshot / 'config.json'}" in " ".join(err.split())
+
+
+def test_balance_media_shows_the_balanced_towers_and_their_collectives(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    base = ["--model", "deepseek-v41-tiny", "--world-size", "2", "--policy", "per_layer"]
+    plain = run(capsys, *base)
+    assert "balance_media" not in plain
+    assert "balanced-media" not in plain
+    out = run(capsys, *base, "--balance-media")
+    assert "hook: balance_media" in out
+    assert "'vision' (batch-first)" in out
+    assert "3 all_gathers and 2 all_to_all in forward" in out
+    assert "balanced-media exchange NOT counted above" in out
+    assert "schedule_check" not in out  # balanced towers are no media regions
+    # With a batch, the exchange of that batch on every rank is counted.
+    counted = run(capsys, *base, "--balance-media", "--batch", "2x16")
+    assert "forward all_to_all            2  16.0 KiB sent, 16.0 KiB received" in counted
+    assert "balanced-media exchange   7 collectives" in counted
+    data = json.loads(run(capsys, *base, "--balance-media", "--batch", "2x16", "--json"))
+    assert data["balanced_towers"] == ["vision"]
+    assert data["exchange_collectives"]["forward"]["all_to_all"]["count"] == 2
+    assert data["exchange_collectives"]["backward"]["all_to_all"]["count"] == 1

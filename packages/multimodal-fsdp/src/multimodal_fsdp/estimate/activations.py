@@ -38,7 +38,7 @@ from multimodal_fsdp.estimate.collectives import (
 from multimodal_fsdp.estimate.exchange import StepMedia, balanced_towers, exchange_rounds
 from multimodal_fsdp.estimate.timeline import kept_after_forward
 
-__all__ = ["ActivationTrace", "LossFn", "trace_activations"]
+__all__ = ["ActivationTrace", "LossFn", "exchange_buffer_bytes", "trace_activations"]
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ def trace_activations(
     sharding: every rank runs its own batch through the whole model.
 
     ``media`` (a plan with balanced towers): each local call of a balanced tower adds
-    the exchange's buffers of ``media.rank`` for that call (see ``_ExchangeBuffers``).
+    the exchange's buffers of ``media.rank`` for that call (``exchange_buffer_bytes``).
     The tower's own activations are traced on this rank's items, which the balanced
     step encodes elsewhere in exchange for others' items of about the same cost; calls
     this rank only joins (a text-only batch) run no tower in the trace.
@@ -388,22 +388,31 @@ class _GradStaging:
         return hook
 
 
+def exchange_buffer_bytes(
+    inputs: tuple[int, int], outputs: tuple[int, int]
+) -> tuple[int, int, int]:
+    """The balanced exchange's buffers in one tower call, from the bytes of inputs and
+    outputs this rank (sends, receives): the peak while inputs are exchanged, what stays
+    while the tower runs, and the peak while outputs are exchanged (on top of what
+    stays), in the order ``multimodal_fsdp.balance.exchange`` allocates them.
+
+    Inputs (``S`` sent, ``R`` received): this rank's items gathered by destination
+    (``S``), their send buffer (``S``), the receive buffer, its pieces and the fields
+    rebuilt from them (``3R``); the gathered items, the fields and the tower's input
+    built from them (``S + 2R``) stay until the call returns. Outputs (``s`` sent, ``r``
+    received): the tower's output, its pieces gathered, the send buffer (``3s``), the
+    receive buffer, its pieces and the output rebuilt from them (``3r``). The exchange
+    saves nothing for backward."""
+    (sent, received), (out_sent, out_received) = inputs, outputs
+    return 2 * sent + 3 * received, sent + 2 * received, 3 * out_sent + 3 * out_received
+
+
 class _ExchangeBuffers:
-    """The balanced exchange's buffers around each call of a balanced tower, in the
-    order ``multimodal_fsdp.balance.exchange`` allocates them (``S``/``R``: the input
-    bytes this rank sends/receives in the call, ``s``/``r`` the output bytes):
-
-    - inputs: this rank's items gathered by destination (``S``) and their send buffer
-      (``S``), the receive buffer (``R``), its pieces (``R``) and the fields rebuilt from
-      them (``R``); after the exchange ``S + R`` stay (the gathered items and the
-      received fields the tower encodes) until the call returns;
-    - outputs: the encoded pieces gathered (``s``) and sent (``s``), the receive buffer
-      (``r``), its pieces (``r``); the output rebuilt from them replaces the tower's own
-      (the same bytes on this rank's items);
-    - backward: the output gradients go back the same way (``r`` sent, ``s`` received,
-      with their pieces and concatenation), transient.
-
-    Autograd keeps none of them: the exchange saves nothing for backward."""
+    """Bumps the traced step's live bytes by the exchange's buffers around each local
+    call of a balanced tower (``exchange_buffer_bytes``; forward transients are not
+    otherwise traced, saved tensors are), and in backward by the output gradients'
+    exchange (send buffer, receive buffer and its pieces; the gradient rebuilt from
+    them replaces the local one)."""
 
     def __init__(
         self, plan: ShardingPlan, twin: nn.Module, live: _LiveBytes, media: StepMedia
@@ -411,44 +420,47 @@ class _ExchangeBuffers:
         self.live = live
         self.hooks: list[Any] = []
         for tower in balanced_towers(plan):
-            rounds = exchange_rounds(media, tower)
+            rounds = [
+                [(c.sent, c.received) for c in traffic if c.kind == "all_to_all"]
+                for traffic in exchange_rounds(media, tower)
+            ]
             module = twin.get_submodule(tower.path) if tower.path else twin
             calls = [0]
             self.hooks.append(module.register_forward_pre_hook(self._pre(rounds, calls)))
             self.hooks.append(module.register_forward_hook(self._post(rounds, calls)))
 
     @staticmethod
-    def _sizes(rounds: list[list[Any]], index: int) -> list[tuple[int, int]]:
+    def _sizes(rounds: list[list[tuple[int, int]]], index: int) -> list[tuple[int, int]]:
         """(sent, received) of each all_to_all of round ``index`` (none beyond them)."""
-        if index >= len(rounds):
-            return []
-        return [(c.sent, c.received) for c in rounds[index] if c.kind == "all_to_all"]
+        return rounds[index] if index < len(rounds) else []
 
-    def _pre(self, rounds: list[list[Any]], calls: list[int]) -> Callable[..., None]:
+    def _pre(self, rounds: list[list[tuple[int, int]]], calls: list[int]) -> Callable[..., None]:
         def hook(*_: Any) -> None:
             sizes = self._sizes(rounds, calls[0])
-            if sizes:
-                sent, received = sizes[0]
-                self.live.bump(2 * sent + 3 * received)
-                self.live.bump(-(sent + 2 * received))  # the gathered items and the fields stay
+            if len(sizes) >= 2:
+                peak, kept, _outputs = exchange_buffer_bytes(sizes[0], sizes[1])
+                self.live.bump(peak)
+                self.live.bump(kept - peak)
 
         return hook
 
-    def _post(self, rounds: list[list[Any]], calls: list[int]) -> Callable[..., None]:
-        def hook(_: nn.Module, __: Any, output: Any) -> None:
+    def _post(
+        self, rounds: list[list[tuple[int, int]]], calls: list[int]
+    ) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
             sizes = self._sizes(rounds, calls[0])
             calls[0] += 1
             if len(sizes) < 2:
                 return
-            (in_sent, in_received), (sent, received) = sizes[0], sizes[1]
-            self.live.bump(2 * sent + 2 * received)
-            self.live.bump(-(2 * sent + 2 * received) - (in_sent + in_received))
+            _inputs, kept, peak = exchange_buffer_bytes(sizes[0], sizes[1])
+            self.live.bump(peak)
+            self.live.bump(-peak - kept)
             if len(sizes) > 2:
-                back_sent, back_received = sizes[2]
-                transient = back_sent + 3 * back_received
+                sent, received = sizes[2]
                 tensors = [t for t in output_tensors(output) if t.requires_grad]
                 if tensors:
-                    tensors[0].register_hook(self._backward(transient))  # type: ignore[no-untyped-call]
+                    on_grad = self._backward(sent + 2 * received)
+                    tensors[0].register_hook(on_grad)  # type: ignore[no-untyped-call]
 
         return hook
 
