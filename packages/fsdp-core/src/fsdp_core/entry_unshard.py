@@ -39,6 +39,7 @@ therefore get a hook that raises, when a backward reaches them, a
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -288,7 +289,9 @@ def _unit_module(model: nn.Module, path: str) -> FSDPModule:
 
 def _cast(value: Any, dtype: torch.dtype | None) -> Any:
     """Floating tensors (in tuples, lists and dicts) cast to ``dtype``, as FSDP's
-    ``cast_forward_inputs`` does for a unit's own forward."""
+    ``cast_forward_inputs`` does for a unit's own forward. A dict subclass keeps its
+    type (a shallow copy with the values replaced): transformers' ``generate()`` passes
+    ``ModelOutput`` objects (``mm_encoder_outputs``) that the forward reads by attribute."""
     if dtype is None:
         return value
     if isinstance(value, torch.Tensor):
@@ -298,7 +301,13 @@ def _cast(value: Any, dtype: torch.dtype | None) -> Any:
     if isinstance(value, list):
         return [_cast(v, dtype) for v in value]
     if isinstance(value, dict):
-        return {key: _cast(v, dtype) for key, v in value.items()}
+        cast = {key: _cast(v, dtype) for key, v in value.items()}
+        if type(value) is dict:
+            return cast
+        kept = copy.copy(value)
+        for key, item in cast.items():
+            kept[key] = item
+        return kept
     return value
 
 
