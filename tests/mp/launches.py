@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from balanced_hf import cases_for as balanced_hf_cases
 from loops import cases_for
 
 #: Loads one scenario's saved result (the fixtures ``mp2`` / ``mp4`` return one).
@@ -38,6 +39,8 @@ LAUNCHES: dict[int, list[str]] = {
         "balance_media",
         "balance_media_accumulation",
         "balance_media_hf",
+        *(f"balance_hf_{name}" for name in balanced_hf_cases(2)),
+        "balance_hf_accumulation",
         "ckpt_load_other_world",
         *(f"loop_{name}" for name in cases_for(2)),
         *(
@@ -73,6 +76,7 @@ LAUNCHES: dict[int, list[str]] = {
         "uneven_per_layer",
         "accum_text_only",
         "balance_media_hsdp",
+        *(f"balance_hf_{name}" for name in balanced_hf_cases(4)),
         "ckpt_save_resume",
         *(f"loop_{name}" for name in cases_for(4)),
     ],

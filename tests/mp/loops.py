@@ -91,6 +91,8 @@ class LoopCase:
     #: A frozen-tower policy, or per-module policies (module path -> policy, "*" the rest).
     policy: str | dict[str, str] = "root"
     uneven_media: bool = False
+    #: ``MultimodalParallelizer(balance_media=True)``: every tower call spread over the ranks.
+    balance_media: bool = False
     precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and reduction)
     optimizer: str = "sgd"  # sgd | adamw
     expect: str = "match"  # match | uneven_error

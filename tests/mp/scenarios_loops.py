@@ -25,6 +25,8 @@ def _parallelizer(case: LoopCase) -> MultimodalParallelizer:
     options: dict[str, Any] = {"frozen_multimodal_sharding": case.policy}
     if case.uneven_media:
         options["uneven_media"] = True
+    if case.balance_media:
+        options["balance_media"] = True
     if case.parallelizer == "deepseek":
         from model_deepseek_v41 import DeepseekV41ModelParallelizer
 

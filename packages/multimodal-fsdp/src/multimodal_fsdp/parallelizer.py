@@ -120,9 +120,10 @@ class MultimodalParallelizer(ModelParallelizer):
     [`multimodal_fsdp.runtime.balance_media`][multimodal_fsdp.runtime.balance_media]):
     balanced towers are no media regions, so ``per_layer`` and trainable towers train
     under any media distribution. A tower whose call no layout adapter understands is a
-    ``ValueError`` at plan time. With ``uneven_media=True`` as well, projectors and
-    media-dependent decoder layers fold into the root unit and balanced towers keep
-    their units.
+    ``ValueError`` at plan time. Projectors fold into the root unit (only ranks with
+    media run them, between the tower call and the decoder, where the other ranks join
+    the exchange); with ``uneven_media=True`` as well, media-dependent decoder layers
+    fold too, and balanced towers keep their units.
     """
 
     HOOKS = (
@@ -265,7 +266,10 @@ class MultimodalParallelizer(ModelParallelizer):
         ]
         if self.uneven_media and not self.balance_media:
             return paths  # towers, projectors and conditional layers stay in the root
-        if self.uneven_media:  # only balanced towers keep their units
+        if self.uneven_media or self._balanced_towers(model):
+            # Only balanced towers keep their units. A projector runs between a balanced
+            # tower call and the join site on ranks with media only: collectives of its
+            # own there would meet the joining ranks' exchange (a hang).
             parts = [(part, policy) for part, policy in parts if part.found.role == "tower"]
         ids = {id(module): name for name, module in model.named_modules()}
         for part, policy in parts:
@@ -306,6 +310,8 @@ class MultimodalParallelizer(ModelParallelizer):
                 "uneven_media=True with balance_media=True: projectors join the root unit, "
                 "balanced towers keep their units"
             )
+        elif self._balanced_towers(ctx.model):
+            notes.append("balance_media=True: projectors join the root unit")
         elif self.uneven_media:
             notes.append("uneven_media=True: towers and projectors join the root unit")
         if self.frozen_policies.by_path:
