@@ -154,6 +154,47 @@ def test_reduce_scatter_unused_params_sends_zeros_for_a_skipped_projector(
     assert counted[False] == [2 * LAYER, 2 * LAYER, 2 * LAYER]
 
 
+class _FirstOnly(torch.autograd.Function):
+    """``a``, with ``b`` in the graph but given no gradient (``None``), as the balanced
+    media exchange does for a tower output that no loss reads."""
+
+    @staticmethod
+    def forward(ctx: object, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a.view_as(a)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _SkipNet(Net):
+    """The second layer runs, but its output reaches the loss with no gradient."""
+
+    def forward(self, x: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
+        used, skipped = self.layers[0](x), self.layers[1](x)
+        return self.head(_FirstOnly.apply(used, skipped))  # type: ignore[no-any-return]
+
+
+def test_a_unit_reached_only_by_a_missing_gradient_keeps_none(mesh2: DeviceMesh) -> None:
+    """Autograd runs the second layer's backward with no gradient and still calls its
+    parameters' post-accumulate hooks (with ``grad`` None): that is no use, so their
+    gradients stay ``None`` as without sharding, not the zeros of the reduce-scatter."""
+    model = shard(_SkipNet(), mesh2)  # type: ignore[arg-type]
+    hook = install_unused_params_hook(model, mesh=mesh2)
+    assert hook is not None
+    model(torch.randn(2, DIM)).float().sum().backward()
+    assert model.layers[1].weight.grad is None
+    assert model.layers[1].bias.grad is None
+    assert model.layers[0].weight.grad is not None
+    assert sorted(hook.last_unused) == [
+        "layers.1.bias",
+        "layers.1.weight",
+        "proj.bias",
+        "proj.weight",
+        "vision.0.weight",
+    ]
+
+
 def _reduce_scatter_order(mesh: DeviceMesh, *, image: bool) -> list[int]:
     model = shard(Net(), mesh)
     install_unused_params_hook(model, mesh=mesh)

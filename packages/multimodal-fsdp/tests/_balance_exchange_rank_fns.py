@@ -110,6 +110,17 @@ def _clip_loss(output: Any, weights: Tensor) -> Tensor:
     return (per_item * weights).sum()
 
 
+def _middle_hidden_loss(output: Any, weights: Tensor) -> Tensor:
+    """LLaVA's read: only a middle hidden state, so the last encoder layer and the
+    post-layernorm feed outputs no loss reads (one process leaves their grads None)."""
+    hidden = output.hidden_states[-2]
+    return ((hidden * hidden).mean(dim=(1, 2)) * weights).sum()
+
+
+def _params_without_grad(tower: nn.Module) -> list[str]:
+    return sorted(name for name, p in tower.named_parameters() if p.grad is None)
+
+
 def _qwen_loss(output: Any, rows: list[int], weights: Tensor) -> Tensor:
     pieces = torch.split(output.pooler_output, [r // 4 for r in rows])
     return sum(
@@ -126,8 +137,10 @@ def _case(
     trainable: bool,
     input_grad: bool,
     run_when_empty: bool = False,
+    reads: str = "all",
 ) -> dict[str, Any]:
-    """``counts[r]``: items of rank r (``None``: no call, join_without_call)."""
+    """``counts[r]``: items of rank r (``None``: no call, join_without_call); ``reads``:
+    ``"all"`` or ``"middle"`` (the loss reads one middle hidden state only)."""
     world = dist.get_world_size()
     build = _clip if tower_kind == "clip" else _qwen
     tower, reference = build(), build()
@@ -150,6 +163,8 @@ def _case(
     ]
 
     def loss_of(output: Any, items: list[dict[str, Tensor]], w: Tensor) -> Tensor:
+        if reads == "middle":
+            return _middle_hidden_loss(output, w)
         if tower_kind == "clip":
             return _clip_loss(output, w)
         return _qwen_loss(output, [int(i["grid"].prod()) for i in items], w)
@@ -234,6 +249,8 @@ def _case(
         )
         ref_loss.backward()
     if trainable:
+        result["params_without_grad"] = _params_without_grad(tower)
+        result["reference_params_without_grad"] = _params_without_grad(reference)
         diffs = []
         for (_name, p), q in zip(tower.named_parameters(), reference.parameters(), strict=True):
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -288,6 +305,7 @@ def _predicted(
         output_bytes=outputs,
         input_grad_bytes=floating if input_grad else None,
         output_grad_bytes=outputs if (trainable or input_grad) else None,
+        output_tensors=len(pieces[0]),
     )
     return [(c.sent, c.received) for c in traffic]
 
@@ -354,7 +372,25 @@ CASES: dict[str, dict[str, Any]] = {
         "trainable": True,
         "input_grad": False,
     },
+    "clip_reads_a_middle_hidden_state": {
+        "tower_kind": "clip",
+        "counts": [3, 1],
+        "trainable": True,
+        "input_grad": False,
+        "reads": "middle",
+    },
+    "clip_reads_a_middle_hidden_state_placeholder": {
+        "tower_kind": "clip",
+        "counts": [1, None],
+        "trainable": True,
+        "input_grad": True,
+        "run_when_empty": True,
+        "reads": "middle",
+    },
 }
+
+#: Cases whose loss leaves some tower outputs unread.
+UNREAD_CASES = sorted(name for name, spec in CASES.items() if spec.get("reads") == "middle")
 
 
 def _bad_call_on_one_rank(rank: int) -> dict[str, Any]:
@@ -382,11 +418,14 @@ def run_cases(rank: int, world_size: int, out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def _plain_loss(output: Any, weights: Tensor) -> Tensor:
+def _plain_loss(output: Any, weights: Tensor, *, pooled: bool = True) -> Tensor:
     """Without hidden states: transformers 5.24 records them by the tower's class name,
-    which ``fully_shard`` changes, so a sharded tower returns none."""
+    which ``fully_shard`` changes, so a sharded tower returns none. ``pooled=False``:
+    the pooled output is not read (the post-layernorm then gets no gradient)."""
     last = output.last_hidden_state
-    per_item = (last * last).mean(dim=(1, 2)) + output.pooler_output.sum(dim=1)
+    per_item = (last * last).mean(dim=(1, 2))
+    if pooled:
+        per_item = per_item + output.pooler_output.sum(dim=1)
     return (per_item * weights).sum()
 
 
@@ -397,7 +436,7 @@ def _slice_plain(output: Any, kind: str, everything: Any, start: int, n: int) ->
     )
 
 
-def _sharded_case(rank: int, counts: list[int | None]) -> dict[str, Any]:
+def _sharded_case(rank: int, counts: list[int | None], *, pooled: bool = True) -> dict[str, Any]:
     """A trainable tower with FSDP units per encoder layer (as ``per_layer`` shards it):
     every rank must run it, a rank with nothing to encode on a placeholder. Gradients
     (averaged by FSDP's reduce-scatter) equal the one-process ones over the world size."""
@@ -424,7 +463,9 @@ def _sharded_case(rank: int, counts: list[int | None]) -> dict[str, Any]:
             args, kwargs = _clip_call(per_rank[rank])
             kwargs.pop("output_hidden_states")
             loss = _plain_loss(
-                balanced_call(tower, args, kwargs, run_when_empty=True), weights[rank]
+                balanced_call(tower, args, kwargs, run_when_empty=True),
+                weights[rank],
+                pooled=pooled,
             )
         loss.backward()
     everything = [item for items in per_rank for item in items]
@@ -442,6 +483,7 @@ def _sharded_case(rank: int, counts: list[int | None]) -> dict[str, Any]:
                     len(per_rank[r]),
                 ),
                 weights[r],
+                pooled=pooled,
             )
             for r in range(world)
             if per_rank[r]
@@ -461,12 +503,20 @@ def _sharded_case(rank: int, counts: list[int | None]) -> dict[str, Any]:
             sum(float(q.grad.norm()) for q in reference.parameters() if q.grad is not None)
         ),
         "ops": counter.ops,
+        "params_without_grad": _params_without_grad(tower),
+        "reference_params_without_grad": _params_without_grad(reference),
     }
 
 
 SHARDED_CASES: dict[str, list[int | None]] = {
     "sharded_fewer_than_ranks": [1, None],
     "sharded_three_to_one": [3, 1],
+}
+
+#: Sharded towers whose loss does not read the pooled output.
+SHARDED_UNREAD_CASES: dict[str, list[int | None]] = {
+    "sharded_unread_pooler_fewer_than_ranks": [1, None],
+    "sharded_unread_pooler_three_to_one": [3, 1],
 }
 
 
@@ -548,6 +598,8 @@ def run_sharded_cases(rank: int, world_size: int, out_dir: str) -> None:
     results: dict[str, Any] = {
         name: _sharded_case(rank, counts) for name, counts in SHARDED_CASES.items()
     }
+    for name, counts in SHARDED_UNREAD_CASES.items():
+        results[name] = _sharded_case(rank, counts, pooled=False)
     results["vlm_text_only_rank_tower_in_root"] = _vlm_case(rank, tower_units=False)
     results["vlm_text_only_rank_tower_units"] = _vlm_case(rank, tower_units=True)
     results["vlm_call_per_image_and_barrier"] = _vlm_case(rank, tower_units=True, mode="per_image")

@@ -108,6 +108,7 @@ def test_under_the_fake_group_the_collectives_are_the_predicted_ones() -> None:
             input_bytes=inputs,
             output_bytes=outputs,
             output_grad_bytes=outputs,
+            output_tensors=len(pieces[0]),
         )
     assert counter.ops == [*FORWARD, "alltoall_base_"]
     assert counter.sizes == [(c.sent, c.received) for c in predicted]
@@ -142,6 +143,38 @@ def test_a_tower_with_fsdp_units_runs_on_every_rank_in_step(
     for outcome in outcomes:
         assert outcome["param_grad_norm"] > 0
         assert outcome["param_grad_diff"] < 1e-5 * max(1.0, outcome["param_grad_norm"])
+
+
+@pytest.mark.parametrize("case", rank_fns.UNREAD_CASES)
+def test_parameters_that_feed_only_unread_outputs_keep_no_gradient(
+    case: str, results: list[dict[str, Any]]
+) -> None:
+    """The loss reads one middle hidden state (as LLaVA does): the last encoder layer and
+    the post-layernorm get no gradient (``None``, not zeros) on every rank, exactly as in
+    one process, so weight decay and momentum leave them alone; the rank that encodes
+    nothing (a placeholder run) included."""
+    for by_case in results:
+        outcome = by_case[case]
+        unread = outcome["reference_params_without_grad"]
+        assert any("encoder.layers.1." in name for name in unread), unread
+        assert any("post_layernorm" in name for name in unread), unread
+        assert outcome["params_without_grad"] == unread
+
+
+@pytest.mark.parametrize("case", sorted(rank_fns.SHARDED_UNREAD_CASES))
+def test_a_sharded_tower_keeps_no_gradient_where_no_loss_reaches(
+    case: str, sharded: list[dict[str, Any]]
+) -> None:
+    """FSDP units per encoder layer, the pooled output unread: the post-layernorm's
+    gradient stays ``None`` on every rank (a placeholder run included), the other
+    gradients equal one process's."""
+    for by_case in sharded:
+        outcome = by_case[case]
+        unread = outcome["reference_params_without_grad"]
+        assert any("post_layernorm" in name for name in unread), unread
+        assert outcome["params_without_grad"] == unread
+        assert outcome["param_grad_diff"] < 1e-5 * max(1.0, outcome["param_grad_norm"])
+    assert sharded[0][case]["ops"] == sharded[1][case]["ops"]
 
 
 @pytest.mark.parametrize(
@@ -184,3 +217,38 @@ def test_the_last_round_of_the_barrier_is_one_header_gather() -> None:
     ]
     with pytest.raises(ValueError, match="one size per item"):
         exchange_traffic([[1], []], rank=0, spec=None, input_bytes=empty, output_bytes=empty)
+
+
+def test_the_output_gradients_carry_one_flag_byte_per_output_tensor_to_every_rank() -> None:
+    """So that an output no loss reads gets no gradient on any rank, the gradient
+    all_to_all carries one has-gradient byte per output tensor to every rank; predicting
+    it needs the number of output tensors."""
+    from multimodal_fsdp.balance import CallSpec, exchange_traffic
+
+    costs = [[1, 1, 1], []]
+    sizes = [[10, 10, 10], []]
+    spec = CallSpec(fields=("pixel_values",))
+    rounds = exchange_traffic(
+        costs,
+        rank=1,
+        spec=spec,
+        input_bytes=sizes,
+        output_bytes=sizes,
+        output_grad_bytes=sizes,
+        output_tensors=3,
+    )
+    forward_back, backward = rounds[-2], rounds[-1]
+    assert backward.phase == "backward"
+    assert (backward.sent, backward.received) == (
+        forward_back.received + 2 * 3,
+        forward_back.sent + 2 * 3,
+    )
+    with pytest.raises(ValueError, match="output_grad_bytes needs output_tensors="):
+        exchange_traffic(
+            costs,
+            rank=1,
+            spec=spec,
+            input_bytes=sizes,
+            output_bytes=sizes,
+            output_grad_bytes=sizes,
+        )

@@ -11,7 +11,8 @@ by weight decay and momentum, unlike one process or plain FSDP.
 
 [`UnusedParamsHook`][fsdp_core.unused_params.UnusedParamsHook] does both halves: it sets the flag on
 every unit and records, per FSDP parameter, whether autograd accumulated a gradient into it on
-this rank (a post-accumulate hook on the unsharded parameter). When a backward
+this rank (a post-accumulate hook on the unsharded parameter that finds a gradient there;
+autograd calls it without one when the parameter's backward ran with none). When a backward
 that reduces gradients ends, one all-reduce (MAX, one byte per trainable
 parameter tensor) over the data-parallel mesh tells every rank which parameters
 no rank used; their sharded gradients are set back to ``None``. Micro-batches of
@@ -93,8 +94,12 @@ class UnusedParamsHook:
             if unsharded is None:
                 continue
 
-            def mark(_param: torch.Tensor, index: int = index) -> None:
-                self._used[index] = True
+            def mark(param: torch.Tensor, index: int = index) -> None:
+                # Autograd also calls this when the parameter's backward ran with no
+                # gradient (an output given None, as the balanced media exchange gives
+                # an unread tower output): that is no use.
+                if param.grad is not None:
+                    self._used[index] = True
 
             self._handles.append(unsharded.register_post_accumulate_grad_hook(mark))  # type: ignore[no-untyped-call]
             record.hooked = True

@@ -25,7 +25,10 @@ longest pickled ``CallSpec`` in bytes, ``F`` fields):
 Backward, when gradients are needed (grad mode on and the tower trainable or some
 rank's floating input requiring grad): one ``all_to_all_single`` (uint8) with the
 output gradients along the inverse route of 5 (floating output tensors, the same bytes
-as 5 for them); then, when some rank's floating input requires grad, one with the
+as 5 for them), led by ``L`` flag bytes to every rank, itself included (``L`` output
+tensors: whether this rank has a gradient for each; an output no rank has one for gets
+``None`` on every rank, so parameters that feed only unread outputs keep no gradient,
+as in one process); then, when some rank's floating input requires grad, one with the
 input gradients along the inverse route of 3 (floating fields only).
 
 In all: 1 all_gather when no rank calls; 2 when no rank has an item; else 3 and 2
@@ -175,18 +178,18 @@ def _run(
     out_spec: OutputSpec | None = None
     pieces: list[tuple[Tensor, ...]] = []
     zero_link = in_token
+    placeholder: list[Tensor] = []
     failure: BaseException | None = None
     try:
         if items:
             args, kwargs = layout.build_call(spec, items)
             out_spec, pieces = layout.split_output(runner(*args, **kwargs), weights)
         elif run_when_empty:
-            zero_link = zero_link + _placeholder_run(layout, spec, table, runner, device)
+            placeholder = _placeholder_run(layout, spec, table, runner, device)
     except Exception as raised:  # re-raised below, after every rank knows
         failure = raised
-    statuses = _status(
-        int(failure is not None), len(out_spec.dtypes) if out_spec else -1, group, device
-    )
+    produced = len(out_spec.dtypes) if out_spec else len(placeholder) if placeholder else -1
+    statuses = _status(int(failure is not None), produced, group, device)
     failed = [r for r, row in enumerate(statuses) if int(row[0])]
     if failed:
         if failure is not None:
@@ -243,11 +246,12 @@ def _run(
         else (),
         group=group,
         device=device,
+        flags=max(leaves, default=0) if out_differentiable else 0,
     )
     if out_differentiable and not zero_link.requires_grad:
         zero_link = torch.zeros((), device=device, requires_grad=True)
     *returned, out_token = Exchange.apply(  # type: ignore[no-untyped-call]
-        out_route, zero_link, *out_send
+        out_route, zero_link, *out_send, *placeholder
     )
     if out_spec is None:
         return None, out_token, True
@@ -271,9 +275,12 @@ def _placeholder_run(
     table: Table,
     runner: Callable[..., Any],
     device: torch.device,
-) -> Tensor:
-    """Run the tower on a placeholder shaped like the cheapest item; return its output
-    summed and times 0, to be linked into the graph (a backward then runs the tower)."""
+) -> list[Tensor]:
+    """Run the tower on a placeholder shaped like the cheapest item; return each output
+    tensor summed and times 0 (a zero scalar; integer tensors give a constant zero), to be
+    linked into the exchange of the outputs: in backward the tower then runs for the
+    outputs that have a gradient on some rank, and only for those, as on the ranks with
+    items."""
     cheapest = min(
         ((c, r, i) for r, costs in enumerate(table.costs) for i, c in enumerate(costs)),
     )
@@ -289,11 +296,10 @@ def _placeholder_run(
     args, kwargs = layout.build_call(spec, [item])
     output = runner(*args, **kwargs)
     _, leaves = layout.split_output(output, [fields[0].rows])
-    total = torch.zeros((), device=device)
-    for leaf in leaves[0]:
-        if leaf.dtype.is_floating_point:
-            total = total + leaf.sum().float()
-    return total * 0
+    return [
+        leaf.sum().float() * 0 if leaf.dtype.is_floating_point else torch.zeros((), device=device)
+        for leaf in leaves[0]
+    ]
 
 
 def balanced_call(

@@ -4,7 +4,9 @@ Plan costs must predict the exchange exactly, so the rule lives beside the excha
 a test compares it with the bytes the exchange really moves. Sizes are per item, in
 call order, for every rank: what its fields weigh (``input_bytes``: rows times row
 elements times item size, summed over the fields) and what its output pieces weigh
-(``output_bytes``, summed over the output tensors).
+(``output_bytes``, summed over the output tensors). In backward the output gradients
+carry one has-gradient byte per output tensor to every rank (``output_tensors``), so an
+output no loss reads gets no gradient anywhere.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def exchange_traffic(
     output_bytes: Sequence[Sequence[int]],
     input_grad_bytes: Sequence[Sequence[int]] | None = None,
     output_grad_bytes: Sequence[Sequence[int]] | None = None,
+    output_tensors: int | None = None,
 ) -> list[ExchangeCollective]:
     """The collectives ``rank`` runs in one balanced call, in order.
 
@@ -65,7 +68,9 @@ def exchange_traffic(
     ``output_grad_bytes`` is ``None`` when no gradient flows back (grad mode off, or a
     frozen tower with inputs that need none), else the floating output bytes per item;
     ``input_grad_bytes`` likewise for the inputs (``None`` unless some rank's floating
-    input requires grad).
+    input requires grad). ``output_tensors``, required with ``output_grad_bytes``: how
+    many tensors the tower's output holds (all of them, floating or not); the gradient
+    all_to_all sends that many flag bytes to every rank, itself included.
     """
     world = len(costs_by_rank)
     if not 0 <= rank < world:
@@ -78,6 +83,15 @@ def exchange_traffic(
     ):
         if sizes is not None:
             _check(name, sizes, costs_by_rank)
+    if output_grad_bytes is not None and (
+        isinstance(output_tensors, bool)
+        or not isinstance(output_tensors, int)
+        or output_tensors < 1
+    ):
+        raise ValueError(
+            "output_grad_bytes needs output_tensors=, the number of tensors in the tower's "
+            f"output (a positive int; one gradient flag byte each per rank), got {output_tensors!r}"
+        )
     most = max(len(costs) for costs in costs_by_rank)
     blob = len(pickle.dumps(spec)) if spec is not None else 0
     table_ints = most * ITEM_INTS + math.ceil(blob / 8)
@@ -106,9 +120,13 @@ def exchange_traffic(
         ExchangeCollective("all_to_all", "forward", theirs(output_bytes), mine(output_bytes)),
     ]
     if output_grad_bytes is not None:
+        flags = world * int(output_tensors or 0)
         result.append(
             ExchangeCollective(
-                "all_to_all", "backward", mine(output_grad_bytes), theirs(output_grad_bytes)
+                "all_to_all",
+                "backward",
+                mine(output_grad_bytes) + flags,
+                theirs(output_grad_bytes) + flags,
             )
         )
         if input_grad_bytes is not None:

@@ -104,6 +104,7 @@ class BalancedTower:
             input_bytes=one,
             output_bytes=one,
             output_grad_bytes=one if self.trainable else None,
+            output_tensors=1,
         )
         counts: dict[str, int] = {}
         for collective in rounds:
