@@ -140,3 +140,35 @@ def test_accumulation_with_text_only_micro_batches(name: str, mp2: MpResults) ->
     assert sorted(set(got) - set(want)) == [], "gradients where one process has none"
     for param, expected in want.items():
         torch.testing.assert_close(got[param], expected, rtol=FP32, atol=FP32, msg=param)
+
+
+@pytest.mark.parametrize(("policy", "balanced"), [("per_layer", True), ("root", False)])
+def test_generate_is_one_balanced_scope_for_a_tower_with_units(policy: str, balanced: bool) -> None:
+    """``generate()`` computes the image features before its first forward, outside any
+    forward. A tower with units (per_layer) ran them locally: with an image on one rank
+    only, that rank's tower all-gathers met the other rank's decoder collectives (gloo
+    aborted: 'Received data size doesn't match expected size'). The hook wraps
+    ``generate`` (over entry_unshard's wrapper) so that the call is balanced; a tower
+    without units keeps running locally; removing the hook restores the wrapper below."""
+    from fsdp_core import build_mesh
+    from fsdp_core.fake_group import fake_process_group
+    from fsdp_core.runtime import installed_hooks, remove_runtime_hooks
+
+    model = balanced_hf.CASES["llava_replicate_frozen"].build_model()
+    with fake_process_group(2):
+        parallelizer = MultimodalParallelizer(frozen_multimodal_sharding=policy, balance_media=True)
+        parallelizer.parallelize(model, mesh=build_mesh())
+        below = installed_hooks(model)["entry_unshard"]
+        hook = installed_hooks(model)["balance_media"]
+        model.eval()
+        with torch.no_grad():
+            balanced_hf.generate_tokens("llava")(
+                model, {"input_ids": torch.ones(1, 2).long(), "pixel_values": 0}
+            )
+        assert hook.last_calls == int(balanced)  # the one tower call, before the first forward
+        wrapper = vars(model)["generate"]
+        assert remove_runtime_hooks(model, ["balance_media"]) == ["balance_media"]
+        assert (vars(model)["generate"] is not wrapper) == balanced
+        assert remove_runtime_hooks(model, ["entry_unshard"]) == ["entry_unshard"]
+        assert "generate" not in vars(model)
+        assert below is not None

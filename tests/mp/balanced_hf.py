@@ -53,26 +53,32 @@ GENERATED: list[list[int]] = []
 NEW_TOKENS = 3
 
 
-def _prompt(name: str, seed: int) -> dict[str, Any]:
-    """One sample with one image (Qwen2-VL: and one video), the same count on every rank."""
+def _prompt(name: str, seed: int, media: bool) -> dict[str, Any]:
+    """One sample with one image (Qwen2-VL: and one video), or none."""
     from hf_vlms import HF_VLMS
 
+    count = int(media)
     if name == "llava":
-        batch = HF_VLMS[name].batch(seed, images=1)
-        return {"input_ids": batch["input_ids"][:1, :20], "pixel_values": batch["pixel_values"]}
+        batch = HF_VLMS[name].batch(seed, images=count)
+        prompt = {"input_ids": batch["input_ids"][:1, :20]}
+        if media:
+            prompt["pixel_values"] = batch["pixel_values"]
+        return prompt
     if name == "qwen2_vl":
-        batch = HF_VLMS[name].batch(seed, images=1, videos=1, seq=20)
+        batch = HF_VLMS[name].batch(seed, images=count, videos=count, seq=20)
     else:
-        batch = HF_VLMS[name].batch(seed, images=1)
+        batch = HF_VLMS[name].batch(seed, images=count)
     return {key: value for key, value in batch.items() if key != "labels"}
 
 
 def generate_tokens(name: str) -> Callable[[nn.Module, dict[str, Any]], object]:
-    """The eval pass's extra call: greedy ``generate()`` on a one-image prompt, recorded."""
+    """The eval pass's extra call: greedy ``generate()`` on a prompt with media where the
+    rank's batch of the step has media (uneven across ranks in most steps), recorded."""
 
     def run(model: nn.Module, batch: dict[str, Any]) -> object:
         seed = int(batch["input_ids"][0, -1])  # differs per rank and step, same in both runs
-        prompt = _prompt(name, seed)
+        media = any(key.startswith("pixel_values") for key in batch)
+        prompt = _prompt(name, seed, media)
         out = model.generate(  # type: ignore[operator]
             **prompt,
             max_new_tokens=NEW_TOKENS,

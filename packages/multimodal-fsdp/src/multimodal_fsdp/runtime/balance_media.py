@@ -25,8 +25,13 @@ When a call is balanced (the same decision on every rank):
   Eval and ``generate()`` run it locally, as without balancing: nothing can hang there
   and the exchange would only add latency.
 
-Tower calls outside the model's forward (a tower called by hand, image features
-computed before ``generate()`` calls the forward) run locally.
+Tower calls outside the model's forward (a tower called by hand) run locally, with
+one exception: a ``generate()`` call of the model (or of the model inside it, as
+``PeftModel`` calls) is one balanced scope for towers that own units. The image
+features ``generate()`` computes before its first forward are balanced calls, which
+the other ranks join at the join site of that forward (or when ``generate`` returns):
+run locally under uneven media, such a tower would issue its units' collectives on
+some ranks only (a mismatched collective).
 
 The hook is the tower's instance ``forward`` (its class is never changed, so code that
 keys on it, such as transformers' output capture, keeps working): the tower's own
@@ -183,6 +188,10 @@ class BalanceMedia:
         #: Calls balanced and calls joined in the last forward (for tests and benchmarks).
         self.last_calls = 0
         self.last_joined = 0
+        #: This forward's balanced calls' zero anchors, added at the join site with the
+        #: joined calls' ones: every rank then runs every exchange's backward, even when
+        #: its loss reads none of a call's outputs.
+        self._anchors: list[Tensor] = []
         found = []  # every check before anything is installed
         for tower in towers:
             module = model.get_submodule(tower.path)
@@ -205,6 +214,13 @@ class BalanceMedia:
         for module, tower, layout in found:
             module.forward = self._balanced_forward(module, tower, layout)
             self._modules.append((module, tower, layout))
+        #: Modules whose ``generate`` is wrapped: (module, instance attribute it replaced,
+        #: the wrapper).
+        self._generators: list[tuple[nn.Module, Any, Callable[..., Any]]] = []
+        if any(tower.run_when_empty for tower in towers):
+            for module in model.modules():
+                if callable(getattr(type(module), "generate", None)):
+                    self._wrap_generate(module)
 
     # ------------------------------------------------------------- decisions
     def _balances(self, tower: BalancedTower) -> bool:
@@ -219,6 +235,7 @@ class BalanceMedia:
             self._joined = in_backward()
             self.last_calls = 0
             self.last_joined = 0
+            self._anchors.clear()
 
     def _end(self, _module: nn.Module, _args: Any, output: Any) -> Any:
         self._in_forward = max(0, self._in_forward - 1)
@@ -253,6 +270,7 @@ class BalanceMedia:
                 group=self._group,
                 run_when_empty=tower.run_when_empty,
                 runner=original,
+                anchors=self._anchors,
             )
 
         return forward
@@ -283,14 +301,48 @@ class BalanceMedia:
 
         return run
 
+    def _wrap_generate(self, module: nn.Module) -> None:
+        """Make a ``module.generate(...)`` call one balanced scope (see the module
+        docstring): towers with units are balanced until the join site of its first
+        forward, or until it returns; a nested call (``PeftModel.generate`` calling the
+        wrapped model's) or one inside a forward runs as it is."""
+        previous = vars(module).get("generate")
+        original: Callable[..., Any] = module.generate  # type: ignore[assignment]
+
+        @functools.wraps(original)
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            if self._in_forward or in_backward():
+                return original(*args, **kwargs)
+            self._in_forward = 1
+            self._training = False
+            self._joined = False
+            self.last_calls = 0
+            self.last_joined = 0
+            try:
+                output = original(*args, **kwargs)
+            except BaseException:
+                self._joined = True  # the call raised: no collective after it
+                raise
+            finally:
+                self._in_forward = 0
+            if not self._joined:
+                self._join_all()
+            return output
+
+        object.__setattr__(module, "generate", generate)
+        self._generators.append((module, previous, generate))
+
     # --------------------------------------------------------------- joining
     def _join_all(self) -> Tensor | None:
         """Join every call other ranks still make, tower by tower; the summed anchor
         (``None`` when nothing was joined or balancing is off in this forward)."""
         self._joined = True
+        made, self._anchors = self._anchors, []
         if in_backward():
             return None
         total: Tensor | None = None
+        for anchor in made:  # the calls this rank made
+            total = anchor if total is None else total + anchor.to(total.device)
         for module, tower, layout in self._modules:
             if not (tower.run_when_empty or self._training):
                 continue
@@ -333,6 +385,13 @@ class BalanceMedia:
         for module, _, _ in self._modules:
             vars(module).pop("forward", None)
         self._modules.clear()
+        for module, previous, wrapper in self._generators:
+            if vars(module).get("generate") is wrapper:  # not replaced or removed since
+                if previous is None:
+                    del vars(module)["generate"]
+                else:
+                    object.__setattr__(module, "generate", previous)
+        self._generators.clear()
 
 
 @dataclass(frozen=True)
