@@ -604,3 +604,59 @@ def run_sharded_cases(rank: int, world_size: int, out_dir: str) -> None:
     results["vlm_text_only_rank_tower_units"] = _vlm_case(rank, tower_units=True)
     results["vlm_call_per_image_and_barrier"] = _vlm_case(rank, tower_units=True, mode="per_image")
     Path(out_dir, f"sharded{rank}.json").write_text(json.dumps(results))
+
+
+class _DetachedFeaturesVLM(nn.Module):
+    """A trainable tower whose features reach the loss detached: no gradient reaches any
+    of its outputs on any rank (one process leaves the tower without gradients)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vision_tower = _clip()
+        torch.manual_seed(1)
+        self.embed = nn.Embedding(50, 32)
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
+        self.head = nn.Linear(32, 50)
+
+    def forward(self, ids: Tensor, pixels: Tensor | None) -> Tensor:
+        x = self.embed(ids)
+        if pixels is not None:
+            features = self.vision_tower(pixels, return_dict=True).pooler_output
+            x = x + features.detach().sum(0)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        loss: Tensor = nn.functional.cross_entropy(self.head(x), ids)
+        return loss
+
+
+def run_unread_everywhere(rank: int, world_size: int, out_dir: str) -> None:
+    """Through the ``balance_media`` hook: rank 0 has three images, rank 1 none (it joins
+    at the first decoder layer and encodes some of rank 0's). No rank's loss reads a tower
+    output, so every rank must run the same backward collectives (or none): the joining
+    rank's anchor is in its loss, so the calling rank's exchange must be too."""
+    from multimodal_fsdp.runtime.balance_media import BalancedTower, BalanceMedia
+
+    model = _DetachedFeaturesVLM()
+    tower = BalancedTower(
+        path="vision_tower", layout="batch-first", run_when_empty=False, trainable=True
+    )
+    hook = BalanceMedia(model, (tower,), "layers.0", dist.group.WORLD)
+    generator = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 50, (6,), generator=generator)
+    pixels = torch.randn(3, 3, 16, 16, generator=generator) if rank == 0 else None
+    counter = _Collectives()
+    with counter:
+        loss = model(ids, pixels)
+        forward_ops = len(counter.ops)
+        loss.backward()
+    hook.remove()
+    result = {
+        "calls": hook.last_calls,
+        "joined": hook.last_joined,
+        "backward_ops": counter.ops[forward_ops:],
+        "tower_params_with_grad": sorted(
+            n for n, p in model.vision_tower.named_parameters() if p.grad is not None
+        ),
+        "decoder_grad_norm": float(model.layers[0].weight.grad.norm()),  # type: ignore[union-attr]
+    }
+    Path(out_dir, f"unread{rank}.json").write_text(json.dumps(result))

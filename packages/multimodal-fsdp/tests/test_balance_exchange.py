@@ -252,3 +252,16 @@ def test_the_output_gradients_carry_one_flag_byte_per_output_tensor_to_every_ran
             output_bytes=sizes,
             output_grad_bytes=sizes,
         )
+
+
+def test_no_rank_waits_alone_when_no_loss_reads_a_tower_output(tmp_path: Path) -> None:
+    """The tower's features reach the loss detached on the calling rank; the other rank
+    joined the call (its zero anchor is in its loss). Both ranks run the exchange's
+    backward all_to_all (else the joining rank waits alone), and the tower keeps no
+    gradient anywhere, as in one process."""
+    run_on_gloo_ranks(rank_fns.run_unread_everywhere, 2, str(tmp_path), timeout_s=30)
+    outcomes = [json.loads((tmp_path / f"unread{r}.json").read_text()) for r in range(2)]
+    assert [(o["calls"], o["joined"]) for o in outcomes] == [(1, 0), (0, 1)]
+    assert outcomes[0]["backward_ops"] == outcomes[1]["backward_ops"] == ["alltoall_base_"]
+    assert [o["tower_params_with_grad"] for o in outcomes] == [[], []]
+    assert all(o["decoder_grad_norm"] > 0 for o in outcomes)

@@ -311,6 +311,7 @@ def balanced_call(
     group: Any = None,
     run_when_empty: bool = False,
     runner: Callable[..., Any] | None = None,
+    anchors: list[Tensor] | None = None,
 ) -> Any:
     """``tower(*args, **kwargs)``, with the items of every rank's call spread evenly over
     the ranks of ``group`` (collective: every rank calls this or ``join_without_call``).
@@ -321,7 +322,10 @@ def balanced_call(
     where inputs require grad, to the inputs. ``runner`` runs the tower on the local share (default
     ``tower`` itself; a hook that replaces the tower's forward passes the original).
     ``run_when_empty``: run the tower on a placeholder whose output counts 0 when this
-    rank gets nothing to encode (for towers that own FSDP units).
+    rank gets nothing to encode (for towers that own FSDP units). ``anchors``: a list
+    that gets the call's zero anchor when gradients flow back; add it to the loss (as
+    ``join_without_call``'s) so this rank runs the exchange's backward collectives even
+    when its loss reads none of the outputs, as the ranks that joined do.
     """
     chosen = layout if layout is not None else media_layout_for(tower)
     named = dict(kwargs or {})
@@ -331,7 +335,7 @@ def balanced_call(
     except (ValueError, TypeError) as raised:
         error = raised
         call = MediaCall(spec=CallSpec(fields=()), items=())
-    output, _, _ = _run(
+    output, anchor, _ = _run(
         tower,
         chosen,
         call,
@@ -341,6 +345,8 @@ def balanced_call(
         runner=runner or tower,
         original=(tuple(args), named),
     )
+    if anchors is not None and anchor.requires_grad:
+        anchors.append(anchor)
     return output
 
 

@@ -9,8 +9,9 @@ mesh (both dimensions of an HSDP mesh, one flattened group made once at install)
 makes every rank join the calls it does not make itself
 ([`join_remaining_calls`][multimodal_fsdp.balance.exchange.join_remaining_calls]) at the
 *join site*: just before the first decoder unit runs (a forward pre-hook that runs
-before FSDP's own), with the zero anchor added to that unit's hidden states, so the
-exchange's backward collectives keep the same order on every rank. A model without
+before FSDP's own), with the zero anchors of the calls it joined and made added to
+that unit's hidden states, so every rank runs the exchange's backward collectives, in
+the same order, even where its loss reads none of a call's outputs. A model without
 such a unit joins at the end of its forward instead.
 
 When a call is balanced (the same decision on every rank):
@@ -334,8 +335,9 @@ class BalanceMedia:
 
     # --------------------------------------------------------------- joining
     def _join_all(self) -> Tensor | None:
-        """Join every call other ranks still make, tower by tower; the summed anchor
-        (``None`` when nothing was joined or balancing is off in this forward)."""
+        """Join every call other ranks still make, tower by tower; the summed anchor of
+        the calls made and joined (``None`` when there were none or balancing is off in
+        this forward)."""
         self._joined = True
         made, self._anchors = self._anchors, []
         if in_backward():
