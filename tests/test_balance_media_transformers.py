@@ -149,7 +149,8 @@ def test_generate_is_one_balanced_scope_for_a_tower_with_units(policy: str, bala
     only, that rank's tower all-gathers met the other rank's decoder collectives (gloo
     aborted: 'Received data size doesn't match expected size'). The hook wraps
     ``generate`` (over entry_unshard's wrapper) so that the call is balanced; a tower
-    without units keeps running locally; removing the hook restores the wrapper below."""
+    without units keeps running locally (as in an eval forward), and training forwards
+    balance both; removing the hook restores the wrapper below."""
     from fsdp_core import build_mesh
     from fsdp_core.fake_group import fake_process_group
     from fsdp_core.runtime import installed_hooks, remove_runtime_hooks
@@ -166,6 +167,12 @@ def test_generate_is_one_balanced_scope_for_a_tower_with_units(policy: str, bala
                 model, {"input_ids": torch.ones(1, 2).long(), "pixel_values": 0}
             )
         assert hook.last_calls == int(balanced)  # the one tower call, before the first forward
+        with torch.no_grad():  # an eval forward: the same rule
+            balanced_hf._hf_loss(model, balanced_hf._hf_batch("llava")(3, {"images": 2}))
+        assert hook.last_calls == int(balanced)
+        model.train()
+        balanced_hf._hf_loss(model, balanced_hf._hf_batch("llava")(3, {"images": 2})).backward()
+        assert hook.last_calls == 1  # training: every tower is balanced
         wrapper = vars(model)["generate"]
         assert remove_runtime_hooks(model, ["balance_media"]) == ["balance_media"]
         assert (vars(model)["generate"] is not wrapper) == balanced
