@@ -4,8 +4,9 @@
 backward
 of a batch on an unsharded copy of the model, in one process, with every parameter in the dtype
 it computes in under the plan and FSDP2's casts at unit boundaries, and follows
-the bytes that are alive: what autograd saves in forward, what backward creates,
-and - replayed unit by unit as FSDP2 does it - the gathered parameters, each
+the bytes that are alive: what forward creates (what autograd saves, and the rest
+while it lives), what backward creates, and - replayed unit by unit as FSDP2 does it -
+the gathered parameters with the all-gather output FSDP2 keeps in forward, each
 unit's unsharded gradients and reduce-scatter input, and the sharded gradients.
 With balanced towers and the step's media, each tower call also adds the exchange's
 buffers (inputs and outputs sent and received) at the moments they exist.
@@ -144,16 +145,27 @@ class _LiveBytes(TorchDispatchMode):
         self.gathered = 0
         self.peak = 0
         self.working_peak = 0
-        self.seen: set[int] = set()
+        self.seen: dict[int, int] = {}
+        #: Storages autograd saved (``mark_saved``), whether or not traced yet.
+        self.saved: set[int] = set()
 
     def add(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
         if key in self.skip or key in self.seen or storage.nbytes() == 0:
             return
-        self.seen.add(key)
+        self.seen[key] = storage.nbytes()
         self.bump(storage.nbytes())
         weakref.finalize(storage, self._free, key, storage.nbytes())
+
+    def mark_saved(self, tensor: torch.Tensor) -> None:
+        """Follow ``tensor`` and count it among the saved bytes."""
+        self.add(tensor)
+        self.saved.add(tensor.untyped_storage().data_ptr())
+
+    def saved_bytes(self) -> int:
+        """Bytes of the saved storages that are still alive."""
+        return sum(nbytes for key, nbytes in self.seen.items() if key in self.saved)
 
     def bump(self, nbytes: int, *, gathered: bool = False) -> None:
         """Bytes that no traced tensor holds (FSDP's buffers, sharded gradients and,
@@ -165,7 +177,8 @@ class _LiveBytes(TorchDispatchMode):
         self.working_peak = max(self.working_peak, self.live - self.gathered)
 
     def _free(self, key: int, nbytes: int) -> None:
-        self.seen.discard(key)
+        self.seen.pop(key, None)
+        self.saved.discard(key)  # the address may be reused by a tensor nobody saves
         self.live -= nbytes
 
     def __torch_dispatch__(
@@ -196,7 +209,10 @@ def trace_activations(
     (materialised on the CPU if it is on meta) whose parameters are in the
     plan's compute dtypes and whose units cast inputs and outputs as FSDP2 does.
     Forward: each storage that autograd saves counts once, parameters excluded
-    (they are in the gathered figures), plus the loss. Backward: the live bytes
+    (they are in the gathered figures), plus the loss (``saved_bytes``); the step's
+    peak also follows every other tensor forward creates while it lives, and the
+    all-gather output FSDP2 keeps beside a unit's parameters (``_Gathers``), so that
+    a peak inside forward (a tower in the root unit) is predicted. Backward: the live bytes
     of those activations and of every tensor backward creates, with each unit's
     gradients handled as FSDP2 does on a shard group of ``shard`` ranks: the
     unit's unsharded gradients stay until its last one is accumulated, then its
@@ -225,13 +241,18 @@ def trace_activations(
     if media is not None:
         handles += _ExchangeBuffers(plan, twin, live, media).hooks
     try:
-        with torch.autograd.graph.saved_tensors_hooks(_packer(live), lambda tensor: tensor):
+        # Forward's own transients (outputs not yet consumed, values not saved) count
+        # while they live, as the tracker counts them: a peak can fall in forward.
+        with (
+            torch.autograd.graph.saved_tensors_hooks(_packer(live), lambda tensor: tensor),
+            live,
+        ):
             loss = loss_fn(twin)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError("loss_fn must return a scalar tensor (the loss of one batch)")
-        live.add(loss)
-        saved = live.live - live.gathered
-        live.working_peak = saved
+        live.mark_saved(loss)
+        saved = live.saved_bytes()
+        live.working_peak = live.live - live.gathered
         if loss.requires_grad:
             with live:
                 torch.autograd.backward(loss)
@@ -250,7 +271,14 @@ class _Gathers:
     gradient of its output arrives (its pre-backward), together with the next unit
     in reverse forward order (the implicit prefetch), and freed when its gradients
     are complete. Units that keep their parameters (the root) stay gathered until
-    then. Frozen units are not gathered in backward."""
+    then. Frozen units are not gathered in backward.
+
+    In forward, FSDP2 (torch 2.13, ``wait_for_unshard``) keeps each all-gather's output
+    buffer (the unit's gathered bytes) after copying the parameters out of it, until the
+    next unit's all-gather has arrived or the root's forward ends: the root's buffer
+    stays beside its unsharded parameters while the first modules under the root run
+    (a tower in the root unit). Only all-gathers on more than one rank keep it; in
+    backward the buffer is freed at once (the prefetched unit's gather stands for it)."""
 
     def __init__(
         self, plan: ShardingPlan, model: nn.Module, twin: nn.Module, live: _LiveBytes, shard: int
@@ -265,6 +293,11 @@ class _Gathers:
         self.trainable: set[int] = set()
         self.order: list[int] = []
         self.started: set[int] = set()
+        self.stages = shard > 1
+        self.staged = 0
+        self.forward_open = False
+        self.hooks.append(twin.register_forward_pre_hook(self._root_pre, prepend=True))
+        self.hooks.append(twin.register_forward_hook(self._root_post))
         for index, (unit, params) in enumerate(
             zip(plan.units, unit_parameters(plan, model), strict=True)
         ):
@@ -291,10 +324,31 @@ class _Gathers:
         self.live.bump(nbytes - self.held[index], gathered=True)
         self.held[index] = nbytes
 
+    def _root_pre(self, *_: Any) -> None:
+        self.forward_open = True
+
+    def _root_post(self, *_: Any) -> None:
+        """The root's post-forward frees the last unit's all-gather buffer."""
+        self.forward_open = False
+        self._stage(0)
+
+    def _stage(self, nbytes: int) -> None:
+        """The all-gather output kept after its copy-out replaces the previous one."""
+        self.live.bump(nbytes - self.staged, gathered=True)
+        self.staged = nbytes
+
     def _pre(self, index: int) -> Callable[..., None]:
         def hook(*_: Any) -> None:
-            if self.done.get(index, 0) == 0:
-                self._set(index, self.size[index])
+            if self.done.get(index, 0) != 0:
+                return
+            size = self.size[index]
+            if self.stages and self.forward_open and self.held[index] < size:
+                # The new all-gather's output arrives beside the previous one, which
+                # FSDP2 frees before copying the parameters out of the new one.
+                self.live.bump(size, gathered=True)
+                self.live.bump(-size, gathered=True)
+                self._stage(size)
+            self._set(index, size)
 
         return hook
 
@@ -474,7 +528,7 @@ class _ExchangeBuffers:
 
 def _packer(live: _LiveBytes) -> Callable[[torch.Tensor], torch.Tensor]:
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        live.add(tensor)
+        live.mark_saved(tensor)
         return tensor
 
     return pack

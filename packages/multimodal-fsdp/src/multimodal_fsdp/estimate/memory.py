@@ -20,7 +20,8 @@ keeps beside them, so that the plan predicts the whole per-rank peak:
 
 **The peak total.** With a traced step, the trace also replays what FSDP2 holds
 beside the activations, unit by unit: gathered parameters (gathered at a
-unit's forward, freed after it if it reshards; in backward gathered when its
+unit's forward, freed after it if it reshards, with the all-gather output FSDP2
+keeps until the next unit's gather; in backward gathered when its
 output's gradient arrives, with the next unit prefetched, freed when its
 gradients are complete), each unit's unsharded gradients and reduce-scatter
 input, and the sharded gradients. The predicted peak is the resting bytes plus

@@ -9,7 +9,8 @@ the next one early. Without the prefetch guard
 ([`multimodal_fsdp.runtime.prefetch_guard`][multimodal_fsdp.runtime.prefetch_guard]) the unit that
 finishes its forward right
 after a unit without backward re-gathers that unit in its pre-backward, which is wasted
-communication. Transient all-gather staging buffers are not included.
+communication. All-gather output buffers are not included (the activation trace's
+replay holds the one FSDP2 keeps in forward beside a unit's parameters).
 
 [`multimodal_fsdp.estimate.costs`][multimodal_fsdp.estimate.costs] places the units of a plan on
 this timeline; the
