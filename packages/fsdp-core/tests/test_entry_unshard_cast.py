@@ -48,3 +48,16 @@ def test_a_transformers_model_output_keeps_its_type() -> None:
     assert type(cast["image"]) is outputs.BaseModelOutputWithPooling
     assert cast["image"].pooler_output.dtype == torch.bfloat16
     assert cast["image"].last_hidden_state.dtype == torch.bfloat16
+
+
+def test_a_namedtuple_keeps_its_type() -> None:
+    from typing import NamedTuple
+
+    class Pair(NamedTuple):
+        hidden: torch.Tensor
+        ids: torch.Tensor
+
+    cast = _cast((Pair(torch.ones(2), torch.arange(2)),), torch.bfloat16)
+    assert type(cast[0]) is Pair
+    assert cast[0].hidden.dtype == torch.bfloat16
+    assert cast[0].ids.dtype == torch.int64

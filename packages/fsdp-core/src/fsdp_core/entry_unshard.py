@@ -291,13 +291,15 @@ def _cast(value: Any, dtype: torch.dtype | None) -> Any:
     """Floating tensors (in tuples, lists and dicts) cast to ``dtype``, as FSDP's
     ``cast_forward_inputs`` does for a unit's own forward. A dict subclass keeps its
     type (a shallow copy with the values replaced): transformers' ``generate()`` passes
-    ``ModelOutput`` objects (``mm_encoder_outputs``) that the forward reads by attribute."""
+    ``ModelOutput`` objects (``mm_encoder_outputs``) that the forward reads by attribute;
+    so does a namedtuple."""
     if dtype is None:
         return value
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
     if isinstance(value, tuple):
-        return tuple(_cast(v, dtype) for v in value)
+        items = [_cast(v, dtype) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     if isinstance(value, list):
         return [_cast(v, dtype) for v in value]
     if isinstance(value, dict):
