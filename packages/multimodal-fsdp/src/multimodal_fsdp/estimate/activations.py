@@ -16,7 +16,6 @@ other figures.
 
 from __future__ import annotations
 
-import copy
 import logging
 import weakref
 from collections.abc import Callable
@@ -25,7 +24,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp_core import ShardingPlan
 from fsdp_core.internals import TorchDispatchMode
@@ -36,6 +34,7 @@ from multimodal_fsdp.estimate.collectives import (
     param_compute_dtype,
     param_reduce_dtype,
 )
+from multimodal_fsdp.estimate.compute_copy import add_cast_hooks, compute_copy
 from multimodal_fsdp.estimate.exchange import StepMedia, balanced_towers, exchange_rounds
 from multimodal_fsdp.estimate.timeline import kept_after_forward
 
@@ -51,71 +50,6 @@ def check_shard(shard: int) -> None:
     """A ValueError unless ``shard`` is a positive int (a shard-group size)."""
     if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1:
         raise ValueError(f"shard must be a positive int (the shard-group size), got {shard!r}")
-
-
-def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    """``value`` with its floating tensors cast (tensors, tuples, lists, plain dicts)."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, tuple | list):
-        return type(value)(_cast_floats(v, dtype) for v in value)
-    if type(value) is dict:
-        return {k: _cast_floats(v, dtype) for k, v in value.items()}
-    return value
-
-
-def _add_cast_hooks(module: nn.Module, policy: MixedPrecisionPolicy) -> list[Any]:
-    """What FSDP2 does at a unit's boundary: cast inputs to the compute dtype, outputs
-    to ``output_dtype``."""
-    handles = []
-    param_dtype, output_dtype = policy.param_dtype, policy.output_dtype
-    if policy.cast_forward_inputs and param_dtype is not None:
-
-        def pre(_: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-            return _cast_floats(args, param_dtype), _cast_floats(dict(kwargs), param_dtype)
-
-        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-    if output_dtype is not None:
-
-        def post(_: nn.Module, __: Any, output: Any) -> Any:
-            return _cast_floats(output, output_dtype)
-
-        handles.append(module.register_forward_hook(post))
-    return handles
-
-
-def _materialise(model: nn.Module) -> None:
-    """Give a meta-device copy real (random) values: sizes do not depend on them."""
-    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-        return
-    logger.info("activation trace: materialising a meta-device copy on the CPU")
-    model.to_empty(device="cpu")
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for tensor in (*model.parameters(), *model.buffers()):
-            if tensor.is_floating_point():
-                tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.02)
-            else:
-                tensor.zero_()
-
-
-def _compute_copy(model: nn.Module, plan: ShardingPlan) -> nn.Module:
-    """An unsharded copy with every parameter in the dtype it computes in under ``plan``
-    (replicated parameters: the dtypes the planner recorded)."""
-    replicated = dict(plan.replicated_param_dtypes)
-    twin = copy.deepcopy(model)
-    _materialise(twin)
-    with torch.no_grad():
-        for unit, params in zip(plan.units, unit_parameters(plan, twin), strict=True):
-            target = unit.mp_policy.param_dtype
-            for _, param in params:
-                if target is not None and param.is_floating_point():
-                    param.data = param.data.to(target)
-        named = dict(twin.named_parameters())
-        for name, dtype in replicated.items():
-            if name in named:
-                named[name].data = named[name].data.to(dtype)
-    return twin
 
 
 @dataclass(frozen=True)
@@ -229,12 +163,12 @@ def trace_activations(
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     check_shard(shard)
-    twin = _compute_copy(model, plan)
+    twin = compute_copy(model, plan)
     live = _LiveBytes({p.untyped_storage().data_ptr() for p in twin.parameters()})
     handles = []
     for unit in plan.units:
         for path in unit.paths:
-            handles += _add_cast_hooks(twin.get_submodule(path), unit.mp_policy)
+            handles += add_cast_hooks(twin.get_submodule(path), unit.mp_policy)
     gathers = _Gathers(plan, model, twin, live, shard)
     handles += gathers.hooks
     handles += _GradStaging(plan, model, twin, live, shard, gathers).hooks

@@ -32,6 +32,7 @@ from fsdp_core import ShardingPlan
 from multimodal_fsdp.balance import CallSpec, exchange_traffic, media_layout_for
 from multimodal_fsdp.balance.traffic import ExchangeCollective
 from multimodal_fsdp.estimate.collectives import CommTally
+from multimodal_fsdp.estimate.compute_copy import add_cast_hooks, compute_copy
 from multimodal_fsdp.runtime.balance_media import BalancedTower, BalanceMediaRuntimeHook
 
 __all__ = [
@@ -277,20 +278,17 @@ def record_step_media(
     and splits each call of a balanced tower with its layout adapter. For ranks with
     different media, record each rank's batch and build
     ``StepMedia(ranks=(calls_of_rank_0, calls_of_rank_1, ...), rank=...)``."""
-    # Imported here: activations builds the unsharded copy (its module imports none of this).
-    from multimodal_fsdp.estimate.activations import _add_cast_hooks, _compute_copy
-
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     towers = balanced_towers(plan)
     if not towers:
         return StepMedia.same_on_every_rank((), world_size=world_size, rank=rank)
-    twin = _compute_copy(model, plan)
+    twin = compute_copy(model, plan)
     calls: list[BalancedCall] = []
     handles = []
     for unit in plan.units:
         for path in unit.paths:
-            handles += _add_cast_hooks(twin.get_submodule(path), unit.mp_policy)
+            handles += add_cast_hooks(twin.get_submodule(path), unit.mp_policy)
     for tower in towers:
 
         def capture(
