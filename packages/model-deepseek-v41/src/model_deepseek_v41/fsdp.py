@@ -34,7 +34,7 @@ iteration (the tower run once per image); elsewhere each norm is its own unit
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -369,31 +369,6 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
     only executes its calls. Every option of ``multimodal_fsdp.MultimodalParallelizer``
     is accepted with the same meaning and default.
     """
-
-    def __init__(
-        self,
-        *,
-        frozen_multimodal_sharding: str | Mapping[str, str] = "root",
-        extra_tower_names: Iterable[str] = (),
-        extra_projector_names: Iterable[str] = (),
-        exclude: Iterable[str] = (),
-        sync_replicated: bool = True,
-        dtype_safe: bool = True,
-        uneven_media: bool = False,
-        disabled_hooks: Iterable[str] = (),
-        balance_media: bool = False,
-    ) -> None:
-        super().__init__(
-            frozen_multimodal_sharding=frozen_multimodal_sharding,
-            extra_tower_names=extra_tower_names,
-            extra_projector_names=extra_projector_names,
-            exclude=exclude,
-            sync_replicated=sync_replicated,
-            dtype_safe=dtype_safe,
-            uneven_media=uneven_media,
-            disabled_hooks=disabled_hooks,
-            balance_media=balance_media,
-        )
 
     def _fully_shard_module(self, module: object, **kwargs: object) -> None:
         """Execute one planned call: the norm units are calls of the plan already
