@@ -629,6 +629,12 @@ class _DetachedFeaturesVLM(nn.Module):
         return loss
 
 
+def run_all_cases(rank: int, world_size: int, out_dir: str) -> None:
+    """``run_cases`` then ``run_sharded_cases`` in one spawn of the ranks."""
+    run_cases(rank, world_size, out_dir)
+    run_sharded_cases(rank, world_size, out_dir)
+
+
 def run_unread_everywhere(rank: int, world_size: int, out_dir: str) -> None:
     """Through the ``balance_media`` hook: rank 0 has three images, rank 1 none (it joins
     at the first decoder layer and encodes some of rank 0's). No rank's loss reads a tower

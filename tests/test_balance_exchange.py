@@ -21,10 +21,16 @@ FORWARD = ["allgather_", "allgather_", "alltoall_base_", "allgather_", "alltoall
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One spawn of 2 gloo ranks runs the plain and the sharded cases."""
     out = tmp_path_factory.mktemp("balance")
-    run_on_gloo_ranks(rank_fns.run_cases, 2, str(out), timeout_s=90)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    run_on_gloo_ranks(rank_fns.run_all_cases, 2, str(out), timeout_s=180)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(launched: Path) -> list[dict[str, Any]]:
+    return [json.loads((launched / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 @pytest.mark.parametrize("case", sorted(rank_fns.CASES))
@@ -123,10 +129,8 @@ def test_under_the_fake_group_the_collectives_are_the_predicted_ones() -> None:
 
 
 @pytest.fixture(scope="module")
-def sharded(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("balance_sharded")
-    run_on_gloo_ranks(rank_fns.run_sharded_cases, 2, str(out), timeout_s=90)
-    return [json.loads((out / f"sharded{r}.json").read_text()) for r in range(2)]
+def sharded(launched: Path) -> list[dict[str, Any]]:
+    return [json.loads((launched / f"sharded{r}.json").read_text()) for r in range(2)]
 
 
 @pytest.mark.parametrize("case", sorted(rank_fns.SHARDED_CASES))

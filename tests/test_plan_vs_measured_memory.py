@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 from hf_vlms import HF_VLMS, hf_loss
+from memory_check import EXACT, check_memory, relative
 from padded_deepseek import PADDED_TINY
 from torch import nn
 
@@ -58,14 +59,6 @@ DS_CONFIG = PADDED_TINY
 DS_BATCH = make_batch(DS_CONFIG, batch_size=2, seq_len=16)
 
 #: Figures held to 2% (exact in practice), and the looser ones.
-EXACT = (
-    "sharded_param_bytes",
-    "replicated_param_bytes",
-    "peak_gathered_forward_bytes",
-    "peak_gathered_backward_bytes",
-    "gradient_bytes",
-    "optimizer_bytes",
-)
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor"),
@@ -132,27 +125,6 @@ def _inspect(model: nn.Module, policy: str) -> PlanCosts:
     return inspect_model(plan, model, world_size=WORLD, precision="param=bf16 reduce=fp32")
 
 
-def _relative(predicted: int, measured: int) -> float:
-    return abs(predicted - measured) / max(measured, 1)
-
-
-def _check(result: MemoryMeasurement) -> None:
-    predicted, measured = result.costs.memory, result.measured
-    assert predicted is not None
-    report = f"predicted {predicted.as_dict()}\nmeasured {measured.as_dict()}"
-    for name in EXACT:
-        assert _relative(getattr(predicted, name), getattr(measured, name)) <= 0.02, (
-            f"{name}\n{report}"
-        )
-    assert predicted.activation_bytes is not None
-    assert _relative(predicted.activation_bytes, measured.activation_bytes) <= 0.25, report
-    assert predicted.backward_activation_bytes is not None
-    assert (
-        _relative(predicted.backward_activation_bytes, measured.backward_activation_bytes) <= 0.25
-    ), report
-    assert _relative(predicted.peak_bytes, measured.peak_bytes) <= 0.10, report
-
-
 MODELS = ["deepseek", pytest.param("llava", marks=pytest.mark.transformers)]
 MODELS.append(pytest.param("qwen2_vl", marks=pytest.mark.transformers))
 
@@ -161,7 +133,7 @@ MODELS.append(pytest.param("qwen2_vl", marks=pytest.mark.transformers))
 @pytest.mark.parametrize("name", MODELS)
 def test_predicted_memory_matches_measured(name: str, policy: str) -> None:
     result = _measure(name, policy)
-    _check(result)
+    check_memory(result)
     measured = result.measured
     # The figures are real: something of every kind was seen.
     assert measured.gradient_bytes > 0
@@ -190,7 +162,7 @@ MIXED = [
 def test_mixed_policies_memory_matches_measured(name: str, policies: dict[str, str]) -> None:
     """One policy per frozen module: the plan's figures hold as for a single policy."""
     result = _measure(name, policies)
-    _check(result)
+    check_memory(result)
     measured = result.measured
     replicate = next(p for p, policy in policies.items() if policy == "replicate")
     per_layer = next(p for p, policy in policies.items() if policy == "per_layer")
@@ -227,7 +199,7 @@ def test_policies_order_parameter_memory_as_documented() -> None:
 @pytest.mark.parametrize("optimizer", ["sgd", "sgd_momentum"])
 def test_optimizer_state_follows_the_named_optimizer(optimizer: str) -> None:
     result = _measure("deepseek", "per_layer", optimizer)
-    _check(result)
+    check_memory(result)
     memory = result.costs.memory
     assert memory is not None
     assert memory.optimizer_bytes == OPTIMIZER_STATES[optimizer] * memory.gradient_bytes
@@ -611,13 +583,13 @@ def test_gloo_ranks_measure_what_the_fake_group_measures(
             assert measured[name] == fake[name] == predicted[name], name
         # The optimizer state follows each rank's unpadded shard: rank 1 holds the padding
         # rank 0 does not, so its state is at most rank 0's (within 2%).
-        assert _relative(predicted["optimizer_bytes"], measured["optimizer_bytes"]) <= 0.02
+        assert relative(predicted["optimizer_bytes"], measured["optimizer_bytes"]) <= 0.02
         assert measured["optimizer_bytes"] <= fake["optimizer_bytes"]
         assert measured["activation_bytes"] == fake["activation_bytes"]
         # gloo's reduce-scatter works on a copy of its input (docs/memory.md): only the
         # temporaries, hence the peak, exceed the fake group's.
         assert measured["peak_bytes"] > fake["peak_bytes"]
-        assert _relative(predicted["peak_bytes"], fake["peak_bytes"]) <= 0.10
+        assert relative(predicted["peak_bytes"], fake["peak_bytes"]) <= 0.10
 
 
 def test_a_torch_without_the_tracker_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

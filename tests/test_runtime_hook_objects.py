@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch import Tensor, nn
+from vlm import build_vlm, vlm_batches, vlm_loss  # tests/mp, on sys.path (conftest)
 
 import fsdp_core
 import fsdp_core.parallelizer
@@ -27,7 +27,6 @@ from multimodal_fsdp import MultimodalParallelizer
 from multimodal_fsdp.runtime import schedule_check as uneven_module
 
 ROOT = Path(__file__).resolve().parents[1]
-DIM = 8
 
 #: Private attributes of objects of another class that a module may set, with the reason.
 ALLOWED_PRIVATE_WRITES: dict[str, str] = {
@@ -92,45 +91,6 @@ def test_no_module_sets_private_fields_of_other_objects() -> None:
 # --- the schedule layout is computed once -----------------------------------------------------
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(DIM, DIM)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x + self.fc(x)
-
-
-class Tower(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-
-    def forward(self, x: Tensor) -> Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-class Vlm(nn.Module):
-    """A frozen two-block tower (a media region under ``per_layer``), a projector, a decoder."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.vision_tower = Tower()
-        self.multi_modal_projector = nn.Linear(DIM, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(2))
-        self.head = nn.Linear(DIM, 2)
-        self.vision_tower.requires_grad_(False)
-
-    def forward(self, x: Tensor, pixel_values: Tensor | None = None) -> Tensor:
-        if pixel_values is not None:
-            x = x + self.multi_modal_projector(self.vision_tower(pixel_values)).mean(0)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
 @pytest.fixture
 def fake2() -> Iterator[None]:
     with fake_process_group(2):
@@ -174,7 +134,7 @@ def test_hook_data_is_computed_once_per_plan(
     fake2: None, layout_calls: list[int], owner_calls: list[int]
 ) -> None:
     """The schedule layout and the entry modules' owning units: planned once, installed as is."""
-    model = Vlm()
+    model = build_vlm(dtype=torch.float32, frozen_tower=True)
     parallelizer = MultimodalParallelizer(frozen_multimodal_sharding="per_layer")
     plan = parallelizer.plan(model, mp_policy=mixed_precision_policy("fp32", "fp32"))
     assert {"schedule_check", "entry_unshard"} <= set(plan.hook_names())
@@ -187,7 +147,7 @@ def test_hook_data_is_computed_once_per_plan(
 def test_the_schedule_layout_is_computed_once_per_plan(
     fake2: None, layout_calls: list[int]
 ) -> None:
-    model = Vlm()
+    model = build_vlm(dtype=torch.float32, frozen_tower=True)
     parallelizer = MultimodalParallelizer(frozen_multimodal_sharding="per_layer")
     plan = parallelizer.plan(model, mp_policy=mixed_precision_policy("fp32", "fp32"))
     assert "schedule_check" in plan.hook_names()
@@ -195,4 +155,4 @@ def test_the_schedule_layout_is_computed_once_per_plan(
     parallelizer.apply_plan(model, plan, mesh=build_mesh())
     assert "schedule_check" in installed_hooks(model)
     assert len(layout_calls) == 1, "apply_plan computed the schedule layout again"
-    model(torch.randn(2, DIM), torch.randn(1, DIM)).sum().backward()
+    vlm_loss(model, vlm_batches(1, 1)[0][0]).backward()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -102,14 +101,12 @@ def uneven_replicate(ctx: DistributedContext, out: Path) -> dict[str, Any]:
 def uneven_per_layer(ctx: DistributedContext, out: Path) -> dict[str, Any]:
     """Must fail fast on every rank with a message, not hang."""
     steps: list[int] = []
-    start = time.perf_counter()
     try:
         _uneven(ctx, "per_layer", on_step=steps.append)
     except UnevenMediaError as exc:
         return {
             "error_message": str(exc),
             "steps_done": len(steps),
-            "seconds_to_fail": time.perf_counter() - start,
         }
     return {"error_message": "", "steps_done": len(steps)}
 

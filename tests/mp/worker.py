@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -55,7 +54,6 @@ def main() -> None:
         if ctx.rank == 0:
             (out / RUNNING_FILE).write_text(name)
         torch.manual_seed(0)
-        start = time.perf_counter()
         error = None
         try:
             result = SCENARIOS[name](ctx, out)
@@ -64,7 +62,6 @@ def main() -> None:
         error, healthy = agree_after(ctx, index, name, error)
         if error is not None:
             result = {"error": error}
-        result["seconds"] = time.perf_counter() - start
         result["world_size"] = ctx.world_size
         if ctx.rank == 0 or not healthy:
             save_result(out, name, result)
