@@ -16,6 +16,9 @@ import pytest
 import torch
 
 MP_DIR = Path(__file__).parent / "mp"
+#: Comma-separated scenario names: launch only these (a quick loop on a few scenarios;
+#: tests reading another scenario then skip). Unset: every scenario of the launch.
+ONLY_ENV = "FSDP_TEST_ONLY"
 sys.path.insert(0, str(MP_DIR))
 
 from harness import run_scenarios  # noqa: E402
@@ -56,9 +59,14 @@ def _results_fixture(world_size: int, after: str | None = None) -> Any:
                 previous = request.getfixturevalue(after).out  # type: ignore[attr-defined]
             except pytest.skip.Exception:
                 previous = None  # e.g. 2 GPUs under NCCL: no 4-rank launch to load from
+        only = {n for n in os.environ.get(ONLY_ENV, "").split(",") if n}
         scenarios = [
-            name for name in LAUNCHES[world_size] if previous or name not in NEEDS_PREVIOUS
+            name
+            for name in LAUNCHES[world_size]
+            if (previous or name not in NEEDS_PREVIOUS) and (not only or name in only)
         ]
+        if not scenarios:
+            pytest.skip(f"{ONLY_ENV} selects no scenario of the {world_size}-rank launch")
         out = tmp_path_factory.mktemp(f"mp{world_size}")
         _launch(world_size, out, backend, previous, scenarios)
 
@@ -66,7 +74,8 @@ def _results_fixture(world_size: int, after: str | None = None) -> Any:
             if name not in LAUNCHES[world_size]:
                 raise KeyError(f"scenario {name!r} is not launched on {world_size} ranks")
             if name not in scenarios:
-                pytest.skip(f"scenario {name!r} needs the output of the {after} launch")
+                why = "is not in " + ONLY_ENV if only else f"needs the output of the {after} launch"
+                pytest.skip(f"scenario {name!r} {why}")
             result: dict[str, Any] = torch.load(out / f"{name}.pt", weights_only=False)
             if "error" in result:
                 pytest.fail(f"scenario {name} failed on the ranks:\n{result['error']}")
