@@ -420,3 +420,47 @@ def test_balance_media_shows_the_balanced_towers_and_their_collectives(
     assert data["balanced_towers"] == ["vision"]
     assert data["exchange_collectives"]["forward"]["all_to_all"]["count"] == 2
     assert data["exchange_collectives"]["backward"]["all_to_all"]["count"] == 1
+
+
+def test_memory_budget_counts_the_balanced_exchange_of_the_batch(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--memory-budget`` costs the plans it compares as ``--policy`` costs one: with
+    ``--balance-media --batch`` the batch's exchange is counted, not left out with a note
+    asking for the ``--batch`` that was given."""
+    base = ["--model", "deepseek-v41-tiny", "--world-size", "2", "--balance-media"]
+    base += ["--batch", "2x16", "--json"]
+    given = json.loads(run(capsys, *base, "--policy", "root"))
+    chosen = json.loads(run(capsys, *base, "--memory-budget", "1GiB"))
+    assert chosen["policy"] == "root"
+    assert not any("NOT counted" in note for note in chosen["notes"])
+    assert chosen["exchange_collectives"] == given["exchange_collectives"] is not None
+    assert chosen["totals"] == given["totals"]
+    assert chosen["memory"] == given["memory"]
+    collectives = given["totals"]["collectives"].values()
+    count = sum(kind["count"] for phase in collectives for kind in phase.values())
+    assert [c["comm_count"] for c in chosen["policy_choice"]["candidates"]] == [count] * 3
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--dp-replicate", "2"],
+        ["--reshard-after-forward", "false", "--no-prefetch-guard"],
+        ["--optimizer", "sgd", "--precision", "fp32", "--storage-dtype", "bf16"],
+        ["--activations", "1MiB"],
+        ["--balance-media", "--batch", "2x16"],
+    ],
+)
+def test_memory_budget_honours_every_option_policy_honours(
+    capsys: pytest.CaptureFixture[str], options: list[str]
+) -> None:
+    """No option counts in one mode only: the plan ``--memory-budget`` chooses is costed
+    exactly as ``--policy`` with that policy costs it."""
+    base = ["--model", "deepseek-v41-tiny", "--world-size", "4", "--freeze", "vision"]
+    chosen = json.loads(run(capsys, *base, *options, "--json", "--memory-budget", "1GiB"))
+    given = json.loads(run(capsys, *base, *options, "--json", "--policy", chosen["policy"]))
+    for key in ("notes", "policy_choice"):
+        chosen.pop(key)
+        given.pop(key, None)
+    assert chosen == given

@@ -18,7 +18,7 @@ from fsdp_core import ShardingPlan
 from fsdp_core.mesh import MeshShape
 from multimodal_fsdp.estimate.activations import trace_activations
 from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs, resolve_cost_mesh
-from multimodal_fsdp.estimate.exchange import StepMedia
+from multimodal_fsdp.estimate.exchange import StepMedia, step_media
 from multimodal_fsdp.estimate.memory import with_memory
 
 __all__ = ["inspect_model"]
@@ -47,8 +47,11 @@ def inspect_model(
     (one batch's loss) the activations are traced and included in the peak.
     ``precision`` labels the report (e.g. ``"param=bf16 reduce=fp32"``). ``media``: the
     step's media for the towers the plan balances (``balance_media=True``), so that their
-    exchange is counted and its buffers traced."""
+    exchange is counted and its buffers traced; by default that of ``loss_fn``'s batch on
+    every rank (see [`step_media`][multimodal_fsdp.estimate.exchange.step_media], the
+    rule the chooser follows too)."""
     shape = resolve_cost_mesh(mesh, world_size, dp_replicate)
+    media = step_media(plan, model, loss_fn, world_size=shape.world_size, media=media)
     costs = plan_costs(
         plan,
         model,

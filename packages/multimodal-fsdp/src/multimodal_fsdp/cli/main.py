@@ -38,7 +38,6 @@ from multimodal_fsdp.cli.inspection import inspect_model
 from multimodal_fsdp.cli.presets import ModelPreset, model_presets
 from multimodal_fsdp.estimate.choose import PolicyChoice, choose_frozen_policy
 from multimodal_fsdp.estimate.costs import PlanCosts
-from multimodal_fsdp.estimate.exchange import balanced_towers, record_step_media
 from multimodal_fsdp.estimate.memory import OPTIMIZER_STATES
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 from multimodal_fsdp.policy import (
@@ -470,14 +469,10 @@ def _costs(
             mp_policy=mixed_precision_policy(args.precision, args.reduce_precision),
             reshard_after_forward=args.reshard_after_forward,
         )
-        media = None
-        if loss_fn is not None and balanced_towers(plan):
-            media = record_step_media(plan, model, loss_fn, world_size=mesh.world_size)
         costs = inspect_model(
             plan,
             model,
             precision=f"param={args.precision} reduce={args.reduce_precision}",
-            media=media,
             **options,
         )
     except ValueError as error:

@@ -39,6 +39,7 @@ from fsdp_core.sharding import check_reshard_after_forward
 from fsdp_core.sizes import parse_size
 from multimodal_fsdp.estimate.activations import ActivationTrace, trace_activations
 from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs, resolve_cost_mesh
+from multimodal_fsdp.estimate.exchange import StepMedia, step_media
 from multimodal_fsdp.estimate.memory import check_optimizer, with_memory
 from multimodal_fsdp.estimate.render import format_bytes
 from multimodal_fsdp.policy import (
@@ -282,6 +283,7 @@ def choose_frozen_policy(
     optimizer: str = "adamw",
     loss_fn: Callable[[nn.Module], torch.Tensor] | None = None,
     activations: ActivationTrace | int | None = None,
+    media: StepMedia | None = None,
 ) -> PolicyChoice:
     """For each frozen tower and projector, the policy such that the whole plan
     communicates least while its predicted per-rank peak fits ``budget`` (bytes, or
@@ -301,6 +303,10 @@ def choose_frozen_policy(
     Per-module
     policies the given ``parallelizer`` already has are replaced by the choice; with
     ``uneven_media=True`` it never chooses ``per_layer``, which that option refuses.
+    A parallelizer with ``balance_media=True`` has its exchange counted in every plan, as
+    [`inspect_model`][multimodal_fsdp.cli.inspection.inspect_model] counts it: for
+    ``media``, by default that of ``loss_fn``'s batch on every rank (see
+    [`step_media`][multimodal_fsdp.estimate.exchange.step_media]).
     """
     limit = _budget(budget)
     names = _policies(policies)
@@ -348,6 +354,7 @@ def choose_frozen_policy(
         )
         chosen = base.with_options(frozen_multimodal_sharding=option)
         plan = chosen.plan(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        media_of_plan = step_media(plan, model, loss_fn, world_size=shape.world_size, media=media)
         costs = plan_costs(
             plan,
             model,
@@ -355,11 +362,12 @@ def choose_frozen_policy(
             prefetch_guard=prefetch_guard,
             policy=_label(assignment, fallback),
             precision=f"param={precision} reduce={reduce_precision}",
+            media=media_of_plan,
         )
         traced = (
             None
             if loss_fn is None
-            else trace_activations(plan, model, loss_fn, shard=shape.dp_shard)
+            else trace_activations(plan, model, loss_fn, shard=shape.dp_shard, media=media_of_plan)
         )
         costs = with_memory(costs, plan, model, optimizer=optimizer, activations=traced)
         if activations is not None and costs.memory is not None:

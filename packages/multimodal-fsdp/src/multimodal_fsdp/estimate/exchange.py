@@ -41,6 +41,7 @@ __all__ = [
     "StepMedia",
     "exchange_tally",
     "record_step_media",
+    "step_media",
 ]
 
 #: Runs the forward of one batch and returns the scalar loss.
@@ -306,3 +307,22 @@ def record_step_media(
         for handle in handles:
             handle.remove()
     return StepMedia.same_on_every_rank(calls, world_size=world_size, rank=rank)
+
+
+def step_media(
+    plan: ShardingPlan,
+    model: nn.Module,
+    loss_fn: LossFn | None,
+    *,
+    world_size: int,
+    rank: int = 0,
+    media: StepMedia | None = None,
+) -> StepMedia | None:
+    """The media a plan is costed for, the same rule everywhere a batch may be given:
+    ``media`` when given, else, when the plan balances a tower and ``loss_fn`` runs a
+    batch, that batch's media on every rank
+    ([`record_step_media`][multimodal_fsdp.estimate.exchange.record_step_media]);
+    ``None`` otherwise (no exchange to count, or nothing to count it from)."""
+    if media is not None or loss_fn is None or not balanced_towers(plan):
+        return media
+    return record_step_media(plan, model, loss_fn, world_size=world_size, rank=rank)

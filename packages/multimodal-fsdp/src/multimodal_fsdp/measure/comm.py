@@ -29,7 +29,7 @@ from fsdp_core.mesh import resolve_mesh_shape
 from fsdp_core.parallelizer import apply_plan
 from multimodal_fsdp.estimate.collectives import KINDS, PHASES, CommTally
 from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs
-from multimodal_fsdp.estimate.exchange import StepMedia, balanced_towers, record_step_media
+from multimodal_fsdp.estimate.exchange import StepMedia, step_media
 from multimodal_fsdp.runtime.prefetch_guard import (
     backward_prefetch_guard,
     remove_backward_prefetch_guard,
@@ -214,18 +214,16 @@ def measure_plan(
         mesh = build_mesh(dp_replicate=shape.dp_replicate, dp_shard=shape.dp_shard)
 
         def prepare() -> PlanCosts:
-            step_media = media
-            if step_media is None and balanced_towers(plan):
-                step_media = record_step_media(
-                    plan, model, loss_fn, world_size=shape.world_size, rank=_rank()
-                )
+            costed_media = step_media(
+                plan, model, loss_fn, world_size=shape.world_size, rank=_rank(), media=media
+            )
             return plan_costs(
                 plan,
                 model,
                 mesh=shape,
                 prefetch_guard=prefetch_guard,
                 no_backward=no_backward,
-                media=step_media,
+                media=costed_media,
             )
 
         costs = call.run(prepare, step="costing the plan")

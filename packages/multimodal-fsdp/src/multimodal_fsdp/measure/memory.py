@@ -43,7 +43,7 @@ from fsdp_core.mesh import resolve_mesh_shape
 from fsdp_core.parallelizer import apply_plan
 from multimodal_fsdp.estimate.activations import trace_activations
 from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs
-from multimodal_fsdp.estimate.exchange import StepMedia, balanced_towers, record_step_media
+from multimodal_fsdp.estimate.exchange import StepMedia, step_media
 from multimodal_fsdp.estimate.memory import check_optimizer, memory_figures, with_memory
 
 __all__ = [
@@ -312,15 +312,13 @@ def measure_plan_memory(
         mesh = build_mesh(dp_shard=shape.dp_shard)
 
         def prepare() -> PlanCosts:
-            step_media = media
-            if step_media is None and balanced_towers(plan):
-                rank = dist.get_rank() if dist.is_initialized() else 0
-                step_media = record_step_media(
-                    plan, model, loss_fn, world_size=shape.world_size, rank=rank
-                )
-            costs = plan_costs(plan, model, mesh=shape, media=step_media)
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            costed_media = step_media(
+                plan, model, loss_fn, world_size=shape.world_size, rank=rank, media=media
+            )
+            costs = plan_costs(plan, model, mesh=shape, media=costed_media)
             activations = trace_activations(
-                plan, model, loss_fn, shard=shape.dp_shard, media=step_media
+                plan, model, loss_fn, shard=shape.dp_shard, media=costed_media
             )
             return with_memory(costs, plan, model, optimizer=optimizer, activations=activations)
 
