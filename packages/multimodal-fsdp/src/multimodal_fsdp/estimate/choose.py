@@ -12,12 +12,15 @@ the earlier policy in ``policies``). Memory and communication are those of the w
 combination is judged as it will run, not as a sum of separate guesses.
 
 What to expect per module: ``replicate`` communicates nothing for it and keeps it
-whole; ``root`` keeps it gathered (in the compute dtype) all step *and* stores a
-shard, so it never needs less memory than ``replicate`` and never communicates
-less: it is chosen only when ``replicate`` is left out of ``policies`` (e.g. when
-frozen weights must stay in FSDP's sharded state). ``per_layer`` needs the least
-memory and communicates the most. A tight budget therefore typically gathers the
-big tower block by block and replicates the small projector.
+whole at every moment; ``per_layer`` needs the least memory and communicates the most.
+``root`` never communicates less than ``replicate`` and stores a shard, but holds the
+module gathered only from the start of forward to the end of the root's backward (FSDP2
+reshards the root unit before its reduce-scatter). So it needs the module's shard more
+than ``replicate`` when the step peaks in forward or backward, and the whole module less
+its shard less when the step peaks after the root's backward (large trainable
+embeddings beside a small batch): it is chosen when it fits and ``replicate`` does not,
+or when ``replicate`` is left out of ``policies``. A tight budget often gathers the big
+tower block by block and replicates the small projector. docs/memory.md has the numbers.
 """
 
 from __future__ import annotations
