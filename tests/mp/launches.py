@@ -65,6 +65,9 @@ LAUNCHES: dict[int, list[str]] = {
         "misuse_lora_after_parallelize",
         "misuse_plan_before_lora",
         "lora_load_llava",
+        "entry_ds_fully_shard_module",
+        "entry_ds_function",
+        *(f"entry_mm_flow_{policy}" for policy in ("root", "per_layer", "replicate")),
     ],
     4: [
         "core_fp32_1d",

@@ -29,6 +29,8 @@ __all__ = [
     "dominant_dtype",
     "find_dtype_islands",
     "group_islands",
+    "UnitGroups",
+    "dtype_island_groups",
     "fully_shard_dtype_safe",
     "shard_groups_then_module",
 ]
@@ -197,6 +199,38 @@ def shard_groups_then_module(
     )
 
 
+#: Units to make inside a module before the module itself: member paths (relative to
+#: the module) and the policy of each.
+UnitGroups = list[tuple[tuple[str, ...], MixedPrecisionPolicy]]
+
+
+def dtype_island_groups(
+    module: nn.Module,
+    mp_policy: MixedPrecisionPolicy,
+    *,
+    ignored_params: Iterable[nn.Parameter] | None = None,
+    skip: SkipPredicate | None = None,
+    grouped: bool | None = None,
+) -> UnitGroups:
+    """The island units that make ``module`` one dtype-safe unit: its odd-dtype
+    submodules (trainable parameters only, those already sharded and those ``skip``
+    names left out), grouped as torch allows, each with
+    [`island_policy`][fsdp_core.precision.island_policy]."""
+    wanted = set(ignored_params or ())
+    ignored_names = {name for name, p in module.named_parameters() if p in wanted}
+
+    def left_out(path: str, sub: nn.Module) -> bool:
+        return is_sharded(sub) or (skip is not None and skip(path, sub))
+
+    dominant, islands = find_dtype_islands(
+        module, skip=left_out, ignored_param_names=ignored_names
+    )
+    return [
+        (paths, island_policy(dtype, mp_policy, surrounding_dtype=dominant))
+        for dtype, paths in group_islands(islands, grouped=grouped)
+    ]
+
+
 def fully_shard_dtype_safe(
     module: nn.Module,
     *,
@@ -212,18 +246,9 @@ def fully_shard_dtype_safe(
     Islands get [`fsdp_core.precision.island_policy`][fsdp_core.precision.island_policy] (their own
     dtype for params and reduction, output cast to the surrounding compute dtype).
     """
-    ignored_names = {
-        name for name, p in module.named_parameters() if ignored_params and p in ignored_params
-    }
-    dominant, islands = find_dtype_islands(
-        module,
-        skip=lambda _path, sub: is_sharded(sub),
-        ignored_param_names=ignored_names,
+    groups = dtype_island_groups(
+        module, mp_policy, ignored_params=ignored_params, grouped=grouped
     )
-    groups = [
-        (paths, island_policy(dtype, mp_policy, surrounding_dtype=dominant))
-        for dtype, paths in group_islands(islands, grouped=grouped)
-    ]
     shard_groups_then_module(
         module,
         groups,

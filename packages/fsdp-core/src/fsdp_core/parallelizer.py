@@ -16,6 +16,7 @@ import hashlib
 import logging
 import re
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -27,7 +28,13 @@ from fsdp_core import internals
 from fsdp_core.accumulation import AccumulationWarmupRuntimeHook
 from fsdp_core.collective_entry import enter_collective, group_ranks
 from fsdp_core.containers import is_under, iter_layer_items
-from fsdp_core.dtype_units import find_dtype_islands, group_islands
+from fsdp_core.dtype_units import (
+    UnitGroups,
+    dtype_island_groups,
+    find_dtype_islands,
+    group_islands,
+    shard_groups_then_module,
+)
 from fsdp_core.entry_unshard import EntryUnshardRuntimeHook, entry_owners
 from fsdp_core.module_tree import (
     check_module_tree,
@@ -39,11 +46,14 @@ from fsdp_core.precision import island_policy
 from fsdp_core.replicated import place_replicated_params
 from fsdp_core.runtime import HookPlan, RuntimeHook, register_installed_hook
 from fsdp_core.sharding import (
+    ShardOptions,
     ShardTarget,
     apply_fully_shard,
     check_ignored_params_supported,
     check_reshard_after_forward,
+    is_sharded,
     shard_group_size,
+    shard_targets,
 )
 from fsdp_core.stale_optimizer import mark_replaced_parameters
 from fsdp_core.unused_params import UnusedParamsRuntimeHook
@@ -58,6 +68,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: True while ``apply_plan`` executes the calls of a plan: ``_fully_shard_module`` then
+#: makes exactly the unit it is given. Outside (a framework calling it on a module of its
+#: choice) it plans that module's units first.
+_PLANNED_CALL: ContextVar[bool] = ContextVar("fsdp_core_planned_call", default=False)
 
 
 def parameter_names(model: nn.Module, params: Iterable[nn.Parameter] | None) -> tuple[str, ...]:
@@ -242,9 +257,50 @@ class ModelParallelizer:
         )
 
     # ------------------------------------------------------------ hooks to override
-    def _fully_shard_module(self, module: ShardTarget, **kwargs: object) -> None:
-        """Make one unit; the single method model packages override."""
-        apply_fully_shard(module, **kwargs)  # type: ignore[arg-type]
+    def _fully_shard_module(self, module: ShardTarget, **kwargs: object) -> ShardTarget:
+        """Shard ``module`` and return it: the single method every unit goes through
+        (the reference contract's ``_fully_shard_module(module, **kwargs)``).
+
+        Called by ``apply_plan``, it makes exactly the planned call it is given. Called
+        by a framework outside any plan (``mesh=`` and ``mp_policy=`` required,
+        ``offload_policy=``, ``reshard_after_forward=`` and ``ignored_params=`` default
+        to ``None``), it makes ``module`` a unit the way a plan would: the units
+        [`_unit_groups`][fsdp_core.parallelizer.ModelParallelizer._unit_groups] names
+        first (dtype islands here), then ``module``. A list of modules is one grouped
+        unit; a module that already is a unit is left as it is. Subclasses that wrap it
+        call ``super()._fully_shard_module(module, **kwargs)``."""
+        if _PLANNED_CALL.get():
+            apply_fully_shard(module, **kwargs)  # type: ignore[arg-type]
+            return module
+        options = ShardOptions.from_kwargs(
+            kwargs, caller=f"{type(self).__name__}._fully_shard_module"
+        )
+        return self._shard_outside_plan(module, options)
+
+    def _shard_outside_plan(self, module: ShardTarget, options: ShardOptions) -> ShardTarget:
+        """Plan-then-apply of one module outside a plan (see ``_fully_shard_module``)."""
+        members = shard_targets(module)
+        if len(members) > 1:
+            apply_fully_shard(members, **options.as_kwargs())
+            return module
+        target = members[0]
+        if is_sharded(target):
+            logger.info("%s is already an FSDP unit; leaving it as it is", type(target).__name__)
+            return module
+        groups = self._unit_groups(target, options)
+        shard_groups_then_module(target, groups, **options.as_kwargs())
+        return module
+
+    def _unit_groups(self, module: nn.Module, options: ShardOptions) -> UnitGroups:
+        """The units made inside ``module`` before ``module`` itself when it is sharded
+        outside a plan: its dtype islands (none with ``dtype_safe=False``); model
+        packages add theirs. Paths are relative to ``module``; submodules that already
+        are units are left out."""
+        if not self.dtype_safe:
+            return []
+        return dtype_island_groups(
+            module, options.mp_policy, ignored_params=options.ignored_params
+        )
 
     def _unit_paths(self, ctx: PlanContext) -> list[str]:
         """Paths of the modules that become units before the root (layer-container items)."""
@@ -466,7 +522,7 @@ def _apply(
     *,
     mesh: DeviceMesh,
     offload_policy: OffloadPolicy | None,
-    shard_module: Callable[..., None],
+    shard_module: Callable[..., object],
     before: _ApplyStep | None,
     after: _ApplyStep | None,
     hook_of: Callable[[HookPlan], RuntimeHook],
@@ -483,18 +539,22 @@ def _apply(
     place_replicated_params(model, plan, mesh=mesh)
     if before is not None:
         before(model, plan, mesh=mesh)
-    for call in plan.calls:
-        members = [model.get_submodule(path) if path else model for path in call.paths]
-        ignored = {named[name] for name in call.ignored_param_names}
-        target: ShardTarget = members[0] if len(members) == 1 else members
-        shard_module(
-            target,
-            mesh=mesh,
-            mp_policy=call.mp_policy,
-            offload_policy=offload_policy,
-            reshard_after_forward=call.reshard_after_forward,
-            ignored_params=ignored or None,
-        )
+    planned = _PLANNED_CALL.set(True)
+    try:
+        for call in plan.calls:
+            members = [model.get_submodule(path) if path else model for path in call.paths]
+            ignored = {named[name] for name in call.ignored_param_names}
+            target: ShardTarget = members[0] if len(members) == 1 else members
+            shard_module(
+                target,
+                mesh=mesh,
+                mp_policy=call.mp_policy,
+                offload_policy=offload_policy,
+                reshard_after_forward=call.reshard_after_forward,
+                ignored_params=ignored or None,
+            )
+    finally:
+        _PLANNED_CALL.reset(planned)
     if after is not None:
         after(model, plan, mesh=mesh)
     mark_replaced_parameters(model, named)

@@ -8,7 +8,9 @@ Everything that turns modules into FSDP units comes through
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
 
 import torch
 from torch import nn
@@ -25,6 +27,9 @@ from fsdp_core import compat
 
 __all__ = [
     "ShardTarget",
+    "ShardOptions",
+    "SHARD_OPTION_NAMES",
+    "shard_targets",
     "apply_fully_shard",
     "owned_ignored_params",
     "shard_group_size",
@@ -69,6 +74,96 @@ def _as_modules(target: object) -> list[nn.Module]:
         if not isinstance(item, nn.Module):
             raise TypeError(f"group members must be nn.Module, got {type(item).__name__}")
     return modules
+
+
+def shard_targets(target: object) -> list[nn.Module]:
+    """The member modules of a sharding call's ``target`` (one module, or a list or
+    tuple of modules that share one unit), checked."""
+    if isinstance(target, (list, tuple)):
+        return _as_modules(target)
+    if not isinstance(target, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(target).__name__}")
+    return [target]
+
+
+#: The keyword options of a sharding call, as ``fully_shard`` and the reference
+#: ``_fully_shard_module(module, **kwargs)`` name them.
+SHARD_OPTION_NAMES: Final[tuple[str, ...]] = (
+    "mesh",
+    "mp_policy",
+    "offload_policy",
+    "reshard_after_forward",
+    "ignored_params",
+)
+
+
+@dataclass(frozen=True)
+class ShardOptions:
+    """The options of one sharding call, checked once where they enter the library.
+
+    ``mesh`` and ``mp_policy`` have no default (as in the reference
+    ``fully_shard_deepseek_v41``); pass ``MixedPrecisionPolicy()`` for no mixed
+    precision. Checking happens on construction, so a bad call shards nothing.
+    """
+
+    mesh: DeviceMesh
+    mp_policy: MixedPrecisionPolicy
+    offload_policy: OffloadPolicy | None = None
+    reshard_after_forward: bool | int | None = None
+    ignored_params: frozenset[nn.Parameter] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mesh, DeviceMesh):
+            raise TypeError(f"mesh must be a DeviceMesh, got {type(self.mesh).__name__}")
+        if not isinstance(self.mp_policy, MixedPrecisionPolicy):
+            raise TypeError(
+                f"mp_policy must be a MixedPrecisionPolicy, got {type(self.mp_policy).__name__}"
+            )
+        if self.offload_policy is not None and not isinstance(self.offload_policy, OffloadPolicy):
+            raise TypeError(
+                "offload_policy must be an OffloadPolicy or None, got "
+                f"{type(self.offload_policy).__name__}"
+            )
+        check_reshard_after_forward(self.reshard_after_forward, shard_group_size(self.mesh))
+        if self.ignored_params is not None:
+            params = self.ignored_params
+            if isinstance(params, (str, bytes, nn.Module)) or not isinstance(params, Iterable):
+                raise TypeError(
+                    "ignored_params must be a set of nn.Parameter or None, got "
+                    f"{type(params).__name__}"
+                )
+            object.__setattr__(self, "ignored_params", frozenset(params) or None)
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping[str, object], *, caller: str) -> ShardOptions:
+        """The options of a ``**kwargs`` call: unknown or missing names are a
+        ``TypeError`` that names them and the valid ones."""
+        unknown = [name for name in kwargs if name not in SHARD_OPTION_NAMES]
+        if unknown:
+            listed = ", ".join(repr(name) for name in unknown)
+            raise TypeError(
+                f"{caller} got unexpected option {listed}; valid options: "
+                f"{', '.join(SHARD_OPTION_NAMES)}"
+            )
+        missing = [name for name in ("mesh", "mp_policy") if name not in kwargs]
+        if missing:
+            raise TypeError(
+                f"{caller} needs {' and '.join(f'{name}=' for name in missing)} "
+                "(a DeviceMesh and a MixedPrecisionPolicy; MixedPrecisionPolicy() for no "
+                "mixed precision)"
+            )
+        values: dict[str, Any] = dict(kwargs)
+        return cls(**values)
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for [`apply_fully_shard`][fsdp_core.sharding.apply_fully_shard]."""
+        return {
+            "mesh": self.mesh,
+            "mp_policy": self.mp_policy,
+            "offload_policy": self.offload_policy,
+            "reshard_after_forward": self.reshard_after_forward,
+            "ignored_params": set(self.ignored_params) if self.ignored_params else None,
+        }
 
 
 def owned_ignored_params(

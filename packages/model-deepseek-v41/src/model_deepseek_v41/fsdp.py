@@ -42,17 +42,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp_core import compat, fp32_island_policy
-from fsdp_core.containers import is_module_container, join_path, unwrap_module
-from fsdp_core.dtype_units import dominant_dtype, shard_groups_then_module
+from fsdp_core.containers import is_module_container, is_under, join_path, unwrap_module
+from fsdp_core.dtype_units import UnitGroups, dominant_dtype, dtype_island_groups
 from fsdp_core.parallelizer import PlanContext
 from fsdp_core.plan import ShardCall
-from fsdp_core.sharding import (
-    ShardTarget,
-    apply_fully_shard,
-    check_reshard_after_forward,
-    is_sharded,
-    shard_group_size,
-)
+from fsdp_core.sharding import ShardOptions, ShardTarget, is_sharded
 from multimodal_fsdp import MultimodalParallelizer
 from multimodal_fsdp.discovery import resolve_multimodal_modules
 from multimodal_fsdp.discovery.names import MultimodalModule
@@ -249,59 +243,6 @@ def _vision_norm_parameters(
             yield from model.get_submodule(path).named_parameters(prefix=path)
 
 
-def _check_call(
-    module: object, mesh: object, mp_policy: object, reshard_after_forward: bool | int | None
-) -> nn.Module:
-    """``module``, once everything a call is checked for holds: checked before the first
-    unit is made, so a bad call shards nothing."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    check_reshard_after_forward(reshard_after_forward, shard_group_size(mesh))
-    return module
-
-
-def _shard_planned(
-    module: ShardTarget,
-    groups: Sequence[NormGroup],
-    *,
-    mesh: DeviceMesh,
-    mp_policy: MixedPrecisionPolicy,
-    offload_policy: OffloadPolicy | None,
-    reshard_after_forward: bool | int | None,
-    ignored_params: set[nn.Parameter] | None,
-) -> None:
-    """Execute one planned call: ``groups`` (already planned norm units under ``module``)
-    first, then ``module``. A list of modules is one grouped unit; a module that already
-    is an FSDP unit is left as it is (no double wrapping). Decides nothing."""
-    if isinstance(module, (list, tuple)):
-        apply_fully_shard(
-            list(module),
-            mesh=mesh,
-            mp_policy=mp_policy,
-            offload_policy=offload_policy,
-            reshard_after_forward=reshard_after_forward,
-            ignored_params=ignored_params,
-        )
-        return
-    checked = _check_call(module, mesh, mp_policy, reshard_after_forward)
-    if is_sharded(checked):
-        logger.info("%s is already an FSDP unit; leaving it as it is", type(checked).__name__)
-        return
-    shard_groups_then_module(
-        checked,
-        [(group.paths, group.mp_policy) for group in groups],
-        mesh=mesh,
-        mp_policy=mp_policy,
-        offload_policy=offload_policy,
-        reshard_after_forward=reshard_after_forward,
-        ignored_params=ignored_params,
-    )
-
-
 def fully_shard_deepseek_v41(
     module: nn.Module,
     mesh: DeviceMesh,
@@ -314,43 +255,23 @@ def fully_shard_deepseek_v41(
 
     The fp32 norms of ``module`` (when it is a vision tower or block) and of the vision
     towers the multimodal discovery finds in it (default options) are sharded first as
-    fp32 units (grouped when torch allows), then the module with ``mp_policy``: the
-    planning step of
+    fp32 units (grouped when torch allows), then any other odd-dtype island, then the
+    module with ``mp_policy``: the planning step of
     [`DeepseekV41ModelParallelizer`][model_deepseek_v41.fsdp.DeepseekV41ModelParallelizer],
-    applied to ``module``. Anything else gets ordinary FSDP with ``mp_policy`` unchanged.
-    A module that already is an FSDP unit is left as it is (no double wrapping). A list
-    of modules is sharded as one grouped unit with ``mp_policy`` (used for norm groups).
+    applied to ``module``, and exactly what its ``_fully_shard_module`` does outside a
+    plan. Anything else gets ordinary FSDP with ``mp_policy`` unchanged. A module that
+    already is an FSDP unit is left as it is (no double wrapping). A list of modules is
+    sharded as one grouped unit with ``mp_policy`` (used for norm groups). Everything is
+    checked before the first unit is made, so a bad call shards nothing.
     """
-    if isinstance(module, (list, tuple)) or not isinstance(module, nn.Module):
-        _shard_planned(
-            module,
-            (),
-            mesh=mesh,
-            mp_policy=mp_policy,
-            offload_policy=offload_policy,
-            reshard_after_forward=reshard_after_forward,
-            ignored_params=ignored_params,
-        )
-        return module
-    _check_call(module, mesh, mp_policy, reshard_after_forward)
-    groups: list[NormGroup] = []
-    if not is_sharded(module):
-        ignored_names = [
-            name for name, p in module.named_parameters() if ignored_params and p in ignored_params
-        ]
-        towers = _vision_tower_paths(resolve_multimodal_modules(module))
-        groups = _plan_norm_groups(
-            module, ["", *towers], mp_policy=mp_policy, ignored_param_names=ignored_names
-        )
-    _shard_planned(
-        module,
-        groups,
+    options = ShardOptions(
         mesh=mesh,
         mp_policy=mp_policy,
         offload_policy=offload_policy,
         reshard_after_forward=reshard_after_forward,
-        ignored_params=ignored_params,
+        ignored_params=None if ignored_params is None else frozenset(ignored_params),
     )
+    DeepseekV41ModelParallelizer()._shard_outside_plan(module, options)
     return module
 
 
@@ -370,10 +291,43 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
     is accepted with the same meaning and default.
     """
 
-    def _fully_shard_module(self, module: object, **kwargs: object) -> None:
-        """Execute one planned call: the norm units are calls of the plan already
-        (``_plan_leading_calls``), so nothing is discovered or planned here."""
-        _shard_planned(module, (), **kwargs)  # type: ignore[arg-type]
+    def _fully_shard_module(self, module: ShardTarget, **kwargs: object) -> ShardTarget:
+        """Shard ``module`` and return it (the reference contract).
+
+        Called by a framework outside any plan (NeMo Automodel's MoE parallelizer: each
+        vision block, then the tower, then the root, with ``mesh=`` and ``mp_policy=``):
+        exactly ``fully_shard_deepseek_v41(module, **kwargs)``, with this parallelizer's
+        discovery options (``exclude=``, ``extra_tower_names=``) deciding the towers.
+        Called by ``apply_plan``: executes the planned call (the norm units are calls of
+        the plan already, ``_plan_leading_calls``)."""
+        return super()._fully_shard_module(module, **kwargs)
+
+    def _unit_groups(self, module: nn.Module, options: ShardOptions) -> UnitGroups:
+        """Outside a plan: the fp32 norm units of ``module`` (a vision tower or block) and
+        of the vision towers discovery finds in it, then the other dtype islands."""
+        found = resolve_multimodal_modules(
+            module,
+            extra_tower_names=self.extra_tower_names,
+            extra_projector_names=self.extra_projector_names,
+            exclude=self.exclude,
+        )
+        ignored = options.ignored_params or frozenset()
+        groups = _plan_norm_groups(
+            module,
+            ["", *_vision_tower_paths(found)],
+            mp_policy=options.mp_policy,
+            ignored_param_names=[n for n, p in module.named_parameters() if p in ignored],
+        )
+        taken = {path for group in groups for path in group.paths}
+        units: UnitGroups = [(group.paths, group.mp_policy) for group in groups]
+        if self.dtype_safe:
+            units += dtype_island_groups(
+                module,
+                options.mp_policy,
+                ignored_params=ignored,
+                skip=lambda path, _sub: any(is_under(path, t) for t in taken),
+            )
+        return units
 
     def _vision_towers(self, model: nn.Module) -> list[str]:
         """The vision towers of this parallelizer's discovery (while ``plan()`` runs: the

@@ -276,8 +276,10 @@ class DeepseekV41VisionTower(nn.Module):
         x = self.patch_embed(pixel_values)
         for block in self.blocks:
             x = block(x, (grid_h, grid_w))
-        out: Tensor = self.norm(x)
-        return out.view(out.shape[0], grid_h, grid_w, out.shape[-1])
+        # The grid shape is taken before the final norm, so the tower returns the norm's
+        # own output, never a view of it (FSDP2 warns about a unit that returns a view).
+        out: Tensor = self.norm(x.view(x.shape[0], grid_h, grid_w, x.shape[-1]))
+        return out
 
 
 class DeepseekV41Aligner(nn.Module):
