@@ -216,7 +216,8 @@ def test_missing_deepseek_package(
     monkeypatch.setitem(sys.modules, "model_deepseek_v41.presets", None)
     err = fail(capsys, "--model", "deepseek-v41-base")
     assert "not a registered preset (none installed)" in err
-    assert "pip install model-deepseek-v41" in err
+    # Not on a public index yet: the message says where the package is.
+    assert "pip install ./packages/model-deepseek-v41 from a source checkout" in err
 
 
 def test_presets_come_from_the_entry_point_group() -> None:

@@ -321,7 +321,8 @@ def _hf_config(name: str) -> tuple[Any, str]:
             f"({', '.join(presets) or 'none installed'}), "
             f"and not one of the {len(known)} transformers model types{hint}. Model "
             "packages add presets when installed (the DeepSeek-V4.1 reference presets: "
-            "pip install model-deepseek-v41)"
+            "pip install ./packages/model-deepseek-v41 from a source checkout, after "
+            "fsdp-core and multimodal-fsdp)"
         )
     config = transformers.AutoConfig.for_model(name)
     return config, (
