@@ -348,10 +348,14 @@ EXPECTED: dict[str, tuple[str, dict[str, str]]] = {
         "PaliGemmaForConditionalGeneration",
         {"model.vision_tower": "tower/vision", "model.multi_modal_projector": "projector/vision"},
     ),
-    # Both embedders bundled under the decoder's embedding extension: one tower.
+    # Both encoders under the decoder's embedding extension, which every batch runs (it
+    # takes the token ids) and which calls each encoder only with its media: two towers.
     "phi4_multimodal": (
         "Phi4MultimodalForCausalLM",
-        {"model.embed_tokens_extend": "tower/unknown"},
+        {
+            "model.embed_tokens_extend.image_embed": "tower/vision",
+            "model.embed_tokens_extend.audio_embed": "tower/audio",
+        },
     ),
     "pi0": (
         "PI0ForConditionalGeneration",

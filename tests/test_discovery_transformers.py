@@ -291,8 +291,12 @@ CASES: dict[str, Case] = {
     "phi4_multimodal": Case(
         "Phi4MultimodalForCausalLM",
         # Both towers hang off one module beside the decoder's embedding, outside its layer
-        # stack; that module holds nothing else, so it is the maximal (bundled) tower.
-        {"model.embed_tokens_extend": "tower/unknown"},
+        # stack. That module holds nothing else, but it takes the token ids (every batch
+        # runs it) and calls each tower only with its media: the towers are reported.
+        {
+            "model.embed_tokens_extend.image_embed": "tower/vision",
+            "model.embed_tokens_extend.audio_embed": "tower/audio",
+        },
         ("model.layers",),
     ),
     "seamless_m4t": Case(
@@ -583,7 +587,8 @@ def test_structural_rules_name_the_rule_that_matched() -> None:
     assert [(m.path, m.rule) for m in whisper] == [("model.encoder", "main_input:input_features")]
     phi4 = resolve_multimodal_modules(_build("phi4_multimodal"))
     assert [(m.path, m.rule) for m in phi4] == [
-        ("model.embed_tokens_extend", "bundle:image_embed+audio_embed")
+        ("model.embed_tokens_extend.image_embed", "name:image_embed"),
+        ("model.embed_tokens_extend.audio_embed", "name:audio_embed"),
     ]
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from balanced_hf import cases_for as balanced_hf_cases
 from loops import cases_for
+from phi4 import CASES as PHI4_CASES
 
 #: Loads one scenario's saved result (the fixtures ``mp2`` / ``mp4`` return one).
 MpResults = Callable[[str], dict[str, Any]]
@@ -68,6 +69,7 @@ LAUNCHES: dict[int, list[str]] = {
         "entry_ds_fully_shard_module",
         "entry_ds_function",
         *(f"entry_mm_flow_{policy}" for policy in ("root", "per_layer", "replicate")),
+        *PHI4_CASES,
     ],
     4: [
         "core_fp32_1d",

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from loops import CASES, LoopCase
 from registry import scenario
 from scenarios_core import full
+from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_core import DistributedContext, build_mesh, mixed_precision_policy
 from multimodal_fsdp import MultimodalParallelizer, UnevenMediaError
@@ -34,12 +35,17 @@ def _parallelizer(case: LoopCase) -> MultimodalParallelizer:
     return MultimodalParallelizer(**options)
 
 
-def run_case(case: LoopCase, ctx: DistributedContext) -> dict[str, Any]:
+def run_case(
+    case: LoopCase, ctx: DistributedContext, *, mesh: DeviceMesh | None = None
+) -> dict[str, Any]:
+    """``mesh``: the data-parallel mesh (default: ``build_mesh`` over the default group)."""
     model = case.build_model().to(ctx.device)
     precision = ("bf16", "fp32") if case.precision == "bf16" else ("fp32", "fp32")
     parallelizer = _parallelizer(case)
     plan = parallelizer.plan(model, mp_policy=mixed_precision_policy(*precision))
-    parallelizer.apply_plan(model, plan, mesh=build_mesh(dp_replicate=case.dp_replicate))
+    if mesh is None:
+        mesh = build_mesh(dp_replicate=case.dp_replicate)
+    parallelizer.apply_plan(model, plan, mesh=mesh)
     trainable = [p for p in model.parameters() if p.requires_grad]
     names = {id(p): n for n, p in model.named_parameters()}
     opt = case.optimizer_fn()(trainable)

@@ -29,6 +29,7 @@ import scenarios_inference  # noqa: F401
 import scenarios_loops  # noqa: F401
 import scenarios_lora_load  # noqa: F401
 import scenarios_misuse  # noqa: F401
+import scenarios_phi4  # noqa: F401
 import scenarios_pretrained  # noqa: F401
 import scenarios_training  # noqa: F401
 import scenarios_vlm  # noqa: F401

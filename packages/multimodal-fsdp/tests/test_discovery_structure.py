@@ -341,16 +341,50 @@ def test_text_only_tree_yields_nothing() -> None:
 # --- bundles -------------------------------------------------------------------------------
 
 
-def bundle_model() -> nn.Module:
+class MediaEncoder(nn.Module):
+    """An encoder made of towers: media in (every media input required), no text."""
+
+    def forward(self, pixel_values: torch.Tensor, input_features: torch.Tensor) -> torch.Tensor:
+        return pixel_values
+
+
+class ImageEncoder(nn.Module):
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return pixel_values
+
+
+class FeatureEmbedding(nn.Module):
+    """Phi-4-multimodal's shape: the text stream in, each encoder called only with its media."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        inputs_embeds: torch.Tensor,
+        image_pixel_values: torch.Tensor | None = None,
+        audio_input_features: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return inputs_embeds
+
+
+class OptionalMedia(nn.Module):
+    """No text, but either medium may be missing: it may run one tower and not the other."""
+
+    def forward(
+        self, pixel_values: torch.Tensor | None = None, input_features: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        return pixel_values
+
+
+def bundle_model(holder: type[nn.Module] = MediaEncoder) -> nn.Module:
     root = Hub()
     root.layers = nn.ModuleList([nn.Linear(2, 2)])
-    root.extra_embeddings = nn.Module()
+    root.extra_embeddings = holder()
     root.extra_embeddings.image_embed = nn.Linear(2, 2)
     root.extra_embeddings.audio_embed = nn.Linear(2, 2)
     return root
 
 
-def test_module_holding_only_towers_is_reported_as_one_tower() -> None:
+def test_an_encoder_holding_only_towers_is_reported_as_one_tower() -> None:
     items = resolve_multimodal_modules(bundle_model())
     assert [(i.path, i.role, i.modality, i.rule) for i in items] == [
         ("extra_embeddings", "tower", "unknown", "bundle:image_embed+audio_embed")
@@ -361,10 +395,26 @@ def test_module_holding_only_towers_is_reported_as_one_tower() -> None:
 def test_bundle_of_one_modality_keeps_it() -> None:
     root = nn.Module()
     root.lm = nn.Linear(2, 2)
-    root.towers = nn.Module()
+    root.towers = ImageEncoder()
     root.towers.vision_tower = nn.Linear(2, 2)
     root.towers.image_tower = nn.Linear(2, 2)
     assert found(root) == {"towers": "tower/vision/bundle:vision_tower+image_tower"}
+
+
+@pytest.mark.parametrize(
+    "holder",
+    [FeatureEmbedding, OptionalMedia, nn.Module],
+    ids=["takes-text", "optional-media", "plain-container"],
+)
+def test_no_bundle_when_its_call_does_not_run_its_towers(holder: type[nn.Module]) -> None:
+    """A module every batch runs (it takes the text stream), one that may run some of its
+    towers only, and a container that is never called: the towers are what runs with
+    media, so they are reported (a rank that enters the holder may run none of them)."""
+    items = resolve_multimodal_modules(bundle_model(holder))
+    assert [(i.path, i.modality, i.rule) for i in items] == [
+        ("extra_embeddings.image_embed", "vision", "name:image_embed"),
+        ("extra_embeddings.audio_embed", "audio", "name:audio_embed"),
+    ]
 
 
 def test_no_bundle_when_a_sibling_with_parameters_is_not_a_tower() -> None:

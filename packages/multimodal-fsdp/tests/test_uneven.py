@@ -123,21 +123,27 @@ def frozen_tower(**kwargs: Any) -> Vlm:
 
 
 class OtherRank:
-    """Plays a second rank: the positions it reports, merged into this rank's checkpoints."""
+    """Plays a second rank (rank 1): the positions it reports, merged into this rank's
+    checkpoints, and its position in the table the ranks share once they disagree."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.tokens: list[int] = []
         self.recording = True
         self.merged = 0
+        self.disagreed_at: int | None = None  # the other's token where the ranks parted
         real = uneven_module.all_reduce_max_over_mesh
 
         def all_reduce(tensor: Tensor, mesh: Any) -> Tensor:
             real(tensor, mesh)
             if self.recording:
                 self.tokens.append(int(tensor[0]))
+            elif self.disagreed_at is not None:  # the positions table: [rank 0, rank 1]
+                tensor[1] = self.disagreed_at
             else:
                 other = self.tokens[self.merged] if self.merged < len(self.tokens) else -1
                 self.merged += 1
+                if other != int(tensor[0]):
+                    self.disagreed_at = other
                 tensor.copy_(torch.maximum(tensor, torch.tensor([other, -other])))
             return tensor
 
@@ -231,9 +237,17 @@ def _tower_gathers(counter: CommCounter) -> int:
 @pytest.mark.parametrize(
     ("mine", "theirs", "at"),
     [
-        ((1, 0), (0, 0), "'vision_tower' (call 1"),
-        ((0, 0), (1, 0), "'layers.0' (call 1"),
-        ((1, 1), (1, 0), "'vision_tower' (call 2"),
+        (
+            (1, 0),
+            (0, 0),
+            "rank 0 is about to run 'vision_tower.blocks.0' in tower 'vision_tower' (call 1",
+        ),
+        ((0, 0), (1, 0), "rank 0 is about to run 'layers.0' (call 1"),
+        (
+            (1, 1),
+            (1, 0),
+            "rank 0 is about to run 'vision_tower.blocks.0' in tower 'vision_tower' (call 2",
+        ),
     ],
     ids=["media-vs-text", "text-vs-media", "two-calls-vs-one"],
 )
@@ -260,6 +274,9 @@ def test_disagreeing_ranks_stop_before_a_mismatched_collective(
     message = str(info.value)
     assert at in message
     assert "tower 'vision_tower'" in message
+    # Every rank's position, so that every rank raises the same message.
+    assert "rank 0 is about to run" in message
+    assert "rank 1 is about to run" in message
     # uneven_media=True is refused with per_layer: the advice changes the policy instead.
     assert "uneven_media=True" not in message
     assert "frozen_multimodal_sharding='root' or 'replicate'" in message
@@ -277,6 +294,136 @@ def test_agreeing_ranks_train(fake2: None, monkeypatch: pytest.MonkeyPatch) -> N
     other.recording = False
     model(x, images(3), images(1)).sum().backward()  # other counts, same calls
     assert other.merged == 3
+
+
+# --- a region whose entry runs on every rank ------------------------------------------------
+
+
+class Holder(nn.Module):
+    """Every rank calls it (it takes the text stream); it calls each encoder only with its
+    media, as Phi-4-multimodal's feature embedding does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.image = Tower()
+        self.audio = Tower()
+
+    def forward(self, x: Tensor, images: Tensor | None, audio: Tensor | None) -> Tensor:
+        if images is not None:
+            x = x + self.image(images).mean(0)
+        if audio is not None:
+            x = x + self.audio(audio).mean(0)
+        return x
+
+
+class HolderVlm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.media = Holder()
+        self.layers = nn.ModuleList(SelfLayer() for _ in range(2))
+        self.head = nn.Linear(DIM, 2)
+
+    def forward(
+        self, x: Tensor, images: Tensor | None = None, audio: Tensor | None = None
+    ) -> Tensor:
+        x = self.media(x, images, audio)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def holder_vlm() -> HolderVlm:
+    """The holder named a tower (``extra_tower_names``): a region that every rank enters."""
+    model = HolderVlm()
+    model.media.requires_grad_(False)
+    return model
+
+
+def shard_holder() -> tuple[nn.Module, ScheduleCheck]:
+    model, check = shard(holder_vlm(), extra_tower_names=("media",))
+    assert check is not None
+    return model, check
+
+
+def test_each_encoder_in_a_region_is_a_part_with_its_checkpoint(fake2: None) -> None:
+    _, check = shard_holder()
+    (region,) = check.layout.regions
+    assert region.path == "media"
+    assert dict(check.layout.parts) == {
+        "media.image.blocks.0": "media.image",
+        "media.image.blocks.1": "media.image",
+        "media.audio.blocks.0": "media.audio",
+        "media.audio.blocks.1": "media.audio",
+    }
+    # Entering an encoder, in each encoder; then the first unit after the region.
+    assert check.layout.checkpoints_per_forward() == 3
+
+
+@pytest.mark.parametrize(
+    ("kinds", "expected"), [((1, 1), 3), ((1, 0), 2), ((0, 1), 2), ((0, 0), 1)]
+)
+def test_a_region_call_checks_only_the_parts_it_runs(
+    fake2: None, kinds: tuple[int, int], expected: int
+) -> None:
+    model, check = shard_holder()
+    media = (images() if kinds[0] else None, images(2) if kinds[1] else None)
+    with CommCounter() as counter:
+        model(torch.randn(2, DIM), *media).sum().backward()
+    assert check.last_checkpoints == expected
+    assert small_all_reduces(counter) == expected
+
+
+@pytest.mark.parametrize(
+    ("mine", "theirs", "mine_at", "theirs_at", "agreed"),
+    [
+        ((1, 0), (0, 0), "'media.image.blocks.0' in tower 'media'", "'layers.0'", 0),
+        ((0, 0), (1, 0), "'layers.0'", "'media.image.blocks.0' in tower 'media'", 0),
+        ((1, 1), (1, 0), "'media.audio.blocks.0' in tower 'media'", "'layers.0'", 1),
+        ((0, 1), (1, 0), "'media.audio.blocks.0' in tower 'media'", "'media.image.blocks.0'", 0),
+    ],
+    ids=["image-vs-text", "text-vs-image", "image-audio-vs-image", "audio-vs-image"],
+)
+def test_ranks_that_part_inside_a_region_stop_before_a_mismatched_collective(
+    fake2: None,
+    monkeypatch: pytest.MonkeyPatch,
+    mine: tuple[int, int],
+    theirs: tuple[int, int],
+    mine_at: str,
+    theirs_at: str,
+    agreed: int,
+) -> None:
+    """Every rank enters the region; the ranks part at the encoders inside it."""
+    model, _ = shard_holder()
+    other = OtherRank(monkeypatch)
+    x = torch.randn(2, DIM)
+
+    def batch(kinds: tuple[int, int]) -> tuple[Tensor | None, Tensor | None]:
+        return (images() if kinds[0] else None, images() if kinds[1] else None)
+
+    with torch.no_grad():
+        model(x, *batch(theirs))  # what the other rank reports
+    other.recording = False
+    counter = CommCounter()
+    with counter, pytest.raises(UnevenMediaError) as info:
+        model(x, *batch(mine))
+    message = str(info.value)
+    assert f"rank 0 is about to run {mine_at} (call 1" in message, message
+    assert f"rank 1 is about to run {theirs_at}" in message, message
+    # Raised at a checkpoint: only the encoders both ranks ran have gathered.
+    assert _tower_gathers(counter) == 2 * agreed
+
+
+def test_agreeing_ranks_run_a_region_every_rank_enters(
+    fake2: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, check = shard_holder()
+    other = OtherRank(monkeypatch)
+    x = torch.randn(2, DIM)
+    with torch.no_grad():
+        model(x, images(), images(2))
+    other.recording = False
+    model(x, images(3), images(1)).sum().backward()
+    assert other.merged == check.layout.checkpoints_per_forward() == 3
 
 
 def test_a_text_only_rank_beside_a_media_rank_stops_at_a_cross_layer(

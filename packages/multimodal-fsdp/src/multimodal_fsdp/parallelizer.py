@@ -466,12 +466,14 @@ class MultimodalParallelizer(ModelParallelizer):
             hooks.append(
                 ScheduleCheckRuntimeHook(layout).planned(
                     reason="media regions own units; ranks agree on their position before "
-                    "each region call and after it, so uneven media fail on every rank "
-                    "with UnevenMediaError instead of hanging",
+                    "the first all-gather of each encoder a region call runs and after the "
+                    "call, so uneven media fail on every rank with UnevenMediaError instead "
+                    "of hanging",
                     targets=[r.path for r in layout.regions],
                     cost=f"{layout.checkpoints_per_forward()} all-reduces of "
                     f"{CHECKPOINT_BYTES} bytes and host syncs per forward (one call of each "
-                    "region); one more per extra region call",
+                    "region, running all its encoders); one more per extra region call "
+                    "(per encoder it runs, for a region holding several)",
                 )
             )
         towers = self._balanced_towers(model)

@@ -1,11 +1,11 @@
 """The structural rules of discovery: towers and projectors found by shape, not name.
 
-Where names fail (towers registered as plain ``encoder``, embedders bundled under a
-text model's embedding), these rules match what transformers models expose without
-naming any model: a model built from an enclosing model's media sub-config, a model
-whose ``main_input_name`` is a media input, a child encoder taking media (or a
-projector taking a tower's output) and no text right where media meets text, and a
-module holding nothing but two or more towers. A match that shares (ties) a
+Where names fail (towers registered as plain ``encoder``), these rules match what
+transformers models expose without naming any model: a model built from an enclosing
+model's media sub-config, a model whose ``main_input_name`` is a media input, a child
+encoder taking media (or a projector taking a tower's output) and no text right where
+media meets text, and an encoder holding nothing but two or more towers (its call runs
+them all). A match that shares (ties) a
 parameter with the rest of the model is dropped. The walk that applies them, with
 its maximality and guard rules, is
 [`multimodal_fsdp.discovery.walk`][multimodal_fsdp.discovery.walk]; the
@@ -67,23 +67,36 @@ _TEXT_INPUTS = frozenset({"input_ids", "inputs_embeds", "encoder_hidden_states"}
 _TEXT_CONFIG_ATTRS = frozenset({"text", "decoder", "language", "llm", "text_decoder"})
 
 
-_FORWARD_ARGUMENTS: dict[type, frozenset[str]] = {}
+#: Per class: the names of ``forward``'s parameters, and those of them without a default.
+_FORWARD_ARGUMENTS: dict[type, tuple[frozenset[str], frozenset[str]]] = {}
+
+
+def _signature(module: nn.Module) -> tuple[frozenset[str], frozenset[str]]:
+    """``forward``'s parameter names and its required ones (empty when it cannot be
+    inspected). Cached per class: a model walk asks once per module and classes repeat a lot.
+    """
+    cls = type(module)
+    entry = _FORWARD_ARGUMENTS.get(cls)
+    if entry is None:
+        try:
+            parameters = inspect.signature(cls.forward).parameters
+        except (TypeError, ValueError):
+            entry = (frozenset(), frozenset())
+        else:
+            required = frozenset(
+                name
+                for name, param in parameters.items()
+                if param.default is inspect.Parameter.empty
+                and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
+            )
+            entry = (frozenset(parameters), required)
+        _FORWARD_ARGUMENTS[cls] = entry
+    return entry
 
 
 def _forward_arguments(module: nn.Module) -> frozenset[str]:
-    """Names of the parameters of ``forward`` (empty when it cannot be inspected).
-
-    Cached per class: a model walk asks once per module and classes repeat a lot.
-    """
-    cls = type(module)
-    arguments = _FORWARD_ARGUMENTS.get(cls)
-    if arguments is None:
-        try:
-            arguments = frozenset(inspect.signature(cls.forward).parameters)
-        except (TypeError, ValueError):
-            arguments = frozenset()
-        _FORWARD_ARGUMENTS[cls] = arguments
-    return arguments
+    """Names of the parameters of ``forward`` (empty when it cannot be inspected)."""
+    return _signature(module)[0]
 
 
 def _takes_text(arguments: frozenset[str]) -> bool:
@@ -251,11 +264,14 @@ def _has_layer_container(module: nn.Module) -> bool:
 def _absorb_bundles(model: nn.Module, found: list[MultimodalModule]) -> list[MultimodalModule]:
     """Report a module whose parameters all belong to discovered towers instead of them.
 
-    A parent that owns no parameters itself and whose children with parameters are all
-    discovered towers, two or more of them, is the maximal tower: one module bundling the
-    image and audio embedders under a text model's embedding, for example. Repeated
-    upwards; the root is never reported; towers and projectors are not merged, to keep
-    the roles apart.
+    A parent that owns no parameters itself, whose children with parameters are all
+    discovered towers, two or more of them, and whose call runs them (an encoder: media
+    in, no text, every media input required; see ``_encodes_media_alone``) is the
+    maximal tower: two image encoders fused into one, for example. A parent that runs
+    on every batch and calls its towers only with media (a text model's feature
+    embedding holding an image and an audio encoder) is not: its towers are reported,
+    since they are what only ranks with media run. Repeated upwards; the root is never
+    reported; towers and projectors are not merged, to keep the roles apart.
     """
     changed = True
     while changed:
@@ -278,6 +294,9 @@ def _bundle(
 ) -> MultimodalModule | None:
     if isinstance(parent, _BLOCK_CONTAINERS) or _owns_parameters(parent):
         return None
+    if not _encodes_media_alone(unwrap_module(parent)):
+        logger.debug("not a bundle, its towers run on their own: %s", parent_path)
+        return None
     members = []
     for name, child in parent.named_children():
         item = by_path.get(f"{parent_path}.{name}")
@@ -291,6 +310,21 @@ def _bundle(
     modality = modalities.pop() if len(modalities) == 1 else "unknown"
     label = "bundle:" + "+".join(item.path.rpartition(".")[2] for item in members)
     return MultimodalModule(parent_path, parent, "tower", modality, label)
+
+
+def _encodes_media_alone(module: nn.Module) -> bool:
+    """Whether a call of ``module`` is a call of an encoder: its forward takes no text,
+    needs a media input, and has no media input it can do without.
+
+    Only then does entering it mean that its towers run. A module that takes the text
+    stream runs on every batch and calls its towers only when media came with it
+    (Phi-4-multimodal's feature embedding); one with optional media inputs may run
+    some of its towers and not the others; a plain container is never called, its
+    towers are. In each case the towers are what runs with media: they are reported.
+    """
+    arguments, required = _signature(module)
+    media = {name for name in arguments if name in MEDIA_INPUTS}
+    return not _takes_text(arguments) and bool(media) and media <= required
 
 
 def _replace_children(

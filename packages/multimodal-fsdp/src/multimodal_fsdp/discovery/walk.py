@@ -6,14 +6,16 @@ qualified name in an arbitrary ``nn.Module`` tree.
 
 A submodule matches by its *name* when the attribute name under which it is registered (the
 last component of its qualified name) is a known tower or projector name. Where names fail
-(towers registered as plain ``encoder``, embedders bundled under a text model's embedding),
-*structural* rules match what transformers models expose, without naming any model: a
-model built from an enclosing model's media sub-config (``vision_config``, ``audio_config``,
-an ``encoder`` config of a vision or audio type), a model whose ``main_input_name`` is a
-media input, a child encoder taking media (or a projector taking a tower's output) and no
-text right where media meets text, and a module holding nothing but two or more towers.
-A structural match that shares (ties) a parameter with the rest of the model is dropped.
-Each result records the rule that matched. Three rules decide which matches are reported:
+(towers registered as plain ``encoder``), *structural* rules match what transformers models
+expose, without naming any model: a model built from an enclosing model's media sub-config
+(``vision_config``, ``audio_config``, an ``encoder`` config of a vision or audio type), a
+model whose ``main_input_name`` is a media input, a child encoder taking media (or a
+projector taking a tower's output) and no text right where media meets text, and an encoder
+holding nothing but two or more towers (media in, no text: its call runs them; a module that
+takes the text stream, such as a feature embedding calling its encoders only with media, is
+not one, and its towers are reported). A structural match that shares (ties) a parameter
+with the rest of the model is dropped. Each result records the rule that matched. Three
+rules decide which matches are reported:
 
 * **Maximality** -- the walk is ``model.named_modules()`` in pre-order, and a match hides its
   whole subtree, so ``model.vision_tower`` is reported but ``model.vision_tower.vision_model``

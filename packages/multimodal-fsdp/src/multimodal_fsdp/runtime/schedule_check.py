@@ -8,26 +8,40 @@ that text-only batches skip. When such code owns units (a *media region*), ranks
 with different media issue different collectives, and the job hangs, crashes deep
 in the collective library, or (NCCL, equal sizes) silently mixes up data.
 
-[`ScheduleCheck`][multimodal_fsdp.runtime.schedule_check.ScheduleCheck] makes every rank agree on
-*where it is* at
-the few points where the ranks' schedules can part:
+A region's own forward decides which of its encoders run, and may run none: every
+rank enters Phi-4-multimodal's feature embedding, which calls its image encoder only
+with images. So entering a region issues no collective and proves nothing; the first
+all-gather of each *part* of a region call does. A part is an encoder of the region (a
+child that holds a layer stack, looked through activation-checkpoint and compile
+wrappers; the named items of a module dict count as children), or the region's trunk
+(everything else: its embeddings, norms, projections), which runs with whatever the
+call runs. The items of a layer stack run as one, and so does what lies inside a unit.
 
-- each entry into a region (every call);
+[`ScheduleCheck`][multimodal_fsdp.runtime.schedule_check.ScheduleCheck] makes every rank agree on
+*where it is* at the few points where the ranks' schedules can part:
+
+- a region's entry, when the region is a unit itself (its all-gather comes first);
+- in every call of a region, the first all-gather of each encoder it runs (the first
+  unit of a tower's layer stack, of each encoder a feature embedding holds), and of
+  its trunk when that comes first;
 - the first unit to run after the root's forward starts, and after each region
   call ends;
 - the unit that follows a region in the model (a rank that skipped the region
   reaches it directly);
 - the end of the root's forward, when a region is the last thing that runs.
 
+A tower with one layer stack still costs one checkpoint per call (at its stack's first
+unit instead of its entry); a region call that runs no unit costs none (it issued no
+collective).
+
 At each such checkpoint all ranks all-reduce one 16-byte tensor (the position:
 which module, which call of it in this forward) over the data-parallel mesh. If
-the positions differ, every rank raises the same
+the positions differ, the ranks share where each of them is (one more all-reduce,
+only then) and every rank raises the same
 [`UnevenMediaError`][multimodal_fsdp.runtime.schedule_check.UnevenMediaError] at that same
-collective, naming where
-each side is and what to change; no mismatched collective has been issued. Between checkpoints the
-ranks run the same units. Forwards inside backward (activation-checkpoint recomputation) are not
-checked:
-they repeat a forward that was.
+collective, naming where each rank is and what to change; no mismatched collective has been
+issued. Between checkpoints the ranks run the same units. Forwards inside backward
+(activation-checkpoint recomputation) are not checked: they repeat a forward that was.
 
 The schedule plan ([`ScheduleLayout`][multimodal_fsdp.runtime.schedule_check.ScheduleLayout]) is
 data, so the plan's
@@ -48,7 +62,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import ShardingPlan
-from fsdp_core.containers import is_under
+from fsdp_core.containers import is_module_container, is_under, unwrap_module
 from fsdp_core.internals import GRAPH_TASK, Probe, in_backward
 from fsdp_core.mesh_collectives import all_reduce_max_over_mesh, mesh_device
 from fsdp_core.runtime import RuntimeHook
@@ -94,7 +108,12 @@ class ScheduleLayout:
 
     ``sites`` names every checkpoint position: regions first, then units, then
     ``"<end of forward>"``; tokens index into it. ``successors`` are units that
-    follow a region; ``end_check`` says a region has no unit after it.
+    follow a region; ``end_check`` says a region has no unit after it. ``parts``
+    maps each module inside a region where a unit all-gathers (a unit's first module)
+    to the part of the region it belongs to: the encoder's path, or the region's own
+    path for its trunk (the region itself included, when it is a unit). A checkpoint
+    sits where a region call enters an encoder, and at the trunk's all-gather when it
+    is the call's first.
     """
 
     regions: tuple[MediaRegion, ...]
@@ -106,6 +125,8 @@ class ScheduleLayout:
     #: Where the parallelizer sets ``per_layer`` (as its options read), '' when nowhere:
     #: ``uneven_media=True`` is refused with it, so the error's advice must say so.
     per_layer: str = field(default="", compare=False)
+    #: (module path, part) for every all-gathering module inside a region (see above).
+    parts: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     @property
     def sites(self) -> tuple[str, ...]:
@@ -116,12 +137,20 @@ class ScheduleLayout:
         armed = True
         count = 0
         region_paths = {r.path for r in self.regions}
+        parts = dict(self.parts)
+        inside: list[list[str | None]] = []  # [region, part] of the region calls running
         for event, path in self.order:
             if event == "enter":
-                count += 1
+                part = parts.get(path)
+                count += part is not None
+                inside.append([path, part])
                 armed = False
             elif event == "exit":
+                inside.pop()
                 armed = True
+            elif inside and is_under(path, str(inside[-1][0])):
+                if _enters_part(parts.get(path), inside[-1]):
+                    count += 1
             elif armed or (path in self.successors and path not in region_paths):
                 count += 1
                 armed = False
@@ -161,6 +190,18 @@ def plan_schedule_layout(
     for path in member_paths:
         events.append((index[path], 1, "unit", path))
     order = tuple((event, path) for _, _, event, path in sorted(events))
+    # Where each unit all-gathers: its first module in forward (registration) order.
+    gathers = [
+        min(unit.paths, key=lambda p: index[p])
+        for unit in plan.units
+        if not unit.is_root and unit.paths
+    ]
+    parts = tuple(
+        (path, _part(model, region.path, path))
+        for path in sorted(gathers, key=lambda p: index[p])
+        for region in regions
+        if is_under(path, region.path)
+    )
     return ScheduleLayout(
         regions=tuple(regions),
         units=tuple(member_paths),
@@ -168,7 +209,31 @@ def plan_schedule_layout(
         end_check=end_check,
         order=order,
         per_layer=per_layer,
+        parts=parts,
     )
+
+
+def _part(model: nn.Module, region: str, path: str) -> str:
+    """The part of ``region`` that ``path`` lies in: the region's child on the way
+    (looked through wrappers; with its item, for a named item of a module dict) when that
+    child holds a layer stack, an encoder of its own; else the region itself (its trunk)."""
+    current = model.get_submodule(region)
+    part = region
+    names = path[len(region) + 1 :].split(".") if path != region else []
+    for position, name in enumerate(names):
+        child = current.get_submodule(name)
+        part = f"{part}.{name}"
+        if unwrap_module(child) is unwrap_module(current):
+            current = child  # inside a wrapper of the same module: not a part yet
+            continue
+        following = names[position + 1] if position + 1 < len(names) else ""
+        if is_module_container(child) and following and not following.isdecimal():
+            part = f"{part}.{following}"
+            child = child.get_submodule(following)
+        if any(is_module_container(module) for module in child.modules()):
+            return part
+        break
+    return region
 
 
 class ScheduleCheck:
@@ -184,8 +249,11 @@ class ScheduleCheck:
     def __init__(self, model: nn.Module, layout: ScheduleLayout, *, mesh: DeviceMesh) -> None:
         self.layout = layout
         self.mesh = mesh
+        self._parts = dict(layout.parts)
         self._calls: list[int] = []
         self._armed = True
+        #: [region, part entered last] of each region call now running, innermost last.
+        self._inside: list[list[str | None]] = []
         #: Checkpoints run in the last forward (for tests and the benchmark).
         self.last_checkpoints = 0
         self._start()
@@ -211,6 +279,7 @@ class ScheduleCheck:
     def _start(self, *_: object) -> None:
         self._calls = [0] * len(self.layout.sites)
         self._armed = True
+        self._inside = []
         self.last_checkpoints = 0
 
     def _checkpoint(self, site: int) -> None:
@@ -221,16 +290,40 @@ class ScheduleCheck:
         all_reduce_max_over_mesh(both, self.mesh)
         high, low = int(both[0].item()), -int(both[1].item())
         if high != low:
-            raise UnevenMediaError(self._message(token, high, low))
+            raise UnevenMediaError(self._message(self._positions(token)))
+
+    def _positions(self, token: int) -> list[tuple[int, int]]:
+        """(global rank, position token) of every rank of the mesh: one more all-reduce,
+        made only once the ranks know they disagree, so that all raise the same error."""
+        ranks = [int(rank) for rank in self.mesh.mesh.flatten().tolist()]
+        table = torch.full((len(ranks),), -1, dtype=torch.int64, device=mesh_device(self.mesh))
+        coordinate = self.mesh.get_coordinate() or [0] * self.mesh.ndim
+        flat = 0
+        for dim, position in enumerate(coordinate):
+            flat = flat * self.mesh.size(dim) + position
+        table[flat] = token
+        all_reduce_max_over_mesh(table, self.mesh)
+        return list(zip(ranks, (int(value) for value in table.tolist()), strict=True))
 
     def _describe(self, token: int) -> str:
+        if token < 0:
+            return "nowhere known"
         site, call = token >> _CALL_BITS, token & ((1 << _CALL_BITS) - 1)
         name = self.layout.sites[site]
         if name.startswith("<"):
             return f"at the {name.strip('<>')}"
-        return f"about to run {name!r} (call {call} of this forward)"
+        region = next((r for r in self.layout.regions if is_under(name, r.path)), None)
+        inside = f" in {region.kind} {region.path!r}" if region and region.path != name else ""
+        return f"about to run {name!r}{inside} (call {call} of this forward)"
 
-    def _message(self, mine: int, high: int, low: int) -> str:
+    def _message(self, positions: list[tuple[int, int]]) -> str:
+        by_token: dict[int, list[int]] = {}
+        for rank, token in positions:
+            by_token.setdefault(token, []).append(rank)
+        where = "; ".join(
+            f"{_ranks(ranks)} {'is' if len(ranks) == 1 else 'are'} {self._describe(token)}"
+            for token, ranks in sorted(by_token.items(), key=lambda item: item[1][0])
+        )
         regions = ", ".join(f"{r.kind} {r.path!r}" for r in self.layout.regions)
         fold = (
             "pass uneven_media=True to the parallelizer (these modules then join the root "
@@ -249,36 +342,45 @@ class ScheduleCheck:
             fixes.append(fold)
         fixes.append("give every rank the same media calls in each step")
         return (
-            f"ranks are about to run different FSDP collectives: one rank is "
-            f"{self._describe(low)}, another {self._describe(high)}; this rank is "
-            f"{self._describe(mine)}. These modules run only with media and own FSDP "
-            f"units: {regions}. Ranks with different media (images on some ranks only, "
-            "a different number of tower calls, text-only batches that skip "
-            "cross-attention layers) run them a different number of times, which would "
-            "hang. To fix it, " + "; or ".join(fixes) + "."
+            f"ranks are about to run different FSDP collectives: {where}. These modules "
+            f"run only with media and own FSDP units: {regions}. Ranks with different "
+            "media (images on some ranks only, a different number of tower calls, "
+            "text-only batches that skip cross-attention layers) run them a different "
+            "number of times, which would hang. To fix it, " + "; or ".join(fixes) + "."
         )
 
     def _enter(self, path: str) -> Any:
         site = self._site(path, region=True)
+        own = self._parts.get(path)  # the region is a unit: its all-gather comes first
 
         def hook(*_: object) -> None:
             if in_backward():
                 return
             self._armed = False
-            self._checkpoint(site)
+            self._inside.append([path, own])
+            if own is not None:
+                self._checkpoint(site)
 
         return hook
 
     def _exit(self, *_: object) -> None:
         if not in_backward():
+            if self._inside:
+                self._inside.pop()
             self._armed = True
 
     def _unit(self, path: str) -> Any:
         site = self._site(path, region=False)
         follows_region = path in self.layout.successors
+        part = self._parts.get(path)
 
         def hook(*_: object) -> None:
             if in_backward():
+                return
+            if self._inside and is_under(path, str(self._inside[-1][0])):
+                # Inside a region call: a checkpoint where it enters a part.
+                if _enters_part(part, self._inside[-1]):
+                    self._checkpoint(site)
                 return
             if self._armed or follows_region:
                 self._armed = False
@@ -294,6 +396,27 @@ class ScheduleCheck:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _enters_part(part: str | None, call: list[str | None]) -> bool:
+    """Whether a module of ``part`` all-gathering in a region ``call`` ([region, part
+    entered last]) starts a part there (and becomes the part entered last): a module
+    that gathers nothing (``None``) never does; the region's trunk does as the call's
+    first all-gather only (it runs with whatever the call runs); an encoder does on
+    entry."""
+    region, current = call
+    if part is None or part == current or (part == region and current is not None):
+        return False
+    call[1] = part
+    return True
+
+
+def _ranks(ranks: list[int], shown: int = 8) -> str:
+    """``rank 3`` / ``ranks 0, 2`` / ``ranks 0, 1, ... (and 9 more)``."""
+    text = ", ".join(str(rank) for rank in ranks[:shown])
+    if len(ranks) > shown:
+        text += f" (and {len(ranks) - shown} more)"
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
 def install_schedule_check(
