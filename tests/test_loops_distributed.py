@@ -81,6 +81,7 @@ def test_loop_stops_on_every_rank_with_a_clear_error(
     messages = [message for message, _ in result["errors"]]
     steps = [done for _, done in result["errors"]]
     assert all(messages), messages  # every rank raised
+    assert len(set(messages)) == 1, messages  # the same error, naming every rank's position
     assert steps == [0] * case.world  # in the first step, before any step completed
     policies = case.policy.values() if isinstance(case.policy, dict) else [case.policy]
     for message in messages:
