@@ -5,9 +5,8 @@ transformers models expose without naming any model: a model built from an enclo
 model's media sub-config, a model whose ``main_input_name`` is a media input, a child
 encoder taking media (or a projector taking a tower's output) and no text right where
 media meets text, and an encoder holding nothing but two or more towers (its call runs
-them all). A match that shares (ties) a
-parameter with the rest of the model is dropped. The walk that applies them, with
-its maximality and guard rules, is
+them all). A match that shares (ties) a parameter with the rest of the model is
+dropped. The walk that applies them, with its maximality and guard rules, is
 [`multimodal_fsdp.discovery.walk`][multimodal_fsdp.discovery.walk]; the
 rules live here so each can be read and tested on its own.
 """
@@ -21,6 +20,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from fsdp_core.containers import unwrap_module
+from multimodal_fsdp.discovery.conditional import required_forward_arguments
 from multimodal_fsdp.discovery.names import (
     _INPUT_MODALITY_KEYWORDS,
     Modality,
@@ -67,36 +67,23 @@ _TEXT_INPUTS = frozenset({"input_ids", "inputs_embeds", "encoder_hidden_states"}
 _TEXT_CONFIG_ATTRS = frozenset({"text", "decoder", "language", "llm", "text_decoder"})
 
 
-#: Per class: the names of ``forward``'s parameters, and those of them without a default.
-_FORWARD_ARGUMENTS: dict[type, tuple[frozenset[str], frozenset[str]]] = {}
-
-
-def _signature(module: nn.Module) -> tuple[frozenset[str], frozenset[str]]:
-    """``forward``'s parameter names and its required ones (empty when it cannot be
-    inspected). Cached per class: a model walk asks once per module and classes repeat a lot.
-    """
-    cls = type(module)
-    entry = _FORWARD_ARGUMENTS.get(cls)
-    if entry is None:
-        try:
-            parameters = inspect.signature(cls.forward).parameters
-        except (TypeError, ValueError):
-            entry = (frozenset(), frozenset())
-        else:
-            required = frozenset(
-                name
-                for name, param in parameters.items()
-                if param.default is inspect.Parameter.empty
-                and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
-            )
-            entry = (frozenset(parameters), required)
-        _FORWARD_ARGUMENTS[cls] = entry
-    return entry
+_FORWARD_ARGUMENTS: dict[type, frozenset[str]] = {}
 
 
 def _forward_arguments(module: nn.Module) -> frozenset[str]:
-    """Names of the parameters of ``forward`` (empty when it cannot be inspected)."""
-    return _signature(module)[0]
+    """Names of the parameters of ``forward`` (empty when it cannot be inspected).
+
+    Cached per class: a model walk asks once per module and classes repeat a lot.
+    """
+    cls = type(module)
+    arguments = _FORWARD_ARGUMENTS.get(cls)
+    if arguments is None:
+        try:
+            arguments = frozenset(inspect.signature(cls.forward).parameters)
+        except (TypeError, ValueError):
+            arguments = frozenset()
+        _FORWARD_ARGUMENTS[cls] = arguments
+    return arguments
 
 
 def _takes_text(arguments: frozenset[str]) -> bool:
@@ -322,9 +309,11 @@ def _encodes_media_alone(module: nn.Module) -> bool:
     some of its towers and not the others; a plain container is never called, its
     towers are. In each case the towers are what runs with media: they are reported.
     """
-    arguments, required = _signature(module)
+    arguments = _forward_arguments(module)
     media = {name for name in arguments if name in MEDIA_INPUTS}
-    return not _takes_text(arguments) and bool(media) and media <= required
+    return (
+        not _takes_text(arguments) and bool(media) and media <= required_forward_arguments(module)
+    )
 
 
 def _replace_children(
