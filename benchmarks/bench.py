@@ -533,6 +533,8 @@ def format_hooks(rows: list[dict[str, Any]]) -> str:
         "unused-params all-reduce ms",
         "hook collectives ms / step",
         "share of step",
+        "forward_arrival ms: training fwd / no-grad fwd",
+        "forward_arrival share: step / no-grad fwd",
     ]
     table = []
     for r in rows:
@@ -550,9 +552,22 @@ def format_hooks(rows: list[dict[str, Any]]) -> str:
                 f"{hooks['unused_params_ms']:.3f} ({hooks['unused_params_flags']} B)",
                 f"{per_step:.2f}",
                 f"{per_step / step_ms:.1%}",
+                *_arrival_cells(hooks, step_ms),
             ]
         )
     return _table(header, table)
+
+
+def _arrival_cells(hooks: dict[str, Any], step_ms: float) -> list[str]:
+    """The ``forward_arrival`` check: what it adds to a training forward (one store write)
+    and to a forward without gradients (a wait at the store), and their shares."""
+    if "arrival_training_ms" not in hooks:
+        return ["-", "-"]
+    training, no_grad = hooks["arrival_training_ms"], hooks["arrival_no_grad_ms"]
+    return [
+        f"{training:.3f} / {no_grad:.3f}",
+        f"{training / step_ms:.2%} / {no_grad / hooks['no_grad_forward_ms']:.2%}",
+    ]
 
 
 # --------------------------------------------------------------------------- 7. measured memory

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_core import CommCounter, build_mesh, exit_rank, init_distributed, mixed_precision_policy
+from fsdp_core.forward_arrival import TRAINING_FORWARD, ForwardArrivalHook
 from fsdp_core.mesh_collectives import all_reduce_max_over_mesh
 from fsdp_core.runtime import installed_hooks
 from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
@@ -206,12 +207,25 @@ def hook_costs(model: nn.Module, mesh: Any, batch: dict[str, Any]) -> dict[str, 
         all_reduce_max_over_mesh(used, mesh)
         used.tolist()
 
+    arrival = hooks.get("forward_arrival")
+    costs: dict[str, Any] = {}
+    if isinstance(arrival, ForwardArrivalHook):
+        # What the check adds to one call of the model: a training forward records on the
+        # store; a forward without gradients waits there for every rank. Timed on the
+        # installed hook itself (every rank makes the same calls, in step).
+        costs = {
+            "arrival_training_ms": _median_ms(lambda: arrival.arrive(TRAINING_FORWARD)),
+            "arrival_no_grad_ms": _median_ms(lambda: arrival.arrive("a forward under no_grad")),
+        }
+        with torch.no_grad():
+            costs["no_grad_forward_ms"] = _median_ms(lambda: model(**batch), repeats=20)
     return {
         "installed": sorted(hooks),
         "checkpoints_per_forward": checkpoints,
         "checkpoint_ms": _median_ms(checkpoint),
         "unused_params_flags": flags,
         "unused_params_ms": _median_ms(unused) if flags else 0.0,
+        **costs,
     }
 
 

@@ -19,7 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import scenarios_balance  # noqa: F401  (each module registers its scenarios)
+import scenarios_arrival  # noqa: F401  (each module registers its scenarios)
+import scenarios_balance  # noqa: F401
 import scenarios_balance_hf  # noqa: F401
 import scenarios_checkpoint_safety  # noqa: F401
 import scenarios_core  # noqa: F401

@@ -335,7 +335,11 @@ def test_model_parallelizer_makes_accumulation_safe(mesh2: DeviceMesh) -> None:
     model = Net()
     ModelParallelizer().parallelize(model, mesh=mesh2, mp_policy=MP)
     assert _flags(model) == [True] * 3
-    assert set(installed_hooks(model)) == {"accumulation_warmup", "unused_params"}
+    assert set(installed_hooks(model)) == {
+        "accumulation_warmup",
+        "unused_params",
+        "forward_arrival",
+    }
     counter = CommCounter()
     with counter:
         micro_batch(model, counter, "accumulate", sync=False, image=False)

@@ -285,11 +285,13 @@ def test_plain_model_parallelizer_plans_are_costed_too() -> None:
     plan = ModelParallelizer().plan(model, mp_policy=MP)
     costs = plan_costs(plan, model, world_size=2)
     assert costs.comm.count("all_gather", "forward") == len(costs.units)
-    # Only the unused-params hook: one all-reduce of the usage flags per backward.
+    # The unused-params hook (one all-reduce of the usage flags per backward) and the
+    # step agreement of accumulation_warmup (one all-reduce before the forward).
     assert [(k, costs.extra.count(k)) for k in ("all_reduce", "all_gather")] == [
-        ("all_reduce", 1),
+        ("all_reduce", 2),
         ("all_gather", 0),
     ]
+    assert costs.extra.count("all_reduce", "forward") == 1
     assert costs.extra.bytes("all_reduce", "backward") == sum(
         1 for p in model.parameters() if p.requires_grad
     )

@@ -27,6 +27,7 @@ from fsdp_core import (
 )
 from fsdp_core.fake_group import fake_process_group
 from fsdp_core.runtime import installed_hooks
+from fsdp_core.step_agreement import AGREEMENT_BYTES
 from multimodal_fsdp import VALID_FROZEN_MULTIMODAL_SHARDING, MultimodalParallelizer
 from multimodal_fsdp.parts import MultimodalParts, split_frozen_parts
 from multimodal_fsdp.policy import FrozenPolicies
@@ -734,13 +735,15 @@ def test_a_step_runs_only_all_gathers_and_reduce_scatters_and_the_runtime_hooks(
         # unused_params: one flag per trainable parameter tensor, once per backward.
         trainable = sum(1 for p in frozen_vlm().parameters() if p.requires_grad)
         flags = ("backward", trainable, torch.uint8)
+        # accumulation_warmup's step agreement: one all-reduce before the forward.
+        agreement = ("forward", AGREEMENT_BYTES, torch.int64)
         if policy == "per_layer":
             # The tower owns units: its entry checkpoint comes before its first all-gather,
             # and one more checkpoint comes before the first unit after it.
             checks = [("forward", 16, torch.int64)] * 2
-            assert hooks == [*checks, flags], policy
+            assert hooks == [agreement, *checks, flags], policy
         else:
-            assert hooks == [flags], policy
+            assert hooks == [agreement, flags], policy
         assert {r.dtype for r in counter.records if r.kind == "all_gather"} == {torch.bfloat16}
 
 

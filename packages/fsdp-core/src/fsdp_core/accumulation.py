@@ -19,6 +19,12 @@ Two FSDP2 behaviours (torch 2.13) break gradient accumulation in VLM training
   the unit is accumulated in the reduce dtype.
 
 Both read FSDP2 internals, through [`fsdp_core.internals`][fsdp_core.internals] only.
+
+The hook also installs the [step agreement][fsdp_core.step_agreement]: before each forward
+the ranks agree that they run the same micro-batch with the same gradient sync (and a
+non-empty batch), so uneven micro-batch counts stop with the same error on every rank
+instead of mismatched reduce-scatters, and an optimizer step after backwards with
+gradient sync off stops instead of changing nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import internals
 from fsdp_core.runtime import RuntimeHook
+from fsdp_core.step_agreement import StepAgreement
 
 __all__ = ["AccumulationWarmup", "AccumulationWarmupRuntimeHook", "install_unshard_warmup"]
 
@@ -72,13 +79,19 @@ def _align_accumulated_grads(unit: FSDPModule) -> bool:
 
 
 class AccumulationWarmup:
-    """The installed warm-up: a forward pre-hook on ``root``, registered on construction."""
+    """The installed warm-up: a forward pre-hook on ``root``, registered on construction;
+    with a ``mesh``, the step agreement too (its pre-hook runs first, so no rank warms up
+    units in a step the ranks disagree about)."""
 
     name: str = NAME
 
-    def __init__(self, root: nn.Module) -> None:
+    def __init__(self, root: nn.Module, *, mesh: DeviceMesh | None = None) -> None:
         self._handle: RemovableHandle | None = root.register_forward_pre_hook(
             self._before_forward, prepend=True, with_kwargs=True
+        )
+        #: The step agreement installed with the warm-up (``None`` without a mesh).
+        self.agreement: StepAgreement | None = (
+            StepAgreement(root, mesh=mesh) if mesh is not None else None
         )
         #: How many units the last forward warmed up, and aligned.
         self.last_warmed = 0
@@ -101,6 +114,9 @@ class AccumulationWarmup:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        if self.agreement is not None:
+            self.agreement.remove()
+            self.agreement = None
 
 
 def install_unshard_warmup(root: nn.Module) -> AccumulationWarmup:
@@ -116,7 +132,8 @@ def install_unshard_warmup(root: nn.Module) -> AccumulationWarmup:
 
 @dataclass(frozen=True)
 class AccumulationWarmupRuntimeHook(RuntimeHook):
-    """The ``accumulation_warmup`` runtime hook (no plan data beyond its targets)."""
+    """The ``accumulation_warmup`` runtime hook (no plan data beyond its targets): the
+    warm-up and the step agreement."""
 
     name: ClassVar[str] = NAME
     reads: ClassVar[tuple[internals.Probe, ...]] = (
@@ -126,7 +143,9 @@ class AccumulationWarmupRuntimeHook(RuntimeHook):
         internals.PARAM_UNSHARDED,
         internals.PARAM_ACCUMULATED,
         internals.PARAM_REDUCE_DTYPE,
+        internals.GRAPH_TASK,
+        internals.QUEUE_CALLBACK,
     )
 
     def install(self, model: nn.Module, *, mesh: DeviceMesh) -> AccumulationWarmup:
-        return install_unshard_warmup(model)
+        return AccumulationWarmup(model, mesh=mesh)

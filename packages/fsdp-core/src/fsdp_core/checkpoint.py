@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -39,6 +40,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from fsdp_core import _export_swap
 from fsdp_core.collective_entry import CollectiveCall, enter_collective, group_ranks
+from fsdp_core.weights_check import refill_unset_buffers
 
 __all__ = [
     "save_checkpoint",
@@ -157,6 +159,14 @@ def _check_readable(path: PathLike) -> None:
         raise PermissionError(errno.EACCES, "cannot read the checkpoint directory", str(root))
 
 
+def _saved_keys(path: PathLike) -> set[str]:
+    """The top-level keys a checkpoint holds (``model``, ``optim``, ``step``), from its
+    metadata; fails as ``_check_readable`` does on a directory without one."""
+    _check_readable(path)
+    metadata = FileSystemReader(path).read_metadata()
+    return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+
+
 def load_checkpoint(
     path: PathLike,
     model: nn.Module,
@@ -168,14 +178,18 @@ def load_checkpoint(
 
     Collective, with the arrival check and agreement of ``save_checkpoint``: a
     checkpoint missing or unreadable on any rank fails on every rank before
-    anything is read.
+    anything is read. Non-persistent buffers are in no checkpoint: those that
+    ``to_empty()`` left undefined after a ``meta`` build are recomputed for
+    transformers models (as ``load_pretrained`` does); others must be set by hand.
     """
     with enter_collective(
         "load_checkpoint", ranks=group_ranks(model=model), timeout=timeout
     ) as call:
         state = call.run(lambda: _state(model, optimizer), step="collecting the state")
-        call.run(lambda: _check_readable(path), step=f"finding the checkpoint {str(path)!r}")
+        saved = call.run(lambda: _saved_keys(path), step=f"finding the checkpoint {str(path)!r}")
         state["step"] = torch.tensor(-1, dtype=torch.int64)
+        if "step" not in saved:  # saved without step=: DCP would refuse the missing key
+            del state["step"]
         call.run(lambda: dcp_load(state, checkpoint_id=path), step=f"reading {str(path)!r}")
         set_state_dict(
             model,
@@ -183,7 +197,9 @@ def load_checkpoint(
             model_state_dict=state["model"],
             optim_state_dict=state.get("optim", {}),
         )
-    step = int(state["step"].item())
+        # No checkpoint holds non-persistent buffers: after to_empty() they are undefined.
+        call.run(lambda: refill_unset_buffers(model), step="recomputing buffers")
+    step = int(state["step"].item()) if "step" in state else -1
     return None if step < 0 else step
 
 

@@ -54,6 +54,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import internals
 from fsdp_core.containers import is_under
+from fsdp_core.forward_arrival import arrival_scope, record_call
 from fsdp_core.plan import ShardingPlan, UnitPlan, unit_parameters
 from fsdp_core.runtime import RuntimeHook, output_tensors
 
@@ -147,6 +148,8 @@ class EntryUnshardHook:
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if self._depth or internals.in_backward():
             return None  # inside the model's forward (or a recomputation): FSDP gathers
+        if entry.owners:  # a collective call of the model: every rank must make it
+            record_call(self.model, f"a call of {entry.path!r} outside the forward")
         gathered: list[FSDPModule] = []
         self._frames.append((module, gathered))
         self._gather(entry.owners, gathered)
@@ -180,15 +183,18 @@ class EntryUnshardHook:
 
         @functools.wraps(original)
         def generate(*args: Any, **kwargs: Any) -> Any:
-            if self._depth or not owners:
+            if self._depth:
                 return original(*args, **kwargs)
-            gathered: list[FSDPModule] = []
-            try:
-                self._gather(owners, gathered)
-                return original(*args, **kwargs)
-            finally:
-                for unit in gathered:
-                    unit.reshard()
+            with arrival_scope(self.model, "generate()"):
+                if not owners:
+                    return original(*args, **kwargs)
+                gathered: list[FSDPModule] = []
+                try:
+                    self._gather(owners, gathered)
+                    return original(*args, **kwargs)
+                finally:
+                    for unit in gathered:
+                        unit.reshard()
 
         object.__setattr__(module, "generate", generate)
         self._generators.append(module)

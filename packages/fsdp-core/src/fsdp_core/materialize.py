@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fsdp_core.collective_entry import enter_collective, group_ranks
+from fsdp_core.weights_check import mark_written, refill_unset_buffers
 
 __all__ = ["copy_full_into_", "load_full_state_dict", "materialize_from_full"]
 
@@ -52,6 +53,7 @@ def copy_full_into_(param: torch.Tensor, full: torch.Tensor) -> None:
             param.to_local().copy_(local)
         else:
             param.copy_(full.to(device=param.device, dtype=param.dtype))
+    mark_written(param)  # a local write that the DTensor's version does not show
 
 
 def materialize_from_full(
@@ -72,10 +74,13 @@ def materialize_from_full(
     with enter_collective(
         "materialize_from_full", ranks=group_ranks(model=model), timeout=timeout
     ) as call:
-        return call.run(
+        call.run(
             lambda: _materialize(model, full_tensors, device=device, buffers=buffers),
             step="filling the shards",
         )
+        # Non-persistent buffers not given: recomputed for transformers models.
+        call.run(lambda: refill_unset_buffers(model), step="recomputing buffers")
+        return model
 
 
 def _materialize(
@@ -132,6 +137,8 @@ def load_full_state_dict(
             step="checking the state dict",
         )
         set_model_state_dict(model, dict(state_dict or {}), options=options)
+        # No state dict holds non-persistent buffers: after to_empty() they are undefined.
+        call.run(lambda: refill_unset_buffers(model), step="recomputing buffers")
 
 
 def _check_state_dict(state_dict: Mapping[str, torch.Tensor] | None, *, needed: bool) -> None:

@@ -8,7 +8,9 @@ the adapter library. ``ShardingPlan.fingerprint`` records the tree the plan was
 made for; ``apply_plan`` compares it with the model before sharding anything, and
 a one-time forward pre-hook on the sharded model compares again at the first
 forward (then removes itself). Both raise ``ModuleTreeChangedError`` naming what
-changed; the checks are deterministic, so every rank raises the same error.
+changed; the checks are deterministic, so every rank raises the same error. The same
+first-forward hook checks that a model sharded on ``meta`` got its weights by then
+([fsdp_core.weights_check][]).
 
 Activation-checkpoint and ``torch.compile`` wrappers are looked through: wrapping a
 module changes no parameter the plan names.
@@ -24,6 +26,8 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
+
+from fsdp_core.weights_check import check_weights_given, record_meta_tensors
 
 __all__ = [
     "ModuleTreeChangedError",
@@ -179,9 +183,13 @@ def install_first_forward_check(
     (weakly) for ``check_unchanged_since_sharding``."""
     handle: RemovableHandle | None = None
     _SHARDED[model] = expected
+    # What is on meta now must have values by the first forward (fsdp_core.weights_check).
+    on_meta = record_meta_tensors(model)
 
     def check(module: nn.Module, args: object) -> None:
         _raise_if_changed(module, expected, "")
+        if on_meta is not None:
+            check_weights_given(module, on_meta, name=_class_name(module))
         if handle is not None:
             handle.remove()
 

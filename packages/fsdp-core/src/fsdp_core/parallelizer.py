@@ -36,6 +36,7 @@ from fsdp_core.dtype_units import (
     shard_groups_then_module,
 )
 from fsdp_core.entry_unshard import EntryUnshardRuntimeHook, entry_owners
+from fsdp_core.forward_arrival import ForwardArrivalRuntimeHook
 from fsdp_core.module_tree import (
     check_module_tree,
     install_first_forward_check,
@@ -157,6 +158,7 @@ class ModelParallelizer:
         AccumulationWarmupRuntimeHook,
         UnusedParamsRuntimeHook,
         EntryUnshardRuntimeHook,
+        ForwardArrivalRuntimeHook,
     )
 
     def __init__(self, *, dtype_safe: bool = True, disabled_hooks: Iterable[str] = ()) -> None:
@@ -227,7 +229,8 @@ class ModelParallelizer:
             notes=tuple(self._plan_notes(ctx)),
             fingerprint=module_tree_fingerprint(model),
         )
-        hooks = [h for h in self._plan_hooks(model, plan) if h.name not in self.disabled_hooks]
+        planned = [*self._plan_hooks(model, plan), _forward_arrival_hook()]
+        hooks = [h for h in planned if h.name not in self.disabled_hooks]
         return dataclasses.replace(plan, hooks=tuple(hooks))
 
     def apply_plan(
@@ -611,6 +614,19 @@ def _entry_hooks(owners: dict[str, tuple[int, ...]], plan: ShardingPlan) -> list
             "of each owning unit per call (per generate() call: held for all of it)",
         )
     ]
+
+
+def _forward_arrival_hook() -> HookPlan:
+    """Planned last, so that its forward pre-hook runs before every other hook's (each
+    is put in front) and before any collective of the forward."""
+    return ForwardArrivalRuntimeHook().planned(
+        reason="a forward, eval or generate() run on some ranks only fails on every rank "
+        "with an error naming the ranks and their calls, instead of hanging",
+        targets=["<root>"],
+        cost="no collective: a training forward writes one store key; a forward without "
+        "gradients, in eval mode or generate() waits for every rank at the c10d store "
+        "(about three store round trips)",
+    )
 
 
 def _names(hooks: Iterable[type[RuntimeHook]]) -> tuple[str, ...]:

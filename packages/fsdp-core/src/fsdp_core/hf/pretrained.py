@@ -62,6 +62,7 @@ from fsdp_core.hf._safetensors_dir import (
 from fsdp_core.materialize import copy_full_into_
 from fsdp_core.module_tree import check_unchanged_since_sharding
 from fsdp_core.sizes import parse_size
+from fsdp_core.weights_check import mark_weights_loaded
 
 __all__ = ["KeyMapping", "PretrainedLoad", "load_pretrained", "save_pretrained"]
 
@@ -428,6 +429,21 @@ def _fill_buffers(
     return recomputed
 
 
+def recompute_after_to_empty(model: nn.Module, names: Sequence[str]) -> list[str]:
+    """Recompute the non-persistent buffers ``names`` of a transformers ``model`` that
+    ``to_empty`` left undefined (its own buffer initialisation, as ``load_pretrained``
+    does); the names that got values. Other models: nothing, ``[]``."""
+    if not names or not _hf_model.is_hf_model(model):
+        return []
+    buffers = _non_persistent_buffers(model)
+    for name in names:
+        _sentinel_fill(buffers[name])
+    ran = _hf_model.recompute_buffers(model, list(names))
+    done = [n for n in ran if not _still_sentinel(buffers[n])]
+    logger.info("recomputed %d non-persistent buffers after to_empty: %s", len(done), done)
+    return done
+
+
 def _check_buffer_names(model: nn.Module, buffers: Mapping[str, torch.Tensor]) -> None:
     known = {name for name, _ in model.named_buffers()}
     unknown = [name for name in buffers if name not in known]
@@ -655,6 +671,7 @@ def _load(
     cast = _load_tensors(layout, fresh if view is None else _renamed(fresh, view), match)
     if view is not None and allocated:  # adapters that held no values: peft's first ones
         _lora_load.initialise_adapters(model, view.adapters, _copy_full)
+    mark_weights_loaded(model)  # the reads wrote local shards only (fsdp_core.weights_check)
     logger.info(
         "loaded %d tensors from %s (%d files, names as %s; %d cast to the model's dtype)",
         match.matched,

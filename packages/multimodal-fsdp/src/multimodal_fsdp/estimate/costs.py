@@ -28,6 +28,8 @@ and per step, FSDP2 (torch 2.13) then issues:
   ([`multimodal_fsdp.runtime.schedule_check`][multimodal_fsdp.runtime.schedule_check]);
 - backward: one all-reduce of one byte per trainable FSDP parameter (per mesh
   dimension) of the ``unused_params`` hook ([`fsdp_core.unused_params`][fsdp_core.unused_params]);
+- forward: one 80-byte all-reduce (per mesh dimension) of the step agreement that the
+  ``accumulation_warmup`` hook installs ([`fsdp_core.step_agreement`][fsdp_core.step_agreement]);
 - with ``balance_media=True``: the exchange of each balanced tower call (all-gathers of
   sizes, all-to-alls of inputs, outputs and, in backward, gradients) and the join
   barrier's last round per tower. They depend on the step's media, so they are counted
@@ -68,6 +70,7 @@ from fsdp_core.mesh import MeshShape, resolve_mesh_shape
 from fsdp_core.plan import UnitPlan, unit_parameters
 from fsdp_core.runtime import HookPlan
 from fsdp_core.sharding import check_reshard_after_forward, original_class
+from fsdp_core.step_agreement import AGREEMENT_BYTES
 from multimodal_fsdp.balance.traffic import HEADER_INTS, STATUS_INTS
 from multimodal_fsdp.estimate.collectives import (
     CommTally,
@@ -411,6 +414,9 @@ def plan_costs(
         extra.merge(exchange)
         if not towers:
             exchange = None
+    if plan.hook("accumulation_warmup") is not None and shape.world_size > 1:
+        for _ in range(dims):  # the step agreement, before the forward
+            extra.add("forward", "all_reduce", AGREEMENT_BYTES)
     if plan.hook("unused_params") is not None and shape.world_size > 1:
         # One usage flag (a byte) per trainable parameter tensor that a unit manages.
         flags = sum(1 for params in owned for _, p in params if p.requires_grad)

@@ -1,0 +1,219 @@
+"""A model sharded on ``meta`` must get its weights before its first forward.
+
+Building on ``meta``, sharding, then ``to_empty()`` allocates every shard without a
+value. Forgetting the load that should follow trains on whatever the memory held: a
+transformers model then fails deep inside (CLIP's ``position_ids`` buffer indexes its
+embedding: ``IndexError: index out of range in self``) or, worse, computes garbage
+without a word (a rotary ``inv_freq``). Non-persistent buffers are a trap of their own:
+no checkpoint holds them, so a model resumed with ``load_checkpoint`` after ``to_empty()``
+has every parameter right and those buffers undefined.
+
+Applying a plan records which parameters and non-persistent buffers were on ``meta``
+([record_meta_tensors][fsdp_core.weights_check.record_meta_tensors]); the first forward of
+the sharded model checks them
+([check_weights_given][fsdp_core.weights_check.check_weights_given]) and raises
+[UninitializedWeightsError][fsdp_core.weights_check.UninitializedWeightsError], naming
+them and the loader to call, when
+
+- some of them are still on ``meta``;
+- none of the parameters was given a value since (written in place: their version
+  counter moved, or a loader of this library wrote them: those write the local shards,
+  which a DTensor's version counter does not see, and tag the parameter);
+- a non-persistent buffer was never written since ``to_empty()`` (version counter 0).
+
+Every rank runs the same loads, so every rank raises the same error. A parameter written
+in a way the check cannot see (into ``param.to_local()``, or by
+``torch.distributed.checkpoint.load`` without ``set_model_state_dict``) can be declared
+with [mark_weights_loaded][fsdp_core.weights_check.mark_weights_loaded].
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Final
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "MetaTensors",
+    "UninitializedWeightsError",
+    "check_weights_given",
+    "mark_weights_loaded",
+    "mark_written",
+    "meta_tensors",
+    "record_meta_tensors",
+    "recorded",
+    "refill_unset_buffers",
+    "unset_buffers",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Attribute a loader of this library sets on a tensor it wrote (local shards included).
+_WRITTEN: Final = "_fsdp_core_written"
+_LIMIT: Final = 4
+
+
+class UninitializedWeightsError(RuntimeError):
+    """A model sharded on ``meta`` reached its first forward without its weights."""
+
+
+@dataclass(frozen=True)
+class MetaTensors:
+    """The parameters and non-persistent buffers of a model that were on ``meta`` when
+    it was sharded (names as ``named_parameters`` / ``named_buffers`` give them)."""
+
+    parameters: tuple[str, ...]
+    buffers: tuple[str, ...]
+
+
+#: Each sharded model (the one the plan was applied to) -> what was on ``meta`` then.
+_RECORDS: weakref.WeakKeyDictionary[nn.Module, MetaTensors] = weakref.WeakKeyDictionary()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _non_persistent(model: nn.Module) -> dict[str, torch.Tensor]:
+    found: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name in module._non_persistent_buffers_set:
+                found[dot + name] = buffer
+    return found
+
+
+def meta_tensors(model: nn.Module) -> MetaTensors | None:
+    """What of ``model`` is on ``meta`` now; ``None`` when nothing is."""
+    params = tuple(n for n, p in model.named_parameters() if _local(p).is_meta)
+    buffers = tuple(n for n, b in _non_persistent(model).items() if b.is_meta)
+    if not params and not buffers:
+        return None
+    return MetaTensors(params, buffers)
+
+
+def record_meta_tensors(model: nn.Module) -> MetaTensors | None:
+    """Remember what of the just-sharded ``model`` is on ``meta`` (for
+    [check_weights_given][fsdp_core.weights_check.check_weights_given] and the loaders)."""
+    record = meta_tensors(model)
+    if record is not None:
+        _RECORDS[model] = record
+    return record
+
+
+def recorded(model: nn.Module) -> tuple[nn.Module, MetaTensors] | None:
+    """The sharded model (``model``, or the one inside it, such as a ``PeftModel``'s) and
+    what of it was on ``meta`` when it was sharded."""
+    for module in model.modules():
+        record = _RECORDS.get(module)
+        if record is not None:
+            return module, record
+    return None
+
+
+def mark_written(tensor: torch.Tensor) -> None:
+    """Tag ``tensor`` as given a value by a loader (which may write only its local shard)."""
+    try:
+        setattr(tensor, _WRITTEN, True)
+    except (AttributeError, TypeError):  # a tensor type that takes no attributes
+        logger.debug("could not tag a %s as written", type(tensor).__name__)
+
+
+def mark_weights_loaded(model: nn.Module) -> None:
+    """Declare that every parameter and buffer of ``model`` holds its value: for weights
+    written in a way the first-forward check cannot see (into the local shards, or by
+    ``torch.distributed.checkpoint.load`` without ``set_model_state_dict``)."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        mark_written(tensor)
+
+
+def _written(tensor: torch.Tensor) -> bool:
+    return bool(getattr(tensor, _WRITTEN, False)) or tensor._version > 0
+
+
+def unset_buffers(model: nn.Module) -> list[str]:
+    """The non-persistent buffers of ``model`` that were on ``meta`` when it was sharded,
+    are allocated now and were never written since (undefined values)."""
+    found = recorded(model)
+    if found is None:
+        return []
+    sharded, record = found
+    buffers = _non_persistent(sharded)
+    return [
+        name
+        for name in record.buffers
+        if name in buffers and not buffers[name].is_meta and not _written(buffers[name])
+    ]
+
+
+def refill_unset_buffers(model: nn.Module) -> list[str]:
+    """Recompute the [unset_buffers][fsdp_core.weights_check.unset_buffers] of a
+    transformers model with its own buffer initialisation (as ``load_pretrained`` does);
+    the names recomputed. For other models nothing is done: the first forward names what
+    is left."""
+    found = recorded(model)
+    names = unset_buffers(model)
+    if found is None or not names:
+        return []
+    # Imported here so that ``import fsdp_core`` does not load the checkpoint I/O.
+    from fsdp_core.hf.pretrained import recompute_after_to_empty
+
+    return recompute_after_to_empty(found[0], names)
+
+
+def _listed(names: Iterable[str]) -> str:
+    items = list(names)
+    more = f" and {len(items) - _LIMIT} more" if len(items) > _LIMIT else ""
+    return ", ".join(repr(n) for n in items[:_LIMIT]) + more
+
+
+_LOADERS: Final = (
+    "fsdp_core.hf.load_pretrained(model, directory) for a Hugging Face checkpoint "
+    "directory (it allocates the model itself, no to_empty() needed, and recomputes "
+    "non-persistent buffers), fsdp_core.load_checkpoint(directory, model) for a checkpoint "
+    "saved with save_checkpoint, fsdp_core.materialize_from_full(model, named_full_tensors, "
+    "device=...) or fsdp_core.load_full_state_dict(model, state_dict) for tensors you hold"
+)
+
+
+def check_weights_given(model: nn.Module, record: MetaTensors, *, name: str) -> None:
+    """Raise [UninitializedWeightsError][fsdp_core.weights_check.UninitializedWeightsError]
+    if what ``record`` says was on ``meta`` has no values yet (see the module docstring);
+    ``name`` is the model's class name for the message."""
+    params = dict(model.named_parameters())
+    buffers = _non_persistent(model)
+    still = [n for n in record.parameters if n in params and _local(params[n]).is_meta]
+    still += [n for n in record.buffers if n in buffers and buffers[n].is_meta]
+    if still:
+        raise UninitializedWeightsError(
+            f"{name} was sharded on the meta device and {len(still)} of its tensors are "
+            f"still there ({_listed(still)}): it has no weights to run with. Load them "
+            f"after parallelize: {_LOADERS}."
+        )
+    wanted = [params[n] for n in record.parameters if n in params]
+    if wanted and not any(_written(p) for p in wanted):
+        raise UninitializedWeightsError(
+            f"{name} was sharded on the meta device and none of its {len(wanted)} "
+            "parameters has been given a value since: to_empty() allocates memory without "
+            "values, and no weights were loaded. Load them after parallelize: "
+            f"{_LOADERS}. If you wrote the values in a way this check cannot see (into "
+            "param.to_local(), or torch.distributed.checkpoint.load without "
+            "set_model_state_dict), call fsdp_core.mark_weights_loaded(model) first."
+        )
+    unset = unset_buffers(model)
+    if unset:
+        raise UninitializedWeightsError(
+            f"{name} was sharded on the meta device and its non-persistent buffers "
+            f"{_listed(unset)} were never given values after to_empty(): no checkpoint or "
+            "state dict holds them. Recompute them: fsdp_core.hf.load_pretrained does it "
+            "for transformers models (and load_checkpoint / load_full_state_dict for "
+            "transformers models too), materialize_from_full takes buffers={name: tensor}, "
+            "or copy the values in place (model.get_buffer(name).copy_(value))."
+        )
