@@ -79,6 +79,9 @@ def test_load_checkpoint_after_to_empty_recomputes_the_buffers(mp2: MpResults) -
     assert result["errors"] == [("", ""), ("", "")]
     assert result["step"] is None
     assert result["loss"] == result["expected"]
+    # The same for a full state dict broadcast from rank 0 (load_full_state_dict).
+    assert result["broadcast_errors"] == [("", ""), ("", "")]
+    assert result["broadcast_loss"] == result["expected"]
 
 
 def test_an_optimizer_step_with_gradient_sync_off_stops_every_rank(mp2: MpResults) -> None:

@@ -21,7 +21,14 @@ from registry import scenario
 from scenarios_misuse import DIM, _model
 from torch import nn
 
-from fsdp_core import DistributedContext, ModelParallelizer, build_mesh, load_checkpoint
+from fsdp_core import (
+    DistributedContext,
+    ModelParallelizer,
+    build_mesh,
+    export_full_state_dict,
+    load_checkpoint,
+    load_full_state_dict,
+)
 
 LR = 0.1
 
@@ -173,7 +180,8 @@ def never_loaded(ctx: DistributedContext, out: Path) -> dict[str, Any]:
 
 @scenario("crash_checkpoint_after_to_empty")
 def checkpoint_after_to_empty(ctx: DistributedContext, out: Path) -> dict[str, Any]:
-    """Resume: meta build -> parallelize -> to_empty() -> load_checkpoint -> forward.
+    """Resume: meta build -> parallelize -> to_empty() -> load_checkpoint -> forward (and
+    load_full_state_dict in place of load_checkpoint).
     Non-persistent buffers are in no checkpoint. Before: a checkpoint saved without
     step= did not load ('Missing key in checkpoint state_dict: step.'), and with a step
     the forward failed (IndexError: CLIP's position_ids buffer was garbage)."""
@@ -196,10 +204,19 @@ def checkpoint_after_to_empty(ctx: DistributedContext, out: Path) -> dict[str, A
             loss.append(model(**batch).loss.item())
 
     error = _caught(forward)
+    # The sibling: a full state dict broadcast from rank 0 after to_empty().
+    full = export_full_state_dict(trained)
+    broadcast = _meta_llava()
+    broadcast.to_empty(device=ctx.device)
+    load_full_state_dict(broadcast, full if ctx.rank == 0 else None)
+    with torch.no_grad():
+        broadcast_loss = _caught(lambda: loss.append(broadcast(**batch).loss.item()))
     return {
         "errors": _gather(error),
+        "broadcast_errors": _gather(broadcast_loss),
         "step": step,
         "loss": _gather(loss[0] if loss else None),
+        "broadcast_loss": _gather(loss[-1] if len(loss) == 2 else None),
         "expected": expected,
         "alive": _alive(),
     }

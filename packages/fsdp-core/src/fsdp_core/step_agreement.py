@@ -311,7 +311,11 @@ class StepAgreement:
         )
         rows[me] = torch.tensor(astuple(mine), dtype=torch.int64)
         all_reduce_max_over_mesh(rows, self.mesh)
-        table = {rank: RankStep(*row) for rank, row in zip(self._ranks, rows.tolist(), strict=True)}
+        table = {
+            rank: RankStep(*row)
+            for rank, row in zip(self._ranks, rows.tolist(), strict=True)
+            if min(row) >= 0  # a rank that wrote nothing: only under the fake group
+        }
         raise mismatch_error(table)
 
     # ----------------------------------------------------------------- backward

@@ -49,6 +49,8 @@ __all__ = [
     "record_meta_tensors",
     "recorded",
     "refill_unset_buffers",
+    "sentinel_fill",
+    "still_sentinel",
     "unset_buffers",
 ]
 
@@ -153,6 +155,27 @@ def unset_buffers(model: nn.Module) -> list[str]:
     ]
 
 
+def sentinel_fill(buffer: torch.Tensor) -> None:
+    """Fill ``buffer`` with a value no initialisation writes (NaN, the integer minimum),
+    so that [still_sentinel][fsdp_core.weights_check.still_sentinel] tells whether
+    something gave it a value since."""
+    with torch.no_grad():
+        if buffer.dtype.is_floating_point or buffer.dtype.is_complex:
+            buffer.fill_(float("nan"))
+        elif buffer.dtype != torch.bool:
+            buffer.fill_(torch.iinfo(buffer.dtype).min)
+
+
+def still_sentinel(buffer: torch.Tensor) -> bool:
+    """Whether ``buffer`` still holds what [sentinel_fill][fsdp_core.weights_check.sentinel_fill]
+    wrote (never for an empty or bool buffer)."""
+    if buffer.numel() == 0 or buffer.dtype == torch.bool:
+        return False
+    if buffer.dtype.is_floating_point or buffer.dtype.is_complex:
+        return bool(torch.isnan(buffer).all())
+    return bool((buffer == torch.iinfo(buffer.dtype).min).all())
+
+
 def refill_unset_buffers(model: nn.Module) -> list[str]:
     """Recompute the [unset_buffers][fsdp_core.weights_check.unset_buffers] of a
     transformers model with its own buffer initialisation (as ``load_pretrained`` does);
@@ -163,9 +186,18 @@ def refill_unset_buffers(model: nn.Module) -> list[str]:
     if found is None or not names:
         return []
     # Imported here so that ``import fsdp_core`` does not load the checkpoint I/O.
-    from fsdp_core.hf.pretrained import recompute_after_to_empty
+    from fsdp_core.hf import _hf_model
 
-    return recompute_after_to_empty(found[0], names)
+    sharded = found[0]
+    if not _hf_model.is_hf_model(sharded):
+        return []
+    buffers = _non_persistent(sharded)
+    for name in names:
+        sentinel_fill(buffers[name])
+    ran = _hf_model.recompute_buffers(sharded, names)
+    done = [n for n in ran if not still_sentinel(buffers[n])]
+    logger.info("recomputed %d non-persistent buffers after to_empty: %s", len(done), done)
+    return done
 
 
 def _listed(names: Iterable[str]) -> str:
@@ -205,7 +237,7 @@ def check_weights_given(model: nn.Module, record: MetaTensors, *, name: str) -> 
             "values, and no weights were loaded. Load them after parallelize: "
             f"{_LOADERS}. If you wrote the values in a way this check cannot see (into "
             "param.to_local(), or torch.distributed.checkpoint.load without "
-            "set_model_state_dict), call fsdp_core.mark_weights_loaded(model) first."
+            "set_model_state_dict), call fsdp_core.weights_check.mark_weights_loaded(model) first."
         )
     unset = unset_buffers(model)
     if unset:

@@ -62,7 +62,7 @@ from fsdp_core.hf._safetensors_dir import (
 from fsdp_core.materialize import copy_full_into_
 from fsdp_core.module_tree import check_unchanged_since_sharding
 from fsdp_core.sizes import parse_size
-from fsdp_core.weights_check import mark_weights_loaded
+from fsdp_core.weights_check import mark_weights_loaded, sentinel_fill, still_sentinel
 
 __all__ = ["KeyMapping", "PretrainedLoad", "load_pretrained", "save_pretrained"]
 
@@ -383,22 +383,6 @@ def _retie(model: nn.Module, slots: Sequence[_Slot]) -> None:
 # ------------------------------------------------------------------------- buffers
 
 
-def _sentinel_fill(buffer: torch.Tensor) -> None:
-    with torch.no_grad():
-        if buffer.dtype.is_floating_point or buffer.dtype.is_complex:
-            buffer.fill_(float("nan"))
-        elif buffer.dtype != torch.bool:
-            buffer.fill_(torch.iinfo(buffer.dtype).min)
-
-
-def _still_sentinel(buffer: torch.Tensor) -> bool:
-    if buffer.numel() == 0 or buffer.dtype == torch.bool:
-        return False
-    if buffer.dtype.is_floating_point or buffer.dtype.is_complex:
-        return bool(torch.isnan(buffer).all())
-    return bool((buffer == torch.iinfo(buffer.dtype).min).all())
-
-
 def _fill_buffers(
     model: nn.Module,
     was_meta: set[str],
@@ -408,11 +392,11 @@ def _fill_buffers(
     """Give non-persistent buffers their values after ``to_empty``; the recomputed names."""
     buffers = _non_persistent_buffers(model)
     for name in was_meta:
-        _sentinel_fill(buffers[name])
+        sentinel_fill(buffers[name])
     recomputed: list[str] = []
     if _hf_model.is_hf_model(model):
         ran = _hf_model.recompute_buffers(model, list(buffers))
-        recomputed = [n for n in ran if n not in was_meta or not _still_sentinel(buffers[n])]
+        recomputed = [n for n in ran if n not in was_meta or not still_sentinel(buffers[n])]
     with torch.no_grad():
         for name, value in kept.items():
             if name not in recomputed:
@@ -420,28 +404,13 @@ def _fill_buffers(
         for name, value in given.items():
             buffer = model.get_buffer(name)
             buffer.copy_(value.to(device=buffer.device, dtype=buffer.dtype))
-    undefined = [n for n in was_meta if n not in given and _still_sentinel(buffers[n])]
+    undefined = [n for n in was_meta if n not in given and still_sentinel(buffers[n])]
     if undefined:
         raise ValueError(
             f"non-persistent buffers {_listed(undefined)} were on the meta device, are not in "
             "any checkpoint and nothing recomputed them: pass buffers={name: tensor}"
         )
     return recomputed
-
-
-def recompute_after_to_empty(model: nn.Module, names: Sequence[str]) -> list[str]:
-    """Recompute the non-persistent buffers ``names`` of a transformers ``model`` that
-    ``to_empty`` left undefined (its own buffer initialisation, as ``load_pretrained``
-    does); the names that got values. Other models: nothing, ``[]``."""
-    if not names or not _hf_model.is_hf_model(model):
-        return []
-    buffers = _non_persistent_buffers(model)
-    for name in names:
-        _sentinel_fill(buffers[name])
-    ran = _hf_model.recompute_buffers(model, list(names))
-    done = [n for n in ran if not _still_sentinel(buffers[n])]
-    logger.info("recomputed %d non-persistent buffers after to_empty: %s", len(done), done)
-    return done
 
 
 def _check_buffer_names(model: nn.Module, buffers: Mapping[str, torch.Tensor]) -> None:
