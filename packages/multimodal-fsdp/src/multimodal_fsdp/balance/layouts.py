@@ -67,11 +67,17 @@ class CallSpec:
     """What a call passes besides the items: the names of the per-item tensor arguments
     (``fields``), the other arguments by name (``constants``, passed through unchanged
     and sent to ranks that have no call of their own, so they must be picklable), and
-    which names are positional-only."""
+    which names are positional-only.
+
+    ``scalars`` names the fields that hold a 0-d tensor argument (transformers'
+    ``num_items_in_batch``): it is not cut by item but travels with each item as one
+    row (ranks may pass different values), and a call built from items gets it back as
+    a 0-d tensor, the value of its first item."""
 
     fields: tuple[str, ...]
     constants: tuple[tuple[str, Any], ...] = ()
     positional: tuple[str, ...] = ()
+    scalars: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -210,6 +216,21 @@ def _check_constants(tower: nn.Module, constants: Mapping[str, Any], layout: str
             )
 
 
+def scalar_arguments(named: Mapping[str, Any]) -> list[str]:
+    """The names of the 0-d tensor arguments of a call: passed through, not cut by item."""
+    return [n for n, v in named.items() if isinstance(v, Tensor) and v.dim() == 0]
+
+
+def scalar_rows(named: Mapping[str, Any], names: Sequence[str]) -> tuple[Tensor, ...]:
+    """One item's rows of the scalar fields ``names``: each 0-d value as a 1-row tensor."""
+    return tuple(named[n].reshape(1) for n in names)
+
+
+def _scalar_value(spec: CallSpec, items: Sequence[MediaItem], name: str) -> Tensor:
+    """A scalar field's value for a call on ``items``: its first item's, as a 0-d tensor."""
+    return items[0].fields[spec.fields.index(name)].reshape(())
+
+
 class MediaLayout(ABC):
     """How calls of one family of towers split into items (see the module docstring).
 
@@ -242,8 +263,17 @@ class MediaLayout(ABC):
         fields = {
             name: torch.cat([item.fields[i] for item in items], dim=0)
             for i, name in enumerate(spec.fields)
+            if name not in spec.scalars
         }
-        named: dict[str, Any] = {**fields, **dict(spec.constants)}
+        return self._arguments(spec, items, fields)
+
+    def _arguments(
+        self, spec: CallSpec, items: Sequence[MediaItem], fields: Mapping[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Call arguments from the rebuilt per-item ``fields``, the call's scalars (its first
+        item's values) and constants, positional-only names first."""
+        scalars = {name: _scalar_value(spec, items, name) for name in spec.scalars}
+        named: dict[str, Any] = {**fields, **scalars, **dict(spec.constants)}
         args = tuple(named.pop(name) for name in spec.positional if name in named)
         return args, named
 
@@ -335,8 +365,11 @@ class BatchFirstLayout(MediaLayout):
                 f"per item, got {type(pixels).__name__}"
             )
         count = pixels.shape[0]
+        scalars = [n for n in scalar_arguments(named) if n != self.pixel_argument]
         names = [self.pixel_argument] + [
-            n for n, v in named.items() if isinstance(v, Tensor) and n != self.pixel_argument
+            n
+            for n, v in named.items()
+            if isinstance(v, Tensor) and n != self.pixel_argument and n not in scalars
         ]
         for name in names:
             value = named[name]
@@ -347,17 +380,21 @@ class BatchFirstLayout(MediaLayout):
                     f"{tuple(value.shape)}; register a layout adapter for "
                     f"{type(tower).__name__}"
                 )
-        constants = {n: v for n, v in named.items() if n not in names}
+        constants = {n: v for n, v in named.items() if n not in names and n not in scalars}
         _check_constants(tower, constants, self.name)
         cost = max(1, pixels[0].numel()) if count else 1
         items = tuple(
-            MediaItem(fields=tuple(named[n][i : i + 1] for n in names), cost=cost)
+            MediaItem(
+                fields=(*(named[n][i : i + 1] for n in names), *scalar_rows(named, scalars)),
+                cost=cost,
+            )
             for i in range(count)
         )
         spec = CallSpec(
-            fields=tuple(names),
+            fields=(*names, *scalars),
             constants=tuple(constants.items()),
             positional=_positional_only(tower),
+            scalars=tuple(scalars),
         )
         return MediaCall(spec=spec, items=items)
 
@@ -393,10 +430,11 @@ class PackedByGridLayout(MediaLayout):
                 f"the {self.name!r} layout needs {self.grid_argument} as an integer tensor of "
                 f"shape (items, 3), got {shape}"
             )
+        scalars = [n for n in scalar_arguments(named) if n not in (first, self.grid_argument)]
         others = sorted(
             n
             for n, v in named.items()
-            if isinstance(v, Tensor) and n not in (first, self.grid_argument)
+            if isinstance(v, Tensor) and n not in (first, self.grid_argument, *scalars)
         )
         if others:
             raise ValueError(
@@ -414,16 +452,19 @@ class PackedByGridLayout(MediaLayout):
         if any(r <= 0 for r in rows):
             raise ValueError(f"every {self.grid_argument} row must be positive, got {sizes}")
         chunks = torch.split(patches, rows, dim=0)
+        extra = scalar_rows(named, scalars)
         items = tuple(
-            MediaItem(fields=(chunk, grid[i : i + 1]), cost=r, sizes=size)
+            MediaItem(fields=(chunk, grid[i : i + 1], *extra), cost=r, sizes=size)
             for i, (chunk, r, size) in enumerate(zip(chunks, rows, sizes, strict=True))
         )
-        constants = {n: v for n, v in named.items() if n not in (first, self.grid_argument)}
+        cut = (first, self.grid_argument, *scalars)
+        constants = {n: v for n, v in named.items() if n not in cut}
         _check_constants(tower, constants, self.name)
         spec = CallSpec(
-            fields=(first, self.grid_argument),
+            fields=cut,
             constants=tuple(constants.items()),
             positional=_positional_only(tower),
+            scalars=tuple(scalars),
         )
         return MediaCall(spec=spec, items=items)
 
@@ -431,16 +472,18 @@ class PackedByGridLayout(MediaLayout):
         self, spec: CallSpec, fields: Sequence[FieldSpec], sizes: tuple[int, ...]
     ) -> MediaItem:
         """Zero patches on the grid ``sizes`` (a real item's ``(t, h, w)``)."""
-        if len(sizes) != 3 or len(fields) != 2:
+        if len(sizes) != 3 or len(fields) < 2:
             raise ValueError(
                 f"a {self.name!r} placeholder needs (t, h, w) and two fields, got {sizes}"
             )
-        patches, grid = fields
+        patches, grid, *extra = fields
         t, h, w = sizes
+        rest = super().placeholder(spec, extra, ()).fields if extra else ()
         return MediaItem(
             fields=(
                 torch.zeros((t * h * w, *patches.row_shape), dtype=patches.dtype),
                 torch.tensor([[t, h, w]], dtype=grid.dtype),
+                *rest,
             ),
             cost=t * h * w,
             sizes=sizes,
