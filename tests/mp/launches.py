@@ -80,6 +80,8 @@ LAUNCHES: dict[int, list[str]] = {
         "entry_ds_function",
         *(f"entry_mm_flow_{policy}" for policy in ("root", "per_layer", "replicate")),
         *PHI4_CASES,
+        "staged_three_stages",
+        "staged_shape_changed",
     ],
     4: [
         "core_fp32_1d",

@@ -48,7 +48,10 @@ def reference_training(
     compute_dtype: torch.dtype | None,
     optimizer: OptimizerFn,
     keep_fp32: Callable[[str], bool] = _never,
+    max_norm: float | None = None,
 ) -> ReferenceRun:
+    """``max_norm``: clip the averaged gradients by their total norm before each step
+    (``torch.nn.utils.clip_grad_norm_``), as a framework's gradient clipping does."""
     master = build()
     trainable = {name for name, p in master.named_parameters() if p.requires_grad}
     opt = optimizer([p for p in master.parameters() if p.requires_grad])
@@ -85,6 +88,10 @@ def reference_training(
                         grads0[name] = p.grad.clone()
                 else:
                     p.grad = None
+            if max_norm is not None:
+                torch.nn.utils.clip_grad_norm_(
+                    [p for p in master.parameters() if p.grad is not None], max_norm
+                )
         opt.step()
         opt.zero_grad(set_to_none=True)
     params = {n: p.detach().clone() for n, p in master.named_parameters()}

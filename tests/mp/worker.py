@@ -33,6 +33,7 @@ import scenarios_lora_load  # noqa: F401
 import scenarios_misuse  # noqa: F401
 import scenarios_phi4  # noqa: F401
 import scenarios_pretrained  # noqa: F401
+import scenarios_staged  # noqa: F401
 import scenarios_training  # noqa: F401
 import scenarios_vlm  # noqa: F401
 from harness import EXTRA_SCENARIOS_ENV, RUNNING_FILE, agree_after, save_result

@@ -11,6 +11,7 @@ from fsdp_core.checkpoint import (
     export_full_state_dict,
     load_checkpoint,
     load_checkpoint_unsharded,
+    load_stage_checkpoint,
     save_checkpoint,
 )
 from fsdp_core.collective_entry import CollectiveCallError
@@ -45,6 +46,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "load_checkpoint_unsharded",
+    "load_stage_checkpoint",
     "export_full_state_dict",
     "materialize_from_full",
     "load_full_state_dict",

@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import warnings
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -28,23 +29,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
+    get_optimizer_state_dict,
     get_state_dict,
-    set_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from fsdp_core import _export_swap
+from fsdp_core.checkpoint_contents import CheckpointContents, check_model_matches
 from fsdp_core.collective_entry import CollectiveCall, enter_collective, group_ranks
 from fsdp_core.weights_check import refill_unset_buffers
 
 __all__ = [
     "save_checkpoint",
     "load_checkpoint",
+    "load_stage_checkpoint",
+    "StageLoadReport",
     "load_checkpoint_unsharded",
     "export_full_state_dict",
 ]
@@ -159,12 +164,28 @@ def _check_readable(path: PathLike) -> None:
         raise PermissionError(errno.EACCES, "cannot read the checkpoint directory", str(root))
 
 
-def _saved_keys(path: PathLike) -> set[str]:
-    """The top-level keys a checkpoint holds (``model``, ``optim``, ``step``), from its
-    metadata; fails as ``_check_readable`` does on a directory without one."""
+def _contents(path: PathLike) -> CheckpointContents:
+    """What the checkpoint holds, from its metadata; fails as ``_check_readable`` does on
+    a directory without one."""
     _check_readable(path)
-    metadata = FileSystemReader(path).read_metadata()
-    return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+    return CheckpointContents.read(path)
+
+
+@dataclass(frozen=True)
+class StageLoadReport:
+    """What ``load_stage_checkpoint`` (and ``load_checkpoint``) loaded into the optimizer.
+
+    Names are the model's parameter names, in the optimizer's order."""
+
+    #: The step the checkpoint was saved at (``None``: saved without ``step=``).
+    step: int | None
+    #: Parameters whose optimizer state was loaded (trainable then and now).
+    restored: tuple[str, ...]
+    #: Parameters this optimizer trains that have no saved state: they start fresh, as
+    #: in a new optimizer (newly trainable, or never given a gradient before the save).
+    fresh: tuple[str, ...]
+    #: Parameters with saved state that this optimizer does not train (frozen now).
+    dropped: tuple[str, ...]
 
 
 def load_checkpoint(
@@ -176,31 +197,186 @@ def load_checkpoint(
 ) -> int | None:
     """Load ``path`` into a (sharded) model and optimizer in place; returns the saved step.
 
-    Collective, with the arrival check and agreement of ``save_checkpoint``: a
-    checkpoint missing or unreadable on any rank fails on every rank before
-    anything is read. Non-persistent buffers are in no checkpoint: those that
-    ``to_empty()`` left undefined after a ``meta`` build are recomputed for
-    transformers models (as ``load_pretrained`` does); others must be set by hand.
+    A resume of the run that saved it: the optimizer must train the parameters the
+    saved one trained, in as many parameter groups (its hyperparameters are loaded
+    too); a run with another freeze set starts from it with ``load_stage_checkpoint``.
+    A parameter that had no optimizer state when it was saved (no gradient yet) has
+    none after the load either. Collective, with the arrival check and agreement of
+    ``save_checkpoint``: a checkpoint missing or unreadable on any rank, a tensor
+    whose shape changed (``ValueError`` naming it) or another freeze set fails on
+    every rank before anything is read. Non-persistent buffers are in no
+    checkpoint: those that ``to_empty()`` left undefined after a ``meta`` build are
+    recomputed for transformers models (as ``load_pretrained`` does); others must be
+    set by hand.
     """
-    with enter_collective(
-        "load_checkpoint", ranks=group_ranks(model=model), timeout=timeout
-    ) as call:
-        state = call.run(lambda: _state(model, optimizer), step="collecting the state")
-        saved = call.run(lambda: _saved_keys(path), step=f"finding the checkpoint {str(path)!r}")
-        state["step"] = torch.tensor(-1, dtype=torch.int64)
-        if "step" not in saved:  # saved without step=: DCP would refuse the missing key
-            del state["step"]
-        call.run(lambda: dcp_load(state, checkpoint_id=path), step=f"reading {str(path)!r}")
-        set_state_dict(
-            model,
-            optimizer if optimizer is not None else [],
-            model_state_dict=state["model"],
-            optim_state_dict=state.get("optim", {}),
+    return _load(path, model, optimizer, stage=False, timeout=timeout, name="load_checkpoint").step
+
+
+def load_stage_checkpoint(
+    path: PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    timeout: float | timedelta | None = None,
+) -> StageLoadReport:
+    """Start a new training stage (another freeze set) from an earlier stage's checkpoint.
+
+    The usual vision-language recipe trains the projector, then the language model,
+    then the tower, each stage a new run. This loads every model tensor, and the
+    optimizer state of the parameters trainable in both runs; the newly trainable ones
+    start fresh (no state, as in a new optimizer) and the optimizer keeps this run's
+    hyperparameters (learning rate, weight decay, parameter groups). The returned
+    report (also logged) names the parameters restored, fresh, and dropped (state saved
+    for parameters frozen now). A model tensor whose shape changed, or that the
+    checkpoint lacks, is a ``ValueError`` naming it. Collective, like ``load_checkpoint``.
+    """
+    report = _load(
+        path, model, optimizer, stage=True, timeout=timeout, name="load_stage_checkpoint"
+    )
+    if optimizer is not None:
+        logger.info(
+            "stage checkpoint %s (step %s): optimizer state restored for %d parameters, "
+            "fresh for %d (%s), not loaded for %d frozen now (%s)",
+            path,
+            report.step,
+            len(report.restored),
+            len(report.fresh),
+            _names_text(report.fresh),
+            len(report.dropped),
+            _names_text(report.dropped),
         )
+    return report
+
+
+def _names_text(names: tuple[str, ...], limit: int = 8) -> str:
+    more = f", ... {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more if names else "none"
+
+
+@dataclass(frozen=True)
+class _Selection:
+    """Which saved optimizer states a load reads (decided from the metadata alone)."""
+
+    restored: tuple[str, ...]
+    fresh: tuple[str, ...]
+    dropped: tuple[str, ...]
+
+
+def _select(
+    contents: CheckpointContents, optim_state: dict[str, Any] | None, path: PathLike
+) -> _Selection:
+    if optim_state is None:
+        return _Selection((), (), ())
+    state: dict[str, dict[str, Any]] = optim_state["state"]
+    restored, fresh = [], []
+    for name, fields in state.items():
+        saved = contents.optimizer_state.get(name)
+        if saved is None:
+            fresh.append(name)
+        elif saved != frozenset(fields):
+            raise ValueError(
+                f"the checkpoint {str(path)!r} holds optimizer state {sorted(saved)} for "
+                f"{name!r}, this optimizer keeps {sorted(fields)}: it was saved by another "
+                "kind of optimizer; load the model only (optimizer=None)"
+            )
+        else:
+            restored.append(name)
+    dropped = tuple(name for name in contents.optimizer_state if name not in state)
+    return _Selection(tuple(restored), tuple(fresh), dropped)
+
+
+def _check_same_run(
+    path: PathLike, optim_state: dict[str, Any], saved_groups: list[list[str]]
+) -> None:
+    """A resume must train what the saved run trained, in as many groups."""
+    groups: list[dict[str, Any]] = optim_state["param_groups"]
+    now = [name for group in groups for name in group["params"]]
+    then = [name for group in saved_groups for name in group]
+    new, gone = sorted(set(now) - set(then)), sorted(set(then) - set(now))
+    if new or gone or len(groups) != len(saved_groups):
+        raise ValueError(
+            f"the checkpoint {str(path)!r} was saved by an optimizer of other parameters "
+            f"(trainable now, not then: {_names_text(tuple(new))}; then, not now: "
+            f"{_names_text(tuple(gone))}; parameter groups: {len(saved_groups)} then, "
+            f"{len(groups)} now); load_checkpoint resumes the same run: to start a new "
+            "training stage from it, use load_stage_checkpoint"
+        )
+
+
+def _saved_param_groups(path: PathLike, count: int) -> list[list[str]]:
+    """The parameter names of each saved optimizer group (small pickled lists)."""
+    groups: list[dict[str, Any]] = [{"params": []} for _ in range(count)]
+    dcp_load({"optim": {"param_groups": groups}}, checkpoint_id=path)
+    return [list(group["params"]) for group in groups]
+
+
+def _load(
+    path: PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    stage: bool,
+    timeout: float | timedelta | None,
+    name: str,
+) -> StageLoadReport:
+    with enter_collective(name, ranks=group_ranks(model=model), timeout=timeout) as call:
+        model_state = call.run(lambda: get_model_state_dict(model), step="collecting the state")
+        optim_state: dict[str, Any] | None = (
+            None
+            if optimizer is None
+            else call.run(
+                lambda: dict(get_optimizer_state_dict(model, optimizer)),
+                step="collecting the optimizer state",
+            )
+        )
+        contents = call.run(lambda: _contents(path), step=f"finding the checkpoint {str(path)!r}")
+        call.run(
+            lambda: check_model_matches(contents, model_state, path),
+            step="comparing the model with the checkpoint",
+        )
+        selection = call.run(
+            lambda: _select(contents, optim_state, path),
+            step="comparing the optimizer with the checkpoint",
+        )
+        if optim_state is not None and not stage:
+            saved_groups = call.run(
+                lambda: _saved_param_groups(path, contents.param_groups),
+                step=f"reading the optimizer's parameter groups from {str(path)!r}",
+            )
+            call.run(
+                lambda: _check_same_run(path, optim_state, saved_groups),
+                step="comparing the optimizer with the checkpoint",
+            )
+        request: dict[str, Any] = {"model": model_state}
+        if optim_state is not None:
+            optim: dict[str, Any] = {
+                "state": {key: optim_state["state"][key] for key in selection.restored}
+            }
+            if not stage:  # a resume loads the saved hyperparameters too
+                optim["param_groups"] = optim_state["param_groups"]
+            request["optim"] = optim
+        if contents.has_step:
+            request["step"] = torch.tensor(-1, dtype=torch.int64)
+        call.run(lambda: dcp_load(request, checkpoint_id=path), step=f"reading {str(path)!r}")
+        set_model_state_dict(model, model_state)
+        if optimizer is not None and optim_state is not None:
+            # Not strict: the parameters without loaded state get none (they start fresh).
+            loaded = {
+                "state": request["optim"]["state"],
+                "param_groups": request["optim"].get("param_groups", optim_state["param_groups"]),
+            }
+            set_optimizer_state_dict(
+                model, optimizer, loaded, options=StateDictOptions(strict=False)
+            )
         # No checkpoint holds non-persistent buffers: after to_empty() they are undefined.
         call.run(lambda: refill_unset_buffers(model), step="recomputing buffers")
-    step = int(state["step"].item()) if "step" in state else -1
-    return None if step < 0 else step
+    step = int(request["step"].item()) if "step" in request else -1
+    return StageLoadReport(
+        step=None if step < 0 else step,
+        restored=selection.restored,
+        fresh=selection.fresh,
+        dropped=selection.dropped,
+    )
 
 
 def load_checkpoint_unsharded(
