@@ -531,6 +531,7 @@ def format_hooks(rows: list[dict[str, Any]]) -> str:
         "schedule checkpoints / forward",
         "one checkpoint ms",
         "unused-params all-reduce ms",
+        "step agreement ms / forward",
         "hook collectives ms / step",
         "share of step",
         "forward_arrival ms: training fwd / no-grad fwd",
@@ -539,8 +540,11 @@ def format_hooks(rows: list[dict[str, Any]]) -> str:
     table = []
     for r in rows:
         hooks = r["hooks"]
+        agreement = hooks.get("agreement_ms", 0.0)
         per_step = (
-            hooks["checkpoints_per_forward"] * hooks["checkpoint_ms"] + hooks["unused_params_ms"]
+            hooks["checkpoints_per_forward"] * hooks["checkpoint_ms"]
+            + hooks["unused_params_ms"]
+            + agreement
         )
         step_ms = r["median_step_s"]["ours"] * 1e3
         table.append(
@@ -550,6 +554,7 @@ def format_hooks(rows: list[dict[str, Any]]) -> str:
                 str(hooks["checkpoints_per_forward"]),
                 f"{hooks['checkpoint_ms']:.3f}",
                 f"{hooks['unused_params_ms']:.3f} ({hooks['unused_params_flags']} B)",
+                f"{agreement:.3f} (80 B)" if "agreement_ms" in hooks else "-",
                 f"{per_step:.2f}",
                 f"{per_step / step_ms:.1%}",
                 *_arrival_cells(hooks, step_ms),

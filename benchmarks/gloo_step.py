@@ -35,6 +35,7 @@ from fsdp_core import CommCounter, build_mesh, exit_rank, init_distributed, mixe
 from fsdp_core.forward_arrival import TRAINING_FORWARD, ForwardArrivalHook
 from fsdp_core.mesh_collectives import all_reduce_max_over_mesh
 from fsdp_core.runtime import installed_hooks
+from fsdp_core.step_agreement import RankStep, StepAgreement
 from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
 from multimodal_fsdp.estimate.collectives import CommTally
 from multimodal_fsdp.estimate.costs import plan_costs
@@ -209,11 +210,18 @@ def hook_costs(model: nn.Module, mesh: Any, batch: dict[str, Any]) -> dict[str, 
 
     arrival = hooks.get("forward_arrival")
     costs: dict[str, Any] = {}
+    agreement = getattr(hooks.get("accumulation_warmup"), "agreement", None)
+    if isinstance(agreement, StepAgreement):
+        # The step agreement before every forward: one 80-byte all-reduce and a host sync,
+        # timed on the installed agreement with what every rank says in a plain step.
+        units = len(agreement._units)
+        same = RankStep(grad=1, sync=units, units=units, empty=0, forwards=1, micro=1, changed=0)
+        costs["agreement_ms"] = _median_ms(lambda: agreement.agree(same))
     if isinstance(arrival, ForwardArrivalHook):
         # What the check adds to one call of the model: a training forward records on the
         # store; a forward without gradients waits there for every rank. Timed on the
         # installed hook itself (every rank makes the same calls, in step).
-        costs = {
+        costs |= {
             "arrival_training_ms": _median_ms(lambda: arrival.arrive(TRAINING_FORWARD)),
             "arrival_no_grad_ms": _median_ms(lambda: arrival.arrive("a forward under no_grad")),
         }
