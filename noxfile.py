@@ -31,8 +31,13 @@ TEST_EXTRAS: dict[str, str] = {"fsdp-core": "hf"}
 #: checked exactly); FSDP_TRANSFORMERS_SPEC tries another (they still run, the exact
 #: lists skip).
 TRANSFORMERS_SPEC = os.environ.get("FSDP_TRANSFORMERS_SPEC", "transformers>=5.24,<5.25")
-#: What the cross-package tests add: real transformers VLMs and PEFT's LoRA.
-INTEGRATION_DEPS = (TRANSFORMERS_SPEC, "peft>=0.13")
+#: What the cross-package tests add: real transformers VLMs and PEFT's LoRA, Lightning.
+INTEGRATION_DEPS = (TRANSFORMERS_SPEC, "peft>=0.13", "lightning>=2.4,<3")
+#: torchtitan and the two packages it needs to import, installed without dependencies:
+#: its declared requirements pull data and logging stacks the tests do not use.
+TORCHTITAN_NO_DEPS = ("torchtitan>=0.3,<0.4", "spmd_types==0.2.3")
+#: tyro is imported by torchtitan's configs; its own small dependencies come with it.
+TORCHTITAN_DEPS = ("tyro>=0.9",)
 
 nox.options.default_venv_backend = "venv"
 nox.options.error_on_missing_interpreters = False
@@ -64,6 +69,8 @@ def integration(session: nox.Session) -> None:
     """All packages together, plus transformers, running the cross-package tests."""
     _install_torch(session)
     session.install(*TEST_DEPS, *INTEGRATION_DEPS)
+    session.install("--no-deps", *TORCHTITAN_NO_DEPS)
+    session.install(*TORCHTITAN_DEPS)
     session.install(*_package_paths(*PACKAGES))
     session.run("python", "-m", "pytest", "tests", *session.posargs)
 

@@ -13,7 +13,8 @@ One HTML comment on the line before a block changes that:
 ``<!-- docs-test: skip (reason) -->``
     the block is left out of the page's script; use rarely, always with the reason.
 
-A page whose script imports transformers or peft is skipped when it is not installed.
+A page whose script imports transformers, peft, lightning or torchtitan is skipped when it is
+not installed.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ NPROC = 2
 TIMEOUT_S = 300.0
 
 #: Packages an example may import that the test environment need not have.
-OPTIONAL_IMPORTS = ("transformers", "peft")
+OPTIONAL_IMPORTS = ("transformers", "peft", "lightning", "torchtitan")
 
 _FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})\s*(?P<lang>[\w+-]*)")
 _MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<spec>.*?)\s*-->\s*$")

@@ -6,8 +6,12 @@ from collections.abc import Callable
 from typing import Any
 
 from balanced_hf import cases_for as balanced_hf_cases
+from framework_cases import FABRIC, LIGHTNING, TORCHTITAN
 from loops import cases_for
 from phi4 import CASES as PHI4_CASES
+
+#: Lightning's Trainer and Fabric cases (they take over the launch's process group).
+LIGHTNING_CASES = (*LIGHTNING, *FABRIC)
 
 #: Loads one scenario's saved result (the fixtures ``mp2`` / ``mp4`` return one).
 MpResults = Callable[[str], dict[str, Any]]
@@ -82,6 +86,8 @@ LAUNCHES: dict[int, list[str]] = {
         *PHI4_CASES,
         "staged_three_stages",
         "staged_shape_changed",
+        *LIGHTNING_CASES,
+        *TORCHTITAN,
     ],
     4: [
         "core_fp32_1d",

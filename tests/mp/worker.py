@@ -28,12 +28,14 @@ import scenarios_crashes  # noqa: F401
 import scenarios_framework_calls  # noqa: F401
 import scenarios_hf_export  # noqa: F401
 import scenarios_inference  # noqa: F401
+import scenarios_lightning  # noqa: F401
 import scenarios_loops  # noqa: F401
 import scenarios_lora_load  # noqa: F401
 import scenarios_misuse  # noqa: F401
 import scenarios_phi4  # noqa: F401
 import scenarios_pretrained  # noqa: F401
 import scenarios_staged  # noqa: F401
+import scenarios_torchtitan  # noqa: F401
 import scenarios_training  # noqa: F401
 import scenarios_vlm  # noqa: F401
 from harness import EXTRA_SCENARIOS_ENV, RUNNING_FILE, agree_after, save_result

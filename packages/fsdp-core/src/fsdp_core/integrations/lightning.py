@@ -1,0 +1,112 @@
+"""Lightning's ``ModelParallelStrategy``: the library as the model's parallelisation.
+
+Both of Lightning's entry points hand the user a 2-D ``DeviceMesh`` with the
+dimensions ``("data_parallel", "tensor_parallel")``: the Trainer's strategy as
+``self.device_mesh`` inside ``LightningModule.configure_model()``, Fabric's as the
+second argument of ``ModelParallelStrategy(parallelize_fn=...)``. The library shards
+over data-parallel ranks only, so ``parallelize_fn`` takes the ``data_parallel``
+sub-mesh (refusing a tensor-parallel size above 1 rather than sharding over the
+wrong ranks) and runs a parallelizer on it. The returned function does nothing on a
+model the library already sharded, because Lightning calls ``configure_model()``
+again for every ``fit``/``validate``/``test`` of the same module.
+
+Lightning itself is not imported here: the adapter only reads the mesh.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+from fsdp_core.parallelizer import ModelParallelizer
+from fsdp_core.sharding import is_sharded
+
+__all__ = ["DATA_PARALLEL_DIM", "data_parallel_mesh", "parallelize_fn"]
+
+logger = logging.getLogger(__name__)
+
+#: The mesh dimension Lightning's ``ModelParallelStrategy`` names its data-parallel ranks.
+DATA_PARALLEL_DIM = "data_parallel"
+
+#: What ``parallelize_fn`` returns: ``(module, device_mesh) -> module``.
+ParallelizeFn = Callable[[nn.Module, DeviceMesh], nn.Module]
+
+
+def data_parallel_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel ranks of a Lightning ``ModelParallelStrategy`` mesh.
+
+    A mesh with a ``data_parallel`` dimension gives that sub-mesh; every other
+    dimension must have size 1 (the library does not combine with tensor
+    parallelism). A mesh without named dimensions or without that name is taken
+    as it is only when it is 1-D (a mesh the caller built for data parallelism).
+    """
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}")
+    names = tuple(device_mesh.mesh_dim_names or ())
+    if DATA_PARALLEL_DIM not in names:
+        if device_mesh.ndim == 1:
+            return device_mesh
+        raise ValueError(
+            f"the device mesh has dimensions {names or device_mesh.ndim} and none named "
+            f"{DATA_PARALLEL_DIM!r}; pass Lightning's ModelParallelStrategy mesh or a 1-D "
+            "data-parallel mesh"
+        )
+    others = {
+        name: int(device_mesh.size(index))
+        for index, name in enumerate(names)
+        if name != DATA_PARALLEL_DIM and device_mesh.size(index) > 1
+    }
+    if others:
+        sizes = ", ".join(f"{name}={size}" for name, size in others.items())
+        raise ValueError(
+            f"the device mesh also parallelises over {sizes}; the library shards over "
+            "data-parallel ranks only: use ModelParallelStrategy(data_parallel_size=<world "
+            "size>, tensor_parallel_size=1)"
+        )
+    return device_mesh[DATA_PARALLEL_DIM]
+
+
+def parallelize_fn(
+    parallelizer: ModelParallelizer,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    reshard_after_forward: bool | int | None = None,
+) -> ParallelizeFn:
+    """A ``(module, device_mesh) -> module`` function that shards with ``parallelizer``.
+
+    For Fabric, pass it as ``ModelParallelStrategy(parallelize_fn=...)``; in a
+    ``LightningModule``, call it in ``configure_model()`` on the module to train and
+    ``self.device_mesh``. ``parallelizer`` is any ``ModelParallelizer`` (for a
+    vision-language model ``multimodal_fsdp.MultimodalParallelizer(...)`` with its
+    frozen-tower policy); the keyword options are those of its ``parallelize``. The
+    function shards in place, returns the module, and leaves a module whose root
+    already is an FSDP unit as it is (``configure_model()`` runs once per
+    ``fit``/``validate``/``test``).
+    """
+    if not isinstance(parallelizer, ModelParallelizer):
+        raise TypeError(
+            "parallelizer must be a ModelParallelizer (multimodal_fsdp's "
+            "MultimodalParallelizer, model_deepseek_v41's PARALLELIZER, ...), got "
+            f"{type(parallelizer).__name__}"
+        )
+
+    def parallelize(module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+        if is_sharded(module):
+            logger.info("%s is already sharded; leaving it as it is", type(module).__name__)
+            return module
+        return parallelizer.parallelize(
+            module,
+            mesh=data_parallel_mesh(device_mesh),
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            reshard_after_forward=reshard_after_forward,
+        )
+
+    return parallelize

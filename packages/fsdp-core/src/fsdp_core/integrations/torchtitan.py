@@ -1,0 +1,191 @@
+"""torchtitan: the library as a ``ModelSpec.parallelize_fn``.
+
+torchtitan builds the model on the ``meta`` device, calls the spec's
+``parallelize_fn(model, *, parallel_dims, training, parallelism, compile_config,
+ac_config, dump_folder)``, then ``model.to_empty(...)`` and ``model.init_weights(...)``,
+and builds the optimizer from the returned model. ``parallelize_fn`` makes such a
+function from a parallelizer: it reads the data-parallel mesh from ``ParallelDims``
+(``dp_shard``, with ``dp_replicate`` as HSDP), the mixed precision, CPU offload and
+``fsdp_reshard_after_forward`` from torchtitan's configs, applies torchtitan's
+activation checkpointing when configured, and plans and applies the library's units
+on the ``meta`` model (planning needs no values).
+
+The library shards over data-parallel ranks only: tensor, context, pipeline and
+expert parallelism are refused, as is ``torch.compile`` of the model, with the option
+to change, rather than silently ignored. torchtitan is not imported here; its configs
+are read by attribute name, so any object with those attributes works.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+from fsdp_core.parallelizer import ModelParallelizer
+from fsdp_core.precision import mixed_precision_policy
+
+__all__ = ["data_parallel_mesh", "parallelize_fn"]
+
+logger = logging.getLogger(__name__)
+
+#: What ``parallelize_fn`` returns: torchtitan's ``ModelSpec.parallelize_fn``.
+ParallelizeFn = Callable[..., nn.Module]
+
+#: ``ParallelismConfig.fsdp_reshard_after_forward`` -> the library's option
+#: (``None``: the plan's own choice, which is FSDP's default).
+_RESHARD: dict[str, bool | None] = {"default": None, "always": True, "never": False}
+
+#: ParallelDims flags of the parallelisms the library does not do, with their config option.
+_REFUSED = (
+    ("tp_enabled", "tensor parallelism (parallelism.tensor_parallel_degree)"),
+    ("cp_enabled", "context parallelism (parallelism.context_parallel_degree)"),
+    ("pp_enabled", "pipeline parallelism (parallelism.pipeline_parallel_degree)"),
+    ("ep_enabled", "expert parallelism (parallelism.expert_parallel_degree)"),
+)
+
+
+def data_parallel_mesh(parallel_dims: Any) -> DeviceMesh:
+    """The mesh to shard over from a torchtitan ``ParallelDims``: ``dp_shard`` (1-D), or
+    ``(dp_replicate, dp_shard)`` (HSDP) when ``dp_replicate > 1``.
+
+    Older torchtitan backends name the shard dimension ``fsdp``: that is used when
+    ``dp_shard`` is not a mesh of this ``ParallelDims``.
+    """
+    enabled = [why for flag, why in _REFUSED if getattr(parallel_dims, flag, False)]
+    if enabled:
+        raise ValueError(
+            f"{' and '.join(enabled)} enabled; the library shards over data-parallel ranks "
+            "only: set those degrees to 1 (dp_shard and dp_replicate are supported)"
+        )
+    shard = "dp_shard" if _has_mesh(parallel_dims, "dp_shard") else "fsdp"
+    dims: str | list[str] = shard
+    if getattr(parallel_dims, "dp_replicate_enabled", False):
+        dims = ["dp_replicate", shard]
+    mesh = parallel_dims.get_mesh(dims)
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"parallel_dims.get_mesh({dims!r}) returned {type(mesh).__name__}")
+    return mesh
+
+
+def _has_mesh(parallel_dims: Any, name: str) -> bool:
+    try:
+        return parallel_dims.get_optional_mesh(name) is not None
+    except ValueError:  # not a dimension of this backend's meshes
+        return False
+
+
+def parallelize_fn(
+    parallelizer: ModelParallelizer,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    reshard_after_forward: bool | int | None = None,
+) -> ParallelizeFn:
+    """torchtitan's ``parallelize_fn`` sharding with ``parallelizer`` (any
+    ``ModelParallelizer``: ``multimodal_fsdp.MultimodalParallelizer(...)`` for a
+    vision-language model).
+
+    Options given here win over torchtitan's configs: ``mp_policy`` over
+    ``training.mixed_precision_param`` / ``mixed_precision_reduce``, ``offload_policy``
+    over ``training.enable_cpu_offload``, ``reshard_after_forward`` over
+    ``parallelism.fsdp_reshard_after_forward``. The function accepts the model on
+    ``meta`` or allocated, shards it in place and returns it; on ``meta``, fill the
+    shards afterwards as torchtitan does (``to_empty`` then ``init_weights``) or with
+    the library's ``materialize_from_full`` / ``load_pretrained``.
+    """
+    if not isinstance(parallelizer, ModelParallelizer):
+        raise TypeError(
+            "parallelizer must be a ModelParallelizer (multimodal_fsdp's "
+            "MultimodalParallelizer, model_deepseek_v41's PARALLELIZER, ...), got "
+            f"{type(parallelizer).__name__}"
+        )
+
+    def parallelize(
+        model: nn.Module,
+        *,
+        parallel_dims: Any,
+        training: Any = None,
+        parallelism: Any = None,
+        compile_config: Any = None,
+        ac_config: Any = None,
+        dump_folder: str = "",
+        **_unused: Any,
+    ) -> nn.Module:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        mesh = data_parallel_mesh(parallel_dims)
+        _refuse_compile(compile_config)
+        if ac_config is not None:
+            _apply_activation_checkpointing(model, ac_config, dump_folder)
+        return parallelizer.parallelize(
+            model,
+            mesh=mesh,
+            mp_policy=mp_policy if mp_policy is not None else _mp_policy(training),
+            offload_policy=offload_policy
+            if offload_policy is not None
+            else _offload_policy(training),
+            reshard_after_forward=reshard_after_forward
+            if reshard_after_forward is not None
+            else _reshard(parallelism),
+        )
+
+    return parallelize
+
+
+def _mp_policy(training: Any) -> MixedPrecisionPolicy | None:
+    if training is None:
+        return None
+    param = getattr(training, "mixed_precision_param", "float32")
+    reduce = getattr(training, "mixed_precision_reduce", "float32")
+    return mixed_precision_policy(param, reduce)
+
+
+def _offload_policy(training: Any) -> OffloadPolicy | None:
+    if training is None or not getattr(training, "enable_cpu_offload", False):
+        return None
+    # Pinned host memory needs an accelerator (FSDP2 fails on a CPU-only host with it).
+    return CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
+
+
+def _reshard(parallelism: Any) -> bool | None:
+    if parallelism is None:
+        return None
+    value = getattr(parallelism, "fsdp_reshard_after_forward", "default")
+    if value not in _RESHARD:
+        raise ValueError(
+            f"parallelism.fsdp_reshard_after_forward is {value!r}; valid values: "
+            f"{', '.join(_RESHARD)}"
+        )
+    return _RESHARD[value]
+
+
+def _refuse_compile(compile_config: Any) -> None:
+    if compile_config is None or not getattr(compile_config, "enable", False):
+        return
+    if "model" in getattr(compile_config, "components", ("model",)):
+        raise ValueError(
+            "compile.enable with 'model' in compile.components: this parallelize_fn does not "
+            "torch.compile the model; remove 'model' from compile.components (or disable "
+            "compile)"
+        )
+
+
+def _apply_activation_checkpointing(model: nn.Module, ac_config: Any, dump_folder: str) -> None:
+    """torchtitan's activation checkpointing, as its own parallelize functions apply it:
+    every child of ``model.layers`` wrapped, before the units are planned."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.Module):
+        raise ValueError(
+            f"activation_checkpoint is configured ({type(ac_config).__qualname__}), and "
+            f"torchtitan applies it to model.layers, which {type(model).__name__} does not "
+            "have: set activation_checkpoint to none, or wrap the blocks yourself before "
+            "torchtitan calls parallelize_fn"
+        )
+    ac_config.build(dump_folder=dump_folder).apply(model)
+    logger.info("applied torchtitan's %s to model.layers", type(ac_config).__qualname__)

@@ -1,0 +1,207 @@
+"""The Lightning and torchtitan adapters without a framework (issue 25): which mesh they
+shard over, what they pass to the parallelizer from the framework's configs, and what
+they refuse with a message naming the option to change. Under the fake process group
+(meshes) or none; Lightning and torchtitan themselves are not needed (their objects are
+read by attribute). The training runs are in tests/test_lightning_distributed.py and
+tests/test_torchtitan_distributed.py (2 gloo ranks against one process).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from fsdp_core.integrations import lightning, torchtitan
+from fsdp_core.parallelizer import ModelParallelizer
+
+
+class Recording(ModelParallelizer):
+    """Records each ``parallelize`` call instead of sharding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[dict[str, Any]] = []
+
+    def parallelize(self, model: nn.Module, **kwargs: Any) -> nn.Module:  # type: ignore[override]
+        self.calls.append(kwargs)
+        return model
+
+
+# ------------------------------------------------------------------------------ Lightning
+def _lightning_mesh(dp: int, tp: int) -> DeviceMesh:
+    return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
+
+
+def test_lightning_shards_over_the_data_parallel_ranks(fake_pg2: None) -> None:
+    mesh = lightning.data_parallel_mesh(_lightning_mesh(2, 1))
+    assert mesh.mesh_dim_names == ("data_parallel",)
+    assert mesh.size() == 2
+
+
+def test_lightning_tensor_parallel_is_refused(fake_pg2: None) -> None:
+    with pytest.raises(ValueError, match=r"tensor_parallel=2.*tensor_parallel_size=1"):
+        lightning.data_parallel_mesh(_lightning_mesh(1, 2))
+
+
+def test_lightning_a_plain_1d_mesh_is_taken_as_it_is(mesh2: DeviceMesh) -> None:
+    assert lightning.data_parallel_mesh(mesh2) is mesh2
+
+
+def test_lightning_parallelize_fn_passes_the_mesh_and_options(fake_pg2: None) -> None:
+    recording = Recording()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    fn = lightning.parallelize_fn(recording, mp_policy=policy, reshard_after_forward=False)
+    model = nn.Linear(2, 2)
+    assert fn(model, _lightning_mesh(2, 1)) is model
+    (call,) = recording.calls
+    assert call["mesh"].mesh_dim_names == ("data_parallel",)
+    assert call["mp_policy"] is policy
+    assert call["reshard_after_forward"] is False
+
+
+def test_lightning_configure_model_twice_shards_once(mesh2: DeviceMesh) -> None:
+    """Lightning calls configure_model() for every fit/validate/test of one module."""
+    from fsdp_core.sharding import apply_fully_shard
+
+    model = nn.Linear(2, 2)
+    apply_fully_shard(model, mesh=mesh2, mp_policy=MixedPrecisionPolicy())
+    recording = Recording()
+    assert lightning.parallelize_fn(recording)(model, mesh2) is model
+    assert recording.calls == []
+
+
+def test_lightning_parallelize_fn_needs_a_parallelizer() -> None:
+    with pytest.raises(TypeError, match="ModelParallelizer"):
+        lightning.parallelize_fn(object())  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- torchtitan
+@dataclass
+class Dims:
+    """The attributes of torchtitan's ParallelDims the adapter reads."""
+
+    meshes: dict[str, DeviceMesh]
+    tp_enabled: bool = False
+    cp_enabled: bool = False
+    pp_enabled: bool = False
+    ep_enabled: bool = False
+    dp_replicate_enabled: bool = False
+    asked: list[Any] = field(default_factory=list)
+
+    def get_optional_mesh(self, dims: str) -> DeviceMesh | None:
+        if dims not in self.meshes:
+            raise ValueError(f"Invalid mesh dim: {dims!r}")
+        return self.meshes[dims]
+
+    def get_mesh(self, dims: str | list[str]) -> DeviceMesh:
+        self.asked.append(dims)
+        return self.meshes[dims if isinstance(dims, str) else "+".join(dims)]
+
+
+@dataclass
+class Training:
+    mixed_precision_param: str = "bfloat16"
+    mixed_precision_reduce: str = "float32"
+    enable_cpu_offload: bool = False
+
+
+@dataclass
+class Parallelism:
+    fsdp_reshard_after_forward: str = "default"
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    components: list[str] = field(default_factory=lambda: ["model", "loss"])
+
+
+def _call(dims: Dims, **configs: Any) -> dict[str, Any]:
+    recording = Recording()
+    model = nn.Linear(2, 2)
+    assert torchtitan.parallelize_fn(recording)(model, parallel_dims=dims, **configs) is model
+    (call,) = recording.calls
+    return call
+
+
+def test_torchtitan_shards_over_dp_shard(mesh2: DeviceMesh) -> None:
+    dims = Dims({"dp_shard": mesh2})
+    call = _call(dims, training=Training(), parallelism=Parallelism(), compile_config=Compile())
+    assert call["mesh"] is mesh2
+    assert dims.asked == ["dp_shard"]
+    # torchtitan's defaults: bf16 compute, fp32 reduction, FSDP's reshard default.
+    assert call["mp_policy"].param_dtype == torch.bfloat16
+    assert call["mp_policy"].reduce_dtype == torch.float32
+    assert call["reshard_after_forward"] is None
+    assert call["offload_policy"] is None
+
+
+def test_torchtitan_hsdp_and_the_legacy_fsdp_name(hsdp_mesh: DeviceMesh) -> None:
+    dims = Dims({"dp_replicate+dp_shard": hsdp_mesh, "dp_shard": hsdp_mesh["dp_shard"]})
+    dims.dp_replicate_enabled = True
+    assert _call(dims)["mesh"] is hsdp_mesh
+    shard = hsdp_mesh["dp_shard"]
+    assert _call(Dims({"fsdp": shard}))["mesh"] is shard
+
+
+def test_torchtitan_configs_map_to_the_options(mesh2: DeviceMesh) -> None:
+    call = _call(
+        Dims({"dp_shard": mesh2}),
+        training=Training(mixed_precision_param="float32", enable_cpu_offload=True),
+        parallelism=Parallelism(fsdp_reshard_after_forward="never"),
+    )
+    assert call["mp_policy"].param_dtype == torch.float32
+    assert call["reshard_after_forward"] is False
+    assert call["offload_policy"] is not None
+
+
+def test_torchtitan_options_given_to_the_factory_win(mesh2: DeviceMesh) -> None:
+    recording = Recording()
+    policy = MixedPrecisionPolicy()
+    fn = torchtitan.parallelize_fn(recording, mp_policy=policy, reshard_after_forward=True)
+    fn(nn.Linear(2, 2), parallel_dims=Dims({"dp_shard": mesh2}), training=Training())
+    assert recording.calls[0]["mp_policy"] is policy
+    assert recording.calls[0]["reshard_after_forward"] is True
+
+
+@pytest.mark.parametrize("flag", ["tp_enabled", "cp_enabled", "pp_enabled", "ep_enabled"])
+def test_torchtitan_other_parallelisms_are_refused(mesh2: DeviceMesh, flag: str) -> None:
+    dims = Dims({"dp_shard": mesh2})
+    setattr(dims, flag, True)
+    with pytest.raises(ValueError, match="data-parallel ranks only"):
+        _call(dims)
+
+
+def test_torchtitan_compile_and_unknown_reshard_are_refused(mesh2: DeviceMesh) -> None:
+    dims = Dims({"dp_shard": mesh2})
+    with pytest.raises(ValueError, match=r"compile\.components"):
+        _call(dims, compile_config=Compile(enable=True))
+    with pytest.raises(ValueError, match="always, never"):
+        _call(dims, parallelism=Parallelism(fsdp_reshard_after_forward="sometimes"))
+
+
+def test_torchtitan_activation_checkpointing_needs_model_layers(mesh2: DeviceMesh) -> None:
+    applied: list[nn.Module] = []
+
+    class Policy:
+        def build(self, *, dump_folder: str) -> Policy:
+            return self
+
+        def apply(self, model: nn.Module) -> None:
+            applied.append(model)
+
+    with pytest.raises(ValueError, match=r"model\.layers"):
+        _call(Dims({"dp_shard": mesh2}), ac_config=Policy())
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Linear(2, 2)])
+    recording = Recording()
+    fn = torchtitan.parallelize_fn(recording)
+    fn(model, parallel_dims=Dims({"dp_shard": mesh2}), ac_config=Policy())
+    assert applied == [model]
+    assert len(recording.calls) == 1
