@@ -362,3 +362,17 @@ def bench(session: nox.Session) -> None:
     session.install(*_package_paths(*PACKAGES))
     session.install("matplotlib")  # the memory-timeline chart; a benchmark-only dependency
     session.run("python", "benchmarks/bench.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def exit_check(session: nox.Session) -> None:
+    """Launch finished torchrun jobs many times and count the aborts on the way out.
+
+    ``nox -s exit_check -- --launches 100`` runs the LoRA + balance_media + export +
+    generate + DCP job, a job ending right after a collective, and the getting-started
+    page (``-- --help`` for the choices); not a CI test. See docs/benchmark.md.
+    """
+    _install_torch(session)
+    session.install("numpy", "pytest>=8", *INTEGRATION_DEPS)  # pytest: the docs-page parser
+    session.install(*_package_paths(*PACKAGES))
+    session.run("python", "benchmarks/exit_check.py", *session.posargs)

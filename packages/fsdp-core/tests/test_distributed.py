@@ -292,3 +292,111 @@ def test_exit_rank_flushes_output_and_exits_with_the_code() -> None:
     )
     assert result.returncode == 3, result.stderr
     assert result.stdout == "done"
+
+
+# Leaving the process after gloo work ----------------------------------------------------------
+#: One rank of a 2-rank gloo job whose gloo worker thread still has Python work to finish
+#: (a completed collective's callback, then the release of its tensors) when the main
+#: thread reaches the end of the script: the state in which Python 3.11's interpreter
+#: teardown kills the worker thread ("terminate called without an active exception",
+#: SIGABRT). A job holds its group through FSDP and DeviceMesh as ``KEEP`` does, so the
+#: group's threads outlive ``destroy_process_group``. The callback blocks until the end of
+#: the script and the main thread keeps the GIL (a long switch interval), which makes the
+#: otherwise rare timing certain.
+_LATE_GLOO_WORK = """
+import sys, threading
+import torch
+import torch.distributed as dist
+from fsdp_core import destroy_distributed, init_distributed
+
+ctx = init_distributed(backend="gloo")
+KEEP = dist.distributed_c10d._get_default_group()
+store = dist.distributed_c10d._get_default_store()
+started, go = threading.Event(), threading.Event()
+
+
+def hold(_):
+    started.set()
+    go.wait()
+
+
+if ctx.rank == 0:
+    work = dist.all_reduce(torch.ones(8), async_op=True)
+    work.get_future().then(hold)
+    store.set("registered", "1")  # rank 1 joins the all-reduce only now
+    started.wait()
+    del work
+else:
+    store.wait(["registered"])
+    dist.all_reduce(torch.ones(8))
+print(f"rank {ctx.rank} finished", flush=True)
+sys.setswitchinterval(10.0)
+go.set()  # from here on the main thread releases the GIL only where the library does
+if "{ending}" == "destroy_distributed":
+    destroy_distributed()
+elif "{ending}" == "raise" and ctx.rank == 0:
+    raise RuntimeError("rank 0 failed on purpose")
+"""
+
+
+def _run_two_ranks(code: str) -> list[tuple[int, str, str]]:
+    import os
+    import subprocess
+    import sys
+
+    from fsdp_core.testing import free_port
+
+    port = str(free_port())
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+    }
+    procs = []
+    for rank in range(2):
+        env = dict(
+            base,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        results.append((proc.returncode, out, err))
+    return results
+
+
+@pytest.mark.parametrize("ending", ["return", "destroy_distributed"])
+def test_rank_exits_cleanly_while_a_gloo_thread_still_needs_python(ending: str) -> None:
+    """A finished job ends with status 0 on every rank, whether the script returns after
+    ``init_distributed`` or ends with ``destroy_distributed()``."""
+    results = _run_two_ranks(_LATE_GLOO_WORK.replace("{ending}", ending))
+    for rank, (code, out, err) in enumerate(results):
+        assert "terminate called" not in err, f"rank {rank}: {err[-2000:]}"
+        assert code == 0, f"rank {rank} exited with {code}: {err[-2000:]}"
+        assert f"rank {rank} finished" in out
+
+
+def test_a_rank_that_raised_still_fails_with_its_traceback() -> None:
+    """The exit path hides no failure: the rank that raised exits 1 with its traceback."""
+    (code0, _, err0), (code1, _, err1) = _run_two_ranks(
+        _LATE_GLOO_WORK.replace("{ending}", "raise")
+    )
+    assert code0 == 1, err0[-2000:]
+    assert "RuntimeError: rank 0 failed on purpose" in err0
+    assert "terminate called" not in err0, err0[-2000:]
+    assert code1 == 0, err1[-2000:]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Final, NoReturn
@@ -34,6 +36,19 @@ VALID_BACKENDS: Final[tuple[str, ...]] = ("nccl", "gloo", "fake")
 #: its own key prefix, so a group started after ``destroy_distributed`` never reads
 #: the keys (the peers' old gloo addresses) of the one before it.
 _GENERATIONS = itertools.count()
+#: Threads torch starts that take the GIL from C++ after a collective or a backward:
+#: gloo's workers release a finished collective's tensors there (a tensor whose Python
+#: object is gone needs the GIL to drop it) and run its future's Python callbacks; the
+#: autograd device threads run Python hooks. Linux names them (``/proc``) with these
+#: prefixes (at most 15 characters).
+_GIL_TAKING_THREADS: Final[tuple[str, ...]] = ("pt_gloo_runloop", "pt_autograd_")
+#: How long the exit path waits for those threads to go idle before it gives up (a
+#: thread still busy then is running work nobody waited for).
+_SETTLE_TIMEOUT_S: Final[float] = 5.0
+#: Consecutive looks, the GIL released in between, that must find every such thread
+#: blocked (idle, or waiting on its peers) before the exit path continues.
+_SETTLED_LOOKS: Final[int] = 3
+_EXIT_HOOK_REGISTERED = False
 _DEVICE_FOR_BACKEND: Final[dict[str, str]] = {
     "nccl": "cuda",
     "gloo": "cpu",
@@ -142,9 +157,11 @@ def init_distributed(
         raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
     if timeout is not None and not isinstance(timeout, timedelta):
         raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
+    _register_exit_hook()
     if dist.is_initialized():
         ctx = _context_from_group()
-        if backend is not None and backend.strip().lower() != ctx.backend:
+        running = {part.rpartition(":")[2] for part in ctx.backend.split(",")}
+        if backend is not None and backend.strip().lower() not in running | {ctx.backend}:
             raise ValueError(
                 f"the process group is already initialised with backend {ctx.backend!r}; "
                 f"cannot switch to {backend!r} (call destroy_distributed() first)"
@@ -191,24 +208,104 @@ def init_distributed(
 
 
 def destroy_distributed() -> None:
-    """Tear down the default process group if one exists (safe to call twice)."""
+    """Tear down the default process group if one exists (safe to call twice).
+
+    First lets torch's collective threads finish what they still do with Python
+    objects (``_settle_collective_threads``), so that the interpreter's
+    teardown after it cannot abort the process. Local: no rank waits for another,
+    so it is safe in ``finally`` blocks and after a failure.
+    """
+    _settle_collective_threads()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _settle_collective_threads(timeout_s: float = _SETTLE_TIMEOUT_S) -> bool:
+    """Release the GIL until torch's gloo worker (and autograd device) threads are idle.
+
+    Why: a gloo worker drops a finished collective's tensors after the caller has
+    moved on; when a tensor's Python object is already gone, that needs the GIL. If
+    the main thread holds the GIL until the interpreter starts shutting down, Python
+    3.11 ends the waiting thread in the middle of C++ code and the process aborts
+    ("terminate called without an active exception", SIGABRT) although all work is
+    done. Waiting here, while the interpreter is fully alive, lets those threads
+    finish first. ``destroy_distributed`` and the exit hook of ``init_distributed``
+    call it.
+
+    Returns ``True`` once every such thread was seen blocked ``_SETTLED_LOOKS`` times
+    in a row (idle, or waiting on a peer: nothing left for Python), ``False`` if one
+    was still running after ``timeout_s`` seconds. Without ``/proc`` (not Linux) it
+    releases the GIL for 50 ms and returns ``True``.
+    """
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        time.sleep(0.05)
+        return True
+    deadline = time.monotonic() + timeout_s
+    looks = 0
+    while looks < _SETTLED_LOOKS:
+        time.sleep(0.001)  # releases the GIL: a thread waiting for it takes it now
+        looks = looks + 1 if not _running_gil_threads(tasks) else 0
+        if looks < _SETTLED_LOOKS and time.monotonic() > deadline:
+            logger.warning(
+                "torch collective threads %s still running after %.1f s; the "
+                "interpreter's teardown may abort this process",
+                _running_gil_threads(tasks),
+                timeout_s,
+            )
+            return False
+    return True
+
+
+def _running_gil_threads(tasks: str) -> list[str]:
+    """The GIL-taking torch threads of this process that are running or runnable."""
+    running = []
+    for tid in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{tid}/comm") as comm:
+                name = comm.read().strip()
+            if not name.startswith(_GIL_TAKING_THREADS):
+                continue
+            with open(f"{tasks}/{tid}/stat") as stat:
+                state = stat.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):  # the thread ended while we looked
+            continue
+        if state == "R":
+            running.append(f"{name} ({tid})")
+    return running
+
+
+def _register_exit_hook() -> None:
+    """Settle the collective threads at interpreter exit, also when the script just
+    returns (``atexit`` runs before the teardown that kills late threads). It only
+    waits for local threads, so a rank that raised still exits 1 with its traceback."""
+    global _EXIT_HOOK_REGISTERED
+    if not _EXIT_HOOK_REGISTERED:
+        atexit.register(_settle_at_exit)
+        _EXIT_HOOK_REGISTERED = True
+
+
+def _settle_at_exit() -> None:
+    with contextlib.suppress(Exception):  # never turn an exit into a new failure
+        _settle_collective_threads()
 
 
 def exit_rank(code: int = 0) -> NoReturn:
     """End a torchrun worker: wait for the others, tear down, exit without interpreter
     teardown.
 
-    With gloo (torch 2.13) a rank whose work is complete occasionally aborts while the
-    interpreter shuts down ("terminate called without an active exception"), turning a
-    successful job into a failed one; leaving with ``os._exit`` after the barrier and
-    the tear-down skips that phase. Output is flushed first.
+    ``destroy_distributed()`` (or returning) already ends a finished rank cleanly; this
+    is for a worker whose exit status is its own result (a test or benchmark driver):
+    after the barrier and the tear-down it leaves with ``os._exit(code)``, so nothing of
+    the interpreter's teardown runs, ``atexit`` handlers included. Logging handlers,
+    standard output and error are flushed first. Not for a failure path: the barrier
+    waits for every rank.
     """
     if dist.is_initialized():
         with contextlib.suppress(RuntimeError):
             dist.barrier()
         destroy_distributed()
+    logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
