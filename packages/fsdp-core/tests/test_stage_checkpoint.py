@@ -196,3 +196,12 @@ def test_a_resume_keeps_parameters_that_had_no_gradient_stateless(tmp_path: Path
     _train(resumed, resumed_opt, range(2, 3), spare=True)
     for name, value in model.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[name], value, rtol=0, atol=0)
+
+
+def test_a_resume_with_an_optimizer_from_a_model_only_checkpoint_says_so(tmp_path: Path) -> None:
+    model = _model(("projector",))
+    save_checkpoint(tmp_path / "model-only", model)
+    with pytest.raises(ValueError, match="saved without an optimizer"):
+        load_checkpoint(tmp_path / "model-only", model, _optimizer(model))
+    report = load_stage_checkpoint(tmp_path / "model-only", model, _optimizer(model))
+    assert report.fresh == PROJECTOR

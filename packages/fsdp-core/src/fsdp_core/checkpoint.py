@@ -289,6 +289,12 @@ def _check_same_run(
     path: PathLike, optim_state: dict[str, Any], saved_groups: list[list[str]]
 ) -> None:
     """A resume must train what the saved run trained, in as many groups."""
+    if not saved_groups:
+        raise ValueError(
+            f"the checkpoint {str(path)!r} holds no optimizer state (it was saved without an "
+            "optimizer): load it with optimizer=None, or with load_stage_checkpoint, where "
+            "every trainable parameter starts fresh"
+        )
     groups: list[dict[str, Any]] = optim_state["param_groups"]
     now = [name for group in groups for name in group["params"]]
     then = [name for group in saved_groups for name in group]
@@ -305,6 +311,8 @@ def _check_same_run(
 
 def _saved_param_groups(path: PathLike, count: int) -> list[list[str]]:
     """The parameter names of each saved optimizer group (small pickled lists)."""
+    if not count:
+        return []
     groups: list[dict[str, Any]] = [{"params": []} for _ in range(count)]
     dcp_load({"optim": {"param_groups": groups}}, checkpoint_id=path)
     return [list(group["params"]) for group in groups]
