@@ -380,6 +380,14 @@ def _run_two_ranks(code: str) -> list[tuple[int, str, str]]:
     return results
 
 
+def test_settle_sees_idle_gloo_threads(clean_env: pytest.MonkeyPatch, teardown: None) -> None:
+    """After a collective the worker threads go idle and the wait ends (on Linux it looks
+    at them; elsewhere it only releases the GIL briefly)."""
+    init_distributed(backend="gloo")
+    dist.all_reduce(torch.ones(4))
+    assert distributed._settle_collective_threads(timeout_s=60.0)
+
+
 @pytest.mark.parametrize("ending", ["return", "destroy_distributed"])
 def test_rank_exits_cleanly_while_a_gloo_thread_still_needs_python(ending: str) -> None:
     """A finished job ends with status 0 on every rank, whether the script returns after
