@@ -153,3 +153,22 @@ def test_removing_the_hook_removes_the_agreement(mesh2: DeviceMesh) -> None:
     model.set_requires_gradient_sync(False)
     model(torch.randn(2, DIM)).sum().backward()
     torch.optim.SGD(model.parameters(), lr=0.1).step()  # no check left
+
+
+class Generating(Net):
+    """Takes the key-value cache keyword transformers' ``generate()`` passes."""
+
+    def forward(self, x: torch.Tensor, cache: object = None) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x)
+
+
+def test_generation_steps_agree_on_nothing(mesh2: DeviceMesh) -> None:
+    torch.manual_seed(0)
+    model = Generating()
+    ModelParallelizer().parallelize(model, mesh=mesh2)
+    with torch.no_grad(), CommCounter() as counter:
+        model(torch.randn(2, DIM), cache=object())
+    assert [r.kind for r in counter.records if r.kind == "all_reduce"] == []
+    with torch.no_grad(), CommCounter() as counter:
+        model(torch.randn(2, DIM))  # an eval forward agrees
+    assert [r.nbytes for r in counter.records if r.kind == "all_reduce"] == [AGREEMENT_BYTES]

@@ -12,6 +12,11 @@ nothing noticing in time:
 - a forward that some ranks run with gradients and others without, or a forward some
   ranks run and others not, when the ranks meet at the next forward.
 
+Forwards of ``generate()`` (a forward without gradients that carries a key-value cache:
+``cache``, ``past_key_values`` or ``cache_position``) agree on nothing: ranks with images compute image features before
+them, with collectives of their own (a schedule checkpoint, a balanced exchange), that an
+agreement on the other ranks would meet; every rank runs the generation steps alike.
+
 Before each forward of the model (ahead of the other runtime hooks), every rank puts a
 few integers in one all-reduce (MAX over the data-parallel mesh, ten int64 per mesh
 dimension, and a host sync): whether gradients are on, how many units will reduce their
@@ -69,6 +74,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _LISTED: Final = 8
+#: Keywords of a forward inside transformers' ``generate()`` (5.x passes ``cache``).
+_GENERATION_KEYS: Final = ("cache", "past_key_values", "cache_position")
 #: Bytes of the all-reduce (per mesh dimension) every forward of the model costs.
 AGREEMENT_BYTES: Final = 10 * 8
 #: What the ranks should do about uneven micro-batch counts (quoted by the errors).
@@ -279,8 +286,12 @@ class StepAgreement:
     def _before_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if internals.in_backward():
             return  # a recomputation inside backward: every rank runs it alike
-        self.forwards += 1
         grad = torch.is_grad_enabled()
+        if not grad and any(kwargs.get(key) is not None for key in _GENERATION_KEYS):
+            # A generation step: ranks with images ran the tower before it (image
+            # features), with collectives of its own, and every rank runs the steps alike.
+            return
+        self.forwards += 1
         flags = self._flags() if grad else ()
         if grad:
             self._micro += 1
