@@ -9,6 +9,7 @@ multi-process behaviour is in tests/test_balance_media_distributed.py).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import pytest
@@ -71,10 +72,10 @@ def test_balance_media_must_be_a_bool() -> None:
 def test_the_plan_holds_the_hook_data(policy: str, frozen: bool, owns_units: bool) -> None:
     plan = _parallelizer(policy).plan(_model(frozen=frozen))
     hook = _hook(plan)
-    assert hook.towers == (
-        BalancedTower(
-            path="vision", layout="batch-first", run_when_empty=owns_units, trainable=not frozen
-        ),
+    (tower,) = hook.towers
+    assert tower.probe.startswith("batch-first, probed on cpu weights: per item pixel_values")
+    assert dataclasses.replace(tower, probe="") == BalancedTower(
+        path="vision", layout="batch-first", run_when_empty=owns_units, trainable=not frozen
     )
     assert hook.join_site == "model.layers.0"
     assert "schedule_check" not in plan.hook_names()
@@ -126,7 +127,7 @@ def test_with_uneven_media_the_tower_keeps_its_per_layer_units() -> None:
 
 
 class _PixelsTower(nn.Module):
-    """A tower whose forward takes ``pixels``: no built-in layout knows it."""
+    """A tower whose forward takes ``pixels``: no built-in layout knows it by name."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -138,10 +139,17 @@ class _PixelsTower(nn.Module):
         return pixels
 
 
+class _PoolingTower(_PixelsTower):
+    """Pools the call's items into one row: no row belongs to one item."""
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return super().forward(pixels).sum(0, keepdim=True)
+
+
 class _ToyVLM(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, tower: nn.Module | None = None) -> None:
         super().__init__()
-        self.vision_tower = _PixelsTower()
+        self.vision_tower = tower if tower is not None else _PixelsTower()
         self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -151,15 +159,25 @@ class _ToyVLM(nn.Module):
         return hidden
 
 
-def test_a_tower_of_unknown_layout_fails_at_plan_time() -> None:
+def test_a_plain_custom_tower_is_balanced_without_an_adapter() -> None:
+    """Before issue 26 no layout applied (its argument is not ``pixel_values``); the
+    plan-time probe finds one row per item in and out."""
+    plan = MultimodalParallelizer(balance_media=True).plan(_ToyVLM())
+    (tower,) = _hook(plan).towers
+    assert (tower.path, tower.layout) == ("vision_tower", "batch-first")
+    assert "per item pixels 1 row" in tower.probe
+
+
+def test_a_tower_no_layout_fits_fails_at_plan_time() -> None:
     with pytest.raises(ValueError, match="cannot balance tower") as caught:
-        MultimodalParallelizer(balance_media=True).plan(_ToyVLM())
+        MultimodalParallelizer(balance_media=True).plan(_ToyVLM(_PoolingTower()))
     message = str(caught.value)
     assert "cannot balance tower 'vision_tower'" in message
-    assert "_PixelsTower" in message
+    assert "_PoolingTower" in message
     assert "pixels" in message
+    assert "whole number of rows per item" in message
     assert "register_media_layout" in message
-    MultimodalParallelizer().plan(_ToyVLM())  # fine without the option
+    MultimodalParallelizer().plan(_ToyVLM(_PoolingTower()))  # fine without the option
 
 
 def test_installed_under_the_fake_group_and_removed() -> None:

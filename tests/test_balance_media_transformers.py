@@ -107,7 +107,7 @@ def _check(name: str, result: dict[str, Any]) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", balanced_hf.cases_for(2))
+@pytest.mark.parametrize("name", balanced_hf.hf_cases_for(2))
 def test_balanced_training_equals_one_process(name: str, mp2: MpResults) -> None:
     """Losses, first-step gradients, parameters after three SGD steps and the tokens
     ``generate()`` produced before each step equal one process running each step's
@@ -116,7 +116,7 @@ def test_balanced_training_equals_one_process(name: str, mp2: MpResults) -> None
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", balanced_hf.cases_for(4))
+@pytest.mark.parametrize("name", balanced_hf.hf_cases_for(4))
 def test_balanced_training_on_hsdp_equals_one_process(name: str, mp4: MpResults) -> None:
     """2 x 2 HSDP: the tower's calls are balanced over all four ranks (both mesh
     dimensions); text-only ranks, video on one rank only, all media on one rank."""

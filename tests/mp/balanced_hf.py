@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from balanced_families import CASES as FAMILY_CASES
 from loops import LoopCase, Media, _hf, _hf_batch, _hf_lora, _hf_loss, deepseek, deepseek_batch
 from torch import Tensor, nn
 
@@ -223,9 +224,18 @@ def _cases() -> list[LoopCase]:
 
 
 CASES: dict[str, LoopCase] = {case.name: case for case in _cases()}
+#: These cases and those of the tower families of issue 26 (``balanced_families``), which
+#: run as scenarios ``balance_hf_<case>`` in the same launch.
+ALL_CASES: dict[str, LoopCase] = {**CASES, **FAMILY_CASES}
 
 
 def cases_for(world: int) -> list[str]:
+    """Every case of ``ALL_CASES`` for ``world`` ranks (the launch's scenarios)."""
+    return [name for name, case in ALL_CASES.items() if case.world == world]
+
+
+def hf_cases_for(world: int) -> list[str]:
+    """The cases of this module (without the families') for ``world`` ranks."""
     return [name for name, case in CASES.items() if case.world == world]
 
 

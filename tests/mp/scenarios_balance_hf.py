@@ -1,6 +1,7 @@
-"""balance_media=True on real models (``balanced_hf``): each loop case as a scenario
-``balance_hf_<case>`` (``scenarios_loops.run_case`` plus the tokens ``generate()``
-produced on every rank), and gradient accumulation with text-only micro-batches."""
+"""balance_media=True on real models (``balanced_hf``, with the tower families of
+``balanced_families``): each loop case as a scenario ``balance_hf_<case>``
+(``scenarios_loops.run_case`` plus the tokens ``generate()`` produced on every rank),
+and gradient accumulation with text-only micro-batches."""
 
 from __future__ import annotations
 
@@ -32,12 +33,12 @@ def _run(name: str, ctx: DistributedContext) -> dict[str, Any]:
     if _missing():
         return {"skipped": ", ".join(_missing())}
     balanced_hf.GENERATED.clear()
-    result = run_case(balanced_hf.CASES[name], ctx)
+    result = run_case(balanced_hf.ALL_CASES[name], ctx)
     result["generated"] = _gathered(list(balanced_hf.GENERATED), ctx)
     return result
 
 
-for _name in balanced_hf.CASES:
+for _name in balanced_hf.ALL_CASES:
 
     def _scenario(ctx: DistributedContext, out: Path, _case: str = _name) -> dict[str, Any]:
         return _run(_case, ctx)

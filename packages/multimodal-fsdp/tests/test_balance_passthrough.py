@@ -104,12 +104,16 @@ def test_a_balanced_call_with_a_scalar_argument() -> None:
     torch.manual_seed(0)
     tower = _Tower()
     pixels = torch.randn(3, 12)
+    layout = media_layout_for(tower)  # the plan-time probe runs the tower
+    assert layout.name == "batch-first"
+    tower.seen.clear()
     with fake_process_group(2):
         out = balanced_call(
             tower,
             (pixels,),
             {"num_items_in_batch": SCALAR, "output_hidden_states": False},
+            layout=layout,
         )
     assert out.shape == (3, 8)
+    assert tower.seen
     assert all(_same_scalar(seen["num_items_in_batch"]) for seen in tower.seen)
-    assert media_layout_for(tower).name == "batch-first"

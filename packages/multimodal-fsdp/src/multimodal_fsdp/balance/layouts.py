@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, ClassVar
@@ -36,12 +36,16 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from multimodal_fsdp.balance._probe_inputs import candidate_rows, config_value, floating_dtype
+
 __all__ = [
     "MediaItem",
     "CallSpec",
     "MediaCall",
     "FieldSpec",
     "OutputSpec",
+    "RowRule",
+    "ProbeCall",
     "MediaLayout",
     "BatchFirstLayout",
     "PackedByGridLayout",
@@ -89,6 +93,14 @@ class MediaCall:
 
 
 @dataclass(frozen=True)
+class ProbeCall:
+    """A tiny call of a tower made by a layout for the plan-time probe."""
+
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
 class FieldSpec:
     """One per-item field as another rank sees it: dtype, the shape of one row, and the
     number of rows the item has (used for placeholders)."""
@@ -99,17 +111,42 @@ class FieldSpec:
 
 
 @dataclass(frozen=True)
+class RowRule:
+    """Rows of an output tensor that belong to an item, as a function of the item's
+    weight (its first field's rows) when they are not proportional to it: Whisper-style
+    audio encoders give ``((frames - 1) // 2 + 1 - 2) // 2 + 1`` tokens for ``frames``
+    mel frames. ``name`` says which rule in plans and messages."""
+
+    name: str
+    rows: Callable[[int], int]
+
+    def __call__(self, weight: int) -> int:
+        return int(self.rows(weight))
+
+
+@dataclass(frozen=True)
 class OutputSpec:
     """The structure of a tower output with its tensors taken out (``tree``), and for each
-    tensor (*leaf*, in walk order) its dtype, row shape and rows per unit of item weight."""
+    tensor (*leaf*, in walk order) its dtype, row shape and rows per unit of item weight.
+
+    ``rules`` (per leaf, or empty): a [RowRule][multimodal_fsdp.balance.layouts.RowRule]
+    where a leaf's rows per item are not proportional to the weight. ``axes`` (per leaf,
+    or empty): the dimension the items' rows run along, 0, or 1 for a packed output of
+    shape ``(1, rows, ...)`` (Pixtral's hidden states); the pieces hold rows along
+    dim 0 either way and ``row_shapes`` is the shape after that dimension."""
 
     tree: Any
     dtypes: tuple[torch.dtype, ...]
     row_shapes: tuple[tuple[int, ...], ...]
     rows_per_weight: tuple[Fraction, ...]
+    rules: tuple[RowRule | None, ...] = ()
+    axes: tuple[int, ...] = ()
 
     def rows(self, leaf: int, weight: int) -> int:
         """Rows of leaf ``leaf`` that belong to an item of weight ``weight``."""
+        rule = self.rules[leaf] if self.rules else None
+        if rule is not None:
+            return rule(weight)
         value = self.rows_per_weight[leaf] * weight
         if value.denominator != 1:
             raise ValueError(
@@ -117,6 +154,17 @@ class OutputSpec:
                 f"which gives no whole number of rows for an item of {weight} input rows"
             )
         return int(value)
+
+    def axis(self, leaf: int) -> int:
+        """The dimension of leaf ``leaf`` its items' rows run along."""
+        return self.axes[leaf] if self.axes else 0
+
+    def describe(self, leaf: int) -> str:
+        """How leaf ``leaf`` splits, for plans: ``"16 rows per item row"`` and the like."""
+        rule = self.rules[leaf] if self.rules else None
+        how = rule.name if rule is not None else f"{self.rows_per_weight[leaf]} per input row"
+        where = " along dim 1 of (1, rows, ...)" if self.axis(leaf) == 1 else ""
+        return how + where
 
 
 # ----------------------------------------------------------------------- tree walking
@@ -295,13 +343,16 @@ class MediaLayout(ABC):
         self, output: Any, weights: Sequence[int]
     ) -> tuple[OutputSpec, list[tuple[Tensor, ...]]]:
         """Cut ``output`` (of a call on items of the given weights, in call order) into one
-        piece per item: each piece holds that item's rows of every output tensor."""
+        piece per item: each piece holds that item's rows of every output tensor, along
+        dim 0 (see ``OutputSpec.axes`` for packed ``(1, rows, ...)`` outputs)."""
         if not weights:
             raise ValueError("split_output needs the weights of at least one item")
         leaves: list[Tensor] = []
         tree = _flatten(output, leaves)
         total = sum(weights)
         ratios: list[Fraction] = []
+        rules: list[RowRule | None] = []
+        axes: list[int] = []
         per_leaf: list[tuple[Tensor, ...]] = []
         for index, leaf in enumerate(leaves):
             if leaf.dim() == 0:
@@ -309,74 +360,173 @@ class MediaLayout(ABC):
                     f"tower output tensor {index} is a scalar; the {self.name!r} layout "
                     "splits outputs along dim 0 per item"
                 )
-            ratio = Fraction(leaf.shape[0], total)
-            rows = [ratio * w for w in weights]
-            if any(r.denominator != 1 for r in rows):
+            axis = self.item_axis(leaf, len(weights))
+            if axis not in (0, 1) or (axis == 1 and (leaf.dim() < 2 or leaf.shape[0] != 1)):
                 raise ValueError(
-                    f"tower output tensor {index} has {leaf.shape[0]} rows for items of "
+                    f"tower output tensor {index} of shape {tuple(leaf.shape)} has its items "
+                    f"along dim {axis}; the {self.name!r} layout splits dim 0, or dim 1 of a "
+                    "(1, rows, ...) tensor"
+                )
+            rows_total = leaf.shape[axis]
+            rule = next(
+                (r for r in self.row_rules() if sum(r(w) for w in weights) == rows_total), None
+            )
+            ratio = Fraction(rows_total, total)
+            if rule is not None:
+                rows = [Fraction(rule(w)) for w in weights]
+            else:
+                rows = [ratio * w for w in weights]
+            if any(r.denominator != 1 or r < 0 for r in rows):
+                raise ValueError(
+                    f"tower output tensor {index} has {rows_total} rows for items of "
                     f"{list(weights)} input rows; the {self.name!r} layout needs a whole "
                     "number of rows per item (register an adapter for this tower)"
                 )
             ratios.append(ratio)
-            per_leaf.append(tuple(torch.split(leaf, [int(r) for r in rows], dim=0)))
+            rules.append(rule)
+            axes.append(axis)
+            rows_of = leaf if axis == 0 else leaf[0]
+            per_leaf.append(tuple(torch.split(rows_of, [int(r) for r in rows], dim=0)))
         spec = OutputSpec(
             tree=tree,
             dtypes=tuple(leaf.dtype for leaf in leaves),
-            row_shapes=tuple(tuple(leaf.shape[1:]) for leaf in leaves),
+            row_shapes=tuple(
+                tuple(leaf.shape[axis + 1 :]) for leaf, axis in zip(leaves, axes, strict=True)
+            ),
             rows_per_weight=tuple(ratios),
+            rules=tuple(rules) if any(r is not None for r in rules) else (),
+            axes=tuple(axes) if any(axes) else (),
         )
         pieces = [tuple(parts[i] for parts in per_leaf) for i in range(len(weights))]
         return spec, pieces
 
     def join_output(self, spec: OutputSpec, pieces: Sequence[Sequence[Tensor]]) -> Any:
         """The output a call on the pieces' items would give: each tensor's pieces are
-        concatenated along dim 0 and the structure rebuilt with its own types."""
-        leaves = [
-            torch.cat([piece[i] for piece in pieces], dim=0)
-            if pieces
-            else torch.empty((0, *spec.row_shapes[i]), dtype=spec.dtypes[i])
-            for i in range(len(spec.dtypes))
-        ]
+        concatenated along dim 0 (a packed leaf gets its leading 1 back) and the structure
+        rebuilt with its own types."""
+        leaves = []
+        for i in range(len(spec.dtypes)):
+            leaf = (
+                torch.cat([piece[i] for piece in pieces], dim=0)
+                if pieces
+                else torch.empty((0, *spec.row_shapes[i]), dtype=spec.dtypes[i])
+            )
+            leaves.append(leaf.unsqueeze(0) if spec.axis(i) == 1 else leaf)
         return _unflatten(spec.tree, leaves)
+
+    # ---------------------------------------------------------------- layout hooks
+    def item_axis(self, leaf: Tensor, items: int) -> int:
+        """The dimension of an output tensor the items' rows run along (0 here; a layout
+        of packed ``(1, rows, ...)`` outputs answers 1)."""
+        return 0
+
+    def row_rules(self) -> Sequence[RowRule]:
+        """Rules for output rows that are not proportional to an item's weight, tried in
+        order before the proportional split (none here)."""
+        return ()
+
+    def bind(self, tower: nn.Module) -> MediaLayout:
+        """This layout for calls of ``tower``: a layout that needs facts about the tower
+        beyond its call (a patch size, its output-length rule) returns a copy that holds
+        them; the others return themselves."""
+        return self
+
+    def probe_calls(self, tower: nn.Module) -> Sequence[tuple[ProbeCall, ProbeCall]]:
+        """Pairs of tiny calls of ``tower`` for the plan-time probe
+        ([`probe_layout`][multimodal_fsdp.balance.probe.probe_layout]), with one and two
+        items, the one-item call's item being the two-item call's first; several pairs
+        when the input shape is a guess (the probe keeps the first the tower runs on),
+        none when this layout cannot make them (it is then used unprobed if ``trusted``)."""
+        return ()
+
+    def trusted(self, tower: nn.Module) -> bool:
+        """Whether calls of ``tower`` use this layout when the probe cannot run (no probe
+        calls, the tower cannot run on the meta device and its weights are not real): a
+        layout written for a tower family is, a generic one only on a telling signature."""
+        return True
 
 
 class BatchFirstLayout(MediaLayout):
-    """One row of ``pixel_values`` per image or tile (CLIP, SigLIP, Idefics3/SmolVLM,
-    the DeepSeek-V4.1 reference tower): every tensor argument is cut by rows with it
-    (``pixel_attention_mask``, ``patch_attention_mask``, ``image_sizes``), the others
-    (``output_hidden_states=True``, ``return_dict``...) pass through. Cost: the elements
-    of one ``pixel_values`` row, proportional to the patches."""
+    """One row of the tower's main input per image, tile or clip: ``pixel_values`` when
+    the forward takes it (CLIP, SigLIP, Idefics3/SmolVLM, Phi-4's image encoder, the
+    DeepSeek-V4.1 reference tower), else its first argument (Qwen2-Audio's
+    ``input_features``, Phi-4's audio encoder, a plain custom tower's ``images``). Every
+    tensor argument is cut by rows with it (``pixel_attention_mask``,
+    ``patch_attention_mask``, an audio ``attention_mask``); 0-d tensors, flags and
+    ``None`` pass through. Cost: the elements of one row of the main input.
+
+    Its signature test is wide, so the plan-time probe decides whether it fits a tower
+    whose main input is not ``pixel_values``."""
 
     name: ClassVar[str] = "batch-first"
     pixel_argument: ClassVar[str] = "pixel_values"
 
+    def main_argument(self, tower: nn.Module) -> str | None:
+        """``pixel_values`` if the forward takes it, else its first named argument."""
+        names = [
+            name
+            for name, p in forward_signature(tower).parameters.items()
+            if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        ]
+        if self.pixel_argument in names:
+            return self.pixel_argument
+        return names[0] if names else None
+
     def applies_to(self, tower: nn.Module) -> bool:
         params = forward_signature(tower).parameters
-        return self.pixel_argument in params and "grid_thw" not in params
+        return self.main_argument(tower) is not None and "grid_thw" not in params
+
+    def trusted(self, tower: nn.Module) -> bool:
+        return self.pixel_argument in forward_signature(tower).parameters
+
+    def probe_calls(self, tower: nn.Module) -> Sequence[tuple[ProbeCall, ProbeCall]]:
+        """One pair per input shape the tower may take (from its config, else its first
+        layer): rows of 1 and 2 items of the main input; other required arguments
+        ``None``."""
+        main = self.main_argument(tower)
+        if main is None:
+            return []
+        others = {
+            name: None
+            for name, p in forward_signature(tower).parameters.items()
+            if name != main
+            and p.default is inspect.Parameter.empty
+            and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        }
+        dtype = floating_dtype(tower)
+        pairs = []
+        for row in candidate_rows(tower):
+            both = torch.randn((2, *row), generator=torch.Generator().manual_seed(0)).to(dtype)
+            pairs.append(
+                (
+                    ProbeCall((), {main: both[:1], **others}),
+                    ProbeCall((), {main: both, **others}),
+                )
+            )
+        return pairs
 
     def split_call(
         self, tower: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> MediaCall:
         named = _bind(tower, args, kwargs)
-        pixels = named.get(self.pixel_argument)
+        main = self.main_argument(tower) or self.pixel_argument
+        pixels = named.get(main)
         if not isinstance(pixels, Tensor) or pixels.dim() < 1:
             raise TypeError(
-                f"the {self.name!r} layout needs {self.pixel_argument} as a tensor of one row "
+                f"the {self.name!r} layout needs {main} as a tensor of one row "
                 f"per item, got {type(pixels).__name__}"
             )
         count = pixels.shape[0]
-        scalars = [n for n in scalar_arguments(named) if n != self.pixel_argument]
-        names = [self.pixel_argument] + [
-            n
-            for n, v in named.items()
-            if isinstance(v, Tensor) and n != self.pixel_argument and n not in scalars
+        scalars = [n for n in scalar_arguments(named) if n != main]
+        names = [main] + [
+            n for n, v in named.items() if isinstance(v, Tensor) and n != main and n not in scalars
         ]
         for name in names:
             value = named[name]
             if value.dim() < 1 or value.shape[0] != count:
                 raise ValueError(
                     f"the {self.name!r} layout cuts every tensor argument with the "
-                    f"{count} rows of {self.pixel_argument}, but {name!r} has shape "
+                    f"{count} rows of {main}, but {name!r} has shape "
                     f"{tuple(value.shape)}; register a layout adapter for "
                     f"{type(tower).__name__}"
                 )
@@ -412,6 +562,29 @@ class PackedByGridLayout(MediaLayout):
     def applies_to(self, tower: nn.Module) -> bool:
         params = list(forward_signature(tower).parameters)
         return self.grid_argument in params and params[0] != self.grid_argument
+
+    def probe_calls(self, tower: nn.Module) -> Sequence[tuple[ProbeCall, ProbeCall]]:
+        """An image of ``(1, m, m)`` patches and one of ``(1, m, 2m)`` (``m`` the spatial
+        merge), patch rows of ``channels * temporal_patch * patch**2`` values."""
+        patch = config_value(tower, "patch_size")
+        if not isinstance(patch, int):
+            return ()
+        merge = int(config_value(tower, "spatial_merge_size") or 2)
+        temporal = int(config_value(tower, "temporal_patch_size") or 2)
+        channels = int(config_value(tower, "in_channels", "in_chans", "num_channels") or 3)
+        grid = torch.tensor([[1, merge, merge], [1, merge, 2 * merge]])
+        rows = int(grid.prod(-1).sum())
+        generator = torch.Generator().manual_seed(0)
+        patches = torch.randn((rows, channels * temporal * patch * patch), generator=generator)
+        patches = patches.to(floating_dtype(tower))
+        first = merge * merge
+        first_param = next(iter(forward_signature(tower).parameters))
+        return [
+            (
+                ProbeCall((), {first_param: patches[:first], self.grid_argument: grid[:1]}),
+                ProbeCall((), {first_param: patches, self.grid_argument: grid}),
+            )
+        ]
 
     def split_call(
         self, tower: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]

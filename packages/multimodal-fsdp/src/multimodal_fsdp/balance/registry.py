@@ -1,32 +1,70 @@
-"""Which layout adapter a tower's calls use: registered adapters first, then built-ins.
+"""Which layout adapter a tower's calls use: registered adapters first, then built-ins,
+the first whose plan-time probe says it fits.
 
-A tower no adapter understands is an error when balancing is planned, not a silent
-imbalance at the first step, so ``media_layout_for`` raises naming the tower's class
-and forward signature and how to register an adapter.
+A layout that does not fit its tower is an error when balancing is planned, not a
+silent imbalance or a crash at the first step: ``choose_media_layout`` probes each
+layout whose signature test passes
+([`probe_layout`][multimodal_fsdp.balance.probe.probe_layout]) and takes the first that
+fits. A layout the probe cannot try (it has no probe call for the tower, the tower runs
+neither on the meta device nor on real weights) is taken when nothing fits and it is
+*trusted* for the tower (a registered adapter, a family layout on its signature,
+``batch-first`` on ``pixel_values``); the plan then says it was not probed. Otherwise
+``choose_media_layout`` raises, naming the tower's class, its forward signature, what
+each layout's probe found, and how to register an adapter.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from torch import nn
 
+from multimodal_fsdp.balance.family_layouts import (
+    PackedByLengthLayout,
+    PackedBySizeLayout,
+    TiledLayout,
+)
 from multimodal_fsdp.balance.layouts import (
     BatchFirstLayout,
     MediaLayout,
     PackedByGridLayout,
     forward_signature,
 )
+from multimodal_fsdp.balance.probe import ProbeReport, probe_layout
 
-__all__ = ["register_media_layout", "media_layout_for"]
+__all__ = ["register_media_layout", "media_layout_for", "choose_media_layout", "LayoutChoice"]
 
 logger = logging.getLogger(__name__)
 
 #: Adapters registered by users and model packages, newest first.
 _REGISTERED: list[MediaLayout] = []
-#: The built-in adapters, asked after the registered ones (packed first: its signature
-#: test is the narrower one).
-_BUILTIN: tuple[MediaLayout, ...] = (PackedByGridLayout(), BatchFirstLayout())
+#: The built-in adapters, asked after the registered ones (family layouts first: their
+#: signature tests are narrow; batch-first last: it applies to any forward).
+_BUILTIN: tuple[MediaLayout, ...] = (
+    PackedByGridLayout(),
+    PackedByLengthLayout(),
+    PackedBySizeLayout(),
+    TiledLayout(),
+    BatchFirstLayout(),
+)
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """The layout a tower's calls use (bound to the tower) and what its probe found."""
+
+    layout: MediaLayout
+    report: ProbeReport
+
+    def describe(self) -> str:
+        """The plan's line for it: the probe's summary, or why it ran unprobed."""
+        if self.report.fits:
+            return self.report.summary()
+        return (
+            f"{self.layout.name}, not probed ({self.report.reason}); its calls are "
+            "checked at the first step"
+        )
 
 
 def register_media_layout(layout: MediaLayout) -> None:
@@ -47,23 +85,56 @@ def _known() -> list[MediaLayout]:
     return [*_REGISTERED, *_BUILTIN]
 
 
-def media_layout_for(tower: nn.Module, *, name: str | None = None) -> MediaLayout:
-    """The adapter for calls of ``tower``: the one called ``name``, else the first that
-    applies to its forward signature."""
+_REMEDY = (
+    "Subclass multimodal_fsdp.balance.MediaLayout (applies_to, split_call; build_call, "
+    "split_output and probe_calls where the defaults do not fit) and pass an instance "
+    "to multimodal_fsdp.balance.register_media_layout before planning."
+)
+
+
+def choose_media_layout(tower: nn.Module) -> LayoutChoice:
+    """The layout for calls of ``tower`` and its probe report (see the module docstring);
+    a ValueError when none fits."""
     known = _known()
-    if name is not None:
-        for layout in known:
-            if layout.name == name:
-                return layout
-        raise ValueError(
-            f"unknown media layout {name!r}; valid choices: {sorted({k.name for k in known})}"
-        )
+    tried: list[ProbeReport] = []
+    fallback: LayoutChoice | None = None
     for layout in known:
-        if layout.applies_to(tower):
-            return layout
+        if not layout.applies_to(tower):
+            continue
+        bound = layout.bind(tower)
+        report = probe_layout(tower, bound)
+        if report.fits:
+            return LayoutChoice(bound, report)
+        tried.append(report)
+        if report.status == "unprobed" and bound.trusted(tower):
+            choice = LayoutChoice(bound, report)
+            if layout in _REGISTERED:
+                return choice  # the user's adapter for this tower: no probe needed
+            fallback = fallback or choice
+    if fallback is not None:
+        logger.info("media layout of %s: %s", type(tower).__name__, fallback.describe())
+        return fallback
+    signature = forward_signature(tower)
+    if not tried:
+        raise ValueError(
+            f"no media layout applies to tower {type(tower).__name__} with forward"
+            f"{signature} (known layouts: {[k.name for k in known]}). {_REMEDY}"
+        )
+    found = "; ".join(report.summary() for report in tried)
     raise ValueError(
-        f"no media layout applies to tower {type(tower).__name__} with forward"
-        f"{forward_signature(tower)} (known layouts: {[k.name for k in known]}). Subclass "
-        "multimodal_fsdp.balance.MediaLayout (applies_to, split_call) and pass an instance "
-        "to multimodal_fsdp.balance.register_media_layout before planning."
+        f"no media layout fits tower {type(tower).__name__} with forward{signature}: the "
+        f"plan-time probe found {found}. {_REMEDY}"
     )
+
+
+def media_layout_for(tower: nn.Module, *, name: str | None = None) -> MediaLayout:
+    """The adapter for calls of ``tower``, bound to it: the one called ``name``, else the
+    first that fits it (``choose_media_layout``: probed, once per tower and layout)."""
+    if name is not None:
+        for layout in _known():
+            if layout.name == name:
+                return layout.bind(tower)
+        raise ValueError(
+            f"unknown media layout {name!r}; valid choices: {sorted({k.name for k in _known()})}"
+        )
+    return choose_media_layout(tower).layout

@@ -1,0 +1,184 @@
+"""The plan-time probe of balanced towers (``multimodal_fsdp.balance.probe``): a layout
+that does not fit its tower is found when the plan is made, a plain custom tower needs
+no adapter, and a tower no layout can split is refused by ``plan()`` with a message
+naming it and how to register an adapter."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from multimodal_fsdp import MultimodalParallelizer
+from multimodal_fsdp.balance import (
+    BatchFirstLayout,
+    MediaCall,
+    MediaLayout,
+    choose_media_layout,
+    probe_layout,
+    register_media_layout,
+)
+from multimodal_fsdp.balance import registry as registry_module
+
+
+class _Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(32, 8)
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        for layer in self.layers:
+            hidden = hidden + layer(hidden)
+        return hidden
+
+
+class _Vlm(nn.Module):
+    """A VLM around ``tower``: the tower's output rows become tokens before the text."""
+
+    def __init__(self, tower: nn.Module) -> None:
+        super().__init__()
+        self.vision_tower = tower
+        self.language_model = _Decoder()
+
+    def forward(self, input_ids: Tensor, images: Tensor | None = None) -> Tensor:
+        hidden = self.language_model.embed_tokens(input_ids)
+        if images is not None:
+            hidden = torch.cat([self.vision_tower(images).reshape(1, -1, 8), hidden], 1)
+        return self.language_model(hidden)
+
+
+class _Plain(nn.Module):
+    """A custom tower: patches of 12 values in, 8 features per patch out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(12, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+
+    def forward(self, images: Tensor) -> Tensor:
+        hidden = self.proj(images)
+        for block in self.blocks:
+            hidden = hidden + block(hidden)
+        return hidden
+
+
+class _Pooled(_Plain):
+    """Pools every item of the call into one vector: no row belongs to one item. Its
+    ``pixel_values`` made ``batch-first`` apply by signature: the plan accepted it and
+    the first balanced step failed to split its output."""
+
+    def forward(self, pixel_values: Tensor) -> Tensor:
+        return super().forward(pixel_values).mean(0, keepdim=True)
+
+
+class _Mixing(_Plain):
+    """Each item's output depends on the other items of the call (the shapes do not)."""
+
+    def forward(self, pixel_values: Tensor) -> Tensor:
+        hidden = super().forward(pixel_values)
+        return hidden - hidden.mean(0, keepdim=True)
+
+
+class _BatchNormed(_Plain):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(8)
+
+    def forward(self, pixel_values: Tensor) -> Tensor:
+        return self.norm(super().forward(pixel_values))
+
+
+class _NoWeights(nn.Module):
+    """Nothing says what its input looks like."""
+
+    def forward(self, frames: Tensor, lengths: Tensor) -> Tensor:
+        return frames
+
+
+def _balance_line(tower: nn.Module) -> str:
+    plan = MultimodalParallelizer(balance_media=True).plan(_Vlm(tower))
+    return next(line for line in plan.format().splitlines() if "balance_media on" in line)
+
+
+def test_a_plain_custom_tower_needs_no_adapter() -> None:
+    """Its first argument is not ``pixel_values``; the probe finds its input from its first
+    layer, runs it on one and two items and infers one output row per item."""
+    tower = _Plain()
+    choice = choose_media_layout(tower)
+    assert choice.layout.name == "batch-first"
+    assert choice.report.fits
+    assert choice.report.inputs == (("images", 1),)
+    assert choice.report.outputs == ("1 per input row",)
+    line = _balance_line(_Plain())
+    assert "'vision_tower' (batch-first)" in line
+    assert "batch-first, probed on cpu weights: per item images 1 row" in line
+
+
+@pytest.mark.parametrize(
+    ("tower", "found"),
+    [
+        (_Pooled, "tower output tensor 0 has 1 rows for items of \\[1, 1\\] input rows"),
+        (_Mixing, "output tensor 0 of an item differs when another item is in the call"),
+        (_BatchNormed, "batch norms \\['norm'\\] normalise over the items of a call"),
+    ],
+    ids=["pooled", "mixing", "batch-norm"],
+)
+def test_a_tower_no_layout_fits_is_refused_by_plan(tower: type[nn.Module], found: str) -> None:
+    """Refused when the plan is made, not at step 0: the message names the tower, what the
+    probe found and how to register an adapter."""
+    with pytest.raises(ValueError, match="balance_media=True cannot balance tower") as error:
+        MultimodalParallelizer(balance_media=True).plan(_Vlm(tower()))
+    message = str(error.value)
+    assert "'vision_tower'" in message
+    assert f"no media layout fits tower {tower.__name__}" in message
+    assert "register_media_layout" in message
+    assert re.search(found, message), message
+
+
+def test_a_tower_the_probe_cannot_run_is_refused_unless_its_signature_tells() -> None:
+    with pytest.raises(ValueError, match="no media layout fits tower _NoWeights") as error:
+        choose_media_layout(_NoWeights())
+    assert "the layout cannot make a probe call for this tower" in str(error.value)
+    assert "(frames: 'Tensor', lengths: 'Tensor')" in str(error.value)
+
+
+def test_a_registered_adapter_without_probe_calls_runs_unprobed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The user's adapter for a tower the probe cannot run: used, and the plan says it was
+    not probed."""
+    monkeypatch.setattr(registry_module, "_REGISTERED", [])
+
+    class Frames(MediaLayout):
+        name = "frames"
+
+        def applies_to(self, tower: nn.Module) -> bool:
+            return isinstance(tower, _NoWeights)
+
+        def split_call(self, tower: nn.Module, args: Any, kwargs: Any) -> MediaCall:
+            return BatchFirstLayout().split_call(tower, args, kwargs)
+
+    register_media_layout(Frames())
+    choice = choose_media_layout(_NoWeights())
+    assert choice.layout.name == "frames"
+    assert choice.describe().startswith("frames, not probed (the layout cannot make a probe")
+
+
+def test_a_layout_that_does_not_fit_is_found_at_plan_time() -> None:
+    """The probe of ``batch-first`` on a tower that pools the call: a misfit with the
+    reason, and the next layout is tried (none here)."""
+    report = probe_layout(_Pooled(), BatchFirstLayout())
+    assert report.status == "misfit"
+    assert "whole number of rows per item" in report.reason
+
+
+def test_probe_leaves_modes_and_random_state_alone() -> None:
+    tower = _Plain().train()
+    state = torch.get_rng_state()
+    probe_layout(tower, BatchFirstLayout())
+    assert all(m.training for m in tower.modules())
+    assert torch.equal(torch.get_rng_state(), state)
