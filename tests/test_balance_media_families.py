@@ -32,18 +32,7 @@ from multimodal_fsdp import MultimodalParallelizer
 
 FP32 = TOL[torch.float32]
 
-#: Per model: the balanced module paths and their layouts the plan-time probe chose.
-LAYOUTS: dict[str, dict[str, str]] = {
-    "mistral3": {"model.vision_tower": "packed-by-size"},
-    "llava_pixtral": {"model.vision_tower": "packed-by-size"},
-    "qwen2_audio": {"model.audio_tower": "batch-first"},
-    "omni": {"model.audio_tower": "packed-by-length", "model.visual": "packed-by-grid"},
-    "phi4": {
-        "model.embed_tokens_extend.image_embed.img_processor": "batch-first",
-        "model.embed_tokens_extend.audio_embed.encoder": "batch-first",
-    },
-    "mllama": {"model.vision_model": "tiled"},
-}
+LAYOUTS = balanced_families.LAYOUTS
 
 
 @pytest.mark.parametrize("model", sorted(LAYOUTS))

@@ -425,6 +425,18 @@ MODELS: dict[
     "phi4": (build_phi4, phi4_batch, PHI4),
     "mllama": (build_mllama, mllama_batch, MLLAMA),
 }
+#: Per model: the balanced module paths and their layouts the plan-time probe chose.
+LAYOUTS: dict[str, dict[str, str]] = {
+    "mistral3": {"model.vision_tower": "packed-by-size"},
+    "llava_pixtral": {"model.vision_tower": "packed-by-size"},
+    "qwen2_audio": {"model.audio_tower": "batch-first"},
+    "omni": {"model.audio_tower": "packed-by-length", "model.visual": "packed-by-grid"},
+    "phi4": {
+        "model.embed_tokens_extend.image_embed.img_processor": "batch-first",
+        "model.embed_tokens_extend.audio_embed.encoder": "batch-first",
+    },
+    "mllama": {"model.vision_model": "tiled"},
+}
 #: (policy, tower) per case: a frozen tower under root and per_layer, a trainable one.
 COMBOS: tuple[tuple[str, str], ...] = (
     ("root", "frozen"),
