@@ -21,10 +21,13 @@ trainable tower, three steps whose media distribution changes: a 3:1 skew, all m
 one rank, all on the other (Mllama, whose cross-attention decoder layers still stop a
 text-only rank, keeps media on both ranks; Qwen2.5-Omni and Phi-4 mix their two kinds of
 media unevenly). ``CROSS_TOWER``: audio on one rank and images on the other.
+``mistral3_counted``: every batch also passes ``num_items_in_batch`` (a 0-d tensor that
+differs between ranks), which Mistral 3 hands down to the tower.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -138,6 +141,15 @@ def _pixtral_batch(
 
 def mistral3_batch(seed: int, media: dict[str, int]) -> Batch:
     return _pixtral_batch(seed, media, MISTRAL_SIZES, 16 * 16)
+
+
+def mistral3_counted_batch(seed: int, media: dict[str, int]) -> Batch:
+    """``mistral3_batch`` with ``num_items_in_batch``, a 0-d tensor as transformers'
+    ``Trainer`` passes it (here this rank's label count: it differs between ranks);
+    Mistral 3 hands it down to the tower through ``**kwargs``."""
+    batch = mistral3_batch(seed, media)
+    batch["num_items_in_batch"] = batch["labels"].ne(-100).sum()
+    return batch
 
 
 def llava_pixtral_batch(seed: int, media: dict[str, int]) -> Batch:
@@ -470,6 +482,11 @@ def _cases() -> list[LoopCase]:
         for policy, tower in COMBOS
     ]
     cases += [
+        # A pass-through 0-d tensor argument of the tower, different on each rank.
+        dataclasses.replace(
+            _case("mistral3", "per_layer", "trainable", IMAGES, "_counted"),
+            batch=mistral3_counted_batch,
+        ),
         _case("omni", "root", "frozen", OMNI_CROSS, "_cross"),
         _case("phi4", "root", "frozen", PHI4_CROSS, "_cross"),
     ]
