@@ -140,6 +140,19 @@ def build_parser() -> argparse.ArgumentParser:
             "with totals and peak gathered parameter memory."
         ),
     )
+    for add_options in (
+        _add_model_options,
+        _add_precision_options,
+        _add_sharding_options,
+        _add_memory_options,
+    ):
+        add_options(plan)
+    plan.add_argument("--json", action="store_true", help="print JSON instead of the tree")
+    return parser
+
+
+def _add_model_options(plan: argparse.ArgumentParser) -> None:
+    """Which model, on how many ranks."""
     plan.add_argument(
         "--model",
         required=True,
@@ -157,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="HSDP replicas; the shard group is world-size / dp-replicate (default 1)",
     )
+
+
+def _add_precision_options(plan: argparse.ArgumentParser) -> None:
+    """The mixed-precision policy and the storage dtype."""
     plan.add_argument(
         "--precision",
         type=_dtype_name,
@@ -175,6 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="fp32",
         help="dtype the model's parameters are stored in (default fp32)",
     )
+
+
+def _add_sharding_options(plan: argparse.ArgumentParser) -> None:
+    """How towers are sharded or balanced, what is frozen, how units reshard, and how
+    the plan is printed."""
     plan.add_argument(
         "--policy",
         type=_policy,
@@ -225,6 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="list identical numbered layers one by one",
     )
+
+
+def _add_memory_options(plan: argparse.ArgumentParser) -> None:
+    """What the memory estimate counts (optimizer state, activations, a traced batch)."""
     plan.add_argument(
         "--optimizer",
         choices=tuple(OPTIMIZER_STATES),
@@ -252,8 +278,6 @@ def build_parser() -> argparse.ArgumentParser:
             "each) to predict activations and the peak; materialises the model on the CPU"
         ),
     )
-    plan.add_argument("--json", action="store_true", help="print JSON instead of the tree")
-    return parser
 
 
 # --------------------------------------------------------------------------- models
