@@ -343,9 +343,11 @@ class ModelParallelizer:
         return [
             AccumulationWarmupRuntimeHook().planned(
                 reason="no-sync backwards stay valid when a unit has not run yet or a "
-                "parameter is first reached by a later micro-batch",
+                "parameter is first reached by a later micro-batch; before each forward "
+                "the ranks agree on the micro-batch, gradient sync and a non-empty batch",
                 targets=trainable,
-                cost="one all-gather per never-gathered unit, once, in no-sync steps",
+                cost="one 80-byte all-reduce and a host sync per forward (the step "
+                "agreement); one all-gather per never-gathered unit, once, in no-sync steps",
             ),
             UnusedParamsRuntimeHook().planned(
                 reason="ranks that skip part of a unit send zeros in its reduce-scatter; "
