@@ -48,3 +48,11 @@ def test_eval_on_every_rank_raises_nothing(mp2: MpResults) -> None:
         assert [o["type"] for o in outcomes] == [""] * 6
     assert result["calls"] == [6, 6]
     assert result["waits"] == [3, 3]  # only the forwards without gradients wait
+
+
+def test_generate_with_an_empty_batch_on_one_rank(mp2: MpResults) -> None:
+    full, empty = mp2("arrival_generate_empty_batch")["outcomes"]
+    for outcome in (full, empty):
+        assert outcome["type"] == "CollectiveCallError", outcome
+        assert "generate() with an empty batch as call #1" in outcome["message"]
+        assert "drop_last=True" in outcome["message"]

@@ -80,6 +80,7 @@ LAUNCHES: dict[int, list[str]] = {
         "arrival_eval_alone",
         "arrival_tower_by_hand",
         "arrival_eval_everywhere",
+        "arrival_generate_empty_batch",
         "entry_ds_fully_shard_module",
         "entry_ds_function",
         *(f"entry_mm_flow_{policy}" for policy in ("root", "per_layer", "replicate")),

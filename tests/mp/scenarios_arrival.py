@@ -22,6 +22,7 @@ from vlm import build_vlm, to_device, vlm_batches, vlm_loss
 from fsdp_core import DistributedContext, mixed_precision_policy
 from fsdp_core.runtime import installed_hooks
 from model_deepseek_v41 import PARALLELIZER
+from multimodal_fsdp import MultimodalParallelizer
 
 #: The collective timeout of the scenarios' mesh.
 TIMEOUT_S = 8.0
@@ -123,3 +124,29 @@ def eval_everywhere(ctx: DistributedContext, out: Path) -> dict[str, Any]:
         "calls": _gather(hook.calls),  # type: ignore[attr-defined]
         "waits": _gather(hook.waits),  # type: ignore[attr-defined]
     }
+
+
+@scenario("arrival_generate_empty_batch")
+def generate_empty_batch(ctx: DistributedContext, out: Path) -> dict[str, Any]:
+    """Rank 1's generate() prompt has no rows (the last, incomplete batch of an eval
+    set): every rank raises at once instead of rank 1 crashing inside transformers while
+    rank 0 waits in a collective."""
+    from hf_vlms import HF_VLMS
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
+    mesh = DeviceMesh.from_group(group, "cpu")
+    vlm = HF_VLMS["llava"]
+    model = vlm.build()
+    model.get_submodule(vlm.tower).requires_grad_(False)
+    MultimodalParallelizer().parallelize(model, mesh=mesh)
+    batch = vlm.batch(100 + ctx.rank, images=1)
+    rows = 1 if ctx.rank == 0 else 0
+    prompt = {
+        "input_ids": batch["input_ids"][:rows, :20],
+        "pixel_values": batch["pixel_values"][:rows],
+    }
+
+    def generate() -> None:
+        model.generate(**prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)  # type: ignore[operator]
+
+    return {"outcomes": _gather(_outcome(generate))}

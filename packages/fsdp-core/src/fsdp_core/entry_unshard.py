@@ -54,9 +54,10 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import internals
 from fsdp_core.containers import is_under
-from fsdp_core.forward_arrival import arrival_scope, record_call
+from fsdp_core.forward_arrival import EMPTY_BATCH, arrival_scope, record_call
 from fsdp_core.plan import ShardingPlan, UnitPlan, unit_parameters
 from fsdp_core.runtime import RuntimeHook, output_tensors
+from fsdp_core.step_agreement import is_empty_batch
 
 __all__ = [
     "EntryUnshardHook",
@@ -185,7 +186,9 @@ class EntryUnshardHook:
         def generate(*args: Any, **kwargs: Any) -> Any:
             if self._depth:
                 return original(*args, **kwargs)
-            with arrival_scope(self.model, "generate()"):
+            empty = is_empty_batch(args, kwargs)
+            kind = f"generate(){EMPTY_BATCH if empty else ''}"
+            with arrival_scope(self.model, kind):
                 if not owners:
                     return original(*args, **kwargs)
                 gathered: list[FSDPModule] = []

@@ -50,6 +50,7 @@ from fsdp_core.internals import process_group_timeout
 from fsdp_core.runtime import RuntimeHook, installed_hooks
 
 __all__ = [
+    "EMPTY_BATCH",
     "ForwardArrivalHook",
     "ForwardArrivalRuntimeHook",
     "TRAINING_FORWARD",
@@ -69,6 +70,8 @@ _FIRST_PAUSE_S: Final = 0.0001
 _LISTED: Final = 8
 #: How the note this hook adds to an exception starts.
 _NOTE: Final = "fsdp_core: "
+#: Added to a call's kind when its batch has no rows: the ranks then disagree at once.
+EMPTY_BATCH: Final = " with an empty batch"
 #: The kind of call that records without waiting.
 TRAINING_FORWARD: Final = "a training forward"
 #: Set while an arrival scope (``generate()``) covers the forwards inside it.
@@ -218,6 +221,11 @@ class ForwardArrivalHook:
             lines.append(
                 f"ranks {_ranks_text(behind)} did not make call #{number} within "
                 f"{self.timeout_s:g} s (their last calls: {last})"
+            )
+        if any(EMPTY_BATCH in text for text in (kind, *(statuses[r][1] for r in other))):
+            lines.append(
+                "give every rank at least one row per call: drop the incomplete last batch "
+                "(DataLoader(..., drop_last=True)) or pad it"
             )
         return (
             f"the model's calls are collective under FSDP: every rank of the mesh (ranks "

@@ -13,9 +13,11 @@ nothing noticing in time:
   ranks run and others not, when the ranks meet at the next forward.
 
 Forwards of ``generate()`` (a forward without gradients that carries a key-value cache:
-``cache``, ``past_key_values`` or ``cache_position``) agree on nothing: ranks with images compute image features before
-them, with collectives of their own (a schedule checkpoint, a balanced exchange), that an
-agreement on the other ranks would meet; every rank runs the generation steps alike.
+``cache``, ``past_key_values`` or ``cache_position``) agree on nothing: ranks with images
+compute image features before them, with collectives of their own (a schedule checkpoint,
+a balanced exchange), that an agreement on the other ranks would meet; every rank runs
+the generation steps alike. A ``generate()`` call itself is checked by the
+``forward_arrival`` hook (an empty prompt on some rank included).
 
 Before each forward of the model (ahead of the other runtime hooks), every rank puts a
 few integers in one all-reduce (MAX over the data-parallel mesh, ten int64 per mesh
