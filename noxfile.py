@@ -31,8 +31,17 @@ TEST_EXTRAS: dict[str, str] = {"fsdp-core": "hf"}
 #: checked exactly); FSDP_TRANSFORMERS_SPEC tries another (they still run, the exact
 #: lists skip).
 TRANSFORMERS_SPEC = os.environ.get("FSDP_TRANSFORMERS_SPEC", "transformers>=5.24,<5.25")
-#: What the cross-package tests add: real transformers VLMs and PEFT's LoRA, Lightning.
-INTEGRATION_DEPS = (TRANSFORMERS_SPEC, "peft>=0.13", "lightning>=2.4,<3")
+#: What the cross-package tests add: real transformers VLMs and PEFT's LoRA, Lightning,
+#: and for the Trainer/TRL/accelerate adapters accelerate, TRL and datasets (none of them
+#: replaces the torch installed first).
+INTEGRATION_DEPS = (
+    TRANSFORMERS_SPEC,
+    "peft>=0.13",
+    "lightning>=2.4,<3",
+    "accelerate>=1.16,<2",
+    "trl>=1.16,<2",
+    "datasets>=3",
+)
 #: torchtitan and the two packages it needs to import, installed without dependencies:
 #: its declared requirements pull data and logging stacks the tests do not use.
 TORCHTITAN_NO_DEPS = ("torchtitan>=0.3,<0.4", "spmd_types==0.2.3")

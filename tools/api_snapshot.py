@@ -7,7 +7,11 @@ attributes. Underscore names are private and not recorded, except the few that
 the reference contract names (``CONTRACT_UNDERSCORE_NAMES``: helpers and hooks
 that model code written against nemo-automodel calls or overrides).
 Names re-exported from another public module are recorded as aliases of the
-first place they appear.
+first place they appear. A public module that imports a framework one of the
+package's extras provides (``fsdp_core.integrations.transformers``) cannot be
+described where that framework is missing: there a check leaves its recorded
+entries alone and a rewrite keeps them; the integration session, which installs
+every extra, checks them.
 
 Usage (with the packages and torch installed, e.g. in the repository's .venv)::
 
@@ -184,11 +188,48 @@ def _public_names(module: types.ModuleType) -> list[str]:
     ]
 
 
+def _missing_dependency(error: BaseException, import_name: str) -> str | None:
+    """The third-party module whose absence ``error`` (or an error it was raised from)
+    reports; None for any other failure."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, ModuleNotFoundError) and seen.name:
+            top = seen.name.split(".")[0]
+            if top != import_name.split(".")[0]:
+                return top
+        seen = seen.__cause__
+    return None
+
+
+def optional_modules_missing(import_name: str) -> dict[str, str]:
+    """Public modules that cannot be imported here because a framework one of the
+    package's extras provides is not installed (``fsdp_core.integrations.transformers``
+    without transformers): ``{module: missing dependency}``."""
+    missing: dict[str, str] = {}
+    for module_name in public_modules(import_name):
+        try:
+            importlib.import_module(module_name)
+        except ImportError as error:
+            dependency = _missing_dependency(error, import_name)
+            if dependency is None:
+                raise
+            missing[module_name] = dependency
+    return missing
+
+
+def _in_modules(name: str, modules: dict[str, str]) -> bool:
+    return any(name.startswith(f"{module}.") for module in modules)
+
+
 def live_api(import_name: str) -> dict[str, str]:
-    """``{qualified name: description}`` of the installed package's public API."""
+    """``{qualified name: description}`` of the installed package's public API (without
+    the modules ``optional_modules_missing`` names)."""
     api: dict[str, str] = {}
     first_seen: dict[int, str] = {}
+    skipped = optional_modules_missing(import_name)
     for module_name in public_modules(import_name):
+        if module_name in skipped:
+            continue
         module = importlib.import_module(module_name)
         for name in _public_names(module):
             if not hasattr(module, name):
@@ -207,11 +248,24 @@ def live_api(import_name: str) -> dict[str, str]:
     return dict(sorted(api.items()))
 
 
+def _comparable(recorded: dict[str, str], import_name: str) -> dict[str, str]:
+    """``recorded`` without the entries of modules this environment cannot import (an
+    extra's framework is missing): they cannot be checked here, only where every extra
+    is installed (the integration session)."""
+    skipped = optional_modules_missing(import_name)
+    return {name: text for name, text in recorded.items() if not _in_modules(name, skipped)}
+
+
 def snapshot_for(package: monorepo.Package) -> dict[str, Any]:
+    api = live_api(package.import_name)
+    skipped = optional_modules_missing(package.import_name)
+    if skipped and package.snapshot.is_file():  # keep what cannot be described here
+        recorded = monorepo.read_snapshot(package.snapshot)["api"]
+        api.update({n: t for n, t in recorded.items() if _in_modules(n, skipped)})
     return {
         "distribution": package.name,
         "version": package.version,
-        "api": live_api(package.import_name),
+        "api": dict(sorted(api.items())),
     }
 
 
@@ -236,12 +290,13 @@ def stale_problems(package: monorepo.Package) -> list[str]:
         return [f"{package.snapshot} is missing: run `python tools/api_snapshot.py {package.name}`"]
     recorded = monorepo.read_snapshot(package.snapshot)
     live = live_api(package.import_name)
+    comparable = _comparable(recorded["api"], package.import_name)
     problems = []
-    diff = monorepo.diff_api(recorded["api"], live)
+    diff = monorepo.diff_api(comparable, live)
     if diff:
         problems.append(
             f"the public API of {package.name} differs from {package.snapshot.name}:\n"
-            f"{diff.describe(recorded['api'], live)}\n"
+            f"{diff.describe(comparable, live)}\n"
             f"Regenerate it with `python tools/api_snapshot.py {package.name}` and describe "
             "the change in CHANGELOG.md (docs/releasing.md)."
         )
@@ -259,7 +314,7 @@ def release_problems(package: monorepo.Package) -> list[str]:
     if released is None:
         return []
     version, api = released
-    diff = monorepo.diff_api(api, live_api(package.import_name))
+    diff = monorepo.diff_api(_comparable(api, package.import_name), live_api(package.import_name))
     return monorepo.api_version_problems(
         package.name,
         version,

@@ -126,8 +126,22 @@ def _choose_backend(backend: str | None, local_world_size: int) -> str:
     return "gloo"
 
 
-def _context_from_group() -> DistributedContext:
+def _group_backend() -> str:
+    """The default group's backend; for a group started without one (accelerate on CPU
+    calls ``init_process_group()`` bare: ``get_backend()`` reads ``'undefined'``) the
+    device-qualified form torch chose for it (``'cpu:gloo'``)."""
     backend = str(dist.get_backend())
+    try:
+        device_type_for_backend(backend)
+    except ValueError:
+        configured = str(dist.get_backend_config())
+        logger.debug("process group backend %r; using its configuration %r", backend, configured)
+        return configured
+    return backend
+
+
+def _context_from_group() -> DistributedContext:
+    backend = _group_backend()
     device_type = device_type_for_backend(backend)
     local_rank = _env_int("LOCAL_RANK", 0)
     device = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device("cpu")

@@ -68,6 +68,7 @@ __all__ = [
     "casts_per_grouped_module",
     "tracks_grouped_passes",
     "memory_timeline_tracker",
+    "set_ddp_ignored",
 ]
 
 _FAKE_PG_MODULE: Final = "torch.testing._internal.distributed.fake_pg"
@@ -384,6 +385,17 @@ def fake_store() -> Any:
     if store is None:
         raise FSDPInternalsError(f"torch {torch.__version__} has no {_FAKE_PG_MODULE}.FakeStore")
     return store()
+
+
+#: What ``DistributedDataParallel.__init__`` reads from the module it wraps (the names of
+#: parameters and buffers to leave alone): ``set(module._ddp_params_and_buffers_to_ignore)``.
+_DDP_IGNORED: Final = "_ddp_params_and_buffers_to_ignore"
+
+
+def set_ddp_ignored(module: nn.Module, value: object) -> None:
+    """Set the object ``DistributedDataParallel`` iterates for the names it ignores
+    (``fsdp_core.ddp_guard`` gives a sharded unit one that refuses the wrap)."""
+    module.__dict__[_DDP_IGNORED] = value
 
 
 def require_attributes(obj: object, names: Sequence[str], *, owner: str, user: str) -> None:

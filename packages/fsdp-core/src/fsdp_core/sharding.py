@@ -24,6 +24,7 @@ from torch.distributed.fsdp import (
 )
 
 from fsdp_core import compat
+from fsdp_core.ddp_guard import refuse_ddp
 
 __all__ = [
     "ShardTarget",
@@ -262,6 +263,8 @@ def apply_fully_shard(
     if owned is not None:
         kwargs["ignored_params"] = owned
     fully_shard(modules[0] if len(modules) == 1 else modules, **kwargs)  # type: ignore[call-overload]
+    for module in modules:
+        refuse_ddp(module)  # DDP around a unit would fail deep in DTensor
 
 
 def check_ignored_params_supported(

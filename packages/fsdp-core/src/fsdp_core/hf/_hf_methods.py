@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from fsdp_core.hf import _hf_model, _lora
+from fsdp_core.hf import _hf_model, _lora, _trainer_guard
 from fsdp_core.hf.pretrained import export_adapter, save_pretrained
 
 logger = logging.getLogger(__name__)
@@ -40,8 +40,10 @@ def install_collective_save(model: nn.Module) -> tuple[str, ...]:
 
     Only instances whose class defines ``save_pretrained`` are touched: a
     transformers model gets ``save_hf_model``,
-    a peft model ``save_peft_model``.
+    a peft model ``save_peft_model``. The transformers model also gets the flag
+    that makes an unmodified ``Trainer`` refuse it (``fsdp_core.hf._trainer_guard``).
     """
+    _trainer_guard.install(model)
     targets: list[tuple[str, nn.Module, Callable[..., None]]] = []
     if _lora.is_peft_model(model):
         targets.append(("", model, save_peft_model))

@@ -22,6 +22,12 @@ KEYS_TO_IGNORE_ON_LOAD_UNEXPECTED: Final = "_keys_to_ignore_on_load_unexpected"
 SHOULD_SAVE_ON_THIS_RANK: Final = "should_save_on_this_rank"
 #: The module global of transformers' ``save_pretrained`` holding its logging helpers.
 LOGGING_GLOBAL: Final = "logging"
+#: transformers' instance flag "sharded when loaded" (``from_pretrained(distributed_config=)``),
+#: read through the ``is_distributed_loading_by_transformers`` property; its ``Trainer`` then
+#: neither moves nor wraps the model in DDP.
+IS_DISTRIBUTED_LOADING: Final = "_is_distributed_loading_by_transformers"
+#: The module whose ``Trainer.__init__`` tests that flag.
+TRAINER_MODULE: Final = "transformers.trainer"
 
 ALL: Final = (
     IS_HF_INITIALIZED,
@@ -29,4 +35,5 @@ ALL: Final = (
     HF_PEFT_CONFIG_LOADED,
     KEYS_TO_IGNORE_ON_LOAD_UNEXPECTED,
     SHOULD_SAVE_ON_THIS_RANK,
+    IS_DISTRIBUTED_LOADING,
 )

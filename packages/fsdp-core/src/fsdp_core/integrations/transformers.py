@@ -1,0 +1,309 @@
+"""transformers' ``Trainer`` on a model the library sharded: ``ShardedTrainer``.
+
+Shard the model first (adapters added, trainable parameters chosen, ``parallelize``,
+weights loaded), then give it to ``ShardedTrainer`` with the arguments ``Trainer``
+takes. What changes against ``Trainer``:
+
+- the model is trained as it is: no ``DistributedDataParallel`` around it (it cannot
+  hold sharded parameters), no move to another device (FSDP2 placed it); the
+  optimizer is built from the sharded parameters, as ``Trainer`` does at ``train()``;
+- gradient accumulation defers the reduce-scatter to the last micro-batch of each step
+  (``set_requires_gradient_sync`` on every FSDP unit, as Trainer does for the models
+  transformers shards itself);
+- ``save_model`` writes the library's Hugging Face export, collective and atomic
+  (``fsdp_core.hf.save_pretrained``; a ``PeftModel`` writes its adapter);
+- each checkpoint (``save_steps``) also holds the model and the optimizer as one
+  sharded DCP checkpoint (``fsdp_core.checkpoint``, every rank writes its shards) in
+  its ``CHECKPOINT_DIR`` sub-directory, beside the scheduler, the RNG states and the
+  trainer state; ``train(resume_from_checkpoint=...)`` reads it back, so the run
+  continues as if never stopped (``save_only_model=True`` checkpoints resume the
+  weights from the export, the optimizer starts anew, as in ``Trainer``);
+- ``load_best_model_at_end`` reads the best checkpoint's DCP model state;
+- ``predict()`` leaves the outputs of media towers out of its gathers unless
+  ``ignore_keys`` is given (they exist only on ranks with media), and after
+  ``evaluate()``/``predict()`` every unit is resharded.
+
+Clipping (``max_grad_norm``), evaluation and prediction are otherwise ``Trainer``'s own:
+they work on the sharded parameters and through the runtime hooks the plan installed
+(uneven media included). Everything here that transformers keeps private (the
+``Trainer`` methods overridden, its ``is_distributed_loading_by_transformers``
+attribute) is checked when this module is imported or a trainer is built
+(``SUPPORTED_TRANSFORMERS``); a release outside that range, or one lacking one of them,
+is refused with an ``ImportError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from fsdp_core.checkpoint import load_checkpoint, save_checkpoint
+from fsdp_core.hf import _trainer_guard, load_pretrained
+from fsdp_core.hf._hf_model import is_hf_model
+from fsdp_core.hf._lora import base_model, is_peft_model
+
+try:
+    import transformers
+    from transformers import Trainer
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "fsdp_core.integrations.transformers needs transformers: "
+        'pip install "fsdp-core[transformers]"'
+    ) from exc
+
+__all__ = [
+    "CHECKPOINT_DIR",
+    "SUPPORTED_TRANSFORMERS",
+    "ShardedTrainerMixin",
+    "ShardedTrainer",
+    "check_sharded_model",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The transformers releases this module is written and tested for (its extra's range).
+SUPPORTED_TRANSFORMERS = ">=5,<6"
+#: The sub-directory of a checkpoint holding the sharded model and optimizer (DCP).
+CHECKPOINT_DIR = "fsdp_checkpoint"
+#: Trainer's file names for the scheduler and a one-file optimizer state.
+_SCHEDULER_FILE = "scheduler.pt"
+_OPTIMIZER_FILE = "optimizer.pt"
+#: Trainer's attribute for "the model owns its sharding": no DDP, no device move, the
+#: non-writer ranks join ``save_pretrained``.
+_OWNS_SHARDING = "is_distributed_loading_by_transformers"
+
+
+def _check_release() -> None:
+    major = transformers.__version__.split(".", 1)[0]
+    if not (major.isdigit() and 5 <= int(major) < 6):
+        raise ImportError(
+            f"fsdp_core.integrations.transformers supports transformers{SUPPORTED_TRANSFORMERS}, "
+            f"found {transformers.__version__}"
+        )
+
+
+_check_release()
+
+
+def check_sharded_model(model: object, *, trainer: str = "ShardedTrainer") -> nn.Module:
+    """``model`` if it is a transformers or peft model with FSDP units; else a clear error."""
+    if isinstance(model, str):
+        raise TypeError(
+            f"{trainer} takes the sharded model, not a name ({model!r}): load it, add "
+            "adapters, parallelize it, then pass it"
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{trainer} needs model=, a sharded nn.Module; got {type(model).__name__}")
+    hf = base_model(model)[0] if is_peft_model(model) else model
+    if not is_hf_model(hf):
+        raise TypeError(
+            f"{trainer} trains transformers and peft models (it exports them with "
+            f"save_pretrained); got {type(model).__name__}. Train other models with your own "
+            "loop and fsdp_core.checkpoint"
+        )
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise ValueError(
+            f"{trainer} needs a model sharded by the library (ModelParallelizer.parallelize "
+            f"or apply_plan); {type(model).__name__} has no FSDP unit. An unsharded model "
+            "trains with transformers' Trainer"
+        )
+    return model
+
+
+#: Output names of media towers: present only on ranks whose batch has that media.
+MEDIA_OUTPUT_PREFIXES = ("image_", "video_", "audio_", "vision_")
+
+
+class _WithoutMediaOutputs(list[str]):
+    """Trainer's ``ignore_keys`` that also holds every media output name (Trainer asks
+    ``key not in ignore_keys + ["loss"]``)."""
+
+    def __contains__(self, key: object) -> bool:
+        return super().__contains__(key) or (
+            isinstance(key, str) and key.startswith(MEDIA_OUTPUT_PREFIXES)
+        )
+
+    def __add__(self, other: list[str]) -> _WithoutMediaOutputs:  # type: ignore[override]
+        return _WithoutMediaOutputs([*self, *other])
+
+
+def _units(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+class ShardedTrainerMixin:
+    """Makes a ``transformers.Trainer`` subclass train a model the library sharded.
+
+    Put it first among the bases: ``class MyTrainer(ShardedTrainerMixin, SomeTrainer)``.
+    ``ShardedTrainer`` and ``fsdp_core.integrations.trl.ShardedSFTTrainer`` are such
+    classes.
+    """
+
+    #: Set by ``__init__``: every FSDP unit of the model, for gradient accumulation.
+    _sharded_units: list[FSDPModule]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        name = type(self).__name__
+        if kwargs.get("model_init") is not None:
+            raise ValueError(
+                f"{name} trains the model it is given, sharded; model_init would build an "
+                "unsharded one per run"
+            )
+        model = kwargs["model"] if "model" in kwargs else (args[0] if args else None)
+        check_sharded_model(model, trainer=name)
+        with _trainer_guard.accepting_trainer():
+            super().__init__(*args, **kwargs)
+        if not hasattr(self, _OWNS_SHARDING):
+            raise ImportError(
+                f"this transformers ({transformers.__version__}) Trainer has no "
+                f"{_OWNS_SHARDING!r}; {name} supports transformers{SUPPORTED_TRANSFORMERS}"
+            )
+        # Trainer's own path for a model that owns its sharding (no DDP, every rank
+        # joins save_pretrained), decided in its __init__ from the model.
+        setattr(self, _OWNS_SHARDING, True)
+        trainer_model: nn.Module = self.model  # type: ignore[attr-defined]
+        self._sharded_units = _units(trainer_model)
+
+    # ---------------------------------------------------------------- training
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        """FSDP2 placed the shards; ``.to()`` would fail on offloaded ones."""
+
+    @contextmanager
+    def _defer_fsdp_gradient_reduction(self) -> Iterator[None]:
+        """Trainer's context for a step's non-last micro-batches: no reduce-scatter.
+
+        Trainer's own version reads transformers' ``DistributedConfig`` from the model's
+        config, which a model the library sharded has not; every FSDP unit (an HSDP mesh
+        included) keeps its unreduced gradient until the last micro-batch instead.
+        """
+        for unit in self._sharded_units:
+            unit.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in self._sharded_units:
+                unit.set_requires_gradient_sync(True, recurse=False)
+
+    # -------------------------------------------------------------- prediction
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's loop (``evaluate()``, ``predict()``), then every unit resharded.
+
+        FSDP2 keeps the parameters of units that do not reshard after forward (the root)
+        gathered after a forward without backward; the model would then hold full
+        tensors where its sharded parameters belong until the next training step.
+        """
+        try:
+            return super().evaluation_loop(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            for unit in self._sharded_units:
+                unit.reshard()
+
+    def prediction_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> Any:
+        """Trainer's step; by default without the outputs of media towers.
+
+        A VLM returns its tower's output (LLaVA's ``image_outputs``) only when the batch
+        has images; on ranks with different media the outputs ``predict()`` gathers
+        would differ in structure and the gathers would not match (gloo aborts, NCCL
+        hangs). Unless ``ignore_keys`` is given, outputs named ``image_*``, ``video_*``,
+        ``audio_*`` or ``vision_*`` are left out, beside what Trainer leaves out.
+        """
+        if ignore_keys is None:
+            config = getattr(self.model, "config", None)  # type: ignore[attr-defined]
+            ignore_keys = _WithoutMediaOutputs(
+                getattr(config, "keys_to_ignore_at_inference", ["cache"])
+            )
+        return super().prediction_step(  # type: ignore[misc]
+            model, inputs, prediction_loss_only, ignore_keys=ignore_keys
+        )
+
+    # ------------------------------------------------------------- checkpoints
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Model and optimizer as one sharded DCP checkpoint; the scheduler as Trainer does."""
+        state: Any = self.state  # type: ignore[attr-defined]
+        save_checkpoint(
+            Path(output_dir) / CHECKPOINT_DIR,
+            self.model,  # type: ignore[attr-defined]
+            self.optimizer,  # type: ignore[attr-defined]
+            step=int(state.global_step),
+        )
+        scheduler = self.lr_scheduler  # type: ignore[attr-defined]
+        if self.args.should_save and scheduler is not None:  # type: ignore[attr-defined]
+            torch.save(scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_FILE))
+
+    def _load_from_checkpoint(
+        self, resume_from_checkpoint: str, model: nn.Module | None = None
+    ) -> None:
+        """The weights come with the optimizer from the DCP checkpoint; without one (a
+        ``save_only_model`` checkpoint) from the checkpoint's export."""
+        if (Path(resume_from_checkpoint) / CHECKPOINT_DIR).is_dir():
+            return  # read with the optimizer, once it exists
+        target = self.model if model is None else model  # type: ignore[attr-defined]
+        load_pretrained(target, resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        sharded = Path(checkpoint) / CHECKPOINT_DIR
+        if not sharded.is_dir():
+            if (Path(checkpoint) / _OPTIMIZER_FILE).is_file():
+                raise ValueError(
+                    f"{checkpoint} holds a one-file optimizer state ({_OPTIMIZER_FILE}), written "
+                    "by a trainer that saved one rank's shards; it cannot resume a sharded "
+                    f"model. {type(self).__name__} checkpoints keep it in {CHECKPOINT_DIR}/"
+                )
+            logger.warning(
+                "%s has no %s/ (saved with save_only_model=True?): the optimizer starts anew",
+                checkpoint,
+                CHECKPOINT_DIR,
+            )
+            return
+        load_checkpoint(sharded, self.model, self.optimizer)  # type: ignore[attr-defined]
+        scheduler_file = Path(checkpoint) / _SCHEDULER_FILE
+        scheduler = self.lr_scheduler  # type: ignore[attr-defined]
+        if scheduler is not None and scheduler_file.is_file():
+            scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        state: Any = self.state  # type: ignore[attr-defined]
+        best = Path(state.best_model_checkpoint)
+        if (best / CHECKPOINT_DIR).is_dir():
+            load_checkpoint(best / CHECKPOINT_DIR, self.model)  # type: ignore[attr-defined]
+        else:
+            load_pretrained(self.model, best)  # type: ignore[attr-defined]
+
+
+def _check_overrides() -> None:
+    """Every private Trainer method the mixin overrides exists in this transformers."""
+    private = [
+        name
+        for name, value in vars(ShardedTrainerMixin).items()
+        if name.startswith("_") and not name.startswith("__") and callable(value)
+    ]
+    missing = [name for name in private if not hasattr(Trainer, name)]
+    if missing:
+        raise ImportError(
+            f"this transformers ({transformers.__version__}) Trainer lacks {missing}, which "
+            "fsdp_core.integrations.transformers overrides; supported: "
+            f"transformers{SUPPORTED_TRANSFORMERS}"
+        )
+
+
+_check_overrides()
+
+
+class ShardedTrainer(ShardedTrainerMixin, Trainer):  # type: ignore[misc,unused-ignore]
+    """``transformers.Trainer`` for a model the library sharded (same arguments)."""

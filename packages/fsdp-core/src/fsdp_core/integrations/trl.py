@@ -1,0 +1,53 @@
+"""TRL's ``SFTTrainer`` on a model the library sharded: ``ShardedSFTTrainer``.
+
+``SFTTrainer`` with the behaviour of
+[`ShardedTrainer`][fsdp_core.integrations.transformers.ShardedTrainer] (no DDP, deferred
+reduce-scatters under gradient accumulation, the library's export and sharded
+checkpoints). The model arrives sharded, so it is a model object, not a name, and its
+adapters are already in it: add LoRA with ``peft.get_peft_model`` before sharding and
+pass ``peft_config=None`` (an adapter added after sharding would sit outside FSDP, and
+the library refuses the changed model at its first forward).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fsdp_core.integrations.transformers import ShardedTrainerMixin
+
+try:
+    from trl.trainer.sft_trainer import SFTTrainer
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError('fsdp_core.integrations.trl needs TRL: pip install "fsdp-core[trl]"') from exc
+
+__all__ = ["SUPPORTED_TRL", "ShardedSFTTrainer"]
+
+#: The TRL releases this module is written and tested for (its extra's range).
+SUPPORTED_TRL = ">=1.16,<2"
+
+
+def _check_release() -> None:
+    import trl
+
+    parts = trl.__version__.split(".")
+    release = tuple(int(p) if p.isdigit() else 0 for p in [*parts, "0"][:2])
+    if not (1, 16) <= release < (2, 0):
+        raise ImportError(
+            f"fsdp_core.integrations.trl supports trl{SUPPORTED_TRL}, found {trl.__version__}"
+        )
+
+
+_check_release()
+
+
+class ShardedSFTTrainer(ShardedTrainerMixin, SFTTrainer):  # type: ignore[misc,unused-ignore]
+    """``trl.SFTTrainer`` for a model the library sharded (same arguments, no ``peft_config``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("peft_config") is not None:
+            raise ValueError(
+                "ShardedSFTTrainer got peft_config=, but the model is already sharded: adapters "
+                "added now would sit outside FSDP. Add them before sharding "
+                "(peft.get_peft_model(model, config), then parallelize) and pass the PeftModel"
+            )
+        super().__init__(*args, **kwargs)
