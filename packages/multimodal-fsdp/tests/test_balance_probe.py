@@ -176,9 +176,22 @@ def test_a_layout_that_does_not_fit_is_found_at_plan_time() -> None:
     assert "whole number of rows per item" in report.reason
 
 
+class _Random(_Plain):
+    """Draws from torch's and numpy's random state in its forward (dropout, Phi-4's
+    audio encoder)."""
+
+    def forward(self, images: Tensor) -> Tensor:
+        import numpy
+
+        numpy.random.rand()
+        return torch.nn.functional.dropout(super().forward(images), 0.5, training=True)
+
+
 def test_probe_leaves_modes_and_random_state_alone() -> None:
-    tower = _Plain().train()
-    state = torch.get_rng_state()
-    probe_layout(tower, BatchFirstLayout())
+    numpy = pytest.importorskip("numpy")
+    tower = _Random().train()
+    state, numpy_state = torch.get_rng_state(), numpy.random.get_state()
+    assert probe_layout(tower, BatchFirstLayout()).ran_on == "cpu"
     assert all(m.training for m in tower.modules())
     assert torch.equal(torch.get_rng_state(), state)
+    assert numpy.random.get_state()[1].tolist() == numpy_state[1].tolist()

@@ -118,18 +118,23 @@ def _to(value: Any, device: torch.device) -> Any:
     return value
 
 
+def _numpy_random() -> Any:
+    """numpy's global random module, when numpy is installed (transformers models draw
+    from it: Phi-4's audio encoder in training)."""
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - torch installs numpy in practice
+        return None
+    return numpy.random
+
+
 @contextlib.contextmanager
 def _quietly(tower: nn.Module) -> Iterator[None]:
     """Eval mode and no gradients for a probe run on real weights, every module's mode
     and the random states (torch's, numpy's) restored after it."""
     modes = [(m, m.training) for m in tower.modules()]
-    numpy_state: Any = None
-    try:
-        import numpy
-
-        numpy_state = numpy.random.get_state()
-    except ImportError:  # pragma: no cover - numpy comes with torch
-        numpy = None  # type: ignore[assignment]
+    numpy_random = _numpy_random()
+    numpy_state = numpy_random.get_state() if numpy_random is not None else None
     devices = [p.device for p in tower.parameters() if p.device.type == "cuda"]
     try:
         with torch.random.fork_rng(devices=devices[:1]), torch.no_grad():
@@ -138,8 +143,8 @@ def _quietly(tower: nn.Module) -> Iterator[None]:
     finally:
         for module, training in modes:
             module.training = training
-        if numpy is not None and numpy_state is not None:
-            numpy.random.set_state(numpy_state)
+        if numpy_random is not None:
+            numpy_random.set_state(numpy_state)
 
 
 def _run_meta(tower: nn.Module, call: ProbeCall, *, integers: bool) -> Any:
