@@ -101,11 +101,6 @@ def test_balanced_family_trains_like_one_process(name: str, mp2: MpResults) -> N
 
 
 @pytest.mark.distributed
-@pytest.mark.xfail(
-    strict=True,
-    reason="the exchange runs one tower's call at a time: a rank calling the audio "
-    "tower meets one calling the vision tower (issue 26, exchange rounds across towers)",
-)
 @pytest.mark.parametrize("name", sorted(balanced_families.CROSS_TOWER))
 def test_audio_on_one_rank_and_images_on_the_other(name: str, mp2: MpResults) -> None:
     """Qwen2.5-Omni and Phi-4: audio on one rank and images on the other, then every

@@ -18,9 +18,9 @@ picks:
 
 Each model runs under ``root`` and ``per_layer`` with its tower frozen and with a
 trainable tower, three steps whose media distribution changes: a 3:1 skew, all media on
-one rank, all on the other (Mllama, whose cross-attention decoder layers still stop a
-text-only rank, keeps media on both ranks; Qwen2.5-Omni and Phi-4 mix their two kinds of
-media unevenly). ``CROSS_TOWER``: audio on one rank and images on the other.
+one rank, all on the other (Mllama keeps media on both ranks here: its text-only rank,
+whose cross-attention layers join on a placeholder, is ``balanced_joined``'s case;
+Qwen2.5-Omni and Phi-4 mix their two kinds of media unevenly). ``CROSS_TOWER``: audio on one rank and images on the other.
 ``mistral3_counted``: every batch also passes ``num_items_in_batch`` (a 0-d tensor that
 differs between ranks), which Mistral 3 hands down to the tower.
 """
@@ -410,8 +410,8 @@ PHI4: Steps = (
     ({"images": 2}, {}),  # all media on rank 0
 )
 #: Each rank calls a different tower first: audio on one rank and images on the other,
-#: then every medium on one rank. Needs the exchange to pair calls of different towers
-#: in one round (see ``CROSS_TOWER``).
+#: then every medium on one rank: the exchange's rounds pair calls of different towers
+#: (see ``CROSS_TOWER``).
 OMNI_CROSS: Steps = (
     ({"audio": 2}, {"images": 2}),
     ({}, {"audio": 2, "images": 2}),
@@ -494,9 +494,8 @@ def _cases() -> list[LoopCase]:
 
 
 #: The cases whose ranks call different towers in the same round (audio here, images
-#: there). The exchange runs one tower's call at a time, so the ranks' first gathers
-#: pair calls of different towers and every rank stops with "ranks use different media
-#: layouts" at step 0; they pass once a round carries a call of any balanced tower.
+#: there): a round carries a call of any balanced tower, runs the lowest one called,
+#: and the other rank brings its call again in the next round.
 CROSS_TOWER = frozenset({"omni_cross_root_frozen", "phi4_cross_root_frozen"})
 
 

@@ -168,6 +168,28 @@ def test_run_on_gloo_ranks_all_reduce(tmp_path: Path, monkeypatch: pytest.Monkey
     assert not dist.is_initialized()
 
 
+def test_a_gloo_rank_ends_the_safe_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A spawned rank's interpreter exits normally after ``fn``: its group must be torn
+    down by ``destroy_distributed`` (which first settles gloo's threads), not by a bare
+    ``destroy_process_group`` whose teardown could abort the rank (seen: SIGABRT,
+    "terminate called without an active exception", in a passing test's launch)."""
+    import fsdp_core.testing as testing
+
+    ended: list[bool] = []
+
+    def recording_destroy() -> None:
+        ended.append(True)
+        dist.destroy_process_group()
+
+    monkeypatch.setattr(testing, "destroy_distributed", recording_destroy)
+    seen: list[int] = []
+    testing._rank_entry(
+        0, 1, str(tmp_path / "rendezvous"), lambda rank, world: seen.append(world), (), 30.0
+    )
+    assert seen == [1] and ended == [True]
+    assert not dist.is_initialized()
+
+
 # run_torchrun ------------------------------------------------------------------------------------
 
 

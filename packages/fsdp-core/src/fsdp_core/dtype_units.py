@@ -222,9 +222,7 @@ def dtype_island_groups(
     def left_out(path: str, sub: nn.Module) -> bool:
         return is_sharded(sub) or (skip is not None and skip(path, sub))
 
-    dominant, islands = find_dtype_islands(
-        module, skip=left_out, ignored_param_names=ignored_names
-    )
+    dominant, islands = find_dtype_islands(module, skip=left_out, ignored_param_names=ignored_names)
     return [
         (paths, island_policy(dtype, mp_policy, surrounding_dtype=dominant))
         for dtype, paths in group_islands(islands, grouped=grouped)
@@ -246,9 +244,7 @@ def fully_shard_dtype_safe(
     Islands get [`fsdp_core.precision.island_policy`][fsdp_core.precision.island_policy] (their own
     dtype for params and reduction, output cast to the surrounding compute dtype).
     """
-    groups = dtype_island_groups(
-        module, mp_policy, ignored_params=ignored_params, grouped=grouped
-    )
+    groups = dtype_island_groups(module, mp_policy, ignored_params=ignored_params, grouped=grouped)
     shard_groups_then_module(
         module,
         groups,

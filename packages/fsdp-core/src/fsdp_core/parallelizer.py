@@ -301,9 +301,7 @@ class ModelParallelizer:
         are units are left out."""
         if not self.dtype_safe:
             return []
-        return dtype_island_groups(
-            module, options.mp_policy, ignored_params=options.ignored_params
-        )
+        return dtype_island_groups(module, options.mp_policy, ignored_params=options.ignored_params)
 
     def _unit_paths(self, ctx: PlanContext) -> list[str]:
         """Paths of the modules that become units before the root (layer-container items)."""

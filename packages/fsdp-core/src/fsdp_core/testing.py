@@ -36,6 +36,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from fsdp_core.distributed import destroy_distributed
+
 __all__ = [
     "ReferenceResult",
     "emulate_data_parallel",
@@ -92,7 +94,9 @@ def _rank_entry(
     try:
         fn(rank, world_size, *args)
     finally:
-        dist.destroy_process_group()
+        # The safe ending (settle gloo's threads, then tear down): after ``fn`` the
+        # spawned interpreter exits normally, and its teardown must not abort the rank.
+        destroy_distributed()
 
 
 def run_on_gloo_ranks(
@@ -219,7 +223,7 @@ def run_markdown_example(
         os.environ.update(saved)
         left = dist.is_initialized()
         if left:
-            dist.destroy_process_group()
+            destroy_distributed()
     return ExampleRun(namespace=namespace, left_process_group=left)
 
 

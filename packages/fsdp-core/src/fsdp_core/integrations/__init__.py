@@ -18,10 +18,10 @@ Lightning and torchtitan adapters import none), so install the extra of the same
 - [`fsdp_core.integrations.torchtitan`][fsdp_core.integrations.torchtitan]:
   torchtitan's `parallelize_fn` (extra `torchtitan`).
 
-The adapters are model-agnostic (any model a `ModelParallelizer` shards; towers and
-`balance_media` work through the runtime hooks the plan installed), so they live in
-fsdp-core. A framework that would mishandle a sharded model on its own (wrap it in
-`DistributedDataParallel`) stops with
+The adapters are model-agnostic (any model a `ModelParallelizer` shards; what a
+higher layer adds, such as media balancing, works through the runtime hooks the plan
+installed), so they live in fsdp-core. A framework that would mishandle a sharded
+model on its own (wrap it in `DistributedDataParallel`) stops with
 [`IntegrationRequiredError`][fsdp_core.integrations.IntegrationRequiredError], which
 names the adapter to use.
 """

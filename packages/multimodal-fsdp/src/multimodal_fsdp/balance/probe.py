@@ -199,14 +199,25 @@ def _outputs(
     raise error
 
 
+#: The public batch-norm classes (their shared base class is private to torch).
+_BATCH_NORMS = (
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.LazyBatchNorm1d,
+    nn.LazyBatchNorm2d,
+    nn.LazyBatchNorm3d,
+    nn.SyncBatchNorm,
+)
+
+
 def _mixing(tower: nn.Module) -> str:
     """Modules that mix the items of a call in training, which a probe in eval mode
     cannot see: batch norms that track batch statistics."""
     found = [
         name
         for name, module in tower.named_modules()
-        if isinstance(module, nn.modules.batchnorm._BatchNorm)
-        and (module.training or not module.track_running_stats)
+        if isinstance(module, _BATCH_NORMS) and (module.training or not module.track_running_stats)
     ]
     if not found:
         return ""
