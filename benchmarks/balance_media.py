@@ -23,8 +23,10 @@ warm-up steps. What is measured, outside the library:
   wall time and in the CPU time of the rank's thread (time spent waiting for a core
   that other processes hold is not counted; shared caches still slow it);
 - the exchange: every ``all_gather`` / ``all_to_all_single`` issued from
-  ``multimodal_fsdp.balance``, timed (waiting for other ranks included), counted, with
-  the bytes each rank puts in and gets;
+  ``multimodal_fsdp.balance``, timed (waiting for other ranks included; for an
+  all_to_all started asynchronously, its call and the wait for it, not the tower work a
+  rank does meanwhile), counted, with the bytes each rank puts in and gets, and its
+  share of the step (the slowest rank's exchange time over the step's time);
 - the collectives of one extra, untimed step of each variant with
   ``fsdp_core.CommCounter`` (all-gathers, reduce-scatters, all-reduces).
 
@@ -231,6 +233,20 @@ def _from_balance() -> bool:
     return "balance" in str(caller) and str(caller).startswith("multimodal_fsdp.")
 
 
+class _TimedWork:
+    """The work of an asynchronous collective of the exchange: its wait is exchange time."""
+
+    def __init__(self, work: Any) -> None:
+        self._work = work
+
+    def wait(self) -> Any:
+        start = RECORDER.now()
+        result = self._work.wait()
+        if RECORDER.active:
+            RECORDER.events.append(("exchange", start, RECORDER.now()))
+        return result
+
+
 def _timed(kind: str, original: Callable[..., Any], sent: int, received: int) -> Callable[..., Any]:
     """``original`` (a ``torch.distributed`` collective) recording calls from the balance
     exchange: kind, interval and bytes put in (``sent``) / got (``received``) per rank."""
@@ -245,6 +261,8 @@ def _timed(kind: str, original: Callable[..., Any], sent: int, received: int) ->
         RECORDER.exchange.append(
             {"kind": kind, "sent": _nbytes(args[sent]), "received": _nbytes(args[received])}
         )
+        if kwargs.get("async_op") and result is not None:
+            return _TimedWork(result)
         return result
 
     return wrapper
@@ -311,10 +329,10 @@ def counted_step(
     }
 
 
-def predicted_exchange(counts: list[int], rank: int) -> dict[str, int]:
+def predicted_exchange(counts: list[int], rank: int, run_when_empty: bool) -> dict[str, int]:
     """The exchange of one forward on ``rank`` as ``exchange_traffic`` predicts it: the
     tower call (when any rank has images; a rank without images joins it) and the last
-    round of the join barrier (one header all_gather). The tower is frozen and its
+    round of the join barrier (one slot all_gather). The tower is frozen and its
     inputs need no gradient, so nothing moves in backward."""
     tower = BenchVLM().vision_tower
     spec = media_layout_for(tower).split_call(tower, (torch.zeros(1, PATCHES, PATCH_DIM),), {})
@@ -324,7 +342,13 @@ def predicted_exchange(counts: list[int], rank: int) -> dict[str, int]:
     rounds = []
     if any(counts):
         rounds += exchange_traffic(
-            costs, rank=rank, spec=spec.spec, input_bytes=inputs, output_bytes=outputs
+            costs,
+            rank=rank,
+            spec=spec.spec,
+            input_bytes=inputs,
+            output_bytes=outputs,
+            run_when_empty=run_when_empty,
+            callers=[r for r, n in enumerate(counts) if n],
         )
     empty: list[list[int]] = [[] for _ in counts]
     rounds += exchange_traffic(empty, rank=rank, spec=None, input_bytes=empty, output_bytes=empty)
@@ -380,7 +404,9 @@ def run_distribution(
         variant: counted_step(model, optimizers[variant], make_batch(counts[rank], seed=7 + rank))
         for variant, model in variants.items()
     }
-    comm["balanced"]["predicted"] = predicted_exchange(counts, rank)
+    comm["balanced"]["predicted"] = predicted_exchange(
+        counts, rank, run_when_empty=args.policy == "per_layer"
+    )
     comm_all: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(comm_all, comm)
     return summarise(name, counts, steps, comm_all, losses)
@@ -405,6 +431,11 @@ def summarise(
     result: dict[str, Any] = {"distribution": name, "images_per_rank": counts, "variants": {}}
     for variant, records in steps.items():
         step_s = [max(r["step_s"] for r in s["ranks"]) for s in records]
+        # The slowest rank's exchange (waiting included) over the step: the exchange's share.
+        shares = [
+            max(r["exchange_s"] for r in s["ranks"]) / max(r["step_s"] for r in s["ranks"])
+            for s in records
+        ]
         tower = [[r["tower_s"] for r in s["ranks"]] for s in records]
         exchange = [[r["exchange_s"] for r in s["ranks"]] for s in records]
         cpu = [[r["tower_cpu_s"] for r in s["ranks"]] for s in records]
@@ -421,6 +452,7 @@ def summarise(
             "median_exchange_s_per_rank": [
                 _median([x[r] for x in exchange]) for r in range(len(counts))
             ],
+            "median_exchange_share": _median(shares),
             "timeline": [
                 {"step_s": r["step_s"], "events": r["events"]}
                 for r in records[median_index]["ranks"]
@@ -471,10 +503,13 @@ def main() -> None:
     distributions = []
     for name in args.distributions.split(","):
         counts = images_per_rank(name, ctx.world_size, args.images)
+        before = os.getloadavg()[0]
         with _quiet():
             distributions.append(
                 run_distribution(name, counts, variants, optimizers, args, ctx.rank)
             )
+        # The machine's 1-minute load around this row (other processes slow every time).
+        distributions[-1]["load_average"] = [before, os.getloadavg()[0]]
     if ctx.rank == 0:
         reference = build()
         tower = sum(p.numel() for p in reference.vision_tower.parameters())

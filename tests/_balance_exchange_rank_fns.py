@@ -170,17 +170,20 @@ def _case(
         return _qwen_loss(output, [int(i["grid"].prod()) for i in items], w)
 
     make_call = _clip_call if tower_kind == "clip" else _qwen_call
+    layout = media_layout_for(tower)  # before counting: finding it may run the tower
     runs = []
     tower.register_forward_hook(lambda *_: runs.append(1))
     counter = _Collectives()
     mine = per_rank[rank]
     with counter:
         if counts[rank] is None:
-            loss = join_without_call(tower, run_when_empty=run_when_empty)
+            loss = join_without_call(tower, layout=layout, run_when_empty=run_when_empty)
             output = None
         else:
             args, kwargs = make_call(mine)
-            output = balanced_call(tower, args, kwargs, run_when_empty=run_when_empty)
+            output = balanced_call(
+                tower, args, kwargs, layout=layout, run_when_empty=run_when_empty
+            )
             loss = loss_of(output, mine, weights[rank])
         forward_ops = list(counter.ops)
         if torch.is_grad_enabled() and (trainable or input_grad):
@@ -201,9 +204,21 @@ def _case(
     args, kwargs = make_call(ref_items)
     ref_output = reference(*args, **kwargs)
     start = sum(len(items) for items in per_rank[:rank])
-    result["predicted_bytes"] = _predicted(
-        reference, make_call, per_rank, counts, ref_output, everything, rank, trainable, input_grad
+    predicted = _predicted(
+        reference,
+        make_call,
+        per_rank,
+        counts,
+        ref_output,
+        rank,
+        trainable,
+        input_grad,
+        run_when_empty,
     )
+    result["predicted_bytes"] = [(c.sent, c.received) for c in predicted]
+    result["predicted_ops"] = [
+        ("allgather_" if c.kind == "all_gather" else "alltoall_base_", c.phase) for c in predicted
+    ]
     if output is not None:
         if tower_kind == "clip":
             got = [output.last_hidden_state, output.pooler_output, *output.hidden_states]
@@ -275,11 +290,11 @@ def _predicted(
     per_rank: list[list[dict[str, Tensor]]],
     counts: list[int | None],
     ref_output: Any,
-    everything: list[dict[str, Tensor]],
     rank: int,
     trainable: bool,
     input_grad: bool,
-) -> list[tuple[int, int]]:
+    run_when_empty: bool,
+) -> list[Any]:
     """``exchange_traffic`` from the item sizes: field bytes from each rank's split call,
     output bytes from the reference output split per item."""
     layout = media_layout_for(tower)
@@ -306,8 +321,10 @@ def _predicted(
         input_grad_bytes=floating if input_grad else None,
         output_grad_bytes=outputs if (trainable or input_grad) else None,
         output_tensors=len(pieces[0]),
+        run_when_empty=run_when_empty,
+        callers=[r for r, count in enumerate(counts) if count is not None],
     )
-    return [(c.sent, c.received) for c in traffic]
+    return traffic
 
 
 def _slice_output(

@@ -98,8 +98,9 @@ def test_the_hook_line_names_towers_layouts_and_collectives_per_call() -> None:
     (line,) = [h.format() for h in plan.hooks if h.name == "balance_media"]
     assert "'vision' (batch-first)" in line
     assert "'model.layers.0'" in line
-    assert "3 all_gathers and 2 all_to_all in forward, 1 all_to_all in backward" in line
-    assert "672 bytes" in line  # the barrier's last round: HEADER_INTS int64 per rank
+    assert "2 all_gathers and 2 all_to_all in forward when items move" in line
+    assert "1 all_to_all in backward" in line
+    assert "2720 bytes" in line  # the barrier's last round: SLOT_INTS int64 per rank
     frozen = _parallelizer("root").plan(_model())
     (line,) = [h.format() for h in frozen.hooks if h.name == "balance_media"]
     assert "0 all_to_all in backward" in line

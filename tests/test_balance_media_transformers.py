@@ -38,22 +38,27 @@ PROJECTORS = {"llava": "multi_modal_projector", "idefics3": "connector", "deepse
 
 
 @pytest.mark.parametrize("name", sorted(PROJECTORS))
-def test_a_frozen_projector_joins_the_root_unit_under_balance_media(name: str) -> None:
+def test_a_frozen_projector_keeps_its_units_and_is_joined_under_balance_media(name: str) -> None:
     """A projector runs between the balanced tower call and the join site (the first
     decoder layer), only on ranks with media. With a unit of its own (per_layer, PEFT's
     frozen base) its collectives, and the schedule check's before it, met the joining
-    ranks' exchange: every step with a text-only rank hung. It joins the root unit;
-    the tower blocks keep their units."""
+    ranks' exchange: every step with a text-only rank hung, so it used to join the root
+    unit. Now it keeps its units and its calls go through the exchange's rounds: a rank
+    without the call runs it on a placeholder there (the training cases below run it)."""
     model = balanced_hf.CASES[f"{name}_per_layer_lora"].build_model()
     cls = DeepseekV41ModelParallelizer if name == "deepseek" else MultimodalParallelizer
     plan = cls(frozen_multimodal_sharding="per_layer", balance_media=True).plan(model)
     labels = [unit.label for unit in plan.units]
-    assert not [label for label in labels if PROJECTORS[name] in label], labels
+    assert [label for label in labels if PROJECTORS[name] in label], labels
     assert any(
         ".layers.0" in label or ".blocks.0" in label for label in labels if "vision" in label
     )
     assert "schedule_check" not in plan.hook_names()
-    assert "balance_media" in plan.hook_names()
+    planned = plan.hook("balance_media")
+    assert planned is not None
+    joined = [module.path for module in planned.hook.joined]  # type: ignore[attr-defined]
+    assert len(joined) == 1, joined
+    assert joined[0].endswith(PROJECTORS[name]), joined
 
 
 @functools.cache

@@ -35,7 +35,15 @@ NPROC = 2
 TIMEOUT_S = 300.0
 
 #: Packages an example may import that the test environment need not have.
-OPTIONAL_IMPORTS = ("transformers", "peft", "lightning", "torchtitan", "trl", "accelerate", "datasets")
+OPTIONAL_IMPORTS = (
+    "transformers",
+    "peft",
+    "lightning",
+    "torchtitan",
+    "trl",
+    "accelerate",
+    "datasets",
+)
 
 _FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})\s*(?P<lang>[\w+-]*)")
 _MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<spec>.*?)\s*-->\s*$")

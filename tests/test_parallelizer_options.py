@@ -39,6 +39,7 @@ NON_DEFAULTS: dict[str, Any] = {
     "sync_replicated": False,
     "uneven_media": True,
     "balance_media": True,
+    "balance_media_group": 8,
 }
 
 

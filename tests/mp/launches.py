@@ -6,9 +6,11 @@ from collections.abc import Callable
 from typing import Any
 
 from balanced_hf import cases_for as balanced_hf_cases
+from balanced_joined import CASES as BALANCED_JOINED_CASES
 from framework_cases import FABRIC, LIGHTNING, TORCHTITAN
 from loops import cases_for
 from phi4 import CASES as PHI4_CASES
+from trainer_cases import SCENARIOS as TRAINER_SCENARIOS
 
 #: Lightning's Trainer and Fabric cases (they take over the launch's process group).
 LIGHTNING_CASES = (*LIGHTNING, *FABRIC)
@@ -46,6 +48,7 @@ LAUNCHES: dict[int, list[str]] = {
         "balance_media_hf",
         *(f"balance_hf_{name}" for name in balanced_hf_cases(2)),
         "balance_hf_accumulation",
+        *(f"balance_joined_{name}" for name in BALANCED_JOINED_CASES),
         "ckpt_load_other_world",
         *(f"loop_{name}" for name in cases_for(2)),
         *(
@@ -85,6 +88,7 @@ LAUNCHES: dict[int, list[str]] = {
         "entry_ds_function",
         *(f"entry_mm_flow_{policy}" for policy in ("root", "per_layer", "replicate")),
         *PHI4_CASES,
+        *TRAINER_SCENARIOS,
         "staged_three_stages",
         "staged_shape_changed",
         *LIGHTNING_CASES,

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import scenarios_arrival  # noqa: F401  (each module registers its scenarios)
 import scenarios_balance  # noqa: F401
 import scenarios_balance_hf  # noqa: F401
+import scenarios_balance_joined  # noqa: F401
 import scenarios_checkpoint_safety  # noqa: F401
 import scenarios_core  # noqa: F401
 import scenarios_crashes  # noqa: F401
@@ -36,6 +37,7 @@ import scenarios_phi4  # noqa: F401
 import scenarios_pretrained  # noqa: F401
 import scenarios_staged  # noqa: F401
 import scenarios_torchtitan  # noqa: F401
+import scenarios_trainer  # noqa: F401
 import scenarios_training  # noqa: F401
 import scenarios_vlm  # noqa: F401
 from harness import EXTRA_SCENARIOS_ENV, RUNNING_FILE, agree_after, save_result

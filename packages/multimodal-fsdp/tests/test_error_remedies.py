@@ -154,6 +154,14 @@ def test_per_layer_frozen_tower_remedies(fake2: None, monkeypatch: pytest.Monkey
         remedied(monkeypatch, build(frozen=True), frozen_multimodal_sharding=policy)
     if "uneven_media=True" in message:
         remedied(monkeypatch, build(frozen=True), uneven_media=True)
+    # balance_media keeps the units and trains under any media distribution.
+    assert first.startswith("pass balance_media=True"), first
+    remedied(
+        monkeypatch,
+        build(frozen=True),
+        frozen_multimodal_sharding="per_layer",
+        balance_media=True,
+    )
 
 
 @pytest.mark.parametrize("policy", ["root", "replicate", "per_layer"])

@@ -47,7 +47,9 @@ with uneven media on every rank
 before a mismatched collective. ``uneven_media=True`` instead folds every region into the root unit:
 any media on any rank trains, at the price of keeping those parameters gathered (and their gradients
 unreduced) for the whole step. ``balance_media=True`` instead makes every rank take part in every
-tower call (each call spread over all ranks), so towers are no media regions at all.
+tower call (each call spread over the ranks) and join every call of a projector with units
+of its own and every media-dependent decoder layer that is a unit (running it on a
+placeholder where it has no media), so nothing is a media region.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ from multimodal_fsdp.parts import (
 from multimodal_fsdp.policy import FrozenMultimodalSharding, FrozenPolicies
 from multimodal_fsdp.reachability import backward_free_paths
 from multimodal_fsdp.record import MultimodalRecord, PlannedPart, media_regions_of, plan_record
-from multimodal_fsdp.runtime.balance_media import BalanceMediaRuntimeHook
+from multimodal_fsdp.runtime.balance_media import BalanceMediaRuntimeHook, check_balance_group
 from multimodal_fsdp.runtime.prefetch_guard import PrefetchGuardRuntimeHook, frozen_unit_labels
 from multimodal_fsdp.runtime.schedule_check import (
     CHECKPOINT_BYTES,
@@ -120,10 +122,16 @@ class MultimodalParallelizer(ModelParallelizer):
     [`multimodal_fsdp.runtime.balance_media`][multimodal_fsdp.runtime.balance_media]):
     balanced towers are no media regions, so ``per_layer`` and trainable towers train
     under any media distribution. A tower whose call no layout adapter understands is a
-    ``ValueError`` at plan time. Projectors fold into the root unit (only ranks with
-    media run them, between the tower call and the decoder, where the other ranks join
-    the exchange); with ``uneven_media=True`` as well, media-dependent decoder layers
-    fold too, and balanced towers keep their units.
+    ``ValueError`` at plan time. Projectors keep their units; a rank without media joins
+    their calls in the exchange's rounds, and joins media-dependent decoder layers that
+    are units (Mllama's cross-attention layers) where it skips them
+    ([`multimodal_fsdp.runtime.joined_layers`][multimodal_fsdp.runtime.joined_layers]);
+    with ``uneven_media=True`` as well, projectors and media-dependent decoder layers
+    fold into the root unit and balanced towers keep their units.
+    ``balance_media_group``: over which ranks each call is balanced: ``"all"`` (every
+    data-parallel rank), ``"shard"`` / ``"replicate"`` (the groups of one dimension of
+    an HSDP mesh) or a block size ``k`` (``k`` consecutive ranks, e.g. a node), so the
+    exchange per rank stays bounded as the world grows.
     """
 
     HOOKS = (
@@ -149,6 +157,7 @@ class MultimodalParallelizer(ModelParallelizer):
         uneven_media: bool = False,
         disabled_hooks: Iterable[str] = (),
         balance_media: bool = False,
+        balance_media_group: str | int = "all",
     ) -> None:
         super().__init__(dtype_safe=dtype_safe, disabled_hooks=disabled_hooks)
         if not isinstance(uneven_media, bool):
@@ -157,6 +166,7 @@ class MultimodalParallelizer(ModelParallelizer):
             raise TypeError(f"balance_media must be a bool, got {balance_media!r}")
         self.uneven_media = uneven_media
         self.balance_media = balance_media
+        self.balance_media_group = check_balance_group(balance_media_group)
         self.frozen_policies = FrozenPolicies()
         self._set_frozen_sharding(frozen_multimodal_sharding)
         self.extra_tower_names = check_attribute_names(extra_tower_names, "extra_tower_names")
@@ -266,10 +276,10 @@ class MultimodalParallelizer(ModelParallelizer):
         ]
         if self.uneven_media and not self.balance_media:
             return paths  # towers, projectors and conditional layers stay in the root
-        if self.uneven_media or self._balanced_towers(model):
-            # Only balanced towers keep their units. A projector runs between a balanced
-            # tower call and the join site on ranks with media only: collectives of its
-            # own there would meet the joining ranks' exchange (a hang).
+        if self.uneven_media:
+            # Only balanced towers keep their units; projectors fold into the root unit.
+            # (Under balance_media alone projectors keep theirs: ranks without media join
+            # their calls in the exchange's rounds.)
             parts = [(part, policy) for part, policy in parts if part.found.role == "tower"]
         ids = {id(module): name for name, module in model.named_modules()}
         for part, policy in parts:
@@ -300,7 +310,13 @@ class MultimodalParallelizer(ModelParallelizer):
         notes = []
         conditional = self._conditional_layers(ctx.model)
         if conditional:
-            where = "join the root unit" if self.uneven_media else "are media regions"
+            where = (
+                "join the root unit"
+                if self.uneven_media
+                else "are joined by ranks that skip them"
+                if self._balanced_towers(ctx.model)
+                else "are media regions"
+            )
             notes.append(
                 f"{len(conditional)} decoder layers run only with media "
                 f"({summarise(conditional)}) and {where}"
@@ -311,7 +327,10 @@ class MultimodalParallelizer(ModelParallelizer):
                 "balanced towers keep their units"
             )
         elif self._balanced_towers(ctx.model):
-            notes.append("balance_media=True: projectors join the root unit")
+            notes.append(
+                "balance_media=True: projectors with units and media-dependent decoder layers "
+                "are joined by ranks without media"
+            )
         elif self.uneven_media:
             notes.append("uneven_media=True: towers and projectors join the root unit")
         if self.frozen_policies.by_path:
@@ -391,11 +410,17 @@ class MultimodalParallelizer(ModelParallelizer):
             parts=parts,
             conditional_layers=conditional,
             media_regions=tuple(
-                media_regions_of(parts, conditional, plan, balanced=self._balanced_towers(model))
+                media_regions_of(
+                    parts,
+                    conditional,
+                    plan,
+                    balanced=[*self._balanced_towers(model), *self._joined_paths(model)],
+                )
             ),
             policies=self.frozen_policies,
             uneven_media=self.uneven_media,
             balanced_towers=tuple(self._balanced_towers(model)),
+            joined=tuple(self._joined_paths(model)),
         )
         return dataclasses.replace(plan, records=(*plan.records, record))
 
@@ -403,17 +428,20 @@ class MultimodalParallelizer(ModelParallelizer):
         """Modules that only run with media and own units of ``plan`` (see the module doc),
         from the towers and media-dependent layers the plan recorded (no discovery; a plan
         made by hand, with no record, is read against this parallelizer's discovery).
-        Towers that ``balance_media=True`` balances are none."""
+        Towers that ``balance_media=True`` balances, and the modules it joins, are none."""
         record = plan_record(plan)
         if record is not None:
             return media_regions_of(
-                record.parts, record.conditional_layers, plan, balanced=record.balanced_towers
+                record.parts,
+                record.conditional_layers,
+                plan,
+                balanced=(*record.balanced_towers, *record.joined),
             )
         return media_regions_of(
             self._planned_parts(model),
             self._conditional_layers(model),
             plan,
-            balanced=self._balanced_towers(model),
+            balanced=[*self._balanced_towers(model), *self._joined_paths(model)],
         )
 
     def modules_with_units(self, model: nn.Module, plan: ShardingPlan) -> list[str]:
@@ -443,6 +471,17 @@ class MultimodalParallelizer(ModelParallelizer):
             return []
         parts = self.multimodal_parts(model)
         return [part.found.path for part in parts if part.found.role == "tower"]
+
+    def _joined_paths(self, model: nn.Module) -> list[str]:
+        """What ``balance_media=True`` joins (ranks without media run it on a placeholder):
+        the projectors and the media-dependent decoder layers (those with units of ``plan``
+        are joined by the hook); none with ``uneven_media=True``, which folds them into the
+        root unit, or without balanced towers."""
+        if self.uneven_media or not self._balanced_towers(model):
+            return []
+        parts = self.multimodal_parts(model)
+        projectors = [part.found.path for part in parts if part.found.role != "tower"]
+        return [*projectors, *self._conditional_layers(model)]
 
     def _plan_hooks(self, model: nn.Module, plan: ShardingPlan) -> list[HookPlan]:
         hooks = super()._plan_hooks(model, plan)
@@ -480,8 +519,16 @@ class MultimodalParallelizer(ModelParallelizer):
         if towers:
             media_only = [part.found.path for part in self.multimodal_parts(model)]
             media_only += self._conditional_layers(model)
+            conditional = set(self._conditional_layers(model))
+            joined = self._joined_paths(model)
             balance = BalanceMediaRuntimeHook.from_plan(
-                model, plan, towers=towers, media_only=media_only
+                model,
+                plan,
+                towers=towers,
+                media_only=media_only,
+                joined=[path for path in joined if path not in conditional],
+                layers=[path for path in joined if path in conditional],
+                group=self.balance_media_group,
             )
             hooks.append(
                 balance.planned(reason=balance.describe(), targets=towers, cost=balance.cost())

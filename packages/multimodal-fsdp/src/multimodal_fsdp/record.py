@@ -55,6 +55,9 @@ class MultimodalRecord:
     uneven_media: bool
     #: Towers whose calls ``balance_media=True`` spreads over every rank (no media regions).
     balanced_towers: tuple[str, ...] = ()
+    #: Projectors and media-dependent decoder layers that ``balance_media=True`` makes
+    #: ranks without media join (no media regions).
+    joined: tuple[str, ...] = ()
 
 
 def plan_record(plan: ShardingPlan) -> MultimodalRecord | None:
@@ -72,7 +75,8 @@ def media_regions_of(
 ) -> list[MediaRegion]:
     """Modules that only run with media and own units of ``plan``: towers and projectors
     with units inside, then media-dependent decoder layers that are units themselves.
-    ``balanced`` towers are none: every rank takes part in each of their calls."""
+    ``balanced`` modules (towers, and the projectors and layers ``balance_media=True``
+    joins) are none: every rank takes part in each of their calls."""
     members = [path for unit in plan.units if not unit.is_root for path in unit.paths]
     skip = set(balanced)
     regions: list[MediaRegion] = []
@@ -84,6 +88,6 @@ def media_regions_of(
             regions.append(MediaRegion(part.path, part.role, inside, frozen=part.fully_frozen))
     taken = [r.path for r in regions]
     for path in conditional_layers:
-        if path in members and not any(is_under(path, r) for r in taken):
+        if path in members and path not in skip and not any(is_under(path, r) for r in taken):
             regions.append(MediaRegion(path, "decoder layer", (path,)))
     return regions

@@ -1,12 +1,15 @@
-"""The metadata of a balanced call: what every rank learns before items move.
+"""The metadata of a round of balanced calls: what every rank learns before items move.
 
-Two ``all_gather`` of int64 rows: a fixed-size header per rank (item count, the
-fields' dtypes and row shapes, whether inputs need gradients, an error flag), then the
-item table (cost, rows per field and sizes per item, and the pickled ``CallSpec`` that
-a rank without a call needs), padded to the longest. When no rank calls (every rank
-joins: the last round of ``join_remaining_calls``), the headers say so and the table
-gather is skipped on every rank. Every rank reads the same rows, so
-every check here fails on every rank alike.
+One ``all_gather`` of a fixed-size slot per rank (``SLOT_INTS`` int64): a header (which
+module the rank calls in this round, if any, its item count, the fields' dtypes and row
+shapes, whether inputs need gradients, an error flag) and, inline, the item table
+(cost, rows per field and sizes per item) and the pickled blob a rank without a call
+needs (the ``CallSpec`` of a balanced call, the placeholder description of a joined
+one). A rank whose table and blob do not fit inline (more than ``INLINE_INTS`` words)
+says so in its header, and every rank then runs one more ``all_gather`` holding each
+rank's whole table, padded to the longest; the rule is the same on every rank, so
+``exchange_traffic`` predicts it. Every rank reads the same rows, so every check here
+fails on every rank alike.
 """
 
 from __future__ import annotations
@@ -22,18 +25,23 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from multimodal_fsdp.balance.layouts import CallSpec, FieldSpec, MediaCall, MediaLayout
+from multimodal_fsdp.balance.layouts import CallSpec, FieldSpec, MediaCall
 
 __all__ = [
     "HEADER_INTS",
+    "INLINE_INTS",
+    "SLOT_INTS",
     "ITEM_INTS",
     "STATUS_INTS",
     "MAX_FIELDS",
     "MAX_ROW_DIMS",
     "MAX_SIZES",
+    "Entry",
+    "RoundTable",
     "Table",
     "gather",
-    "exchange_metadata",
+    "exchange_round",
+    "payload_ints",
 ]
 
 MAX_FIELDS: Final = 8
@@ -43,6 +51,9 @@ _FIELD_INTS: Final = 3 + MAX_ROW_DIMS  # dtype code, requires grad, row dims, di
 _FIXED: Final = 12
 HEADER_INTS: Final = _FIXED + MAX_FIELDS * _FIELD_INTS
 ITEM_INTS: Final = 1 + MAX_FIELDS + MAX_SIZES  # cost, rows per field, sizes
+#: Words of item table and blob carried inline in the slot (beyond them: a second gather).
+INLINE_INTS: Final = 256
+SLOT_INTS: Final = HEADER_INTS + INLINE_INTS
 STATUS_INTS: Final = 2
 _MAGIC: Final = 0x6D6564
 _DTYPES: Final[tuple[torch.dtype, ...]] = (
@@ -59,15 +70,34 @@ _DTYPES: Final[tuple[torch.dtype, ...]] = (
 )
 
 
-class _Header:
-    """Indices into the header row."""
+def payload_ints(items: int, blob_bytes: int) -> int:
+    """Words of one rank's item table and blob (inline when at most ``INLINE_INTS``)."""
+    return items * ITEM_INTS + math.ceil(blob_bytes / 8)
 
-    MAGIC, HAS_CALL, ERROR, ITEMS, FIELDS, GRAD, TRAINABLE, BLOB, LAYOUT, SIZES = range(10)
+
+class _Header:
+    """Indices into the header."""
+
+    MAGIC, MODULE, ERROR, ITEMS, FIELDS, GRAD, TRAINABLE, BLOB, IDENTITY, SIZES, PAYLOAD = range(11)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What a rank brings to a round: the index of the module it calls, that module's
+    identity (its path and kind: ranks must agree on the module list), whether it has
+    trainable parameters, and the call: items with their spec (a balanced call), or the
+    blob a rank without a call needs (a joined call: ``call`` is ``None``)."""
+
+    module: int
+    identity: str
+    trainable: bool
+    call: MediaCall | None
+    blob: bytes = b""
 
 
 @dataclass(frozen=True)
 class Table:
-    """What every rank knows after the two metadata gathers."""
+    """One module's call in a round, as every rank knows it after the gathers."""
 
     world: int
     rank: int
@@ -80,6 +110,93 @@ class Table:
     grad_enabled: bool
     trainable: bool
     spec: CallSpec | None
+    #: The first caller's blob (the pickled spec, or a joined call's placeholder).
+    blob: bytes = b""
+
+
+@dataclass(frozen=True)
+class RoundTable:
+    """A round's rows: per rank the module it calls (``-1``: none), its header and its
+    item table and blob."""
+
+    world: int
+    rank: int
+    modules: tuple[int, ...]
+    headers: tuple[Tensor, ...]
+    tables: tuple[Tensor, ...]
+
+    def called(self) -> list[int]:
+        """The modules some rank calls in this round, in index order."""
+        return sorted({m for m in self.modules if m >= 0})
+
+    def module_table(self, module: int, *, balanced: bool = True) -> Table:
+        """The call of ``module``: its callers' items; every other rank has none. For a
+        balanced module the callers' specs must agree (the pass-through arguments)."""
+        callers = tuple(r for r, m in enumerate(self.modules) if m == module)
+        costs: list[tuple[int, ...]] = []
+        item_rows: list[tuple[tuple[int, ...], ...]] = []
+        sizes: list[tuple[tuple[int, ...], ...]] = []
+        for r in range(self.world):
+            if r not in callers:
+                costs.append(())
+                item_rows.append(())
+                sizes.append(())
+                continue
+            row, table = self.headers[r], self.tables[r]
+            n, nf, ns = (int(row[k]) for k in (_Header.ITEMS, _Header.FIELDS, _Header.SIZES))
+            entries = table[: n * ITEM_INTS].view(n, ITEM_INTS).tolist() if n else []
+            costs.append(tuple(int(e[0]) for e in entries))
+            item_rows.append(tuple(tuple(int(x) for x in e[1 : 1 + nf]) for e in entries))
+            sizes.append(
+                tuple(
+                    tuple(int(x) for x in e[1 + MAX_FIELDS : 1 + MAX_FIELDS + ns]) for e in entries
+                )
+            )
+        with_items = [r for r in callers if costs[r]]
+        if with_items:
+            reference = _field_specs(self.headers[with_items[0]])
+            for r in with_items[1:]:
+                if _field_specs(self.headers[r]) != reference:
+                    raise ValueError(
+                        f"balanced tower call: rank {r}'s items have fields "
+                        f"{_field_specs(self.headers[r])} but rank {with_items[0]}'s have "
+                        f"{reference}; items must share dtype and row shape to be encoded "
+                        "together"
+                    )
+        fields = _field_specs(self.headers[with_items[0]]) if with_items else ()
+        grads = tuple(
+            bool(fields[f].dtype.is_floating_point)
+            and any(int(self.headers[r][_FIXED + f * _FIELD_INTS + 1]) for r in with_items)
+            for f in range(len(fields))
+        )
+        blobs = {}
+        for r in callers:
+            n = int(self.headers[r][_Header.ITEMS])
+            length = int(self.headers[r][_Header.BLOB])
+            blobs[r] = self.tables[r][n * ITEM_INTS :].numpy().tobytes()[:length]
+        first = blobs[callers[0]] if callers else b""
+        spec = None
+        if balanced and callers:
+            if len(set(blobs.values())) > 1:
+                raise ValueError(
+                    "balanced tower call: the pass-through arguments differ between ranks "
+                    f"{sorted(blobs)}; every rank must call the tower with the same options"
+                )
+            spec = pickle.loads(first)  # our own group's bytes
+        return Table(
+            world=self.world,
+            rank=self.rank,
+            callers=callers,
+            costs=tuple(costs),
+            rows=tuple(item_rows),
+            sizes=tuple(sizes),
+            fields=fields,
+            input_grads=grads,
+            grad_enabled=bool(int(self.headers[0][_Header.GRAD])),
+            trainable=any(int(self.headers[r][_Header.TRAINABLE]) for r in callers),
+            spec=spec,
+            blob=first,
+        )
 
 
 def gather(tensor: Tensor, group: Any) -> list[Tensor]:
@@ -90,64 +207,92 @@ def gather(tensor: Tensor, group: Any) -> list[Tensor]:
     return slots
 
 
-def _raise_everywhere(rows: Sequence[Tensor], error: BaseException | None, rank: int) -> None:
+def _raise_everywhere(rows: Sequence[Tensor], error: BaseException | None) -> None:
     failed = [r for r, row in enumerate(rows) if int(row[_Header.ERROR]) != 0]
     if not failed:
         return
     if error is not None:
         raise error
     raise ValueError(
-        f"balanced tower call: rank(s) {failed} could not split their call (see their error)"
+        f"balanced call: rank(s) {failed} could not split or run their call (see their error)"
     )
 
 
-def exchange_metadata(
-    call: MediaCall | None,
+def exchange_round(
+    entry: Entry | None,
     error: BaseException | None,
     *,
-    layout: MediaLayout,
-    trainable: bool,
     group: Any,
     device: torch.device,
-) -> Table:
+) -> RoundTable:
+    """The round's metadata on every rank (collective): one ``all_gather`` of the slots,
+    and one more of the item tables when some rank's does not fit inline. ``error``
+    (this rank could not split its call, or its last call failed) is raised on every
+    rank: here, re-raised; elsewhere, a ValueError naming the ranks."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    header = torch.zeros(HEADER_INTS, dtype=torch.int64)
-    header[_Header.MAGIC] = _MAGIC
-    header[_Header.HAS_CALL] = int(call is not None)
-    header[_Header.GRAD] = int(torch.is_grad_enabled())
-    header[_Header.TRAINABLE] = int(trainable)
-    header[_Header.LAYOUT] = zlib.crc32(layout.name.encode())
-    blob = b""
-    if call is not None and error is None:
+    slot = torch.zeros(SLOT_INTS, dtype=torch.int64)
+    slot[_Header.MAGIC] = _MAGIC
+    slot[_Header.MODULE] = -1 if entry is None else entry.module
+    slot[_Header.GRAD] = int(torch.is_grad_enabled())
+    payload = b""
+    items: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
+    if entry is not None and error is None:
+        slot[_Header.TRAINABLE] = int(entry.trainable)
+        slot[_Header.IDENTITY] = zlib.crc32(entry.identity.encode())
         try:
-            blob = _describe(call, header)
+            if entry.call is not None:
+                payload = _describe(entry.call, slot)
+                items = [
+                    (item.cost, tuple(t.shape[0] for t in item.fields), item.sizes)
+                    for item in entry.call.items
+                ]
+            else:
+                payload = entry.blob
         except (ValueError, TypeError) as described:
             error = described
-    header[_Header.ERROR] = int(error is not None)
-    rows = gather(header.to(device), group)
-    rows = [row.cpu() for row in rows]
-    _raise_everywhere(rows, error, rank)
-    callers = tuple(r for r, row in enumerate(rows) if int(row[_Header.HAS_CALL]))
-    _check_agreement(rows, callers, layout)
-    most = max(int(row[_Header.ITEMS]) for row in rows)
-    blob_words = max(math.ceil(int(row[_Header.BLOB]) / 8) for row in rows)
-    table = torch.zeros(most * ITEM_INTS + blob_words, dtype=torch.int64)
-    if call is not None:
-        for i, item in enumerate(call.items):
-            base = i * ITEM_INTS
-            table[base] = item.cost
-            for f, tensor in enumerate(item.fields):
-                table[base + 1 + f] = tensor.shape[0]
-            for s, size in enumerate(item.sizes):
-                table[base + 1 + MAX_FIELDS + s] = size
-        padded = blob + bytes(blob_words * 8 - len(blob))
-        if blob_words:
-            words = torch.frombuffer(bytearray(padded), dtype=torch.int64)
-            table[most * ITEM_INTS :] = words
-    if not callers:  # every rank knows from the headers: no table to exchange
-        return _read_table(rows, [table] * world, callers, most, world, rank)
-    tables = [t.cpu() for t in gather(table.to(device), group)]
-    return _read_table(rows, tables, callers, most, world, rank)
+    slot[_Header.ERROR] = int(error is not None)
+    slot[_Header.BLOB] = len(payload)
+    words = payload_ints(len(items), len(payload))
+    slot[_Header.PAYLOAD] = words
+    table = _table(items, payload, words)
+    if words <= INLINE_INTS:
+        slot[HEADER_INTS : HEADER_INTS + words] = table
+    rows = [row.cpu() for row in gather(slot.to(device), group)]
+    _raise_everywhere(rows, error)
+    _check_agreement(rows)
+    most = max(int(row[_Header.PAYLOAD]) for row in rows)
+    if most <= INLINE_INTS:
+        tables = [row[HEADER_INTS:] for row in rows]
+    else:
+        padded = torch.zeros(most, dtype=torch.int64)
+        padded[:words] = table
+        tables = [t.cpu() for t in gather(padded.to(device), group)]
+    headers = [row[:HEADER_INTS] for row in rows]
+    return RoundTable(
+        world=world,
+        rank=rank,
+        modules=tuple(int(row[_Header.MODULE]) for row in rows),
+        headers=tuple(headers),
+        tables=tuple(tables),
+    )
+
+
+def _table(
+    items: Sequence[tuple[int, tuple[int, ...], tuple[int, ...]]], blob: bytes, words: int
+) -> Tensor:
+    table = torch.zeros(words, dtype=torch.int64)
+    for i, (cost, rows, sizes) in enumerate(items):
+        base = i * ITEM_INTS
+        table[base] = cost
+        for f, count in enumerate(rows):
+            table[base + 1 + f] = count
+        for s, size in enumerate(sizes):
+            table[base + 1 + MAX_FIELDS + s] = size
+    if blob:
+        start = len(items) * ITEM_INTS
+        padded = blob + bytes((words - start) * 8 - len(blob))
+        table[start:] = torch.frombuffer(bytearray(padded), dtype=torch.int64)
+    return table
 
 
 def _describe(call: MediaCall, header: Tensor) -> bytes:
@@ -190,14 +335,12 @@ def _describe(call: MediaCall, header: Tensor) -> bytes:
             for d, size in enumerate(row_shape):
                 header[base + 3 + d] = size
     try:
-        blob = pickle.dumps(spec)
+        return pickle.dumps(spec)
     except Exception as error:  # pickling raises many types
         raise ValueError(
             f"the pass-through arguments {[n for n, _ in spec.constants]} of a balanced call "
             f"must be picklable (ranks without a call receive them): {error}"
         ) from None
-    header[_Header.BLOB] = len(blob)
-    return blob
 
 
 def _field_specs(row: Tensor) -> tuple[FieldSpec, ...]:
@@ -210,7 +353,7 @@ def _field_specs(row: Tensor) -> tuple[FieldSpec, ...]:
     return tuple(specs)
 
 
-def _check_agreement(rows: Sequence[Tensor], callers: Sequence[int], layout: MediaLayout) -> None:
+def _check_agreement(rows: Sequence[Tensor]) -> None:
     """Values every rank must share; the same check on every rank, so all raise together."""
     grad = {int(row[_Header.GRAD]) for row in rows}
     if len(grad) > 1:
@@ -218,65 +361,12 @@ def _check_agreement(rows: Sequence[Tensor], callers: Sequence[int], layout: Med
             "balanced tower call: grad mode differs between ranks "
             f"({[bool(int(row[_Header.GRAD])) for row in rows]}); call under the same mode"
         )
-    if {int(row[_Header.LAYOUT]) for row in rows} != {zlib.crc32(layout.name.encode())}:
-        raise ValueError("balanced tower call: ranks use different media layouts for one tower")
-    with_items = [r for r in callers if int(rows[r][_Header.ITEMS])]
-    if with_items:
-        reference = _field_specs(rows[with_items[0]])
-        for r in with_items[1:]:
-            if _field_specs(rows[r]) != reference:
-                raise ValueError(
-                    f"balanced tower call: rank {r}'s items have fields "
-                    f"{_field_specs(rows[r])} but "
-                    f"rank {with_items[0]}'s have {reference}; items must share dtype and row "
-                    "shape to be encoded together"
-                )
-
-
-def _read_table(
-    rows: Sequence[Tensor],
-    tables: Sequence[Tensor],
-    callers: Sequence[int],
-    most: int,
-    world: int,
-    rank: int,
-) -> Table:
-    costs, item_rows, sizes = [], [], []
-    for r in range(world):
-        n, nf, ns = (int(rows[r][k]) for k in (_Header.ITEMS, _Header.FIELDS, _Header.SIZES))
-        entries = tables[r][: n * ITEM_INTS].view(n, ITEM_INTS).tolist() if n else []
-        costs.append(tuple(int(e[0]) for e in entries))
-        item_rows.append(tuple(tuple(int(x) for x in e[1 : 1 + nf]) for e in entries))
-        sizes.append(
-            tuple(tuple(int(x) for x in e[1 + MAX_FIELDS : 1 + MAX_FIELDS + ns]) for e in entries)
-        )
-    with_items = [r for r in callers if costs[r]]
-    fields = _field_specs(rows[with_items[0]]) if with_items else ()
-    grads = tuple(
-        bool(fields[f].dtype.is_floating_point)
-        and any(int(rows[r][_FIXED + f * _FIELD_INTS + 1]) for r in with_items)
-        for f in range(len(fields))
-    )
-    blobs = {}
-    for r in callers:
-        length = int(rows[r][_Header.BLOB])
-        blobs[r] = tables[r][most * ITEM_INTS :].numpy().tobytes()[:length]
-    if len(set(blobs.values())) > 1:
+    identities: dict[int, set[int]] = {}
+    for row in rows:
+        module = int(row[_Header.MODULE])
+        if module >= 0:
+            identities.setdefault(module, set()).add(int(row[_Header.IDENTITY]))
+    if any(len(seen) > 1 for seen in identities.values()):
         raise ValueError(
-            "balanced tower call: the pass-through arguments differ between ranks "
-            f"{sorted(blobs)}; every rank must call the tower with the same options"
+            "balanced tower call: ranks use different media layouts or modules for one tower"
         )
-    spec = pickle.loads(blobs[callers[0]]) if callers else None  # our own group's bytes
-    return Table(
-        world=world,
-        rank=rank,
-        callers=tuple(callers),
-        costs=tuple(costs),
-        rows=tuple(item_rows),
-        sizes=tuple(sizes),
-        fields=fields,
-        input_grads=grads,
-        grad_enabled=bool(int(rows[0][_Header.GRAD])),
-        trainable=any(int(row[_Header.TRAINABLE]) for row in rows),
-        spec=spec,
-    )

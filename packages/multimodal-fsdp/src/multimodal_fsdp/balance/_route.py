@@ -10,6 +10,12 @@ leave the parameters that feed only it without one. So a route with ``flags`` se
 front of its gradient bytes to every rank, one byte per field saying whether this rank
 has a gradient for it; a field that no rank has one for gets ``None`` back on every rank
 (the same answer everywhere, so the tower's FSDP units reduce the same parameters).
+
+Rows a rank keeps (items it encodes itself) never enter the collective: they pass
+through the function untouched (``kept``), only so that their gradients count in those
+flags. The forward collective can be started early (``Pending``, ``async_op``) and
+waited for inside the function, so a rank encodes the items it keeps while the others'
+arrive.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Route", "Exchange"]
+__all__ = ["Route", "Exchange", "Pending"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,8 @@ class Route:
     group: Any
     device: torch.device
     flags: int = 0  # fields with a has-gradient byte to every rank in backward (agreed)
+    #: For each tensor passed through untouched (rows this rank keeps), its field.
+    kept: tuple[int, ...] = ()
 
     def nbytes(self, field: int, rows: int) -> int:
         return rows * math.prod(self.row_shapes[field]) * self.dtypes[field].itemsize
@@ -49,67 +57,92 @@ def _bytes_of(tensor: Tensor) -> Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _all_to_all(
-    route: Route,
-    tensors: Sequence[Tensor],
-    rows_out: Sequence[Sequence[int]],
-    rows_in: Sequence[Sequence[int]],
-    fields: Sequence[int],
-    flags: Tensor | None = None,
-) -> tuple[list[Tensor], Tensor | None]:
-    """Send rows ``rows_out[f][d]`` of each field to each rank as bytes, after ``flags``
-    (uint8, the same to every rank) when given; return each field's received rows,
-    concatenated in source-rank order, and the flags received (one row per source)."""
-    world = len(rows_in[0]) if rows_in else dist.get_world_size(route.group)
-    nflags = 0 if flags is None else flags.numel()
-    chunks: list[Tensor] = []
-    send_sizes = [nflags] * world
-    offsets = [0] * len(fields)
-    for dest in range(world):
-        if flags is not None:
-            chunks.append(flags)
-        for k, field in enumerate(fields):
-            rows = rows_out[k][dest]
-            if rows:
-                chunks.append(_bytes_of(tensors[k][offsets[k] : offsets[k] + rows]))
-                offsets[k] += rows
-            send_sizes[dest] += route.nbytes(field, rows)
-    recv_sizes = [
-        nflags + sum(route.nbytes(f, rows_in[k][src]) for k, f in enumerate(fields))
-        for src in range(world)
-    ]
-    send = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8, device=route.device)
-    recv = torch.zeros(sum(recv_sizes), dtype=torch.uint8, device=route.device)
-    if flags is not None:  # every source starts as this rank (the fake group moves nothing)
-        starts = [sum(recv_sizes[:src]) for src in range(world)]
-        for start in starts:
-            recv[start : start + nflags] = flags
-    dist.all_to_all_single(
-        recv,
-        send.to(route.device),
-        output_split_sizes=recv_sizes,
-        input_split_sizes=send_sizes,
-        group=route.group,
-    )
-    parts: list[list[Tensor]] = [[] for _ in fields]
-    received_flags: list[Tensor] = []
-    offset = 0
-    for src in range(world):
-        received_flags.append(recv[offset : offset + nflags])
-        offset += nflags
-        for k, field in enumerate(fields):
-            rows = rows_in[k][src]
-            size = route.nbytes(field, rows)
-            piece = recv[offset : offset + size].clone().view(route.dtypes[field])
-            parts[k].append(piece.view(rows, *route.row_shapes[field]))
-            offset += size
-    tensors_in = [
-        torch.cat(p)
-        if p
-        else torch.empty((0, *route.row_shapes[f]), dtype=route.dtypes[f], device=route.device)
-        for p, f in zip(parts, fields, strict=True)
-    ]
-    return tensors_in, (torch.stack(received_flags) if flags is not None else None)
+class Pending:
+    """One byte ``all_to_all_single`` of a route, started (``async_op``) and not yet
+    waited for: ``wait`` returns each field's received rows, concatenated in
+    source-rank order, and the flags received (one row per source)."""
+
+    def __init__(
+        self,
+        route: Route,
+        tensors: Sequence[Tensor],
+        rows_out: Sequence[Sequence[int]],
+        rows_in: Sequence[Sequence[int]],
+        fields: Sequence[int],
+        flags: Tensor | None = None,
+        *,
+        async_op: bool = False,
+    ) -> None:
+        world = len(rows_in[0]) if rows_in else dist.get_world_size(route.group)
+        nflags = 0 if flags is None else flags.numel()
+        chunks: list[Tensor] = []
+        send_sizes = [nflags] * world
+        offsets = [0] * len(fields)
+        for dest in range(world):
+            if flags is not None:
+                chunks.append(flags)
+            for k, field in enumerate(fields):
+                rows = rows_out[k][dest]
+                if rows:
+                    chunks.append(_bytes_of(tensors[k][offsets[k] : offsets[k] + rows]))
+                    offsets[k] += rows
+                send_sizes[dest] += route.nbytes(field, rows)
+        recv_sizes = [
+            nflags + sum(route.nbytes(f, rows_in[k][src]) for k, f in enumerate(fields))
+            for src in range(world)
+        ]
+        send = (
+            torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8, device=route.device)
+        )
+        recv = torch.zeros(sum(recv_sizes), dtype=torch.uint8, device=route.device)
+        if flags is not None:  # every source starts as this rank (the fake group moves nothing)
+            starts = [sum(recv_sizes[:src]) for src in range(world)]
+            for start in starts:
+                recv[start : start + nflags] = flags
+        self._route, self._fields, self._rows_in = route, list(fields), rows_in
+        self._world, self._nflags, self._recv = world, nflags, recv
+        self._send = send.to(route.device)  # alive until the collective is done
+        self._work = dist.all_to_all_single(
+            recv,
+            self._send,
+            output_split_sizes=recv_sizes,
+            input_split_sizes=send_sizes,
+            group=route.group,
+            async_op=async_op,
+        )
+
+    def wait(self) -> tuple[list[Tensor], Tensor | None]:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        route, recv = self._route, self._recv
+        parts: list[list[Tensor]] = [[] for _ in self._fields]
+        received_flags: list[Tensor] = []
+        offset = 0
+        for src in range(self._world):
+            received_flags.append(recv[offset : offset + self._nflags])
+            offset += self._nflags
+            for k, field in enumerate(self._fields):
+                rows = self._rows_in[k][src]
+                size = route.nbytes(field, rows)
+                if rows:
+                    piece = recv[offset : offset + size].clone().view(route.dtypes[field])
+                    parts[k].append(piece.view(rows, *route.row_shapes[field]))
+                offset += size
+        tensors_in = [
+            torch.cat(p)
+            if p
+            else torch.empty((0, *route.row_shapes[f]), dtype=route.dtypes[f], device=route.device)
+            for p, f in zip(parts, self._fields, strict=True)
+        ]
+        flags = torch.stack(received_flags) if self._nflags else None
+        return tensors_in, flags
+
+
+def start_forward(route: Route, tensors: Sequence[Tensor], *, async_op: bool) -> Pending:
+    """Start the forward collective of ``route`` for its fields' send rows."""
+    everything = list(range(len(route.dtypes)))
+    return Pending(route, tensors, route.send_rows, route.recv_rows, everything, async_op=async_op)
 
 
 class Exchange(torch.autograd.Function):
@@ -118,32 +151,56 @@ class Exchange(torch.autograd.Function):
     orders this exchange after whatever produced it in backward (and keeps the node in
     the graph when no field needs a gradient locally); the last output is a zero scalar
     that callers add to their loss so the backward collective runs on every rank.
+    ``pending``: the forward collective, already started (``start_forward``), or
+    ``None`` to run it here.
 
-    After the fields may come ``route.flags`` scalars, one per field (a rank with no
-    field of its own: a placeholder run's outputs, summed times 0): each gets a zero
-    gradient when some rank has a gradient for that field, else ``None``."""
+    After the fields come ``len(route.kept)`` tensors passed through untouched (rows
+    this rank keeps; their gradients count in the flags of their field), then
+    ``route.flags`` scalars, one per field (a rank with no field of its own: a
+    placeholder run's outputs, summed times 0): each gets a zero gradient when some
+    rank has a gradient for that field, else ``None``."""
 
     @staticmethod
-    def forward(ctx: Any, route: Route, link: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
+    def forward(
+        ctx: Any, route: Route, pending: Pending | None, link: Tensor, *tensors: Tensor
+    ) -> tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)  # an unread output's gradient arrives as None
         ctx.route = route
         ctx.link_shape = link.shape
-        everything = list(range(len(route.dtypes)))
-        fields, ctx.anchors = tensors[: len(everything)], len(tensors) - len(everything)
-        received, _ = _all_to_all(route, fields, route.send_rows, route.recv_rows, everything)
+        nfields, nkept = len(route.dtypes), len(route.kept)
+        fields = tensors[:nfields]
+        kept = tensors[nfields : nfields + nkept]
+        ctx.anchors = len(tensors) - nfields - nkept
+        if pending is None:
+            pending = start_forward(route, fields, async_op=False)
+        received, _ = pending.wait()
         for tensor, dtype in zip(received, route.dtypes, strict=True):
             if not dtype.is_floating_point:
                 ctx.mark_non_differentiable(tensor)
-        return (*received, torch.zeros((), device=route.device))
+        passed = [tensor.view_as(tensor) for tensor in kept]
+        return (*received, *passed, torch.zeros((), device=route.device))
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         route: Route = ctx.route
+        nfields, nkept = len(route.dtypes), len(route.kept)
+        kept_grads = grads[nfields : nfields + nkept]
         fields = [f for f, needed in enumerate(route.grads) if needed]
         flags = None
         if route.flags:
             have = [
-                int(f < len(route.grads) and route.grads[f] and grads[f] is not None)
+                int(
+                    f < nfields
+                    and route.grads[f]
+                    and (
+                        grads[f] is not None
+                        or any(
+                            g is not None
+                            for g, k in zip(kept_grads, route.kept, strict=True)
+                            if k == f
+                        )
+                    )
+                )
                 for f in range(route.flags)
             ]
             flags = torch.tensor(have, dtype=torch.uint8, device=route.device)
@@ -156,22 +213,24 @@ class Exchange(torch.autograd.Function):
                     (rows, *route.row_shapes[f]), dtype=route.dtypes[f], device=route.device
                 )
             outgoing.append(grad.to(route.dtypes[f]))
-        back, received = _all_to_all(
+        back, received = Pending(
             route,
             outgoing,
             [route.recv_rows[f] for f in fields],
             [route.send_rows[f] for f in fields],
             fields,
             flags,
-        )
+        ).wait()
         # A field no rank has a gradient for gets None here, the same on every rank.
-        anywhere = [True] * max(route.flags, len(route.dtypes))
+        anywhere = [True] * max(route.flags, nfields)
         if received is not None:
             anywhere = [bool(x) for x in received.amax(dim=0).tolist()]
-        result: list[Tensor | None] = [None] * (len(route.dtypes) + ctx.anchors)
+        result: list[Tensor | None] = [None] * (nfields + nkept + ctx.anchors)
         for f, grad in zip(fields, back, strict=True):
             result[f] = grad if anywhere[f] else None
+        for k, grad in enumerate(kept_grads):
+            result[nfields + k] = grad
         for k in range(ctx.anchors):
             if anywhere[k]:
-                result[len(route.dtypes) + k] = torch.zeros((), device=route.device)
-        return (None, torch.zeros(ctx.link_shape, device=route.device), *result)
+                result[nfields + nkept + k] = torch.zeros((), device=route.device)
+        return (None, None, torch.zeros(ctx.link_shape, device=route.device), *result)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["assign_items"]
+__all__ = ["assign_items", "needs_exchange"]
 
 
 def assign_items(costs_by_rank: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -61,3 +61,17 @@ def assign_items(costs_by_rank: Sequence[Sequence[int]]) -> list[list[int]]:
         counts[target] -= 1
         counts[owner] += 1
     return owners
+
+
+def needs_exchange(owners: Sequence[Sequence[int]], run_when_empty: bool) -> bool:
+    """Whether a balanced call with this assignment exchanges anything: some item is
+    encoded away from its owner, or the module owns FSDP units (``run_when_empty``) and
+    some rank encodes nothing (it runs a placeholder, which the exchange links to the
+    others' gradients). Otherwise every caller runs its own call, as without balancing."""
+    encoding = [False] * len(owners)
+    for rank, targets in enumerate(owners):
+        for target in targets:
+            encoding[target] = True
+            if target != rank:
+                return True
+    return run_when_empty and not all(encoding)

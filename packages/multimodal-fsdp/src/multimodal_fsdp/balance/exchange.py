@@ -1,38 +1,49 @@
-"""The balanced tower call: exchange item sizes, send items, encode a share, send back.
+"""Balanced calls: exchange item sizes, send items, encode a share, send back.
 
-Every rank of ``group`` takes part in every balanced call of a tower, with its own
-items (``balanced_call``) or with none (``join_without_call``, for a rank whose forward
-has no such call). The collectives of one call, in order, are fixed:
+Every rank of ``group`` takes part in every *round*: in a round each rank brings at
+most one call of one of the protocol's modules (``Rounds``: the balanced towers, then
+the joined modules, in a fixed order), or none (a rank joining the others' calls). One
+metadata gather tells every rank who calls what; the round then runs the call of the
+lowest module called (a rank that brought another module's call runs that one as a
+rank without it, and brings its own again in the next round). A rank's own call of the
+module runs after the module's pre-forward hooks (FSDP gathers a module that is a unit
+there), so a rank without the call gathers such a module right after the metadata. The
+module's call runs as follows:
 
-Forward (``W`` ranks, ``n_r`` items on rank ``r``, ``N = max_r n_r``, ``B`` the
-longest pickled ``CallSpec`` in bytes, ``F`` fields):
+- a **balanced** module (a tower with a layout adapter): its items are assigned to
+  ranks by ``assign_items``. When every item stays on its rank and no rank that would
+  encode nothing must run the module (a tower without FSDP units, or every rank has an
+  item), each caller simply runs its own call: nothing more is exchanged. Otherwise the
+  items that change rank are exchanged (one ``all_to_all`` of their inputs, which a
+  rank overlaps with encoding the items it keeps when the tower owns no units), every
+  rank encodes its share (or a placeholder, for a tower with units), a status
+  ``all_gather`` makes an error on one rank an error on every rank, and one
+  ``all_to_all`` sends the outputs of moved items back;
+- a **joined** module (a projector with FSDP units of its own): its callers run it on
+  their own inputs; every other rank runs it on a placeholder shaped like the first
+  caller's inputs (``multimodal_fsdp.balance.placeholder``), whose output counts zero,
+  so the module's units issue their collectives on every rank.
 
-1. ``all_gather`` of the header: ``HEADER_INTS`` int64 per rank
-   (``W * HEADER_INTS * 8`` bytes received per rank);
-2. ``all_gather`` of the item table: ``N * ITEM_INTS + ceil(B / 8)`` int64 per rank
-   (``W`` times that, times 8 bytes, received per rank); skipped when no rank calls
-   (a round of ``join_remaining_calls`` in which every rank joins: it ends there).
-   When no rank has an item, the call ends here.
-3. ``all_to_all_single`` (uint8) of the inputs: rank ``r`` sends, to each rank ``d``,
-   the bytes of every field row of its items that ``d`` encodes
-   (``sum over items of sum_f rows_f * row_numel_f * itemsize_f``); what it receives
-   is the same sum over the items it encodes. Bytes to itself included.
-4. ``all_gather`` of the status after the tower ran: ``STATUS_INTS`` int64 per rank.
-5. ``all_to_all_single`` (uint8) of the outputs: rank ``r`` sends back, for each item
-   it encoded, ``sum over output tensors of rows * row_numel * itemsize`` (rows per item
-   proportional to the item's first-field rows).
+Collectives, in order (``W`` ranks):
 
-Backward, when gradients are needed (grad mode on and the tower trainable or some
-rank's floating input requiring grad): one ``all_to_all_single`` (uint8) with the
-output gradients along the inverse route of 5 (floating output tensors, the same bytes
-as 5 for them), led by ``L`` flag bytes to every rank, itself included (``L`` output
-tensors: whether this rank has a gradient for each; an output no rank has one for gets
-``None`` on every rank, so parameters that feed only unread outputs keep no gradient,
-as in one process); then, when some rank's floating input requires grad, one with the
-input gradients along the inverse route of 3 (floating fields only).
+1. ``all_gather`` of the slot: ``SLOT_INTS`` int64 per rank (``W * SLOT_INTS * 8``
+   bytes received); when some rank's item table and blob exceed ``INLINE_INTS`` words,
+   one more ``all_gather`` of every rank's table, padded to the longest. A round in
+   which no rank calls (the last round of ``join_remaining_calls``) ends here.
+2. Per balanced module with moved items (or a rank that must run a placeholder):
+   ``all_to_all_single`` (uint8) of the inputs of the items that change rank (a rank
+   sends nothing to itself), ``all_gather`` of the status (``STATUS_INTS`` int64), and
+   ``all_to_all_single`` of the outputs of the items encoded away from their owner.
 
-In all: 1 all_gather when no rank calls; 2 when no rank has an item; else 3 and 2
-all_to_all_single in forward, and 0, 1 or 2 all_to_all_single in backward.
+Backward, for a balanced module that exchanged and when gradients are needed (grad
+mode on and the tower trainable or some rank's floating input requiring grad): one
+``all_to_all_single`` with the output gradients along the inverse route of the
+outputs, led by ``L`` flag bytes to every rank, itself included (``L`` output tensors:
+whether this rank has a gradient for each, for the items it kept or got back; an output
+no rank has one for gets ``None`` on every rank, so parameters that feed only unread
+outputs keep no gradient, as in one process); then, when some rank's floating input
+requires grad, one with the input gradients along the inverse route of the inputs.
+
 [exchange_traffic][multimodal_fsdp.balance.traffic.exchange_traffic] computes each
 rank's list with its bytes. Under the fake process group every rank looks like the
 calling one (the gathers start from its own values), so the same code runs there.
@@ -45,16 +56,18 @@ part with empty buffers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 
-from multimodal_fsdp.balance._metadata import Table, exchange_metadata, gather
-from multimodal_fsdp.balance._route import Exchange, Route
-from multimodal_fsdp.balance.assign import assign_items
+from multimodal_fsdp.balance._metadata import Entry, RoundTable, Table, exchange_round, gather
+from multimodal_fsdp.balance._route import Exchange, Route, start_forward
+from multimodal_fsdp.balance.assign import assign_items, needs_exchange
 from multimodal_fsdp.balance.layouts import (
     CallSpec,
     FieldSpec,
@@ -63,20 +76,95 @@ from multimodal_fsdp.balance.layouts import (
     MediaLayout,
     OutputSpec,
 )
+from multimodal_fsdp.balance.placeholder import describe_call, placeholder_call
 from multimodal_fsdp.balance.registry import media_layout_for
 
-__all__ = ["balanced_call", "join_without_call", "join_remaining_calls"]
+__all__ = [
+    "balanced_call",
+    "join_without_call",
+    "join_remaining_calls",
+    "Member",
+    "Rounds",
+    "Ticket",
+    "zero_anchor",
+]
 
 logger = logging.getLogger(__name__)
 
+Call = tuple[tuple[Any, ...], dict[str, Any]]
 
-def _device(tower: nn.Module, call: MediaCall | None, group: Any) -> torch.device:
+
+@dataclass(frozen=True)
+class Ticket:
+    """A call ``Rounds.enter`` brought to its round: the member, the round's table, the
+    call split into items (a balanced member) and the device of the metadata."""
+
+    index: int
+    table: RoundTable
+    call: MediaCall | None
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class Member:
+    """One module of the round protocol: a balanced tower (``layout``) or a joined
+    module (``layout=None``); ``identity`` is what ranks check they agree on (its path
+    and kind); ``run_when_empty``: it owns FSDP units, so a rank with nothing of its own
+    runs it on a placeholder; ``runner`` runs it on a rank inside its own call (the
+    original forward, for a hook), ``joiner`` on a rank that joins the call (through
+    the module's ``__call__``)."""
+
+    module: nn.Module
+    identity: str
+    layout: MediaLayout | None
+    run_when_empty: bool
+    runner: Callable[..., Any]
+    #: Runs it on a rank without a call of its own in the round (default ``runner``).
+    joiner: Callable[..., Any] | None = None
+
+    def run(self, own: bool) -> Callable[..., Any]:
+        """The runner of a rank that made the call (``own``) or joined it."""
+        return self.runner if own or self.joiner is None else self.joiner
+
+
+def zero_anchor(output: Any) -> Tensor | None:
+    """Every floating tensor of ``output`` summed, times 0: a scalar to add to the loss
+    so that a placeholder run's backward (its units' collectives) runs; ``None`` when no
+    output needs a gradient."""
+    leaves: list[Tensor] = []
+    _tensors(output, leaves)
+    parts = [t.sum().float() * 0 for t in leaves if t.is_floating_point() and t.requires_grad]
+    if not parts:
+        return None
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part.to(total.device)
+    return total
+
+
+def _tensors(value: Any, leaves: list[Tensor], depth: int = 0) -> None:
+    if depth > 8:
+        return
+    if isinstance(value, Tensor):
+        leaves.append(value)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            _tensors(item, leaves, depth + 1)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _tensors(item, leaves, depth + 1)
+    elif hasattr(value, "to_tuple") and callable(value.to_tuple):  # a transformers ModelOutput
+        _tensors(value.to_tuple(), leaves, depth + 1)
+
+
+def _device(members: Sequence[Member], call: MediaCall | None, group: Any) -> torch.device:
     if call is not None:
         for item in call.items:
             return item.fields[0].device
-    for param in tower.parameters():
-        if param.device.type != "meta":
-            return param.device
+    for member in members:
+        for param in member.module.parameters():
+            if param.device.type != "meta":
+                return param.device
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -89,189 +177,446 @@ def _status(code: int, leaves: int, group: Any, device: torch.device) -> list[Te
     ]
 
 
-def _run(
-    tower: nn.Module,
-    layout: MediaLayout,
-    call: MediaCall | None,
-    error: BaseException | None,
-    *,
-    group: Any,
-    run_when_empty: bool,
-    runner: Callable[..., Any],
-    original: tuple[tuple[Any, ...], dict[str, Any]] | None = None,
-) -> tuple[Any, Tensor, bool]:
-    """The call's output on this rank, the zero anchor, and whether any rank called."""
-    device = _device(tower, call, group)
-    trainable = any(p.requires_grad for p in tower.parameters())
-    table = exchange_metadata(
-        call, error, layout=layout, trainable=trainable, group=group, device=device
-    )
-    world, rank = table.world, table.rank
-    anchor = torch.zeros((), device=device)
-    if not any(table.costs):
-        if original is None:
-            return None, anchor, bool(table.callers)
-        return runner(*original[0], **original[1]), anchor, True  # no items: as unbalanced
-    spec = table.spec
-    if spec is None:
-        raise RuntimeError("balanced tower call: items without a call spec")  # cannot happen
-    owners = assign_items(table.costs)
-    if logger.isEnabledFor(logging.DEBUG):
-        loads = [0] * world
-        for r, costs in enumerate(table.costs):
-            for i, cost in enumerate(costs):
-                loads[owners[r][i]] += cost
-        before = [sum(costs) for costs in table.costs]
-        logger.debug(
-            "balanced call of %s: cost per rank %s -> %s", type(tower).__name__, before, loads
+class Rounds:
+    """The round protocol over ``members`` on ``group`` (see the module docstring)."""
+
+    def __init__(self, members: Sequence[Member], group: Any) -> None:
+        self.members = tuple(members)
+        self.group = group
+
+    # ------------------------------------------------------------------ entry points
+    def enter(
+        self, index: int, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None
+    ) -> tuple[Ticket, list[Tensor]]:
+        """The rounds of this rank's call of member ``index`` up to the one that runs it
+        (collective): a round whose lowest called module is another runs that module's
+        call here, as a rank without it (its anchors are returned), and this rank brings
+        its call again in the next round. Then ``finish`` runs the call: a hook calls
+        ``enter`` before the module's own pre-forward hooks (FSDP's all-gather of a module
+        that is a unit) and ``finish`` inside its forward, so every rank issues the
+        module's collectives at the same point of the round."""
+        member = self.members[index]
+        named = dict(kwargs or {})
+        error: BaseException | None = None
+        trainable = any(p.requires_grad for p in member.module.parameters())
+        call: MediaCall | None = None
+        blob = b""
+        try:
+            if member.layout is not None:
+                call = member.layout.split_call(member.module, tuple(args), named)
+            else:
+                blob = describe_call(tuple(args), named)
+        except (ValueError, TypeError) as raised:
+            error = raised
+            call = MediaCall(spec=CallSpec(fields=()), items=()) if member.layout else None
+        entry = Entry(
+            module=index, identity=member.identity, trainable=trainable, call=call, blob=blob
         )
-    nfields = len(table.fields)
-    # Inputs: my items to their encoders (grouped by destination), others' to me.
-    mine = sorted(range(len(table.costs[rank])), key=lambda i: (owners[rank][i], i))
-    send_fields = []
-    for f in range(nfields):
-        parts = [call.items[i].fields[f] for i in mine] if call is not None else []
-        empty = torch.empty(
-            (0, *table.fields[f].row_shape), dtype=table.fields[f].dtype, device=device
+        device = _device([member], call, self.group)
+        anchors: list[Tensor] = []
+        while True:
+            table = exchange_round(entry, error, group=self.group, device=device)
+            chosen = min(table.called())
+            if chosen == index:
+                return Ticket(index=index, table=table, call=call, device=device), anchors
+            anchor = self._join_module(chosen, table, device)
+            if anchor is not None:
+                anchors.append(anchor)
+
+    def finish(
+        self, ticket: Ticket, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None
+    ) -> tuple[Any, Tensor | None]:
+        """This rank's call of the member ``enter`` brought to its round: the output and,
+        for a balanced call that exchanged with gradients flowing back, its anchor."""
+        member = self.members[ticket.index]
+        original: Call = (tuple(args), dict(kwargs or {}))
+        if member.layout is None:  # joined: the caller's own call, as without balancing
+            try:
+                return member.run(own=True)(*original[0], **original[1]), None
+            except Exception as raised:
+                self._fail(raised, ticket.device)
+        return self._balanced(
+            member, ticket.table, ticket.index, ticket.call, original, ticket.device
         )
-        send_fields.append(torch.cat(parts) if parts else empty)
-    send_rows = tuple(
-        tuple(
-            sum(table.rows[rank][i][f] for i in mine if owners[rank][i] == d) for d in range(world)
-        )
-        for f in range(nfields)
-    )
-    assigned = [
-        (s, i) for s in range(world) for i in range(len(table.costs[s])) if owners[s][i] == rank
-    ]
-    recv_rows = tuple(
-        tuple(sum(table.rows[s][i][f] for (s2, i) in assigned if s2 == s) for s in range(world))
-        for f in range(nfields)
-    )
-    differentiable = table.grad_enabled
-    in_route = Route(
-        send_rows=send_rows,
-        recv_rows=recv_rows,
-        dtypes=tuple(f.dtype for f in table.fields),
-        row_shapes=tuple(f.row_shape for f in table.fields),
-        grads=table.input_grads,
-        group=group,
-        device=device,
-    )
-    link = torch.zeros((), device=device, requires_grad=differentiable and any(table.input_grads))
-    *received, in_token = Exchange.apply(  # type: ignore[no-untyped-call]
-        in_route, link, *send_fields
-    )
-    # Run the tower on my share (or a placeholder).
-    items: list[MediaItem] = []
-    offsets = [0] * nfields
-    for s, i in assigned:
-        fields = []
-        for f in range(nfields):
-            rows = table.rows[s][i][f]
-            fields.append(received[f][offsets[f] : offsets[f] + rows])
-            offsets[f] += rows
-        items.append(
-            MediaItem(fields=tuple(fields), cost=table.costs[s][i], sizes=table.sizes[s][i])
-        )
-    weights = [table.rows[s][i][0] for s, i in assigned]
-    out_spec: OutputSpec | None = None
-    pieces: list[tuple[Tensor, ...]] = []
-    zero_link = in_token
-    placeholder: list[Tensor] = []
-    failure: BaseException | None = None
-    try:
-        if items:
-            args, kwargs = layout.build_call(spec, items)
-            out_spec, pieces = layout.split_output(runner(*args, **kwargs), weights)
-        elif run_when_empty:
-            placeholder = _placeholder_run(layout, spec, table, runner, device)
-    except Exception as raised:  # re-raised below, after every rank knows
-        failure = raised
-    produced = len(out_spec.dtypes) if out_spec else len(placeholder) if placeholder else -1
-    statuses = _status(int(failure is not None), produced, group, device)
-    failed = [r for r, row in enumerate(statuses) if int(row[0])]
-    if failed:
-        if failure is not None:
-            raise failure
-        raise RuntimeError(
-            f"balanced tower call: the tower failed on rank(s) {failed} (see their error)"
-        )
-    leaves = {int(row[1]) for row in statuses} - {-1}
-    if len(leaves) > 1:
-        raise ValueError(
-            "balanced tower call: the tower's outputs differ between ranks "
-            f"({sorted(leaves)} tensors)"
-        )
-    # Outputs back to their owners.
-    local = len(table.costs[rank])
-    if local and out_spec is None:
-        raise RuntimeError(
-            "balanced tower call: a rank with items encoded none"
-        )  # the rule prevents it
-    nleaves = len(out_spec.dtypes) if out_spec is not None else 0
-    out_send = [
-        torch.cat([piece[leaf] for piece in pieces]) if pieces else torch.empty(0, device=device)
-        for leaf in range(nleaves)
-    ]
-    out_send_rows = tuple(
-        tuple(
-            sum(
-                piece[leaf].shape[0]
-                for (s, _), piece in zip(assigned, pieces, strict=True)
-                if s == d
+
+    def call(
+        self,
+        index: int,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any] | None,
+        *,
+        anchors: list[Tensor] | None = None,
+    ) -> Any:
+        """This rank's call of member ``index``: ``enter`` then ``finish`` (collective);
+        the anchors of the rounds' exchanges and placeholder runs go to ``anchors``.
+
+        A direct caller has no pre-forward hook between ``enter`` and ``finish``, so a
+        member that is an FSDP unit is gathered here, at the point where a rank joining
+        the call gathers it (``_join_module``); its own pre-forward then gathers nothing."""
+        ticket, made = self.enter(index, args, kwargs)
+        self._gather_unit(self.members[index])
+        output, anchor = self.finish(ticket, args, kwargs)
+        if anchors is not None:
+            anchors.extend(made)
+            if anchor is not None:
+                anchors.append(anchor)
+        return output
+
+    def join_one(self) -> tuple[list[Tensor], bool]:
+        """One round without a call of this rank's own: the anchors of what it joined
+        and whether any rank called."""
+        device = _device(self.members, None, self.group)
+        table = exchange_round(None, None, group=self.group, device=device)
+        if not table.called():
+            return [], False
+        anchor = self._join_module(min(table.called()), table, device)
+        return ([anchor] if anchor is not None else []), True
+
+    def join(self) -> tuple[Tensor | None, int]:
+        """Rounds without a call of this rank's own until one in which no rank calls:
+        the sum of their anchors (``None`` if none) and the number of rounds joined."""
+        total: Tensor | None = None
+        joined = 0
+        while True:
+            made, called = self.join_one()
+            if not called:
+                return total, joined
+            joined += 1
+            for anchor in made:
+                total = anchor if total is None else total + anchor.to(total.device)
+
+    # ------------------------------------------------------------------ one round
+    def _join_module(self, module: int, table: RoundTable, device: torch.device) -> Tensor | None:
+        """Member ``module``'s call in this round, on a rank that does not make it. A
+        member that is an FSDP unit itself is gathered first: its callers' pre-forward
+        hooks gathered it right after the round's metadata."""
+        member = self.members[module]
+        self._gather_unit(member)
+        if member.layout is None:
+            _, anchor = self._joined(member, table, module, None, device)
+        else:
+            _, anchor = self._balanced(member, table, module, None, None, device)
+        return anchor
+
+    @staticmethod
+    def _gather_unit(member: Member) -> None:
+        """All-gather a member that is an FSDP unit run on every rank, at the point of the
+        round where each rank's module collectives start (the callers' pre-forward)."""
+        if isinstance(member.module, FSDPModule) and member.run_when_empty:
+            member.module.unshard()
+
+    def _fail(self, error: BaseException, device: torch.device) -> NoReturn:
+        """A local run failed: tell every rank in one more round (their next round
+        raises), then raise here."""
+        exchange_round(None, error, group=self.group, device=device)
+        raise error  # exchange_round re-raises it; this line keeps the type checker sure
+
+    # ------------------------------------------------------------------ joined
+    def _joined(
+        self,
+        member: Member,
+        table: RoundTable,
+        module: int,
+        original: Call | None,
+        device: torch.device,
+    ) -> tuple[Any, Tensor | None]:
+        if original is not None:  # a caller: its own call, as without balancing
+            try:
+                return member.run(own=True)(*original[0], **original[1]), None
+            except Exception as raised:
+                self._fail(raised, device)
+        if not member.run_when_empty:
+            return None, None
+        t = table.module_table(module, balanced=False)
+        try:
+            args, kwargs = placeholder_call(t.blob, device)
+            output = member.run(own=False)(*args, **kwargs)
+        except Exception as raised:
+            self._fail(raised, device)
+        return None, zero_anchor(output)
+
+    # ------------------------------------------------------------------ balanced
+    def _balanced(
+        self,
+        member: Member,
+        table: RoundTable,
+        module: int,
+        call: MediaCall | None,
+        original: Call | None,
+        device: torch.device,
+    ) -> tuple[Any, Tensor | None]:
+        t = table.module_table(module)
+        if not any(t.costs):
+            if original is None:
+                return None, None
+            return member.run(own=True)(*original[0], **original[1]), None  # as unbalanced
+        owners = assign_items(t.costs)
+        if logger.isEnabledFor(logging.DEBUG):
+            loads = [0] * t.world
+            for r, costs in enumerate(t.costs):
+                for i, cost in enumerate(costs):
+                    loads[owners[r][i]] += cost
+            logger.debug(
+                "balanced call of %s: cost per rank %s -> %s",
+                type(member.module).__name__,
+                [sum(costs) for costs in t.costs],
+                loads,
             )
-            for d in range(world)
+        if not needs_exchange(owners, member.run_when_empty):
+            if original is None:
+                return None, None
+            try:  # every item stays home: the caller's own call, nothing exchanged
+                return member.run(own=True)(*original[0], **original[1]), None
+            except Exception as raised:
+                self._fail(raised, device)
+        layout = member.layout
+        if layout is None:  # pragma: no cover - members with a layout only
+            raise RuntimeError("balanced call of a joined module")
+        return _Exchanged(member, layout, t, owners, call, device, self.group).run()
+
+
+class _Exchanged:
+    """One balanced call that moves items (see the module docstring)."""
+
+    def __init__(
+        self,
+        member: Member,
+        layout: MediaLayout,
+        table: Table,
+        owners: list[list[int]],
+        call: MediaCall | None,
+        device: torch.device,
+        group: Any,
+    ) -> None:
+        self.member, self.layout, self.t, self.owners = member, layout, table, owners
+        self.call, self.device, self.group = call, device, group
+        self.runner = member.run(own=call is not None)
+        rank = table.rank
+        local = len(table.costs[rank])
+        self.kept = [i for i in range(local) if owners[rank][i] == rank]
+        self.away = sorted(
+            (i for i in range(local) if owners[rank][i] != rank),
+            key=lambda i: (owners[rank][i], i),
         )
-        for leaf in range(nleaves)
-    )
-    home = sorted(range(local), key=lambda i: (owners[rank][i], i))
-    out_recv_rows = tuple(
-        tuple(
-            sum(out_spec.rows(leaf, table.rows[rank][i][0]) for i in home if owners[rank][i] == s)
+        self.assigned = [
+            (s, i)
+            for s in range(table.world)
+            if s != rank
+            for i in range(len(table.costs[s]))
+            if owners[s][i] == rank
+        ]
+
+    def _items(self, indices: Sequence[int]) -> list[MediaItem]:
+        if self.call is None:
+            return []
+        return [self.call.items[i] for i in indices]
+
+    def _encode(self, items: Sequence[MediaItem]) -> tuple[OutputSpec, list[tuple[Tensor, ...]]]:
+        spec = self.t.spec
+        if spec is None:  # pragma: no cover - a balanced table always has one
+            raise RuntimeError("balanced tower call: items without a call spec")
+        args, kwargs = self.layout.build_call(spec, items)
+        weights = [item.fields[0].shape[0] for item in items]
+        return self.layout.split_output(self.runner(*args, **kwargs), weights)
+
+    def run(self) -> tuple[Any, Tensor | None]:
+        t, owners, rank, world = self.t, self.owners, self.t.rank, self.t.world
+        nfields = len(t.fields)
+        send_fields = []
+        for f in range(nfields):
+            parts = [item.fields[f] for item in self._items(self.away)]
+            empty = torch.empty(
+                (0, *t.fields[f].row_shape), dtype=t.fields[f].dtype, device=self.device
+            )
+            send_fields.append(torch.cat(parts) if parts else empty)
+        send_rows = tuple(
+            tuple(
+                sum(t.rows[rank][i][f] for i in self.away if owners[rank][i] == d)
+                for d in range(world)
+            )
+            for f in range(nfields)
+        )
+        recv_rows = tuple(
+            tuple(
+                sum(t.rows[s][i][f] for (s2, i) in self.assigned if s2 == s) for s in range(world)
+            )
+            for f in range(nfields)
+        )
+        differentiable = t.grad_enabled
+        in_route = Route(
+            send_rows=send_rows,
+            recv_rows=recv_rows,
+            dtypes=tuple(f.dtype for f in t.fields),
+            row_shapes=tuple(f.row_shape for f in t.fields),
+            grads=t.input_grads,
+            group=self.group,
+            device=self.device,
+        )
+        link = torch.zeros(
+            (), device=self.device, requires_grad=differentiable and any(t.input_grads)
+        )
+        kept_items = self._items(self.kept)
+        # A tower without units runs twice: on the items it keeps while the others'
+        # arrive, then on those (no collective inside it, so any number of runs is safe).
+        overlap = not self.member.run_when_empty and bool(kept_items) and bool(self.assigned)
+        failure: BaseException | None = None
+        out_spec: OutputSpec | None = None
+        kept_pieces: list[tuple[Tensor, ...]] = []
+        recv_pieces: list[tuple[Tensor, ...]] = []
+        placeholder: list[Tensor] = []
+        pending = start_forward(in_route, send_fields, async_op=True) if overlap else None
+        if overlap:
+            try:
+                out_spec, kept_pieces = self._encode(kept_items)
+            except Exception as raised:  # re-raised below, after every rank knows
+                failure = raised
+        *received, in_token = Exchange.apply(  # type: ignore[no-untyped-call]
+            in_route, pending, link, *send_fields
+        )
+        recv_items = []
+        offsets = [0] * nfields
+        for s, i in self.assigned:
+            fields = []
+            for f in range(nfields):
+                rows = t.rows[s][i][f]
+                fields.append(received[f][offsets[f] : offsets[f] + rows])
+                offsets[f] += rows
+            recv_items.append(
+                MediaItem(fields=tuple(fields), cost=t.costs[s][i], sizes=t.sizes[s][i])
+            )
+        if failure is None:
+            try:
+                if overlap:
+                    _, recv_pieces = self._encode(recv_items)
+                elif kept_items or recv_items:
+                    out_spec, pieces = self._encode([*kept_items, *recv_items])
+                    kept_pieces, recv_pieces = pieces[: len(kept_items)], pieces[len(kept_items) :]
+                elif self.member.run_when_empty:
+                    placeholder = _placeholder_run(self.layout, t, self.runner, self.device)
+            except Exception as raised:  # re-raised below, after every rank knows
+                failure = raised
+        produced = len(out_spec.dtypes) if out_spec else len(placeholder) if placeholder else -1
+        statuses = _status(int(failure is not None), produced, self.group, self.device)
+        failed = [r for r, row in enumerate(statuses) if int(row[0])]
+        if failed:
+            if failure is not None:
+                raise failure
+            raise RuntimeError(
+                f"balanced tower call: the tower failed on rank(s) {failed} (see their error)"
+            )
+        leaves = {int(row[1]) for row in statuses} - {-1}
+        if len(leaves) > 1:
+            raise ValueError(
+                "balanced tower call: the tower's outputs differ between ranks "
+                f"({sorted(leaves)} tensors)"
+            )
+        return self._outputs(out_spec, kept_pieces, recv_pieces, placeholder, in_token, leaves)
+
+    def _outputs(
+        self,
+        out_spec: OutputSpec | None,
+        kept_pieces: list[tuple[Tensor, ...]],
+        recv_pieces: list[tuple[Tensor, ...]],
+        placeholder: list[Tensor],
+        in_token: Tensor,
+        leaves: set[int],
+    ) -> tuple[Any, Tensor | None]:
+        """Outputs of moved items back to their owners; this rank's output in call order."""
+        t, owners, rank, world = self.t, self.owners, self.t.rank, self.t.world
+        local = len(t.costs[rank])
+        if local and out_spec is None:
+            raise RuntimeError(
+                "balanced tower call: a rank with items encoded none"
+            )  # the rule prevents it
+        nleaves = len(out_spec.dtypes) if out_spec is not None else 0
+        out_send = [
+            torch.cat([piece[leaf] for piece in recv_pieces])
+            if recv_pieces
+            else torch.empty(
+                (0, *out_spec.row_shapes[leaf]), dtype=out_spec.dtypes[leaf], device=self.device
+            )
+            for leaf in range(nleaves)
             if out_spec is not None
-            else 0
-            for s in range(world)
+        ]
+        out_send_rows = tuple(
+            tuple(
+                sum(
+                    piece[leaf].shape[0]
+                    for (s, _), piece in zip(self.assigned, recv_pieces, strict=True)
+                    if s == d
+                )
+                for d in range(world)
+            )
+            for leaf in range(nleaves)
         )
-        for leaf in range(nleaves)
-    )
-    out_differentiable = differentiable and (table.trainable or any(table.input_grads))
-    out_route = Route(
-        send_rows=out_send_rows,
-        recv_rows=out_recv_rows,
-        dtypes=out_spec.dtypes if out_spec is not None else (),
-        row_shapes=out_spec.row_shapes if out_spec is not None else (),
-        grads=tuple(out_differentiable and d.is_floating_point for d in out_spec.dtypes)
-        if out_spec
-        else (),
-        group=group,
-        device=device,
-        flags=max(leaves, default=0) if out_differentiable else 0,
-    )
-    if out_differentiable and not zero_link.requires_grad:
-        zero_link = torch.zeros((), device=device, requires_grad=True)
-    *returned, out_token = Exchange.apply(  # type: ignore[no-untyped-call]
-        out_route, zero_link, *out_send, *placeholder
-    )
-    if out_spec is None:
-        return None, out_token, True
-    # Pieces arrive by source rank; put them back in call order.
-    cursor = [0] * nleaves
-    by_item: dict[int, tuple[Tensor, ...]] = {}
-    for i in home:
-        piece = []
-        for leaf in range(nleaves):
-            n = out_spec.rows(leaf, table.rows[rank][i][0])
-            piece.append(returned[leaf][cursor[leaf] : cursor[leaf] + n])
-            cursor[leaf] += n
-        by_item[i] = tuple(piece)
-    output = layout.join_output(out_spec, [by_item[i] for i in range(local)])
-    return output, out_token, True
+        out_recv_rows = tuple(
+            tuple(
+                sum(
+                    out_spec.rows(leaf, t.rows[rank][i][0])
+                    for i in self.away
+                    if owners[rank][i] == s
+                )
+                if out_spec is not None
+                else 0
+                for s in range(world)
+            )
+            for leaf in range(nleaves)
+        )
+        differentiable = t.grad_enabled and (t.trainable or any(t.input_grads))
+        kept = [
+            torch.cat([piece[leaf] for piece in kept_pieces])
+            for leaf in range(nleaves)
+            if kept_pieces
+        ]
+        through = differentiable and bool(kept)  # kept outputs pass the exchange untouched
+        out_route = Route(
+            send_rows=out_send_rows,
+            recv_rows=out_recv_rows,
+            dtypes=out_spec.dtypes if out_spec is not None else (),
+            row_shapes=out_spec.row_shapes if out_spec is not None else (),
+            grads=tuple(differentiable and d.is_floating_point for d in out_spec.dtypes)
+            if out_spec
+            else (),
+            group=self.group,
+            device=self.device,
+            flags=max(leaves, default=0) if differentiable else 0,
+            kept=tuple(range(nleaves)) if through else (),
+        )
+        zero_link = in_token
+        if differentiable and not zero_link.requires_grad:
+            zero_link = torch.zeros((), device=self.device, requires_grad=True)
+        *returned, out_token = Exchange.apply(  # type: ignore[no-untyped-call]
+            out_route, None, zero_link, *out_send, *(kept if through else ()), *placeholder
+        )
+        if through:
+            returned, kept = returned[:nleaves], returned[nleaves:]
+        anchor = out_token if out_token.requires_grad else None
+        if out_spec is None:
+            return None, anchor
+        # Kept items' rows, then the others' by source rank; back in call order.
+        by_item: dict[int, tuple[Tensor, ...]] = {}
+        cursor = [0] * nleaves
+        for i in self.kept:
+            piece = []
+            for leaf in range(nleaves):
+                n = out_spec.rows(leaf, t.rows[rank][i][0])
+                piece.append(kept[leaf][cursor[leaf] : cursor[leaf] + n])
+                cursor[leaf] += n
+            by_item[i] = tuple(piece)
+        cursor = [0] * nleaves
+        for i in self.away:
+            piece = []
+            for leaf in range(nleaves):
+                n = out_spec.rows(leaf, t.rows[rank][i][0])
+                piece.append(returned[leaf][cursor[leaf] : cursor[leaf] + n])
+                cursor[leaf] += n
+            by_item[i] = tuple(piece)
+        output = self.layout.join_output(out_spec, [by_item[i] for i in range(local)])
+        return output, anchor
 
 
 def _placeholder_run(
     layout: MediaLayout,
-    spec: CallSpec,
     table: Table,
     runner: Callable[..., Any],
     device: torch.device,
@@ -281,6 +626,9 @@ def _placeholder_run(
     linked into the exchange of the outputs: in backward the tower then runs for the
     outputs that have a gradient on some rank, and only for those, as on the ranks with
     items."""
+    spec = table.spec
+    if spec is None:  # pragma: no cover - a balanced table always has one
+        raise RuntimeError("balanced tower call: a placeholder without a call spec")
     cheapest = min(
         ((c, r, i) for r, costs in enumerate(table.costs) for i, c in enumerate(costs)),
     )
@@ -300,6 +648,24 @@ def _placeholder_run(
         leaf.sum().float() * 0 if leaf.dtype.is_floating_point else torch.zeros((), device=device)
         for leaf in leaves[0]
     ]
+
+
+def _single(
+    tower: nn.Module,
+    layout: MediaLayout | None,
+    group: Any,
+    run_when_empty: bool,
+    runner: Callable[..., Any] | None,
+) -> Rounds:
+    chosen = layout if layout is not None else media_layout_for(tower)
+    member = Member(
+        module=tower,
+        identity=chosen.name,
+        layout=chosen,
+        run_when_empty=run_when_empty,
+        runner=runner or tower,
+    )
+    return Rounds((member,), group)
 
 
 def balanced_call(
@@ -327,27 +693,8 @@ def balanced_call(
     ``join_without_call``'s) so this rank runs the exchange's backward collectives even
     when its loss reads none of the outputs, as the ranks that joined do.
     """
-    chosen = layout if layout is not None else media_layout_for(tower)
-    named = dict(kwargs or {})
-    error: BaseException | None = None
-    try:
-        call = chosen.split_call(tower, tuple(args), named)
-    except (ValueError, TypeError) as raised:
-        error = raised
-        call = MediaCall(spec=CallSpec(fields=()), items=())
-    output, anchor, _ = _run(
-        tower,
-        chosen,
-        call,
-        error,
-        group=group,
-        run_when_empty=run_when_empty,
-        runner=runner or tower,
-        original=(tuple(args), named),
-    )
-    if anchors is not None and anchor.requires_grad:
-        anchors.append(anchor)
-    return output
+    rounds = _single(tower, layout, group, run_when_empty, runner)
+    return rounds.call(0, tuple(args), kwargs, anchors=anchors)
 
 
 def join_without_call(
@@ -361,17 +708,12 @@ def join_without_call(
     """Take part in a balanced call of ``tower`` on a rank whose forward has no call of
     it (a text-only batch): this rank may still encode others' items. Returns a zero
     scalar; add it to the loss so this rank joins the exchange's backward collectives."""
-    chosen = layout if layout is not None else media_layout_for(tower)
-    _, anchor, _ = _run(
-        tower,
-        chosen,
-        None,
-        None,
-        group=group,
-        run_when_empty=run_when_empty,
-        runner=runner or tower,
-    )
-    return anchor
+    rounds = _single(tower, layout, group, run_when_empty, runner)
+    made, _ = rounds.join_one()
+    total = torch.zeros(())
+    for anchor in made:
+        total = total + anchor.to(total.device)
+    return total
 
 
 def join_remaining_calls(
@@ -390,22 +732,8 @@ def join_remaining_calls(
     here and an image and a video call there, one call per image). Returns the sum of the
     zero anchors (add it to a tensor the loss depends on, before the decoder, so the
     backward collectives keep their order) and the number of calls joined. The last
-    round costs one ``all_gather`` of the header.
+    round costs one ``all_gather`` of the slot.
     """
-    chosen = layout if layout is not None else media_layout_for(tower)
-    total = torch.zeros(())
-    joined = 0
-    while True:
-        _, anchor, called = _run(
-            tower,
-            chosen,
-            None,
-            None,
-            group=group,
-            run_when_empty=run_when_empty,
-            runner=runner or tower,
-        )
-        if not called:
-            return total, joined
-        total = total + anchor.to(total.device) if joined else anchor
-        joined += 1
+    rounds = _single(tower, layout, group, run_when_empty, runner)
+    total, joined = rounds.join()
+    return (total if total is not None else torch.zeros(())), joined

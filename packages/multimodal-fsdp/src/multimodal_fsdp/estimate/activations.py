@@ -35,8 +35,16 @@ from multimodal_fsdp.estimate.collectives import (
     param_reduce_dtype,
 )
 from multimodal_fsdp.estimate.compute_copy import add_cast_hooks, compute_copy
-from multimodal_fsdp.estimate.exchange import StepMedia, balanced_towers, exchange_rounds
+from multimodal_fsdp.estimate.exchange import (
+    CallBuffers,
+    StepMedia,
+    balanced_towers,
+    call_buffers,
+    joined_layers,
+    members_of,
+)
 from multimodal_fsdp.estimate.timeline import kept_after_forward
+from multimodal_fsdp.runtime.joined_layers import JoinedLayers
 
 __all__ = ["ActivationTrace", "LossFn", "exchange_buffer_bytes", "trace_activations"]
 
@@ -172,8 +180,10 @@ def trace_activations(
     gathers = _Gathers(plan, model, twin, live, shard)
     handles += gathers.hooks
     handles += _GradStaging(plan, model, twin, live, shard, gathers).hooks
+    joined = None
     if media is not None:
         handles += _ExchangeBuffers(plan, twin, live, media).hooks
+        joined = _joined_layers(plan, twin, media)
     try:
         # Forward's own transients (outputs not yet consumed, values not saved) count
         # while they live, as the tracker counts them: a peak can fall in forward.
@@ -193,6 +203,8 @@ def trace_activations(
     finally:
         for handle in handles:
             handle.remove()
+        if joined is not None:
+            joined.remove()
     return ActivationTrace(
         saved_bytes=saved, backward_peak_bytes=live.working_peak, step_peak_bytes=live.peak
     )
@@ -377,74 +389,87 @@ class _GradStaging:
 
 
 def exchange_buffer_bytes(
-    inputs: tuple[int, int], outputs: tuple[int, int]
-) -> tuple[int, int, int]:
-    """The balanced exchange's buffers in one tower call, from the bytes of inputs and
-    outputs this rank (sends, receives): the peak while inputs are exchanged, what stays
-    while the tower runs, and the peak while outputs are exchanged (on top of what
-    stays), in the order ``multimodal_fsdp.balance.exchange`` allocates them.
+    inputs: tuple[int, int], outputs: tuple[int, int], kept: tuple[int, int] = (0, 0)
+) -> tuple[int, int, int, int]:
+    """The balanced exchange's buffers in one tower call that moves items, from the bytes
+    of inputs and outputs this rank (sends, receives) and those of the items it keeps
+    (inputs, outputs): the peak while inputs are exchanged, what stays while the tower
+    runs, what stays after it, and the peak while outputs are exchanged (on top of what
+    stays after the tower and of the tower's output), in the order
+    ``multimodal_fsdp.balance.exchange`` allocates them. A call in which every item stays
+    home allocates none of them.
 
-    Inputs (``S`` sent, ``R`` received): this rank's items gathered by destination
-    (``S``), their send buffer (``S``), the receive buffer, its pieces and the fields
-    rebuilt from them (``3R``); the gathered items, the fields and the tower's input
-    built from them (``S + 2R``) stay until the call returns. Outputs (``s`` sent, ``r``
-    received): the tower's output, its pieces gathered, the send buffer (``3s``), the
-    receive buffer, its pieces and the output rebuilt from them (``3r``). The exchange
-    saves nothing for backward."""
-    (sent, received), (out_sent, out_received) = inputs, outputs
-    return 2 * sent + 3 * received, sent + 2 * received, 3 * out_sent + 3 * out_received
+    Inputs (``S`` sent, ``R`` received): the items sent, gathered (``S``), their send
+    buffer (``S``), the receive buffer, its pieces and the fields rebuilt from them
+    (``3R``); the gathered items and the fields stay until the call returns
+    (``S + R``), and the tower's input built from the kept items (``K``) and the
+    received ones beside them while the tower runs (``S + 2R + K``). Outputs (``s``
+    sent, ``r`` received, ``k`` kept): the outputs sent, gathered (``s``), the kept
+    ones gathered (``k``), the send buffer (``s``), the receive buffer, its pieces and
+    the outputs rebuilt from them (``3r``); then the call's output joined from the kept
+    and returned rows (``k + r``) beside the rebuilt and kept ones. The exchange saves
+    nothing for backward."""
+    (sent, received), (out_sent, out_received), (kept_in, kept_out) = inputs, outputs, kept
+    return (
+        2 * sent + 3 * received,
+        sent + 2 * received + kept_in,
+        sent + received,
+        max(2 * out_sent + kept_out + 3 * out_received, out_sent + 2 * kept_out + 2 * out_received),
+    )
 
 
 class _ExchangeBuffers:
     """Bumps the traced step's live bytes by the exchange's buffers around each local
-    call of a balanced tower (``exchange_buffer_bytes``; forward transients are not
-    otherwise traced, saved tensors are), and in backward by the output gradients'
-    exchange (send buffer, receive buffer and its pieces; the gradient rebuilt from
-    them replaces the local one)."""
+    call of a balanced tower that moves items (``exchange_buffer_bytes``; forward
+    transients are not otherwise traced, saved tensors are), and in backward by the
+    output gradients' exchange (send buffer, receive buffer and its pieces; the gradient
+    rebuilt from them replaces the local one)."""
 
     def __init__(
         self, plan: ShardingPlan, twin: nn.Module, live: _LiveBytes, media: StepMedia
     ) -> None:
         self.live = live
         self.hooks: list[Any] = []
+        members = members_of(plan)
         for tower in balanced_towers(plan):
-            rounds = [
-                [(c.sent, c.received) for c in traffic if c.kind == "all_to_all"]
-                for traffic in exchange_rounds(media, tower)
-            ]
+            buffers = call_buffers(media, tower, members)
             module = twin.get_submodule(tower.path) if tower.path else twin
             calls = [0]
-            self.hooks.append(module.register_forward_pre_hook(self._pre(rounds, calls)))
-            self.hooks.append(module.register_forward_hook(self._post(rounds, calls)))
+            self.hooks.append(module.register_forward_pre_hook(self._pre(buffers, calls)))
+            self.hooks.append(module.register_forward_hook(self._post(buffers, calls)))
 
     @staticmethod
-    def _sizes(rounds: list[list[tuple[int, int]]], index: int) -> list[tuple[int, int]]:
-        """(sent, received) of each all_to_all of round ``index`` (none beyond them)."""
-        return rounds[index] if index < len(rounds) else []
+    def _sizes(buffers: list[CallBuffers | None], index: int) -> CallBuffers | None:
+        return buffers[index] if index < len(buffers) else None
 
-    def _pre(self, rounds: list[list[tuple[int, int]]], calls: list[int]) -> Callable[..., None]:
+    def _pre(self, buffers: list[CallBuffers | None], calls: list[int]) -> Callable[..., None]:
         def hook(*_: Any) -> None:
-            sizes = self._sizes(rounds, calls[0])
-            if len(sizes) >= 2:
-                peak, kept, _outputs = exchange_buffer_bytes(sizes[0], sizes[1])
+            sizes = self._sizes(buffers, calls[0])
+            if sizes is not None:
+                peak, held, _after, _outputs = exchange_buffer_bytes(
+                    sizes.inputs, sizes.outputs, sizes.kept
+                )
                 self.live.bump(peak)
-                self.live.bump(kept - peak)
+                self.live.bump(held - peak)
 
         return hook
 
     def _post(
-        self, rounds: list[list[tuple[int, int]]], calls: list[int]
+        self, buffers: list[CallBuffers | None], calls: list[int]
     ) -> Callable[[nn.Module, Any, Any], None]:
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
-            sizes = self._sizes(rounds, calls[0])
+            sizes = self._sizes(buffers, calls[0])
             calls[0] += 1
-            if len(sizes) < 2:
+            if sizes is None:
                 return
-            _inputs, kept, peak = exchange_buffer_bytes(sizes[0], sizes[1])
+            _inputs, held, after, peak = exchange_buffer_bytes(
+                sizes.inputs, sizes.outputs, sizes.kept
+            )
+            self.live.bump(after - held)  # the tower's input is gone
             self.live.bump(peak)
-            self.live.bump(-peak - kept)
-            if len(sizes) > 2:
-                sent, received = sizes[2]
+            self.live.bump(-peak - after)
+            if sizes.grads is not None:
+                sent, received = sizes.grads
                 tensors = [t for t in output_tensors(output) if t.requires_grad]
                 if tensors:
                     on_grad = self._backward(sent + 2 * received)
@@ -458,6 +483,24 @@ class _ExchangeBuffers:
             self.live.bump(-transient)
 
         return hook
+
+
+def _joined_layers(plan: ShardingPlan, twin: nn.Module, media: StepMedia) -> JoinedLayers | None:
+    """Where ``media`` says this rank skips a joined decoder layer that another rank runs,
+    the trace runs it on the same placeholder as the step (``JoinedLayers``, its
+    decisions read from ``media.layers`` instead of a collective)."""
+    paths = joined_layers(plan)
+    if not paths or not media.layers:
+        return None
+    rows = media.layers
+
+    def agree(index: int, blob: bytes | None, _device: torch.device) -> bytes | None:
+        ran = [row[index] for row in rows if row[index]]
+        if not ran or all(row[index] for row in rows):
+            return None
+        return ran[0]
+
+    return JoinedLayers(twin, paths, None, lambda: True, agree=agree)
 
 
 def _packer(live: _LiveBytes) -> Callable[[torch.Tensor], torch.Tensor]:

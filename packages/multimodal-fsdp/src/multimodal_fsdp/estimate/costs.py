@@ -71,7 +71,7 @@ from fsdp_core.plan import UnitPlan, unit_parameters
 from fsdp_core.runtime import HookPlan
 from fsdp_core.sharding import check_reshard_after_forward, original_class
 from fsdp_core.step_agreement import AGREEMENT_BYTES
-from multimodal_fsdp.balance.traffic import HEADER_INTS, STATUS_INTS
+from multimodal_fsdp.balance.traffic import SLOT_INTS, STATUS_INTS
 from multimodal_fsdp.estimate.collectives import (
     CommTally,
     _gathered_bytes,
@@ -82,9 +82,14 @@ from multimodal_fsdp.estimate.collectives import (
 )
 from multimodal_fsdp.estimate.exchange import (
     StepMedia,
+    balance_group_size,
     balanced_towers,
     exchange_tally,
-    tower_runs,
+    joined_layers,
+    joined_modules,
+    layer_runs,
+    members_of,
+    module_runs,
 )
 from multimodal_fsdp.estimate.render import format_bytes, format_costs
 from multimodal_fsdp.estimate.timeline import (
@@ -96,6 +101,7 @@ from multimodal_fsdp.estimate.timeline import (
 from multimodal_fsdp.reachability import backward_free_paths
 from multimodal_fsdp.record import media_regions_of, plan_record
 from multimodal_fsdp.runtime.balance_media import BalancedTower
+from multimodal_fsdp.runtime.joined_layers import DECISION_BYTES
 from multimodal_fsdp.runtime.schedule_check import (
     CHECKPOINT_BYTES,
     ScheduleCheckRuntimeHook,
@@ -352,7 +358,7 @@ def plan_costs(
     towers = balanced_towers(plan)
     if media is not None and not isinstance(media, StepMedia):
         raise TypeError(f"media must be a StepMedia, got {type(media).__name__}")
-    runs = _balanced_runs(towers, media)
+    runs = _balanced_runs(plan, media)
 
     units: list[_Unit] = []
     for unit, params in zip(plan.units, owned, strict=True):
@@ -409,11 +415,21 @@ def plan_costs(
     for _ in range(checkpoints * dims):
         extra.add("forward", "all_reduce", CHECKPOINT_BYTES)
     exchange: CommTally | None = None
+    layers = joined_layers(plan)
     if media is not None:
-        exchange = exchange_tally(media, towers, world_size=shape.world_size)
+        exchange = exchange_tally(
+            media,
+            towers,
+            world_size=balance_group_size(plan, shape.world_size, shape.dp_replicate),
+            joined=joined_modules(plan),
+            layers=len(layers) if shape.world_size > 1 else 0,
+        )
         extra.merge(exchange)
         if not towers:
             exchange = None
+    elif shape.world_size > 1:
+        for _ in layers:  # the joined layers' decisions, whatever the media
+            extra.add("forward", "all_reduce", DECISION_BYTES)
     if plan.hook("accumulation_warmup") is not None and shape.world_size > 1:
         for _ in range(dims):  # the step agreement, before the forward
             extra.add("forward", "all_reduce", AGREEMENT_BYTES)
@@ -435,7 +451,9 @@ def plan_costs(
     if free and no_backward is None:
         notes.append(f"no gradient reaches {sorted(free)} (media inputs only)")
     if towers and media is None:
-        notes.append(_exchange_note(towers, shape.world_size))
+        notes.append(
+            _exchange_note(towers, balance_group_size(plan, shape.world_size, shape.dp_replicate))
+        )
     return PlanCosts(
         model=_model_name(model),
         mesh=shape,
@@ -457,16 +475,28 @@ def plan_costs(
     )
 
 
-def _balanced_runs(towers: Iterable[BalancedTower], media: StepMedia | None) -> dict[str, int]:
-    """Per balanced tower that owns units, how often it runs in the step's media (its
-    units' collectives repeat per run); empty without media (every module runs once)."""
+def _balanced_runs(plan: ShardingPlan, media: StepMedia | None) -> dict[str, int]:
+    """Per balanced tower or joined module that owns units, and per joined decoder layer,
+    how often it runs in the step's media (its units' collectives repeat per run); empty
+    without media (every module runs once)."""
     if media is None:
         return {}
-    return {tower.path: tower_runs(media, tower.path) for tower in towers if tower.run_when_empty}
+    members = members_of(plan)
+    runs = {
+        tower.path: module_runs(media, tower.path, members)
+        for tower in balanced_towers(plan)
+        if tower.run_when_empty
+    }
+    runs.update(
+        {module.path: module_runs(media, module.path, members) for module in joined_modules(plan)}
+    )
+    runs.update({path: layer_runs(media, i) for i, path in enumerate(joined_layers(plan))})
+    return runs
 
 
 def _unit_runs(unit: UnitPlan, runs: dict[str, int]) -> int:
-    """How often a non-root unit inside a balanced tower runs in the step (1 elsewhere)."""
+    """How often a non-root unit inside a balanced or joined module runs in the step (1
+    elsewhere)."""
     if unit.is_root:
         return 1
     for path, count in runs.items():
@@ -488,16 +518,16 @@ def _repeated(tally: CommTally, times: int) -> CommTally:
 def _exchange_note(towers: Iterable[BalancedTower], world: int) -> str:
     """What the exchange of each balanced tower costs per call, where the plan alone
     cannot count it."""
-    header = format_bytes(world * HEADER_INTS * 8)
+    slot = format_bytes(world * SLOT_INTS * 8)
     status = format_bytes(world * STATUS_INTS * 8)
     parts = []
     for tower in towers:
         backward = "1 all_to_all (output gradients)" if tower.trainable else "none"
         parts.append(
-            f"{tower.path!r} per call: forward 3 all_gather (header {header}, item table, "
-            f"status {status}) and 2 all_to_all (inputs, outputs), backward {backward} "
-            "(+1 all_to_all when inputs need a gradient); per forward 1 all_gather "
-            f"({header}, the join barrier)"
+            f"{tower.path!r} per call: forward 1 all_gather (slot {slot}); when items move, "
+            f"1 more all_gather (status {status}) and 2 all_to_all (inputs, outputs), "
+            f"backward {backward} (+1 all_to_all when inputs need a gradient); per forward "
+            f"1 all_gather ({slot}, the join barrier)"
         )
     return (
         "balanced-media exchange NOT counted above: its calls and bytes depend on the "

@@ -13,14 +13,18 @@ tower's layout adapter.
 
 [`exchange_tally`][multimodal_fsdp.estimate.exchange.exchange_tally] turns it into the
 collectives one rank runs, with
-[`exchange_traffic`][multimodal_fsdp.balance.traffic.exchange_traffic]'s byte rule:
-calls pair across ranks by their order per tower; a rank with fewer calls joins the
-others' with none of its own; every training forward ends, per balanced tower, with the
-join barrier's last round (one header ``all_gather``).
+[`exchange_traffic`][multimodal_fsdp.balance.traffic.exchange_traffic]'s byte rules:
+calls pair across ranks by their order in the forward (round ``k`` holds each rank's
+``k``-th call of any balanced or joined module; a rank with fewer calls joins the
+others' with none of its own); every training forward ends with the join barrier's last
+round (one slot ``all_gather``). Joined decoder layers add their decisions (one
+``all_reduce`` each per forward) and, where some ranks run a layer and others skip it,
+the ``all_reduce`` that brings the call's shapes (``StepMedia.layers``).
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,17 +33,37 @@ import torch
 from torch import nn
 
 from fsdp_core import ShardingPlan
-from multimodal_fsdp.balance import CallSpec, exchange_traffic, media_layout_for
-from multimodal_fsdp.balance.traffic import ExchangeCollective
+from multimodal_fsdp.balance import CallSpec, media_layout_for
+from multimodal_fsdp.balance.assign import assign_items
+from multimodal_fsdp.balance.placeholder import describe_call
+from multimodal_fsdp.balance.traffic import (
+    ExchangeCollective,
+    call_traffic,
+    metadata_traffic,
+    payload_ints,
+)
 from multimodal_fsdp.estimate.collectives import CommTally
 from multimodal_fsdp.estimate.compute_copy import add_cast_hooks, compute_copy
-from multimodal_fsdp.runtime.balance_media import BalancedTower, BalanceMediaRuntimeHook
+from multimodal_fsdp.runtime.balance_media import (
+    BalancedTower,
+    BalanceMediaRuntimeHook,
+    JoinedModule,
+)
+from multimodal_fsdp.runtime.joined_layers import DECISION_BYTES, blob_words
 
 __all__ = [
     "BalancedCall",
+    "CallBuffers",
+    "call_buffers",
     "ItemSizes",
     "StepMedia",
     "exchange_tally",
+    "balance_group_size",
+    "joined_layers",
+    "joined_modules",
+    "layer_runs",
+    "module_runs",
+    "members_of",
     "record_step_media",
     "step_media",
 ]
@@ -65,24 +89,42 @@ class ItemSizes:
 @dataclass(frozen=True)
 class BalancedCall:
     """One call of the balanced tower at ``tower`` (its path) on one rank: the call's
-    ``spec`` (its pickled size sets the item-table gather; ranks calling together share
+    ``spec`` (its pickled size travels in the metadata; ranks calling together share
     it), its ``items`` in call order, and how many tensors the tower's output holds
-    (``output_tensors``; the gradient exchange sends one flag byte per tensor and rank)."""
+    (``output_tensors``; the gradient exchange sends one flag byte per tensor and rank).
+    A call of a *joined* module (``joined=True``: a projector with units of its own) has
+    no items; ``blob_bytes`` is the size of its call's description
+    (``multimodal_fsdp.balance.placeholder.describe_call``)."""
 
     tower: str
     spec: CallSpec
     items: tuple[ItemSizes, ...]
     output_tensors: int = 1
+    joined: bool = False
+    blob_bytes: int = 0
+
+    def payload(self) -> int:
+        """Words of its item table and blob in the round's metadata."""
+        if self.joined:
+            return payload_ints(0, self.blob_bytes)
+        return payload_ints(len(self.items), len(pickle.dumps(self.spec)))
 
 
 @dataclass(frozen=True)
 class StepMedia:
     """The balanced tower calls of one training step: ``ranks[r]`` is rank ``r``'s calls
-    in forward order (one entry per rank of the balanced group, all data-parallel
-    ranks), ``rank`` the rank whose collectives are predicted."""
+    in forward order, of balanced towers and joined modules (one entry per rank of the
+    balance group: all data-parallel ranks by default), ``rank`` the rank whose
+    collectives are predicted; ``layers`` what each rank does with the joined decoder
+    layers."""
 
     ranks: tuple[tuple[BalancedCall, ...], ...]
     rank: int = 0
+    #: Per rank (as ``ranks``; other groups alike), per joined decoder layer in the
+    #: hook's order, the description of its call on that rank
+    #: (``multimodal_fsdp.balance.placeholder.describe_call``; ``b""``: the rank skips
+    #: the layer). Empty: every rank runs every joined layer (no placeholder).
+    layers: tuple[tuple[bytes, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.ranks:
@@ -100,13 +142,22 @@ class StepMedia:
 
     @classmethod
     def same_on_every_rank(
-        cls, calls: Sequence[BalancedCall], *, world_size: int, rank: int = 0
+        cls,
+        calls: Sequence[BalancedCall],
+        *,
+        world_size: int,
+        rank: int = 0,
+        layers: Sequence[bytes] = (),
     ) -> StepMedia:
         """Every rank makes ``calls`` (what the fake process group runs: every rank looks
-        like the calling one)."""
+        like the calling one) and runs the joined layers ``layers`` describes."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        return cls(ranks=tuple(tuple(calls) for _ in range(world_size)), rank=rank)
+        return cls(
+            ranks=tuple(tuple(calls) for _ in range(world_size)),
+            rank=rank,
+            layers=tuple(tuple(layers) for _ in range(world_size)) if layers else (),
+        )
 
     def towers(self) -> tuple[str, ...]:
         """The tower paths the calls name, in first-call order."""
@@ -117,26 +168,87 @@ class StepMedia:
         return tuple(seen)
 
 
-def balanced_towers(plan: ShardingPlan) -> tuple[BalancedTower, ...]:
-    """The towers the plan's ``balance_media`` hook balances (none without the hook)."""
+def _hook(plan: ShardingPlan) -> BalanceMediaRuntimeHook | None:
     planned = plan.hook(BalanceMediaRuntimeHook.name)
     if planned is None or not isinstance(planned.hook, BalanceMediaRuntimeHook):
-        return ()
-    return planned.hook.towers
+        return None
+    return planned.hook
 
 
-def _rounds(media: StepMedia, tower: str) -> list[list[BalancedCall | None]]:
-    """Per round (call index), each rank's call of ``tower`` (``None``: it joins)."""
-    per_rank = [[c for c in calls if c.tower == tower] for calls in media.ranks]
-    most = max(len(calls) for calls in per_rank)
-    return [[calls[k] if k < len(calls) else None for calls in per_rank] for k in range(most)]
+def balanced_towers(plan: ShardingPlan) -> tuple[BalancedTower, ...]:
+    """The towers the plan's ``balance_media`` hook balances (none without the hook)."""
+    hook = _hook(plan)
+    return () if hook is None else hook.towers
 
 
-def _round_traffic(
+def joined_modules(plan: ShardingPlan) -> tuple[JoinedModule, ...]:
+    """The modules (projectors with units) the plan's ``balance_media`` hook joins."""
+    hook = _hook(plan)
+    return () if hook is None else hook.joined
+
+
+def members_of(plan: ShardingPlan) -> tuple[BalancedTower | JoinedModule, ...]:
+    """The balanced towers and joined modules of the plan's hook, in the hook's order."""
+    return (*balanced_towers(plan), *joined_modules(plan))
+
+
+def joined_layers(plan: ShardingPlan) -> tuple[str, ...]:
+    """The media-dependent decoder layers the plan's ``balance_media`` hook joins."""
+    hook = _hook(plan)
+    return () if hook is None else hook.layers
+
+
+Member = BalancedTower | JoinedModule
+
+
+def balance_group_size(plan: ShardingPlan, world_size: int, dp_replicate: int = 1) -> int:
+    """The ranks of one balance group of the plan's ``balance_media`` hook on a mesh of
+    ``world_size`` ranks (``dp_replicate`` replicas): what ``StepMedia`` describes."""
+    hook = _hook(plan)
+    group = "all" if hook is None else hook.group
+    if group == "all":
+        return world_size
+    if group == "shard":
+        return world_size // dp_replicate
+    if group == "replicate":
+        return dp_replicate
+    if not isinstance(group, int) or world_size % group:
+        raise ValueError(f"balance_media_group={group!r} must divide the {world_size} ranks")
+    return group
+
+
+def _rounds(
+    media: StepMedia, members: Sequence[Member]
+) -> list[tuple[list[BalancedCall | None], str]]:
+    """The step's rounds as the exchange runs them: per round each rank's pending call
+    (``None``: it joins) and the module the round runs, the lowest in the hook's order
+    among those called; its callers move on to their next call, the others bring theirs
+    again."""
+    order = {member.path: index for index, member in enumerate(members)}
+    position = [0] * media.world_size
+    result: list[tuple[list[BalancedCall | None], str]] = []
+    while True:
+        heads = [
+            calls[position[r]] if position[r] < len(calls) else None
+            for r, calls in enumerate(media.ranks)
+        ]
+        called = [call.tower for call in heads if call is not None]
+        if not called:
+            return result
+        chosen = min(called, key=lambda path: order.get(path, len(order)))
+        result.append((heads, chosen))
+        for r, call in enumerate(heads):
+            if call is not None and call.tower == chosen:
+                position[r] += 1
+
+
+def _subcall_traffic(
     calls: list[BalancedCall | None], *, rank: int, tower: BalancedTower
 ) -> list[ExchangeCollective]:
-    items = [call.items if call is not None else () for call in calls]
-    specs = {call.spec for call in calls if call is not None}
+    """The collectives of the balanced call of ``tower`` in a round, after its metadata."""
+    mine = [call if call is not None and call.tower == tower.path else None for call in calls]
+    items = [call.items if call is not None else () for call in mine]
+    specs = {call.spec for call in mine if call is not None}
     if len(specs) > 1:
         raise ValueError(
             f"the calls of balanced tower {tower.path!r} made together pass different options "
@@ -144,12 +256,11 @@ def _round_traffic(
         )
     inputs_grad = any(item.input_grad_bytes for group in items for item in group)
     tensors = max(
-        (call.output_tensors for call in calls if call is not None and call.items), default=1
+        (call.output_tensors for call in mine if call is not None and call.items), default=1
     )
-    return exchange_traffic(
+    return call_traffic(
         [[item.cost for item in group] for group in items],
         rank=rank,
-        spec=specs.pop(),
         input_bytes=[[item.input_bytes for item in group] for group in items],
         output_bytes=[[item.output_bytes for item in group] for group in items],
         output_grad_bytes=(
@@ -161,46 +272,140 @@ def _round_traffic(
             [[item.input_grad_bytes for item in group] for group in items] if inputs_grad else None
         ),
         output_tensors=tensors,
+        run_when_empty=tower.run_when_empty,
     )
 
 
-def exchange_rounds(media: StepMedia, tower: BalancedTower) -> list[list[ExchangeCollective]]:
-    """The collectives ``media.rank`` runs in each round of calls of ``tower`` (the
-    barrier's last round not included), as
-    [`exchange_traffic`][multimodal_fsdp.balance.traffic.exchange_traffic] lists them."""
-    return [
-        _round_traffic(calls, rank=media.rank, tower=tower) for calls in _rounds(media, tower.path)
-    ]
+def exchange_rounds(
+    media: StepMedia, members: Sequence[Member]
+) -> list[list[tuple[str, list[ExchangeCollective]]]]:
+    """The collectives ``media.rank`` runs in each round (the barrier's last round not
+    included): per round, its metadata (module ``""``), then the call of the module the
+    round runs, as [`exchange_traffic`][multimodal_fsdp.balance.traffic.exchange_traffic]
+    lists them (a joined module's call exchanges nothing more)."""
+    by_path = {member.path: member for member in members}
+    result = []
+    for heads, chosen in _rounds(media, members):
+        payloads = [call.payload() if call is not None else 0 for call in heads]
+        member = by_path.get(chosen)
+        traffic: list[ExchangeCollective] = []
+        if isinstance(member, BalancedTower):
+            traffic = _subcall_traffic(heads, rank=media.rank, tower=member)
+        result.append([("", metadata_traffic(payloads)), (chosen, traffic)])
+    return result
 
 
-def tower_runs(media: StepMedia, tower: str) -> int:
-    """How often the balanced tower at ``tower`` runs on each rank in the step: once per
-    round of its calls in which some rank has an item (a rank encodes its share, or a
-    placeholder when the tower owns FSDP units), so its units' collectives repeat that
-    often (none in a step without its media)."""
-    return sum(
-        1
-        for calls in _rounds(media, tower)
-        if any(call is not None and call.items for call in calls)
-    )
+@dataclass(frozen=True)
+class CallBuffers:
+    """What one of this rank's balanced calls moves, for the memory model: the input
+    bytes it sends and receives, the output bytes it sends and receives, the input and
+    output bytes of the items it keeps, and the output gradient bytes it sends and
+    receives in backward (``None`` without that exchange)."""
+
+    inputs: tuple[int, int]
+    outputs: tuple[int, int]
+    kept: tuple[int, int]
+    grads: tuple[int, int] | None
+
+
+def call_buffers(
+    media: StepMedia, tower: BalancedTower, members: Sequence[Member]
+) -> list[CallBuffers | None]:
+    """Per call ``media.rank`` makes of ``tower``, in order, what it moves (``None``:
+    every item stays home, nothing is exchanged)."""
+    result: list[CallBuffers | None] = []
+    rounds = _rounds(media, members)
+    for parts, (calls, chosen) in zip(exchange_rounds(media, members), rounds, strict=True):
+        if chosen != tower.path:
+            continue
+        own = calls[media.rank]
+        if own is None or own.tower != tower.path:
+            continue
+        traffic = dict(parts).get(tower.path, [])
+        a2a = [c for c in traffic if c.kind == "all_to_all"]
+        if len(a2a) < 2:
+            result.append(None)
+            continue
+        costs = [
+            [i.cost for i in c.items] if c is not None and c.tower == tower.path else []
+            for c in calls
+        ]
+        owners = assign_items(costs)
+        kept = [i for i, o in enumerate(owners[media.rank]) if o == media.rank]
+        grads = next(((c.sent, c.received) for c in a2a if c.phase == "backward"), None)
+        result.append(
+            CallBuffers(
+                inputs=(a2a[0].sent, a2a[0].received),
+                outputs=(a2a[1].sent, a2a[1].received),
+                kept=(
+                    sum(own.items[i].input_bytes for i in kept),
+                    sum(own.items[i].output_bytes for i in kept),
+                ),
+                grads=grads,
+            )
+        )
+    return result
+
+
+def module_runs(media: StepMedia, path: str, members: Sequence[Member]) -> int:
+    """How often the balanced or joined module at ``path`` runs on each rank in the step
+    when it owns FSDP units: once per round that runs it in which some rank has an item
+    of it (a balanced tower: a rank encodes its share, or a placeholder) or calls it (a
+    joined module: the callers' own calls, a placeholder elsewhere); its units'
+    collectives repeat that often (none in a step without its media)."""
+    count = 0
+    for heads, chosen in _rounds(media, members):
+        if chosen != path:
+            continue
+        mine = [call for call in heads if call is not None and call.tower == path]
+        if any(call.joined or call.items for call in mine):
+            count += 1
+    return count
+
+
+def layer_runs(media: StepMedia, index: int) -> int:
+    """Whether (1) or not (0) the ``index``-th joined decoder layer runs on every rank in
+    the step: some rank runs it (the others join it on a placeholder), or none does."""
+    if not media.layers:
+        return 1
+    return int(any(blobs[index] for blobs in media.layers))
+
+
+def _tally(tally: CommTally, traffic: Sequence[ExchangeCollective]) -> None:
+    for collective in traffic:
+        if collective.kind == "all_to_all":
+            tally.add(
+                collective.phase, collective.kind, collective.sent, received=collective.received
+            )
+        else:  # an all_gather: its bytes are the gathered output
+            tally.add(collective.phase, collective.kind, collective.received)
 
 
 def exchange_tally(
-    media: StepMedia, towers: Sequence[BalancedTower], *, world_size: int
+    media: StepMedia,
+    towers: Sequence[BalancedTower],
+    *,
+    world_size: int,
+    joined: Sequence[JoinedModule] = (),
+    layers: int = 0,
 ) -> CommTally:
     """The collectives ``media.rank`` runs in one training step's exchanges: each round
-    of calls of each tower in ``towers``, then the join barrier's last round per tower.
-    ``all_gather`` bytes are the gathered output (every rank's slot), ``all_to_all``
-    bytes those this rank sends, with what it receives beside them, as
-    [`fsdp_core.CommCounter`][fsdp_core.comm.CommCounter] counts them."""
+    of calls of the balanced ``towers`` and ``joined`` modules, then the join barrier's
+    last round; and the decisions of ``layers`` joined decoder layers (with the shapes'
+    all_reduce where ``media.layers`` says some ranks run a layer and others skip it).
+    ``world_size``: the ranks of the balance group. ``all_gather`` bytes are the gathered
+    output (every rank's slot), ``all_to_all`` bytes those this rank sends, with what it
+    receives beside them, as [`fsdp_core.CommCounter`][fsdp_core.comm.CommCounter]
+    counts them."""
     if not isinstance(media, StepMedia):
         raise TypeError(f"media must be a StepMedia, got {type(media).__name__}")
     if media.world_size != world_size:
         raise ValueError(
             f"media describes {media.world_size} ranks but the plan is costed on {world_size}; "
-            "give one entry per data-parallel rank"
+            "give one entry per rank of the balance group"
         )
-    known = {tower.path for tower in towers}
+    members: list[Member] = [*towers, *joined]
+    known = {member.path for member in members}
     unknown = [path for path in media.towers() if path not in known]
     if unknown:
         raise ValueError(
@@ -208,28 +413,16 @@ def exchange_tally(
             f"{sorted(known)}"
         )
     tally = CommTally()
-    for tower in towers:
-        rounds = [
-            *exchange_rounds(media, tower),
-            exchange_traffic(
-                [[] for _ in range(world_size)],
-                rank=media.rank,
-                spec=None,
-                input_bytes=[[] for _ in range(world_size)],
-                output_bytes=[[] for _ in range(world_size)],
-            ),
-        ]
-        for traffic in rounds:
-            for collective in traffic:
-                if collective.kind == "all_to_all":
-                    tally.add(
-                        collective.phase,
-                        collective.kind,
-                        collective.sent,
-                        received=collective.received,
-                    )
-                else:  # an all_gather: its bytes are the gathered output
-                    tally.add(collective.phase, collective.kind, collective.received)
+    if members:
+        for parts in exchange_rounds(media, members):
+            for _, traffic in parts:
+                _tally(tally, traffic)
+        _tally(tally, metadata_traffic([0] * world_size))
+    for index in range(layers):
+        tally.add("forward", "all_reduce", DECISION_BYTES)
+        sizes = [len(row[index]) for row in media.layers] if media.layers else []
+        if sizes and any(sizes) and not all(sizes):
+            tally.add("forward", "all_reduce", blob_words(max(sizes)) * 8)
     return tally
 
 
@@ -286,6 +479,8 @@ def record_step_media(
         return StepMedia.same_on_every_rank((), world_size=world_size, rank=rank)
     twin = compute_copy(model, plan)
     calls: list[BalancedCall] = []
+    layers = joined_layers(plan)
+    layer_blobs = [b""] * len(layers)
     handles = []
     for unit in plan.units:
         for path in unit.paths:
@@ -301,12 +496,34 @@ def record_step_media(
         # First among the forward hooks: the output as the tower's forward returns it,
         # before a unit's output cast (the exchange carries it so).
         handles.append(module.register_forward_hook(capture, with_kwargs=True, prepend=True))
+    for joined in joined_modules(plan):
+
+        def enter(_module: nn.Module, args: Any, kwargs: Any, path: str = joined.path) -> None:
+            blob = describe_call(tuple(args), dict(kwargs))
+            calls.append(
+                BalancedCall(
+                    tower=path,
+                    spec=CallSpec(fields=()),
+                    items=(),
+                    joined=True,
+                    blob_bytes=len(blob),
+                )
+            )
+
+        module = twin.get_submodule(joined.path) if joined.path else twin
+        handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
+    for index, path in enumerate(layers):
+
+        def ran(_module: nn.Module, args: Any, kwargs: Any, index: int = index) -> None:
+            layer_blobs[index] = describe_call(tuple(args), dict(kwargs))
+
+        handles.append(twin.get_submodule(path).register_forward_pre_hook(ran, with_kwargs=True))
     try:
         loss_fn(twin)  # grad mode as in training: which inputs require a gradient
     finally:
         for handle in handles:
             handle.remove()
-    return StepMedia.same_on_every_rank(calls, world_size=world_size, rank=rank)
+    return StepMedia.same_on_every_rank(calls, world_size=world_size, rank=rank, layers=layer_blobs)
 
 
 def step_media(

@@ -329,7 +329,13 @@ class ScheduleCheck:
             "pass uneven_media=True to the parallelizer (these modules then join the root "
             "unit: gathered for the whole step, any media on any rank)"
         )
-        fixes = []
+        # balance_media keeps every unit and trains under any media distribution: ranks
+        # take part in every tower call and join the projectors and layers they skip.
+        fixes = [
+            "pass balance_media=True to the parallelizer (every rank then takes part in "
+            "each tower call and joins the projector calls and media-dependent layers it "
+            "has no media for)"
+        ]
         if self.layout.per_layer:
             # uneven_media=True is refused with per_layer: the policy changes first.
             swap = (

@@ -1,0 +1,301 @@
+"""Media-dependent decoder layers joined by every rank (part of ``balance_media=True``).
+
+Some decoders skip layers when a batch has no media: Mllama's cross-attention layers
+run only when the batch has images (or cached image states). When such a layer is an
+FSDP unit, a rank with a text-only batch skips its all-gathers and reduce-scatters
+while the ranks with images run them, and the ranks' collectives no longer match.
+
+Here every rank reaches each such layer's place in its container (the ``nn.ModuleList``
+the decoder runs in order) and the ranks agree, in one small ``all_reduce``
+(``DECISION_BYTES``) over all data-parallel ranks, whether any of them runs it:
+
+- nobody runs it: nobody does (its parameters keep no gradient, as in one process);
+- everybody runs it: nothing more;
+- some run it: one more ``all_reduce`` brings the description of the lowest such rank's
+  call (``multimodal_fsdp.balance.placeholder``) to every rank, and each rank that
+  skipped it runs the layer there on a placeholder of those shapes, its output times 0
+  added to the next layer's input (or to the decoder's output after the last layer).
+  The layer's units then gather, and in backward gather and reduce, at the same place on
+  every rank, and its gradients are the calling ranks' alone.
+
+A rank that runs the layer decides at its own forward pre-hook; a rank that skipped it
+decides at the pre-hook of the next layer of the container it runs (or after the
+container's owner returns), before that layer's all-gather, so the decisions pair up.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from fsdp_core.internals import in_backward
+from multimodal_fsdp.balance.exchange import zero_anchor
+from multimodal_fsdp.balance.placeholder import describe_call, placeholder_call
+
+__all__ = ["DECISION_BYTES", "JoinedLayers", "add_anchor", "add_to_outputs", "blob_words"]
+
+logger = logging.getLogger(__name__)
+
+#: Bytes of the decision all_reduce per joined layer and forward (4 int64).
+DECISION_BYTES: Final = 32
+
+
+def reduce_max(tensor: Tensor, group: Any) -> None:
+    """The decision's all_reduce (MAX), in place."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+
+
+def reduce_sum(tensor: Tensor, group: Any) -> None:
+    """The description's all_reduce (SUM: one rank's words, zeros elsewhere), in place."""
+    dist.all_reduce(tensor, group=group)
+
+
+def blob_words(blob_bytes: int) -> int:
+    """int64 words of the all_reduce that carries a call's description."""
+    return math.ceil(blob_bytes / 8)
+
+
+def add_anchor(value: Any, anchor: Tensor) -> tuple[Any, bool]:
+    """``value`` with ``anchor`` added to its first floating tensor (walking tuples,
+    lists and mappings); whether one was found."""
+    if isinstance(value, Tensor):
+        if value.is_floating_point():
+            return value + anchor.to(device=value.device, dtype=value.dtype), True
+        return value, False
+    if isinstance(value, (tuple, list)):
+        items = list(value)
+        for index, item in enumerate(items):
+            items[index], done = add_anchor(item, anchor)
+            if done:
+                rebuilt = type(value)(items) if type(value) in (tuple, list) else items
+                return rebuilt, True
+        return value, False
+    return value, False
+
+
+def add_to_outputs(output: Any, anchor: Tensor) -> Any:
+    """``output`` with ``anchor`` added to every floating tensor in it (whichever output
+    the loss reads carries the anchor)."""
+    if isinstance(output, Tensor):
+        if output.is_floating_point():
+            return output + anchor.to(device=output.device, dtype=output.dtype)
+        return output
+    if isinstance(output, Mapping):
+        for key in list(output.keys()):
+            try:
+                output[key] = add_to_outputs(output[key], anchor)  # type: ignore[index]
+            except TypeError:
+                return output  # an immutable mapping: leave it
+        return output
+    if isinstance(output, (tuple, list)) and type(output) in (tuple, list):
+        return type(output)(add_to_outputs(item, anchor) for item in output)
+    return output
+
+
+def _anchor_args(
+    args: tuple[Any, ...], kwargs: dict[str, Any], anchor: Tensor
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    new_args, done = add_anchor(args, anchor)
+    if done:
+        return tuple(new_args), kwargs
+    for key, value in kwargs.items():
+        new_value, done = add_anchor(value, anchor)
+        if done:
+            return args, {**kwargs, key: new_value}
+    return None
+
+
+class _Container:
+    """One layer container with joined layers: their indices, the owner that runs it."""
+
+    def __init__(self, items: Sequence[nn.Module], joined: set[int]) -> None:
+        self.items = list(items)
+        self.joined = sorted(joined)
+        self.last = -1  # the last index run (or passed) in this run of the owner
+
+
+class JoinedLayers:
+    """The installed part of ``balance_media`` for media-dependent decoder layers (see
+    the module docstring). ``active()``: whether the model's forward is running (the
+    decisions are made in every forward of the model, training or not, never in a
+    backward's recomputation)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        paths: Sequence[str],
+        group: Any,
+        active: Callable[[], bool],
+        agree: Callable[[int, bytes | None, torch.device], bytes | None] | None = None,
+    ) -> None:
+        self._group = group
+        self._active = active
+        #: The decision: the collective by default; the memory model's trace passes the
+        #: step's media instead (``multimodal_fsdp.estimate.activations``).
+        self._agreement = agree if agree is not None else self._agree
+        self._index: dict[int, int] = {}
+        self._bypass = 0
+        #: Layers joined on a placeholder and layers run, in the last forward.
+        self.last_joined = 0
+        self.last_decisions = 0
+        handles: list[RemovableHandle] = []
+        containers: dict[int, tuple[nn.Module, str, _Container]] = {}
+        for position, path in enumerate(paths):
+            self._index[id(model.get_submodule(path))] = position
+            parent_path, _, name = path.rpartition(".")
+            container = model.get_submodule(parent_path) if parent_path else model
+            if not isinstance(container, nn.ModuleList) or not name.isdigit():
+                raise ValueError(
+                    f"balance_media: the media-dependent layer {path!r} is not an item of an "
+                    "nn.ModuleList; only layers a decoder runs in order can be joined"
+                )
+            owner_path = parent_path.rpartition(".")[0]
+            key = id(container)
+            if key not in containers:
+                owner = model.get_submodule(owner_path) if owner_path else model
+                containers[key] = (owner, parent_path, _Container(list(container), set()))
+            containers[key][2].joined.append(int(name))
+        for owner, _, state in containers.values():
+            state.joined = sorted(set(state.joined))
+            handles.append(owner.register_forward_pre_hook(self._reset(state), prepend=True))
+            handles.append(owner.register_forward_hook(self._after(state), always_call=True))
+            for index, item in enumerate(state.items):
+                handles.append(
+                    item.register_forward_pre_hook(
+                        self._before(state, index), prepend=True, with_kwargs=True
+                    )
+                )
+        self._handles = handles
+
+    # -------------------------------------------------------------------- hooks
+    def _on(self) -> bool:
+        return not self._bypass and self._active() and not in_backward()
+
+    def _reset(self, state: _Container) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            if self._on():
+                state.last = -1
+
+        return hook
+
+    def _before(self, state: _Container, index: int) -> Callable[..., Any]:
+        def hook(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+            if not self._on():
+                return None
+            anchor = self._skipped(state, index, args, kwargs)
+            if index in state.joined:
+                self._decide(state.items[index], ran=(args, kwargs))
+            state.last = max(state.last, index)
+            if anchor is None:
+                return None
+            anchored = _anchor_args(args, kwargs, anchor)
+            if anchored is None:
+                raise RuntimeError(
+                    f"balance_media: layer {index} of a container with joined layers got no "
+                    "floating tensor input to carry a joined layer's zero anchor"
+                )
+            return anchored
+
+        return hook
+
+    def _after(self, state: _Container) -> Callable[..., Any]:
+        def hook(_module: nn.Module, _args: Any, output: Any) -> Any:
+            if not self._on():
+                return None
+            import sys
+
+            if sys.exc_info()[0] is not None:  # the forward raised: no collective after it
+                return None
+            anchor = self._skipped(state, len(state.items), (), {})
+            state.last = -1
+            if anchor is None:
+                return None
+            return add_to_outputs(output, anchor)
+
+        return hook
+
+    def _skipped(
+        self, state: _Container, upto: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Tensor | None:
+        """Decide every joined layer this rank passed without running (between the last
+        one run and ``upto``); the sum of the placeholder runs' anchors."""
+        total: Tensor | None = None
+        for index in state.joined:
+            if state.last < index < upto:
+                anchor = self._decide(state.items[index], ran=None)
+                if anchor is not None:
+                    total = anchor if total is None else total + anchor.to(total.device)
+        return total
+
+    # ----------------------------------------------------------------- decisions
+    def _device(self, layer: nn.Module) -> torch.device:
+        for param in layer.parameters():
+            if param.device.type != "meta":
+                return param.device
+        if dist.get_backend(self._group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _agree(self, index: int, blob: bytes | None, device: torch.device) -> bytes | None:
+        """The decision collective for the ``index``-th joined layer (``blob``: this
+        rank's call's description, ``None`` if it skipped the layer): the description of
+        the lowest rank that ran it when some ranks ran it and others skipped it, else
+        ``None``."""
+        world, rank = dist.get_world_size(self._group), dist.get_rank(self._group)
+        mine = blob or b""
+        # MAX of: someone ran it, someone skipped it, the longest description, and -(the
+        # lowest rank that ran it): one all_reduce says all four.
+        flags = torch.tensor(
+            [
+                int(blob is not None),
+                int(blob is None),
+                len(mine),
+                -world if blob is None else -rank,
+            ],
+            dtype=torch.int64,
+            device=device,
+        )
+        reduce_max(flags, self._group)
+        someone_ran, someone_skipped, longest, source = (int(x) for x in flags.tolist())
+        if not (someone_ran and someone_skipped):
+            return None
+        words = torch.zeros(blob_words(longest), dtype=torch.int64, device=device)
+        if blob is not None and -source == rank:
+            padded = blob + bytes(words.numel() * 8 - len(blob))
+            words.copy_(torch.frombuffer(bytearray(padded), dtype=torch.int64))
+        reduce_sum(words, self._group)  # only the source rank's words are non-zero
+        return words.cpu().numpy().tobytes()
+
+    def _decide(
+        self, layer: nn.Module, *, ran: tuple[tuple[Any, ...], dict[str, Any]] | None
+    ) -> Tensor | None:
+        """The decision for one joined layer; on a rank that skipped it while another ran
+        it, the placeholder run's anchor."""
+        device = self._device(layer)
+        blob = describe_call(*ran) if ran is not None else None
+        source = self._agreement(self._index[id(layer)], blob, device)
+        self.last_decisions += 1
+        if source is None or ran is not None:
+            return None
+        args, kwargs = placeholder_call(source, device)
+        self._bypass += 1
+        try:
+            output = layer(*args, **kwargs)
+        finally:
+            self._bypass -= 1
+        self.last_joined += 1
+        return zero_anchor(output)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
