@@ -20,7 +20,8 @@ Each model runs under ``root`` and ``per_layer`` with its tower frozen and with 
 trainable tower, three steps whose media distribution changes: a 3:1 skew, all media on
 one rank, all on the other (Mllama keeps media on both ranks here: its text-only rank,
 whose cross-attention layers join on a placeholder, is ``balanced_joined``'s case;
-Qwen2.5-Omni and Phi-4 mix their two kinds of media unevenly). ``CROSS_TOWER``: audio on one rank and images on the other.
+Qwen2.5-Omni and Phi-4 mix their two kinds of media unevenly). ``CROSS_TOWER``: audio
+on one rank and images on the other.
 ``mistral3_counted``: every batch also passes ``num_items_in_batch`` (a 0-d tensor that
 differs between ranks), which Mistral 3 hands down to the tower.
 """

@@ -549,3 +549,32 @@ def test_a_unit_made_outside_the_plan_is_refused(mesh2: DeviceMesh) -> None:
     plan = parallelizer.plan(model)
     with pytest.raises(PlanMismatchError, match=r"made but not planned \['0'\].*_plan_leading"):
         parallelizer.apply_plan(model, plan, mesh=mesh2)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"replicated_param_names": ("0.weight",)},
+        {"replicated_param_names": ("0.weight",), "sync_replicated": False},
+        {
+            "replicated_param_names": ("0.weight",),
+            "replicated_param_dtypes": (("0.weight", torch.bfloat16),),
+        },
+    ],
+)
+def test_the_plan_digest_covers_what_changes_apply(change: dict[str, object]) -> None:
+    """apply_plan's ranks agree on the plan's digest before acting: every field that
+    changes what apply does (which parameters are replicated, whether they are
+    broadcast, their dtype) must change the digest, or ranks holding different plans
+    would go on and meet in different collectives (a broadcast on some ranks only)."""
+    import dataclasses
+
+    from fsdp_core.parallelizer import _plan_digest
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    plan = ModelParallelizer().plan(model)
+    base = dataclasses.replace(plan, replicated_param_names=("0.weight",))
+    other = dataclasses.replace(plan, **change)  # type: ignore[arg-type]
+    reference = base if "replicated_param_names" in change and len(change) > 1 else plan
+    assert _plan_digest(other) != _plan_digest(reference)
+    assert _plan_digest(other) == _plan_digest(dataclasses.replace(other))

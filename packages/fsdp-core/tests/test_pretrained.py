@@ -536,3 +536,19 @@ def _default_dtype() -> Iterator[None]:
     dtype = torch.get_default_dtype()
     yield
     torch.set_default_dtype(dtype)
+
+
+def test_one_default_shard_size_for_both_ways_to_export() -> None:
+    """``model.save_pretrained(d)`` (the method bound at apply) and
+    ``save_pretrained(model, d)`` write files of the same default size: rank 0 holds one
+    output file of full tensors at a time, so the default bounds its host memory and must
+    not depend on which way the user called the export."""
+    import inspect
+
+    from fsdp_core.hf import _hf_methods, pretrained
+
+    def default(fn: object) -> object:
+        return inspect.signature(fn).parameters["max_shard_size"].default  # type: ignore[arg-type]
+
+    assert default(_hf_methods.save_hf_model) == default(pretrained.save_pretrained)
+    assert default(pretrained.save_pretrained) == pretrained.DEFAULT_MAX_SHARD_SIZE

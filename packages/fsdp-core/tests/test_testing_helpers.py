@@ -186,7 +186,8 @@ def test_a_gloo_rank_ends_the_safe_way(tmp_path: Path, monkeypatch: pytest.Monke
     testing._rank_entry(
         0, 1, str(tmp_path / "rendezvous"), lambda rank, world: seen.append(world), (), 30.0
     )
-    assert seen == [1] and ended == [True]
+    assert seen == [1]
+    assert ended == [True]
     assert not dist.is_initialized()
 
 

@@ -650,9 +650,20 @@ def _check_hook_names(names: Iterable[str], known: tuple[str, ...]) -> frozenset
 
 
 def _plan_digest(plan: ShardingPlan) -> str:
-    """A hash of what applying ``plan`` does (its calls, units, ignored parameters and
-    hooks), the same on every rank that holds the same plan."""
-    text = repr((plan.calls, plan.ignored_param_names, plan.hook_names()))
+    """A hash of what applying ``plan`` does (its calls, units, ignored parameters,
+    replicated parameters with their dtypes and broadcast, and hooks), the same on every
+    rank that holds the same plan: ranks that differ in any of these would meet in
+    different collectives."""
+    text = repr(
+        (
+            plan.calls,
+            plan.ignored_param_names,
+            plan.replicated_param_names,
+            plan.replicated_param_dtypes,
+            plan.sync_replicated,
+            plan.hook_names(),
+        )
+    )
     return hashlib.sha256(re.sub(r" at 0x[0-9a-f]+", "", text).encode()).hexdigest()
 
 

@@ -26,13 +26,11 @@ from typing import Any
 from torch import nn
 
 from fsdp_core.hf import _hf_model, _lora, _trainer_guard
-from fsdp_core.hf.pretrained import export_adapter, save_pretrained
+from fsdp_core.hf.pretrained import DEFAULT_MAX_SHARD_SIZE, export_adapter, save_pretrained
 
 logger = logging.getLogger(__name__)
 
 _ATTRIBUTE = "save_pretrained"
-#: transformers' default shard size (the library's own default is smaller).
-HF_MAX_SHARD_SIZE = "50GB"
 
 
 def install_collective_save(model: nn.Module) -> tuple[str, ...]:
@@ -94,7 +92,7 @@ def save_hf_model(
     is_main_process: bool = True,
     state_dict: dict[str, Any] | None = None,
     push_to_hub: bool = False,
-    max_shard_size: int | str = HF_MAX_SHARD_SIZE,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     variant: str | None = None,
     token: str | bool | None = None,
     save_peft_format: bool = True,
@@ -109,10 +107,10 @@ def save_hf_model(
     """transformers' ``save_pretrained`` on a sharded model: ``fsdp_core.hf.save_pretrained``.
 
     Collective: call it on every rank (``is_main_process`` is accepted and not
-    needed: rank 0 writes). ``max_shard_size`` is honoured (transformers'
-    default, 50GB); ``merge_adapters=True`` merges LoRA-wrapped modules and
-    ``timeout`` bounds the wait for the other ranks, as in the library's
-    export. ``state_dict``, ``push_to_hub``, ``variant``, ``token``,
+    needed: rank 0 writes). ``max_shard_size`` is honoured (default: the
+    library's, 5GB, as for ``save_pretrained(model, d)``); ``merge_adapters=True``
+    merges LoRA-wrapped modules and ``timeout`` bounds the wait for the other
+    ranks, as in the library's export. ``state_dict``, ``push_to_hub``, ``variant``, ``token``,
     ``safe_serialization=False``, ``save_original_format=False`` and
     ``distributed_checkpoint=True`` are refused; ``save_peft_format`` only
     concerns adapters loaded through transformers, which the export refuses

@@ -74,6 +74,10 @@ PathLike = str | os.PathLike[str]
 KeyMapping = Callable[[str], str]
 
 _LISTED = 8
+#: The largest export file by default, whichever way the export is called: rank 0 holds
+#: one output file of full tensors at a time, so this bounds its host memory (smaller
+#: than transformers' own 50GB default, which assumes the model is already in memory).
+DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 
 @dataclass(frozen=True)
@@ -758,7 +762,7 @@ def save_pretrained(
     model: nn.Module,
     directory: PathLike,
     *,
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     key_mapping: KeyMapping | None = None,
     merge_adapters: bool = False,
     timeout: float | timedelta | None = None,
