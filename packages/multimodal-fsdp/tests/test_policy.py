@@ -359,3 +359,58 @@ def test_frozen_policies_refuse_a_path_that_is_not_discovered() -> None:
 )
 def test_frozen_policies_say_where_per_layer_is_set(value: object, where: str) -> None:
     assert FrozenPolicies.parse(value).per_layer_where == where  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- one object per policy
+_POLICY_NAMES = {"root", "per_layer", "replicate"}
+#: The modules that act on a policy; they must ask its object, never compare its name.
+_POLICY_READERS = ("parallelizer.py", "parts.py", "estimate/choose.py", "estimate/costs.py")
+
+
+def test_every_policy_name_has_one_object_that_answers_for_it() -> None:
+    from multimodal_fsdp.policy import (
+        FROZEN_POLICIES,
+        VALID_FROZEN_MULTIMODAL_SHARDING,
+        frozen_policy,
+    )
+
+    assert tuple(FROZEN_POLICIES) == VALID_FROZEN_MULTIMODAL_SHARDING
+    for name, policy in FROZEN_POLICIES.items():
+        assert policy.name == name
+        assert frozen_policy(name) is policy
+        assert policy.partly_trainable_rule
+    assert frozen_policy("replicate").replicated_paths(["a", "b"]) == ["a", "b"]
+    assert frozen_policy("root").replicated_paths(["a"]) == []
+    assert [n for n, p in FROZEN_POLICIES.items() if p.layer_units] == ["per_layer"]
+    assert [n for n, p in FROZEN_POLICIES.items() if not p.uneven_media_safe] == ["per_layer"]
+    with pytest.raises(ValueError, match=r"unknown frozen multimodal sharding 'fsdp'.*root"):
+        frozen_policy("fsdp")
+
+
+def test_no_module_compares_a_policy_by_name() -> None:
+    """Adding a policy touches policy.py (and docs/tests) only: the modules that act on
+    a policy ask its object (``frozen_policy(name).layer_units`` ...), so no comparison
+    with a policy's name is left in them."""
+    import ast
+    from pathlib import Path
+
+    import multimodal_fsdp
+
+    src = Path(multimodal_fsdp.__file__).parent
+    found = []
+    for relative in _POLICY_READERS:
+        tree = ast.parse((src / relative).read_text())
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Compare):
+                continue
+            for operand in [node.left, *node.comparators]:
+                if isinstance(operand, ast.Constant) and operand.value in _POLICY_NAMES:
+                    found.append(f"{relative}:{node.lineno} {operand.value!r}")
+        for node in ast.walk(tree):  # a dict keyed by policy names is a second table
+            if (
+                isinstance(node, ast.Dict)
+                and {k.value for k in node.keys if isinstance(k, ast.Constant)} & _POLICY_NAMES
+                == _POLICY_NAMES
+            ):
+                found.append(f"{relative}:{node.lineno} a table keyed by policy names")
+    assert found == [], found

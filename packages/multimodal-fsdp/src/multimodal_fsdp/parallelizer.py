@@ -81,7 +81,7 @@ from multimodal_fsdp.parts import (
     split_frozen_parts,
     summarise,
 )
-from multimodal_fsdp.policy import FrozenMultimodalSharding, FrozenPolicies
+from multimodal_fsdp.policy import FrozenMultimodalSharding, FrozenPolicies, frozen_policy
 from multimodal_fsdp.reachability import backward_free_paths
 from multimodal_fsdp.record import MultimodalRecord, PlannedPart, media_regions_of, plan_record
 from multimodal_fsdp.runtime.balance_media import BalanceMediaRuntimeHook, check_balance_group
@@ -251,8 +251,7 @@ class MultimodalParallelizer(ModelParallelizer):
         return [
             path
             for part, policy in self._parts_with_policies(model)
-            if policy == "replicate"
-            for path in part.frozen
+            for path in frozen_policy(policy).replicated_paths(part.frozen)
         ]
 
     def _replicated_param_names(self, model: nn.Module) -> list[str]:
@@ -289,7 +288,7 @@ class MultimodalParallelizer(ModelParallelizer):
             for trainable in part.trainable:
                 module = model.get_submodule(trainable) if trainable else model
                 paths.extend(join_path(trainable, p) for p, _ in iter_layer_items(module))
-            if policy == "per_layer":
+            if frozen_policy(policy).layer_units:
                 for frozen in part.frozen:
                     paths.extend(_layer_unit_paths(model, frozen, ids))
         return paths
@@ -298,13 +297,9 @@ class MultimodalParallelizer(ModelParallelizer):
         self, part: MultimodalParts, policy: FrozenMultimodalSharding
     ) -> list[str]:
         """Units of a partly trainable module, decided per layer (see the module doc):
-        trainable layers always, frozen and adapted layers under ``per_layer`` only."""
-        per_layer = policy == "per_layer"
-        return [
-            path
-            for path, kind in classify_layers(part)
-            if kind == "trainable" or (per_layer and kind in ("frozen", "adapted"))
-        ]
+        trainable layers always, frozen and adapted layers where the policy makes layer
+        units (``per_layer``)."""
+        return frozen_policy(policy).partly_trainable_units(classify_layers(part))
 
     def _plan_notes(self, ctx: PlanContext) -> list[str]:
         notes = []

@@ -24,7 +24,7 @@ from torch import nn
 
 from fsdp_core.containers import iter_layer_items, join_path
 from multimodal_fsdp.discovery.names import MultimodalModule
-from multimodal_fsdp.policy import module_is_fully_frozen
+from multimodal_fsdp.policy import frozen_policy, module_is_fully_frozen
 
 __all__ = [
     "LayerKind",
@@ -76,15 +76,6 @@ def split_frozen_parts(module: nn.Module, path: str) -> tuple[list[str], list[st
 
 LayerKind = Literal["frozen", "adapted", "trainable", "empty"]
 
-#: What each policy does with the layers of a partly trainable module, for plan notes.
-_PARTLY_TRAINABLE_RULE: dict[str, str] = {
-    "root": "frozen and adapted layers and the rest join the root unit",
-    "per_layer": "frozen and adapted layers are units (adapters in their layer's unit), "
-    "the rest joins the root unit",
-    "replicate": "frozen parameters are replicated, trainable ones outside trainable layers "
-    "join the root unit",
-}
-
 
 def layer_kind(module: nn.Module) -> LayerKind:
     flags = {p.requires_grad for p in module.parameters()}
@@ -114,7 +105,7 @@ def partly_trainable_note(part: MultimodalParts, policy: str) -> str:
     units = "trainable layers are units; " if counts["trainable"] else ""
     return (
         f"partly trainable (layers: {layers}; trainable parts: {summarise(trainable, 2)}); "
-        f"{policy!r}: {units}{_PARTLY_TRAINABLE_RULE[policy]}"
+        f"{policy!r}: {units}{frozen_policy(policy).partly_trainable_rule}"
     )
 
 

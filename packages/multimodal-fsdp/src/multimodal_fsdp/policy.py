@@ -13,6 +13,9 @@ from fsdp_core.sharding import owned_ignored_params
 __all__ = [
     "FrozenMultimodalSharding",
     "VALID_FROZEN_MULTIMODAL_SHARDING",
+    "FrozenPolicy",
+    "FROZEN_POLICIES",
+    "frozen_policy",
     "normalize_frozen_multimodal_sharding",
     "FrozenPolicies",
     "module_parameters",
@@ -28,6 +31,73 @@ FrozenMultimodalSharding = Literal["root", "per_layer", "replicate"]
 VALID_FROZEN_MULTIMODAL_SHARDING: Final[tuple[FrozenMultimodalSharding, ...]] = get_args(
     FrozenMultimodalSharding
 )
+
+
+@dataclass(frozen=True)
+class FrozenPolicy:
+    """What one frozen-tower policy does with a fully frozen tower or projector.
+
+    The planner, the plan notes and the chooser ask this object instead of comparing
+    the policy's name, so a new policy is one more entry of ``FROZEN_POLICIES``.
+    """
+
+    name: FrozenMultimodalSharding
+    #: Its frozen layers (layer-container items) become FSDP units of their own.
+    layer_units: bool
+    #: Its frozen parameters stay whole on every rank, outside FSDP.
+    replicates: bool
+    #: Safe when ranks may skip the part's calls (``uneven_media=True``): it makes no
+    #: unit that only ranks with media would run.
+    uneven_media_safe: bool
+    #: Plan note: what it does with the layers of a partly trainable module.
+    partly_trainable_rule: str
+
+    def replicated_paths(self, frozen: Sequence[str]) -> list[str]:
+        """The frozen paths kept whole on every rank."""
+        return list(frozen) if self.replicates else []
+
+    def partly_trainable_units(self, layers: Iterable[tuple[str, str]]) -> list[str]:
+        """Unit paths among the ``(path, kind)`` layers of a partly trainable module:
+        trainable layers always, frozen and adapted ones where the policy makes layer
+        units (adapters stay in their layer's unit)."""
+        return [
+            path
+            for path, kind in layers
+            if kind == "trainable" or (self.layer_units and kind in ("frozen", "adapted"))
+        ]
+
+
+#: Every policy, in the order of ``VALID_FROZEN_MULTIMODAL_SHARDING``.
+FROZEN_POLICIES: Final[dict[FrozenMultimodalSharding, FrozenPolicy]] = {
+    "root": FrozenPolicy(
+        name="root",
+        layer_units=False,
+        replicates=False,
+        uneven_media_safe=True,
+        partly_trainable_rule="frozen and adapted layers and the rest join the root unit",
+    ),
+    "per_layer": FrozenPolicy(
+        name="per_layer",
+        layer_units=True,
+        replicates=False,
+        uneven_media_safe=False,
+        partly_trainable_rule="frozen and adapted layers are units (adapters in their "
+        "layer's unit), the rest joins the root unit",
+    ),
+    "replicate": FrozenPolicy(
+        name="replicate",
+        layer_units=False,
+        replicates=True,
+        uneven_media_safe=True,
+        partly_trainable_rule="frozen parameters are replicated, trainable ones outside "
+        "trainable layers join the root unit",
+    ),
+}
+
+
+def frozen_policy(name: str) -> FrozenPolicy:
+    """The policy object of ``name`` (spelled as ``frozen_multimodal_sharding`` accepts)."""
+    return FROZEN_POLICIES[normalize_frozen_multimodal_sharding(name)]
 
 
 class _NotAStrError(ValueError, TypeError):
@@ -154,15 +224,21 @@ class FrozenPolicies:
 
     @property
     def per_layer_where(self) -> str:
-        """Where ``per_layer`` is set, as the option reads ('' when nowhere)."""
-        per_layer = [path for path, policy in self.by_path if policy == "per_layer"]
-        if self.default == "per_layer" and not self.by_path:
-            return "frozen_multimodal_sharding='per_layer'"
-        if self.default == "per_layer":
-            per_layer.append(self.REST)
-        if not per_layer:
+        """Where a policy unsafe under uneven media (``per_layer``) is set, as the option
+        reads ('' when nowhere)."""
+        unsafe = {name for name, policy in FROZEN_POLICIES.items() if not policy.uneven_media_safe}
+        if not self.by_path and self.default in unsafe:
+            return f"frozen_multimodal_sharding={self.default!r}"
+        where = [(path, policy) for path, policy in self.by_path if policy in unsafe]
+        if self.default in unsafe:
+            where.append((self.REST, self.default))
+        if not where:
             return ""
-        return f"frozen_multimodal_sharding 'per_layer' for {', '.join(map(repr, per_layer))}"
+        named = sorted({policy for _, policy in where})
+        return (
+            f"frozen_multimodal_sharding {', '.join(map(repr, named))} for "
+            f"{', '.join(repr(path) for path, _ in where)}"
+        )
 
 
 def module_parameters(module: nn.Module) -> list[nn.Parameter]:

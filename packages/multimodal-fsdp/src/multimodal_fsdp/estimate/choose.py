@@ -46,9 +46,11 @@ from multimodal_fsdp.estimate.exchange import StepMedia, step_media
 from multimodal_fsdp.estimate.memory import check_optimizer, with_memory
 from multimodal_fsdp.estimate.render import format_bytes
 from multimodal_fsdp.policy import (
+    FROZEN_POLICIES,
     VALID_FROZEN_MULTIMODAL_SHARDING,
     FrozenMultimodalSharding,
     FrozenPolicies,
+    frozen_policy,
     normalize_frozen_multimodal_sharding,
 )
 from multimodal_fsdp.record import PlannedPart, plan_record
@@ -331,15 +333,19 @@ def choose_frozen_policy(
             f"{type(base).__name__}'s plans carry no multimodal record; "
             "the chooser needs a MultimodalParallelizer (or a subclass)"
         )
-    left_out = record.uneven_media and "per_layer" in names
+    # uneven_media=True refuses, for any module, a policy that makes units only ranks
+    # with media run (ranks may skip the tower).
+    unsafe = [n for n in names if not frozen_policy(n).uneven_media_safe]
+    left_out = ", ".join(unsafe) if record.uneven_media else ""
     if left_out:
-        # uneven_media=True refuses per_layer for any module (ranks may skip the tower).
-        names = tuple(name for name in names if name != "per_layer")
-        if not names:
+        kept = tuple(name for name in names if name not in unsafe)
+        if not kept:
+            safe = [n for n, p in FROZEN_POLICIES.items() if p.uneven_media_safe]
             raise ValueError(
-                "policies=('per_layer',) but the parallelizer has uneven_media=True, which "
-                "refuses per_layer; allow 'root' or 'replicate'"
+                f"policies={names!r} but the parallelizer has uneven_media=True, which "
+                f"refuses {left_out}; allow {' or '.join(map(repr, safe))}"
             )
+        names = kept
     if loss_fn is not None and activations is not None:
         raise ValueError("give loss_fn (to trace activations) or activations, not both")
     check_optimizer(optimizer)
@@ -412,7 +418,7 @@ def choose_frozen_policy(
     chosen = candidates[best]
     notes = _notes(chosen, candidates, frozen, limit)
     if left_out:
-        notes.append("per_layer left out: the parallelizer has uneven_media=True")
+        notes.append(f"{left_out} left out: the parallelizer has uneven_media=True")
     if not traced:
         notes.append("peaks leave activations out (no batch given)")
     logger.info("%s", notes[0])
