@@ -275,3 +275,21 @@ def test_choose_per_layer_only_with_uneven_media_advice_works() -> None:
         parallelizer=parallelizer,
     )
     assert set(choice.policies.values()) <= {"root", "replicate"}
+
+
+def test_the_chooser_keeps_per_layer_where_balanced_media_allows_it() -> None:
+    """uneven_media=True refuses per_layer only without balance_media (balanced towers
+    keep their units): the chooser must not leave out what the parallelizer accepts."""
+    from multimodal_fsdp import choose_frozen_policy
+
+    parallelizer = MultimodalParallelizer(uneven_media=True, balance_media=True)
+    parallelizer.with_options(frozen_multimodal_sharding="per_layer")  # accepted
+    choice = choose_frozen_policy(
+        build(frozen=True),
+        "1GiB",
+        policies=("per_layer",),
+        world_size=2,
+        parallelizer=parallelizer,
+    )
+    assert set(choice.policies.values()) == {"per_layer"}
+    assert not any("left out" in note for note in choice.notes)

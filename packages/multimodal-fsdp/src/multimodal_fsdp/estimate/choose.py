@@ -307,7 +307,8 @@ def choose_frozen_policy(
     modules, the default policy and ``uneven_media`` are read from its plan's record.
     Per-module
     policies the given ``parallelizer`` already has are replaced by the choice; with
-    ``uneven_media=True`` it never chooses ``per_layer``, which that option refuses.
+    ``uneven_media=True`` (and no ``balance_media``) it never chooses ``per_layer``,
+    which that option then refuses.
     A parallelizer with ``balance_media=True`` has its exchange counted in every plan, as
     [`inspect_model`][multimodal_fsdp.cli.inspection.inspect_model] counts it: for
     ``media``, by default that of ``loss_fn``'s batch on every rank (see
@@ -334,9 +335,11 @@ def choose_frozen_policy(
             "the chooser needs a MultimodalParallelizer (or a subclass)"
         )
     # uneven_media=True refuses, for any module, a policy that makes units only ranks
-    # with media run (ranks may skip the tower).
+    # with media run (ranks may skip the tower), unless balance_media makes every rank
+    # join the towers' calls (balanced towers keep their units).
     unsafe = [n for n in names if not frozen_policy(n).uneven_media_safe]
-    left_out = ", ".join(unsafe) if record.uneven_media else ""
+    refuses = record.uneven_media and not getattr(base, "balance_media", False)
+    left_out = ", ".join(unsafe) if refuses else ""
     if left_out:
         kept = tuple(name for name in names if name not in unsafe)
         if not kept:
