@@ -104,7 +104,7 @@ def test_adapter_export_replaces_only_adapter_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Written beside the old adapter and swapped in, like the model export."""
-    from fsdp_core.hf import pretrained
+    from fsdp_core.hf import _save
 
     directory = tmp_path / "parent" / "adapter"
     model = _lora(target_modules=["up"])
@@ -119,7 +119,7 @@ def test_adapter_export_replaces_only_adapter_files(
     def full_disk(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         raise OSError(28, "No space left on device", str(path))
 
-    monkeypatch.setattr(pretrained, "write_file", full_disk)
+    monkeypatch.setattr(_save, "write_file", full_disk)
     with pytest.raises(OSError, match="No space left"):
         save_pretrained(model, directory)
     assert {p.name: p.read_bytes() for p in directory.iterdir()} == old

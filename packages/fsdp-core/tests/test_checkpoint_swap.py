@@ -19,7 +19,7 @@ from torch import nn
 
 pytest.importorskip("safetensors.torch")
 
-from fsdp_core.hf import pretrained
+from fsdp_core.hf import _save
 from fsdp_core.hf.pretrained import load_pretrained, save_pretrained
 
 
@@ -66,7 +66,7 @@ def test_failed_write_keeps_the_old_export(
 ) -> None:
     before = _contents(old_export)
     assert len([n for n in before if n.endswith(".safetensors")]) == 3
-    real_write = pretrained.write_file
+    real_write = _save.write_file
     calls: list[Path] = []
 
     def failing_write(path: Path, tensors: dict[str, torch.Tensor]) -> Any:
@@ -75,7 +75,7 @@ def test_failed_write_keeps_the_old_export(
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real_write(path, tensors)
 
-    monkeypatch.setattr(pretrained, "write_file", failing_write)
+    monkeypatch.setattr(_save, "write_file", failing_write)
     with pytest.raises(OSError, match=r"pace|full") as raised:
         save_pretrained(_tiny(1), old_export, max_shard_size="400B")
     assert raised.value.errno == errno.ENOSPC

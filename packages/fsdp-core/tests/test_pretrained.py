@@ -209,7 +209,7 @@ def test_loading_needs_no_collectives_and_reads_only_slices(
         def __exit__(self, *exc: object) -> None:
             self.context.__exit__(*exc)  # type: ignore[arg-type]
 
-    monkeypatch.setattr("fsdp_core.hf.pretrained.open_file", SpyOpen)
+    monkeypatch.setattr("fsdp_core.hf._load.open_file", SpyOpen)  # the load's own reads
     with fake_process_group(2, rank=1):
         model = _shard(_toy(device="meta"), replicate_layer0=True)
         with CommCounter() as counter:

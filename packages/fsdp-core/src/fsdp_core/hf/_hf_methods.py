@@ -26,7 +26,7 @@ from typing import Any
 from torch import nn
 
 from fsdp_core.hf import _hf_model, _lora, _trainer_guard
-from fsdp_core.hf.pretrained import DEFAULT_MAX_SHARD_SIZE, export_adapter, save_pretrained
+from fsdp_core.hf._save import DEFAULT_MAX_SHARD_SIZE, export_adapter, save_pretrained
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +198,27 @@ def save_peft_model(
     )
     _check_bool("is_main_process", is_main_process)
     _check_bool("merge_adapters", merge_adapters)
-    known = _lora.adapter_names(self)
+    adapters = _selected_adapters(self, selected_adapters)
+    _check_embedding_layers(save_embedding_layers)
+    _refuse(
+        name,
+        _peft_refusals(
+            state_dict=state_dict,
+            safe_serialization=safe_serialization,
+            path_initial_model_for_weight_conversion=path_initial_model_for_weight_conversion,
+            selected_with_merge=merge_adapters and selected_adapters is not None,
+        ),
+    )
+    if merge_adapters:
+        save_pretrained(self, save_directory, merge_adapters=True, timeout=timeout)
+        return
+    _export_adapters(self, Path(save_directory), adapters, save_embedding_layers, timeout)
+
+
+def _selected_adapters(model: nn.Module, selected_adapters: object) -> list[str]:
+    """The adapters to write (default: all; a name given twice, once), checked before the
+    first adapter is exported so that a bad name leaves nothing half written."""
+    known = _lora.adapter_names(model)
     if selected_adapters is None:
         adapters = list(known)
     elif isinstance(selected_adapters, (list, tuple)) and all(
@@ -215,39 +235,58 @@ def save_peft_model(
             f"selected_adapters={selected_adapters!r} names no adapter or unknown ones "
             f"{unknown}; the model's adapters: {list(known)}"
         )
+    return adapters
+
+
+def _check_embedding_layers(save_embedding_layers: object) -> None:
+    """peft's three values only (``True``, ``False``, ``"auto"``), refused before writing."""
     if save_embedding_layers != "auto" and not isinstance(save_embedding_layers, bool):
         raise TypeError(
             f"save_embedding_layers must be True, False or 'auto', got {save_embedding_layers!r}"
         )
-    _refuse(
-        name,
-        [
-            text
-            for text, bad in (
-                ("state_dict= (it gathers the model's own tensors)", state_dict is not None),
-                (
-                    "safe_serialization=False (it writes safetensors)",
-                    safe_serialization is not True,
-                ),
-                (
-                    "path_initial_model_for_weight_conversion=",
-                    path_initial_model_for_weight_conversion is not None,
-                ),
-                (
-                    "selected_adapters= with merge_adapters=True (the active adapters are merged)",
-                    merge_adapters and selected_adapters is not None,
-                ),
-            )
-            if bad
-        ],
-    )
-    if merge_adapters:
-        save_pretrained(self, save_directory, merge_adapters=True, timeout=timeout)
-        return
-    root = Path(save_directory)
+
+
+def _peft_refusals(
+    *,
+    state_dict: object,
+    safe_serialization: bool,
+    path_initial_model_for_weight_conversion: str | None,
+    selected_with_merge: bool,
+) -> list[str]:
+    """What peft's ``save_pretrained`` was asked that the library's export cannot honour."""
+    return [
+        text
+        for text, bad in (
+            ("state_dict= (it gathers the model's own tensors)", state_dict is not None),
+            (
+                "safe_serialization=False (it writes safetensors)",
+                safe_serialization is not True,
+            ),
+            (
+                "path_initial_model_for_weight_conversion=",
+                path_initial_model_for_weight_conversion is not None,
+            ),
+            (
+                "selected_adapters= with merge_adapters=True (the active adapters are merged)",
+                selected_with_merge,
+            ),
+        )
+        if bad
+    ]
+
+
+def _export_adapters(
+    model: nn.Module,
+    root: Path,
+    adapters: list[str],
+    save_embedding_layers: bool | str,
+    timeout: float | timedelta | None,
+) -> None:
+    """One collective adapter export per adapter, as peft lays them out: ``"default"``
+    in ``root`` (written first), any other in a sub-directory of its name."""
     for adapter in sorted(adapters, key=lambda a: a != "default"):  # "default" (the root) first
         export_adapter(
-            self,
+            model,
             root if adapter == "default" else root / adapter,
             adapter=adapter,
             save_embedding_layers=save_embedding_layers,

@@ -1,0 +1,439 @@
+"""``save_pretrained`` and ``export_adapter``: a (sharded) model out as a Hugging Face directory.
+
+The implementation behind [`save_pretrained`][fsdp_core.hf.pretrained.save_pretrained];
+[fsdp_core.hf.pretrained][] is the public module. Every rank gathers tensor by tensor,
+rank 0 writes one output file at a time beside the old export and swaps it in.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_core import _export_swap
+from fsdp_core.collective_entry import CollectiveCall, enter_collective, group_ranks
+from fsdp_core.dtype_units import dominant_dtype
+from fsdp_core.hf import _hf_model, _lora
+from fsdp_core.hf._safetensors_dir import (
+    file_names,
+    is_weight_file,
+    open_file,
+    plan_files,
+    require_safetensors,
+    verify_export,
+    write_file,
+    write_index,
+)
+from fsdp_core.hf._slots import (
+    KeyMapping,
+    PathLike,
+    Slot,
+    hf_names,
+    is_meta,
+    listed,
+    persistent_slots,
+    reshard,
+)
+from fsdp_core.module_tree import check_unchanged_since_sharding
+from fsdp_core.sizes import parse_size
+
+# The public module's logger: the split into private modules keeps the name users configure.
+logger = logging.getLogger("fsdp_core.hf.pretrained")
+
+#: The largest export file by default, whichever way the export is called: rank 0 holds
+#: one output file of full tensors at a time, so this bounds its host memory (smaller
+#: than transformers' own 50GB default, which assumes the model is already in memory).
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+
+def _gathered(slot: Slot, terms: Sequence[_lora.Term], *, keep: bool) -> torch.Tensor | None:
+    """The slot's whole tensor with its LoRA ``terms`` merged in (collectives on every rank)."""
+    value = _full(slot.tensor, keep=keep)
+    parts = [
+        (_full(t.up, keep=keep), None if t.down is None else _full(t.down, keep=keep), t)
+        for t in terms
+    ]
+    if value is None or not parts:
+        return value
+    return _lora.merged(value, [(up, down, t) for up, down, t in parts if up is not None])
+
+
+def _full(tensor: torch.Tensor, *, keep: bool) -> torch.Tensor | None:
+    """The whole tensor on this rank's CPU when ``keep`` (a collective for DTensors)."""
+    with torch.no_grad():
+        if isinstance(tensor, DTensor):
+            full = tensor.full_tensor()
+            return full.detach().cpu() if keep else None
+        return tensor.detach().cpu().clone() if keep else None
+
+
+@dataclass(frozen=True)
+class _Export:
+    """What a model export writes: checkpoint key -> tensor, what is merged in, whose config."""
+
+    entries: list[tuple[str, Slot]]
+    terms: Mapping[str, tuple[_lora.Term, ...]]  # by checkpoint key: LoRA additions
+    config_model: nn.Module
+
+
+def _unwrapped_slots(
+    model: nn.Module, slots: Sequence[Slot], *, merge_adapters: bool
+) -> tuple[nn.Module, list[Slot], _lora.ExportView]:
+    """The model whose names are exported (a peft model's base when merging) and the
+    slots under its unwrapped names; raises before any collective for wrapped
+    modules that are not merged, or adapters that cannot be."""
+    target, prefix = _lora.base_model(model) if merge_adapters else (model, "")
+    view = _lora.export_view(target)
+    if view.wrapped and not merge_adapters:
+        raise _lora.wrapped_error(target, view.wrapped)
+    if merge_adapters and not view.wrapped:
+        raise ValueError(
+            f"merge_adapters=True, but {type(target).__name__} has no adapter-wrapped modules "
+            "to merge; leave the option out"
+        )
+    cut = f"{prefix}." if prefix else ""
+    renamed: list[Slot] = []
+    for slot in slots:
+        inner = [n[len(cut) :] for n in slot.names if n.startswith(cut)]
+        names = tuple(dict.fromkeys(view.names[n] for n in inner if n in view.names))
+        if names:
+            renamed.append(Slot(names, slot.tensor))
+    return target, renamed, view
+
+
+def _export_keys(
+    model: nn.Module,
+    slots: Sequence[Slot],
+    key_mapping: KeyMapping | None,
+    *,
+    merge_adapters: bool = False,
+) -> _Export:
+    """Checkpoint keys of the exported tensors and the LoRA terms merged into them; raises
+    before any gather when a merged tensor would not be saved."""
+    target, slots, view = _unwrapped_slots(model, slots, merge_adapters=merge_adapters)
+    if key_mapping is not None:
+        entries = [(key_mapping(slot.names[0]), slot) for slot in slots]
+    elif _hf_model.is_hf_model(target):
+        table = hf_names(target, slots)
+        entries = [(table[s.names[0]], s) for s in slots if s.names[0] in table]
+    else:
+        entries = [(slot.names[0], slot) for slot in slots]
+    terms: dict[str, tuple[_lora.Term, ...]] = {}
+    for key, slot in entries:
+        found = [view.terms[n] for n in slot.names if n in view.terms]
+        if found:
+            terms[key] = found[0]
+    lost = sorted(set(view.terms) - {n for _, s in entries for n in s.names})
+    if lost:
+        raise ValueError(
+            f"the merged tensors {listed(lost)} would not be saved (the model's "
+            "save_pretrained drops them); no export was written"
+        )
+    return _Export(_unique(entries), terms, target)
+
+
+def _unique(entries: list[tuple[str, Slot]]) -> list[tuple[str, Slot]]:
+    """``entries`` unchanged; two tensors under one key would silently overwrite: refused."""
+    counts = Counter(key for key, _ in entries)
+    twice = [key for key, count in counts.items() if count > 1]
+    if twice:
+        raise ValueError(f"several model tensors would be saved as {listed(twice)}")
+    return entries
+
+
+def save_pretrained(
+    model: nn.Module,
+    directory: PathLike,
+    *,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    key_mapping: KeyMapping | None = None,
+    merge_adapters: bool = False,
+    timeout: float | timedelta | None = None,
+) -> tuple[str, ...]:
+    """Write ``model`` (sharded or not) as a directory ``from_pretrained`` loads; the files.
+
+    Call it on every rank. Sharded parameters are gathered tensor by tensor and
+    rank 0 writes them in the model's dtypes, in files of at most
+    ``max_shard_size`` (bytes, or e.g. ``"5GB"``; a bigger tensor gets a file of
+    its own) with an index when there are several, replacing an earlier export
+    in ``directory``. Names are those the model's own ``save_pretrained`` writes
+    for transformers models (tied aliases once), else the module names, unless
+    ``key_mapping`` (module name -> checkpoint key) says otherwise. A config with
+    ``save_pretrained`` is written too (with the class and the dtype holding most
+    parameters). Rank 0 holds one output file of full tensors at a time; every
+    rank briefly holds one full tensor while it is gathered.
+
+    Collective, and safe for the export it replaces: every rank of the model's
+    mesh must call it (it waits at most ``timeout``, seconds or a timedelta,
+    default the process group's timeout, then raises ``CollectiveCallError``
+    naming the ranks that did not arrive); every precondition (options, meta
+    tensors, names, a writable destination with room) is agreed before the
+    first gather, and a failure on any rank is raised on every rank. Rank 0
+    writes the new export into a temporary sibling of ``directory``, reads it
+    back and swaps it in, so ``directory`` always holds the complete old export
+    or the complete new one; the user's other files there are kept.
+
+    LoRA (peft): a ``PeftModel`` is exported as its active adapter alone, in
+    peft's format (``adapter_config.json``, ``adapter_model.safetensors``), which
+    ``PeftModel.from_pretrained(base, directory)`` loads; only adapter tensors
+    are gathered. With ``merge_adapters=True`` a ``PeftModel`` (or its
+    ``get_base_model()``) is exported merged instead: each LoRA layer's base
+    weight plus ``scaling * B @ A``, under the base model's names and with its
+    config, computed on the gathered tensors (the model is not changed). A
+    model with adapter-wrapped modules is never saved under wrapped names: without
+    ``merge_adapters`` that fails on every rank before anything is written, as
+    do adapters the merge does not implement (DoRA and other variants, LoRA on
+    embeddings or convolutions).
+    """
+    ranks = group_ranks(model=model)
+    with enter_collective("save_pretrained", ranks=ranks, timeout=timeout) as call:
+        plan = call.run(
+            lambda: _plan_export(model, max_shard_size, key_mapping, merge_adapters),
+            step="checking the model and the options",
+        )
+        if plan is None:  # a PeftModel: its adapter alone, in peft's format
+            return _export_adapter(model, directory, None, "auto", call)
+        with _beside(call, directory, plan.total_size, replaces=is_weight_file) as work:
+            written = _write_export(model, plan, work, call)
+    logger.info("saved %d tensors to %s in %d files", len(plan.entries), directory, len(plan.files))
+    return written
+
+
+@dataclass(frozen=True)
+class _ExportPlan:
+    """What every rank gathers and rank 0 writes, decided before the first gather."""
+
+    export: Any
+    entries: list[tuple[str, Slot]]
+    files: list[str]
+    groups: list[list[str]]
+    total_size: int
+    slots: list[Slot]
+
+
+def _plan_export(
+    model: nn.Module,
+    max_shard_size: int | str,
+    key_mapping: KeyMapping | None,
+    merge_adapters: bool,
+) -> _ExportPlan | None:
+    """Every precondition of an export checked on this rank (``None``: a peft adapter)."""
+    require_safetensors()
+    check_unchanged_since_sharding(model, where="save_pretrained")
+    limit = parse_size(max_shard_size, argument="max_shard_size")
+    if key_mapping is not None and not callable(key_mapping):
+        raise TypeError(
+            f"key_mapping must be a function of a module name, got {type(key_mapping).__name__}"
+        )
+    if not isinstance(merge_adapters, bool):
+        raise TypeError(f"merge_adapters must be a bool, got {merge_adapters!r}")
+    if _lora.is_peft_model(model) and not merge_adapters:
+        if key_mapping is not None:
+            raise ValueError(
+                "key_mapping= does not apply to the adapter export of a PeftModel (peft names "
+                "its keys); pass merge_adapters=True to export merged weights under new names"
+            )
+        return None
+    reshard(model)
+    slots = persistent_slots(model)
+    if any(is_meta(slot.tensor) for slot in slots):
+        raise ValueError("the model still has tensors on the meta device: load or fill it first")
+    export = _export_keys(model, slots, key_mapping, merge_adapters=merge_adapters)
+    entries = export.entries
+    sizes = [(key, slot.tensor.numel() * slot.tensor.element_size()) for key, slot in entries]
+    groups = plan_files(sizes, limit)
+    return _ExportPlan(
+        export=export,
+        entries=entries,
+        files=file_names(len(groups)),
+        groups=groups,
+        total_size=sum(size for _, size in sizes),
+        slots=slots,
+    )
+
+
+def _write_export(
+    model: nn.Module, plan: _ExportPlan, work: Path | None, call: CollectiveCall
+) -> tuple[str, ...]:
+    """Gather file by file; rank 0 (``work`` set) writes each file, then the index and
+    configs, and reads the export back. The ranks agree after each file."""
+    slot_of = dict(plan.entries)
+    weight_map: dict[str, str] = {}
+    for name, keys in zip(plan.files, plan.groups, strict=True):
+        tensors: dict[str, torch.Tensor] = {}
+        for key in keys:
+            value = _gathered(slot_of[key], plan.export.terms.get(key, ()), keep=work is not None)
+            if value is not None:
+                tensors[key] = value.contiguous()
+        if work is not None:
+            weight_map.update(dict.fromkeys(keys, name))
+
+        def write(name: str = name, tensors: dict[str, torch.Tensor] = tensors) -> None:
+            if work is not None:
+                write_file(work / name, tensors)
+
+        call.run(write, step=f"writing {name}")
+        del tensors
+    written = list(plan.files)
+    if len(plan.files) > 1:
+        written.append("model.safetensors.index.json")
+
+    def finish() -> list[str]:
+        if work is None:
+            return []
+        if len(plan.files) > 1:
+            write_index(work, weight_map, plan.total_size)
+        floating = (s.tensor for s in plan.slots if s.tensor.dtype.is_floating_point)
+        configs = _hf_model.write_configs(
+            plan.export.config_model, work, dtype=dominant_dtype(floating)
+        )
+        verify_export(work, weight_map)
+        return configs
+
+    configs = call.run(finish, step="writing the index and configs and reading them back")
+    return tuple(written + configs)
+
+
+def export_adapter(
+    model: nn.Module,
+    directory: PathLike,
+    *,
+    adapter: str | None = None,
+    save_embedding_layers: bool | str = "auto",
+    timeout: float | timedelta | None = None,
+) -> tuple[str, ...]:
+    """Write one adapter of a (sharded) peft model as peft does; the files. Collective.
+
+    ``adapter`` defaults to the active one. The keys and ``adapter_config.json``
+    are what peft's own ``save_pretrained`` writes for it (run on markers, in a
+    temporary directory on every rank); only the tensors it names are gathered.
+    Written beside the old files and swapped in as ``save_pretrained`` does; only
+    adapter files of ``directory`` are replaced. peft's model card
+    (``README.md``) is not written.
+    """
+    ranks = group_ranks(model=model)
+    with enter_collective("save_pretrained", ranks=ranks, timeout=timeout) as call:
+        return _export_adapter(model, directory, adapter, save_embedding_layers, call)
+
+
+@dataclass(frozen=True)
+class _AdapterPlan:
+    """What every rank gathers and rank 0 writes for one adapter, decided before a gather."""
+
+    adapter: str
+    entries: list[tuple[str, Slot]]  # sorted by key
+    config: bytes  # adapter_config.json as peft writes it
+    total_size: int
+
+
+def _plan_adapter(
+    model: nn.Module, adapter: str | None, save_embedding_layers: bool | str
+) -> _AdapterPlan:
+    """The adapter's keys and config, checked on this rank before any gather."""
+    require_safetensors()
+    check_unchanged_since_sharding(model, where="save_pretrained")
+    name = _lora.active_adapter(model) if adapter is None else adapter
+    if name not in _lora.adapter_names(model):
+        raise ValueError(
+            f"adapter {name!r} is not one of the model's adapters "
+            f"{list(_lora.adapter_names(model))}"
+        )
+    reshard(model)
+    slots = persistent_slots(model)
+    table, extra = _hf_model.adapter_checkpoint(
+        model,
+        [slot.names for slot in slots],
+        adapter=name,
+        save_embedding_layers=save_embedding_layers,
+    )
+    found: list[tuple[str, Slot]] = []
+    for slot in slots:
+        alias = next((n for n in slot.names if n in table), None)
+        if alias is not None:
+            found.append((table[alias], slot))
+    entries = sorted(_unique(found), key=lambda entry: entry[0])
+    if any(is_meta(slot.tensor) for _, slot in entries):
+        raise ValueError("the model still has tensors on the meta device: load or fill it first")
+    sizes = sum(slot.tensor.numel() * slot.tensor.element_size() for _, slot in entries)
+    return _AdapterPlan(name, entries, extra[_hf_model.ADAPTER_CONFIG], sizes)
+
+
+def _verify_adapter(work: Path, keys: Sequence[str]) -> None:
+    """Read the written adapter back: the same keys, a config."""
+    path = work / _hf_model.ADAPTER_WEIGHTS
+    with open_file(path) as handle:
+        if sorted(handle.keys()) != sorted(keys):
+            raise OSError(errno.EIO, "the written adapter holds other keys", str(path))
+    if not (work / _hf_model.ADAPTER_CONFIG).is_file():
+        raise OSError(errno.EIO, "the adapter config was not written", str(work))
+
+
+@contextmanager
+def _beside(
+    call: CollectiveCall, directory: PathLike, total_size: int, *, replaces: Callable[[str], bool]
+) -> Iterator[Path | None]:
+    """A directory beside ``directory`` to write into (on the writing rank; ``None`` on the
+    others); when the block ends well it is swapped in (replacing only the files
+    ``replaces`` accepts), else discarded, so ``directory`` keeps its old export."""
+    main = call.rank == (call.ranks[0] if call.active else call.rank)
+    root = _export_swap.destination(directory)
+    work = call.run(
+        lambda: _export_swap.prepare(root, total_size) if main else None,
+        step=f"preparing a directory beside {str(root)!r}",
+    )
+    try:
+        yield work
+        call.run(
+            lambda: (
+                _export_swap.swap_in(work, root, replaces=replaces) if work is not None else None
+            ),
+            step=f"replacing the export in {str(root)!r}",
+        )
+    except BaseException:
+        if work is not None and work.exists():
+            _export_swap.discard(work)
+        raise
+
+
+def _export_adapter(
+    model: nn.Module,
+    directory: PathLike,
+    adapter: str | None,
+    save_embedding_layers: bool | str,
+    call: CollectiveCall,
+) -> tuple[str, ...]:
+    """The adapter export inside an entered collective call (same write path as models)."""
+    plan = call.run(
+        lambda: _plan_adapter(model, adapter, save_embedding_layers),
+        step="deriving the adapter's keys",
+    )
+    with _beside(
+        call, directory, plan.total_size, replaces=_hf_model.ADAPTER_FILES.__contains__
+    ) as work:
+        tensors: dict[str, torch.Tensor] = {}
+        for key, slot in plan.entries:
+            value = _full(slot.tensor, keep=work is not None)
+            if value is not None:
+                tensors[key] = value.contiguous()
+
+        def write() -> None:
+            if work is not None:
+                write_file(work / _hf_model.ADAPTER_WEIGHTS, tensors)
+                (work / _hf_model.ADAPTER_CONFIG).write_bytes(plan.config)
+                _verify_adapter(work, [key for key, _ in plan.entries])
+
+        call.run(write, step=f"writing {_hf_model.ADAPTER_WEIGHTS} and reading it back")
+        tensors.clear()
+    logger.info("saved adapter %r (%d tensors) to %s", plan.adapter, len(plan.entries), directory)
+    return (_hf_model.ADAPTER_WEIGHTS, _hf_model.ADAPTER_CONFIG)

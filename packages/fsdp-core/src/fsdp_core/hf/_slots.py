@@ -1,0 +1,84 @@
+"""The model's tensors as the checkpoint load and export see them (shared by both).
+
+A tensor with several names (tied parameters) is one ``Slot``: it is read once and
+written once, under whichever name the checkpoint uses.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from fsdp_core.hf import _hf_model, _lora
+
+PathLike = str | os.PathLike[str]
+
+#: Module state name (``model.language_model.layers.0.mlp.up_proj.weight``) -> checkpoint key.
+KeyMapping = Callable[[str], str]
+
+_LISTED = 8
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One tensor of the model's state and every name it has (tied aliases)."""
+
+    names: tuple[str, ...]
+    tensor: torch.Tensor
+
+
+def persistent_slots(model: nn.Module) -> list[Slot]:
+    """Parameters and persistent buffers, aliases grouped, in module order."""
+    names: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        entries = list(module._parameters.items()) + [
+            (n, b)
+            for n, b in module._buffers.items()
+            if n not in module._non_persistent_buffers_set
+        ]
+        for name, tensor in entries:
+            if tensor is None:
+                continue
+            names.setdefault(id(tensor), []).append(dot + name)
+            tensors[id(tensor)] = tensor
+    return [Slot(tuple(dict.fromkeys(group)), tensors[key]) for key, group in names.items()]
+
+
+def reshard(model: nn.Module) -> None:
+    """Sharded parameters registered (not an unsharded view left by a forward)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def is_meta(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (or a DTensor's local shard) still has no storage."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.is_meta
+
+
+def listed(names: Iterable[str]) -> str:
+    """The first names, sorted, for an error message that stays readable."""
+    items = sorted(names)
+    more = f" and {len(items) - _LISTED} more" if len(items) > _LISTED else ""
+    return f"{items[:_LISTED]}{more}"
+
+
+def hf_names(model: nn.Module, slots: Sequence[Slot]) -> dict[str, str]:
+    """Module name -> checkpoint key as the model's ``save_pretrained`` writes it.
+
+    ``slots`` under adapter-wrapped names (a load into a peft-wrapped model; the
+    export passes unwrapped names) have no key in a base checkpoint: refused.
+    """
+    wrapped = _lora.wrapped_names(model, [name for slot in slots for name in slot.names])
+    if wrapped:
+        raise _lora.wrapped_load_error(model, wrapped)
+    return _hf_model.checkpoint_names(model, [slot.names for slot in slots])
