@@ -57,7 +57,7 @@ here.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -307,6 +307,32 @@ def _schedule_checkpoints(model: nn.Module, plan: ShardingPlan, world: int) -> i
     return 0 if layout is None else layout.checkpoints_per_forward()
 
 
+@dataclass(frozen=True)
+class _Step:
+    """The plan on its mesh as every unit's and hook's tally reads it: resolved once, so
+    each tally below is a function of the step alone and ``plan_costs`` a loop over them."""
+
+    plan: ShardingPlan
+    model: nn.Module
+    shape: MeshShape
+    #: Module paths no gradient reaches, and whether they are a judgement to report
+    #: (the planner's or the default discovery's, not the caller's ``no_backward``).
+    free: list[str]
+    free_judged: bool
+    forced: tuple[str, ...]
+    spans: dict[str, tuple[int, int]]
+    any_trainable: bool
+    owned: list[list[tuple[str, nn.Parameter]]]
+    towers: tuple[BalancedTower, ...]
+    media: StepMedia | None
+    runs: dict[str, int]
+
+    @property
+    def dims(self) -> int:
+        """Mesh dimensions with more than one rank: each repeats a hook's all-reduce."""
+        return sum(1 for size in self.shape.sizes if size > 1)
+
+
 def plan_costs(
     plan: ShardingPlan,
     model: nn.Module,
@@ -342,9 +368,32 @@ def plan_costs(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     shape = resolve_cost_mesh(mesh, world_size, dp_replicate)
-    shard, replicate = shape.dp_shard, shape.dp_replicate
+    step = _resolve_step(plan, model, shape, no_backward, with_backward, media)
+    units = [
+        _placed_unit(unit, params, step)
+        for unit, params in zip(plan.units, step.owned, strict=True)
+    ]
+    _prefetch_waste(units, shape.dp_shard)
+    tallies = {name: tally(step) for name, tally in _HOOK_TALLIES}
+    extra = CommTally()
+    for tally in tallies.values():
+        extra.merge(tally)
+    exchange = tallies["balance_media"] if media is not None and step.towers else None
+    return _costs_of(step, units, extra, exchange, prefetch_guard, policy, precision)
+
+
+def _resolve_step(
+    plan: ShardingPlan,
+    model: nn.Module,
+    shape: MeshShape,
+    no_backward: Iterable[str] | None,
+    with_backward: Iterable[str],
+    media: StepMedia | None,
+) -> _Step:
+    """Check the plan against the mesh and read, once, what the tallies share; the
+    checks run in the order users have always seen their errors."""
     for unit in plan.units:
-        check_reshard_after_forward(unit.reshard_after_forward, shard)
+        check_reshard_after_forward(unit.reshard_after_forward, shape.dp_shard)
     if no_backward is not None:
         free = list(no_backward)
     elif plan.backward_free_paths is not None:  # the planner's judgement
@@ -358,106 +407,164 @@ def plan_costs(
     towers = balanced_towers(plan)
     if media is not None and not isinstance(media, StepMedia):
         raise TypeError(f"media must be a StepMedia, got {type(media).__name__}")
-    runs = _balanced_runs(plan, media)
+    return _Step(
+        plan=plan,
+        model=model,
+        shape=shape,
+        free=free,
+        free_judged=no_backward is None,
+        forced=forced,
+        spans=spans,
+        any_trainable=any_trainable,
+        owned=owned,
+        towers=towers,
+        media=media,
+        runs=_balanced_runs(plan, media),
+    )
 
-    units: list[_Unit] = []
-    for unit, params in zip(plan.units, owned, strict=True):
-        scalars = [name for name, p in params if p.dim() == 0]
-        if scalars:
-            raise ValueError(
-                f"unit {unit.label}: fully_shard does not support scalar parameters "
-                f"{scalars}; make them 1-D (numel 1) or ignore them"
-            )
-        missing = [p for p in unit.paths if p not in spans]
-        if missing:
-            raise ValueError(f"unit {unit.label}: no module at {missing} in the model")
-        start = min(spans[p][0] for p in unit.paths)
-        end = max(spans[p][1] for p in unit.paths)
-        trainable = any(p.requires_grad for _, p in params)
-        gradient_free = not trainable and all(
-            any(is_under(p, root) for root in free) for p in unit.paths
-        )
-        if any(is_under(p, root) for p in unit.paths for root in forced):
-            gradient_free = False
-        runs_backward = any_trainable and (unit.is_root or not gradient_free)
-        reshard = effective_reshard(unit, shard)
-        gathered = _gathered_bytes(params, unit.mp_policy, shard)
-        units.append(
-            _Unit(
-                plan=unit,
-                params=params,
-                start=start,
-                end=end,
-                reshard=reshard,
-                runs_backward=runs_backward,
-                gathered=gathered,
-                sharded=_sharded_bytes(params, shard),
-                comm=_repeated(
-                    _unit_collectives(
-                        params,
-                        unit.mp_policy,
-                        gathered=gathered,
-                        reshard=reshard,
-                        runs_backward=runs_backward,
-                        shard=shard,
-                        replicate=replicate,
-                    ),
-                    _unit_runs(unit, runs),
-                ),
-            )
-        )
 
-    _prefetch_waste(units, shard)
-
-    extra = CommTally()
-    checkpoints = _schedule_checkpoints(model, plan, shape.world_size)
-    dims = sum(1 for size in shape.sizes if size > 1)
-    for _ in range(checkpoints * dims):
-        extra.add("forward", "all_reduce", CHECKPOINT_BYTES)
-    exchange: CommTally | None = None
-    layers = joined_layers(plan)
-    if media is not None:
-        exchange = exchange_tally(
-            media,
-            towers,
-            world_size=balance_group_size(plan, shape.world_size, shape.dp_replicate),
-            joined=joined_modules(plan),
-            layers=len(layers) if shape.world_size > 1 else 0,
+def _placed_unit(unit: UnitPlan, params: list[tuple[str, nn.Parameter]], step: _Step) -> _Unit:
+    """One unit where it runs in the step, with the collectives it issues there: the
+    timeline of gathered parameters and the prefetch waste are computed from these."""
+    scalars = [name for name, p in params if p.dim() == 0]
+    if scalars:
+        raise ValueError(
+            f"unit {unit.label}: fully_shard does not support scalar parameters "
+            f"{scalars}; make them 1-D (numel 1) or ignore them"
         )
-        extra.merge(exchange)
-        if not towers:
-            exchange = None
-    elif shape.world_size > 1:
+    missing = [p for p in unit.paths if p not in step.spans]
+    if missing:
+        raise ValueError(f"unit {unit.label}: no module at {missing} in the model")
+    shard = step.shape.dp_shard
+    runs_backward = _runs_backward(unit, params, step)
+    reshard = effective_reshard(unit, shard)
+    gathered = _gathered_bytes(params, unit.mp_policy, shard)
+    collectives = _unit_collectives(
+        params,
+        unit.mp_policy,
+        gathered=gathered,
+        reshard=reshard,
+        runs_backward=runs_backward,
+        shard=shard,
+        replicate=step.shape.dp_replicate,
+    )
+    return _Unit(
+        plan=unit,
+        params=params,
+        start=min(step.spans[p][0] for p in unit.paths),
+        end=max(step.spans[p][1] for p in unit.paths),
+        reshard=reshard,
+        runs_backward=runs_backward,
+        gathered=gathered,
+        sharded=_sharded_bytes(params, shard),
+        comm=_repeated(collectives, _unit_runs(unit, step.runs)),
+    )
+
+
+def _runs_backward(unit: UnitPlan, params: list[tuple[str, nn.Parameter]], step: _Step) -> bool:
+    """Whether the unit's backward runs: a frozen unit that no gradient reaches skips it
+    (and its re-gather), unless the caller forces it; the root always runs one."""
+    trainable = any(p.requires_grad for _, p in params)
+    gradient_free = not trainable and all(
+        any(is_under(p, root) for root in step.free) for p in unit.paths
+    )
+    if any(is_under(p, root) for p in unit.paths for root in step.forced):
+        gradient_free = False
+    return step.any_trainable and (unit.is_root or not gradient_free)
+
+
+def _schedule_check_tally(step: _Step) -> CommTally:
+    """The ``schedule_check`` hook's checkpoints: they run on every rank whatever the
+    media, so the plan alone counts them."""
+    tally = CommTally()
+    checkpoints = _schedule_checkpoints(step.model, step.plan, step.shape.world_size)
+    for _ in range(checkpoints * step.dims):
+        tally.add("forward", "all_reduce", CHECKPOINT_BYTES)
+    return tally
+
+
+def _balance_media_tally(step: _Step) -> CommTally:
+    """The ``balance_media`` hook's collectives: with the step's media, its exchange
+    (rounds, barrier and layer decisions); without, only the joined layers' decisions,
+    which do not depend on the media."""
+    layers = joined_layers(step.plan)
+    world = step.shape.world_size
+    if step.media is not None:
+        return exchange_tally(
+            step.media,
+            step.towers,
+            world_size=balance_group_size(step.plan, world, step.shape.dp_replicate),
+            joined=joined_modules(step.plan),
+            layers=len(layers) if world > 1 else 0,
+        )
+    tally = CommTally()
+    if world > 1:
         for _ in layers:  # the joined layers' decisions, whatever the media
-            extra.add("forward", "all_reduce", DECISION_BYTES)
-    if plan.hook("accumulation_warmup") is not None and shape.world_size > 1:
-        for _ in range(dims):  # the step agreement, before the forward
-            extra.add("forward", "all_reduce", AGREEMENT_BYTES)
-    if plan.hook("unused_params") is not None and shape.world_size > 1:
-        # One usage flag (a byte) per trainable parameter tensor that a unit manages.
-        flags = sum(1 for params in owned for _, p in params if p.requires_grad)
-        for _ in range(dims):
-            extra.add("backward", "all_reduce", flags)
+            tally.add("forward", "all_reduce", DECISION_BYTES)
+    return tally
+
+
+def _agreement_tally(step: _Step) -> CommTally:
+    """The step agreement ``accumulation_warmup`` installs: one all-reduce per mesh
+    dimension before each forward, which a single rank skips."""
+    tally = CommTally()
+    if step.plan.hook("accumulation_warmup") is not None and step.shape.world_size > 1:
+        for _ in range(step.dims):
+            tally.add("forward", "all_reduce", AGREEMENT_BYTES)
+    return tally
+
+
+def _usage_flags_tally(step: _Step) -> CommTally:
+    """The ``unused_params`` hook's usage flags: one byte per trainable parameter tensor
+    a unit manages, all-reduced per mesh dimension in backward."""
+    tally = CommTally()
+    if step.plan.hook("unused_params") is not None and step.shape.world_size > 1:
+        flags = sum(1 for params in step.owned for _, p in params if p.requires_grad)
+        for _ in range(step.dims):
+            tally.add("backward", "all_reduce", flags)
+    return tally
+
+
+#: The collectives outside FSDP units, by the hook that issues them, in the order they
+#: are added up (the order of ``PlanCosts.extra``'s entries).
+_HOOK_TALLIES: tuple[tuple[str, Callable[[_Step], CommTally]], ...] = (
+    (ScheduleCheckRuntimeHook.name, _schedule_check_tally),
+    ("balance_media", _balance_media_tally),
+    ("accumulation_warmup", _agreement_tally),
+    ("unused_params", _usage_flags_tally),
+)
+
+
+def _costs_of(
+    step: _Step,
+    units: list[_Unit],
+    extra: CommTally,
+    exchange: CommTally | None,
+    prefetch_guard: bool,
+    policy: str | None,
+    precision: str | None,
+) -> PlanCosts:
+    """The report from the tallies: totals, peaks and the notes that say what the numbers
+    leave out, so that a reader sees the same figures as the tests compare."""
     total = CommTally()
     for item in units:
         total.merge(item.comm)
         if not prefetch_guard:
             total.merge(item.wasted)
     total.merge(extra)
-
-    replicated_numel, replicated_bytes = _replicated(plan, model)
-    forward_peak, backward_peak = _peaks(units, spans[""][1], guard=prefetch_guard)
+    plan, shape = step.plan, step.shape
+    replicated_numel, replicated_bytes = _replicated(plan, step.model)
+    forward_peak, backward_peak = _peaks(units, step.spans[""][1], guard=prefetch_guard)
     notes = list(plan.notes)
-    if free and no_backward is None:
-        notes.append(f"no gradient reaches {sorted(free)} (media inputs only)")
-    if towers and media is None:
-        notes.append(
-            _exchange_note(towers, balance_group_size(plan, shape.world_size, shape.dp_replicate))
-        )
+    if step.free and step.free_judged:
+        notes.append(f"no gradient reaches {sorted(step.free)} (media inputs only)")
+    if step.towers and step.media is None:
+        world = balance_group_size(plan, shape.world_size, shape.dp_replicate)
+        notes.append(_exchange_note(step.towers, world))
     return PlanCosts(
-        model=_model_name(model),
+        model=_model_name(step.model),
         mesh=shape,
-        units=tuple(_unit_cost(i, item, shard) for i, item in enumerate(units)),
+        units=tuple(_unit_cost(i, item, shape.dp_shard) for i, item in enumerate(units)),
         comm=total,
         extra=extra,
         prefetch_guard=prefetch_guard,
@@ -470,7 +577,7 @@ def plan_costs(
         precision=precision,
         notes=tuple(notes),
         hooks=plan.hooks,
-        balanced_towers=tuple(tower.path for tower in towers),
+        balanced_towers=tuple(tower.path for tower in step.towers),
         exchange=exchange,
     )
 
