@@ -32,7 +32,7 @@ from fsdp_core import (
     mixed_precision_policy,
 )
 from fsdp_core.comm import CommCounter
-from fsdp_core.hf import load_pretrained, pretrained, save_pretrained
+from fsdp_core.hf import _load, _save, load_pretrained, save_pretrained
 
 #: Small enough that the tiny model's export spans several files.
 SHARD_SIZE = "8KB"
@@ -139,7 +139,7 @@ def write_failure(ctx: DistributedContext, out: Path) -> dict[str, Any]:
         (directory / "README.md").write_text("my notes")
     dist.barrier()
     before = _listing(directory)
-    real_write = pretrained.write_file
+    real_write = _save.write_file
     calls: list[str] = []
 
     def failing_write(path: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -149,7 +149,7 @@ def write_failure(ctx: DistributedContext, out: Path) -> dict[str, Any]:
         real_write(path, tensors)
 
     model = _sharded(1)
-    with _patched(pretrained, "write_file", failing_write if ctx.rank == 0 else real_write):
+    with _patched(_save, "write_file", failing_write if ctx.rank == 0 else real_write):
         outcome = _outcome(lambda: save_pretrained(model, directory, max_shard_size=SHARD_SIZE))
     outcomes = _both(outcome)
     dist.barrier()
@@ -179,14 +179,14 @@ def load_then_save(ctx: DistributedContext, out: Path) -> dict[str, Any]:
     ModelParallelizer().parallelize(
         model, mesh=build_mesh(), mp_policy=mixed_precision_policy("bf16")
     )
-    real_open = pretrained.open_file
+    real_open = _load.open_file
 
     def slow_open(path: Path) -> Any:
         time.sleep(0.2)
         return real_open(path)
 
     def load_and_save() -> None:
-        with _patched(pretrained, "open_file", slow_open if ctx.rank == 1 else real_open):
+        with _patched(_load, "open_file", slow_open if ctx.rank == 1 else real_open):
             load_pretrained(model, directory)
         save_pretrained(model, directory, max_shard_size=SHARD_SIZE)
 
