@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import torch
@@ -375,6 +375,26 @@ class Rounds:
         return _Exchanged(member, layout, t, owners, call, device, self.group).run()
 
 
+@dataclass
+class _Encoded:
+    """What this rank encoded in a balanced call, the kept items' pieces apart from the
+    received ones, or why it failed: a failure is held until the status gather, so that
+    every rank learns of it at the same collective."""
+
+    spec: OutputSpec | None = None
+    kept: list[tuple[Tensor, ...]] = field(default_factory=list)
+    received: list[tuple[Tensor, ...]] = field(default_factory=list)
+    placeholder: list[Tensor] = field(default_factory=list)
+    failure: BaseException | None = None
+
+    @property
+    def produced(self) -> int:
+        """Output tensors produced here (-1: none), which the ranks check they agree on."""
+        if self.spec:
+            return len(self.spec.dtypes)
+        return len(self.placeholder) if self.placeholder else -1
+
+
 class _Exchanged:
     """One balanced call that moves items (see the module docstring)."""
 
@@ -420,6 +440,34 @@ class _Exchanged:
         return self.layout.split_output(self.runner(*args, **kwargs), weights)
 
     def run(self) -> tuple[Any, Tensor | None]:
+        """The call's forward in protocol order (inputs out, encode, status, outputs back),
+        one step per collective, so every rank issues them alike; an encoding error waits
+        for the status gather, where every rank learns of it and none is left waiting."""
+        in_route, send_fields, link = self._input_route()
+        kept_items = self._items(self.kept)
+        # A tower without units runs twice: on the items it keeps while the others'
+        # arrive, then on those (no collective inside it, so any number of runs is safe).
+        overlap = not self.member.run_when_empty and bool(kept_items) and bool(self.assigned)
+        done = _Encoded()
+        pending = start_forward(in_route, send_fields, async_op=True) if overlap else None
+        if overlap:
+            try:
+                done.spec, done.kept = self._encode(kept_items)
+            except Exception as raised:  # raised by _check_status, once every rank knows
+                done.failure = raised
+        *received, in_token = Exchange.apply(  # type: ignore[no-untyped-call]
+            in_route, pending, link, *send_fields
+        )
+        recv_items = self._received_items(received)
+        if done.failure is None:
+            self._encode_share(done, kept_items, recv_items, overlap)
+        leaves = self._check_status(done)
+        return self._outputs(done, in_token, leaves)
+
+    def _input_route(self) -> tuple[Route, list[Tensor], Tensor]:
+        """The inputs of the items that change rank, one buffer per field, and the rows
+        each rank sends and receives: one all_to_all then carries every field, and its
+        inverse the input gradients; ``link`` ties those gradients into the graph."""
         t, owners, rank, world = self.t, self.owners, self.t.rank, self.t.world
         nfields = len(t.fields)
         send_fields = []
@@ -455,24 +503,13 @@ class _Exchanged:
         link = torch.zeros(
             (), device=self.device, requires_grad=differentiable and any(t.input_grads)
         )
-        kept_items = self._items(self.kept)
-        # A tower without units runs twice: on the items it keeps while the others'
-        # arrive, then on those (no collective inside it, so any number of runs is safe).
-        overlap = not self.member.run_when_empty and bool(kept_items) and bool(self.assigned)
-        failure: BaseException | None = None
-        out_spec: OutputSpec | None = None
-        kept_pieces: list[tuple[Tensor, ...]] = []
-        recv_pieces: list[tuple[Tensor, ...]] = []
-        placeholder: list[Tensor] = []
-        pending = start_forward(in_route, send_fields, async_op=True) if overlap else None
-        if overlap:
-            try:
-                out_spec, kept_pieces = self._encode(kept_items)
-            except Exception as raised:  # re-raised below, after every rank knows
-                failure = raised
-        *received, in_token = Exchange.apply(  # type: ignore[no-untyped-call]
-            in_route, pending, link, *send_fields
-        )
+        return in_route, send_fields, link
+
+    def _received_items(self, received: Sequence[Tensor]) -> list[MediaItem]:
+        """The items other ranks sent here, cut out of the received fields in the order
+        they were assigned: the order their outputs go back in."""
+        t = self.t
+        nfields = len(t.fields)
         recv_items = []
         offsets = [0] * nfields
         for s, i in self.assigned:
@@ -484,23 +521,38 @@ class _Exchanged:
             recv_items.append(
                 MediaItem(fields=tuple(fields), cost=t.costs[s][i], sizes=t.sizes[s][i])
             )
-        if failure is None:
-            try:
-                if overlap:
-                    _, recv_pieces = self._encode(recv_items)
-                elif kept_items or recv_items:
-                    out_spec, pieces = self._encode([*kept_items, *recv_items])
-                    kept_pieces, recv_pieces = pieces[: len(kept_items)], pieces[len(kept_items) :]
-                elif self.member.run_when_empty:
-                    placeholder = _placeholder_run(self.layout, t, self.runner, self.device)
-            except Exception as raised:  # re-raised below, after every rank knows
-                failure = raised
-        produced = len(out_spec.dtypes) if out_spec else len(placeholder) if placeholder else -1
-        statuses = _status(int(failure is not None), produced, self.group, self.device)
+        return recv_items
+
+    def _encode_share(
+        self,
+        done: _Encoded,
+        kept_items: list[MediaItem],
+        recv_items: list[MediaItem],
+        overlap: bool,
+    ) -> None:
+        """Encode this rank's share (what ``run`` has not encoded while the inputs
+        travelled), or a placeholder where the tower's units must gather on every rank;
+        an error is kept in ``done`` for the status gather, not raised here."""
+        try:
+            if overlap:
+                _, done.received = self._encode(recv_items)
+            elif kept_items or recv_items:
+                done.spec, pieces = self._encode([*kept_items, *recv_items])
+                done.kept, done.received = pieces[: len(kept_items)], pieces[len(kept_items) :]
+            elif self.member.run_when_empty:
+                done.placeholder = _placeholder_run(self.layout, self.t, self.runner, self.device)
+        except Exception as raised:  # raised by _check_status, once every rank knows
+            done.failure = raised
+
+    def _check_status(self, done: _Encoded) -> set[int]:
+        """The status gather: an error on one rank becomes an error on every rank (before
+        any rank waits for outputs that will not come), and ranks agree on the number of
+        output tensors. Returns the agreed numbers (at most one)."""
+        statuses = _status(int(done.failure is not None), done.produced, self.group, self.device)
         failed = [r for r, row in enumerate(statuses) if int(row[0])]
         if failed:
-            if failure is not None:
-                raise failure
+            if done.failure is not None:
+                raise done.failure
             raise RuntimeError(
                 f"balanced tower call: the tower failed on rank(s) {failed} (see their error)"
             )
@@ -510,39 +562,67 @@ class _Exchanged:
                 "balanced tower call: the tower's outputs differ between ranks "
                 f"({sorted(leaves)} tensors)"
             )
-        return self._outputs(out_spec, kept_pieces, recv_pieces, placeholder, in_token, leaves)
+        return leaves
 
     def _outputs(
-        self,
-        out_spec: OutputSpec | None,
-        kept_pieces: list[tuple[Tensor, ...]],
-        recv_pieces: list[tuple[Tensor, ...]],
-        placeholder: list[Tensor],
-        in_token: Tensor,
-        leaves: set[int],
+        self, done: _Encoded, in_token: Tensor, leaves: set[int]
     ) -> tuple[Any, Tensor | None]:
         """Outputs of moved items back to their owners; this rank's output in call order."""
-        t, owners, rank, world = self.t, self.owners, self.t.rank, self.t.world
-        local = len(t.costs[rank])
-        if local and out_spec is None:
+        t, out_spec = self.t, done.spec
+        if len(t.costs[t.rank]) and out_spec is None:
             raise RuntimeError(
                 "balanced tower call: a rank with items encoded none"
             )  # the rule prevents it
         nleaves = len(out_spec.dtypes) if out_spec is not None else 0
-        out_send = [
-            torch.cat([piece[leaf] for piece in recv_pieces])
-            if recv_pieces
+        out_send = self._output_buffers(done)
+        differentiable = t.grad_enabled and (t.trainable or any(t.input_grads))
+        kept = [
+            torch.cat([piece[leaf] for piece in done.kept]) for leaf in range(nleaves) if done.kept
+        ]
+        through = differentiable and bool(kept)  # kept outputs pass the exchange untouched
+        out_route = self._output_route(done, leaves, differentiable, through)
+        zero_link = in_token
+        if differentiable and not zero_link.requires_grad:
+            zero_link = torch.zeros((), device=self.device, requires_grad=True)
+        *returned, out_token = Exchange.apply(  # type: ignore[no-untyped-call]
+            out_route, None, zero_link, *out_send, *(kept if through else ()), *done.placeholder
+        )
+        if through:
+            returned, kept = returned[:nleaves], returned[nleaves:]
+        anchor = out_token if out_token.requires_grad else None
+        if out_spec is None:
+            return None, anchor
+        output = self.layout.join_output(out_spec, self._in_call_order(out_spec, kept, returned))
+        return output, anchor
+
+    def _output_buffers(self, done: _Encoded) -> list[Tensor]:
+        """The outputs of the items encoded here for other ranks, one buffer per output
+        tensor (empty ones too): the all_to_all sends every tensor whatever its dtype."""
+        out_spec = done.spec
+        nleaves = len(out_spec.dtypes) if out_spec is not None else 0
+        return [
+            torch.cat([piece[leaf] for piece in done.received])
+            if done.received
             else torch.empty(
                 (0, *out_spec.row_shapes[leaf]), dtype=out_spec.dtypes[leaf], device=self.device
             )
             for leaf in range(nleaves)
             if out_spec is not None
         ]
+
+    def _output_route(
+        self, done: _Encoded, leaves: set[int], differentiable: bool, through: bool
+    ) -> Route:
+        """The route of the outputs: rows to each owner and from each encoder (every rank
+        derives both from the table alike), and which tensors carry gradients back along
+        its inverse."""
+        t, owners, rank, world, out_spec = self.t, self.owners, self.t.rank, self.t.world, done.spec
+        nleaves = len(out_spec.dtypes) if out_spec is not None else 0
         out_send_rows = tuple(
             tuple(
                 sum(
                     piece[leaf].shape[0]
-                    for (s, _), piece in zip(self.assigned, recv_pieces, strict=True)
+                    for (s, _), piece in zip(self.assigned, done.received, strict=True)
                     if s == d
                 )
                 for d in range(world)
@@ -562,14 +642,7 @@ class _Exchanged:
             )
             for leaf in range(nleaves)
         )
-        differentiable = t.grad_enabled and (t.trainable or any(t.input_grads))
-        kept = [
-            torch.cat([piece[leaf] for piece in kept_pieces])
-            for leaf in range(nleaves)
-            if kept_pieces
-        ]
-        through = differentiable and bool(kept)  # kept outputs pass the exchange untouched
-        out_route = Route(
+        return Route(
             send_rows=out_send_rows,
             recv_rows=out_recv_rows,
             dtypes=out_spec.dtypes if out_spec is not None else (),
@@ -582,37 +655,26 @@ class _Exchanged:
             flags=max(leaves, default=0) if differentiable else 0,
             kept=tuple(range(nleaves)) if through else (),
         )
-        zero_link = in_token
-        if differentiable and not zero_link.requires_grad:
-            zero_link = torch.zeros((), device=self.device, requires_grad=True)
-        *returned, out_token = Exchange.apply(  # type: ignore[no-untyped-call]
-            out_route, None, zero_link, *out_send, *(kept if through else ()), *placeholder
-        )
-        if through:
-            returned, kept = returned[:nleaves], returned[nleaves:]
-        anchor = out_token if out_token.requires_grad else None
-        if out_spec is None:
-            return None, anchor
-        # Kept items' rows, then the others' by source rank; back in call order.
+
+    def _in_call_order(
+        self, out_spec: OutputSpec, kept: Sequence[Tensor], returned: Sequence[Tensor]
+    ) -> list[tuple[Tensor, ...]]:
+        """Each item's output pieces in the order of this rank's call: the kept items' rows,
+        then the others' by source rank, cut apart so the layout can join them as the tower
+        would have returned them."""
+        t, rank = self.t, self.t.rank
+        nleaves = len(out_spec.dtypes)
         by_item: dict[int, tuple[Tensor, ...]] = {}
-        cursor = [0] * nleaves
-        for i in self.kept:
-            piece = []
-            for leaf in range(nleaves):
-                n = out_spec.rows(leaf, t.rows[rank][i][0])
-                piece.append(kept[leaf][cursor[leaf] : cursor[leaf] + n])
-                cursor[leaf] += n
-            by_item[i] = tuple(piece)
-        cursor = [0] * nleaves
-        for i in self.away:
-            piece = []
-            for leaf in range(nleaves):
-                n = out_spec.rows(leaf, t.rows[rank][i][0])
-                piece.append(returned[leaf][cursor[leaf] : cursor[leaf] + n])
-                cursor[leaf] += n
-            by_item[i] = tuple(piece)
-        output = self.layout.join_output(out_spec, [by_item[i] for i in range(local)])
-        return output, anchor
+        for indices, rows in ((self.kept, kept), (self.away, returned)):
+            cursor = [0] * nleaves
+            for i in indices:
+                piece = []
+                for leaf in range(nleaves):
+                    n = out_spec.rows(leaf, t.rows[rank][i][0])
+                    piece.append(rows[leaf][cursor[leaf] : cursor[leaf] + n])
+                    cursor[leaf] += n
+                by_item[i] = tuple(piece)
+        return [by_item[i] for i in range(len(t.costs[rank]))]
 
 
 def _placeholder_run(
