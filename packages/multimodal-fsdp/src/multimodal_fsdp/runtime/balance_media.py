@@ -59,7 +59,7 @@ from fsdp_core import ShardingPlan
 from fsdp_core.containers import is_under
 from fsdp_core.internals import GRAPH_TASK, Probe, in_backward
 from fsdp_core.runtime import RuntimeHook
-from multimodal_fsdp.balance import CallSpec, exchange_traffic, media_layout_for
+from multimodal_fsdp.balance import CallSpec, MediaLayout, exchange_traffic, media_layout_for
 from multimodal_fsdp.balance.exchange import Member, Rounds, Ticket
 from multimodal_fsdp.balance.targets import balance_targets
 from multimodal_fsdp.balance.traffic import SLOT_INTS
@@ -217,6 +217,28 @@ def _group_of(mesh: DeviceMesh, spec: str | int) -> tuple[Any, int]:
     return dist.new_group(ranks=mine, use_local_synchronization=True), len(mine)
 
 
+def _balanced_modules(
+    model: nn.Module, towers: Sequence[BalancedTower], joined: Sequence[JoinedModule]
+) -> list[tuple[nn.Module, str, MediaLayout | None, bool]]:
+    """Each balanced tower's and joined module's module, path, layout and whether it runs
+    on a placeholder, every one checked before any is changed: a module that cannot be
+    balanced leaves the model as it was."""
+    found: list[tuple[nn.Module, str, MediaLayout | None, bool]] = []
+    for tower in towers:
+        module = model.get_submodule(tower.path)
+        layout = media_layout_for(module, name=tower.layout)
+        found.append((module, tower.path, layout, tower.run_when_empty))
+    for item in joined:
+        found.append((model.get_submodule(item.path), item.path, None, True))
+    for module, path, _, _ in found:
+        if "forward" in vars(module):
+            raise ValueError(
+                f"balance_media: module {path!r} already has an instance forward "
+                "(another hook or a patch); it cannot be balanced"
+            )
+    return found
+
+
 class BalanceMedia:
     """The installed hook: the balanced towers' and joined modules' forwards, the join
     site's pre-hook and the joined decoder layers (see the module docstring). ``remove``
@@ -235,6 +257,9 @@ class BalanceMedia:
         layers: tuple[str, ...] = (),
         layer_group: Any = None,
     ) -> None:
+        """Check every module before changing any (a refusal leaves the model as it was),
+        then install the model's start and end hooks, the join site's pre-hook, each
+        member's round entry and forward, the joined layers and the ``generate`` scopes."""
         self.towers = towers
         self.joined = joined
         self.join_site = join_site
@@ -252,53 +277,19 @@ class BalanceMedia:
         #: joined calls' ones: every rank then runs every exchange's backward, even when
         #: its loss reads none of a call's outputs.
         self._anchors: list[Tensor] = []
-        found: list[tuple[nn.Module, str, Any, bool]] = []  # every check before installing
-        for tower in towers:
-            module = model.get_submodule(tower.path)
-            layout = media_layout_for(module, name=tower.layout)
-            found.append((module, tower.path, layout, tower.run_when_empty))
-        for item in joined:
-            found.append((model.get_submodule(item.path), item.path, None, True))
-        for module, path, _, _ in found:
-            if "forward" in vars(module):
-                raise ValueError(
-                    f"balance_media: module {path!r} already has an instance forward "
-                    "(another hook or a patch); it cannot be balanced"
-                )
+        found = _balanced_modules(model, towers, joined)
         site = model.get_submodule(join_site) if join_site else None
-        handles: list[RemovableHandle] = [
+        self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(self._start, prepend=True),
             model.register_forward_hook(self._end, always_call=True),
         ]
         if site is not None:
-            handles.append(
+            self._handles.append(
                 site.register_forward_pre_hook(self._join_hook, prepend=True, with_kwargs=True)
             )
-        self._handles = handles
-        members = []
         #: Per member, the tickets of the calls its pre-hook brought to their round.
         self._tickets: list[list[Ticket]] = [[] for _ in found]
-        for index, (module, path, layout, empty) in enumerate(found):
-            original = module.forward
-            kind = layout.name if layout is not None else "joined"
-            member = Member(
-                module=module,
-                identity=f"{path}|{kind}",
-                layout=layout,
-                run_when_empty=empty,
-                runner=original,
-                joiner=self._runner(module),
-            )
-            members.append(member)
-            self._modules.append((module, member))
-            # Before the module's own pre-forward hooks (FSDP's all-gather when it is a
-            # unit): the round's metadata comes first on every rank.
-            handles.append(
-                module.register_forward_pre_hook(
-                    self._enter(index, member), prepend=True, with_kwargs=True
-                )
-            )
-            module.forward = self._balanced_forward(module, index, member, path, original)
+        members = [self._install_member(index, *entry) for index, entry in enumerate(found)]
         self._rounds = Rounds(members, group)
         self._layers = (
             JoinedLayers(
@@ -311,9 +302,40 @@ class BalanceMedia:
         #: the wrapper).
         self._generators: list[tuple[nn.Module, Any, Callable[..., Any]]] = []
         if any(member.run_when_empty for member in members) or layers:
-            for module in model.modules():
-                if callable(getattr(type(module), "generate", None)):
-                    self._wrap_generate(module)
+            self._wrap_generators(model)
+
+    def _install_member(
+        self, index: int, module: nn.Module, path: str, layout: MediaLayout | None, empty: bool
+    ) -> Member:
+        """Send one module's calls through the rounds: its round entry runs before its
+        own pre-forward hooks, so the round's metadata comes before FSDP's all-gather of
+        a module that is a unit on every rank; its instance forward finishes the call."""
+        original = module.forward
+        kind = layout.name if layout is not None else "joined"
+        member = Member(
+            module=module,
+            identity=f"{path}|{kind}",
+            layout=layout,
+            run_when_empty=empty,
+            runner=original,
+            joiner=self._runner(module),
+        )
+        self._modules.append((module, member))
+        self._handles.append(
+            module.register_forward_pre_hook(
+                self._enter(index, member), prepend=True, with_kwargs=True
+            )
+        )
+        module.forward = self._balanced_forward(module, index, member, path, original)
+        return member
+
+    def _wrap_generators(self, model: nn.Module) -> None:
+        """Make every ``generate()`` of the model (the model's own, a wrapper's inside it)
+        one balanced scope: the tower calls it makes before its first forward would
+        otherwise run locally and issue their units' collectives on some ranks only."""
+        for module in model.modules():
+            if callable(getattr(type(module), "generate", None)):
+                self._wrap_generate(module)
 
     # ------------------------------------------------------------- decisions
     def _live(self) -> bool:
