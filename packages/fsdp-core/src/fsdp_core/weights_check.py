@@ -82,7 +82,9 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _non_persistent(model: nn.Module) -> dict[str, torch.Tensor]:
+def non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Buffers no checkpoint holds, by name: the model computes them (or a loader's
+    ``buffers=`` gives them). Shared with the checkpoint load."""
     found: dict[str, torch.Tensor] = {}
     for prefix, module in model.named_modules():
         dot = f"{prefix}." if prefix else ""
@@ -95,7 +97,7 @@ def _non_persistent(model: nn.Module) -> dict[str, torch.Tensor]:
 def meta_tensors(model: nn.Module) -> MetaTensors | None:
     """What of ``model`` is on ``meta`` now; ``None`` when nothing is."""
     params = tuple(n for n, p in model.named_parameters() if _local(p).is_meta)
-    buffers = tuple(n for n, b in _non_persistent(model).items() if b.is_meta)
+    buffers = tuple(n for n, b in non_persistent_buffers(model).items() if b.is_meta)
     if not params and not buffers:
         return None
     return MetaTensors(params, buffers)
@@ -147,7 +149,7 @@ def unset_buffers(model: nn.Module) -> list[str]:
     if found is None:
         return []
     sharded, record = found
-    buffers = _non_persistent(sharded)
+    buffers = non_persistent_buffers(sharded)
     return [
         name
         for name in record.buffers
@@ -191,7 +193,7 @@ def refill_unset_buffers(model: nn.Module) -> list[str]:
     sharded = found[0]
     if not _hf_model.is_hf_model(sharded):
         return []
-    buffers = _non_persistent(sharded)
+    buffers = non_persistent_buffers(sharded)
     for name in names:
         sentinel_fill(buffers[name])
     ran = _hf_model.recompute_buffers(sharded, names)
@@ -220,7 +222,7 @@ def check_weights_given(model: nn.Module, record: MetaTensors, *, name: str) -> 
     if what ``record`` says was on ``meta`` has no values yet (see the module docstring);
     ``name`` is the model's class name for the message."""
     params = dict(model.named_parameters())
-    buffers = _non_persistent(model)
+    buffers = non_persistent_buffers(model)
     still = [n for n in record.parameters if n in params and _local(params[n]).is_meta]
     still += [n for n in record.buffers if n in buffers and buffers[n].is_meta]
     if still:

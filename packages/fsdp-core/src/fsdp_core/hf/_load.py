@@ -42,7 +42,12 @@ from fsdp_core.hf._slots import (
     reshard,
 )
 from fsdp_core.module_tree import check_unchanged_since_sharding
-from fsdp_core.weights_check import mark_weights_loaded, sentinel_fill, still_sentinel
+from fsdp_core.weights_check import (
+    mark_weights_loaded,
+    non_persistent_buffers,
+    sentinel_fill,
+    still_sentinel,
+)
 
 # The public module's logger: the split into private modules keeps the name users configure.
 logger = logging.getLogger("fsdp_core.hf.pretrained")
@@ -70,17 +75,6 @@ class PretrainedLoad:
     missing: tuple[str, ...]
     unexpected: tuple[str, ...]
     ignored: tuple[str, ...] = ()
-
-
-def _non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Buffers no checkpoint holds: the model computes them (or ``buffers=`` gives them)."""
-    found: dict[str, torch.Tensor] = {}
-    for prefix, module in model.named_modules():
-        dot = f"{prefix}." if prefix else ""
-        for name, buffer in module._buffers.items():
-            if buffer is not None and name in module._non_persistent_buffers_set:
-                found[dot + name] = buffer
-    return found
 
 
 def _default_device(model: nn.Module) -> torch.device:
@@ -140,7 +134,7 @@ def _declined(model: nn.Module, keys: Iterable[str]) -> set[str]:
     ``inv_freq`` older checkpoints saved) holds what the model computes itself;
     transformers models also list patterns in ``_keys_to_ignore_on_load_unexpected``.
     """
-    leaves = {name.rpartition(".")[2] for name in _non_persistent_buffers(model)}
+    leaves = {name.rpartition(".")[2] for name in non_persistent_buffers(model)}
     patterns = getattr(model, tf.KEYS_TO_IGNORE_ON_LOAD_UNEXPECTED, None) or []
     if not isinstance(patterns, (list, tuple, set)):
         patterns = []
@@ -212,7 +206,7 @@ def _fill_buffers(
     given: Mapping[str, torch.Tensor],
 ) -> list[str]:
     """Give non-persistent buffers their values after ``to_empty``; the recomputed names."""
-    buffers = _non_persistent_buffers(model)
+    buffers = non_persistent_buffers(model)
     for name in was_meta:
         sentinel_fill(buffers[name])
     recomputed: list[str] = []
@@ -524,7 +518,7 @@ def _allocate(
     ``to_empty`` replaces every buffer, so the ones that held values are kept
     aside and copied back; ties it split are restored.
     """
-    non_persistent = _non_persistent_buffers(model)
+    non_persistent = non_persistent_buffers(model)
     was_meta = {name for name, buf in non_persistent.items() if buf.is_meta}
     allocated = any(is_meta(s.tensor) for s in slots) or bool(was_meta)
     if allocated:
