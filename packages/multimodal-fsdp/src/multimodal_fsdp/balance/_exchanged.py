@@ -1,0 +1,364 @@
+"""One balanced call that moves items: the inputs' exchange, the encoding of this rank's
+share, the status gather and the outputs' way back (the collectives are listed in
+``multimodal_fsdp.balance.exchange``, which runs a call here once its round decided
+that items change rank)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from multimodal_fsdp.balance._metadata import Table, gather
+from multimodal_fsdp.balance._route import Exchange, Route, start_forward
+from multimodal_fsdp.balance.layouts import FieldSpec, MediaCall, MediaItem, MediaLayout, OutputSpec
+
+if TYPE_CHECKING:
+    from multimodal_fsdp.balance.exchange import Member
+
+
+def _status(code: int, leaves: int, group: Any, device: torch.device) -> list[Tensor]:
+    return [
+        t.cpu()
+        for t in gather(torch.tensor([code, leaves], dtype=torch.int64, device=device), group)
+    ]
+
+
+@dataclass
+class _Encoded:
+    """What this rank encoded in a balanced call, the kept items' pieces apart from the
+    received ones, or why it failed: a failure is held until the status gather, so that
+    every rank learns of it at the same collective."""
+
+    spec: OutputSpec | None = None
+    kept: list[tuple[Tensor, ...]] = field(default_factory=list)
+    received: list[tuple[Tensor, ...]] = field(default_factory=list)
+    placeholder: list[Tensor] = field(default_factory=list)
+    failure: BaseException | None = None
+
+    @property
+    def produced(self) -> int:
+        """Output tensors produced here (-1: none), which the ranks check they agree on."""
+        if self.spec:
+            return len(self.spec.dtypes)
+        return len(self.placeholder) if self.placeholder else -1
+
+
+class Exchanged:
+    """One balanced call that moves items (see the module docstring)."""
+
+    def __init__(
+        self,
+        member: Member,
+        layout: MediaLayout,
+        table: Table,
+        owners: list[list[int]],
+        call: MediaCall | None,
+        device: torch.device,
+        group: Any,
+    ) -> None:
+        self.member, self.layout, self.t, self.owners = member, layout, table, owners
+        self.call, self.device, self.group = call, device, group
+        self.runner = member.run(own=call is not None)
+        rank = table.rank
+        local = len(table.costs[rank])
+        self.kept = [i for i in range(local) if owners[rank][i] == rank]
+        self.away = sorted(
+            (i for i in range(local) if owners[rank][i] != rank),
+            key=lambda i: (owners[rank][i], i),
+        )
+        self.assigned = [
+            (s, i)
+            for s in range(table.world)
+            if s != rank
+            for i in range(len(table.costs[s]))
+            if owners[s][i] == rank
+        ]
+
+    def _items(self, indices: Sequence[int]) -> list[MediaItem]:
+        if self.call is None:
+            return []
+        return [self.call.items[i] for i in indices]
+
+    def _encode(self, items: Sequence[MediaItem]) -> tuple[OutputSpec, list[tuple[Tensor, ...]]]:
+        spec = self.t.spec
+        if spec is None:  # pragma: no cover - a balanced table always has one
+            raise RuntimeError("balanced tower call: items without a call spec")
+        args, kwargs = self.layout.build_call(spec, items)
+        weights = [item.fields[0].shape[0] for item in items]
+        return self.layout.split_output(self.runner(*args, **kwargs), weights)
+
+    def run(self) -> tuple[Any, Tensor | None]:
+        """The call's forward in protocol order (inputs out, encode, status, outputs back),
+        one step per collective, so every rank issues them alike; an encoding error waits
+        for the status gather, where every rank learns of it and none is left waiting."""
+        in_route, send_fields, link = self._input_route()
+        kept_items = self._items(self.kept)
+        # A tower without units runs twice: on the items it keeps while the others'
+        # arrive, then on those (no collective inside it, so any number of runs is safe).
+        overlap = not self.member.run_when_empty and bool(kept_items) and bool(self.assigned)
+        done = _Encoded()
+        pending = start_forward(in_route, send_fields, async_op=True) if overlap else None
+        if overlap:
+            try:
+                done.spec, done.kept = self._encode(kept_items)
+            except Exception as raised:  # raised by _check_status, once every rank knows
+                done.failure = raised
+        *received, in_token = Exchange.apply(  # type: ignore[no-untyped-call]
+            in_route, pending, link, *send_fields
+        )
+        recv_items = self._received_items(received)
+        if done.failure is None:
+            self._encode_share(done, kept_items, recv_items, overlap)
+        leaves = self._check_status(done)
+        return self._outputs(done, in_token, leaves)
+
+    def _input_route(self) -> tuple[Route, list[Tensor], Tensor]:
+        """The inputs of the items that change rank, one buffer per field, and the rows
+        each rank sends and receives: one all_to_all then carries every field, and its
+        inverse the input gradients; ``link`` ties those gradients into the graph."""
+        t, owners, rank, world = self.t, self.owners, self.t.rank, self.t.world
+        nfields = len(t.fields)
+        send_fields = []
+        for f in range(nfields):
+            parts = [item.fields[f] for item in self._items(self.away)]
+            empty = torch.empty(
+                (0, *t.fields[f].row_shape), dtype=t.fields[f].dtype, device=self.device
+            )
+            send_fields.append(torch.cat(parts) if parts else empty)
+        send_rows = tuple(
+            tuple(
+                sum(t.rows[rank][i][f] for i in self.away if owners[rank][i] == d)
+                for d in range(world)
+            )
+            for f in range(nfields)
+        )
+        recv_rows = tuple(
+            tuple(
+                sum(t.rows[s][i][f] for (s2, i) in self.assigned if s2 == s) for s in range(world)
+            )
+            for f in range(nfields)
+        )
+        differentiable = t.grad_enabled
+        in_route = Route(
+            send_rows=send_rows,
+            recv_rows=recv_rows,
+            dtypes=tuple(f.dtype for f in t.fields),
+            row_shapes=tuple(f.row_shape for f in t.fields),
+            grads=t.input_grads,
+            group=self.group,
+            device=self.device,
+        )
+        link = torch.zeros(
+            (), device=self.device, requires_grad=differentiable and any(t.input_grads)
+        )
+        return in_route, send_fields, link
+
+    def _received_items(self, received: Sequence[Tensor]) -> list[MediaItem]:
+        """The items other ranks sent here, cut out of the received fields in the order
+        they were assigned: the order their outputs go back in."""
+        t = self.t
+        nfields = len(t.fields)
+        recv_items = []
+        offsets = [0] * nfields
+        for s, i in self.assigned:
+            fields = []
+            for f in range(nfields):
+                rows = t.rows[s][i][f]
+                fields.append(received[f][offsets[f] : offsets[f] + rows])
+                offsets[f] += rows
+            recv_items.append(
+                MediaItem(fields=tuple(fields), cost=t.costs[s][i], sizes=t.sizes[s][i])
+            )
+        return recv_items
+
+    def _encode_share(
+        self,
+        done: _Encoded,
+        kept_items: list[MediaItem],
+        recv_items: list[MediaItem],
+        overlap: bool,
+    ) -> None:
+        """Encode this rank's share (what ``run`` has not encoded while the inputs
+        travelled), or a placeholder where the tower's units must gather on every rank;
+        an error is kept in ``done`` for the status gather, not raised here."""
+        try:
+            if overlap:
+                _, done.received = self._encode(recv_items)
+            elif kept_items or recv_items:
+                done.spec, pieces = self._encode([*kept_items, *recv_items])
+                done.kept, done.received = pieces[: len(kept_items)], pieces[len(kept_items) :]
+            elif self.member.run_when_empty:
+                done.placeholder = placeholder_run(self.layout, self.t, self.runner, self.device)
+        except Exception as raised:  # raised by _check_status, once every rank knows
+            done.failure = raised
+
+    def _check_status(self, done: _Encoded) -> set[int]:
+        """The status gather: an error on one rank becomes an error on every rank (before
+        any rank waits for outputs that will not come), and ranks agree on the number of
+        output tensors. Returns the agreed numbers (at most one)."""
+        statuses = _status(int(done.failure is not None), done.produced, self.group, self.device)
+        failed = [r for r, row in enumerate(statuses) if int(row[0])]
+        if failed:
+            if done.failure is not None:
+                raise done.failure
+            raise RuntimeError(
+                f"balanced tower call: the tower failed on rank(s) {failed} (see their error)"
+            )
+        leaves = {int(row[1]) for row in statuses} - {-1}
+        if len(leaves) > 1:
+            raise ValueError(
+                "balanced tower call: the tower's outputs differ between ranks "
+                f"({sorted(leaves)} tensors)"
+            )
+        return leaves
+
+    def _outputs(
+        self, done: _Encoded, in_token: Tensor, leaves: set[int]
+    ) -> tuple[Any, Tensor | None]:
+        """Outputs of moved items back to their owners; this rank's output in call order."""
+        t, out_spec = self.t, done.spec
+        if len(t.costs[t.rank]) and out_spec is None:
+            raise RuntimeError(
+                "balanced tower call: a rank with items encoded none"
+            )  # the rule prevents it
+        nleaves = len(out_spec.dtypes) if out_spec is not None else 0
+        out_send = self._output_buffers(done)
+        differentiable = t.grad_enabled and (t.trainable or any(t.input_grads))
+        kept = [
+            torch.cat([piece[leaf] for piece in done.kept]) for leaf in range(nleaves) if done.kept
+        ]
+        through = differentiable and bool(kept)  # kept outputs pass the exchange untouched
+        out_route = self._output_route(done, leaves, differentiable, through)
+        zero_link = in_token
+        if differentiable and not zero_link.requires_grad:
+            zero_link = torch.zeros((), device=self.device, requires_grad=True)
+        *returned, out_token = Exchange.apply(  # type: ignore[no-untyped-call]
+            out_route, None, zero_link, *out_send, *(kept if through else ()), *done.placeholder
+        )
+        if through:
+            returned, kept = returned[:nleaves], returned[nleaves:]
+        anchor = out_token if out_token.requires_grad else None
+        if out_spec is None:
+            return None, anchor
+        output = self.layout.join_output(out_spec, self._in_call_order(out_spec, kept, returned))
+        return output, anchor
+
+    def _output_buffers(self, done: _Encoded) -> list[Tensor]:
+        """The outputs of the items encoded here for other ranks, one buffer per output
+        tensor (empty ones too): the all_to_all sends every tensor whatever its dtype."""
+        out_spec = done.spec
+        nleaves = len(out_spec.dtypes) if out_spec is not None else 0
+        return [
+            torch.cat([piece[leaf] for piece in done.received])
+            if done.received
+            else torch.empty(
+                (0, *out_spec.row_shapes[leaf]), dtype=out_spec.dtypes[leaf], device=self.device
+            )
+            for leaf in range(nleaves)
+            if out_spec is not None
+        ]
+
+    def _output_route(
+        self, done: _Encoded, leaves: set[int], differentiable: bool, through: bool
+    ) -> Route:
+        """The route of the outputs: rows to each owner and from each encoder (every rank
+        derives both from the table alike), and which tensors carry gradients back along
+        its inverse."""
+        t, owners, rank, world, out_spec = self.t, self.owners, self.t.rank, self.t.world, done.spec
+        nleaves = len(out_spec.dtypes) if out_spec is not None else 0
+        out_send_rows = tuple(
+            tuple(
+                sum(
+                    piece[leaf].shape[0]
+                    for (s, _), piece in zip(self.assigned, done.received, strict=True)
+                    if s == d
+                )
+                for d in range(world)
+            )
+            for leaf in range(nleaves)
+        )
+        out_recv_rows = tuple(
+            tuple(
+                sum(
+                    out_spec.rows(leaf, t.rows[rank][i][0])
+                    for i in self.away
+                    if owners[rank][i] == s
+                )
+                if out_spec is not None
+                else 0
+                for s in range(world)
+            )
+            for leaf in range(nleaves)
+        )
+        return Route(
+            send_rows=out_send_rows,
+            recv_rows=out_recv_rows,
+            dtypes=out_spec.dtypes if out_spec is not None else (),
+            row_shapes=out_spec.row_shapes if out_spec is not None else (),
+            grads=tuple(differentiable and d.is_floating_point for d in out_spec.dtypes)
+            if out_spec
+            else (),
+            group=self.group,
+            device=self.device,
+            flags=max(leaves, default=0) if differentiable else 0,
+            kept=tuple(range(nleaves)) if through else (),
+        )
+
+    def _in_call_order(
+        self, out_spec: OutputSpec, kept: Sequence[Tensor], returned: Sequence[Tensor]
+    ) -> list[tuple[Tensor, ...]]:
+        """Each item's output pieces in the order of this rank's call: the kept items' rows,
+        then the others' by source rank, cut apart so the layout can join them as the tower
+        would have returned them."""
+        t, rank = self.t, self.t.rank
+        nleaves = len(out_spec.dtypes)
+        by_item: dict[int, tuple[Tensor, ...]] = {}
+        for indices, rows in ((self.kept, kept), (self.away, returned)):
+            cursor = [0] * nleaves
+            for i in indices:
+                piece = []
+                for leaf in range(nleaves):
+                    n = out_spec.rows(leaf, t.rows[rank][i][0])
+                    piece.append(rows[leaf][cursor[leaf] : cursor[leaf] + n])
+                    cursor[leaf] += n
+                by_item[i] = tuple(piece)
+        return [by_item[i] for i in range(len(t.costs[rank]))]
+
+
+def placeholder_run(
+    layout: MediaLayout,
+    table: Table,
+    runner: Callable[..., Any],
+    device: torch.device,
+) -> list[Tensor]:
+    """Run the tower on a placeholder shaped like the cheapest item; return each output
+    tensor summed and times 0 (a zero scalar; integer tensors give a constant zero), to be
+    linked into the exchange of the outputs: in backward the tower then runs for the
+    outputs that have a gradient on some rank, and only for those, as on the ranks with
+    items."""
+    spec = table.spec
+    if spec is None:  # pragma: no cover - a balanced table always has one
+        raise RuntimeError("balanced tower call: a placeholder without a call spec")
+    cheapest = min(
+        ((c, r, i) for r, costs in enumerate(table.costs) for i, c in enumerate(costs)),
+    )
+    _, r, i = cheapest
+    fields = [
+        FieldSpec(dtype=f.dtype, row_shape=f.row_shape, rows=table.rows[r][i][k])
+        for k, f in enumerate(table.fields)
+    ]
+    item = layout.placeholder(spec, fields, table.sizes[r][i])
+    item = MediaItem(
+        fields=tuple(t.to(device) for t in item.fields), cost=item.cost, sizes=item.sizes
+    )
+    args, kwargs = layout.build_call(spec, [item])
+    output = runner(*args, **kwargs)
+    _, leaves = layout.split_output(output, [fields[0].rows])
+    return [
+        leaf.sum().float() * 0 if leaf.dtype.is_floating_point else torch.zeros((), device=device)
+        for leaf in leaves[0]
+    ]
