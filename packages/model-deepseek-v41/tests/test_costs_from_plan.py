@@ -39,7 +39,7 @@ def test_costs_count_the_same_from_the_hook_data_and_from_the_record(
 
 
 def test_plan_discovers_once_and_apply_never(monkeypatch: pytest.MonkeyPatch) -> None:
-    import multimodal_fsdp.parallelizer as parallelizer_module
+    import multimodal_fsdp.model_discovery as discovery_module
     from fsdp_core import build_mesh
     from fsdp_core.fake_group import fake_process_group
     from multimodal_fsdp.discovery.walk import resolve_multimodal_modules
@@ -50,7 +50,7 @@ def test_plan_discovers_once_and_apply_never(monkeypatch: pytest.MonkeyPatch) ->
         calls.append(model)
         return resolve_multimodal_modules(model, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(parallelizer_module, "resolve_multimodal_modules", counting)
+    monkeypatch.setattr(discovery_module, "resolve_multimodal_modules", counting)
     model = build_deepseek_v41(DeepseekV41Config.tiny(), dtype=torch.bfloat16)
     model.vision.requires_grad_(False)
     parallelizer = PARALLELIZER.with_options(frozen_multimodal_sharding="replicate")

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 import model_deepseek_v41.fsdp as deepseek_fsdp
-import multimodal_fsdp.parallelizer as parallelizer_module
+import multimodal_fsdp.model_discovery as discovery_module
 from fsdp_core import ShardingPlan, build_mesh, mixed_precision_policy
 from fsdp_core.fake_group import fake_process_group
 from model_deepseek_v41 import (
@@ -115,7 +115,7 @@ def detector_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return counting
 
     monkeypatch.setattr(
-        parallelizer_module, "resolve_multimodal_modules", counting_discovery("multimodal")
+        discovery_module, "resolve_multimodal_modules", counting_discovery("multimodal")
     )
     monkeypatch.setattr(
         deepseek_fsdp,

@@ -7,7 +7,7 @@ import pytest
 from _mm_toy_vlm import ToyVLM
 from torch import nn
 
-import multimodal_fsdp.parallelizer as parallelizer_module
+import multimodal_fsdp.model_discovery as discovery_module
 from fsdp_core import build_mesh, mixed_precision_policy
 from fsdp_core.fake_group import fake_process_group
 from multimodal_fsdp import MultimodalParallelizer
@@ -23,7 +23,7 @@ def discovery_calls(monkeypatch: pytest.MonkeyPatch) -> list[nn.Module]:
         calls.append(model)
         return resolve_multimodal_modules(model, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(parallelizer_module, "resolve_multimodal_modules", counting)
+    monkeypatch.setattr(discovery_module, "resolve_multimodal_modules", counting)
     return calls
 
 
@@ -37,6 +37,35 @@ def test_plan_discovers_once_and_apply_never(policy: str, discovery_calls: list[
     with fake_process_group(2):
         parallelizer.apply_plan(model, plan, mesh=build_mesh())
     assert discovery_calls == []
+
+
+def test_a_given_discovery_is_reused_and_never_repeated(discovery_calls: list[nn.Module]) -> None:
+    model = ToyVLM(frozen_tower=True)
+    parallelizer = MultimodalParallelizer()
+    found = parallelizer.discover(model)
+    reference = MultimodalParallelizer().plan(model)
+    discovery_calls.clear()
+    for policy in ("root", "per_layer", "replicate"):
+        planner = parallelizer.with_options(frozen_multimodal_sharding=policy)
+        plan = planner.plan(model, discovery=found)
+        assert plan == planner.plan(model)
+    assert len(discovery_calls) == 3  # the three plans without discovery=, one each
+    assert parallelizer.plan(model, discovery=found) == reference
+
+
+def test_a_stale_or_foreign_discovery_is_refused() -> None:
+    model = ToyVLM(frozen_tower=True)
+    parallelizer = MultimodalParallelizer()
+    found = parallelizer.discover(model)
+    with pytest.raises(ValueError, match="not this model's as it is now"):
+        parallelizer.plan(ToyVLM(frozen_tower=True), discovery=found)
+    with pytest.raises(ValueError, match="not this model's as it is now"):
+        MultimodalParallelizer(exclude=("vision_tower",)).plan(model, discovery=found)
+    model.vision_tower.requires_grad_(True)
+    with pytest.raises(ValueError, match="parameters frozen or unfrozen since"):
+        parallelizer.plan(model, discovery=found)
+    with pytest.raises(TypeError, match="discovery must be a multimodal_fsdp Discovery"):
+        parallelizer.plan(model, discovery="found")  # type: ignore[arg-type]
 
 
 def test_costs_use_the_plans_backward_judgement() -> None:

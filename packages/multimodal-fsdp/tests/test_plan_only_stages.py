@@ -15,7 +15,7 @@ import torch
 from _mm_toy_vlm import ToyVLM
 from torch import nn
 
-import multimodal_fsdp.parallelizer as parallelizer_module
+import multimodal_fsdp.model_discovery as discovery_module
 from fsdp_core import CommCounter, build_mesh, internals, mixed_precision_policy
 from fsdp_core.fake_group import fake_process_group
 from multimodal_fsdp import MultimodalParallelizer
@@ -87,7 +87,7 @@ def test_media_regions_read_the_plan(monkeypatch: pytest.MonkeyPatch) -> None:
         calls.append("discovery")
         return resolve_multimodal_modules(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(parallelizer_module, "resolve_multimodal_modules", counting)
+    monkeypatch.setattr(discovery_module, "resolve_multimodal_modules", counting)
     regions = parallelizer.media_regions(model, plan)  # type: ignore[arg-type]
     owners = parallelizer.modules_with_units(model, plan)  # type: ignore[arg-type]
     assert [r.path for r in regions] == owners == ["vision_tower"]

@@ -20,6 +20,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
@@ -60,6 +61,7 @@ from fsdp_core.stale_optimizer import mark_replaced_parameters
 from fsdp_core.unused_params import UnusedParamsRuntimeHook
 
 __all__ = [
+    "PlanAdditions",
     "PlanContext",
     "ModelParallelizer",
     "apply_plan",
@@ -98,6 +100,13 @@ class PlanContext:
     reshard_after_forward: bool | int | None
     ignored_param_names: frozenset[str]
     planned: set[int] = field(default_factory=set)
+    #: What the parallelizer found in the model before planning, for its planning hooks
+    #: (a multimodal parallelizer's discovery); ``None`` for this class, which finds
+    #: nothing beyond the layer containers.
+    found: object = None
+    #: Parameters the parallelizer keeps whole on every rank (a subset of the ignored
+    #: ones), as the parallelizer's ``_replicated_param_names`` named them.
+    replicated_param_names: tuple[str, ...] = ()
 
     def is_planned(self, module: nn.Module) -> bool:
         return id(module) in self.planned
@@ -140,6 +149,18 @@ class PlanContext:
             )
 
         return visit(self.module(path), path)
+
+
+@dataclass(frozen=True)
+class PlanAdditions:
+    """What a subclass decides beside the units, in the same pass, from the plan
+    context and the calls (each field is the [`ShardingPlan`][fsdp_core.plan.ShardingPlan]
+    field of the same name; the defaults are a plain ``ModelParallelizer``'s)."""
+
+    replicated_param_dtypes: tuple[tuple[str, torch.dtype], ...] = ()
+    backward_free_paths: tuple[str, ...] | None = None
+    sync_replicated: bool = True
+    records: tuple[object, ...] = ()
 
 
 class ModelParallelizer:
@@ -199,6 +220,27 @@ class ModelParallelizer:
         ignored_params: set[nn.Parameter] | None = None,
     ) -> ShardingPlan:
         """Decide the units without touching the model or needing a process group."""
+        return self._plan(
+            model,
+            mp_policy=mp_policy,
+            reshard_after_forward=reshard_after_forward,
+            ignored_params=ignored_params,
+            found=None,
+        )
+
+    def _plan(
+        self,
+        model: nn.Module,
+        *,
+        mp_policy: MixedPrecisionPolicy | None,
+        reshard_after_forward: bool | int | None,
+        ignored_params: set[nn.Parameter] | None,
+        found: object,
+    ) -> ShardingPlan:
+        """The one planning pass: what the parallelizer finds in the model (``found``,
+        or [`_find`][fsdp_core.parallelizer.ModelParallelizer._find] when ``None``), then
+        the replicated and ignored parameters, the calls, what subclasses add beside
+        them, and last the runtime hooks, planned from the finished plan."""
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         policy = MixedPrecisionPolicy() if mp_policy is None else mp_policy
@@ -209,13 +251,17 @@ class ModelParallelizer:
         check_reshard_after_forward(
             reshard_after_forward, shard_size=_any_divisor(reshard_after_forward)
         )
+        given = parameter_names(model, ignored_params)
         ctx = PlanContext(
             model=model,
             mp_policy=policy,
             reshard_after_forward=reshard_after_forward,
-            ignored_param_names=frozenset(
-                self._ignored_param_names(model, parameter_names(model, ignored_params))
-            ),
+            ignored_param_names=frozenset(),
+            found=self._find(model) if found is None else found,
+        )
+        ctx.replicated_param_names = tuple(sorted(set(self._replicated_param_names(ctx))))
+        ctx.ignored_param_names = frozenset(
+            (*self._ignored_param_names(model, given), *ctx.replicated_param_names)
         )
         calls: list[ShardCall] = list(self._plan_leading_calls(ctx))
         for path in self._unit_paths(ctx):
@@ -223,13 +269,19 @@ class ModelParallelizer:
                 continue
             calls.extend(self._plan_calls(path, ctx, reshard_after_forward=reshard_after_forward))
         calls.extend(self._plan_calls("", ctx, reshard_after_forward=reshard_after_forward))
+        added = self._plan_additions(ctx, tuple(calls))
         plan = ShardingPlan(
             calls=tuple(calls),
             ignored_param_names=tuple(sorted(ctx.ignored_param_names)),
             notes=tuple(self._plan_notes(ctx)),
+            replicated_param_names=ctx.replicated_param_names,
             fingerprint=module_tree_fingerprint(model),
+            replicated_param_dtypes=added.replicated_param_dtypes,
+            backward_free_paths=added.backward_free_paths,
+            sync_replicated=added.sync_replicated,
+            records=added.records,
         )
-        planned = [*self._plan_hooks(model, plan), _forward_arrival_hook()]
+        planned = [*self._plan_hooks(ctx, plan), _forward_arrival_hook()]
         hooks = [h for h in planned if h.name not in self.disabled_hooks]
         return dataclasses.replace(plan, hooks=tuple(hooks))
 
@@ -307,9 +359,27 @@ class ModelParallelizer:
         """Paths of the modules that become units before the root (layer-container items)."""
         return [path for path, _ in iter_layer_items(ctx.model)]
 
+    def _find(self, model: nn.Module) -> object:
+        """What planning needs to know about ``model`` beyond its layer containers, found
+        once per plan and read by the planning hooks as ``ctx.found`` (a multimodal
+        parallelizer's discovery); nothing here."""
+        return None
+
     def _ignored_param_names(self, model: nn.Module, names: tuple[str, ...]) -> Iterable[str]:
-        """All parameters kept out of FSDP (subclasses add replicated modules)."""
+        """Parameters kept out of FSDP besides the replicated ones (``names``: those the
+        caller gave as ``ignored_params``)."""
         return names
+
+    def _replicated_param_names(self, ctx: PlanContext) -> Iterable[str]:
+        """Parameters the parallelizer keeps whole on every rank itself (placed, cast and
+        synchronised before sharding, ignored by every unit); none here."""
+        return ()
+
+    def _plan_additions(self, ctx: PlanContext, calls: tuple[ShardCall, ...]) -> PlanAdditions:
+        """What the plan holds beside its calls, decided from the same context: the
+        replicated parameters' dtypes, the paths no gradient reaches, the planner's
+        records; nothing here."""
+        return PlanAdditions()
 
     def _plan_leading_calls(self, ctx: PlanContext) -> list[ShardCall]:
         """Calls planned before any layer item (e.g. units shared by several layers)."""
@@ -318,7 +388,7 @@ class ModelParallelizer:
     def _plan_notes(self, ctx: PlanContext) -> list[str]:
         return []
 
-    def _entry_paths(self, model: nn.Module) -> list[str]:
+    def _entry_paths(self, ctx: PlanContext) -> list[str]:
         """Modules that code may call outside the model's forward: the ``entry_unshard``
         hook gathers their parameters' units for such calls. Here: wrapped models that
         generate (a ``PeftModel``'s ``generate`` runs the inner transformers model's,
@@ -326,11 +396,15 @@ class ModelParallelizer:
         language model, a vision model: duck-typed by ``config`` and
         ``get_input_embeddings``); the multimodal parallelizer adds towers and
         projectors (``generate()`` computes image features before the forward)."""
-        return [path for path, module in model.named_modules() if path and _is_entry(module)]
+        return [
+            path for path, module in ctx.model.named_modules() if path and _is_entry(module)
+        ]
 
-    def _plan_hooks(self, model: nn.Module, plan: ShardingPlan) -> list[HookPlan]:
-        """The runtime hooks ``plan`` needs (before ``disabled_hooks`` are taken out)."""
-        entries = _entry_hooks(entry_owners(model, plan, self._entry_paths(model)), plan)
+    def _plan_hooks(self, ctx: PlanContext, plan: ShardingPlan) -> list[HookPlan]:
+        """The runtime hooks ``plan`` needs (before ``disabled_hooks`` are taken out),
+        planned from the finished plan."""
+        model = ctx.model
+        entries = _entry_hooks(entry_owners(model, plan, self._entry_paths(ctx)), plan)
         trainable = [
             unit.label
             for unit, params in zip(plan.units, unit_parameters(plan, model), strict=True)

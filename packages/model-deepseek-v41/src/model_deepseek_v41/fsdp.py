@@ -50,6 +50,7 @@ from fsdp_core.sharding import ShardOptions, ShardTarget, is_sharded
 from multimodal_fsdp import MultimodalParallelizer
 from multimodal_fsdp.discovery import resolve_multimodal_modules
 from multimodal_fsdp.discovery.names import MultimodalModule
+from multimodal_fsdp.model_discovery import Discovery
 
 __all__ = [
     "DeepseekV41ModelParallelizer",
@@ -133,6 +134,11 @@ def _vision_tower_paths(found: Iterable[MultimodalModule]) -> list[str]:
     """The vision towers among discovered multimodal modules (role ``tower``, modality
     ``vision``): the regions whose norms become fp32 units."""
     return [item.path for item in found if item.role == "tower" and item.modality == "vision"]
+
+
+def _vision_towers(found: Discovery) -> list[str]:
+    """The vision towers of a plan's discovery."""
+    return _vision_tower_paths(part.found for part in found.parts)
 
 
 def _inner_prefix(module: nn.Module, prefix: str) -> str:
@@ -329,15 +335,10 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
             )
         return units
 
-    def _vision_towers(self, model: nn.Module) -> list[str]:
-        """The vision towers of this parallelizer's discovery (while ``plan()`` runs: the
-        one discovery of that plan)."""
-        return _vision_tower_paths(part.found for part in self.multimodal_parts(model))
-
     def _plan_leading_calls(self, ctx: PlanContext) -> list[ShardCall]:
         groups = _plan_norm_groups(
             ctx.model,
-            self._vision_towers(ctx.model),
+            _vision_towers(self._discovery(ctx)),
             mp_policy=ctx.mp_policy,
             ignored_param_names=ctx.ignored_param_names,
             planned=ctx.planned,
@@ -353,7 +354,7 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
             for group in groups
         ]
 
-    def _replicated_param_names(self, model: nn.Module) -> list[str]:
+    def _replicated_param_names(self, ctx: PlanContext) -> list[str]:
         """Also replicate frozen fp32 vision norms, whatever the policy.
 
         A frozen norm needs no gradient reduction, and kept whole in fp32 on
@@ -361,19 +362,20 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
         width), computes in fp32, and cannot make ranks diverge when only
         some of them see images. Trainable norms keep their fp32 unit.
         """
-        names = super()._replicated_param_names(model)
+        names = super()._replicated_param_names(ctx)
         seen = set(names)
-        for name, param in _vision_norm_parameters(model, self._vision_towers(model)):
+        towers = _vision_towers(self._discovery(ctx))
+        for name, param in _vision_norm_parameters(ctx.model, towers):
             if not param.requires_grad and name not in seen:
                 seen.add(name)
                 names.append(name)
         return names
 
-    def _replicated_keep_dtype(self, model: nn.Module, names: Iterable[str]) -> Iterator[str]:
+    def _replicated_keep_dtype(self, found: Discovery, names: Iterable[str]) -> Iterator[str]:
         wanted = list(names)
-        yield from super()._replicated_keep_dtype(model, wanted)
+        yield from super()._replicated_keep_dtype(found, wanted)
         wanted_set = set(wanted)
-        for name, _ in _vision_norm_parameters(model, self._vision_towers(model)):
+        for name, _ in _vision_norm_parameters(found.model, _vision_towers(found)):
             if name in wanted_set:
                 yield name
 

@@ -9,6 +9,7 @@ from torch import nn
 from fsdp_core.containers import is_module_container, iter_layer_items
 
 __all__ = [
+    "multimodal_unit_paths",
     "shard_multimodal_module",
     "_container_items",
     "_is_module_container",
@@ -56,11 +57,30 @@ def _shard_layer_containers_recursively(
     return bool(seen)
 
 
+def multimodal_unit_paths(model: nn.Module, path: str = "") -> list[str]:
+    """The units of the module at ``path`` of ``model`` at layer-container granularity:
+    the paths (as ``model.named_modules()`` names them) of the leaf items of its
+    containers, each once, or ``[path]`` when it has none. What the planner makes units
+    of, and what [`shard_multimodal_module`][multimodal_fsdp.layers.shard_multimodal_module]
+    shards."""
+    module = model.get_submodule(path) if path else model
+    names = {id(sub): name for name, sub in model.named_modules()}
+    seen: set[int] = set()
+    paths: list[str] = []
+    for _, item in iter_layer_items(module):
+        if id(item) not in seen:  # a layer registered in two containers is one unit
+            seen.add(id(item))
+            paths.append(names[id(item)])
+    return paths or [path]
+
+
 def shard_multimodal_module(module: nn.Module, shard_module: Callable[[nn.Module], object]) -> None:
-    """Shard ``module`` at layer-container granularity, or whole when it has no containers."""
+    """Shard ``module`` at layer-container granularity, or whole when it has no containers:
+    ``shard_module`` is called on each unit
+    [`multimodal_unit_paths`][multimodal_fsdp.layers.multimodal_unit_paths] names, in order."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     if not callable(shard_module):
         raise TypeError(f"shard_module must be callable, got {type(shard_module).__name__}")
-    if not _shard_layer_containers_recursively(module, shard_module):
-        shard_module(module)
+    for path in multimodal_unit_paths(module):
+        shard_module(module.get_submodule(path) if path else module)

@@ -55,10 +55,8 @@ placeholder where it has no media), so nothing is a media region.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -66,19 +64,16 @@ from torch import nn
 from fsdp_core import ModelParallelizer, ShardingPlan
 from fsdp_core.containers import is_under, iter_layer_items, join_path
 from fsdp_core.dtype_units import dominant_dtype
-from fsdp_core.parallelizer import PlanContext
+from fsdp_core.parallelizer import PlanAdditions, PlanContext
+from fsdp_core.plan import ShardCall
 from fsdp_core.runtime import HookPlan
-from multimodal_fsdp.discovery.conditional import find_media_conditional_layers
 from multimodal_fsdp.discovery.validation import check_attribute_names, check_module_paths
-from multimodal_fsdp.discovery.walk import (
-    resolve_multimodal_modules,
-)
-from multimodal_fsdp.layers import shard_multimodal_module
+from multimodal_fsdp.layers import multimodal_unit_paths
+from multimodal_fsdp.model_discovery import Discovery, DiscoveryOptions, discover_with
 from multimodal_fsdp.parts import (
     MultimodalParts,
     classify_layers,
     partly_trainable_note,
-    split_frozen_parts,
     summarise,
 )
 from multimodal_fsdp.policy import FrozenMultimodalSharding, FrozenPolicies, frozen_policy
@@ -141,10 +136,6 @@ class MultimodalParallelizer(ModelParallelizer):
         BalanceMediaRuntimeHook,
     )
 
-    #: The discovery of the model being planned, held while ``plan()`` runs so that its
-    #: stages share one discovery (``None`` outside ``plan()``); the plan records it.
-    _discovered: _Discovery | None = None
-
     def __init__(
         self,
         *,
@@ -201,38 +192,45 @@ class MultimodalParallelizer(ModelParallelizer):
         self.frozen_policies = policies
 
     def _parts_with_policies(
-        self, model: nn.Module
+        self, found: Discovery
     ) -> list[tuple[MultimodalParts, FrozenMultimodalSharding]]:
-        parts = self.multimodal_parts(model)
-        paths = [part.found.path for part in parts]
-        policies = self.frozen_policies.resolve(paths, owner=type(model).__name__)
-        return [(part, policies[part.found.path]) for part in parts]
+        policies = self.frozen_policies.resolve(found.paths, owner=type(found.model).__name__)
+        return [(part, policies[part.found.path]) for part in found.parts]
 
     # ------------------------------------------------------------ discovery
-    def multimodal_parts(self, model: nn.Module) -> list[MultimodalParts]:
-        """Discovered multimodal modules with their frozen and trainable parts (while
-        ``plan()`` runs: the one discovery of the model being planned)."""
-        if self._discovered is not None and self._discovered.model is model:
-            return list(self._discovered.parts)
-        found = resolve_multimodal_modules(
-            model,
+    @property
+    def discovery_options(self) -> DiscoveryOptions:
+        """The options of this parallelizer that change what discovery finds."""
+        return DiscoveryOptions(
             extra_tower_names=self.extra_tower_names,
             extra_projector_names=self.extra_projector_names,
             exclude=self.exclude,
         )
-        result = []
-        for item in found:
-            frozen, trainable = split_frozen_parts(item.module, item.path)
-            result.append(MultimodalParts(item, frozen, trainable))
-        return result
 
-    def _conditional_layers(self, model: nn.Module) -> list[str]:
-        """Decoder layers that run only with media (while ``plan()`` runs: found once)."""
-        if self._discovered is not None and self._discovered.model is model:
-            return list(self._discovered.conditional)
-        return find_media_conditional_layers(model)
+    def discover(self, model: nn.Module) -> Discovery:
+        """The multimodal discovery of ``model`` with this parallelizer's options
+        ([`discover`][multimodal_fsdp.model_discovery.discover]); ``plan(model,
+        discovery=...)`` accepts it, so that planning one model many times discovers once."""
+        return discover_with(model, self.discovery_options)
 
-    def _planned_parts(self, model: nn.Module) -> list[PlannedPart]:
+    def multimodal_parts(self, model: nn.Module) -> list[MultimodalParts]:
+        """Discovered multimodal modules with their frozen and trainable parts."""
+        return list(self.discover(model).parts)
+
+    def _find(self, model: nn.Module) -> Discovery:
+        return self.discover(model)
+
+    @staticmethod
+    def _discovery(ctx: PlanContext) -> Discovery:
+        """The discovery of the plan ``ctx`` belongs to."""
+        if not isinstance(ctx.found, Discovery):
+            raise TypeError(
+                "a multimodal plan context carries the model's Discovery, got "
+                f"{type(ctx.found).__name__}"
+            )
+        return ctx.found
+
+    def _planned_parts(self, found: Discovery) -> list[PlannedPart]:
         """The discovered modules as the plan records them, with their policies."""
         return [
             PlannedPart(
@@ -244,29 +242,28 @@ class MultimodalParallelizer(ModelParallelizer):
                 trainable=tuple(part.trainable),
                 policy=policy,
             )
-            for part, policy in self._parts_with_policies(model)
+            for part, policy in self._parts_with_policies(found)
         ]
 
-    def _replicated_paths(self, model: nn.Module) -> list[str]:
+    def _replicated_paths(self, found: Discovery) -> list[str]:
         return [
             path
-            for part, policy in self._parts_with_policies(model)
+            for part, policy in self._parts_with_policies(found)
             for path in frozen_policy(policy).replicated_paths(part.frozen)
         ]
 
-    def _replicated_param_names(self, model: nn.Module) -> list[str]:
-        """Parameters kept whole on every rank (subclasses may add more)."""
-        return _param_names_under(model, self._replicated_paths(model))
-
     # ------------------------------------------------------- planning hooks
-    def _ignored_param_names(self, model: nn.Module, names: tuple[str, ...]) -> Iterable[str]:
-        return (*names, *(n for n in self._replicated_param_names(model) if n not in names))
+    def _replicated_param_names(self, ctx: PlanContext) -> list[str]:
+        """Parameters kept whole on every rank: those of the frozen parts the policy
+        replicates (subclasses may add more)."""
+        return _param_names_under(ctx.model, self._replicated_paths(self._discovery(ctx)))
 
     def _unit_paths(self, ctx: PlanContext) -> list[str]:
         model = ctx.model
-        parts = self._parts_with_policies(model)
-        roots = [p.found.path for p, _ in parts]
-        conditional = set(self._conditional_layers(model))
+        found = self._discovery(ctx)
+        parts = self._parts_with_policies(found)
+        roots = found.paths
+        conditional = set(found.conditional)
         paths = [
             path
             for path, _ in iter_layer_items(model)
@@ -280,7 +277,6 @@ class MultimodalParallelizer(ModelParallelizer):
             # (Under balance_media alone projectors keep theirs: ranks without media join
             # their calls in the exchange's rounds.)
             parts = [(part, policy) for part, policy in parts if part.found.role == "tower"]
-        ids = {id(module): name for name, module in model.named_modules()}
         for part, policy in parts:
             if part.frozen and part.trainable:
                 paths.extend(self._partly_trainable_unit_paths(part, policy))
@@ -290,7 +286,7 @@ class MultimodalParallelizer(ModelParallelizer):
                 paths.extend(join_path(trainable, p) for p, _ in iter_layer_items(module))
             if frozen_policy(policy).layer_units:
                 for frozen in part.frozen:
-                    paths.extend(_layer_unit_paths(model, frozen, ids))
+                    paths.extend(multimodal_unit_paths(model, frozen))
         return paths
 
     def _partly_trainable_unit_paths(
@@ -303,13 +299,14 @@ class MultimodalParallelizer(ModelParallelizer):
 
     def _plan_notes(self, ctx: PlanContext) -> list[str]:
         notes = []
-        conditional = self._conditional_layers(ctx.model)
+        found = self._discovery(ctx)
+        conditional = found.conditional
         if conditional:
             where = (
                 "join the root unit"
                 if self.uneven_media
                 else "are joined by ranks that skip them"
-                if self._balanced_towers(ctx.model)
+                if self._balanced_towers(found)
                 else "are media regions"
             )
             notes.append(
@@ -321,7 +318,7 @@ class MultimodalParallelizer(ModelParallelizer):
                 "uneven_media=True with balance_media=True: projectors join the root unit, "
                 "balanced towers keep their units"
             )
-        elif self._balanced_towers(ctx.model):
+        elif self._balanced_towers(found):
             notes.append(
                 "balance_media=True: projectors with units and media-dependent decoder layers "
                 "are joined by ranks without media"
@@ -330,7 +327,7 @@ class MultimodalParallelizer(ModelParallelizer):
             notes.append("uneven_media=True: towers and projectors join the root unit")
         if self.frozen_policies.by_path:
             notes.append(f"frozen-tower policies per module: {self.frozen_policies.label}")
-        for part, policy in self._parts_with_policies(ctx.model):
+        for part, policy in self._parts_with_policies(found):
             head = f"{part.found.role} {part.found.path!r} ({part.found.modality})"
             if not part.frozen:
                 notes.append(f"{head}: trainable, sharded like any other module")
@@ -347,77 +344,49 @@ class MultimodalParallelizer(ModelParallelizer):
         mp_policy: torch.distributed.fsdp.MixedPrecisionPolicy | None = None,
         reshard_after_forward: bool | int | None = None,
         ignored_params: set[nn.Parameter] | None = None,
+        discovery: Discovery | None = None,
     ) -> ShardingPlan:
-        # Discovery runs once here; every stage of planning reads its result, and the
-        # plan records it for the stages after planning.
-        self._discovered = _Discovery(
-            model, self.multimodal_parts(model), find_media_conditional_layers(model)
-        )
-        try:
-            return self._plan_discovered(
-                model,
-                mp_policy=mp_policy,
-                reshard_after_forward=reshard_after_forward,
-                ignored_params=ignored_params,
-            )
-        finally:
-            self._discovered = None
-
-    def _plan_discovered(
-        self,
-        model: nn.Module,
-        *,
-        mp_policy: torch.distributed.fsdp.MixedPrecisionPolicy | None,
-        reshard_after_forward: bool | int | None,
-        ignored_params: set[nn.Parameter] | None,
-    ) -> ShardingPlan:
-        plan = super().plan(
+        """Decide the units (see the module doc) without touching the model or needing a
+        process group. ``discovery``: the model's discovery made earlier with this
+        parallelizer's options (its ``discover``), reused instead of discovering again;
+        ``None`` discovers once here."""
+        if discovery is not None:
+            _check_discovery(discovery, model, self.discovery_options)
+        return self._plan(
             model,
             mp_policy=mp_policy,
             reshard_after_forward=reshard_after_forward,
             ignored_params=ignored_params,
+            found=discovery,
         )
-        replicated = tuple(sorted(set(self._replicated_param_names(model))))
-        plan = dataclasses.replace(plan, replicated_param_names=replicated)
-        dtypes = self._derive_replicated_dtypes(model, plan)
-        free = backward_free_paths(model, parts=self.multimodal_parts(model))
-        plan = dataclasses.replace(
-            plan,
-            replicated_param_dtypes=tuple(dtypes.items()),
-            backward_free_paths=tuple(free),
-            sync_replicated=self.sync_replicated,
-        )
+
+    def _plan_additions(self, ctx: PlanContext, calls: tuple[ShardCall, ...]) -> PlanAdditions:
+        """The replicated parameters' dtypes, the paths no gradient reaches and the
+        record of what was found and decided, from the plan's one discovery."""
+        found = self._discovery(ctx)
+        units = ShardingPlan(calls=calls)
+        balanced = self._balanced_towers(found)
+        joined = self._joined_paths(found)
+        parts = tuple(self._planned_parts(found))
+        regions = media_regions_of(parts, found.conditional, units, balanced=[*balanced, *joined])
         if self.uneven_media:
-            regions = self.media_regions(model, plan)
-            if regions:
-                raise ValueError(
-                    "uneven_media=True folds towers, projectors and media-dependent decoder "
-                    "layers into the root unit, but these still need units of their own: "
-                    + "; ".join(f"{r.path!r} ({summarise(r.units)})" for r in regions)
-                    + " (odd-dtype parameters that cannot share the root unit's dtype). "
-                    "Freeze them (frozen parameters are replicated or join the root), give "
-                    "them the model's dtype, or use uneven_media=False and the same media "
-                    "calls on every rank."
-                )
-        parts = tuple(self._planned_parts(model))
-        conditional = tuple(self._conditional_layers(model))
+            _check_folded(regions)
         record = MultimodalRecord(
             parts=parts,
-            conditional_layers=conditional,
-            media_regions=tuple(
-                media_regions_of(
-                    parts,
-                    conditional,
-                    plan,
-                    balanced=[*self._balanced_towers(model), *self._joined_paths(model)],
-                )
-            ),
+            conditional_layers=found.conditional,
+            media_regions=tuple(regions),
             policies=self.frozen_policies,
             uneven_media=self.uneven_media,
-            balanced_towers=tuple(self._balanced_towers(model)),
-            joined=tuple(self._joined_paths(model)),
+            balanced_towers=tuple(balanced),
+            joined=tuple(joined),
         )
-        return dataclasses.replace(plan, records=(*plan.records, record))
+        dtypes = self._replicated_dtypes(found, calls, ctx.replicated_param_names)
+        return PlanAdditions(
+            replicated_param_dtypes=tuple(dtypes.items()),
+            backward_free_paths=tuple(backward_free_paths(ctx.model, parts=list(found.parts))),
+            sync_replicated=self.sync_replicated,
+            records=(record,),
+        )
 
     def media_regions(self, model: nn.Module, plan: ShardingPlan) -> list[MediaRegion]:
         """Modules that only run with media and own units of ``plan`` (see the module doc),
@@ -432,55 +401,56 @@ class MultimodalParallelizer(ModelParallelizer):
                 plan,
                 balanced=(*record.balanced_towers, *record.joined),
             )
+        found = self.discover(model)
         return media_regions_of(
-            self._planned_parts(model),
-            self._conditional_layers(model),
+            self._planned_parts(found),
+            found.conditional,
             plan,
-            balanced=[*self._balanced_towers(model), *self._joined_paths(model)],
+            balanced=[*self._balanced_towers(found), *self._joined_paths(found)],
         )
 
     def modules_with_units(self, model: nn.Module, plan: ShardingPlan) -> list[str]:
         """Paths of the media regions of ``plan``: only ranks with media would run them."""
         return [region.path for region in self.media_regions(model, plan)]
 
-    def _entry_paths(self, model: nn.Module) -> list[str]:
+    def _entry_paths(self, ctx: PlanContext) -> list[str]:
         """Besides wrapped generating models and transformers submodels: models that
         compute media features (``get_image_features`` and the like, called by
         ``generate()`` or by hand, as is their forward), then towers and projectors
         (called by those or by hand)."""
-        paths = super()._entry_paths(model)
+        paths = super()._entry_paths(ctx)
         paths += [
             path
-            for path, module in model.named_modules()
+            for path, module in ctx.model.named_modules()
             if path
             and path not in paths
             and any(callable(getattr(type(module), f, None)) for f in _FEATURE_METHODS)
         ]
-        towers = [part.found.path for part in self.multimodal_parts(model)]
+        towers = self._discovery(ctx).paths
         return paths + [path for path in towers if path not in paths]
 
-    def _balanced_towers(self, model: nn.Module) -> list[str]:
+    def _balanced_towers(self, found: Discovery) -> list[str]:
         """The towers ``balance_media=True`` balances: every discovered tower (none when
         the ``balance_media`` hook is disabled: they stay media regions then)."""
         if not self.balance_media or BalanceMediaRuntimeHook.name in self.disabled_hooks:
             return []
-        parts = self.multimodal_parts(model)
-        return [part.found.path for part in parts if part.found.role == "tower"]
+        return found.towers
 
-    def _joined_paths(self, model: nn.Module) -> list[str]:
+    def _joined_paths(self, found: Discovery) -> list[str]:
         """What ``balance_media=True`` joins (ranks without media run it on a placeholder):
         the projectors and the media-dependent decoder layers (those with units of ``plan``
         are joined by the hook); none with ``uneven_media=True``, which folds them into the
         root unit, or without balanced towers."""
-        if self.uneven_media or not self._balanced_towers(model):
+        if self.uneven_media or not self._balanced_towers(found):
             return []
-        parts = self.multimodal_parts(model)
-        projectors = [part.found.path for part in parts if part.found.role != "tower"]
-        return [*projectors, *self._conditional_layers(model)]
+        return [*found.projectors, *found.conditional]
 
-    def _plan_hooks(self, model: nn.Module, plan: ShardingPlan) -> list[HookPlan]:
-        hooks = super()._plan_hooks(model, plan)
-        frozen = self._guarded_frozen_units(model, plan)
+    def _plan_hooks(self, ctx: PlanContext, plan: ShardingPlan) -> list[HookPlan]:
+        hooks = super()._plan_hooks(ctx, plan)
+        model, found = ctx.model, self._discovery(ctx)
+        record = plan_record(plan)
+        regions = list(record.media_regions) if record is not None else []
+        frozen = self._guarded_frozen_units(found, plan)
         if frozen:
             hooks.append(
                 PrefetchGuardRuntimeHook.from_plan(model, plan, frozen).planned(
@@ -493,7 +463,7 @@ class MultimodalParallelizer(ModelParallelizer):
         layout = plan_schedule_layout(
             model,
             plan,
-            self.media_regions(model, plan),
+            regions,
             per_layer=self.frozen_policies.per_layer_where,
         )
         if layout is not None:
@@ -510,12 +480,11 @@ class MultimodalParallelizer(ModelParallelizer):
                     "(per encoder it runs, for a region holding several)",
                 )
             )
-        towers = self._balanced_towers(model)
+        towers = self._balanced_towers(found)
         if towers:
-            media_only = [part.found.path for part in self.multimodal_parts(model)]
-            media_only += self._conditional_layers(model)
-            conditional = set(self._conditional_layers(model))
-            joined = self._joined_paths(model)
+            media_only = [*found.paths, *found.conditional]
+            conditional = set(found.conditional)
+            joined = self._joined_paths(found)
             balance = BalanceMediaRuntimeHook.from_plan(
                 model,
                 plan,
@@ -530,7 +499,7 @@ class MultimodalParallelizer(ModelParallelizer):
             )
         return hooks
 
-    def _guarded_frozen_units(self, model: nn.Module, plan: ShardingPlan) -> list[str]:
+    def _guarded_frozen_units(self, found: Discovery, plan: ShardingPlan) -> list[str]:
         """Frozen non-root units the prefetch guard watches: all of them, unless trainable
         code runs only with media (a tower or projector with trainable parameters, a
         trainable media-dependent decoder layer). Then gradients pass through the frozen
@@ -538,9 +507,10 @@ class MultimodalParallelizer(ModelParallelizer):
         and the guard, deciding per rank, would gather them in backward on those ranks
         alone; they are left to FSDP's prefetch, which gathers them on every rank. Tower
         and projector units stay guarded: their inputs never need a gradient."""
+        model = found.model
         labels = frozen_unit_labels(model, plan)
-        towers = [part.found.path for part in self.multimodal_parts(model)]
-        media_only = [*towers, *self._conditional_layers(model)]
+        towers = found.paths
+        media_only = [*towers, *found.conditional]
         if not labels or not any(
             param.requires_grad
             for name, param in model.named_parameters()
@@ -564,22 +534,27 @@ class MultimodalParallelizer(ModelParallelizer):
         recorded = dict(plan.replicated_param_dtypes)
         if set(recorded) == set(plan.replicated_param_names):
             return {name: recorded[name] for name in plan.replicated_param_names}
-        return self._derive_replicated_dtypes(model, plan)
+        return self._replicated_dtypes(
+            self.discover(model), plan.calls, plan.replicated_param_names
+        )
 
-    def _derive_replicated_dtypes(
-        self, model: nn.Module, plan: ShardingPlan
+    def _replicated_dtypes(
+        self, found: Discovery, calls: Iterable[ShardCall], names: Iterable[str]
     ) -> dict[str, torch.dtype]:
-        compute = _plan_compute_dtype(plan)
-        named = dict(model.named_parameters())
-        keep = set(self._replicated_keep_dtype(model, plan.replicated_param_names))
+        """The compute dtype of the root call for each of ``names``, except the
+        parameters ``_replicated_keep_dtype`` names and non-floating ones."""
+        wanted = list(names)
+        compute = _compute_dtype(calls)
+        named = dict(found.model.named_parameters())
+        keep = set(self._replicated_keep_dtype(found, wanted))
         return {
             name: named[name].dtype
             if compute is None or name in keep or not named[name].dtype.is_floating_point
             else compute
-            for name in plan.replicated_param_names
+            for name in wanted
         }
 
-    def _replicated_keep_dtype(self, model: nn.Module, names: Iterable[str]) -> Iterator[str]:
+    def _replicated_keep_dtype(self, found: Discovery, names: Iterable[str]) -> Iterator[str]:
         """Replicated parameters that keep their dtype: odd-dtype islands of each module.
 
         Within each replicated module the dtype holding most elements is the
@@ -587,7 +562,7 @@ class MultimodalParallelizer(ModelParallelizer):
         tower) are islands and are not cast. Subclasses may add more.
         """
         wanted = set(names)
-        for part in self.multimodal_parts(model):
+        for part in found.parts:
             # The module's own dtype is judged over all of it, trainable parts included,
             # so a LoRA-split tower still sees its fp32 norms as islands.
             params = list(part.found.module.named_parameters(prefix=part.found.path))
@@ -595,16 +570,6 @@ class MultimodalParallelizer(ModelParallelizer):
             if dominant is None:
                 continue
             yield from (n for n, p in params if n in wanted and p.dtype != dominant)
-
-
-@dataclass(frozen=True)
-class _Discovery:
-    """One ``plan()``'s discovery: the model, its multimodal parts and its decoder layers
-    that run only with media."""
-
-    model: nn.Module
-    parts: list[MultimodalParts]
-    conditional: list[str]
 
 
 #: Methods of transformers models that run towers and projectors outside the forward.
@@ -620,15 +585,37 @@ def _param_names_under(model: nn.Module, roots: Iterable[str]) -> list[str]:
     ]
 
 
-def _layer_unit_paths(model: nn.Module, path: str, ids: dict[int, str]) -> list[str]:
-    """Paths [`shard_multimodal_module`][multimodal_fsdp.layers.shard_multimodal_module] would shard
-    for the module at ``path``."""
-    chosen: list[str] = []
-    module = model.get_submodule(path) if path else model
-    shard_multimodal_module(module, lambda m: chosen.append(ids[id(m)]))
-    return chosen
-
-
-def _plan_compute_dtype(plan: ShardingPlan) -> torch.dtype | None:
-    roots = [call for call in plan.calls if call.paths == ("",)]
+def _compute_dtype(calls: Iterable[ShardCall]) -> torch.dtype | None:
+    """The parameter dtype of the root call (the last one, if several)."""
+    roots = [call for call in calls if call.paths == ("",)]
     return roots[-1].mp_policy.param_dtype if roots else None
+
+
+def _check_discovery(discovery: object, model: nn.Module, options: DiscoveryOptions) -> None:
+    """A discovery given to ``plan()`` must be ``model``'s, made with the parallelizer's
+    options and the model's current trainable parameters."""
+    if not isinstance(discovery, Discovery):
+        raise TypeError(
+            f"discovery must be a multimodal_fsdp Discovery, got {type(discovery).__name__}"
+        )
+    if not discovery.matches(model, options):
+        raise ValueError(
+            "the discovery given to plan() is not this model's as it is now (another model, "
+            "other discovery options, or parameters frozen or unfrozen since); make it with "
+            "parallelizer.discover(model) right before planning, or pass discovery=None"
+        )
+
+
+def _check_folded(regions: Iterable[MediaRegion]) -> None:
+    """Under ``uneven_media=True`` no media region may keep units of its own."""
+    left = list(regions)
+    if left:
+        raise ValueError(
+            "uneven_media=True folds towers, projectors and media-dependent decoder "
+            "layers into the root unit, but these still need units of their own: "
+            + "; ".join(f"{r.path!r} ({summarise(r.units)})" for r in left)
+            + " (odd-dtype parameters that cannot share the root unit's dtype). "
+            "Freeze them (frozen parameters are replicated or join the root), give "
+            "them the model's dtype, or use uneven_media=False and the same media "
+            "calls on every rank."
+        )

@@ -1,0 +1,135 @@
+"""What a model holds for multimodal planning, found once by ``discover``.
+
+A plan reads the towers and projectors of the model (each split into its frozen and
+trainable parts) and the decoder layers that run only with media many times: for its
+units, replicated parameters, notes, record and runtime hooks. They are found once,
+into a frozen [`Discovery`][multimodal_fsdp.model_discovery.Discovery], and the plan is
+built from it; the chooser, which plans one model under many policies, discovers once
+and passes the same discovery to every plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from multimodal_fsdp.discovery.conditional import find_media_conditional_layers
+from multimodal_fsdp.discovery.validation import check_attribute_names, check_module_paths
+from multimodal_fsdp.discovery.walk import resolve_multimodal_modules
+from multimodal_fsdp.parts import MultimodalParts, split_frozen_parts
+
+__all__ = ["Discovery", "DiscoveryOptions", "discover"]
+
+
+@dataclass(frozen=True)
+class DiscoveryOptions:
+    """The options that change what discovery finds (a parallelizer's, by default none)."""
+
+    extra_tower_names: tuple[str, ...] = ()
+    extra_projector_names: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+    @classmethod
+    def checked(
+        cls,
+        *,
+        extra_tower_names: Iterable[str] = (),
+        extra_projector_names: Iterable[str] = (),
+        exclude: Iterable[str] = (),
+    ) -> DiscoveryOptions:
+        """The options from user input, each collection checked (a ``TypeError`` or
+        ``ValueError`` naming the bad entry)."""
+        return cls(
+            extra_tower_names=check_attribute_names(extra_tower_names, "extra_tower_names"),
+            extra_projector_names=check_attribute_names(
+                extra_projector_names, "extra_projector_names"
+            ),
+            exclude=check_module_paths(exclude, "exclude"),
+        )
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """One model's towers and projectors with their frozen and trainable parts, and its
+    decoder layers that run only with media, as found with ``options``.
+
+    The split into parts depends on which parameters are trainable, so a discovery
+    belongs to the model and to the ``requires_grad`` flags it was made with
+    ([`matches`][multimodal_fsdp.model_discovery.Discovery.matches])."""
+
+    model: nn.Module = field(compare=False)
+    options: DiscoveryOptions
+    parts: tuple[MultimodalParts, ...]
+    conditional: tuple[str, ...]
+    #: ``requires_grad`` of every parameter, in ``named_parameters()`` order.
+    trainable: tuple[bool, ...] = field(repr=False)
+
+    @property
+    def paths(self) -> list[str]:
+        """Paths of every discovered tower and projector."""
+        return [part.found.path for part in self.parts]
+
+    @property
+    def towers(self) -> list[str]:
+        """Paths of the discovered towers (projectors left out)."""
+        return [part.found.path for part in self.parts if part.found.role == "tower"]
+
+    @property
+    def projectors(self) -> list[str]:
+        """Paths of the discovered projectors."""
+        return [part.found.path for part in self.parts if part.found.role != "tower"]
+
+    def matches(self, model: nn.Module, options: DiscoveryOptions) -> bool:
+        """Whether this discovery is ``model``'s with ``options`` and the model's
+        parameters are still trainable exactly as they were when it was made."""
+        return (
+            model is self.model and options == self.options and _trainable(model) == self.trainable
+        )
+
+
+def discover(
+    model: nn.Module,
+    *,
+    extra_tower_names: Iterable[str] = (),
+    extra_projector_names: Iterable[str] = (),
+    exclude: Iterable[str] = (),
+) -> Discovery:
+    """Find the towers and projectors of ``model`` (split into maximal frozen and trainable
+    parts, [`multimodal_fsdp.parts`][multimodal_fsdp.parts]) and its media-dependent
+    decoder layers
+    ([`multimodal_fsdp.discovery.conditional`][multimodal_fsdp.discovery.conditional]),
+    once. The options mean what they mean for
+    [`MultimodalParallelizer`][multimodal_fsdp.parallelizer.MultimodalParallelizer]."""
+    options = DiscoveryOptions.checked(
+        extra_tower_names=extra_tower_names,
+        extra_projector_names=extra_projector_names,
+        exclude=exclude,
+    )
+    return discover_with(model, options)
+
+
+def discover_with(model: nn.Module, options: DiscoveryOptions) -> Discovery:
+    """[`discover`][multimodal_fsdp.model_discovery.discover] with options already checked."""
+    found = resolve_multimodal_modules(
+        model,
+        extra_tower_names=options.extra_tower_names,
+        extra_projector_names=options.extra_projector_names,
+        exclude=options.exclude,
+    )
+    parts = []
+    for item in found:
+        frozen, trainable = split_frozen_parts(item.module, item.path)
+        parts.append(MultimodalParts(item, frozen, trainable))
+    return Discovery(
+        model=model,
+        options=options,
+        parts=tuple(parts),
+        conditional=tuple(find_media_conditional_layers(model)),
+        trainable=_trainable(model),
+    )
+
+
+def _trainable(model: nn.Module) -> tuple[bool, ...]:
+    return tuple(param.requires_grad for param in model.parameters())

@@ -1,0 +1,55 @@
+"""The rules of docs/architecture.md that are about how the code flows, not where it is.
+
+- Planning keeps no state on the parallelizer: discovery is a value
+  (``multimodal_fsdp.model_discovery.Discovery``) that the planning hooks read from the
+  plan context, so one parallelizer can plan several models (or threads) at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_core.parallelizer import PlanContext
+from model_deepseek_v41 import DeepseekV41Config, build_deepseek_v41
+from model_deepseek_v41.fsdp import DeepseekV41ModelParallelizer
+from multimodal_fsdp import MultimodalParallelizer
+
+
+def _tiny(*, frozen_tower: bool) -> nn.Module:
+    model = build_deepseek_v41(DeepseekV41Config.tiny(), dtype=torch.bfloat16)
+    if frozen_tower:
+        model.vision.requires_grad_(False)
+    return model
+
+
+def _watching(cls: type[MultimodalParallelizer]) -> type[MultimodalParallelizer]:
+    """``cls`` that copies its own attributes while a plan is being made (from a
+    planning hook that runs after the calls are planned)."""
+
+    class Watching(cls):  # type: ignore[valid-type,misc]
+        seen: list[dict[str, Any]]
+
+        def _plan_notes(self, ctx: PlanContext) -> list[str]:
+            type(self).seen.append(dict(vars(self)))
+            return list(super()._plan_notes(ctx))
+
+    Watching.seen = []
+    return Watching
+
+
+@pytest.mark.parametrize("base", [MultimodalParallelizer, DeepseekV41ModelParallelizer])
+@pytest.mark.parametrize("policy", ["root", "per_layer", "replicate"])
+def test_planning_leaves_the_parallelizer_as_it_was(
+    base: type[MultimodalParallelizer], policy: str
+) -> None:
+    cls = _watching(base)
+    parallelizer = cls(frozen_multimodal_sharding=policy, balance_media=policy != "replicate")
+    before = dict(vars(parallelizer))
+    for frozen in (True, False):
+        parallelizer.plan(_tiny(frozen_tower=frozen))
+    assert cls.seen == [before, before]  # type: ignore[attr-defined]
+    assert vars(parallelizer) == before
