@@ -53,7 +53,7 @@ from multimodal_fsdp.policy import (
     frozen_policy,
     normalize_frozen_multimodal_sharding,
 )
-from multimodal_fsdp.record import PlannedPart, plan_record
+from multimodal_fsdp.record import MultimodalRecord, PlannedPart, plan_record
 
 __all__ = [
     "MAX_COMBINATIONS",
@@ -272,6 +272,220 @@ def _notes(
     return lines
 
 
+def _check_planner(base: object) -> None:
+    """The chooser calls only ``plan`` and ``with_options``; anything else fails here,
+    before a plan is made."""
+    if not callable(getattr(base, "plan", None)) or not callable(
+        getattr(base, "with_options", None)
+    ):
+        raise TypeError(
+            "parallelizer must plan models and take with_options(frozen_multimodal_sharding=...) "
+            f"(e.g. a MultimodalParallelizer), got {type(base).__name__}"
+        )
+
+
+@dataclass(frozen=True)
+class _Planning:
+    """Every plan the chooser makes (the given parallelizer's first, then one per
+    combination) with the same model, precision and resharding. The one place plans
+    are made, so work that all of them share can be done once here."""
+
+    base: PolicyPlanner
+    model: nn.Module
+    mp_policy: MixedPrecisionPolicy
+    reshard_after_forward: bool | int | None
+
+    def plan(
+        self, option: str | Mapping[str, str] | None = None
+    ) -> tuple[PolicyPlanner, ShardingPlan]:
+        """The parallelizer with frozen-tower ``option`` (the given one when ``None``) and
+        its plan of the model."""
+        planner = (
+            self.base
+            if option is None
+            else self.base.with_options(frozen_multimodal_sharding=option)
+        )
+        plan = planner.plan(
+            self.model,
+            mp_policy=self.mp_policy,
+            reshard_after_forward=self.reshard_after_forward,
+        )
+        return planner, plan
+
+
+def _first_record(planning: _Planning) -> MultimodalRecord:
+    """The record of the given parallelizer's own plan: the frozen modules, the default
+    policy and ``uneven_media`` the search starts from."""
+    _, first = planning.plan()
+    record = plan_record(first)
+    if record is None:
+        raise TypeError(
+            f"{type(planning.base).__name__}'s plans carry no multimodal record; "
+            "the chooser needs a MultimodalParallelizer (or a subclass)"
+        )
+    return record
+
+
+def _uneven_media_safe(
+    names: tuple[FrozenMultimodalSharding, ...], record: MultimodalRecord, base: PolicyPlanner
+) -> tuple[tuple[FrozenMultimodalSharding, ...], str]:
+    """``names`` less those the parallelizer refuses, and which were left out ("" when none).
+
+    uneven_media=True refuses, for any module, a policy that makes units only ranks
+    with media run (ranks may skip the tower), unless balance_media makes every rank
+    join the towers' calls (balanced towers keep their units)."""
+    unsafe = [n for n in names if not frozen_policy(n).uneven_media_safe]
+    refuses = record.uneven_media and not getattr(base, "balance_media", False)
+    left_out = ", ".join(unsafe) if refuses else ""
+    if not left_out:
+        return names, left_out
+    kept = tuple(name for name in names if name not in unsafe)
+    if not kept:
+        safe = [n for n, p in FROZEN_POLICIES.items() if p.uneven_media_safe]
+        raise ValueError(
+            f"policies={names!r} but the parallelizer has uneven_media=True, which "
+            f"refuses {left_out}; allow {' or '.join(map(repr, safe))}"
+        )
+    return kept, left_out
+
+
+@dataclass(frozen=True)
+class _Costing:
+    """How every combination's plan is costed: the same mesh, batch, precision and
+    optimizer for all, so candidates differ by their policies only."""
+
+    model: nn.Module
+    shape: MeshShape
+    precision: str
+    prefetch_guard: bool
+    optimizer: str
+    loss_fn: Callable[[nn.Module], torch.Tensor] | None
+    activations: ActivationTrace | int | None
+    media: StepMedia | None
+
+    def costs(self, plan: ShardingPlan, label: str) -> PlanCosts:
+        """The plan's collectives and predicted memory (traced activations, given ones, or
+        none), labelled with its policies."""
+        media = step_media(
+            plan, self.model, self.loss_fn, world_size=self.shape.world_size, media=self.media
+        )
+        costs = plan_costs(
+            plan,
+            self.model,
+            mesh=self.shape,
+            prefetch_guard=self.prefetch_guard,
+            policy=label,
+            precision=self.precision,
+            media=media,
+        )
+        traced = (
+            None
+            if self.loss_fn is None
+            else trace_activations(
+                plan, self.model, self.loss_fn, shard=self.shape.dp_shard, media=media
+            )
+        )
+        costs = with_memory(costs, plan, self.model, optimizer=self.optimizer, activations=traced)
+        if self.activations is not None and costs.memory is not None:
+            costs = dataclasses.replace(
+                costs, memory=costs.memory.with_activations(self.activations)
+            )
+        return costs
+
+
+@dataclass(frozen=True)
+class _Costed:
+    """One combination costed: its candidate, and the costs, parallelizer and plan the
+    choice hands back when it wins."""
+
+    candidate: PolicyCandidate
+    costs: PlanCosts
+    planner: PolicyPlanner
+    plan: ShardingPlan
+
+
+def _cost_all(
+    planning: _Planning,
+    costing: _Costing,
+    record: MultimodalRecord,
+    frozen: list[PlannedPart],
+    names: tuple[FrozenMultimodalSharding, ...],
+    limit: int,
+) -> list[_Costed]:
+    """Every combination planned and costed, in ``_combinations`` order."""
+    costed: list[_Costed] = []
+    for index, assignment in enumerate(_combinations(frozen, names)):
+        fallback = names[index] if not frozen else record.policies.default
+        option = (
+            FrozenPolicies(record.policies.default, tuple(assignment.items())).option()
+            if assignment
+            else fallback
+        )
+        planner, plan = planning.plan(option)
+        label = _label(assignment, fallback)
+        costs = costing.costs(plan, label)
+        assert costs.memory is not None
+        peak = costs.memory.peak_bytes
+        candidate = PolicyCandidate(
+            policy=label,
+            peak_bytes=peak,
+            comm_bytes=costs.comm.bytes(),
+            comm_count=costs.comm.count(),
+            fits=peak <= limit,
+            policies=dict(assignment),
+        )
+        costed.append(_Costed(candidate, costs, planner, plan))
+    return costed
+
+
+def _best(candidates: list[PolicyCandidate], limit: int, traced: bool) -> int:
+    """The index of the fitting candidate that communicates least (bytes, collectives,
+    then peak; the earlier wins ties); MemoryBudgetError when none fits."""
+    fitting = [i for i, c in enumerate(candidates) if c.fits]
+    if not fitting:
+        smallest = min(candidates, key=lambda c: (c.peak_bytes, c.comm_bytes, c.comm_count))
+        raise MemoryBudgetError(limit, smallest, traced)
+    return min(
+        fitting,
+        key=lambda i: (
+            candidates[i].comm_bytes,
+            candidates[i].comm_count,
+            candidates[i].peak_bytes,
+            i,
+        ),
+    )
+
+
+def _choice(
+    costed: list[_Costed],
+    best: int,
+    frozen: list[PlannedPart],
+    limit: int,
+    left_out: str,
+    traced: bool,
+) -> PolicyChoice:
+    """The winner with the notes that say why, also put in front of its costs' notes."""
+    candidates = [c.candidate for c in costed]
+    chosen = costed[best]
+    notes = _notes(chosen.candidate, candidates, frozen, limit)
+    if left_out:
+        notes.append(f"{left_out} left out: the parallelizer has uneven_media=True")
+    if not traced:
+        notes.append("peaks leave activations out (no batch given)")
+    logger.info("%s", notes[0])
+    costs = dataclasses.replace(chosen.costs, notes=(*notes, *chosen.costs.notes))
+    return PolicyChoice(
+        policy=chosen.candidate.policy,
+        budget_bytes=limit,
+        costs=costs,
+        candidates=tuple(candidates),
+        notes=tuple(notes),
+        policies=dict(chosen.candidate.policies),
+        parallelizer=chosen.planner,
+        plan=chosen.plan,
+    )
+
+
 def choose_frozen_policy(
     model: nn.Module,
     budget: int | str,
@@ -296,144 +510,39 @@ def choose_frozen_policy(
 
     Activations come from ``loss_fn`` (one step traced per combination, see
     [`trace_activations`][multimodal_fsdp.estimate.activations.trace_activations]), or
-    ``activations``, or
-    are left out (the notes say so). Raises
+    ``activations``, or are left out (the notes say so). Raises
     [`MemoryBudgetError`][multimodal_fsdp.estimate.choose.MemoryBudgetError] naming the smallest
-    achievable
-    peak and its policies when nothing fits, and ``ValueError`` when more than
-    [`MAX_COMBINATIONS`][multimodal_fsdp.estimate.choose.MAX_COMBINATIONS] plans would be needed.
-    ``parallelizer`` plans each combination (``multimodal_fsdp.MultimodalParallelizer()``
-    by default when called as ``multimodal_fsdp.choose_frozen_policy``); the frozen
-    modules, the default policy and ``uneven_media`` are read from its plan's record.
-    Per-module
-    policies the given ``parallelizer`` already has are replaced by the choice; with
-    ``uneven_media=True`` (and no ``balance_media``) it never chooses ``per_layer``,
-    which that option then refuses.
-    A parallelizer with ``balance_media=True`` has its exchange counted in every plan, as
-    [`inspect_model`][multimodal_fsdp.cli.inspection.inspect_model] counts it: for
-    ``media``, by default that of ``loss_fn``'s batch on every rank (see
+    achievable peak and its policies when nothing fits, and ``ValueError`` when more than
+    [`MAX_COMBINATIONS`][multimodal_fsdp.estimate.choose.MAX_COMBINATIONS] plans would be
+    needed. ``parallelizer`` plans each combination
+    (``multimodal_fsdp.MultimodalParallelizer()`` by default when called as
+    ``multimodal_fsdp.choose_frozen_policy``); the frozen modules, the default policy and
+    ``uneven_media`` are read from its plan's record. Per-module policies the given
+    ``parallelizer`` already has are replaced by the choice; with ``uneven_media=True`` (and no
+    ``balance_media``) it never chooses ``per_layer``, which that option then refuses. A
+    parallelizer with ``balance_media=True`` has its exchange counted in every plan, as
+    [`inspect_model`][multimodal_fsdp.cli.inspection.inspect_model] counts it: for ``media``, by
+    default that of ``loss_fn``'s batch on every rank (see
     [`step_media`][multimodal_fsdp.estimate.exchange.step_media]).
     """
     limit = _budget(budget)
     names = _policies(policies)
-    base = parallelizer
-    if not callable(getattr(base, "plan", None)) or not callable(
-        getattr(base, "with_options", None)
-    ):
-        raise TypeError(
-            "parallelizer must plan models and take with_options(frozen_multimodal_sharding=...) "
-            f"(e.g. a MultimodalParallelizer), got {type(base).__name__}"
-        )
+    _check_planner(parallelizer)
     shape = resolve_cost_mesh(mesh, world_size, dp_replicate)
     check_reshard_after_forward(reshard_after_forward, shape.dp_shard)
     mp = mixed_precision_policy(precision, reduce_precision)
-    first = base.plan(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    record = plan_record(first)
-    if record is None:
-        raise TypeError(
-            f"{type(base).__name__}'s plans carry no multimodal record; "
-            "the chooser needs a MultimodalParallelizer (or a subclass)"
-        )
-    # uneven_media=True refuses, for any module, a policy that makes units only ranks
-    # with media run (ranks may skip the tower), unless balance_media makes every rank
-    # join the towers' calls (balanced towers keep their units).
-    unsafe = [n for n in names if not frozen_policy(n).uneven_media_safe]
-    refuses = record.uneven_media and not getattr(base, "balance_media", False)
-    left_out = ", ".join(unsafe) if refuses else ""
-    if left_out:
-        kept = tuple(name for name in names if name not in unsafe)
-        if not kept:
-            safe = [n for n, p in FROZEN_POLICIES.items() if p.uneven_media_safe]
-            raise ValueError(
-                f"policies={names!r} but the parallelizer has uneven_media=True, which "
-                f"refuses {left_out}; allow {' or '.join(map(repr, safe))}"
-            )
-        names = kept
+    planning = _Planning(parallelizer, model, mp, reshard_after_forward)
+    record = _first_record(planning)
+    names, left_out = _uneven_media_safe(names, record, parallelizer)
     if loss_fn is not None and activations is not None:
         raise ValueError("give loss_fn (to trace activations) or activations, not both")
     check_optimizer(optimizer)
     frozen = [part for part in record.parts if part.frozen]
-
-    def cost(
-        assignment: dict[str, FrozenMultimodalSharding], fallback: str
-    ) -> tuple[PlanCosts, PolicyPlanner, ShardingPlan]:
-        """The plan's costs and memory under ``assignment`` (``fallback`` for all when
-        there is no frozen module), the parallelizer that plans it and its plan."""
-        option = (
-            FrozenPolicies(record.policies.default, tuple(assignment.items())).option()
-            if assignment
-            else fallback
-        )
-        chosen = base.with_options(frozen_multimodal_sharding=option)
-        plan = chosen.plan(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-        media_of_plan = step_media(plan, model, loss_fn, world_size=shape.world_size, media=media)
-        costs = plan_costs(
-            plan,
-            model,
-            mesh=shape,
-            prefetch_guard=prefetch_guard,
-            policy=_label(assignment, fallback),
-            precision=f"param={precision} reduce={reduce_precision}",
-            media=media_of_plan,
-        )
-        traced = (
-            None
-            if loss_fn is None
-            else trace_activations(plan, model, loss_fn, shard=shape.dp_shard, media=media_of_plan)
-        )
-        costs = with_memory(costs, plan, model, optimizer=optimizer, activations=traced)
-        if activations is not None and costs.memory is not None:
-            costs = dataclasses.replace(costs, memory=costs.memory.with_activations(activations))
-        return costs, chosen, plan
-
-    costed: list[tuple[PlanCosts, PolicyPlanner, ShardingPlan]] = []
-    candidates: list[PolicyCandidate] = []
-    for index, assignment in enumerate(_combinations(frozen, names)):
-        fallback = names[index] if not frozen else record.policies.default
-        costs, planner, plan = cost(assignment, fallback)
-        assert costs.memory is not None
-        peak = costs.memory.peak_bytes
-        costed.append((costs, planner, plan))
-        candidates.append(
-            PolicyCandidate(
-                policy=_label(assignment, fallback),
-                peak_bytes=peak,
-                comm_bytes=costs.comm.bytes(),
-                comm_count=costs.comm.count(),
-                fits=peak <= limit,
-                policies=dict(assignment),
-            )
-        )
+    precision_label = f"param={precision} reduce={reduce_precision}"
+    costing = _Costing(
+        model, shape, precision_label, prefetch_guard, optimizer, loss_fn, activations, media
+    )
+    costed = _cost_all(planning, costing, record, frozen, names, limit)
     traced = activations is not None or loss_fn is not None
-    fitting = [i for i, c in enumerate(candidates) if c.fits]
-    if not fitting:
-        smallest = min(candidates, key=lambda c: (c.peak_bytes, c.comm_bytes, c.comm_count))
-        raise MemoryBudgetError(limit, smallest, traced)
-    best = min(
-        fitting,
-        key=lambda i: (
-            candidates[i].comm_bytes,
-            candidates[i].comm_count,
-            candidates[i].peak_bytes,
-            i,
-        ),
-    )
-    chosen = candidates[best]
-    notes = _notes(chosen, candidates, frozen, limit)
-    if left_out:
-        notes.append(f"{left_out} left out: the parallelizer has uneven_media=True")
-    if not traced:
-        notes.append("peaks leave activations out (no batch given)")
-    logger.info("%s", notes[0])
-    costs, planner, plan = costed[best]
-    costs = dataclasses.replace(costs, notes=(*notes, *costs.notes))
-    return PolicyChoice(
-        policy=chosen.policy,
-        budget_bytes=limit,
-        costs=costs,
-        candidates=tuple(candidates),
-        notes=tuple(notes),
-        policies=dict(chosen.policies),
-        parallelizer=planner,
-        plan=plan,
-    )
+    best = _best([c.candidate for c in costed], limit, traced)
+    return _choice(costed, best, frozen, limit, left_out, traced)
