@@ -131,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Inspect FSDP2 sharding plans of multimodal models before launching a job.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_plan_command(commands)
+    return parser
+
+
+def _add_plan_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``plan`` and its options, group by group in the order ``plan --help`` lists them."""
     plan = commands.add_parser(
         "plan",
         help="print the FSDP units of a model and what they cost per rank and step",
@@ -143,12 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     for add_options in (
         _add_model_options,
         _add_precision_options,
-        _add_sharding_options,
+        _add_policy_options,
+        _add_unit_options,
         _add_memory_options,
     ):
         add_options(plan)
     plan.add_argument("--json", action="store_true", help="print JSON instead of the tree")
-    return parser
 
 
 def _add_model_options(plan: argparse.ArgumentParser) -> None:
@@ -194,9 +200,9 @@ def _add_precision_options(plan: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_sharding_options(plan: argparse.ArgumentParser) -> None:
-    """How towers are sharded or balanced, what is frozen, how units reshard, and how
-    the plan is printed."""
+def _add_policy_options(plan: argparse.ArgumentParser) -> None:
+    """How frozen towers are sharded (a policy, or a budget that chooses one per module),
+    whether tower calls are balanced, and what is frozen."""
     plan.add_argument(
         "--policy",
         type=_policy,
@@ -230,6 +236,10 @@ def _add_sharding_options(plan: argparse.ArgumentParser) -> None:
         default="none",
         help="freeze these multimodal modules before planning (default none)",
     )
+
+
+def _add_unit_options(plan: argparse.ArgumentParser) -> None:
+    """How every unit reshards and prefetches, and how the units are listed."""
     plan.add_argument(
         "--reshard-after-forward",
         type=_reshard,
