@@ -3,10 +3,16 @@
 - Planning keeps no state on the parallelizer: discovery is a value
   (``multimodal_fsdp.model_discovery.Discovery``) that the planning hooks read from the
   plan context, so one parallelizer can plan several models (or threads) at once.
+- One sharding path: torch's ``fully_shard`` is called in one function
+  (``fsdp_core.sharding.apply_fully_shard``), and that function has one caller
+  (``fsdp_core.shard_calls.shard_unit``), which every entry point reaches by planning its
+  module's calls and running them (``fsdp_core.shard_calls.run_calls``).
 """
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +23,39 @@ from fsdp_core.parallelizer import PlanContext
 from model_deepseek_v41 import DeepseekV41Config, build_deepseek_v41
 from model_deepseek_v41.fsdp import DeepseekV41ModelParallelizer
 from multimodal_fsdp import MultimodalParallelizer
+
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = sorted((ROOT / "packages").glob("*/src/**/*.py"))
+
+
+def _callers(name: str) -> list[str]:
+    """``module:function`` of every call of ``name`` (a bare name or an attribute) in
+    the packages' sources."""
+    found = []
+    for path in SOURCES:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        module = path.relative_to(next(p for p in path.parents if p.name == "src")).as_posix()
+        for function in ast.walk(tree):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, ast.Call) and _called(node.func) == name:
+                    found.append(f"{module}:{function.name}")
+    return sorted(set(found))
+
+
+def _called(func: ast.expr) -> str | None:
+    if isinstance(func, ast.Name):
+        return func.id
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return None
+
+
+def test_fully_shard_has_one_call_site_and_it_has_one_caller() -> None:
+    assert _callers("fully_shard") == ["fsdp_core/sharding.py:apply_fully_shard"]
+    assert _callers("apply_fully_shard") == ["fsdp_core/shard_calls.py:shard_unit"]
 
 
 def _tiny(*, frozen_tower: bool) -> nn.Module:

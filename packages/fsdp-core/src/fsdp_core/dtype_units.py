@@ -21,7 +21,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from fsdp_core import compat
 from fsdp_core.containers import join_path
 from fsdp_core.precision import island_policy
-from fsdp_core.sharding import apply_fully_shard, is_sharded
+from fsdp_core.shard_calls import shard_groups
+from fsdp_core.sharding import ShardOptions, is_sharded
 
 __all__ = [
     "DtypeIsland",
@@ -179,24 +180,14 @@ def shard_groups_then_module(
     """Make each group of submodules (paths under ``module``) a unit with its own
     policy, then ``module`` itself a unit with ``mp_policy``: the order that keeps
     the groups' parameters out of the parent unit."""
-    for paths, policy in groups:
-        members = [module.get_submodule(path) for path in paths]
-        apply_fully_shard(
-            members[0] if len(members) == 1 else members,
-            mesh=mesh,
-            mp_policy=policy,
-            offload_policy=offload_policy,
-            reshard_after_forward=reshard_after_forward,
-            ignored_params=ignored_params,
-        )
-    apply_fully_shard(
-        module,
+    options = ShardOptions(
         mesh=mesh,
         mp_policy=mp_policy,
         offload_policy=offload_policy,
         reshard_after_forward=reshard_after_forward,
-        ignored_params=ignored_params,
+        ignored_params=None if ignored_params is None else frozenset(ignored_params),
     )
+    shard_groups(module, groups, options)
 
 
 #: Units to make inside a module before the module itself: member paths (relative to
@@ -244,14 +235,13 @@ def fully_shard_dtype_safe(
     Islands get [`fsdp_core.precision.island_policy`][fsdp_core.precision.island_policy] (their own
     dtype for params and reduction, output cast to the surrounding compute dtype).
     """
-    groups = dtype_island_groups(module, mp_policy, ignored_params=ignored_params, grouped=grouped)
-    shard_groups_then_module(
-        module,
-        groups,
+    options = ShardOptions(
         mesh=mesh,
         mp_policy=mp_policy,
         offload_policy=offload_policy,
         reshard_after_forward=reshard_after_forward,
-        ignored_params=ignored_params,
+        ignored_params=None if ignored_params is None else frozenset(ignored_params),
     )
+    groups = dtype_island_groups(module, mp_policy, ignored_params=ignored_params, grouped=grouped)
+    shard_groups(module, groups, options)
     return module

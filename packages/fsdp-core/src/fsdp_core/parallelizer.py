@@ -34,7 +34,6 @@ from fsdp_core.dtype_units import (
     dtype_island_groups,
     find_dtype_islands,
     group_islands,
-    shard_groups_then_module,
 )
 from fsdp_core.entry_unshard import EntryUnshardRuntimeHook, entry_owners
 from fsdp_core.forward_arrival import ForwardArrivalRuntimeHook
@@ -47,10 +46,10 @@ from fsdp_core.plan import ShardCall, ShardingPlan, UnitPlan, unit_parameters
 from fsdp_core.precision import island_policy
 from fsdp_core.replicated import place_replicated_params
 from fsdp_core.runtime import HookPlan, RuntimeHook, register_installed_hook
+from fsdp_core.shard_calls import ShardFn, run_calls, shard_groups, shard_unit
 from fsdp_core.sharding import (
     ShardOptions,
     ShardTarget,
-    apply_fully_shard,
     check_ignored_params_supported,
     check_reshard_after_forward,
     is_sharded,
@@ -305,7 +304,7 @@ class ModelParallelizer:
             plan,
             mesh=mesh,
             offload_policy=offload_policy,
-            shard_module=self._fully_shard_module,
+            shard_module=self._shard_planned_call,
             before=self._before_apply,
             after=self._after_apply,
             hook_of=self._runtime_hook,
@@ -324,26 +323,29 @@ class ModelParallelizer:
         first (dtype islands here), then ``module``. A list of modules is one grouped
         unit; a module that already is a unit is left as it is. Subclasses that wrap it
         call ``super()._fully_shard_module(module, **kwargs)``."""
-        if _PLANNED_CALL.get():
-            apply_fully_shard(module, **kwargs)  # type: ignore[arg-type]
-            return module
         options = ShardOptions.from_kwargs(
             kwargs, caller=f"{type(self).__name__}._fully_shard_module"
         )
+        if _PLANNED_CALL.get():
+            shard_unit(module, options)
+            return module
         return self._shard_outside_plan(module, options)
+
+    def _shard_planned_call(self, target: ShardTarget, options: ShardOptions) -> None:
+        """A call of ``apply_plan``, through the overridable contract method."""
+        self._fully_shard_module(target, **options.as_kwargs())
 
     def _shard_outside_plan(self, module: ShardTarget, options: ShardOptions) -> ShardTarget:
         """Plan-then-apply of one module outside a plan (see ``_fully_shard_module``)."""
         members = shard_targets(module)
         if len(members) > 1:
-            apply_fully_shard(members, **options.as_kwargs())
+            shard_unit(members, options)  # a grouped unit is a plan of one call
             return module
         target = members[0]
         if is_sharded(target):
             logger.info("%s is already an FSDP unit; leaving it as it is", type(target).__name__)
             return module
-        groups = self._unit_groups(target, options)
-        shard_groups_then_module(target, groups, **options.as_kwargs())
+        shard_groups(target, self._unit_groups(target, options), options)
         return module
 
     def _unit_groups(self, module: nn.Module, options: ShardOptions) -> UnitGroups:
@@ -396,9 +398,7 @@ class ModelParallelizer:
         language model, a vision model: duck-typed by ``config`` and
         ``get_input_embeddings``); the multimodal parallelizer adds towers and
         projectors (``generate()`` computes image features before the forward)."""
-        return [
-            path for path, module in ctx.model.named_modules() if path and _is_entry(module)
-        ]
+        return [path for path, module in ctx.model.named_modules() if path and _is_entry(module)]
 
     def _plan_hooks(self, ctx: PlanContext, plan: ShardingPlan) -> list[HookPlan]:
         """The runtime hooks ``plan`` needs (before ``disabled_hooks`` are taken out),
@@ -570,7 +570,7 @@ def apply_plan(
         plan,
         mesh=mesh,
         offload_policy=offload_policy,
-        shard_module=_shard_module,
+        shard_module=shard_unit,
         before=None,
         after=None,
         hook_of=_planned_hook,
@@ -578,10 +578,6 @@ def apply_plan(
 
 
 _ApplyStep = Callable[..., None]
-
-
-def _shard_module(module: ShardTarget, **kwargs: object) -> None:
-    apply_fully_shard(module, **kwargs)  # type: ignore[arg-type]
 
 
 def _planned_hook(planned: HookPlan) -> RuntimeHook:
@@ -599,7 +595,7 @@ def _apply(
     *,
     mesh: DeviceMesh,
     offload_policy: OffloadPolicy | None,
-    shard_module: Callable[..., object],
+    shard_module: ShardFn,
     before: _ApplyStep | None,
     after: _ApplyStep | None,
     hook_of: Callable[[HookPlan], RuntimeHook],
@@ -618,18 +614,7 @@ def _apply(
         before(model, plan, mesh=mesh)
     planned = _PLANNED_CALL.set(True)
     try:
-        for call in plan.calls:
-            members = [model.get_submodule(path) if path else model for path in call.paths]
-            ignored = {named[name] for name in call.ignored_param_names}
-            target: ShardTarget = members[0] if len(members) == 1 else members
-            shard_module(
-                target,
-                mesh=mesh,
-                mp_policy=call.mp_policy,
-                offload_policy=offload_policy,
-                reshard_after_forward=call.reshard_after_forward,
-                ignored_params=ignored or None,
-            )
+        run_calls(model, plan.calls, mesh=mesh, offload_policy=offload_policy, shard=shard_module)
     finally:
         _PLANNED_CALL.reset(planned)
     if after is not None:
