@@ -146,3 +146,42 @@ def test_no_estimate_or_measure_module_imports_the_parallelizer() -> None:
     take ``(plan, model)``: the parallelizer is imported for type checking at most."""
     found = _parallelizer_importers()
     assert not found, "modules that import the parallelizer at run time: " + ", ".join(found)
+
+
+#: The estimates read a plan and its hooks' cost models (``RuntimeHook.collectives``):
+#: no estimate module imports the hooks' own modules.
+RUNTIME = "multimodal_fsdp.runtime"
+
+
+def _estimate_runtime_imports() -> list[str]:
+    found = []
+    for path in sorted(SOURCE.rglob("*.py")):
+        module = _module_of(path)
+        if _group(module) != "estimate":
+            continue
+        for target, _ in _runtime_imports(ast.parse(path.read_text(encoding="utf-8"))):
+            if target == RUNTIME or target.startswith(f"{RUNTIME}."):
+                found.append(f"{module} imports {target}")
+    return found
+
+
+def test_no_estimate_module_imports_a_runtime_module() -> None:
+    """Each runtime hook owns its cost model; ``plan_costs`` asks the planned hook objects
+    (a hand-built entry is rebuilt by ``multimodal_fsdp.planned_hooks``)."""
+    found = _estimate_runtime_imports()
+    assert not found, "estimate modules that import runtime hooks:\n" + "\n".join(found)
+
+
+def test_costs_and_memory_do_not_import_each_other() -> None:
+    """``PlanCosts`` holds a memory estimate and the memory estimate reads a plan's
+    parameter figures: neither module imports the other at run time."""
+    pairs = {
+        "multimodal_fsdp.estimate.costs": "multimodal_fsdp.estimate.memory",
+        "multimodal_fsdp.estimate.memory": "multimodal_fsdp.estimate.costs",
+    }
+    found = []
+    for module, other in pairs.items():
+        path = SOURCE / Path(*module.split(".")[1:]).with_suffix(".py")
+        targets = _runtime_imports(ast.parse(path.read_text(encoding="utf-8")))
+        found += [f"{module} imports {other}" for target, _ in targets if target == other]
+    assert not found, "\n".join(found)

@@ -40,8 +40,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import internals
-from fsdp_core.runtime import RuntimeHook
-from fsdp_core.step_agreement import StepAgreement
+from fsdp_core.comm_tally import CommTally
+from fsdp_core.runtime import HookStep, RuntimeHook
+from fsdp_core.step_agreement import AGREEMENT_BYTES, StepAgreement
 
 __all__ = ["AccumulationWarmup", "AccumulationWarmupRuntimeHook", "install_unshard_warmup"]
 
@@ -149,3 +150,12 @@ class AccumulationWarmupRuntimeHook(RuntimeHook):
 
     def install(self, model: nn.Module, *, mesh: DeviceMesh) -> AccumulationWarmup:
         return AccumulationWarmup(model, mesh=mesh)
+
+    def collectives(self, step: HookStep) -> CommTally:
+        """The step agreement: one all-reduce per mesh dimension before each forward,
+        which a single rank skips (the warm-up gathers nothing in an ordinary step)."""
+        tally = CommTally()
+        if step.world_size > 1:
+            for _ in range(step.dims):
+                tally.add("forward", "all_reduce", AGREEMENT_BYTES)
+        return tally

@@ -15,6 +15,13 @@ are its plan data (computed once, by ``plan()``, and kept in the
 [`HookPlan`][fsdp_core.runtime.HookPlan]), and ``install`` puts it on a sharded model. Each
 package defines its own hooks; a parallelizer lists the hook classes it may plan.
 
+Each hook also owns its cost model:
+[`RuntimeHook.collectives`][fsdp_core.runtime.RuntimeHook.collectives] says what it issues in
+one step, read from a [`HookStep`][fsdp_core.runtime.HookStep] (the plan,
+its model, the mesh shape, the step's media), and
+[`unit_runs`][fsdp_core.runtime.RuntimeHook.unit_runs] how often it makes units run; the
+estimates add these up without knowing any hook.
+
 [`BackwardWatch`][fsdp_core.runtime.BackwardWatch] is the shared piece several hooks need: a
 callback when a backward through the model's outputs starts.
 """
@@ -24,7 +31,7 @@ from __future__ import annotations
 import logging
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -32,13 +39,18 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from fsdp_core.comm_tally import CommTally
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from fsdp_core.internals import Probe
+    from fsdp_core.mesh import MeshShape
+    from fsdp_core.plan import ShardingPlan
 
 __all__ = [
     "HookPlan",
+    "HookStep",
     "RuntimeHook",
     "InstalledHook",
     "BackwardWatch",
@@ -60,6 +72,32 @@ class InstalledHook(Protocol):
     def remove(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class HookStep:
+    """One training step as a hook's cost model reads it: every module runs once, on a
+    mesh of ``mesh``'s shape, with ``media`` when given. Resolved once by the estimates,
+    so each hook's tally is a function of the step alone."""
+
+    plan: ShardingPlan
+    #: The model the plan was made for (the meta device is enough: shapes and flags).
+    model: nn.Module
+    mesh: MeshShape
+    #: Per unit of the plan, its ``(name, parameter)`` pairs (``fsdp_core.plan.unit_parameters``).
+    owned: Sequence[Sequence[tuple[str, nn.Parameter]]] = ()
+    #: The step's media, as the package whose hooks depend on it describes them
+    #: (``multimodal_fsdp.estimate.exchange.StepMedia``); ``None``: not given.
+    media: object = None
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world_size
+
+    @property
+    def dims(self) -> int:
+        """Mesh dimensions with more than one rank: each repeats a hook's all-reduce."""
+        return sum(1 for size in self.mesh.sizes if size > 1)
+
+
 class RuntimeHook(ABC):
     """A planned runtime hook: subclasses are frozen dataclasses whose fields are the
     hook's plan data, computed once when the plan is made, so installing it derives
@@ -75,6 +113,16 @@ class RuntimeHook(ABC):
     def install(self, model: nn.Module, *, mesh: DeviceMesh) -> InstalledHook | None:
         """Put the hook on the sharded ``model``; ``None`` when this torch cannot (it
         says so in a warning)."""
+
+    def collectives(self, step: HookStep) -> CommTally:
+        """The collectives the hook issues in ``step`` (per rank; none by default): its
+        cost model, which the estimates add to the units' collectives."""
+        return CommTally()
+
+    def unit_runs(self, step: HookStep) -> Mapping[str, int]:
+        """How often the units under each module path run in ``step`` when the hook
+        repeats them (units elsewhere run once; empty by default)."""
+        return {}
 
     def planned(self, *, reason: str, targets: Iterable[str] = (), cost: str) -> HookPlan:
         """This hook as a plan entry: why it is there, what it acts on, what it costs."""

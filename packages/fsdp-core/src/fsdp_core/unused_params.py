@@ -41,8 +41,9 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import compat, internals
 from fsdp_core._backward_order import anchor_unit_inputs
+from fsdp_core.comm_tally import CommTally
 from fsdp_core.mesh_collectives import all_reduce_max_over_mesh, mesh_device
-from fsdp_core.runtime import BackwardWatch, RuntimeHook
+from fsdp_core.runtime import BackwardWatch, HookStep, RuntimeHook
 
 __all__ = ["UnusedParamsHook", "UnusedParamsRuntimeHook", "install_unused_params_hook"]
 
@@ -181,3 +182,13 @@ class UnusedParamsRuntimeHook(RuntimeHook):
 
     def install(self, model: nn.Module, *, mesh: DeviceMesh) -> UnusedParamsHook | None:
         return install_unused_params_hook(model, mesh=mesh)
+
+    def collectives(self, step: HookStep) -> CommTally:
+        """The usage flags: one byte per trainable parameter tensor a unit manages,
+        all-reduced per mesh dimension in backward (a single rank skips it)."""
+        tally = CommTally()
+        if step.world_size > 1:
+            flags = sum(1 for params in step.owned for _, p in params if p.requires_grad)
+            for _ in range(step.dims):
+                tally.add("backward", "all_reduce", flags)
+        return tally

@@ -29,6 +29,7 @@ from fsdp_core import ShardingPlan
 from fsdp_core.internals import TorchDispatchMode
 from fsdp_core.plan import unit_parameters
 from fsdp_core.runtime import output_tensors
+from multimodal_fsdp.balance._planned import Removable
 from multimodal_fsdp.estimate.collectives import (
     padded_shard_numel,
     param_compute_dtype,
@@ -38,13 +39,12 @@ from multimodal_fsdp.estimate.compute_copy import add_cast_hooks, compute_copy
 from multimodal_fsdp.estimate.exchange import (
     CallBuffers,
     StepMedia,
+    balance_hook,
     balanced_towers,
     call_buffers,
-    joined_layers,
     members_of,
 )
 from multimodal_fsdp.estimate.timeline import kept_after_forward
-from multimodal_fsdp.runtime.joined_layers import JoinedLayers
 
 __all__ = ["ActivationTrace", "LossFn", "exchange_buffer_bytes", "trace_activations"]
 
@@ -485,22 +485,13 @@ class _ExchangeBuffers:
         return hook
 
 
-def _joined_layers(plan: ShardingPlan, twin: nn.Module, media: StepMedia) -> JoinedLayers | None:
+def _joined_layers(plan: ShardingPlan, twin: nn.Module, media: StepMedia) -> Removable | None:
     """Where ``media`` says this rank skips a joined decoder layer that another rank runs,
-    the trace runs it on the same placeholder as the step (``JoinedLayers``, its
-    decisions read from ``media.layers`` instead of a collective)."""
-    paths = joined_layers(plan)
-    if not paths or not media.layers:
-        return None
-    rows = media.layers
-
-    def agree(index: int, blob: bytes | None, _device: torch.device) -> bytes | None:
-        ran = [row[index] for row in rows if row[index]]
-        if not ran or all(row[index] for row in rows):
-            return None
-        return ran[0]
-
-    return JoinedLayers(twin, paths, None, lambda: True, agree=agree)
+    the trace runs it on the same placeholder as the step: the plan's ``balance_media``
+    hook replays its joined layers, its decisions read from ``media.layers`` instead of a
+    collective."""
+    hook = balance_hook(plan)
+    return None if hook is None else hook.replay_layers(twin, media)
 
 
 def _packer(live: _LiveBytes) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -36,6 +36,12 @@ and per step, FSDP2 (torch 2.13) then issues:
   only for a given [`StepMedia`][multimodal_fsdp.estimate.exchange.StepMedia]
   (``media=``); without it the plan's notes give the fixed collectives per call.
 
+The hooks' collectives are each hook's own cost model
+([`RuntimeHook.collectives`][fsdp_core.runtime.RuntimeHook.collectives], and
+[`unit_runs`][fsdp_core.runtime.RuntimeHook.unit_runs] for the units a balanced tower
+repeats), read from the plan's hook objects: ``plan_costs`` is a loop over the units and
+the hooks, and no estimate imports a hook's module.
+
 Without the prefetch guard
 ([`multimodal_fsdp.runtime.prefetch_guard`][multimodal_fsdp.runtime.prefetch_guard]) the unit that
 finishes its forward right after a unit without backward re-gathers that unit
@@ -57,7 +63,7 @@ here.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -65,48 +71,28 @@ import torch
 from torch import nn
 
 from fsdp_core import ShardingPlan
-from fsdp_core.containers import is_under, module_spans
 from fsdp_core.mesh import MeshShape, resolve_mesh_shape
-from fsdp_core.plan import UnitPlan, unit_parameters
 from fsdp_core.runtime import HookPlan
-from fsdp_core.sharding import check_reshard_after_forward, original_class
-from fsdp_core.step_agreement import AGREEMENT_BYTES
+from fsdp_core.sharding import original_class
+from multimodal_fsdp.balance._planned import BalancedTower
 from multimodal_fsdp.balance.traffic import SLOT_INTS, STATUS_INTS
+from multimodal_fsdp.estimate._step import CostedStep, place_unit, resolve_step
 from multimodal_fsdp.estimate.collectives import (
     CommTally,
-    _gathered_bytes,
-    _sharded_bytes,
-    _unit_collectives,
     param_compute_dtype,
     unit_reduce_dtype,
 )
 from multimodal_fsdp.estimate.exchange import (
     StepMedia,
     balance_group_size,
+    balance_hook,
     balanced_towers,
     exchange_tally,
-    joined_layers,
-    joined_modules,
-    layer_runs,
-    members_of,
-    module_runs,
 )
 from multimodal_fsdp.estimate.render import format_bytes, format_costs
-from multimodal_fsdp.estimate.timeline import (
-    _peaks,
-    _prefetch_waste,
-    _Unit,
-    effective_reshard,
-)
-from multimodal_fsdp.reachability import backward_free_paths
-from multimodal_fsdp.record import media_regions_of, plan_record
-from multimodal_fsdp.runtime.balance_media import BalancedTower
-from multimodal_fsdp.runtime.joined_layers import DECISION_BYTES
-from multimodal_fsdp.runtime.schedule_check import (
-    CHECKPOINT_BYTES,
-    ScheduleCheckRuntimeHook,
-    plan_schedule_layout,
-)
+from multimodal_fsdp.estimate.timeline import _peaks, _prefetch_waste, _Unit
+from multimodal_fsdp.planned_hooks import planned_hooks
+from multimodal_fsdp.record import plan_record
 
 if TYPE_CHECKING:  # an annotation only: memory builds on this module
     from multimodal_fsdp.estimate.memory import MemoryEstimate
@@ -287,52 +273,6 @@ def resolve_cost_mesh(
     return resolve_mesh_shape(world_size=world_size, dp_replicate=dp_replicate)
 
 
-def _schedule_checkpoints(model: nn.Module, plan: ShardingPlan, world: int) -> int:
-    """All-reduces of the ``schedule_check`` hook in one step (every region runs once):
-    the layout the plan recorded as the hook's data; a hand-built hook entry without
-    that data is laid out from the plan's record of media regions (none: no count)."""
-    planned = plan.hook(ScheduleCheckRuntimeHook.name)
-    if world <= 1 or planned is None:
-        return 0
-    hook = planned.hook
-    if isinstance(hook, ScheduleCheckRuntimeHook):  # the layout the plan computed
-        return hook.layout.checkpoints_per_forward()
-    record = plan_record(plan)
-    if record is None:
-        return 0
-    regions = media_regions_of(
-        record.parts, record.conditional_layers, plan, balanced=record.balanced_towers
-    )
-    layout = plan_schedule_layout(model, plan, regions)
-    return 0 if layout is None else layout.checkpoints_per_forward()
-
-
-@dataclass(frozen=True)
-class _Step:
-    """The plan on its mesh as every unit's and hook's tally reads it: resolved once, so
-    each tally below is a function of the step alone and ``plan_costs`` a loop over them."""
-
-    plan: ShardingPlan
-    model: nn.Module
-    shape: MeshShape
-    #: Module paths no gradient reaches, and whether they are a judgement to report
-    #: (the planner's or the default discovery's, not the caller's ``no_backward``).
-    free: list[str]
-    free_judged: bool
-    forced: tuple[str, ...]
-    spans: dict[str, tuple[int, int]]
-    any_trainable: bool
-    owned: list[list[tuple[str, nn.Parameter]]]
-    towers: tuple[BalancedTower, ...]
-    media: StepMedia | None
-    runs: dict[str, int]
-
-    @property
-    def dims(self) -> int:
-        """Mesh dimensions with more than one rank: each repeats a hook's all-reduce."""
-        return sum(1 for size in self.shape.sizes if size > 1)
-
-
 def plan_costs(
     plan: ShardingPlan,
     model: nn.Module,
@@ -350,10 +290,10 @@ def plan_costs(
     """Cost ``plan`` for ``model`` on a mesh (``world_size``/``dp_replicate`` or ``mesh``).
 
     ``model`` may be on the meta device (only shapes, dtypes and
-    ``requires_grad`` are read). Everything else comes from the plan: the schedule
-    check's all-reduces, the replicated parameters' dtypes, which module paths no
-    gradient reaches and the policy label, as ``plan()`` recorded them (a plan built by
-    hand without that judgement gets
+    ``requires_grad`` are read). Everything else comes from the plan: the runtime hooks'
+    collectives (each planned hook's own cost model), the replicated parameters' dtypes,
+    which module paths no gradient reaches and the policy label, as ``plan()`` recorded
+    them (a plan built by hand without that judgement gets
     [`backward_free_paths`][multimodal_fsdp.reachability.backward_free_paths] under default
     discovery). ``no_backward`` replaces that judgement; ``with_backward`` forces units
     under those paths to count as running backward; ``policy`` and ``precision`` are
@@ -368,175 +308,31 @@ def plan_costs(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     shape = resolve_cost_mesh(mesh, world_size, dp_replicate)
-    step = _resolve_step(plan, model, shape, no_backward, with_backward, media)
+    step = resolve_step(plan, model, shape, no_backward, with_backward, media)
+    hooks = [hook for _, hook in planned_hooks(plan, model) if hook is not None]
+    runs: dict[str, int] = {}
+    for hook in hooks:
+        runs.update(hook.unit_runs(step.hook))
     units = [
-        _placed_unit(unit, params, step)
+        place_unit(unit, params, step, runs)
         for unit, params in zip(plan.units, step.owned, strict=True)
     ]
     _prefetch_waste(units, shape.dp_shard)
-    tallies = {name: tally(step) for name, tally in _HOOK_TALLIES}
-    extra = CommTally()
-    for tally in tallies.values():
+    balance = balance_hook(plan)
+    counted: object = balance if media is not None and balanced_towers(plan) else None
+    extra, exchange = CommTally(), None
+    for hook in hooks:
+        tally = hook.collectives(step.hook)
         extra.merge(tally)
-    exchange = tallies["balance_media"] if media is not None and step.towers else None
+        if hook is counted:  # the balanced-media exchange, reported apart as well
+            exchange = tally
+    if media is not None and balance is None:  # media no hook reads: checked as ever
+        exchange_tally(media, (), world_size=shape.world_size)
     return _costs_of(step, units, extra, exchange, prefetch_guard, policy, precision)
 
 
-def _resolve_step(
-    plan: ShardingPlan,
-    model: nn.Module,
-    shape: MeshShape,
-    no_backward: Iterable[str] | None,
-    with_backward: Iterable[str],
-    media: StepMedia | None,
-) -> _Step:
-    """Check the plan against the mesh and read, once, what the tallies share; the
-    checks run in the order users have always seen their errors."""
-    for unit in plan.units:
-        check_reshard_after_forward(unit.reshard_after_forward, shape.dp_shard)
-    if no_backward is not None:
-        free = list(no_backward)
-    elif plan.backward_free_paths is not None:  # the planner's judgement
-        free = list(plan.backward_free_paths)
-    else:
-        free = backward_free_paths(model)
-    forced = tuple(with_backward)
-    spans = module_spans(model)
-    any_trainable = any(p.requires_grad for p in model.parameters())
-    owned = unit_parameters(plan, model)
-    towers = balanced_towers(plan)
-    if media is not None and not isinstance(media, StepMedia):
-        raise TypeError(f"media must be a StepMedia, got {type(media).__name__}")
-    return _Step(
-        plan=plan,
-        model=model,
-        shape=shape,
-        free=free,
-        free_judged=no_backward is None,
-        forced=forced,
-        spans=spans,
-        any_trainable=any_trainable,
-        owned=owned,
-        towers=towers,
-        media=media,
-        runs=_balanced_runs(plan, media),
-    )
-
-
-def _placed_unit(unit: UnitPlan, params: list[tuple[str, nn.Parameter]], step: _Step) -> _Unit:
-    """One unit where it runs in the step, with the collectives it issues there: the
-    timeline of gathered parameters and the prefetch waste are computed from these."""
-    scalars = [name for name, p in params if p.dim() == 0]
-    if scalars:
-        raise ValueError(
-            f"unit {unit.label}: fully_shard does not support scalar parameters "
-            f"{scalars}; make them 1-D (numel 1) or ignore them"
-        )
-    missing = [p for p in unit.paths if p not in step.spans]
-    if missing:
-        raise ValueError(f"unit {unit.label}: no module at {missing} in the model")
-    shard = step.shape.dp_shard
-    runs_backward = _runs_backward(unit, params, step)
-    reshard = effective_reshard(unit, shard)
-    gathered = _gathered_bytes(params, unit.mp_policy, shard)
-    collectives = _unit_collectives(
-        params,
-        unit.mp_policy,
-        gathered=gathered,
-        reshard=reshard,
-        runs_backward=runs_backward,
-        shard=shard,
-        replicate=step.shape.dp_replicate,
-    )
-    return _Unit(
-        plan=unit,
-        params=params,
-        start=min(step.spans[p][0] for p in unit.paths),
-        end=max(step.spans[p][1] for p in unit.paths),
-        reshard=reshard,
-        runs_backward=runs_backward,
-        gathered=gathered,
-        sharded=_sharded_bytes(params, shard),
-        comm=_repeated(collectives, _unit_runs(unit, step.runs)),
-    )
-
-
-def _runs_backward(unit: UnitPlan, params: list[tuple[str, nn.Parameter]], step: _Step) -> bool:
-    """Whether the unit's backward runs: a frozen unit that no gradient reaches skips it
-    (and its re-gather), unless the caller forces it; the root always runs one."""
-    trainable = any(p.requires_grad for _, p in params)
-    gradient_free = not trainable and all(
-        any(is_under(p, root) for root in step.free) for p in unit.paths
-    )
-    if any(is_under(p, root) for p in unit.paths for root in step.forced):
-        gradient_free = False
-    return step.any_trainable and (unit.is_root or not gradient_free)
-
-
-def _schedule_check_tally(step: _Step) -> CommTally:
-    """The ``schedule_check`` hook's checkpoints: they run on every rank whatever the
-    media, so the plan alone counts them."""
-    tally = CommTally()
-    checkpoints = _schedule_checkpoints(step.model, step.plan, step.shape.world_size)
-    for _ in range(checkpoints * step.dims):
-        tally.add("forward", "all_reduce", CHECKPOINT_BYTES)
-    return tally
-
-
-def _balance_media_tally(step: _Step) -> CommTally:
-    """The ``balance_media`` hook's collectives: with the step's media, its exchange
-    (rounds, barrier and layer decisions); without, only the joined layers' decisions,
-    which do not depend on the media."""
-    layers = joined_layers(step.plan)
-    world = step.shape.world_size
-    if step.media is not None:
-        return exchange_tally(
-            step.media,
-            step.towers,
-            world_size=balance_group_size(step.plan, world, step.shape.dp_replicate),
-            joined=joined_modules(step.plan),
-            layers=len(layers) if world > 1 else 0,
-        )
-    tally = CommTally()
-    if world > 1:
-        for _ in layers:  # the joined layers' decisions, whatever the media
-            tally.add("forward", "all_reduce", DECISION_BYTES)
-    return tally
-
-
-def _agreement_tally(step: _Step) -> CommTally:
-    """The step agreement ``accumulation_warmup`` installs: one all-reduce per mesh
-    dimension before each forward, which a single rank skips."""
-    tally = CommTally()
-    if step.plan.hook("accumulation_warmup") is not None and step.shape.world_size > 1:
-        for _ in range(step.dims):
-            tally.add("forward", "all_reduce", AGREEMENT_BYTES)
-    return tally
-
-
-def _usage_flags_tally(step: _Step) -> CommTally:
-    """The ``unused_params`` hook's usage flags: one byte per trainable parameter tensor
-    a unit manages, all-reduced per mesh dimension in backward."""
-    tally = CommTally()
-    if step.plan.hook("unused_params") is not None and step.shape.world_size > 1:
-        flags = sum(1 for params in step.owned for _, p in params if p.requires_grad)
-        for _ in range(step.dims):
-            tally.add("backward", "all_reduce", flags)
-    return tally
-
-
-#: The collectives outside FSDP units, by the hook that issues them, in the order they
-#: are added up (the order of ``PlanCosts.extra``'s entries).
-_HOOK_TALLIES: tuple[tuple[str, Callable[[_Step], CommTally]], ...] = (
-    (ScheduleCheckRuntimeHook.name, _schedule_check_tally),
-    ("balance_media", _balance_media_tally),
-    ("accumulation_warmup", _agreement_tally),
-    ("unused_params", _usage_flags_tally),
-)
-
-
 def _costs_of(
-    step: _Step,
+    step: CostedStep,
     units: list[_Unit],
     extra: CommTally,
     exchange: CommTally | None,
@@ -558,9 +354,10 @@ def _costs_of(
     notes = list(plan.notes)
     if step.free and step.free_judged:
         notes.append(f"no gradient reaches {sorted(step.free)} (media inputs only)")
-    if step.towers and step.media is None:
+    towers = balanced_towers(plan)
+    if towers and step.media is None:
         world = balance_group_size(plan, shape.world_size, shape.dp_replicate)
-        notes.append(_exchange_note(step.towers, world))
+        notes.append(_exchange_note(towers, world))
     return PlanCosts(
         model=_model_name(step.model),
         mesh=shape,
@@ -577,49 +374,9 @@ def _costs_of(
         precision=precision,
         notes=tuple(notes),
         hooks=plan.hooks,
-        balanced_towers=tuple(tower.path for tower in step.towers),
+        balanced_towers=tuple(tower.path for tower in towers),
         exchange=exchange,
     )
-
-
-def _balanced_runs(plan: ShardingPlan, media: StepMedia | None) -> dict[str, int]:
-    """Per balanced tower or joined module that owns units, and per joined decoder layer,
-    how often it runs in the step's media (its units' collectives repeat per run); empty
-    without media (every module runs once)."""
-    if media is None:
-        return {}
-    members = members_of(plan)
-    runs = {
-        tower.path: module_runs(media, tower.path, members)
-        for tower in balanced_towers(plan)
-        if tower.run_when_empty
-    }
-    runs.update(
-        {module.path: module_runs(media, module.path, members) for module in joined_modules(plan)}
-    )
-    runs.update({path: layer_runs(media, i) for i, path in enumerate(joined_layers(plan))})
-    return runs
-
-
-def _unit_runs(unit: UnitPlan, runs: dict[str, int]) -> int:
-    """How often a non-root unit inside a balanced or joined module runs in the step (1
-    elsewhere)."""
-    if unit.is_root:
-        return 1
-    for path, count in runs.items():
-        if all(is_under(member, path) for member in unit.paths):
-            return count
-    return 1
-
-
-def _repeated(tally: CommTally, times: int) -> CommTally:
-    """``tally`` issued ``times`` times (a unit that runs that often in the step)."""
-    if times == 1:
-        return tally
-    result = CommTally()
-    for _ in range(times):
-        result.merge(tally)
-    return result
 
 
 def _exchange_note(towers: Iterable[BalancedTower], world: int) -> str:

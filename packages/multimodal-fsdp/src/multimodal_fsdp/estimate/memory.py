@@ -40,16 +40,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from torch import nn
 
 from fsdp_core import ShardingPlan
+from fsdp_core.mesh import MeshShape
 from fsdp_core.plan import unit_parameters
 from multimodal_fsdp.estimate.activations import ActivationTrace, check_shard
 from multimodal_fsdp.estimate.collectives import padded_shard_numel
-from multimodal_fsdp.estimate.costs import PlanCosts
 from multimodal_fsdp.estimate.render import format_bytes
+
+if TYPE_CHECKING:  # an annotation only: the costs hold a memory estimate, not the reverse
+    from multimodal_fsdp.estimate.costs import PlanCosts
 
 __all__ = [
     "OPTIMIZER_STATES",
@@ -236,6 +239,27 @@ def optimizer_state_bytes(
 
 
 # --------------------------------------------------------------------------- one call
+@runtime_checkable
+class _ParameterFigures(Protocol):
+    """What the memory estimate reads of a plan's costs (``PlanCosts`` has them): the
+    mesh and the parameter figures, so that it needs no import of the costs module."""
+
+    @property
+    def mesh(self) -> MeshShape: ...
+
+    @property
+    def sharded_param_bytes(self) -> int: ...
+
+    @property
+    def replicated_param_bytes(self) -> int: ...
+
+    @property
+    def peak_gathered_forward_bytes(self) -> int: ...
+
+    @property
+    def peak_gathered_backward_bytes(self) -> int: ...
+
+
 def estimate_memory(
     costs: PlanCosts,
     plan: ShardingPlan,
@@ -252,7 +276,7 @@ def estimate_memory(
     (the peak then leaves activations out and says so).
     """
     check_optimizer(optimizer)
-    if not isinstance(costs, PlanCosts):
+    if not isinstance(costs, _ParameterFigures):
         raise TypeError(f"costs must be a PlanCosts, got {type(costs).__name__}")
     saved, working, step = _activation_figures(activations)
     shard = costs.mesh.dp_shard

@@ -26,9 +26,8 @@ container's owner returns), before that layer's all-gather, so the decisions pai
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,15 +35,13 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_core.internals import in_backward
+from multimodal_fsdp.balance._planned import DECISION_BYTES, blob_words
 from multimodal_fsdp.balance.exchange import zero_anchor
 from multimodal_fsdp.balance.placeholder import describe_call, placeholder_call
 
 __all__ = ["DECISION_BYTES", "JoinedLayers", "add_anchor", "add_to_outputs", "blob_words"]
 
 logger = logging.getLogger(__name__)
-
-#: Bytes of the decision all_reduce per joined layer and forward (4 int64).
-DECISION_BYTES: Final = 32
 
 
 def reduce_max(tensor: Tensor, group: Any) -> None:
@@ -55,11 +52,6 @@ def reduce_max(tensor: Tensor, group: Any) -> None:
 def reduce_sum(tensor: Tensor, group: Any) -> None:
     """The description's all_reduce (SUM: one rank's words, zeros elsewhere), in place."""
     dist.all_reduce(tensor, group=group)
-
-
-def blob_words(blob_bytes: int) -> int:
-    """int64 words of the all_reduce that carries a call's description."""
-    return math.ceil(blob_bytes / 8)
 
 
 def add_anchor(value: Any, anchor: Tensor) -> tuple[Any, bool]:

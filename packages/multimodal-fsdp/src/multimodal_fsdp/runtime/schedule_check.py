@@ -44,8 +44,9 @@ issued. Between checkpoints the ranks run the same units. Forwards inside backwa
 (activation-checkpoint recomputation) are not checked: they repeat a forward that was.
 
 The schedule plan ([`ScheduleLayout`][multimodal_fsdp.runtime.schedule_check.ScheduleLayout]) is
-data, so the plan's
-costs count its collectives exactly
+data, so the hook's cost model
+([`collectives`][multimodal_fsdp.runtime.schedule_check.ScheduleCheckRuntimeHook.collectives])
+counts its collectives exactly
 ([`checkpoints_per_forward`][multimodal_fsdp.runtime.schedule_check.ScheduleLayout.checkpoints_per_forward]).
 """
 
@@ -62,10 +63,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import ShardingPlan
+from fsdp_core.comm_tally import CommTally
 from fsdp_core.containers import is_module_container, is_under, unwrap_module
 from fsdp_core.internals import GRAPH_TASK, Probe, in_backward
 from fsdp_core.mesh_collectives import all_reduce_max_over_mesh, mesh_device
-from fsdp_core.runtime import RuntimeHook
+from fsdp_core.runtime import HookStep, RuntimeHook
 
 __all__ = [
     "MediaRegion",
@@ -450,3 +452,14 @@ class ScheduleCheckRuntimeHook(RuntimeHook):
 
     def install(self, model: nn.Module, *, mesh: DeviceMesh) -> ScheduleCheck:
         return install_schedule_check(model, self.layout, mesh=mesh)
+
+    def collectives(self, step: HookStep) -> CommTally:
+        """The checkpoints of one forward (every region runs once): one all-reduce of
+        ``CHECKPOINT_BYTES`` per mesh dimension each, on every rank whatever the media,
+        so the plan alone counts them (a single rank checks nothing)."""
+        tally = CommTally()
+        if step.world_size <= 1:
+            return tally
+        for _ in range(self.layout.checkpoints_per_forward() * step.dims):
+            tally.add("forward", "all_reduce", CHECKPOINT_BYTES)
+        return tally

@@ -1,0 +1,142 @@
+"""What the ``balance_media`` hook plans, as data below the hook: its members and sizes.
+
+The hook ([`multimodal_fsdp.runtime.balance_media`][multimodal_fsdp.runtime.balance_media])
+installs the exchange; the estimates read the same plan data to count what it costs. Both
+need the balanced towers and joined modules, the size of a balance group and the bytes of
+the joined layers' decisions, so these live here, in the balance group below both, and
+``BalancePlanned`` says what the estimates read of a planned hook without importing it.
+The public names are re-exported where they were first published
+(``multimodal_fsdp.runtime.balance_media``, ``multimodal_fsdp.runtime.joined_layers``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final, Protocol, runtime_checkable
+
+from torch import nn
+
+from multimodal_fsdp.balance.layouts import CallSpec
+from multimodal_fsdp.balance.traffic import exchange_traffic
+
+if TYPE_CHECKING:
+    from multimodal_fsdp.balance._step_media import StepMedia
+
+__all__ = [
+    "BALANCE_MEDIA",
+    "DECISION_BYTES",
+    "BalancePlanned",
+    "BalancedTower",
+    "JoinedModule",
+    "Removable",
+    "blob_words",
+    "group_size",
+]
+
+#: The hook's name in plans, ``disabled_hooks=`` and ``installed_hooks``.
+BALANCE_MEDIA: Final = "balance_media"
+
+#: Bytes of the decision all_reduce per joined layer and forward (4 int64).
+DECISION_BYTES: Final = 32
+
+
+def blob_words(blob_bytes: int) -> int:
+    """int64 words of the all_reduce that carries a call's description."""
+    return math.ceil(blob_bytes / 8)
+
+
+@dataclass(frozen=True)
+class BalancedTower:
+    """One balanced tower as planned: its module path, the name of its layout adapter
+    (``multimodal_fsdp.balance.media_layout_for``), whether it owns FSDP units (then it
+    runs on a placeholder on a rank with nothing to encode, and is balanced in every
+    forward), whether it has trainable parameters (its output gradients go back
+    through the exchange in backward), and what the plan-time probe found for the
+    layout. The path is an encoder inside the discovered tower when the tower's own
+    calls cannot be cut by item (``multimodal_fsdp.balance.targets``)."""
+
+    path: str
+    layout: str
+    run_when_empty: bool
+    trainable: bool
+    #: What the plan-time probe found for the layout (``LayoutChoice.describe``).
+    probe: str = ""
+
+    def collectives_per_call(self) -> dict[str, int]:
+        """The collectives of one call that moves items (every item staying home costs
+        the slot gather alone), by phase and kind
+        (``"forward all_gather"``, ``"forward all_to_all"``, ``"backward all_to_all"``), as
+        [`exchange_traffic`][multimodal_fsdp.balance.traffic.exchange_traffic] counts them
+        (backward: the output gradients of a trainable tower; inputs that need a
+        gradient add one more)."""
+        moved = [[1, 1], []]  # two items on one rank: one of them moves
+        rounds = exchange_traffic(
+            moved,
+            rank=0,
+            spec=CallSpec(fields=("pixel_values",)),
+            input_bytes=moved,
+            output_bytes=moved,
+            output_grad_bytes=moved if self.trainable else None,
+            output_tensors=1,
+        )
+        counts: dict[str, int] = {}
+        for collective in rounds:
+            key = f"{collective.phase} {collective.kind}"
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
+
+@dataclass(frozen=True)
+class JoinedModule:
+    """A module with FSDP units of its own that only ranks with media call (a projector
+    or connector with layers): its calls go through the rounds of the balanced towers,
+    unbalanced, and a rank without the call runs it on a placeholder
+    (``multimodal_fsdp.balance.placeholder``) in the same round, so its units' collectives
+    match on every rank."""
+
+    path: str
+    trainable: bool
+
+
+def group_size(group: str | int, world_size: int, dp_replicate: int = 1) -> int:
+    """The ranks of one balance group (``"all"``, ``"shard"``, ``"replicate"`` or a block
+    size) on a mesh of ``world_size`` ranks with ``dp_replicate`` replicas."""
+    if group == "all":
+        return world_size
+    if group == "shard":
+        return world_size // dp_replicate
+    if group == "replicate":
+        return dp_replicate
+    if not isinstance(group, int) or world_size % group:
+        raise ValueError(f"balance_media_group={group!r} must divide the {world_size} ranks")
+    return group
+
+
+class Removable(Protocol):
+    """Something installed on a module that can be taken off again."""
+
+    def remove(self) -> None: ...
+
+
+@runtime_checkable
+class BalancePlanned(Protocol):
+    """What the estimates read of a planned ``balance_media`` hook: its plan data, and the
+    joined layers replayed on a one-process copy of the model."""
+
+    @property
+    def towers(self) -> tuple[BalancedTower, ...]: ...
+
+    @property
+    def joined(self) -> tuple[JoinedModule, ...]: ...
+
+    @property
+    def layers(self) -> tuple[str, ...]: ...
+
+    @property
+    def group(self) -> str | int: ...
+
+    def replay_layers(self, model: nn.Module, media: StepMedia) -> Removable | None:
+        """The joined layers on ``model`` (an unsharded copy), each decision read from
+        ``media`` instead of a collective; ``None`` when nothing needs replaying."""
+        ...

@@ -1,0 +1,406 @@
+"""What a step's balanced media cost: the step's calls per rank, their rounds, their tally.
+
+A plan made with ``balance_media=True`` spreads every call of its balanced towers over
+the data-parallel ranks. The exchange's collectives are fixed per call (see
+[`multimodal_fsdp.balance.exchange`][multimodal_fsdp.balance.exchange]), but how many
+calls a step makes and what each moves depend on the step's images and videos, which a
+plan does not know: ``StepMedia`` says it, per rank of the balance group. The rounds the
+exchange runs for it, what each moves and the tally of one rank's collectives are
+computed here, below the ``balance_media`` hook that owns this cost model
+(``BalanceMediaRuntimeHook.collectives``) and the estimates that read it; the public
+names are published in [`multimodal_fsdp.estimate.exchange`][multimodal_fsdp.estimate.exchange].
+
+Calls pair across ranks by their order in the forward (round ``k`` holds each rank's
+``k``-th call of any balanced or joined module; a rank with fewer calls joins the
+others' with none of its own); every training forward ends with the join barrier's last
+round (one slot ``all_gather``). Joined decoder layers add their decisions (one
+``all_reduce`` each per forward) and, where some ranks run a layer and others skip it,
+the ``all_reduce`` that brings the call's shapes (``StepMedia.layers``).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fsdp_core.comm_tally import CommTally
+from multimodal_fsdp.balance._planned import (
+    DECISION_BYTES,
+    BalancedTower,
+    BalancePlanned,
+    JoinedModule,
+    blob_words,
+    group_size,
+)
+from multimodal_fsdp.balance.assign import assign_items
+from multimodal_fsdp.balance.layouts import CallSpec
+from multimodal_fsdp.balance.traffic import (
+    ExchangeCollective,
+    call_traffic,
+    metadata_traffic,
+    payload_ints,
+)
+
+__all__ = [
+    "BalancedCall",
+    "CallBuffers",
+    "ItemSizes",
+    "Member",
+    "StepMedia",
+    "call_buffers",
+    "exchange_rounds",
+    "exchange_tally",
+    "layer_runs",
+    "module_runs",
+    "planned_runs",
+    "planned_tally",
+]
+
+
+@dataclass(frozen=True)
+class ItemSizes:
+    """One media item of a balanced call: its ``cost`` (what the assignment balances,
+    patches or pixels), the bytes of its input rows (every field) and of its output rows
+    (every output tensor), and of those the bytes that gradients carry back (floating
+    outputs; floating inputs that require a gradient, usually none)."""
+
+    cost: int
+    input_bytes: int
+    output_bytes: int
+    output_grad_bytes: int = 0
+    input_grad_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class BalancedCall:
+    """One call of the balanced tower at ``tower`` (its path) on one rank: the call's
+    ``spec`` (its pickled size travels in the metadata; ranks calling together share
+    it), its ``items`` in call order, and how many tensors the tower's output holds
+    (``output_tensors``; the gradient exchange sends one flag byte per tensor and rank).
+    A call of a *joined* module (``joined=True``: a projector with units of its own) has
+    no items; ``blob_bytes`` is the size of its call's description
+    (``multimodal_fsdp.balance.placeholder.describe_call``)."""
+
+    tower: str
+    spec: CallSpec
+    items: tuple[ItemSizes, ...]
+    output_tensors: int = 1
+    joined: bool = False
+    blob_bytes: int = 0
+
+    def payload(self) -> int:
+        """Words of its item table and blob in the round's metadata."""
+        if self.joined:
+            return payload_ints(0, self.blob_bytes)
+        return payload_ints(len(self.items), len(pickle.dumps(self.spec)))
+
+
+@dataclass(frozen=True)
+class StepMedia:
+    """The balanced tower calls of one training step: ``ranks[r]`` is rank ``r``'s calls
+    in forward order, of balanced towers and joined modules (one entry per rank of the
+    balance group: all data-parallel ranks by default), ``rank`` the rank whose
+    collectives are predicted; ``layers`` what each rank does with the joined decoder
+    layers."""
+
+    ranks: tuple[tuple[BalancedCall, ...], ...]
+    rank: int = 0
+    #: Per rank (as ``ranks``; other groups alike), per joined decoder layer in the
+    #: hook's order, the description of its call on that rank
+    #: (``multimodal_fsdp.balance.placeholder.describe_call``; ``b""``: the rank skips
+    #: the layer). Empty: every rank runs every joined layer (no placeholder).
+    layers: tuple[tuple[bytes, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.ranks:
+            raise ValueError("StepMedia needs the calls of at least one rank")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int):
+            raise TypeError(f"rank must be an int, got {self.rank!r}")
+        if not 0 <= self.rank < len(self.ranks):
+            raise ValueError(
+                f"rank {self.rank} is not one of the {len(self.ranks)} ranks StepMedia describes"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @classmethod
+    def same_on_every_rank(
+        cls,
+        calls: Sequence[BalancedCall],
+        *,
+        world_size: int,
+        rank: int = 0,
+        layers: Sequence[bytes] = (),
+    ) -> StepMedia:
+        """Every rank makes ``calls`` (what the fake process group runs: every rank looks
+        like the calling one) and runs the joined layers ``layers`` describes."""
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        return cls(
+            ranks=tuple(tuple(calls) for _ in range(world_size)),
+            rank=rank,
+            layers=tuple(tuple(layers) for _ in range(world_size)) if layers else (),
+        )
+
+    def towers(self) -> tuple[str, ...]:
+        """The tower paths the calls name, in first-call order."""
+        seen: dict[str, None] = {}
+        for calls in self.ranks:
+            for call in calls:
+                seen.setdefault(call.tower, None)
+        return tuple(seen)
+
+
+Member = BalancedTower | JoinedModule
+
+
+def _rounds(
+    media: StepMedia, members: Sequence[Member]
+) -> list[tuple[list[BalancedCall | None], str]]:
+    """The step's rounds as the exchange runs them: per round each rank's pending call
+    (``None``: it joins) and the module the round runs, the lowest in the hook's order
+    among those called; its callers move on to their next call, the others bring theirs
+    again."""
+    order = {member.path: index for index, member in enumerate(members)}
+    position = [0] * media.world_size
+    result: list[tuple[list[BalancedCall | None], str]] = []
+    while True:
+        heads = [
+            calls[position[r]] if position[r] < len(calls) else None
+            for r, calls in enumerate(media.ranks)
+        ]
+        called = [call.tower for call in heads if call is not None]
+        if not called:
+            return result
+        chosen = min(called, key=lambda path: order.get(path, len(order)))
+        result.append((heads, chosen))
+        for r, call in enumerate(heads):
+            if call is not None and call.tower == chosen:
+                position[r] += 1
+
+
+def _subcall_traffic(
+    calls: list[BalancedCall | None], *, rank: int, tower: BalancedTower
+) -> list[ExchangeCollective]:
+    """The collectives of the balanced call of ``tower`` in a round, after its metadata."""
+    mine = [call if call is not None and call.tower == tower.path else None for call in calls]
+    items = [call.items if call is not None else () for call in mine]
+    specs = {call.spec for call in mine if call is not None}
+    if len(specs) > 1:
+        raise ValueError(
+            f"the calls of balanced tower {tower.path!r} made together pass different options "
+            f"({sorted(map(repr, specs))}); every rank calls the tower with the same ones"
+        )
+    inputs_grad = any(item.input_grad_bytes for group in items for item in group)
+    tensors = max(
+        (call.output_tensors for call in mine if call is not None and call.items), default=1
+    )
+    return call_traffic(
+        [[item.cost for item in group] for group in items],
+        rank=rank,
+        input_bytes=[[item.input_bytes for item in group] for group in items],
+        output_bytes=[[item.output_bytes for item in group] for group in items],
+        output_grad_bytes=(
+            [[item.output_grad_bytes for item in group] for group in items]
+            if tower.trainable or inputs_grad
+            else None
+        ),
+        input_grad_bytes=(
+            [[item.input_grad_bytes for item in group] for group in items] if inputs_grad else None
+        ),
+        output_tensors=tensors,
+        run_when_empty=tower.run_when_empty,
+    )
+
+
+def exchange_rounds(
+    media: StepMedia, members: Sequence[Member]
+) -> list[list[tuple[str, list[ExchangeCollective]]]]:
+    """The collectives ``media.rank`` runs in each round (the barrier's last round not
+    included): per round, its metadata (module ``""``), then the call of the module the
+    round runs, as [`exchange_traffic`][multimodal_fsdp.balance.traffic.exchange_traffic]
+    lists them (a joined module's call exchanges nothing more)."""
+    by_path = {member.path: member for member in members}
+    result = []
+    for heads, chosen in _rounds(media, members):
+        payloads = [call.payload() if call is not None else 0 for call in heads]
+        member = by_path.get(chosen)
+        traffic: list[ExchangeCollective] = []
+        if isinstance(member, BalancedTower):
+            traffic = _subcall_traffic(heads, rank=media.rank, tower=member)
+        result.append([("", metadata_traffic(payloads)), (chosen, traffic)])
+    return result
+
+
+@dataclass(frozen=True)
+class CallBuffers:
+    """What one of this rank's balanced calls moves, for the memory model: the input
+    bytes it sends and receives, the output bytes it sends and receives, the input and
+    output bytes of the items it keeps, and the output gradient bytes it sends and
+    receives in backward (``None`` without that exchange)."""
+
+    inputs: tuple[int, int]
+    outputs: tuple[int, int]
+    kept: tuple[int, int]
+    grads: tuple[int, int] | None
+
+
+def call_buffers(
+    media: StepMedia, tower: BalancedTower, members: Sequence[Member]
+) -> list[CallBuffers | None]:
+    """Per call ``media.rank`` makes of ``tower``, in order, what it moves (``None``:
+    every item stays home, nothing is exchanged)."""
+    result: list[CallBuffers | None] = []
+    rounds = _rounds(media, members)
+    for parts, (calls, chosen) in zip(exchange_rounds(media, members), rounds, strict=True):
+        if chosen != tower.path:
+            continue
+        own = calls[media.rank]
+        if own is None or own.tower != tower.path:
+            continue
+        traffic = dict(parts).get(tower.path, [])
+        a2a = [c for c in traffic if c.kind == "all_to_all"]
+        if len(a2a) < 2:
+            result.append(None)
+            continue
+        costs = [
+            [i.cost for i in c.items] if c is not None and c.tower == tower.path else []
+            for c in calls
+        ]
+        owners = assign_items(costs)
+        kept = [i for i, o in enumerate(owners[media.rank]) if o == media.rank]
+        grads = next(((c.sent, c.received) for c in a2a if c.phase == "backward"), None)
+        result.append(
+            CallBuffers(
+                inputs=(a2a[0].sent, a2a[0].received),
+                outputs=(a2a[1].sent, a2a[1].received),
+                kept=(
+                    sum(own.items[i].input_bytes for i in kept),
+                    sum(own.items[i].output_bytes for i in kept),
+                ),
+                grads=grads,
+            )
+        )
+    return result
+
+
+def module_runs(media: StepMedia, path: str, members: Sequence[Member]) -> int:
+    """How often the balanced or joined module at ``path`` runs on each rank in the step
+    when it owns FSDP units: once per round that runs it in which some rank has an item
+    of it (a balanced tower: a rank encodes its share, or a placeholder) or calls it (a
+    joined module: the callers' own calls, a placeholder elsewhere); its units'
+    collectives repeat that often (none in a step without its media)."""
+    count = 0
+    for heads, chosen in _rounds(media, members):
+        if chosen != path:
+            continue
+        mine = [call for call in heads if call is not None and call.tower == path]
+        if any(call.joined or call.items for call in mine):
+            count += 1
+    return count
+
+
+def layer_runs(media: StepMedia, index: int) -> int:
+    """Whether (1) or not (0) the ``index``-th joined decoder layer runs on every rank in
+    the step: some rank runs it (the others join it on a placeholder), or none does."""
+    if not media.layers:
+        return 1
+    return int(any(blobs[index] for blobs in media.layers))
+
+
+def _tally(tally: CommTally, traffic: Sequence[ExchangeCollective]) -> None:
+    for collective in traffic:
+        if collective.kind == "all_to_all":
+            tally.add(
+                collective.phase, collective.kind, collective.sent, received=collective.received
+            )
+        else:  # an all_gather: its bytes are the gathered output
+            tally.add(collective.phase, collective.kind, collective.received)
+
+
+def exchange_tally(
+    media: StepMedia,
+    towers: Sequence[BalancedTower],
+    *,
+    world_size: int,
+    joined: Sequence[JoinedModule] = (),
+    layers: int = 0,
+) -> CommTally:
+    """The collectives ``media.rank`` runs in one training step's exchanges: each round
+    of calls of the balanced ``towers`` and ``joined`` modules, then the join barrier's
+    last round; and the decisions of ``layers`` joined decoder layers (with the shapes'
+    all_reduce where ``media.layers`` says some ranks run a layer and others skip it).
+    ``world_size``: the ranks of the balance group. ``all_gather`` bytes are the gathered
+    output (every rank's slot), ``all_to_all`` bytes those this rank sends, with what it
+    receives beside them, as [`fsdp_core.CommCounter`][fsdp_core.comm.CommCounter]
+    counts them."""
+    if not isinstance(media, StepMedia):
+        raise TypeError(f"media must be a StepMedia, got {type(media).__name__}")
+    if media.world_size != world_size:
+        raise ValueError(
+            f"media describes {media.world_size} ranks but the plan is costed on {world_size}; "
+            "give one entry per rank of the balance group"
+        )
+    members: list[Member] = [*towers, *joined]
+    known = {member.path for member in members}
+    unknown = [path for path in media.towers() if path not in known]
+    if unknown:
+        raise ValueError(
+            f"media names towers {unknown} that the plan does not balance; balanced towers: "
+            f"{sorted(known)}"
+        )
+    tally = CommTally()
+    if members:
+        for parts in exchange_rounds(media, members):
+            for _, traffic in parts:
+                _tally(tally, traffic)
+        _tally(tally, metadata_traffic([0] * world_size))
+    for index in range(layers):
+        tally.add("forward", "all_reduce", DECISION_BYTES)
+        sizes = [len(row[index]) for row in media.layers] if media.layers else []
+        if sizes and any(sizes) and not all(sizes):
+            tally.add("forward", "all_reduce", blob_words(max(sizes)) * 8)
+    return tally
+
+
+def planned_tally(
+    planned: BalancePlanned, media: StepMedia | None, *, world_size: int, dp_replicate: int
+) -> CommTally:
+    """The ``balance_media`` hook's collectives in one step on ``world_size`` ranks: with
+    the step's media, its exchange (rounds, barrier and layer decisions); without, only
+    the joined layers' decisions, which do not depend on the media."""
+    if media is not None:
+        return exchange_tally(
+            media,
+            planned.towers,
+            world_size=group_size(planned.group, world_size, dp_replicate),
+            joined=planned.joined,
+            layers=len(planned.layers) if world_size > 1 else 0,
+        )
+    tally = CommTally()
+    if world_size > 1:
+        for _ in planned.layers:  # the joined layers' decisions, whatever the media
+            tally.add("forward", "all_reduce", DECISION_BYTES)
+    return tally
+
+
+def planned_runs(planned: BalancePlanned, media: StepMedia | None) -> dict[str, int]:
+    """Per balanced tower or joined module that owns units, and per joined decoder layer,
+    how often it runs in the step's media (its units' collectives repeat per run); empty
+    without media (every module runs once)."""
+    if media is None:
+        return {}
+    members: tuple[Member, ...] = (*planned.towers, *planned.joined)
+    runs = {
+        tower.path: module_runs(media, tower.path, members)
+        for tower in planned.towers
+        if tower.run_when_empty
+    }
+    runs.update(
+        {module.path: module_runs(media, module.path, members) for module in planned.joined}
+    )
+    runs.update({path: layer_runs(media, i) for i, path in enumerate(planned.layers)})
+    return runs

@@ -1,0 +1,346 @@
+"""The installed ``balance_media`` hook: the members' forwards, the join site, ``generate``.
+
+[`BalanceMediaRuntimeHook`][multimodal_fsdp.runtime.balance_media.BalanceMediaRuntimeHook]
+is the plan data and the cost model; ``install`` builds the
+[`BalanceMedia`][multimodal_fsdp.runtime.balance_media.BalanceMedia] defined here, which
+runs the exchange's rounds during the steps (the module docstring of
+[`multimodal_fsdp.runtime.balance_media`][multimodal_fsdp.runtime.balance_media] says when a
+call is balanced and where ranks join). Its public name is published there.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from fsdp_core.internals import in_backward
+from multimodal_fsdp.balance import MediaLayout, media_layout_for
+from multimodal_fsdp.balance._planned import BALANCE_MEDIA, BalancedTower, JoinedModule
+from multimodal_fsdp.balance.exchange import Member, Rounds, Ticket
+from multimodal_fsdp.runtime.joined_layers import JoinedLayers, add_anchor, add_to_outputs
+
+__all__ = ["BalanceMedia"]
+
+#: The hook's messages keep the logger of the module that publishes it.
+logger = logging.getLogger("multimodal_fsdp.runtime.balance_media")
+
+
+def _balanced_modules(
+    model: nn.Module, towers: Sequence[BalancedTower], joined: Sequence[JoinedModule]
+) -> list[tuple[nn.Module, str, MediaLayout | None, bool]]:
+    """Each balanced tower's and joined module's module, path, layout and whether it runs
+    on a placeholder, every one checked before any is changed: a module that cannot be
+    balanced leaves the model as it was."""
+    found: list[tuple[nn.Module, str, MediaLayout | None, bool]] = []
+    for tower in towers:
+        module = model.get_submodule(tower.path)
+        layout = media_layout_for(module, name=tower.layout)
+        found.append((module, tower.path, layout, tower.run_when_empty))
+    for item in joined:
+        found.append((model.get_submodule(item.path), item.path, None, True))
+    for module, path, _, _ in found:
+        if "forward" in vars(module):
+            raise ValueError(
+                f"balance_media: module {path!r} already has an instance forward "
+                "(another hook or a patch); it cannot be balanced"
+            )
+    return found
+
+
+class BalanceMedia:
+    """The installed hook: the balanced towers' and joined modules' forwards, the join
+    site's pre-hook and the joined decoder layers (see the module docstring). ``remove``
+    restores the modules' own forwards."""
+
+    name: str = BALANCE_MEDIA
+
+    def __init__(
+        self,
+        model: nn.Module,
+        towers: tuple[BalancedTower, ...],
+        join_site: str,
+        group: Any,
+        *,
+        joined: tuple[JoinedModule, ...] = (),
+        layers: tuple[str, ...] = (),
+        layer_group: Any = None,
+    ) -> None:
+        """Check every module before changing any (a refusal leaves the model as it was),
+        then install the model's start and end hooks, the join site's pre-hook, each
+        member's round entry and forward, the joined layers and the ``generate`` scopes."""
+        self.towers = towers
+        self.joined = joined
+        self.join_site = join_site
+        self._group = group
+        self._modules: list[tuple[nn.Module, Member]] = []
+        self._in_forward = 0
+        self._training = False
+        self._joined = True
+        self._bypass = 0
+        self._warned: set[str] = set()
+        #: Calls balanced and rounds joined in the last forward (for tests and benchmarks).
+        self.last_calls = 0
+        self.last_joined = 0
+        #: This forward's balanced calls' zero anchors, added at the join site with the
+        #: joined calls' ones: every rank then runs every exchange's backward, even when
+        #: its loss reads none of a call's outputs.
+        self._anchors: list[Tensor] = []
+        found = _balanced_modules(model, towers, joined)
+        site = model.get_submodule(join_site) if join_site else None
+        self._handles: list[RemovableHandle] = [
+            model.register_forward_pre_hook(self._start, prepend=True),
+            model.register_forward_hook(self._end, always_call=True),
+        ]
+        if site is not None:
+            self._handles.append(
+                site.register_forward_pre_hook(self._join_hook, prepend=True, with_kwargs=True)
+            )
+        #: Per member, the tickets of the calls its pre-hook brought to their round.
+        self._tickets: list[list[Ticket]] = [[] for _ in found]
+        members = [self._install_member(index, *entry) for index, entry in enumerate(found)]
+        self._rounds = Rounds(members, group)
+        self._layers = (
+            JoinedLayers(
+                model, layers, layer_group if layer_group is not None else group, self._live
+            )
+            if layers
+            else None
+        )
+        #: Modules whose ``generate`` is wrapped: (module, instance attribute it replaced,
+        #: the wrapper).
+        self._generators: list[tuple[nn.Module, Any, Callable[..., Any]]] = []
+        if any(member.run_when_empty for member in members) or layers:
+            self._wrap_generators(model)
+
+    def _install_member(
+        self, index: int, module: nn.Module, path: str, layout: MediaLayout | None, empty: bool
+    ) -> Member:
+        """Send one module's calls through the rounds: its round entry runs before its
+        own pre-forward hooks, so the round's metadata comes before FSDP's all-gather of
+        a module that is a unit on every rank; its instance forward finishes the call."""
+        original = module.forward
+        kind = layout.name if layout is not None else "joined"
+        member = Member(
+            module=module,
+            identity=f"{path}|{kind}",
+            layout=layout,
+            run_when_empty=empty,
+            runner=original,
+            joiner=self._runner(module),
+        )
+        self._modules.append((module, member))
+        self._handles.append(
+            module.register_forward_pre_hook(
+                self._enter(index, member), prepend=True, with_kwargs=True
+            )
+        )
+        module.forward = self._balanced_forward(module, index, member, path, original)
+        return member
+
+    def _wrap_generators(self, model: nn.Module) -> None:
+        """Make every ``generate()`` of the model (the model's own, a wrapper's inside it)
+        one balanced scope: the tower calls it makes before its first forward would
+        otherwise run locally and issue their units' collectives on some ranks only."""
+        for module in model.modules():
+            if callable(getattr(type(module), "generate", None)):
+                self._wrap_generate(module)
+
+    # ------------------------------------------------------------- decisions
+    def _live(self) -> bool:
+        """Whether the model's forward (or a ``generate()`` call) is running."""
+        return bool(self._in_forward)
+
+    def _active(self, member: Member) -> bool:
+        """Whether ``member``'s calls go through the rounds in this forward."""
+        return member.run_when_empty or self._training
+
+    def _balances(self, member: Member) -> bool:
+        if not self._in_forward or self._joined or self._bypass or in_backward():
+            return False
+        return self._active(member)
+
+    def _start(self, module: nn.Module, _args: Any) -> None:
+        self._in_forward += 1
+        if self._in_forward == 1:
+            self._training = module.training and torch.is_grad_enabled()
+            self._joined = in_backward()
+            self.last_calls = 0
+            self.last_joined = 0
+            self._anchors.clear()
+            if self._layers is not None:
+                self._layers.last_joined = 0
+                self._layers.last_decisions = 0
+
+    def _end(self, _module: nn.Module, _args: Any, output: Any) -> Any:
+        self._in_forward = max(0, self._in_forward - 1)
+        if sys.exc_info()[0] is not None:  # the forward raised: no collective after it
+            self._joined = True
+            return None
+        if self._in_forward or self._joined:
+            return None
+        anchor = self._join_all()
+        if anchor is None:
+            return None
+        return add_to_outputs(output, anchor)
+
+    # --------------------------------------------------------------- calling
+    def _enter(self, index: int, member: Member) -> Callable[..., None]:
+        def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if not self._balances(member):
+                return
+            ticket, anchors = self._rounds.enter(index, args, kwargs)
+            self._anchors.extend(anchors)
+            self._tickets[index].append(ticket)
+
+        return hook
+
+    def _balanced_forward(
+        self,
+        module: nn.Module,
+        index: int,
+        member: Member,
+        path: str,
+        original: Callable[..., Any],
+    ) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            tickets = self._tickets[index]
+            if self._bypass or not tickets:
+                if self._in_forward and self._joined and member.run_when_empty:
+                    self._warn_late(path)
+                return original(*args, **kwargs)
+            self.last_calls += 1
+            output, anchor = self._rounds.finish(tickets.pop(), args, kwargs)
+            if anchor is not None:
+                self._anchors.append(anchor)
+            return output
+
+        return forward
+
+    def _warn_late(self, path: str) -> None:
+        """A module with units called after the join site (or in a recomputation): it
+        runs locally, so ranks that do not call it there would hang."""
+        if self._bypass or in_backward() or path in self._warned:
+            return
+        self._warned.add(path)
+        logger.warning(
+            "balance_media: module %r was called after %s; it runs locally there, so every "
+            "rank must make the same calls of it",
+            path,
+            repr(self.join_site) if self.join_site else "the end of the forward",
+        )
+
+    def _runner(self, module: nn.Module) -> Callable[..., Any]:
+        """The module's call for a rank without a call of its own in a round: through its
+        ``__call__`` (its module hooks, FSDP's among them, run as on a calling rank), not
+        balanced again."""
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self._bypass += 1
+            try:
+                return module(*args, **kwargs)
+            finally:
+                self._bypass -= 1
+
+        return run
+
+    def _wrap_generate(self, module: nn.Module) -> None:
+        """Make a ``module.generate(...)`` call one balanced scope (see the module
+        docstring): modules with units are balanced until the join site of its first
+        forward, or until it returns; a nested call (``PeftModel.generate`` calling the
+        wrapped model's) or one inside a forward runs as it is."""
+        previous = vars(module).get("generate")
+        original: Callable[..., Any] = module.generate  # type: ignore[assignment]
+
+        @functools.wraps(original)
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            if self._in_forward or in_backward():
+                return original(*args, **kwargs)
+            self._in_forward = 1
+            self._training = False
+            self._joined = False
+            self.last_calls = 0
+            self.last_joined = 0
+            try:
+                output = original(*args, **kwargs)
+            except BaseException:
+                self._joined = True  # the call raised: no collective after it
+                raise
+            finally:
+                self._in_forward = 0
+            if not self._joined:
+                self._join_all()
+            return output
+
+        object.__setattr__(module, "generate", generate)
+        self._generators.append((module, previous, generate))
+
+    # --------------------------------------------------------------- joining
+    def _join_all(self) -> Tensor | None:
+        """Join every round other ranks still run; the summed anchor of the calls made and
+        joined (``None`` when there were none or no module is balanced in this forward)."""
+        self._joined = True
+        for tickets in self._tickets:
+            tickets.clear()  # a call whose forward raised after its round
+        made, self._anchors = self._anchors, []
+        if in_backward():
+            return None
+        total: Tensor | None = None
+        for anchor in made:  # the calls this rank made
+            total = anchor if total is None else total + anchor.to(total.device)
+        if not any(self._active(member) for _, member in self._modules):
+            return total
+        joined_anchor, joined = self._rounds.join()
+        self.last_joined += joined
+        if joined_anchor is not None:
+            total = joined_anchor if total is None else total + joined_anchor.to(total.device)
+        return total
+
+    def _join_hook(
+        self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if not self._in_forward or self._joined:
+            return None
+        anchor = self._join_all()
+        if anchor is None:
+            return None
+        new_args, done = add_anchor(args, anchor)
+        if done:
+            return tuple(new_args), kwargs
+        for key, value in kwargs.items():
+            new_value, done = add_anchor(value, anchor)
+            if done:
+                return args, {**kwargs, key: new_value}
+        raise RuntimeError(
+            f"balance_media: the join site {self.join_site!r} got no floating tensor input to "
+            "carry the exchange's zero anchor; plan the hook with another join site"
+        )
+
+    @property
+    def layers_joined(self) -> int:
+        """Media-dependent layers this rank ran on a placeholder in the last forward."""
+        return 0 if self._layers is None else self._layers.last_joined
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._layers is not None:
+            self._layers.remove()
+        for module, _ in self._modules:
+            vars(module).pop("forward", None)
+        self._modules.clear()
+        for module, previous, wrapper in self._generators:
+            if vars(module).get("generate") is wrapper:  # not replaced or removed since
+                if previous is None:
+                    del vars(module)["generate"]
+                else:
+                    object.__setattr__(module, "generate", previous)
+        self._generators.clear()
