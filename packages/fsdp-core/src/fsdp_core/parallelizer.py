@@ -17,32 +17,32 @@ import logging
 import re
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
-from dataclasses import dataclass, field
 from typing import ClassVar
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp_core import internals
+from fsdp_core._core_hooks import core_hook_plans, forward_arrival_hook, is_entry
 from fsdp_core.accumulation import AccumulationWarmupRuntimeHook
 from fsdp_core.collective_entry import enter_collective, group_ranks
-from fsdp_core.containers import is_under, iter_layer_items
+from fsdp_core.containers import iter_layer_items
 from fsdp_core.dtype_units import (
     UnitGroups,
     dtype_island_groups,
     find_dtype_islands,
     group_islands,
 )
-from fsdp_core.entry_unshard import EntryUnshardRuntimeHook, entry_owners
+from fsdp_core.entry_unshard import EntryUnshardRuntimeHook
 from fsdp_core.forward_arrival import ForwardArrivalRuntimeHook
 from fsdp_core.module_tree import (
     check_module_tree,
     install_first_forward_check,
     module_tree_fingerprint,
 )
-from fsdp_core.plan import ShardCall, ShardingPlan, UnitPlan, unit_parameters
+from fsdp_core.plan import ShardCall, ShardingPlan, UnitPlan
+from fsdp_core.plan_context import PlanAdditions, PlanContext
 from fsdp_core.precision import island_policy
 from fsdp_core.replicated import place_replicated_params
 from fsdp_core.runtime import HookPlan, RuntimeHook, register_installed_hook
@@ -88,78 +88,6 @@ def parameter_names(model: nn.Module, params: Iterable[nn.Parameter] | None) -> 
     if missing:
         raise ValueError(f"{missing} of the ignored_params are not parameters of the model")
     return names
-
-
-@dataclass
-class PlanContext:
-    """What planning hooks may read, and the modules already given to a unit."""
-
-    model: nn.Module
-    mp_policy: MixedPrecisionPolicy
-    reshard_after_forward: bool | int | None
-    ignored_param_names: frozenset[str]
-    planned: set[int] = field(default_factory=set)
-    #: What the parallelizer found in the model before planning, for its planning hooks
-    #: (a multimodal parallelizer's discovery); ``None`` for this class, which finds
-    #: nothing beyond the layer containers.
-    found: object = None
-    #: Parameters the parallelizer keeps whole on every rank (a subset of the ignored
-    #: ones), as the parallelizer's ``_replicated_param_names`` named them.
-    replicated_param_names: tuple[str, ...] = ()
-
-    def is_planned(self, module: nn.Module) -> bool:
-        return id(module) in self.planned
-
-    def mark(self, paths: Iterable[str]) -> None:
-        for path in paths:
-            self.planned.add(id(self.module(path)))
-
-    def module(self, path: str) -> nn.Module:
-        return self.model.get_submodule(path) if path else self.model
-
-    def ignored_under(self, paths: Iterable[str]) -> tuple[str, ...]:
-        """Ignored parameters of the modules at ``paths``."""
-        roots = tuple(paths)
-        return tuple(
-            sorted(
-                name
-                for name in self.ignored_param_names
-                if any(is_under(name, root) for root in roots)
-            )
-        )
-
-    def has_unplanned_params(self, path: str) -> bool:
-        """Whether a unit at ``path`` would own any parameter (not ignored, not taken)."""
-
-        parts = path.split(".") if path else []
-        for depth in range(len(parts)):
-            if self.is_planned(self.module(".".join(parts[:depth]))):
-                return False  # an ancestor unit already owns everything below it
-
-        def visit(module: nn.Module, prefix: str) -> bool:
-            if self.is_planned(module):
-                return False
-            for name, _ in module.named_parameters(prefix=prefix, recurse=False):
-                if name not in self.ignored_param_names:
-                    return True
-            return any(
-                visit(child, f"{prefix}.{key}" if prefix else key)
-                for key, child in module.named_children()
-            )
-
-        return visit(self.module(path), path)
-
-
-@dataclass(frozen=True)
-class PlanAdditions:
-    """What a subclass decides beside the units, in the same pass, from the plan
-    context and the calls (each field is the [`ShardingPlan`][fsdp_core.plan.ShardingPlan]
-    field of the same name; the defaults are a plain ``ModelParallelizer``'s)."""
-
-    replicated_param_dtypes: tuple[tuple[str, torch.dtype], ...] = ()
-    backward_free_paths: tuple[str, ...] | None = None
-    sync_replicated: bool = True
-    records: tuple[object, ...] = ()
 
 
 class ModelParallelizer:
@@ -280,7 +208,7 @@ class ModelParallelizer:
             sync_replicated=added.sync_replicated,
             records=added.records,
         )
-        planned = [*self._plan_hooks(ctx, plan), _forward_arrival_hook()]
+        planned = [*self._plan_hooks(ctx, plan), forward_arrival_hook()]
         hooks = [h for h in planned if h.name not in self.disabled_hooks]
         return dataclasses.replace(plan, hooks=tuple(hooks))
 
@@ -398,38 +326,12 @@ class ModelParallelizer:
         language model, a vision model: duck-typed by ``config`` and
         ``get_input_embeddings``); the multimodal parallelizer adds towers and
         projectors (``generate()`` computes image features before the forward)."""
-        return [path for path, module in ctx.model.named_modules() if path and _is_entry(module)]
+        return [path for path, module in ctx.model.named_modules() if path and is_entry(module)]
 
     def _plan_hooks(self, ctx: PlanContext, plan: ShardingPlan) -> list[HookPlan]:
         """The runtime hooks ``plan`` needs (before ``disabled_hooks`` are taken out),
         planned from the finished plan."""
-        model = ctx.model
-        entries = _entry_hooks(entry_owners(model, plan, self._entry_paths(ctx)), plan)
-        trainable = [
-            unit.label
-            for unit, params in zip(plan.units, unit_parameters(plan, model), strict=True)
-            if any(p.requires_grad for _, p in params)
-        ]
-        if not trainable:
-            return entries
-        return [
-            AccumulationWarmupRuntimeHook().planned(
-                reason="no-sync backwards stay valid when a unit has not run yet or a "
-                "parameter is first reached by a later micro-batch; before each forward "
-                "the ranks agree on the micro-batch, gradient sync and a non-empty batch",
-                targets=trainable,
-                cost="one 80-byte all-reduce and a host sync per forward (the step "
-                "agreement); one all-gather per never-gathered unit, once, in no-sync steps",
-            ),
-            UnusedParamsRuntimeHook().planned(
-                reason="ranks that skip part of a unit send zeros in its reduce-scatter; "
-                "parameters that no rank used keep grad None",
-                targets=trainable,
-                cost="one all-reduce of one byte per trainable parameter tensor per "
-                "syncing backward",
-            ),
-            *entries,
-        ]
+        return core_hook_plans(ctx.model, plan, self._entry_paths(ctx))
 
     def _runtime_hook(self, planned: HookPlan) -> RuntimeHook:
         """The hook object of a planned hook: one of this parallelizer's
@@ -648,44 +550,6 @@ def _paths_text(units: list[tuple[str, ...]], limit: int = 4) -> str:
         "[" + ", ".join(repr(p or "<root>") for p in paths) + "]" for paths in units[:limit]
     )
     return shown + (f" and {len(units) - limit} more" if len(units) > limit else "")
-
-
-def _is_entry(module: nn.Module) -> bool:
-    """A module users call on its own: one that generates, or a transformers model."""
-    cls = type(module)
-    if callable(getattr(cls, "generate", None)):
-        return True
-    return callable(getattr(cls, "get_input_embeddings", None)) and hasattr(module, "config")
-
-
-def _entry_hooks(owners: dict[str, tuple[int, ...]], plan: ShardingPlan) -> list[HookPlan]:
-    if not owners:
-        return []
-    units = sorted({plan.units[i].label for indices in owners.values() for i in indices})
-    return [
-        EntryUnshardRuntimeHook.from_plan(plan, owners).planned(
-            reason="modules called outside the model's forward (generate()'s image "
-            "features, a PeftModel's generate(), a tower called by hand) gather the units "
-            f"that own their parameters ({', '.join(units) or 'their own units only'}) and "
-            "reshard them after",
-            targets=owners,
-            cost="no collective inside the model's forward; outside it one all-gather "
-            "of each owning unit per call (per generate() call: held for all of it)",
-        )
-    ]
-
-
-def _forward_arrival_hook() -> HookPlan:
-    """Planned last, so that its forward pre-hook runs before every other hook's (each
-    is put in front) and before any collective of the forward."""
-    return ForwardArrivalRuntimeHook().planned(
-        reason="a forward, eval or generate() run on some ranks only fails on every rank "
-        "with an error naming the ranks and their calls, instead of hanging",
-        targets=["<root>"],
-        cost="no collective: a training forward writes one store key; a forward without "
-        "gradients, in eval mode or generate() waits for every rank at the c10d store "
-        "(about three store round trips)",
-    )
 
 
 def _names(hooks: Iterable[type[RuntimeHook]]) -> tuple[str, ...]:

@@ -69,6 +69,7 @@ from fsdp_core.plan import ShardCall
 from fsdp_core.runtime import HookPlan
 from multimodal_fsdp.discovery.validation import check_attribute_names, check_module_paths
 from multimodal_fsdp.layers import multimodal_unit_paths
+from multimodal_fsdp.media_hooks import media_hook_plans
 from multimodal_fsdp.model_discovery import Discovery, DiscoveryOptions, discover_with
 from multimodal_fsdp.parts import (
     MultimodalParts,
@@ -80,12 +81,10 @@ from multimodal_fsdp.policy import FrozenMultimodalSharding, FrozenPolicies, fro
 from multimodal_fsdp.reachability import backward_free_paths
 from multimodal_fsdp.record import MultimodalRecord, PlannedPart, media_regions_of, plan_record
 from multimodal_fsdp.runtime.balance_media import BalanceMediaRuntimeHook, check_balance_group
-from multimodal_fsdp.runtime.prefetch_guard import PrefetchGuardRuntimeHook, frozen_unit_labels
+from multimodal_fsdp.runtime.prefetch_guard import PrefetchGuardRuntimeHook
 from multimodal_fsdp.runtime.schedule_check import (
-    CHECKPOINT_BYTES,
     MediaRegion,
     ScheduleCheckRuntimeHook,
-    plan_schedule_layout,
 )
 
 __all__ = ["MultimodalParallelizer"]
@@ -446,82 +445,18 @@ class MultimodalParallelizer(ModelParallelizer):
         return [*found.projectors, *found.conditional]
 
     def _plan_hooks(self, ctx: PlanContext, plan: ShardingPlan) -> list[HookPlan]:
-        hooks = super()._plan_hooks(ctx, plan)
-        model, found = ctx.model, self._discovery(ctx)
         record = plan_record(plan)
-        regions = list(record.media_regions) if record is not None else []
-        frozen = self._guarded_frozen_units(found, plan)
-        if frozen:
-            hooks.append(
-                PrefetchGuardRuntimeHook.from_plan(model, plan, frozen).planned(
-                    reason="frozen units that no gradient reaches are not re-gathered by "
-                    "FSDP's implicit backward prefetch",
-                    targets=frozen,
-                    cost="no collective (saves one all-gather per step)",
-                )
-            )
-        layout = plan_schedule_layout(
-            model,
-            plan,
-            regions,
-            per_layer=self.frozen_policies.per_layer_where,
-        )
-        if layout is not None:
-            hooks.append(
-                ScheduleCheckRuntimeHook(layout).planned(
-                    reason="media regions own units; ranks agree on their position before "
-                    "the first all-gather of each encoder a region call runs and after the "
-                    "call, so uneven media fail on every rank with UnevenMediaError instead "
-                    "of hanging",
-                    targets=[r.path for r in layout.regions],
-                    cost=f"{layout.checkpoints_per_forward()} all-reduces of "
-                    f"{CHECKPOINT_BYTES} bytes and host syncs per forward (one call of each "
-                    "region, running all its encoders); one more per extra region call "
-                    "(per encoder it runs, for a region holding several)",
-                )
-            )
-        towers = self._balanced_towers(found)
-        if towers:
-            media_only = [*found.paths, *found.conditional]
-            conditional = set(found.conditional)
-            joined = self._joined_paths(found)
-            balance = BalanceMediaRuntimeHook.from_plan(
-                model,
-                plan,
-                towers=towers,
-                media_only=media_only,
-                joined=[path for path in joined if path not in conditional],
-                layers=[path for path in joined if path in conditional],
-                group=self.balance_media_group,
-            )
-            hooks.append(
-                balance.planned(reason=balance.describe(), targets=towers, cost=balance.cost())
-            )
-        return hooks
-
-    def _guarded_frozen_units(self, found: Discovery, plan: ShardingPlan) -> list[str]:
-        """Frozen non-root units the prefetch guard watches: all of them, unless trainable
-        code runs only with media (a tower or projector with trainable parameters, a
-        trainable media-dependent decoder layer). Then gradients pass through the frozen
-        units outside towers and projectors (decoder layers) on the ranks with media only,
-        and the guard, deciding per rank, would gather them in backward on those ranks
-        alone; they are left to FSDP's prefetch, which gathers them on every rank. Tower
-        and projector units stay guarded: their inputs never need a gradient."""
-        model = found.model
-        labels = frozen_unit_labels(model, plan)
-        towers = found.paths
-        media_only = [*towers, *found.conditional]
-        if not labels or not any(
-            param.requires_grad
-            for name, param in model.named_parameters()
-            if any(is_under(name, root) for root in media_only)
-        ):
-            return labels
-        paths = {unit.label: unit.paths for unit in plan.units}
+        if record is None:
+            raise ValueError("a multimodal plan carries its MultimodalRecord before its hooks")
         return [
-            label
-            for label in labels
-            if all(any(is_under(path, tower) for tower in towers) for path in paths[label])
+            *super()._plan_hooks(ctx, plan),
+            *media_hook_plans(
+                self._discovery(ctx),
+                plan,
+                record,
+                per_layer=self.frozen_policies.per_layer_where,
+                group=self.balance_media_group,
+            ),
         ]
 
     # ------------------------------------------------- replicated parameters

@@ -1,0 +1,84 @@
+"""The runtime hooks every ``ModelParallelizer`` plan may get, planned from the finished
+plan: the step agreement and usage flags for units with trainable parameters, the
+entry unshard of modules called outside the forward, and forward arrival (last)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from fsdp_core.accumulation import AccumulationWarmupRuntimeHook
+from fsdp_core.entry_unshard import EntryUnshardRuntimeHook, entry_owners
+from fsdp_core.forward_arrival import ForwardArrivalRuntimeHook
+from fsdp_core.plan import ShardingPlan, unit_parameters
+from fsdp_core.runtime import HookPlan
+from fsdp_core.unused_params import UnusedParamsRuntimeHook
+
+__all__ = ["core_hook_plans", "forward_arrival_hook", "is_entry"]
+
+
+def core_hook_plans(model: nn.Module, plan: ShardingPlan, entry_paths: list[str]) -> list[HookPlan]:
+    """``accumulation_warmup`` and ``unused_params`` when a unit holds trainable
+    parameters, then ``entry_unshard`` for the ``entry_paths`` that own units."""
+    entries = _entry_hooks(entry_owners(model, plan, entry_paths), plan)
+    trainable = [
+        unit.label
+        for unit, params in zip(plan.units, unit_parameters(plan, model), strict=True)
+        if any(p.requires_grad for _, p in params)
+    ]
+    if not trainable:
+        return entries
+    return [
+        AccumulationWarmupRuntimeHook().planned(
+            reason="no-sync backwards stay valid when a unit has not run yet or a "
+            "parameter is first reached by a later micro-batch; before each forward "
+            "the ranks agree on the micro-batch, gradient sync and a non-empty batch",
+            targets=trainable,
+            cost="one 80-byte all-reduce and a host sync per forward (the step "
+            "agreement); one all-gather per never-gathered unit, once, in no-sync steps",
+        ),
+        UnusedParamsRuntimeHook().planned(
+            reason="ranks that skip part of a unit send zeros in its reduce-scatter; "
+            "parameters that no rank used keep grad None",
+            targets=trainable,
+            cost="one all-reduce of one byte per trainable parameter tensor per syncing backward",
+        ),
+        *entries,
+    ]
+
+
+def is_entry(module: nn.Module) -> bool:
+    """A module users call on its own: one that generates, or a transformers model."""
+    cls = type(module)
+    if callable(getattr(cls, "generate", None)):
+        return True
+    return callable(getattr(cls, "get_input_embeddings", None)) and hasattr(module, "config")
+
+
+def _entry_hooks(owners: dict[str, tuple[int, ...]], plan: ShardingPlan) -> list[HookPlan]:
+    if not owners:
+        return []
+    units = sorted({plan.units[i].label for indices in owners.values() for i in indices})
+    return [
+        EntryUnshardRuntimeHook.from_plan(plan, owners).planned(
+            reason="modules called outside the model's forward (generate()'s image "
+            "features, a PeftModel's generate(), a tower called by hand) gather the units "
+            f"that own their parameters ({', '.join(units) or 'their own units only'}) and "
+            "reshard them after",
+            targets=owners,
+            cost="no collective inside the model's forward; outside it one all-gather "
+            "of each owning unit per call (per generate() call: held for all of it)",
+        )
+    ]
+
+
+def forward_arrival_hook() -> HookPlan:
+    """Planned last, so that its forward pre-hook runs before every other hook's (each
+    is put in front) and before any collective of the forward."""
+    return ForwardArrivalRuntimeHook().planned(
+        reason="a forward, eval or generate() run on some ranks only fails on every rank "
+        "with an error naming the ranks and their calls, instead of hanging",
+        targets=["<root>"],
+        cost="no collective: a training forward writes one store key; a forward without "
+        "gradients, in eval mode or generate() waits for every rank at the c10d store "
+        "(about three store round trips)",
+    )

@@ -1,0 +1,94 @@
+"""What planning hooks read and return: the plan context and the plan's additions.
+
+A [`ModelParallelizer`][fsdp_core.parallelizer.ModelParallelizer] plans in one pass;
+each planning hook gets the [`PlanContext`][fsdp_core.plan_context.PlanContext] of that
+pass (the model, the options, what the parallelizer found in the model, the modules
+already given to a unit), and ``_plan_additions`` returns
+[`PlanAdditions`][fsdp_core.plan_context.PlanAdditions], what a subclass decides beside
+the calls. Both are re-exported by ``fsdp_core.parallelizer``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from fsdp_core.containers import is_under
+
+__all__ = ["PlanAdditions", "PlanContext"]
+
+
+@dataclass
+class PlanContext:
+    """What planning hooks may read, and the modules already given to a unit."""
+
+    model: nn.Module
+    mp_policy: MixedPrecisionPolicy
+    reshard_after_forward: bool | int | None
+    ignored_param_names: frozenset[str]
+    planned: set[int] = field(default_factory=set)
+    #: What the parallelizer found in the model before planning, for its planning hooks
+    #: (a multimodal parallelizer's discovery); ``None`` for this class, which finds
+    #: nothing beyond the layer containers.
+    found: object = None
+    #: Parameters the parallelizer keeps whole on every rank (a subset of the ignored
+    #: ones), as the parallelizer's ``_replicated_param_names`` named them.
+    replicated_param_names: tuple[str, ...] = ()
+
+    def is_planned(self, module: nn.Module) -> bool:
+        return id(module) in self.planned
+
+    def mark(self, paths: Iterable[str]) -> None:
+        for path in paths:
+            self.planned.add(id(self.module(path)))
+
+    def module(self, path: str) -> nn.Module:
+        return self.model.get_submodule(path) if path else self.model
+
+    def ignored_under(self, paths: Iterable[str]) -> tuple[str, ...]:
+        """Ignored parameters of the modules at ``paths``."""
+        roots = tuple(paths)
+        return tuple(
+            sorted(
+                name
+                for name in self.ignored_param_names
+                if any(is_under(name, root) for root in roots)
+            )
+        )
+
+    def has_unplanned_params(self, path: str) -> bool:
+        """Whether a unit at ``path`` would own any parameter (not ignored, not taken)."""
+
+        parts = path.split(".") if path else []
+        for depth in range(len(parts)):
+            if self.is_planned(self.module(".".join(parts[:depth]))):
+                return False  # an ancestor unit already owns everything below it
+
+        def visit(module: nn.Module, prefix: str) -> bool:
+            if self.is_planned(module):
+                return False
+            for name, _ in module.named_parameters(prefix=prefix, recurse=False):
+                if name not in self.ignored_param_names:
+                    return True
+            return any(
+                visit(child, f"{prefix}.{key}" if prefix else key)
+                for key, child in module.named_children()
+            )
+
+        return visit(self.module(path), path)
+
+
+@dataclass(frozen=True)
+class PlanAdditions:
+    """What a subclass decides beside the units, in the same pass, from the plan
+    context and the calls (each field is the [`ShardingPlan`][fsdp_core.plan.ShardingPlan]
+    field of the same name; the defaults are a plain ``ModelParallelizer``'s)."""
+
+    replicated_param_dtypes: tuple[tuple[str, torch.dtype], ...] = ()
+    backward_free_paths: tuple[str, ...] | None = None
+    sync_replicated: bool = True
+    records: tuple[object, ...] = ()

@@ -1,0 +1,110 @@
+"""The multimodal runtime hooks of a plan, planned from the finished plan, its record and
+the discovery it was made from (after the core hooks, see ``fsdp_core._core_hooks``)."""
+
+from __future__ import annotations
+
+from fsdp_core import ShardingPlan
+from fsdp_core.containers import is_under
+from fsdp_core.runtime import HookPlan
+from multimodal_fsdp.model_discovery import Discovery
+from multimodal_fsdp.record import MultimodalRecord
+from multimodal_fsdp.runtime.balance_media import BalanceMediaRuntimeHook
+from multimodal_fsdp.runtime.prefetch_guard import PrefetchGuardRuntimeHook, frozen_unit_labels
+from multimodal_fsdp.runtime.schedule_check import (
+    CHECKPOINT_BYTES,
+    ScheduleCheckRuntimeHook,
+    plan_schedule_layout,
+)
+
+__all__ = ["guarded_frozen_units", "media_hook_plans"]
+
+
+def media_hook_plans(
+    found: Discovery,
+    plan: ShardingPlan,
+    record: MultimodalRecord,
+    *,
+    per_layer: str,
+    group: str | int,
+) -> list[HookPlan]:
+    """The multimodal runtime hooks of ``plan``: ``prefetch_guard`` for frozen units no
+    gradient reaches, ``schedule_check`` for the media regions the record lists,
+    ``balance_media`` for the towers it balances (with the projectors and layers it
+    joins). ``per_layer``: where the option sets a policy unsafe under uneven media
+    ('' when nowhere); ``group``: the ``balance_media_group`` option."""
+    hooks: list[HookPlan] = []
+    model = found.model
+    frozen = guarded_frozen_units(found, plan)
+    if frozen:
+        hooks.append(
+            PrefetchGuardRuntimeHook.from_plan(model, plan, frozen).planned(
+                reason="frozen units that no gradient reaches are not re-gathered by "
+                "FSDP's implicit backward prefetch",
+                targets=frozen,
+                cost="no collective (saves one all-gather per step)",
+            )
+        )
+    layout = plan_schedule_layout(
+        model,
+        plan,
+        list(record.media_regions),
+        per_layer=per_layer,
+    )
+    if layout is not None:
+        hooks.append(
+            ScheduleCheckRuntimeHook(layout).planned(
+                reason="media regions own units; ranks agree on their position before "
+                "the first all-gather of each encoder a region call runs and after the "
+                "call, so uneven media fail on every rank with UnevenMediaError instead "
+                "of hanging",
+                targets=[r.path for r in layout.regions],
+                cost=f"{layout.checkpoints_per_forward()} all-reduces of "
+                f"{CHECKPOINT_BYTES} bytes and host syncs per forward (one call of each "
+                "region, running all its encoders); one more per extra region call "
+                "(per encoder it runs, for a region holding several)",
+            )
+        )
+    towers = list(record.balanced_towers)
+    if towers:
+        media_only = [*found.paths, *found.conditional]
+        conditional = set(found.conditional)
+        joined = record.joined
+        balance = BalanceMediaRuntimeHook.from_plan(
+            model,
+            plan,
+            towers=towers,
+            media_only=media_only,
+            joined=[path for path in joined if path not in conditional],
+            layers=[path for path in joined if path in conditional],
+            group=group,
+        )
+        hooks.append(
+            balance.planned(reason=balance.describe(), targets=towers, cost=balance.cost())
+        )
+    return hooks
+
+
+def guarded_frozen_units(found: Discovery, plan: ShardingPlan) -> list[str]:
+    """Frozen non-root units the prefetch guard watches: all of them, unless trainable
+    code runs only with media (a tower or projector with trainable parameters, a
+    trainable media-dependent decoder layer). Then gradients pass through the frozen
+    units outside towers and projectors (decoder layers) on the ranks with media only,
+    and the guard, deciding per rank, would gather them in backward on those ranks
+    alone; they are left to FSDP's prefetch, which gathers them on every rank. Tower
+    and projector units stay guarded: their inputs never need a gradient."""
+    model = found.model
+    labels = frozen_unit_labels(model, plan)
+    towers = found.paths
+    media_only = [*towers, *found.conditional]
+    if not labels or not any(
+        param.requires_grad
+        for name, param in model.named_parameters()
+        if any(is_under(name, root) for root in media_only)
+    ):
+        return labels
+    paths = {unit.label: unit.paths for unit in plan.units}
+    return [
+        label
+        for label in labels
+        if all(any(is_under(path, tower) for tower in towers) for path in paths[label])
+    ]
