@@ -24,7 +24,6 @@ from model_deepseek_v41 import DeepseekV41Config, build_deepseek_v41
 from model_deepseek_v41.fsdp import DeepseekV41ModelParallelizer
 from multimodal_fsdp import MultimodalParallelizer
 
-
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted((ROOT / "packages").glob("*/src/**/*.py"))
 

@@ -68,6 +68,16 @@ def test_a_stale_or_foreign_discovery_is_refused() -> None:
         parallelizer.plan(model, discovery="found")  # type: ignore[arg-type]
 
 
+def test_the_chooser_discovers_once_for_all_its_plans(
+    discovery_calls: list[nn.Module],
+) -> None:
+    from multimodal_fsdp import choose_frozen_policy
+
+    choice = choose_frozen_policy(ToyVLM(frozen_tower=True), "1GiB", world_size=2)
+    assert len(choice.candidates) >= 3  # root, per_layer, replicate: one plan each at least
+    assert len(discovery_calls) == 1
+
+
 def test_costs_use_the_plans_backward_judgement() -> None:
     """The costs read the plan's backward-free paths, not a discovery with default
     options (which would find the excluded tower)."""

@@ -30,7 +30,7 @@ import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -45,6 +45,7 @@ from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs, resolve_cost_m
 from multimodal_fsdp.estimate.exchange import StepMedia, step_media
 from multimodal_fsdp.estimate.memory import check_optimizer, with_memory
 from multimodal_fsdp.estimate.render import format_bytes
+from multimodal_fsdp.model_discovery import Discovery
 from multimodal_fsdp.policy import (
     FROZEN_POLICIES,
     VALID_FROZEN_MULTIMODAL_SHARDING,
@@ -87,6 +88,24 @@ class PolicyPlanner(Protocol):
     def with_options(
         self, *, frozen_multimodal_sharding: str | Mapping[str, str]
     ) -> PolicyPlanner: ...
+
+
+@runtime_checkable
+class DiscoveringPlanner(PolicyPlanner, Protocol):
+    """A planner that can discover a model once and plan it from that discovery (a
+    ``MultimodalParallelizer`` is one): the chooser's many plans of one model then share
+    one discovery."""
+
+    def discover(self, model: nn.Module) -> Discovery: ...
+
+    def plan(
+        self,
+        model: nn.Module,
+        *,
+        mp_policy: MixedPrecisionPolicy | None = ...,
+        reshard_after_forward: bool | int | None = ...,
+        discovery: Discovery | None = ...,
+    ) -> ShardingPlan: ...
 
 
 def _label(policies: Mapping[str, str], fallback: str) -> str:
@@ -294,6 +313,23 @@ class _Planning:
     model: nn.Module
     mp_policy: MixedPrecisionPolicy
     reshard_after_forward: bool | int | None
+    #: The model's discovery, made once, when the planner can plan from one.
+    discovery: Discovery | None = None
+
+    @classmethod
+    def start(
+        cls,
+        base: PolicyPlanner,
+        model: nn.Module,
+        mp_policy: MixedPrecisionPolicy,
+        reshard_after_forward: bool | int | None,
+    ) -> _Planning:
+        """The planning of ``model``, discovering it once if ``base`` can plan from a
+        discovery (every plan then reuses it)."""
+        found = None
+        if isinstance(base, DiscoveringPlanner) and isinstance(model, nn.Module):
+            found = base.discover(model)
+        return cls(base, model, mp_policy, reshard_after_forward, found)
 
     def plan(
         self, option: str | Mapping[str, str] | None = None
@@ -305,11 +341,19 @@ class _Planning:
             if option is None
             else self.base.with_options(frozen_multimodal_sharding=option)
         )
-        plan = planner.plan(
-            self.model,
-            mp_policy=self.mp_policy,
-            reshard_after_forward=self.reshard_after_forward,
-        )
+        if self.discovery is not None and isinstance(planner, DiscoveringPlanner):
+            plan = planner.plan(
+                self.model,
+                mp_policy=self.mp_policy,
+                reshard_after_forward=self.reshard_after_forward,
+                discovery=self.discovery,
+            )
+        else:
+            plan = planner.plan(
+                self.model,
+                mp_policy=self.mp_policy,
+                reshard_after_forward=self.reshard_after_forward,
+            )
         return planner, plan
 
 
@@ -531,7 +575,7 @@ def choose_frozen_policy(
     shape = resolve_cost_mesh(mesh, world_size, dp_replicate)
     check_reshard_after_forward(reshard_after_forward, shape.dp_shard)
     mp = mixed_precision_policy(precision, reduce_precision)
-    planning = _Planning(parallelizer, model, mp, reshard_after_forward)
+    planning = _Planning.start(parallelizer, model, mp, reshard_after_forward)
     record = _first_record(planning)
     names, left_out = _uneven_media_safe(names, record, parallelizer)
     if loss_fn is not None and activations is not None:
