@@ -25,7 +25,6 @@ Two generic layouts are built in: ``batch-first``
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -36,7 +35,17 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+# Call binding and output walking live in their own modules; the ``as`` imports keep
+# them importable from here for the family layouts, the registry and the probe.
+from multimodal_fsdp.balance._arguments import _bind as _bind
+from multimodal_fsdp.balance._arguments import _check_constants as _check_constants
+from multimodal_fsdp.balance._arguments import _positional_only as _positional_only
+from multimodal_fsdp.balance._arguments import forward_signature as forward_signature
+from multimodal_fsdp.balance._arguments import scalar_arguments as scalar_arguments
+from multimodal_fsdp.balance._arguments import scalar_rows as scalar_rows
 from multimodal_fsdp.balance._probe_inputs import candidate_rows, config_value, floating_dtype
+from multimodal_fsdp.balance._tree import _flatten as _flatten
+from multimodal_fsdp.balance._tree import _unflatten as _unflatten
 
 __all__ = [
     "MediaItem",
@@ -167,113 +176,7 @@ class OutputSpec:
         return how + where
 
 
-# ----------------------------------------------------------------------- tree walking
-_MAX_DEPTH = 8
-
-
-def _flatten(value: Any, leaves: list[Tensor], depth: int = 0) -> Any:
-    """The structure of ``value`` with every tensor replaced by ("leaf", index)."""
-    if depth > _MAX_DEPTH:
-        raise ValueError(f"tower output nested deeper than {_MAX_DEPTH} levels")
-    if isinstance(value, Tensor):
-        leaves.append(value)
-        return ("leaf", len(leaves) - 1)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        names = tuple(f.name for f in dataclasses.fields(value) if f.init)
-        children = tuple(_flatten(getattr(value, n), leaves, depth + 1) for n in names)
-        return ("dataclass", type(value), names, children)
-    if isinstance(value, Mapping):
-        keys = tuple(value.keys())
-        children = tuple(_flatten(value[k], leaves, depth + 1) for k in keys)
-        return ("mapping", type(value), keys, children)
-    if isinstance(value, (tuple, list)):
-        children = tuple(_flatten(v, leaves, depth + 1) for v in value)
-        return ("sequence", type(value), children)
-    return ("const", value)
-
-
-def _unflatten(tree: Any, leaves: Sequence[Tensor]) -> Any:
-    kind = tree[0]
-    if kind == "leaf":
-        return leaves[tree[1]]
-    if kind == "const":
-        return tree[1]
-    if kind == "dataclass":
-        _, cls, names, children = tree
-        return cls(**{n: _unflatten(c, leaves) for n, c in zip(names, children, strict=True)})
-    if kind == "mapping":
-        _, cls, keys, children = tree
-        return cls([(k, _unflatten(c, leaves)) for k, c in zip(keys, children, strict=True)])
-    _, cls, children = tree
-    values = [_unflatten(c, leaves) for c in children]
-    if cls is tuple or cls is list:
-        return cls(values)
-    if issubclass(cls, tuple) and hasattr(cls, "_fields"):  # a namedtuple
-        return cls(*values)
-    return cls(values)
-
-
 # ----------------------------------------------------------------------- the protocol
-def forward_signature(tower: nn.Module) -> inspect.Signature:
-    """The signature a call of ``tower`` is bound against (its ``forward``)."""
-    return inspect.signature(tower.forward)
-
-
-def _bind(tower: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The call's arguments by name, ``**kwargs`` merged in, defaults left out."""
-    signature = forward_signature(tower)
-    try:
-        bound = signature.bind(*args, **kwargs)
-    except TypeError as error:
-        raise TypeError(
-            f"cannot bind the call to {type(tower).__name__}.forward{signature}: {error}"
-        ) from None
-    named: dict[str, Any] = {}
-    for name, value in bound.arguments.items():
-        kind = signature.parameters[name].kind
-        if kind is inspect.Parameter.VAR_KEYWORD:
-            named.update(value)
-        elif kind is inspect.Parameter.VAR_POSITIONAL:
-            if value:
-                raise TypeError(
-                    f"{type(tower).__name__}.forward takes *{name}; a balanced call cannot "
-                    f"name its extra positional arguments {len(value)}"
-                )
-        else:
-            named[name] = value
-    return named
-
-
-def _positional_only(tower: nn.Module) -> tuple[str, ...]:
-    return tuple(
-        name
-        for name, p in forward_signature(tower).parameters.items()
-        if p.kind is inspect.Parameter.POSITIONAL_ONLY
-    )
-
-
-def _check_constants(tower: nn.Module, constants: Mapping[str, Any], layout: str) -> None:
-    for name, value in constants.items():
-        leaves: list[Tensor] = []
-        _flatten(value, leaves)
-        if leaves:
-            raise ValueError(
-                f"the {layout!r} layout cannot split argument {name!r} of "
-                f"{type(tower).__name__}.forward (it holds tensors that are not one row per "
-                "item); register a layout adapter that knows it (register_media_layout)"
-            )
-
-
-def scalar_arguments(named: Mapping[str, Any]) -> list[str]:
-    """The names of the 0-d tensor arguments of a call: passed through, not cut by item."""
-    return [n for n, v in named.items() if isinstance(v, Tensor) and v.dim() == 0]
-
-
-def scalar_rows(named: Mapping[str, Any], names: Sequence[str]) -> tuple[Tensor, ...]:
-    """One item's rows of the scalar fields ``names``: each 0-d value as a 1-row tensor."""
-    return tuple(named[n].reshape(1) for n in names)
-
-
 def _scalar_value(spec: CallSpec, items: Sequence[MediaItem], name: str) -> Tensor:
     """A scalar field's value for a call on ``items``: its first item's, as a 0-d tensor."""
     return items[0].fields[spec.fields.index(name)].reshape(())

@@ -1,0 +1,79 @@
+"""A tower call's arguments by name, read against the tower's forward signature.
+
+Layouts split calls by argument name, whether the caller passed them by position or by
+keyword, and rebuild calls that pass positional-only arguments by position; the
+arguments a layout does not cut pass through unchanged and must hold no tensors.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+from multimodal_fsdp.balance._tree import _flatten
+
+
+def forward_signature(tower: nn.Module) -> inspect.Signature:
+    """The signature a call of ``tower`` is bound against (its ``forward``)."""
+    return inspect.signature(tower.forward)
+
+
+def _bind(tower: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The call's arguments by name, ``**kwargs`` merged in, defaults left out."""
+    signature = forward_signature(tower)
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as error:
+        raise TypeError(
+            f"cannot bind the call to {type(tower).__name__}.forward{signature}: {error}"
+        ) from None
+    named: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                raise TypeError(
+                    f"{type(tower).__name__}.forward takes *{name}; a balanced call cannot "
+                    f"name its extra positional arguments {len(value)}"
+                )
+        else:
+            named[name] = value
+    return named
+
+
+def _positional_only(tower: nn.Module) -> tuple[str, ...]:
+    """The names a rebuilt call must pass by position."""
+    return tuple(
+        name
+        for name, p in forward_signature(tower).parameters.items()
+        if p.kind is inspect.Parameter.POSITIONAL_ONLY
+    )
+
+
+def _check_constants(tower: nn.Module, constants: Mapping[str, Any], layout: str) -> None:
+    """Arguments passed through unchanged hold no tensor: a tensor there spans items the
+    layout cannot cut, so balancing it would be wrong."""
+    for name, value in constants.items():
+        leaves: list[Tensor] = []
+        _flatten(value, leaves)
+        if leaves:
+            raise ValueError(
+                f"the {layout!r} layout cannot split argument {name!r} of "
+                f"{type(tower).__name__}.forward (it holds tensors that are not one row per "
+                "item); register a layout adapter that knows it (register_media_layout)"
+            )
+
+
+def scalar_arguments(named: Mapping[str, Any]) -> list[str]:
+    """The names of the 0-d tensor arguments of a call: passed through, not cut by item."""
+    return [n for n, v in named.items() if isinstance(v, Tensor) and v.dim() == 0]
+
+
+def scalar_rows(named: Mapping[str, Any], names: Sequence[str]) -> tuple[Tensor, ...]:
+    """One item's rows of the scalar fields ``names``: each 0-d value as a 1-row tensor."""
+    return tuple(named[n].reshape(1) for n in names)
