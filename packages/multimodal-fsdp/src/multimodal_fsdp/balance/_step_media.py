@@ -10,12 +10,7 @@ computed here, below the ``balance_media`` hook that owns this cost model
 (``BalanceMediaRuntimeHook.collectives``) and the estimates that read it; the public
 names are published in [`multimodal_fsdp.estimate.exchange`][multimodal_fsdp.estimate.exchange].
 
-Calls pair across ranks by their order in the forward (round ``k`` holds each rank's
-``k``-th call of any balanced or joined module; a rank with fewer calls joins the
-others' with none of its own); every training forward ends with the join barrier's last
-round (one slot ``all_gather``). Joined decoder layers add their decisions (one
-``all_reduce`` each per forward) and, where some ranks run a layer and others skip it,
-the ``all_reduce`` that brings the call's shapes (``StepMedia.layers``).
+How calls pair into rounds: the module docstring of ``multimodal_fsdp.estimate.exchange``.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from fsdp_core.internals import in_backward
 from multimodal_fsdp.balance import MediaLayout, media_layout_for
 from multimodal_fsdp.balance._planned import BALANCE_MEDIA, BalancedTower, JoinedModule
 from multimodal_fsdp.balance.exchange import Member, Rounds, Ticket
-from multimodal_fsdp.runtime.joined_layers import JoinedLayers, add_anchor, add_to_outputs
+from multimodal_fsdp.runtime.joined_layers import JoinedLayers, _anchor_args, add_to_outputs
 
 __all__ = ["BalanceMedia"]
 
@@ -311,13 +311,9 @@ class BalanceMedia:
         anchor = self._join_all()
         if anchor is None:
             return None
-        new_args, done = add_anchor(args, anchor)
-        if done:
-            return tuple(new_args), kwargs
-        for key, value in kwargs.items():
-            new_value, done = add_anchor(value, anchor)
-            if done:
-                return args, {**kwargs, key: new_value}
+        anchored = _anchor_args(args, kwargs, anchor)
+        if anchored is not None:
+            return anchored
         raise RuntimeError(
             f"balance_media: the join site {self.join_site!r} got no floating tensor input to "
             "carry the exchange's zero anchor; plan the hook with another join site"

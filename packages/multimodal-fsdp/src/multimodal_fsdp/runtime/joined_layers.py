@@ -94,6 +94,8 @@ def add_to_outputs(output: Any, anchor: Tensor) -> Any:
 def _anchor_args(
     args: tuple[Any, ...], kwargs: dict[str, Any], anchor: Tensor
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """A forward's arguments with ``anchor`` added to their first floating tensor (the
+    positional ones first); ``None`` when they hold none."""
     new_args, done = add_anchor(args, anchor)
     if done:
         return tuple(new_args), kwargs
