@@ -3,8 +3,9 @@ the fake process group (every rank has the batch's media; see
 ``tests/test_plan_vs_measured_balance.py`` for the method).
 
 For each tower family of ``mp/balanced_families.py`` (``packed-by-size``: Mistral 3 and
-LLaVA-Pixtral; ``batch-first`` on ``input_features``: Qwen2-Audio; ``packed-by-length``
-beside ``packed-by-grid``: Qwen2.5-Omni; the encoders inside Phi-4's feature embedding;
+LLaVA-Pixtral; ``batch-first`` on ``input_features``: Qwen2-Audio, and AudioFlamingo3
+with its mask; ``packed-by-length`` beside ``packed-by-grid``: Qwen2.5-Omni; the
+encoders inside Phi-4's feature embedding;
 ``tiled``: Mllama), the collectives ``plan_costs`` predicts from the media that
 ``record_step_media`` reads through the layout equal, per phase and kind, count and
 bytes, those ``measure_plan`` counts on a real step, with a frozen tower under
@@ -34,6 +35,7 @@ MEDIA: dict[str, dict[str, int]] = {
     "mistral3": {"images": 3},
     "llava_pixtral": {"images": 3},
     "qwen2_audio": {"audio": 2},
+    "audioflamingo3": {"audio": 2},
     "omni": {"audio": 2, "images": 1},
     "phi4": {"images": 1, "audio": 1},
     "mllama": {"images": 3},

@@ -9,6 +9,9 @@ picks:
   Pixtral tower): ``packed-by-size``, images of different sizes in one padded batch;
 - ``qwen2_audio`` (``Qwen2AudioForConditionalGeneration``): ``batch-first`` on
   ``input_features``;
+- ``audioflamingo3`` (``AudioFlamingo3ForConditionalGeneration``): ``batch-first`` on
+  ``input_features`` with the ``input_features_mask`` its encoder requires (clips of
+  different valid lengths);
 - ``omni`` (``Qwen2_5OmniThinkerForConditionalGeneration``): ``packed-by-length`` for
   clips of different lengths beside the ``packed-by-grid`` vision tower;
 - ``phi4`` (``Phi4MultimodalForCausalLM``): the encoders inside the feature embedding
@@ -168,6 +171,66 @@ def qwen2_audio_batch(seed: int, media: dict[str, int]) -> Batch:
     from hf_vlms import qwen2_audio_batch as make
 
     return make(seed, images=media.get("audio", 0), seq=40)
+
+
+# --------------------------------------------------------------- AudioFlamingo3
+AF3_AUDIO = 150
+AF3_MEL = 16
+AF3_FRAMES = 32  # every clip padded to 2 * max_source_positions frames
+AF3_LENGTHS = (32, 20, 26)  # valid frames in turn: 8, 5 and 6 audio tokens
+
+
+def build_audioflamingo3(*, frozen: bool = True) -> nn.Module:
+    t = _transformers()
+    config = t.AudioFlamingo3Config(
+        audio_config={
+            "num_mel_bins": AF3_MEL,
+            "encoder_layers": 2,
+            "encoder_attention_heads": 2,
+            "encoder_ffn_dim": 64,
+            "d_model": 32,
+            "max_source_positions": AF3_FRAMES // 2,
+        },
+        text_config={
+            "model_type": "qwen2",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "vocab_size": 200,
+        },
+        audio_token_id=AF3_AUDIO,
+    )
+    torch.manual_seed(0)
+    model = t.AudioFlamingo3ForConditionalGeneration(config)
+    return _freeze(model, ("model.audio_tower",), frozen)
+
+
+def _af3_tokens(frames: int) -> int:
+    """Audio tokens of a clip of ``frames`` valid frames (a stride-2 convolution, then
+    a stride-2 pooling)."""
+    return ((frames - 1) // 2 + 1 - 2) // 2 + 1
+
+
+def audioflamingo3_batch(seed: int, media: dict[str, int]) -> Batch:
+    """One sample of 40 tokens; ``media["audio"]`` clips padded to 32 frames whose
+    ``input_features_mask`` marks the valid frames (the lengths in turn), so that the
+    encoder reads each clip's length from its mask row."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 140, (1, 40), generator=gen)
+    lengths = [AF3_LENGTHS[(seed + i) % len(AF3_LENGTHS)] for i in range(media.get("audio", 0))]
+    _image_tokens(ids, AF3_AUDIO, [_af3_tokens(n) for n in lengths])
+    batch: Batch = {"input_ids": ids, "labels": ids.masked_fill(ids == AF3_AUDIO, -100)}
+    if lengths:
+        features = torch.zeros(len(lengths), AF3_MEL, AF3_FRAMES)
+        mask = torch.zeros(len(lengths), AF3_FRAMES, dtype=torch.long)
+        for i, frames in enumerate(lengths):
+            features[i, :, :frames] = torch.randn(AF3_MEL, frames, generator=gen)
+            mask[i, :frames] = 1
+        batch["input_features"] = features
+        batch["input_features_mask"] = mask
+    return batch
 
 
 # ----------------------------------------------------------------- Qwen2.5-Omni
@@ -434,6 +497,7 @@ MODELS: dict[
     "mistral3": (build_mistral3, mistral3_batch, IMAGES),
     "llava_pixtral": (build_llava_pixtral, llava_pixtral_batch, IMAGES),
     "qwen2_audio": (build_qwen2_audio, qwen2_audio_batch, AUDIO),
+    "audioflamingo3": (build_audioflamingo3, audioflamingo3_batch, AUDIO),
     "omni": (build_omni, omni_batch, OMNI),
     "phi4": (build_phi4, phi4_batch, PHI4),
     "mllama": (build_mllama, mllama_batch, MLLAMA),
@@ -443,6 +507,7 @@ LAYOUTS: dict[str, dict[str, str]] = {
     "mistral3": {"model.vision_tower": "packed-by-size"},
     "llava_pixtral": {"model.vision_tower": "packed-by-size"},
     "qwen2_audio": {"model.audio_tower": "batch-first"},
+    "audioflamingo3": {"model.audio_tower": "batch-first"},
     "omni": {"model.audio_tower": "packed-by-length", "model.visual": "packed-by-grid"},
     "phi4": {
         "model.embed_tokens_extend.image_embed.img_processor": "batch-first",

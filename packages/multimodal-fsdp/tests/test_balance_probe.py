@@ -195,3 +195,59 @@ def test_probe_leaves_modes_and_random_state_alone() -> None:
     assert all(m.training for m in tower.modules())
     assert torch.equal(torch.get_rng_state(), state)
     assert numpy.random.get_state()[1].tolist() == numpy_state[1].tolist()
+
+
+class _MaskedAudio(nn.Module):
+    """An audio encoder that reads each clip's length from its mask, which it requires
+    though the signature makes it optional (as AudioFlamingo3's does): ``(mel, frames)``
+    per clip, a stride-2 convolution, the padded frames zeroed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 8, 3, stride=2, padding=1)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+
+    def forward(self, input_features: Tensor, input_features_mask: Tensor | None = None) -> Tensor:
+        lengths = (input_features_mask.sum(-1) - 1) // 2 + 1  # type: ignore[union-attr]
+        hidden = self.conv(input_features).transpose(1, 2)
+        keep = torch.arange(hidden.shape[1]) < lengths[:, None]
+        for block in self.blocks:
+            hidden = block(hidden) * keep[..., None]
+        return hidden
+
+
+class _Waveform(nn.Module):
+    """A raw-waveform encoder: ``(samples,)`` per clip, a one-channel stride-160 front end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.front = nn.Conv1d(1, 8, 400, stride=160)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+
+    def forward(self, input_values: Tensor) -> Tensor:
+        hidden = self.front(input_values[:, None]).transpose(1, 2)
+        for block in self.blocks:
+            hidden = hidden + block(hidden)
+        return hidden
+
+
+@pytest.mark.parametrize(
+    ("tower", "inputs"),
+    [
+        (_MaskedAudio, (("input_features", 1), ("input_features_mask", 1))),
+        (_Waveform, (("input_values", 1),)),
+    ],
+    ids=["mask-read-as-data", "raw-waveform"],
+)
+def test_audio_encoders_get_the_inputs_they_need(
+    tower: type[nn.Module], inputs: tuple[tuple[str, int], ...]
+) -> None:
+    """The probe gives an encoder its masks all ones and a raw waveform of many samples:
+    both were refused ("the tower ran on none of the probe inputs") and now balance with
+    ``batch-first``, values checked on their real weights."""
+    choice = choose_media_layout(tower())
+    assert choice.layout.name == "batch-first"
+    assert choice.report.fits, choice.report.reason
+    assert choice.report.ran_on == "cpu"
+    assert choice.report.inputs == inputs
+    assert choice.report.outputs == ("1 per input row",)

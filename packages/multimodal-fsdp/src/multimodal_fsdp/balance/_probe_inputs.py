@@ -9,15 +9,31 @@ the tower runs on.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["config_value", "floating_dtype", "candidate_rows", "first_layer"]
+from multimodal_fsdp.balance._arguments import forward_signature
+
+__all__ = [
+    "config_value",
+    "floating_dtype",
+    "candidate_rows",
+    "first_layer",
+    "mask_arguments",
+    "mask_lengths",
+]
 
 #: Mel frames tried for an audio encoder that says nothing of its input length.
 _AUDIO_FRAMES = 64
+#: Mel frames tried next: a multiple of the subsampling factors and windows audio
+#: encoders require of their padded input (8, 16, 32, 64, 100, 160, 200, 400).
+_LONG_AUDIO_FRAMES = 1600
+#: Samples tried for a raw-waveform encoder (a ``Conv1d`` of one input channel first):
+#: 6 s at 16 kHz, a multiple of the usual hop lengths (160, 320, 400, 1920, 3200).
+_WAVEFORM_SAMPLES = 96_000
 #: Spatial sizes tried for a convolution whose input size nothing gives.
 _IMAGE_SIZES = (32, 224)
 
@@ -42,12 +58,17 @@ def floating_dtype(tower: nn.Module) -> torch.dtype:
     return torch.float32
 
 
+_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
 def first_layer(tower: nn.Module) -> nn.Module | None:
-    """The first module, in registration order, with parameters of its own."""
-    for module in tower.modules():
-        if any(True for _ in module.parameters(recurse=False)):
-            return module
-    return None
+    """The first module, in registration order, with parameters of its own; when that is
+    not a linear or convolution layer (a norm, or the tower itself holding a learned
+    embedding), the first one that is, which tells the shape of the input."""
+    owners = [m for m in tower.modules() if any(True for _ in m.parameters(recurse=False))]
+    if not owners:
+        return None
+    return next((m for m in owners if isinstance(m, _LAYERS)), owners[0])
 
 
 def _pair(value: Any) -> tuple[int, int] | None:
@@ -58,8 +79,9 @@ def _pair(value: Any) -> tuple[int, int] | None:
     return None
 
 
-def candidate_rows(tower: nn.Module) -> list[tuple[int, ...]]:
-    """Shapes of one row (item) of a batch-first tower's main input, most likely first."""
+def candidate_rows(tower: nn.Module, main: str | None = None) -> list[tuple[int, ...]]:
+    """Shapes of one row (item) of a batch-first tower's main input (named ``main``),
+    most likely first."""
     rows: list[tuple[int, ...]] = []
     channels = int(config_value(tower, "num_channels", "in_channels", "in_chans") or 3)
     size = _pair(config_value(tower, "image_size", "img_size"))
@@ -70,7 +92,7 @@ def candidate_rows(tower: nn.Module) -> list[tuple[int, ...]]:
         positions = config_value(tower, "max_source_positions")
         if isinstance(positions, int):
             rows += [(mel, 2 * positions), (mel, positions)]
-        rows.append((mel, _AUDIO_FRAMES))
+        rows += [(mel, _AUDIO_FRAMES), (mel, _LONG_AUDIO_FRAMES)]
     features = config_value(tower, "input_size", "input_dim")
     if isinstance(features, int):
         rows.append((_AUDIO_FRAMES, features))
@@ -79,6 +101,8 @@ def candidate_rows(tower: nn.Module) -> list[tuple[int, ...]]:
         rows += [(layer.in_features,), (4, layer.in_features)]
     elif isinstance(layer, nn.Conv1d):
         rows.append((layer.in_channels, _AUDIO_FRAMES))
+        if layer.in_channels > 1:  # frames first, the encoder transposes them
+            rows.append((_AUDIO_FRAMES, layer.in_channels))
     elif isinstance(layer, nn.Conv2d):
         sizes = [size] if size is not None else []
         sizes += [(s, s) for s in _IMAGE_SIZES]
@@ -86,8 +110,31 @@ def candidate_rows(tower: nn.Module) -> list[tuple[int, ...]]:
     elif isinstance(layer, nn.Conv3d):
         depth = int(layer.kernel_size[0])
         rows += [(layer.in_channels, depth, s, s) for s in _IMAGE_SIZES]
+    waveform = main == "input_values" or (isinstance(layer, nn.Conv1d) and layer.in_channels == 1)
+    if waveform:  # raw audio: samples per clip, with or without the channel axis
+        rows += [(_WAVEFORM_SAMPLES,), (1, _WAVEFORM_SAMPLES)]
     unique: list[tuple[int, ...]] = []
     for row in rows:
         if row not in unique:
             unique.append(row)
     return unique
+
+
+def mask_arguments(tower: nn.Module, main: str) -> list[str]:
+    """The forward's mask arguments besides ``main`` (``attention_mask``,
+    ``input_features_mask``, ``padding_mask``...): audio encoders read each clip's length
+    from them, some even when they are optional."""
+    params = forward_signature(tower).parameters.items()
+    return [
+        name
+        for name, p in params
+        if name != main
+        and name.endswith("mask")
+        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]
+
+
+def mask_lengths(row: tuple[int, ...]) -> list[int]:
+    """The lengths a per-row mask of an input row may have: its last axis (mel features
+    by frames, raw samples), else its first (frames by features)."""
+    return list(dict.fromkeys((row[-1], row[0])))

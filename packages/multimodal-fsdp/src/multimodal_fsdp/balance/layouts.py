@@ -43,7 +43,13 @@ from multimodal_fsdp.balance._arguments import _positional_only as _positional_o
 from multimodal_fsdp.balance._arguments import forward_signature as forward_signature
 from multimodal_fsdp.balance._arguments import scalar_arguments as scalar_arguments
 from multimodal_fsdp.balance._arguments import scalar_rows as scalar_rows
-from multimodal_fsdp.balance._probe_inputs import candidate_rows, config_value, floating_dtype
+from multimodal_fsdp.balance._probe_inputs import (
+    candidate_rows,
+    config_value,
+    floating_dtype,
+    mask_arguments,
+    mask_lengths,
+)
 from multimodal_fsdp.balance._tree import _flatten as _flatten
 from multimodal_fsdp.balance._tree import _unflatten as _unflatten
 
@@ -384,28 +390,31 @@ class BatchFirstLayout(MediaLayout):
 
     def probe_calls(self, tower: nn.Module) -> Sequence[tuple[ProbeCall, ProbeCall]]:
         """One pair per input shape the tower may take (from its config, else its first
-        layer): rows of 1 and 2 items of the main input; other required arguments
-        ``None``."""
+        layer): rows of 1 and 2 items of the main input, other required arguments
+        ``None``; then, for a tower with mask arguments (an audio encoder reading each
+        clip's length from one), the same rows with every mask all ones."""
         main = self.main_argument(tower)
         if main is None:
             return []
-        others = {
+        others: dict[str, Any] = {
             name: None
             for name, p in forward_signature(tower).parameters.items()
             if name != main
             and p.default is inspect.Parameter.empty
             and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
         }
-        dtype = floating_dtype(tower)
+        rows = candidate_rows(tower, main)
+        masks = mask_arguments(tower, main)
+        shapes = [(row, 0) for row in rows]
+        shapes += [(row, length) for row in rows if masks for length in mask_lengths(row)]
         pairs = []
-        for row in candidate_rows(tower):
-            both = torch.randn((2, *row), generator=torch.Generator().manual_seed(0)).to(dtype)
-            pairs.append(
-                (
-                    ProbeCall((), {main: both[:1], **others}),
-                    ProbeCall((), {main: both, **others}),
-                )
-            )
+        for row, length in shapes:
+            generator = torch.Generator().manual_seed(0)
+            both = {main: torch.randn((2, *row), generator=generator).to(floating_dtype(tower))}
+            if length:
+                both |= {name: torch.ones(2, length, dtype=torch.long) for name in masks}
+            one = {name: value[:1] for name, value in both.items()}
+            pairs.append((ProbeCall((), {**others, **one}), ProbeCall((), {**others, **both})))
         return pairs
 
     def split_call(
