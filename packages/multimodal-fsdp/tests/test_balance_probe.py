@@ -251,3 +251,22 @@ def test_audio_encoders_get_the_inputs_they_need(
     assert choice.report.ran_on == "cpu"
     assert choice.report.inputs == inputs
     assert choice.report.outputs == ("1 per input row",)
+
+
+class _PackedAudio(_MaskedAudio):
+    """Packs the valid frames of all clips into one sequence (as Qwen3-ASR's encoder
+    does): a clip's output rows depend on the lengths of the others beside it."""
+
+    def forward(self, input_features: Tensor, input_features_mask: Tensor | None = None) -> Tensor:
+        lengths = (input_features_mask.sum(-1) - 1) // 2 + 1  # type: ignore[union-attr]
+        hidden = self.conv(input_features).transpose(1, 2)
+        keep = torch.arange(hidden.shape[1]) < lengths[:, None]
+        return hidden[keep]
+
+
+def test_an_encoder_that_packs_the_valid_frames_of_all_clips_is_refused() -> None:
+    """The probe's second clip is padded after its first half, so packing shows: refused
+    when the plan is made, not split wrongly at the first step with padded clips."""
+    report = probe_layout(_PackedAudio(), BatchFirstLayout())
+    assert report.status == "misfit", report.summary()
+    assert "an item's output rows depend on the other items of the call" in report.reason

@@ -355,6 +355,15 @@ class MediaLayout(ABC):
         return True
 
 
+def _probe_mask(length: int) -> Tensor:
+    """Masks of two probe items over ``length`` positions: the first whole, the second
+    padded after its first half, so that an encoder which packs only the valid positions
+    of all items (its output rows then depend on the other item's length) is found."""
+    mask = torch.ones(2, length, dtype=torch.long)
+    mask[1, max(1, length // 2) :] = 0
+    return mask
+
+
 class BatchFirstLayout(MediaLayout):
     """One row of the tower's main input per image, tile or clip: ``pixel_values`` when
     the forward takes it (CLIP, SigLIP, Idefics3/SmolVLM, Phi-4's image encoder, the
@@ -392,7 +401,8 @@ class BatchFirstLayout(MediaLayout):
         """One pair per input shape the tower may take (from its config, else its first
         layer): rows of 1 and 2 items of the main input, other required arguments
         ``None``; then, for a tower with mask arguments (an audio encoder reading each
-        clip's length from one), the same rows with every mask all ones."""
+        clip's length from one), the same rows with masks: the first item whole, the
+        second padded after its first half."""
         main = self.main_argument(tower)
         if main is None:
             return []
@@ -412,7 +422,7 @@ class BatchFirstLayout(MediaLayout):
             generator = torch.Generator().manual_seed(0)
             both = {main: torch.randn((2, *row), generator=generator).to(floating_dtype(tower))}
             if length:
-                both |= {name: torch.ones(2, length, dtype=torch.long) for name in masks}
+                both |= {name: _probe_mask(length) for name in masks}
             one = {name: value[:1] for name, value in both.items()}
             pairs.append((ProbeCall((), {**others, **one}), ProbeCall((), {**others, **both})))
         return pairs
