@@ -2,13 +2,15 @@
 5.24 that has a tower, each built from its default config on the meta device (the types
 and their towers are those of ``mp/hf_model_types.py``).
 
-Every tower is either balanced, with a layout the plan-time probe found on the meta
-device, or refused when the plan is made, for the reason pinned in :data:`REFUSED`. Before
+Every tower is either balanced (with a layout the plan-time probe fitted on the meta
+device, or a family's own layout that cannot run there, trusted and checked at the first
+step) or refused when the plan is made, for the reason pinned in :data:`REFUSED`. Before
 the probe gave audio encoders their masks and raw waveforms, 26 of the 111 were refused;
 now 16 are: encoders whose batch norms mix the items of a call (refused on any weights),
 encoders that read data on the meta device (``.item()`` on a mask: their real weights are
 probed instead, see ``AudioFlamingo3`` in ``mp/balanced_families.py``), and towers whose
-input is not one row of media per item. About 20 s on two CPU cores.
+input is not one row of media per item. About 70 s on two CPU cores (the builds and the
+probes on the meta device).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ REFUSED: dict[str, str] = {
     "kyutai_speech_to_text": "batch-first: unprobed",
     "musicflamingo": "batch-first: unprobed",
     "nemo_speechlm": "batch-first: unprobed",
+    # On real weights a misfit: it packs the valid frames of all clips into one sequence.
     "qwen3_asr": "batch-first: unprobed",
     # Inputs that are not rows of media: audio token ids (Inkling), clip lengths without
     # a mask (dots3), a neck fed the tower's hidden states (DeepSeek-VL hybrid).
