@@ -174,6 +174,13 @@ def qwen2_audio_batch(seed: int, media: dict[str, int]) -> Batch:
 
 
 # --------------------------------------------------------------- AudioFlamingo3
+#: The Whisper-style audio encoder of AudioFlamingo3 and Qwen2.5-Omni, tiny.
+TINY_AUDIO_ENCODER = {
+    "encoder_layers": 2,
+    "encoder_attention_heads": 2,
+    "encoder_ffn_dim": 64,
+    "d_model": 32,
+}
 AF3_AUDIO = 150
 AF3_MEL = 16
 AF3_FRAMES = 32  # every clip padded to 2 * max_source_positions frames
@@ -184,11 +191,8 @@ def build_audioflamingo3(*, frozen: bool = True) -> nn.Module:
     t = _transformers()
     config = t.AudioFlamingo3Config(
         audio_config={
+            **TINY_AUDIO_ENCODER,
             "num_mel_bins": AF3_MEL,
-            "encoder_layers": 2,
-            "encoder_attention_heads": 2,
-            "encoder_ffn_dim": 64,
-            "d_model": 32,
             "max_source_positions": AF3_FRAMES // 2,
         },
         text_config={
@@ -207,12 +211,6 @@ def build_audioflamingo3(*, frozen: bool = True) -> nn.Module:
     return _freeze(model, ("model.audio_tower",), frozen)
 
 
-def _af3_tokens(frames: int) -> int:
-    """Audio tokens of a clip of ``frames`` valid frames (a stride-2 convolution, then
-    a stride-2 pooling)."""
-    return ((frames - 1) // 2 + 1 - 2) // 2 + 1
-
-
 def audioflamingo3_batch(seed: int, media: dict[str, int]) -> Batch:
     """One sample of 40 tokens; ``media["audio"]`` clips padded to 32 frames whose
     ``input_features_mask`` marks the valid frames (the lengths in turn), so that the
@@ -220,7 +218,7 @@ def audioflamingo3_batch(seed: int, media: dict[str, int]) -> Batch:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, 140, (1, 40), generator=gen)
     lengths = [AF3_LENGTHS[(seed + i) % len(AF3_LENGTHS)] for i in range(media.get("audio", 0))]
-    _image_tokens(ids, AF3_AUDIO, [_af3_tokens(n) for n in lengths])
+    _image_tokens(ids, AF3_AUDIO, [_clip_tokens(n) for n in lengths])
     batch: Batch = {"input_ids": ids, "labels": ids.masked_fill(ids == AF3_AUDIO, -100)}
     if lengths:
         features = torch.zeros(len(lengths), AF3_MEL, AF3_FRAMES)
@@ -244,11 +242,8 @@ def build_omni(*, frozen: bool = True) -> nn.Module:
     t = _transformers()
     config = t.Qwen2_5OmniThinkerConfig(
         audio_config={
+            **TINY_AUDIO_ENCODER,
             "num_mel_bins": OMNI_MEL,
-            "encoder_layers": 2,
-            "encoder_attention_heads": 2,
-            "encoder_ffn_dim": 64,
-            "d_model": 32,
             "max_source_positions": 100,
             "n_window": 10,
             "output_dim": 32,
@@ -293,6 +288,8 @@ def build_omni(*, frozen: bool = True) -> nn.Module:
 
 
 def _clip_tokens(frames: int) -> int:
+    """Audio tokens of a clip of ``frames`` valid frames (a stride-2 convolution, then
+    a stride-2 pooling), in Qwen2.5-Omni and AudioFlamingo3."""
     return ((frames - 1) // 2 + 1 - 2) // 2 + 1
 
 
