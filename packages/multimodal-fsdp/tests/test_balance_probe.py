@@ -270,3 +270,23 @@ def test_an_encoder_that_packs_the_valid_frames_of_all_clips_is_refused() -> Non
     report = probe_layout(_PackedAudio(), BatchFirstLayout())
     assert report.status == "misfit", report.summary()
     assert "an item's output rows depend on the other items of the call" in report.reason
+
+
+class _PackedWhenMasked(_MaskedAudio):
+    """Runs without a mask (every frame valid, one row per clip) and packs the valid
+    frames of all clips when given one, as its real calls are."""
+
+    def forward(self, input_features: Tensor, input_features_mask: Tensor | None = None) -> Tensor:
+        hidden = self.conv(input_features).transpose(1, 2)
+        if input_features_mask is None:
+            return hidden
+        lengths = (input_features_mask.sum(-1) - 1) // 2 + 1
+        return hidden[torch.arange(hidden.shape[1]) < lengths[:, None]]
+
+
+def test_a_tower_that_takes_a_mask_is_probed_with_one_first() -> None:
+    """Its calls pass masks, so the probe tries masks before leaving them out: the
+    packing shows and the tower is refused, though it fits when called without one."""
+    report = probe_layout(_PackedWhenMasked(), BatchFirstLayout())
+    assert report.status == "misfit", report.summary()
+    assert "an item's output rows depend on the other items of the call" in report.reason

@@ -400,9 +400,9 @@ class BatchFirstLayout(MediaLayout):
     def probe_calls(self, tower: nn.Module) -> Sequence[tuple[ProbeCall, ProbeCall]]:
         """One pair per input shape the tower may take (from its config, else its first
         layer): rows of 1 and 2 items of the main input, other required arguments
-        ``None``; then, for a tower with mask arguments (an audio encoder reading each
-        clip's length from one), the same rows with masks: the first item whole, the
-        second padded after its first half."""
+        ``None``. A tower with mask arguments (an audio encoder reading each clip's
+        length from one) gets each row with masks first, as its calls do (the first item
+        whole, the second padded after its first half), then without."""
         main = self.main_argument(tower)
         if main is None:
             return []
@@ -415,8 +415,8 @@ class BatchFirstLayout(MediaLayout):
         }
         rows = candidate_rows(tower, main)
         masks = mask_arguments(tower, main)
-        shapes = [(row, 0) for row in rows]
-        shapes += [(row, length) for row in rows if masks for length in mask_lengths(row)]
+        shapes = [(row, length) for row in rows if masks for length in mask_lengths(row)]
+        shapes += [(row, 0) for row in rows]
         pairs = []
         for row, length in shapes:
             generator = torch.Generator().manual_seed(0)
