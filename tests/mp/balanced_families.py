@@ -188,6 +188,8 @@ AF3_LENGTHS = (32, 20, 26)  # valid frames in turn: 8, 5 and 6 audio tokens
 
 
 def build_audioflamingo3(*, frozen: bool = True) -> nn.Module:
+    from hf_vlms import TINY_QWEN2_TEXT
+
     t = _transformers()
     config = t.AudioFlamingo3Config(
         audio_config={
@@ -195,15 +197,7 @@ def build_audioflamingo3(*, frozen: bool = True) -> nn.Module:
             "num_mel_bins": AF3_MEL,
             "max_source_positions": AF3_FRAMES // 2,
         },
-        text_config={
-            "model_type": "qwen2",
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 2,
-            "vocab_size": 200,
-        },
+        text_config={**TINY_QWEN2_TEXT, "vocab_size": 200},
         audio_token_id=AF3_AUDIO,
     )
     torch.manual_seed(0)

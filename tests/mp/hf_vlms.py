@@ -322,6 +322,17 @@ AUDIO_FRAMES = 40  # mel frames per clip -> 10 audio tokens (conv stride 2, pool
 AUDIO_TOKENS = 10
 
 
+#: A tiny Qwen2 decoder, the text model of the audio-language cases (vocabulary apart).
+TINY_QWEN2_TEXT = {
+    "model_type": "qwen2",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+}
+
+
 def build_qwen2_audio() -> nn.Module:
     t = _transformers()
     config = t.Qwen2AudioConfig(
@@ -333,15 +344,7 @@ def build_qwen2_audio() -> nn.Module:
             "num_mel_bins": 16,
             "max_source_positions": AUDIO_FRAMES // 2,
         },
-        text_config={
-            "model_type": "qwen2",
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 2,
-            "vocab_size": 140,
-        },
+        text_config={**TINY_QWEN2_TEXT, "vocab_size": 140},
         audio_token_index=AUDIO_TOKEN,
     )
     torch.manual_seed(0)
