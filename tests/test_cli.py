@@ -467,3 +467,45 @@ def test_memory_budget_honours_every_option_policy_honours(
         chosen.pop(key)
         given.pop(key, None)
     assert chosen == given
+
+
+def test_a_memory_budget_that_chooses_per_layer_says_what_it_needs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``per_layer`` makes the tower's units collectives: the chooser's note says it needs
+    the same tower calls on every rank (even media) or ``balance_media=True``; with
+    ``--balance-media`` it needs neither, and the note says nothing of it."""
+    peaks = {
+        c["policy"]: c["peak_bytes"]
+        for c in _budget_run(capsys, "--memory-budget", "1GiB")["policy_choice"]["candidates"]
+    }
+    tight = ["--memory-budget", str(peaks["replicate"] - 1)]
+    chosen = _budget_run(capsys, *tight)
+    assert chosen["policy"] == "per_layer"
+    needs = [note for note in chosen["notes"] if "needs even media" in note]
+    assert needs == [
+        "policy 'per_layer' for 'vision' needs even media (every rank calls it the same number "
+        "of times in each forward; otherwise every rank raises UnevenMediaError) or "
+        "balance_media=True (CLI: --balance-media)"
+    ]
+    balanced = _budget_run(capsys, *tight, "--balance-media")
+    assert balanced["policy"] == "per_layer"
+    assert not any("needs even media" in note for note in balanced["notes"])
+    roomy = _budget_run(capsys, "--memory-budget", "1GiB")
+    assert not any("needs even media" in note for note in roomy["notes"])
+
+
+@pytest.mark.transformers
+def test_a_tower_that_cannot_run_on_meta_is_noted_as_checked_at_the_first_step(
+    capsys: pytest.CaptureFixture[str], transformers: Any
+) -> None:
+    """Qwen2-VL's vision tower builds tensors on the CPU in its forward, so the layout probe
+    cannot run it on the meta device; its family layout is trusted. The plan's note says
+    so and that its calls are checked at the first step, not the raw RuntimeError."""
+    out = run(capsys, "--model", "qwen2_vl", "--world-size", "8", "--balance-media")
+    assert (
+        "'model.visual': packed-by-grid, not probed (the tower ran on none of the 1 probe "
+        "inputs on the meta device); its calls are checked at the first step" in out
+    )
+    assert "RuntimeError" not in out
+    assert "Tensor on device meta" not in out

@@ -168,6 +168,37 @@ def test_a_registered_adapter_without_probe_calls_runs_unprobed(
     assert choice.describe().startswith("frames, not probed (the layout cannot make a probe")
 
 
+class _ReadsData(nn.Module):
+    """A tower that reads its input's values (``.item()``): it cannot run on meta."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(12, 8)
+
+    def forward(self, pixel_values: Tensor) -> Tensor:
+        scale = float(pixel_values.abs().amax().item())
+        out: Tensor = self.proj(pixel_values) * scale
+        return out
+
+
+def test_a_meta_tower_the_probe_cannot_run_is_noted_without_its_raw_error() -> None:
+    """The plan's note of a trusted layout (batch-first on a ``pixel_values`` forward) the
+    probe could not run on the meta device says its calls are checked at the first step,
+    not the tower's raw error; the report's summary, which a refusal shows, keeps it."""
+    with torch.device("meta"):
+        tower = _ReadsData()
+    choice = choose_media_layout(tower)
+    assert choice.describe() == (
+        "batch-first, not probed (the tower ran on none of the 2 probe inputs on the meta "
+        "device); its calls are checked at the first step"
+    )
+    assert choice.report.error == "RuntimeError: Tensor.item() cannot be called on meta tensors"
+    assert choice.report.summary() == (
+        "batch-first: unprobed (the tower ran on none of the 2 probe inputs on the meta "
+        "device: RuntimeError: Tensor.item() cannot be called on meta tensors)"
+    )
+
+
 def test_a_layout_that_does_not_fit_is_found_at_plan_time() -> None:
     """The probe of ``batch-first`` on a tower that pools the call: a misfit with the
     reason, and the next layout is tried (none here)."""

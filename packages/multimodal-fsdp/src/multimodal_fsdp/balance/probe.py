@@ -56,8 +56,10 @@ class ProbeReport:
     """What the probe found for one layout and tower: ``status`` (``"fits"``,
     ``"misfit"``: the layout does not fit, ``reason`` says why, or ``"unprobed"``: the
     probe could not run, ``reason`` says why), where it ran (``"meta"`` or the weights'
-    device type), the per-item inputs (name, rows of the probe's first item) and each
-    output tensor's rows per item."""
+    device type), the per-item inputs (name, rows of the probe's first item), each
+    output tensor's rows per item, and ``error``: the last error of a tower that ran on
+    none of the probe calls (a refusal shows it; the plan's note of a trusted layout
+    does not, its calls being checked at the first step)."""
 
     layout: str
     status: str
@@ -65,6 +67,7 @@ class ProbeReport:
     inputs: tuple[tuple[str, int], ...] = ()
     outputs: tuple[str, ...] = ()
     reason: str = ""
+    error: str = ""
 
     @property
     def fits(self) -> bool:
@@ -73,7 +76,8 @@ class ProbeReport:
     def summary(self) -> str:
         """One line for the plan."""
         if self.status != FITS:
-            return f"{self.layout}: {self.status} ({self.reason})"
+            detail = f": {self.error}" if self.error else ""
+            return f"{self.layout}: {self.status} ({self.reason}{detail})"
         inputs = ", ".join(
             f"{name} {rows} row{'' if rows == 1 else 's'}" for name, rows in self.inputs
         )
@@ -365,5 +369,6 @@ def _probe(tower: nn.Module, layout: MediaLayout) -> ProbeReport:
     return ProbeReport(
         layout.name,
         UNPROBED,
-        reason=f"the tower ran on none of the {len(pairs)} probe inputs {where} ({last})",
+        reason=f"the tower ran on none of the {len(pairs)} probe inputs {where}",
+        error=last,
     )

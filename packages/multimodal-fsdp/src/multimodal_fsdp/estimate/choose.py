@@ -249,6 +249,7 @@ def _notes(
     candidates: list[PolicyCandidate],
     frozen: list[PlannedPart],
     budget: int,
+    balanced: bool,
 ) -> list[str]:
     fitting = sum(c.fits for c in candidates)
     scope = (
@@ -288,6 +289,12 @@ def _notes(
             f"policy {policy!r} not chosen for {path!r}: {_why_not(other, chosen)}"
             for policy, other in others
         )
+        if not balanced and not frozen_policy(mine[index]).uneven_media_safe:
+            lines.append(
+                f"policy {mine[index]!r} for {path!r} needs even media (every rank calls it "
+                "the same number of times in each forward; otherwise every rank raises "
+                "UnevenMediaError) or balance_media=True (CLI: --balance-media)"
+            )
     return lines
 
 
@@ -507,11 +514,13 @@ def _choice(
     limit: int,
     left_out: str,
     traced: bool,
+    balanced: bool,
 ) -> PolicyChoice:
-    """The winner with the notes that say why, also put in front of its costs' notes."""
+    """The winner with the notes that say why (and what a policy that is not safe under
+    uneven media needs, unless ``balanced``), also put in front of its costs' notes."""
     candidates = [c.candidate for c in costed]
     chosen = costed[best]
-    notes = _notes(chosen.candidate, candidates, frozen, limit)
+    notes = _notes(chosen.candidate, candidates, frozen, limit, balanced)
     if left_out:
         notes.append(f"{left_out} left out: the parallelizer has uneven_media=True")
     if not traced:
@@ -589,4 +598,5 @@ def choose_frozen_policy(
     costed = _cost_all(planning, costing, record, frozen, names, limit)
     traced = activations is not None or loss_fn is not None
     best = _best([c.candidate for c in costed], limit, traced)
-    return _choice(costed, best, frozen, limit, left_out, traced)
+    balanced = bool(getattr(parallelizer, "balance_media", False))
+    return _choice(costed, best, frozen, limit, left_out, traced, balanced)
