@@ -33,5 +33,8 @@ def test_predicted_and_measured_memory_report_the_same_figures_in_order() -> Non
         "resting_bytes",
         "peak_bytes",
         "peak_includes_activations",
+        "host_param_bytes",
+        "host_gradient_bytes",
+        "host_optimizer_bytes",
     ]
     assert list(measured)[10:] == ["peak_bytes", "peak_breakdown"]

@@ -46,7 +46,13 @@ from fsdp_core.plan_context import PlanAdditions, PlanContext
 from fsdp_core.precision import island_policy
 from fsdp_core.replicated import place_replicated_params
 from fsdp_core.runtime import HookPlan, RuntimeHook, register_installed_hook
-from fsdp_core.shard_calls import ShardFn, run_calls, shard_groups, shard_unit
+from fsdp_core.shard_calls import (
+    ShardFn,
+    check_offload_given_once,
+    run_calls,
+    shard_groups,
+    shard_unit,
+)
 from fsdp_core.sharding import (
     ShardOptions,
     ShardTarget,
@@ -402,8 +408,11 @@ class ModelParallelizer:
         role: str,
         units: tuple[UnitPlan, ...] | None = None,
     ) -> ShardCall:
-        """A call with one unit (or the given expansion), marking its members as planned."""
+        """A call with one unit (or the given expansion), marking its members as planned;
+        its offload is
+        [`_unit_offload`][fsdp_core.parallelizer.ModelParallelizer._unit_offload]'s."""
         ignored = ctx.ignored_under(paths)
+        offload = self._unit_offload(paths, ctx)
         if units is None:
             units = (
                 UnitPlan(
@@ -412,6 +421,7 @@ class ModelParallelizer:
                     reshard_after_forward=reshard_after_forward,
                     ignored_param_names=ignored,
                     role=role,
+                    offload_policy=offload,
                 ),
             )
         for unit in units:
@@ -423,7 +433,14 @@ class ModelParallelizer:
             reshard_after_forward=reshard_after_forward,
             ignored_param_names=ignored,
             units=units,
+            offload_policy=offload,
         )
+
+    def _unit_offload(self, paths: tuple[str, ...], ctx: PlanContext) -> OffloadPolicy | None:
+        """The offload policy the plan gives the unit of ``paths`` (``None``: the device,
+        or ``apply_plan(offload_policy=...)`` for every unit); none here, a multimodal
+        parallelizer decides it per part."""
+        return None
 
 
 class PlanMismatchError(RuntimeError):
@@ -510,6 +527,7 @@ def _apply(
     if plan.fingerprint is not None:
         check_module_tree(model, plan.fingerprint)
     check_ignored_params_supported(plan.ignored_param_names, plan.replicated_param_names)
+    check_offload_given_once(plan.calls, offload_policy)
     named = dict(model.named_parameters())
     place_replicated_params(model, plan, mesh=mesh)
     if before is not None:

@@ -14,12 +14,19 @@ from typing import TypeVar
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp_core.module_tree import ModuleTreeFingerprint
 from fsdp_core.runtime import HookPlan
 
-__all__ = ["UnitPlan", "ShardCall", "ShardingPlan", "unit_parameters", "format_policy"]
+__all__ = [
+    "UnitPlan",
+    "ShardCall",
+    "ShardingPlan",
+    "unit_parameters",
+    "format_policy",
+    "format_offload",
+]
 
 ROOT_LABEL = "<root>"
 
@@ -35,6 +42,11 @@ class UnitPlan:
     reshard_after_forward: bool | int | None = None
     ignored_param_names: tuple[str, ...] = ()
     role: str = "layer"
+    #: Where the unit's sharded parameters (and gradients and optimizer state, when
+    #: trainable) live between uses: an FSDP2 ``OffloadPolicy`` the plan decided for
+    #: this unit (``CPUOffloadPolicy``: host memory), or ``None`` (the device, unless
+    #: ``apply_plan(offload_policy=...)`` offloads every unit).
+    offload_policy: OffloadPolicy | None = None
 
     def __post_init__(self) -> None:
         if not self.paths:
@@ -62,6 +74,8 @@ class ShardCall:
     reshard_after_forward: bool | int | None
     ignored_param_names: tuple[str, ...]
     units: tuple[UnitPlan, ...]
+    #: The offload policy the call passes to ``fully_shard`` (its units' own).
+    offload_policy: OffloadPolicy | None = None
 
     @property
     def is_group(self) -> bool:
@@ -136,6 +150,8 @@ class ShardingPlan:
             )
             if unit.reshard_after_forward is not None:
                 text += f" reshard={unit.reshard_after_forward}"
+            if unit.offload_policy is not None:
+                text += f" offload={format_offload(unit.offload_policy)}"
             if owned is not None:
                 params = owned[index]
                 numel = sum(p.numel() for _, p in params)
@@ -163,6 +179,14 @@ def format_policy(policy: MixedPrecisionPolicy) -> str:
     if policy.output_dtype is not None:
         text += f" out={_short(policy.output_dtype)}"
     return text
+
+
+def format_offload(policy: OffloadPolicy) -> str:
+    """``cpu`` for a ``CPUOffloadPolicy`` (``cpu(unpinned)`` without pinned memory), else
+    the policy's class name."""
+    if isinstance(policy, CPUOffloadPolicy):
+        return "cpu" if policy.pin_memory else "cpu(unpinned)"
+    return type(policy).__name__
 
 
 def unit_parameters(plan: ShardingPlan, model: nn.Module) -> list[list[tuple[str, nn.Parameter]]]:

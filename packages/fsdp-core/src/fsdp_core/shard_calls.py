@@ -23,7 +23,14 @@ from fsdp_core.containers import is_under
 from fsdp_core.plan import ShardCall, UnitPlan
 from fsdp_core.sharding import ShardOptions, ShardTarget, apply_fully_shard
 
-__all__ = ["ShardFn", "group_calls", "run_calls", "shard_groups", "shard_unit"]
+__all__ = [
+    "ShardFn",
+    "check_offload_given_once",
+    "group_calls",
+    "run_calls",
+    "shard_groups",
+    "shard_unit",
+]
 
 #: Makes one planned unit: its target (a module, or modules sharing one unit) and options.
 ShardFn = Callable[[ShardTarget, ShardOptions], object]
@@ -78,19 +85,41 @@ def run_calls(
     shard: ShardFn = shard_unit,
 ) -> None:
     """Make the units of ``calls`` (paths relative to ``root``, ``""`` is ``root``), in
-    order, each through ``shard`` with its own options."""
+    order, each through ``shard`` with its own options.
+
+    Each call is offloaded as it says (``ShardCall.offload_policy``); ``offload_policy``
+    offloads every unit of calls that say nothing. Both at once would leave it open which
+    units offload: a ``ValueError`` before any unit is made."""
+    planned = list(calls)
+    check_offload_given_once(planned, offload_policy)
     named = dict(root.named_parameters())
-    for call in calls:
+    for call in planned:
         members = [root.get_submodule(path) if path else root for path in call.paths]
         ignored = frozenset(named[name] for name in call.ignored_param_names)
         options = ShardOptions(
             mesh=mesh,
             mp_policy=call.mp_policy,
-            offload_policy=offload_policy,
+            offload_policy=(offload_policy if call.offload_policy is None else call.offload_policy),
             reshard_after_forward=call.reshard_after_forward,
             ignored_params=ignored or None,
         )
         shard(members[0] if len(members) == 1 else members, options)
+
+
+def check_offload_given_once(calls: Sequence[ShardCall], offload_policy: object) -> None:
+    """Refuse an ``offload_policy`` for every unit beside calls that offload on their own."""
+    if offload_policy is None:
+        return
+    own = [call for call in calls if call.offload_policy is not None]
+    if own:
+        labels = ", ".join(unit.label for call in own[:3] for unit in call.units[:1])
+        more = f" and {len(own) - 3} more" if len(own) > 3 else ""
+        raise ValueError(
+            f"the plan already offloads {len(own)} of its calls ({labels}{more}), so "
+            f"offload_policy={offload_policy!r} for every unit is ambiguous; nothing was "
+            "sharded. Decide offloading in one place: per part when planning (e.g. "
+            "MultimodalParallelizer(offload=...)) or offload_policy= for every unit."
+        )
 
 
 def shard_groups(

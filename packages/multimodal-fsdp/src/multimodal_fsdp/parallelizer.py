@@ -60,17 +60,19 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import OffloadPolicy
 
 from fsdp_core import ModelParallelizer, ShardingPlan
 from fsdp_core.containers import is_under, iter_layer_items, join_path
 from fsdp_core.dtype_units import dominant_dtype
 from fsdp_core.parallelizer import PlanAdditions, PlanContext
-from fsdp_core.plan import ShardCall
+from fsdp_core.plan import ShardCall, format_offload, unit_parameters
 from fsdp_core.runtime import HookPlan
 from multimodal_fsdp.discovery.validation import check_attribute_names, check_module_paths
 from multimodal_fsdp.layers import multimodal_unit_paths
 from multimodal_fsdp.media_hooks import media_hook_plans
 from multimodal_fsdp.model_discovery import Discovery, DiscoveryOptions, discover_with
+from multimodal_fsdp.offload import OffloadPart, PartOffload
 from multimodal_fsdp.parts import (
     MultimodalParts,
     classify_layers,
@@ -126,6 +128,18 @@ class MultimodalParallelizer(ModelParallelizer):
     data-parallel rank), ``"shard"`` / ``"replicate"`` (the groups of one dimension of
     an HSDP mesh) or a block size ``k`` (``k`` consecutive ranks, e.g. a node), so the
     exchange per rank stays bounded as the world grows.
+
+    ``offload``: which parts keep their sharded parameters (and, when trainable, their
+    gradients and optimizer state) in host memory: one ``OffloadPolicy`` for every unit
+    (what ``apply_plan(offload_policy=...)`` does), or a mapping from the parts
+    ``"tower"``, ``"projector"`` and ``"language_model"`` (everything else: the root unit
+    and the decoder layers) to a policy, e.g. ``{"tower": CPUOffloadPolicy()}`` (see
+    [`PartOffload`][multimodal_fsdp.offload.PartOffload]). The plan gives each unit its
+    part's policy; a tower or projector offloaded unlike the language model gets a unit
+    for what its layer units leave (a patch embedding, a final norm), so none of its
+    parameters shares the root unit. A frozen part under ``root`` (its parameters are in
+    the root unit) or ``replicate`` (outside FSDP) cannot be offloaded unlike the language
+    model: a ``ValueError`` at plan time names ``per_layer``.
     """
 
     HOOKS = (
@@ -148,8 +162,10 @@ class MultimodalParallelizer(ModelParallelizer):
         disabled_hooks: Iterable[str] = (),
         balance_media: bool = False,
         balance_media_group: str | int = "all",
+        offload: OffloadPolicy | Mapping[str, OffloadPolicy | None] | PartOffload | None = None,
     ) -> None:
         super().__init__(dtype_safe=dtype_safe, disabled_hooks=disabled_hooks)
+        self.offload = PartOffload.parse(offload)
         if not isinstance(uneven_media, bool):
             raise TypeError(f"uneven_media must be a bool, got {uneven_media!r}")
         if not isinstance(balance_media, bool):
@@ -286,7 +302,87 @@ class MultimodalParallelizer(ModelParallelizer):
             if frozen_policy(policy).layer_units:
                 for frozen in part.frozen:
                     paths.extend(multimodal_unit_paths(model, frozen))
+        paths.extend(
+            part.found.path for part, policy in parts if self._offload_needs_own_unit(part, policy)
+        )
         return paths
+
+    # ------------------------------------------------------------------ offload
+    def _offload_needs_own_unit(
+        self, part: MultimodalParts, policy: FrozenMultimodalSharding
+    ) -> bool:
+        """Whether ``part`` becomes a unit after its layer units, for what they leave: when
+        it is offloaded unlike the language model (whose root unit would hold the rest) and
+        it has units of its own anyway (trainable, or frozen under a policy with layer
+        units). Other frozen parts are refused by the offload check."""
+        role: OffloadPart = part.found.role
+        if self.offload.for_part(role) == self.offload.for_part("language_model"):
+            return False
+        return not part.frozen or frozen_policy(policy).layer_units
+
+    def _part_of(self, name: str, found: Discovery) -> tuple[OffloadPart, str]:
+        """The part (and its module path) that the module or parameter ``name`` belongs to."""
+        for part in found.parts:
+            if part.found.path and is_under(name, part.found.path):
+                return part.found.role, part.found.path
+        return "language_model", ""
+
+    def _unit_offload(self, paths: tuple[str, ...], ctx: PlanContext) -> OffloadPolicy | None:
+        """The offload of the part the unit's members belong to (the root unit and the
+        decoder layers: ``language_model``)."""
+        if not self.offload.any:
+            return None
+        found = self._discovery(ctx)
+        parts = {self._part_of(path, found) for path in paths} if any(paths) else set()
+        chosen = [self.offload.for_part(role) for role, _ in sorted(parts)]
+        if "" in paths or not chosen:
+            chosen.append(self.offload.for_part("language_model"))
+        if any(policy != chosen[0] for policy in chosen):
+            raise ValueError(
+                f"one FSDP unit groups modules of parts offloaded differently "
+                f"({', '.join(repr(p) for p in paths)}: {', '.join(r for r, _ in sorted(parts))}"
+                f"; offload {self.offload.label()}); give those parts the same offload"
+            )
+        return chosen[0]
+
+    def _check_offload(self, ctx: PlanContext, calls: tuple[ShardCall, ...]) -> None:
+        """Every parameter of a part sits in a unit offloaded as its part is (refusing
+        frozen parts under ``replicate`` or ``root`` offloaded unlike the root unit)."""
+        if not self.offload.any:
+            return
+        found = self._discovery(ctx)
+        for part, policy in self._parts_with_policies(found):
+            role: OffloadPart = part.found.role
+            offloaded = self.offload.for_part(role)
+            if part.frozen and frozen_policy(policy).replicates and offloaded is not None:
+                raise ValueError(
+                    f"offload gives the {role} {part.found.path!r} "
+                    f"{format_offload(offloaded)}, but its frozen-tower "
+                    f"policy {policy!r} keeps its frozen parameters whole on every device, "
+                    "outside FSDP, whose offload moves only sharded parameters; use "
+                    "frozen_multimodal_sharding='per_layer' for it (a unit per block and one "
+                    f"for the rest), or do not offload the {role}"
+                )
+        plan = ShardingPlan(calls=calls, ignored_param_names=tuple(ctx.ignored_param_names))
+        for unit, params in zip(plan.units, unit_parameters(plan, ctx.model), strict=True):
+            for name, _ in params:
+                role, path = self._part_of(name, found)
+                if self.offload.for_part(role) == unit.offload_policy:
+                    continue
+                where = (
+                    "joins the root unit, which holds the language model"
+                    if unit.is_root
+                    else (f"sits in the unit {unit.label!r}")
+                )
+                raise ValueError(
+                    f"offload {self.offload.label()}: the {role} {path or '<root>'!r} is "
+                    f"offloaded as {_offload_text(self.offload.for_part(role))}, but its "
+                    f"parameter {name!r} {where}, offloaded as "
+                    f"{_offload_text(unit.offload_policy)}. A frozen tower or projector under "
+                    "the 'root' policy (or folded by uneven_media=True) has no units of its "
+                    "own; use frozen_multimodal_sharding='per_layer' for it (a unit per block "
+                    "and one for the rest), or give it the language model's offload"
+                )
 
     def _partly_trainable_unit_paths(
         self, part: MultimodalParts, policy: FrozenMultimodalSharding
@@ -326,6 +422,8 @@ class MultimodalParallelizer(ModelParallelizer):
             notes.append("uneven_media=True: towers and projectors join the root unit")
         if self.frozen_policies.by_path:
             notes.append(f"frozen-tower policies per module: {self.frozen_policies.label}")
+        if self.offload.any:
+            notes.append(f"offload per part: {self.offload.label()}")
         for part, policy in self._parts_with_policies(found):
             head = f"{part.found.role} {part.found.path!r} ({part.found.modality})"
             if not part.frozen:
@@ -363,6 +461,7 @@ class MultimodalParallelizer(ModelParallelizer):
         """The replicated parameters' dtypes, the paths no gradient reaches and the
         record of what was found and decided, from the plan's one discovery."""
         found = self._discovery(ctx)
+        self._check_offload(ctx, calls)
         units = ShardingPlan(calls=calls)
         balanced = self._balanced_towers(found)
         joined = self._joined_paths(found)
@@ -509,6 +608,10 @@ class MultimodalParallelizer(ModelParallelizer):
 
 #: Methods of transformers models that run towers and projectors outside the forward.
 _FEATURE_METHODS = ("get_image_features", "get_video_features", "get_audio_features")
+
+
+def _offload_text(policy: OffloadPolicy | None) -> str:
+    return "-" if policy is None else format_offload(policy)
 
 
 def _param_names_under(model: nn.Module, roots: Iterable[str]) -> list[str]:

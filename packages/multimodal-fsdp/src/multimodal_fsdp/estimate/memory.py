@@ -33,6 +33,13 @@ a measured step.
 Resting bytes are the sharded and replicated parameters and the optimizer
 state; gradients are assumed freed between steps (``zero_grad()`` sets them
 to ``None``, the default).
+
+**Offloaded units.** A unit the plan offloads (``UnitPlan.offload_policy``, e.g. a
+frozen tower under ``MultimodalParallelizer(offload={"tower": CPUOffloadPolicy()})``)
+keeps its sharded parameters, its sharded gradients and the optimizer state of its
+trainable parameters in host memory: those bytes count as ``host_*`` figures instead of
+device ones. What FSDP2 copies to the device to gather them (the gathered peaks, the
+unsharded gradients of the traced step) stays on the device and is counted as before.
 """
 
 from __future__ import annotations
@@ -43,10 +50,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 from fsdp_core import ShardingPlan
 from fsdp_core.mesh import MeshShape
-from fsdp_core.plan import unit_parameters
+from fsdp_core.plan import UnitPlan, unit_parameters
 from multimodal_fsdp.estimate.activations import ActivationTrace, check_shard
 from multimodal_fsdp.estimate.collectives import padded_shard_numel
 from multimodal_fsdp.estimate.render import format_bytes
@@ -60,6 +68,7 @@ __all__ = [
     "check_optimizer",
     "estimate_memory",
     "gradient_bytes",
+    "host_param_bytes",
     "memory_figures",
     "optimizer_state_bytes",
     "with_memory",
@@ -127,6 +136,18 @@ class MemoryEstimate:
     backward_activation_bytes: int | None = None
     #: Peak beyond resting bytes of the traced step with gathers replayed (``None``: not traced).
     step_peak_bytes: int | None = None
+    #: Sharded parameters of offloaded units, in host memory (not in ``sharded_param_bytes``).
+    host_param_bytes: int = 0
+    #: Sharded gradients of offloaded units, in host memory (not in ``gradient_bytes``).
+    host_gradient_bytes: int = 0
+    #: Optimizer state of offloaded units, in host memory (not in ``optimizer_bytes``).
+    host_optimizer_bytes: int = 0
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory of offloaded units at the end of a step: parameters, gradients and
+        optimizer state."""
+        return self.host_param_bytes + self.host_gradient_bytes + self.host_optimizer_bytes
 
     @property
     def resting_bytes(self) -> int:
@@ -184,12 +205,20 @@ class MemoryEstimate:
         peak = format_bytes(self.peak_bytes)
         if self.activation_bytes is None:
             peak += " (without activations)"
-        return [
+        lines = [
             f"  gradients (predicted)     {format_bytes(self.gradient_bytes)}",
             f"  optimizer (predicted)     {format_bytes(self.optimizer_bytes)} ({self.optimizer})",
             f"  activations (predicted)   {act}",
             f"  peak total (predicted)    {peak}",
         ]
+        if self.host_bytes:
+            lines.append(
+                f"  host (offloaded)          {format_bytes(self.host_bytes)} (parameters "
+                f"{format_bytes(self.host_param_bytes)}, gradients "
+                f"{format_bytes(self.host_gradient_bytes)}, optimizer "
+                f"{format_bytes(self.host_optimizer_bytes)}; not in the device figures)"
+            )
+        return lines
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready, every figure marked as predicted."""
@@ -199,17 +228,28 @@ class MemoryEstimate:
             "resting_bytes": self.resting_bytes,
             "peak_bytes": self.peak_bytes,
             "peak_includes_activations": self.activation_bytes is not None,
+            "host_param_bytes": self.host_param_bytes,
+            "host_gradient_bytes": self.host_gradient_bytes,
+            "host_optimizer_bytes": self.host_optimizer_bytes,
         }
 
 
 # --------------------------------------------------------------------------- parameters
-def _trainable_shards(plan: ShardingPlan, model: nn.Module, shard: int) -> list[int]:
-    """Bytes of each trainable parameter one rank holds: FSDP shards and replicated ones."""
+def _trainable_shards(
+    plan: ShardingPlan, model: nn.Module, shard: int, *, offloaded: bool = False
+) -> list[int]:
+    """Bytes of each trainable parameter one rank holds on the device (FSDP shards of
+    units kept there, and replicated ones), or with ``offloaded=True`` in host memory
+    (FSDP shards of offloaded units)."""
     sizes: list[int] = []
-    for params in unit_parameters(plan, model):
+    for unit, params in zip(plan.units, unit_parameters(plan, model), strict=True):
+        if _is_offloaded(unit) != offloaded:
+            continue
         sizes += [
             padded_shard_numel(p, shard) * p.dtype.itemsize for _, p in params if p.requires_grad
         ]
+    if offloaded:
+        return sizes
     named = dict(model.named_parameters())
     for name in plan.ignored_param_names:
         param = named.get(name)
@@ -218,22 +258,48 @@ def _trainable_shards(plan: ShardingPlan, model: nn.Module, shard: int) -> list[
     return sizes
 
 
-def gradient_bytes(plan: ShardingPlan, model: nn.Module, *, shard: int) -> int:
-    """Per-rank gradient bytes after backward: one padded shard per trainable parameter,
-    in the parameter's storage dtype (FSDP2 casts the reduced gradient back to it)."""
+def _is_offloaded(unit: UnitPlan) -> bool:
+    """Whether the plan keeps the unit's shards in host memory (a ``CPUOffloadPolicy``)."""
+    return isinstance(unit.offload_policy, CPUOffloadPolicy)
+
+
+def host_param_bytes(plan: ShardingPlan, model: nn.Module, *, shard: int) -> int:
+    """Per-rank bytes of the sharded parameters of offloaded units (held in host memory)."""
     check_shard(shard)
-    return sum(_trainable_shards(plan, model, shard))
+    return sum(
+        padded_shard_numel(p, shard) * p.dtype.itemsize
+        for unit, params in zip(plan.units, unit_parameters(plan, model), strict=True)
+        if _is_offloaded(unit)
+        for _, p in params
+    )
+
+
+def gradient_bytes(
+    plan: ShardingPlan, model: nn.Module, *, shard: int, offloaded: bool = False
+) -> int:
+    """Per-rank gradient bytes after backward: one padded shard per trainable parameter,
+    in the parameter's storage dtype (FSDP2 casts the reduced gradient back to it); on
+    the device, or with ``offloaded=True`` those of offloaded units, in host memory."""
+    check_shard(shard)
+    return sum(_trainable_shards(plan, model, shard, offloaded=offloaded))
 
 
 def optimizer_state_bytes(
-    plan: ShardingPlan, model: nn.Module, *, shard: int, optimizer: str = "adamw"
+    plan: ShardingPlan,
+    model: nn.Module,
+    *,
+    shard: int,
+    optimizer: str = "adamw",
+    offloaded: bool = False,
 ) -> int:
     """Per-rank optimizer state:
     [`OPTIMIZER_STATES`][multimodal_fsdp.estimate.memory.OPTIMIZER_STATES]
-    tensors per trainable shard, plus Adam's 4-byte ``step`` per parameter."""
+    tensors per trainable shard, plus Adam's 4-byte ``step`` per parameter; on the
+    device, or with ``offloaded=True`` that of offloaded units (the optimizer keeps
+    state beside the parameter, in host memory)."""
     check_shard(shard)
     states = OPTIMIZER_STATES[check_optimizer(optimizer)]
-    sizes = _trainable_shards(plan, model, shard)
+    sizes = _trainable_shards(plan, model, shard, offloaded=offloaded)
     steps = _STEP_BYTES * len(sizes) if optimizer in _STEP_COUNTERS else 0
     return states * sum(sizes) + steps
 
@@ -268,7 +334,8 @@ def estimate_memory(
     optimizer: str = "adamw",
     activations: ActivationTrace | int | None = None,
 ) -> MemoryEstimate:
-    """The whole per-rank memory estimate of ``plan`` (costed as ``costs``) for ``model``.
+    """The whole per-rank memory estimate of ``plan`` (costed as ``costs``) for ``model``:
+    device bytes, and the host bytes of the units the plan offloads.
 
     ``activations`` comes from
     [`trace_activations`][multimodal_fsdp.estimate.activations.trace_activations],
@@ -280,9 +347,10 @@ def estimate_memory(
         raise TypeError(f"costs must be a PlanCosts, got {type(costs).__name__}")
     saved, working, step = _activation_figures(activations)
     shard = costs.mesh.dp_shard
+    host_params = host_param_bytes(plan, model, shard=shard)
     return MemoryEstimate(
         optimizer=optimizer,
-        sharded_param_bytes=costs.sharded_param_bytes,
+        sharded_param_bytes=costs.sharded_param_bytes - host_params,
         replicated_param_bytes=costs.replicated_param_bytes,
         peak_gathered_forward_bytes=costs.peak_gathered_forward_bytes,
         peak_gathered_backward_bytes=costs.peak_gathered_backward_bytes,
@@ -291,6 +359,11 @@ def estimate_memory(
         activation_bytes=saved,
         backward_activation_bytes=working,
         step_peak_bytes=step,
+        host_param_bytes=host_params,
+        host_gradient_bytes=gradient_bytes(plan, model, shard=shard, offloaded=True),
+        host_optimizer_bytes=optimizer_state_bytes(
+            plan, model, shard=shard, optimizer=optimizer, offloaded=True
+        ),
     )
 
 

@@ -37,6 +37,7 @@ def ungroup_units(plan: ShardingPlan, role: str | None = None) -> ShardingPlan:
                 reshard_after_forward=call.reshard_after_forward,
                 ignored_param_names=ignored,
                 role=call.units[0].role,
+                offload_policy=call.offload_policy,
             )
             calls.append(
                 ShardCall(
@@ -45,6 +46,7 @@ def ungroup_units(plan: ShardingPlan, role: str | None = None) -> ShardingPlan:
                     reshard_after_forward=call.reshard_after_forward,
                     ignored_param_names=ignored,
                     units=(unit,),
+                    offload_policy=call.offload_policy,
                 )
             )
     return dataclasses.replace(plan, calls=tuple(calls))

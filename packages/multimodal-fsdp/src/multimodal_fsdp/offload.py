@@ -1,0 +1,99 @@
+"""CPU offload per part of a vision-language model: towers, projectors, the language model.
+
+A frozen tower needs no gradient and no optimizer state, so its sharded parameters
+can wait in host memory while the language model, which trains, stays on the device.
+[`PartOffload`][multimodal_fsdp.offload.PartOffload] is that choice, checked once where it
+enters (the ``offload=`` option of
+[`MultimodalParallelizer`][multimodal_fsdp.parallelizer.MultimodalParallelizer]); the
+planner gives each unit the policy of the part its parameters belong to
+([`UnitPlan.offload_policy`][fsdp_core.plan.UnitPlan]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final, Literal, get_args
+
+from torch.distributed.fsdp import OffloadPolicy
+
+from fsdp_core.plan import format_offload
+
+__all__ = ["OFFLOAD_PARTS", "OffloadPart", "PartOffload"]
+
+#: The parts a model splits into for offloading: discovered towers, discovered projectors,
+#: and everything else (the language model, its embeddings and head: the root unit).
+OffloadPart = Literal["tower", "projector", "language_model"]
+
+OFFLOAD_PARTS: Final[tuple[OffloadPart, ...]] = get_args(OffloadPart)
+
+
+@dataclass(frozen=True)
+class PartOffload:
+    """The offload policy of each part; ``None`` keeps a part's shards on the device.
+
+    A plain ``OffloadPolicy()`` (FSDP2's "no offload") counts as ``None``.
+    """
+
+    tower: OffloadPolicy | None = None
+    projector: OffloadPolicy | None = None
+    language_model: OffloadPolicy | None = None
+
+    def __post_init__(self) -> None:
+        for part in OFFLOAD_PARTS:
+            value = getattr(self, part)
+            if value is not None and not isinstance(value, OffloadPolicy):
+                raise TypeError(
+                    f"offload[{part!r}] must be an OffloadPolicy or None, "
+                    f"got {type(value).__name__} ({value!r})"
+                )
+            if type(value) is OffloadPolicy:  # FSDP2's own "no offload"
+                object.__setattr__(self, part, None)
+
+    @classmethod
+    def parse(cls, value: object) -> PartOffload:
+        """``offload=`` as given: ``None`` (nothing offloaded), one ``OffloadPolicy`` (every
+        part, every unit: what ``offload_policy=`` always meant), a mapping from part names
+        (``"tower"``, ``"projector"``, ``"language_model"``) to policies, or a
+        ``PartOffload``.
+
+        Raises:
+            ValueError: a mapping names an unknown part (the message lists the valid ones).
+            TypeError: anything else, or a mapped value that is not an ``OffloadPolicy``.
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, PartOffload):
+            return value
+        if isinstance(value, OffloadPolicy):
+            return cls(tower=value, projector=value, language_model=value)
+        if not isinstance(value, Mapping):
+            raise TypeError(
+                "offload must be an OffloadPolicy, a mapping from parts "
+                f"({', '.join(OFFLOAD_PARTS)}) to OffloadPolicy, a PartOffload or None, "
+                f"got {type(value).__name__} ({value!r})"
+            )
+        for part in value:
+            if part not in OFFLOAD_PARTS:
+                raise ValueError(
+                    f"unknown offload part {part!r}; valid parts: {', '.join(OFFLOAD_PARTS)}"
+                )
+        return cls(**{str(part): policy for part, policy in value.items()})
+
+    def for_part(self, part: OffloadPart) -> OffloadPolicy | None:
+        """The policy of ``part`` (``None``: on the device)."""
+        policy: OffloadPolicy | None = getattr(self, part)
+        return policy
+
+    @property
+    def any(self) -> bool:
+        """Whether any part is offloaded."""
+        return any(self.for_part(part) is not None for part in OFFLOAD_PARTS)
+
+    def label(self) -> str:
+        """``tower=cpu, projector=-, language_model=-`` for plan notes and reports."""
+        return ", ".join(
+            f"{part}={'-' if policy is None else format_offload(policy)}"
+            for part in OFFLOAD_PARTS
+            for policy in (self.for_part(part),)
+        )
