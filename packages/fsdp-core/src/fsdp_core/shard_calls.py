@@ -112,7 +112,7 @@ def check_offload_given_once(calls: Sequence[ShardCall], offload_policy: object)
         return
     own = [call for call in calls if call.offload_policy is not None]
     if own:
-        labels = ", ".join(unit.label for call in own[:3] for unit in call.units[:1])
+        labels = ", ".join(repr(unit.label) for call in own[:3] for unit in call.units[:1])
         more = f" and {len(own) - 3} more" if len(own) > 3 else ""
         raise ValueError(
             f"the plan already offloads {len(own)} of its calls ({labels}{more}), so "
