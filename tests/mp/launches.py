@@ -26,7 +26,14 @@ NEEDS_PREVIOUS = frozenset({"ckpt_load_other_world"})
 
 LAUNCHES: dict[int, list[str]] = {
     # World size 1 runs only under NCCL (FSDP_TEST_BACKEND=nccl) with one GPU or more.
-    1: ["core_fp32_1d", "core_bf16_1d", "mm_frozen_root", "ds_trainable", "init_meta"],
+    1: [
+        "core_fp32_1d",
+        "core_bf16_1d",
+        "mm_frozen_root",
+        "ds_trainable",
+        "init_meta",
+        "mm_offload_tower",
+    ],
     2: [
         "core_fp32_1d",
         "core_bf16_1d",
@@ -34,6 +41,7 @@ LAUNCHES: dict[int, list[str]] = {
         "mm_frozen_root",
         "mm_frozen_per_layer",
         "mm_frozen_replicate",
+        "mm_offload_tower",
         "ds_frozen_root",
         "ds_frozen_per_layer",
         "ds_frozen_replicate",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,13 +12,14 @@ import torch.distributed as dist
 from registry import scenario
 from scenarios_core import full
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor
 from vlm import LR, build_vlm, to_device, vlm_batches, vlm_loss
 
-from fsdp_core import DistributedContext, build_mesh, mixed_precision_policy
+from fsdp_core import DistributedContext, build_mesh, internals, mixed_precision_policy
 from model_deepseek_v41 import PARALLELIZER
-from multimodal_fsdp import MultimodalParallelizer
+from multimodal_fsdp import MultimodalParallelizer, plan_costs
+from multimodal_fsdp.estimate.memory import estimate_memory
 
 STEPS = 3
 
@@ -113,3 +115,72 @@ def ds_trainable(ctx: DistributedContext, out: Path) -> dict[str, Any]:
     result["roles"] = plan.role_counts()
     result["vision_units"] = _units_in(model, "vision")
     return result
+
+
+def _device_bytes(device: torch.device) -> int:
+    """Bytes the caching allocator holds for live tensors on ``device`` (0 off CUDA)."""
+    if device.type != "cuda":
+        return 0
+    gc.collect()
+    return int(torch.cuda.memory_allocated(device))
+
+
+def _sharded_on(model: nn.Module, device: torch.device) -> tuple[list[str], list[str]]:
+    """Parameters whose local shard is (is not) on ``device``'s type."""
+    on, off = [], []
+    for name, param in model.named_parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        (on if local.device.type == device.type else off).append(name)
+    return on, off
+
+
+@scenario("mm_offload_tower")
+def mm_offload_tower(ctx: DistributedContext, out: Path) -> dict[str, Any]:
+    """The frozen tower offloaded (``offload={"tower": CPUOffloadPolicy()}``, per_layer)
+    while the language model stays on the device: trains as one process does; on CUDA
+    also the device memory the sharded model takes, with and without the offload."""
+    mesh = build_mesh()
+    policy = mixed_precision_policy("bf16", "fp32")
+    results: dict[str, Any] = {}
+    for offload in (False, True):
+        parallelizer = MultimodalParallelizer(
+            frozen_multimodal_sharding="per_layer",
+            extra_tower_names=("vision",),
+            offload={"tower": CPUOffloadPolicy()} if offload else None,
+        )
+        before = _device_bytes(ctx.device)
+        model = build_vlm(dtype=torch.float32, frozen_tower=True)
+        plan = parallelizer.plan(model, mp_policy=policy)
+        parallelizer.apply_plan(model, plan, mesh=mesh)
+        key = "offloaded" if offload else "plain"
+        results[f"{key}_device_bytes"] = _device_bytes(ctx.device) - before
+        estimate = estimate_memory(
+            plan_costs(plan, model, world_size=ctx.world_size), plan, model, optimizer="sgd"
+        )
+        results[f"{key}_predicted_device_param_bytes"] = (
+            estimate.sharded_param_bytes + estimate.replicated_param_bytes
+        )
+        results[f"{key}_predicted_host_param_bytes"] = estimate.host_param_bytes
+        if offload:
+            on_host = sorted(
+                label for label, unit in _unit_offloads(model).items() if unit is not None
+            )
+            results["offloaded_units"] = on_host
+            results["device_params"], results["host_params"] = (
+                _sharded_on(model, ctx.device) if ctx.device.type == "cuda" else ([], [])
+            )
+            results.update(train_vlm(model, ctx, vlm_batches(STEPS, ctx.world_size)))
+        del model
+    return results
+
+
+def _unit_offloads(model: nn.Module) -> dict[str, CPUOffloadPolicy | None]:
+    names = {id(m): n for n, m in model.named_modules()}
+    found: dict[str, CPUOffloadPolicy | None] = {}
+    for unit in internals.distinct_units(model):
+        (group,) = internals.param_groups(unit)
+        policy = group.offload_policy
+        found[names[id(unit)] or "<root>"] = (
+            policy if isinstance(policy, CPUOffloadPolicy) else None
+        )
+    return found
