@@ -149,6 +149,12 @@ def test_peft_method_saves_each_adapter_where_peft_does(tmp_path: Path) -> None:
         ours, theirs = _read(tmp_path / "ours" / sub), _read(tmp_path / "peft" / sub)
         assert set(ours) == set(theirs)
         assert all(torch.equal(ours[k], theirs[k]) for k in theirs), sub
+    called: list[object] = []  # accelerate's examples pass save_function=accelerator.save
+    model.save_pretrained(str(tmp_path / "accelerate"), save_function=called.append)
+    assert called == []
+    with_function, ours = _read(tmp_path / "accelerate"), _read(tmp_path / "ours")
+    assert set(with_function) == set(ours)
+    assert all(torch.equal(with_function[k], ours[k]) for k in ours)
     with pytest.raises(ValueError, match="cannot honour safe_serialization=False"):
         model.save_pretrained(str(tmp_path / "bin"), safe_serialization=False)
     with pytest.raises(ValueError, match=r"unknown ones \['third'\]"):

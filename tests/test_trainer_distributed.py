@@ -39,8 +39,10 @@ TOL = 1e-5
 
 
 @functools.cache
-def _reference(build: str, images: str, schedule: str = "linear") -> tc.Reference:
-    return tc.reference_run(build, images=images, schedule=schedule)
+def _reference(
+    build: str, images: str, schedule: str = "linear", steps: int = tc.STEPS
+) -> tc.Reference:
+    return tc.reference_run(build, images=images, schedule=schedule, steps=steps)
 
 
 def _result(mp2: MpResults, name: str) -> dict[str, Any]:
@@ -209,3 +211,142 @@ def test_a_save_only_model_checkpoint_resumes_the_weights_with_a_new_optimizer(
     assert not any(name.startswith("fsdp_checkpoint/") for name in listing)
     want = tc.one_step_from(result["step2_params"], images="rank0", step=2)
     _close(result["resumed_params"], want)
+
+
+# ------------------------------------------------------- accelerate's own export calls
+def _exports(mp2: MpResults) -> dict[str, Any]:
+    return _result(mp2, "accelerate_exports")
+
+
+def _export_path(mp2: MpResults, name: str) -> Path:
+    return Path(case_dir(mp2.out, "accelerate_exports")) / name  # type: ignore[attr-defined]
+
+
+def _returned_everywhere(errors: list[str | None]) -> None:
+    assert errors == [None] * tc.WORLD, errors
+
+
+def _refused_everywhere(errors: list[str | None], *words: str) -> None:
+    assert len(set(errors)) == 1, f"ranks differ: {errors}"
+    assert errors[0] is not None, "not refused"
+    for word in words:
+        assert word in errors[0], errors[0]
+
+
+@pytest.mark.parametrize("unwrap", [True, False])
+def test_accelerate_get_state_dict_holds_full_tensors_on_the_main_process(
+    unwrap: bool, mp2: MpResults
+) -> None:
+    """What accelerate's FSDP2 path returns: every tensor of ``model.state_dict()`` whole,
+    on CPU, on the main process; an empty dict elsewhere."""
+    result = _exports(mp2)
+    _returned_everywhere(result["get_state_dict"])
+    found = result[f"unwrap={unwrap}"]
+    state = found["state"]
+    initial = tc.build_frozen_tower().state_dict()
+    assert found["sizes"] == [len(initial), 0]
+    assert found["plain"] == [True, True]
+    assert set(state) == set(initial)
+    for name, value in state.items():
+        assert torch.equal(value, result["full"][name]), name
+    trained = _reference("frozen", "all", "constant", steps=1).params
+    _close({name: state[name] for name in trained}, trained)
+    for name in set(initial) - set(trained):
+        assert torch.equal(state[name], initial[name]), name
+
+
+def test_accelerate_get_state_dict_returns_on_each_rank_what_its_fsdp2_path_returns(
+    mp2: MpResults,
+) -> None:
+    fsdp2 = _result(mp2, "accelerate_fsdp2_plugin")["state_dict_sizes"]
+    assert fsdp2 == _exports(mp2)["unwrap=True"]["sizes"]
+
+
+@pytest.mark.parametrize(
+    "name", ["save_model", "save_model_shards", "save_pretrained", "save_pretrained_accelerate"]
+)
+def test_accelerate_exports_load_with_from_pretrained_bit_exactly(
+    name: str, mp2: MpResults
+) -> None:
+    """``accelerator.save_model`` (one file, or several with ``max_shard_size``) and
+    ``unwrap_model(model).save_pretrained`` (as accelerate's examples call it): the
+    library's export, which ``from_pretrained`` loads with the main process's tensors."""
+    result = _exports(mp2)
+    _returned_everywhere(result["errors"][name])
+    listing = set(result["listings"][name])
+    assert "config.json" in listing
+    if name == "save_model_shards":
+        shards = {f for f in listing if f.endswith(".safetensors")}
+        assert len(shards) > 1, listing
+        assert "model.safetensors.index.json" in listing
+    else:
+        assert "model.safetensors" in listing
+    loaded = type(tc.build_llava()).from_pretrained(_export_path(mp2, name), dtype=torch.float32)
+    want = result["unwrap=True"]["state"]
+    got = loaded.state_dict()
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+
+
+def test_accelerate_save_model_refuses_pickle_files_on_every_rank(mp2: MpResults) -> None:
+    result = _exports(mp2)
+    _refused_everywhere(
+        result["errors"]["save_model_bin"],
+        "ValueError: ",
+        "safe_serialization=False",
+        "fsdp_core.hf.save_pretrained",
+    )
+    assert result["listings"]["save_model_bin"] is None
+
+
+def test_save_pretrained_with_accelerates_state_dict_is_refused_on_every_rank(
+    mp2: MpResults,
+) -> None:
+    result = _exports(mp2)
+    _refused_everywhere(
+        result["errors"]["save_pretrained_state_dict"], "ValueError: ", "state_dict="
+    )
+    assert result["listings"]["save_pretrained_state_dict"] is None
+
+
+def test_accelerator_save_writes_the_gathered_state_dict(mp2: MpResults) -> None:
+    result = _exports(mp2)
+    _returned_everywhere(result["errors"]["save_full"])
+    saved = torch.load(_export_path(mp2, "full.bin"), weights_only=True)
+    want = result["unwrap=True"]["state"]
+    assert set(saved) == set(want)
+    for key, value in want.items():
+        assert torch.equal(saved[key], value), key
+
+
+@pytest.mark.parametrize(
+    ("name", "names"),
+    [
+        ("save_sharded_model_state", "accelerator.get_state_dict(model)"),
+        ("save_sharded_optimizer_state", "accelerator.save_state"),
+    ],
+)
+def test_accelerator_save_of_sharded_tensors_is_refused_on_every_rank(
+    name: str, names: str, mp2: MpResults
+) -> None:
+    """One process's shards in a file that looks whole: refused, nothing written."""
+    result = _exports(mp2)
+    _refused_everywhere(result["errors"][name], "ValueError: ", "DTensor", names)
+    assert f"{name.removeprefix('save_')}.bin" not in result["files"]
+
+
+@pytest.mark.parametrize("name", ["register_model", "register_optimizer"])
+def test_registering_the_sharded_model_for_checkpointing_is_refused(
+    name: str, mp2: MpResults
+) -> None:
+    """save_state already keeps them in fsdp_checkpoint/; accelerate's own copy would be
+    rank 0's shards, loaded on every rank."""
+    result = _exports(mp2)
+    _refused_everywhere(result["errors"][name], "ValueError: ", "fsdp_checkpoint/")
+
+
+def test_accelerate_clip_grad_norm_returns_the_whole_models_norm(mp2: MpResults) -> None:
+    norm = _exports(mp2)["norm"]
+    assert norm["type"] == "Tensor"
+    assert norm["got"] == pytest.approx([norm["want"]] * tc.WORLD, rel=1e-6)

@@ -17,7 +17,13 @@ parameters; and what the run wrote (exports, checkpoints).
   and takes step 3; ``load_state`` of a directory accelerate saved alone is refused.
 - ``accelerate_fsdp2_plugin``: the FSDP2-plugin path (accelerate's GPU path, emulated on
   CPU by setting its distributed type in this test only): ``prepare`` hands the sharded
-  model to ``accelerator.prepare``, which passes it through.
+  model to ``accelerator.prepare``, which passes it through; what accelerate's own
+  ``get_state_dict`` returns there on each rank (the contract the routed one keeps).
+- ``accelerate_exports``: after one step of the ``accelerate_loop`` run, the export calls
+  an accelerate user makes (``get_state_dict``, ``save_model`` with its options,
+  ``unwrap_model(model).save_pretrained`` as accelerate's examples call it,
+  ``accelerator.save`` of state dicts, ``register_for_checkpointing``,
+  ``clip_grad_norm_``'s norm): what each returns or raises on every rank, and the files.
 
 transformers, TRL, accelerate and datasets are imported inside: without them a scenario
 reports ``skipped``.
@@ -433,6 +439,8 @@ def _accelerate_case(ctx: DistributedContext, out: Path, name: str, plugin: Any)
         result["resumed_params"] = _trainable(model)
         if plugin is None:
             result["refused"] = _refused_plain_state(ctx, out, accelerator)
+        else:
+            result["state_dict_sizes"] = _everywhere(len(accelerator.get_state_dict(model)))
         return result
     finally:
         _restore_accelerate()
@@ -467,3 +475,104 @@ def accelerate_fsdp2_plugin(ctx: DistributedContext, out: Path) -> dict[str, Any
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
     return _accelerate_case(ctx, out, "accelerate_fsdp2_plugin", plugin)
+
+
+# ------------------------------------------------------- accelerate's own export calls
+#: ``max_shard_size`` that splits the tiny LLaVA's export into several files.
+EXPORT_SHARD_SIZE = "200KB"
+#: The directories ``accelerate_exports`` writes (or must not write), under its case_dir.
+EXPORT_DIRS = (
+    "save_model",
+    "save_model_shards",
+    "save_model_bin",
+    "save_pretrained",
+    "save_pretrained_accelerate",
+    "save_pretrained_state_dict",
+)
+
+
+def _state_dicts(accelerator: Any, model: nn.Module) -> dict[str, Any]:
+    """``get_state_dict`` (``unwrap`` both ways): the main process's dict; on every rank its
+    size and whether it holds plain CPU tensors only."""
+    found: dict[str, Any] = {}
+    for unwrap in (True, False):
+        state = accelerator.get_state_dict(model, unwrap=unwrap)
+        plain = all(type(v) is torch.Tensor and v.device.type == "cpu" for v in state.values())
+        found[f"unwrap={unwrap}"] = {
+            "sizes": _everywhere(len(state)),
+            "plain": _everywhere(plain),
+            "state": dict(state) if accelerator.is_main_process else None,
+        }
+    return found
+
+
+def _clip_norm(accelerator: Any, model: nn.Module, batches: Any) -> dict[str, Any]:
+    """``clip_grad_norm_``'s result (not clipping) beside the norm of the gathered gradients."""
+    model(**next(batches)).loss.backward()
+    grads = [full(p.grad) for p in model.parameters() if p.grad is not None]
+    want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    got = accelerator.clip_grad_norm_(model.parameters(), 1e6)
+    model.zero_grad()
+    return {"type": type(got).__name__, "got": _everywhere(float(full(got))), "want": float(want)}
+
+
+@scenario("accelerate_exports")
+def accelerate_exports(ctx: DistributedContext, out: Path) -> dict[str, Any]:
+    if _missing():
+        return {"skipped": f"needs {_missing()}"}
+    root = case_dir(out, "accelerate_exports")
+    try:
+        accelerator, model, optimizer, loader = _accelerate_run(ctx, None)
+        batches = iter(loader)
+        _accelerate_step(accelerator, model, optimizer, batches)
+        unwrapped = accelerator.unwrap_model(model)
+        result: dict[str, Any] = {
+            "full": {name: full(value) for name, value in model.state_dict().items()},
+            "unwrapped_is_model": unwrapped is model,
+        }
+        result["get_state_dict"] = _errors(lambda: result.update(_state_dicts(accelerator, model)))
+        calls: dict[str, Callable[[], Any]] = {
+            "save_model": lambda: accelerator.save_model(model, root / "save_model"),
+            "save_model_shards": lambda: accelerator.save_model(
+                model, root / "save_model_shards", max_shard_size=EXPORT_SHARD_SIZE
+            ),
+            "save_model_bin": lambda: accelerator.save_model(
+                model, root / "save_model_bin", safe_serialization=False
+            ),
+            "save_pretrained": lambda: unwrapped.save_pretrained(root / "save_pretrained"),
+            # accelerate's examples: the main process flag and accelerate's save function
+            "save_pretrained_accelerate": lambda: unwrapped.save_pretrained(
+                root / "save_pretrained_accelerate",
+                is_main_process=accelerator.is_main_process,
+                save_function=accelerator.save,
+            ),
+            # ... and, for sharded models, accelerate's gathered state dict
+            "save_pretrained_state_dict": lambda: unwrapped.save_pretrained(
+                root / "save_pretrained_state_dict",
+                is_main_process=accelerator.is_main_process,
+                save_function=accelerator.save,
+                state_dict=accelerator.get_state_dict(model),
+            ),
+            "save_full": lambda: accelerator.save(
+                accelerator.get_state_dict(model), root / "full.bin"
+            ),
+            "save_sharded_model_state": lambda: accelerator.save(
+                model.state_dict(), root / "sharded_model.bin"
+            ),
+            "save_sharded_optimizer_state": lambda: accelerator.save(
+                optimizer.state_dict(), root / "sharded_optimizer.bin"
+            ),
+            "register_model": lambda: accelerator.register_for_checkpointing(model),
+            "register_optimizer": lambda: accelerator.register_for_checkpointing(optimizer),
+        }
+        result["errors"] = {name: _errors(call) for name, call in calls.items()}
+        result["norm"] = _clip_norm(accelerator, model, batches)
+        if ctx.rank == 0:
+            result["listings"] = {
+                name: _listing(root / name) if (root / name).exists() else None
+                for name in EXPORT_DIRS
+            }
+            result["files"] = sorted(p.name for p in root.iterdir() if p.is_file())
+        return result
+    finally:
+        _restore_accelerate()

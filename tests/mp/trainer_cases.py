@@ -52,6 +52,7 @@ SCENARIOS = (
     "trainer_unmodified",
     "accelerate_loop",
     "accelerate_fsdp2_plugin",
+    "accelerate_exports",
 )
 
 

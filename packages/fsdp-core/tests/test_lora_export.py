@@ -276,6 +276,20 @@ def test_bound_save_pretrained_is_the_library_export(tmp_path: Path) -> None:
         assert _files(tmp_path / "copy") == _files(tmp_path / "lib")
 
 
+def test_bound_save_pretrained_takes_accelerates_save_function_and_never_calls_it(
+    tmp_path: Path,
+) -> None:
+    """accelerate's examples pass ``save_function=accelerator.save`` (transformers 5 and peft
+    accept it and never call it); the export writes the same files with it."""
+    model = HubModel()
+    install_collective_save(model)
+    called: list[object] = []
+    model.save_pretrained(tmp_path / "with", is_main_process=True, save_function=called.append)
+    model.save_pretrained(tmp_path / "without")
+    assert _files(tmp_path / "with") == _files(tmp_path / "without")
+    assert called == []
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
@@ -285,6 +299,7 @@ def test_bound_save_pretrained_is_the_library_export(tmp_path: Path) -> None:
         ({"variant": "fp16"}, ValueError, "variant='fp16'"),
         ({"is_main_process": "yes"}, TypeError, "is_main_process must be a bool"),
         ({"shard_everything": True}, TypeError, r"unexpected keyword arguments \['shard_ev"),
+        ({"save_function": "torch.save"}, TypeError, "save_function must be callable"),
     ],
 )
 def test_bound_save_pretrained_refuses_what_it_cannot_honour(

@@ -86,6 +86,15 @@ def _check_bool(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
+def _check_save_function(kwargs: dict[str, Any]) -> None:
+    """Take ``save_function`` out of ``kwargs``: accelerate's examples pass
+    ``save_function=accelerator.save``, which transformers 5 and peft accept and never
+    call; the export writes its own files, so it is not called either."""
+    save_function = kwargs.pop("save_function", None)
+    if save_function is not None and not callable(save_function):
+        raise TypeError(f"save_function must be callable, got {save_function!r}")
+
+
 def save_hf_model(
     self: nn.Module,
     save_directory: str | os.PathLike[str],
@@ -108,21 +117,24 @@ def save_hf_model(
 
     Collective: call it on every rank (``is_main_process`` is accepted and not
     needed: rank 0 writes). ``max_shard_size`` is honoured (default: the
-    library's, 5GB, as for ``save_pretrained(model, d)``); ``merge_adapters=True``
-    merges LoRA-wrapped modules and ``timeout`` bounds the wait for the other
-    ranks, as in the library's export. ``state_dict``, ``push_to_hub``, ``variant``, ``token``,
-    ``safe_serialization=False``, ``save_original_format=False`` and
-    ``distributed_checkpoint=True`` are refused; ``save_peft_format`` only
-    concerns adapters loaded through transformers, which the export refuses
-    unless merged.
+    library's, 5GB, as for ``save_pretrained(model, d)``); ``save_function``
+    (accelerate's examples pass ``accelerator.save``) is accepted and not called,
+    as in transformers 5; ``merge_adapters=True`` merges LoRA-wrapped modules and
+    ``timeout`` bounds the wait for the other ranks, as in the library's export.
+    ``state_dict``, ``push_to_hub``, ``variant``, ``token``, ``safe_serialization=False``,
+    ``save_original_format=False`` and ``distributed_checkpoint=True`` are refused;
+    ``save_peft_format`` only concerns adapters loaded through transformers, which the
+    export refuses unless merged.
     """
     name = f"{_hf_model.original_class(self).__name__}.{_ATTRIBUTE}"
+    _check_save_function(kwargs)
     _unknown(
         name,
         kwargs,
         (
             "save_directory, is_main_process, max_shard_size, save_peft_format, "
-            "merge_adapters, timeout (and, only at their defaults, state_dict, push_to_hub, "
+            "merge_adapters, timeout, save_function (not called) (and, only at their "
+            "defaults, state_dict, push_to_hub, "
             "variant, token, safe_serialization, save_original_format, distributed_checkpoint)",
         ),
     )
@@ -180,19 +192,22 @@ def save_peft_model(
     ``selected_adapters`` (default: all), ``"default"`` in ``save_directory``
     and any other in a sub-directory of its name; only the adapter tensors
     (and ``modules_to_save``) are gathered. ``save_embedding_layers`` is
-    honoured; ``merge_adapters=True`` instead writes the merged model
+    honoured; ``save_function`` is accepted and not called, as in peft;
+    ``merge_adapters=True`` instead writes the merged model
     (``fsdp_core.hf.save_pretrained(model, d, merge_adapters=True)``).
     ``safe_serialization=False``, ``path_initial_model_for_weight_conversion``
     and ``state_dict`` are refused.
     """
     name = f"{_hf_model.original_class(self).__name__}.{_ATTRIBUTE}"
     state_dict = kwargs.pop("state_dict", None)
+    _check_save_function(kwargs)
     _unknown(
         name,
         kwargs,
         (
             "save_directory, selected_adapters, save_embedding_layers, is_main_process, "
-            "merge_adapters, timeout (and, only at their defaults, safe_serialization, "
+            "merge_adapters, timeout, save_function (not called) (and, only at their "
+            "defaults, safe_serialization, "
             "path_initial_model_for_weight_conversion, state_dict)",
         ),
     )

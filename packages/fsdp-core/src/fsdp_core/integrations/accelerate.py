@@ -22,20 +22,34 @@ would hold one rank's shards only (loaded on every rank, it silently corrupts th
 optimizer), gets a placeholder instead. ``load_state`` of a directory without
 ``CHECKPOINT_DIR`` (written by accelerate alone) is refused on every rank before
 anything is read.
+
+Off the FSDP2 path ``prepare`` also routes accelerate's calls that read or write the
+weights of a sharded model (accelerate's own read the shards as if they were whole):
+``get_state_dict`` returns what it returns on the FSDP2 path (whole tensors on CPU on the
+main process, an empty dict elsewhere: ``fsdp_core.export_full_state_dict``),
+``save_model`` writes the library's export (``fsdp_core.hf.save_pretrained``, as
+``model.save_pretrained`` and ``ShardedTrainer.save_model`` do), and ``save`` and
+``register_for_checkpointing`` refuse sharded tensors, whose file would hold one rank's
+shards. Every other model and object goes to accelerate unchanged.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import os
+import types
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
-from fsdp_core.checkpoint import load_checkpoint, save_checkpoint
+from fsdp_core.checkpoint import export_full_state_dict, load_checkpoint, save_checkpoint
+from fsdp_core.hf import save_pretrained
+from fsdp_core.hf.pretrained import DEFAULT_MAX_SHARD_SIZE
 from fsdp_core.integrations import IntegrationRequiredError
 
 try:
@@ -177,10 +191,148 @@ def prepare(accelerator: Accelerator, model: nn.Module, *objects: Any) -> tuple[
         inner.register_load_state_dict_pre_hook(state.optimizer_load_state_dict)
     accelerator.register_save_state_pre_hook(state.before_save)
     accelerator.register_load_state_pre_hook(state.before_load)
-    accelerator.register_for_checkpointing(state)
+    Accelerator.register_for_checkpointing(accelerator, state)
+    _route_weight_calls(accelerator)
     logger.info(
         "accelerate prepared everything but the sharded model; save_state/load_state keep "
         "the model and optimizer in %s/",
         CHECKPOINT_DIR,
     )
     return (model, *prepared)
+
+
+# --------------------------------------------------------------------------------------
+# accelerate's calls that read or write a sharded model's weights, off the FSDP2 path.
+# Bound to the accelerator instance by ``prepare`` (its class keeps accelerate's own);
+# anything that holds no sharded tensor goes to accelerate's method unchanged.
+
+
+def _sharded_module(accelerator: Accelerator, model: object) -> nn.Module | None:
+    """The module under accelerate's wrappers (``torch.compile`` included) if it has FSDP
+    units, else ``None``."""
+    if not isinstance(model, nn.Module):
+        return None
+    inner = Accelerator.unwrap_model(accelerator, model, keep_torch_compile=False)
+    if isinstance(inner, nn.Module) and any(isinstance(m, FSDPModule) for m in inner.modules()):
+        return inner
+    return None
+
+
+def _sharded_optimizer(obj: object) -> bool:
+    """Whether ``obj`` is an optimizer (accelerate's wrapper or torch's) over DTensors."""
+    inner = getattr(obj, "optimizer", obj)
+    if not isinstance(inner, torch.optim.Optimizer):
+        return False
+    return any(isinstance(p, DTensor) for group in inner.param_groups for p in group["params"])
+
+
+def _dtensor_keys(obj: object, path: str = "") -> Iterator[str]:
+    """The paths of the DTensors in nested mappings, lists and tuples."""
+    if isinstance(obj, DTensor):
+        yield path or "<the object>"
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from _dtensor_keys(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for index, value in enumerate(obj):
+            yield from _dtensor_keys(value, f"{path}[{index}]")
+
+
+def _get_state_dict(self: Accelerator, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
+    """accelerate's ``get_state_dict``; a sharded model's as on accelerate's FSDP2 path:
+    ``fsdp_core.export_full_state_dict`` (whole tensors on CPU on the main process, an
+    empty dict on the others). Collective for a sharded model: every rank calls it."""
+    sharded = _sharded_module(self, model)
+    if sharded is not None:
+        return export_full_state_dict(sharded)
+    if _sharded_optimizer(model):
+        raise ValueError(
+            "accelerator.get_state_dict takes a model; this optimizer holds one rank's shards "
+            "of a sharded model. accelerator.save_state keeps it (with the model) in "
+            f"{CHECKPOINT_DIR}/, or checkpoint it with fsdp_core.checkpoint.save_checkpoint"
+        )
+    state: dict[str, Any] = Accelerator.get_state_dict(self, model, unwrap=unwrap)
+    return state
+
+
+def _save_model(
+    self: Accelerator,
+    model: nn.Module,
+    save_directory: str | os.PathLike[str],
+    max_shard_size: int | str | None = None,
+    safe_serialization: bool = True,
+) -> None:
+    """accelerate's ``save_model``; a sharded model goes to ``fsdp_core.hf.save_pretrained``
+    (collective: every rank calls it; rank 0 writes beside the old export and swaps it
+    in), with ``max_shard_size`` (default the library's) and safetensors only."""
+    sharded = _sharded_module(self, model)
+    if sharded is None:
+        options: dict[str, Any] = {"safe_serialization": safe_serialization}
+        if max_shard_size is not None:
+            options["max_shard_size"] = max_shard_size
+        Accelerator.save_model(self, model, save_directory, **options)
+        return
+    if safe_serialization is not True:
+        raise ValueError(
+            f"accelerator.save_model of a sharded model writes the library's export "
+            f"(fsdp_core.hf.save_pretrained), in safetensors files only: "
+            f"safe_serialization={safe_serialization!r} is refused (nothing was written). "
+            "Leave it out, or gather the tensors with accelerator.get_state_dict(model) and "
+            "write them with torch.save on the main process"
+        )
+    save_pretrained(
+        sharded,
+        save_directory,
+        max_shard_size=DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size,
+    )
+
+
+def _save(
+    self: Accelerator, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False
+) -> None:
+    """accelerate's ``save``; refused for an object holding DTensors, of which the main
+    process alone would write its own shards, in a file that looks whole."""
+    found = list(_dtensor_keys(obj))
+    if found:
+        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise ValueError(
+            f"accelerator.save of DTensor shards ({shown}): the main process would write its "
+            "own shards only, in a file that looks whole. Save a model's weights with "
+            "accelerator.get_state_dict(model) (whole tensors on the main process) or "
+            "accelerator.save_model(model, directory); its optimizer with "
+            f"accelerator.save_state (in {CHECKPOINT_DIR}/)"
+        )
+    Accelerator.save(self, obj, f, safe_serialization=safe_serialization)
+
+
+def _register_for_checkpointing(self: Accelerator, *objects: Any) -> None:
+    """accelerate's ``register_for_checkpointing``; refused for a sharded model or an
+    optimizer over one, which accelerate would save from rank 0 alone (its shards)."""
+    sharded = [
+        type(obj).__name__
+        for obj in objects
+        if _sharded_module(self, obj) is not None or _sharded_optimizer(obj)
+    ]
+    if sharded:
+        raise ValueError(
+            f"register_for_checkpointing({', '.join(sharded)}): accelerate would save rank 0's "
+            "shards of the sharded model and load them on every rank. accelerator.save_state "
+            f"already keeps the model and the optimizer given to prepare in {CHECKPOINT_DIR}/; "
+            "checkpoint other sharded objects with fsdp_core.checkpoint"
+        )
+    Accelerator.register_for_checkpointing(self, *objects)
+
+
+#: accelerate method name -> the routed version bound to a prepared accelerator.
+_ROUTED: dict[str, Any] = {
+    "get_state_dict": _get_state_dict,
+    "save_model": _save_model,
+    "save": _save,
+    "register_for_checkpointing": _register_for_checkpointing,
+}
+
+
+def _route_weight_calls(accelerator: Accelerator) -> None:
+    """Bind the routed methods to ``accelerator`` (again on a second ``prepare``: same)."""
+    for name, function in _ROUTED.items():
+        accelerator.__dict__[name] = types.MethodType(function, accelerator)
