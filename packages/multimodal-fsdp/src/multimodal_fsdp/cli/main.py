@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 from fsdp_core.mesh import MeshShape, resolve_mesh_shape
 from fsdp_core.precision import DTYPE_ALIASES, mixed_precision_policy, parse_dtype
@@ -39,6 +40,7 @@ from multimodal_fsdp.cli.presets import ModelPreset, model_presets
 from multimodal_fsdp.estimate.choose import PolicyChoice, choose_frozen_policy
 from multimodal_fsdp.estimate.costs import PlanCosts
 from multimodal_fsdp.estimate.memory import OPTIMIZER_STATES
+from multimodal_fsdp.offload import OFFLOAD_PARTS, PartOffload
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 from multimodal_fsdp.policy import (
     VALID_FROZEN_MULTIMODAL_SHARDING,
@@ -266,6 +268,17 @@ def _add_memory_options(plan: argparse.ArgumentParser) -> None:
         choices=tuple(OPTIMIZER_STATES),
         default="adamw",
         help="optimizer whose state the memory estimate counts (default adamw)",
+    )
+    plan.add_argument(
+        "--offload",
+        choices=OFFLOAD_PARTS,
+        action="append",
+        default=[],
+        help=(
+            "keep this part's shards (and gradients and optimizer state, when trainable) "
+            "in host memory: CPUOffloadPolicy for its units (repeat for several parts); "
+            "the memory estimate counts them as host bytes"
+        ),
     )
     plan.add_argument(
         "--activations",
@@ -522,6 +535,15 @@ def _balancing(parallelizer: MultimodalParallelizer) -> MultimodalParallelizer:
     return clone
 
 
+def _offloading(
+    parallelizer: MultimodalParallelizer, parts: Sequence[str]
+) -> MultimodalParallelizer:
+    """A copy of ``parallelizer`` that offloads ``parts`` to host memory (``--offload``)."""
+    clone = copy.copy(parallelizer)
+    clone.offload = PartOffload.parse(dict.fromkeys(parts, CPUOffloadPolicy()))
+    return clone
+
+
 def _plan(args: argparse.Namespace) -> tuple[PlanCosts, PolicyChoice | None]:
     try:
         mesh = resolve_mesh_shape(world_size=args.world_size, dp_replicate=args.dp_replicate)
@@ -530,6 +552,8 @@ def _plan(args: argparse.Namespace) -> tuple[PlanCosts, PolicyChoice | None]:
     model, parallelizer, described = _build_described(args.model, parse_dtype(args.storage_dtype))
     if args.balance_media:
         parallelizer = _balancing(parallelizer)
+    if args.offload:
+        parallelizer = _offloading(parallelizer, args.offload)
     frozen = freeze(model, parallelizer, args.freeze)
     costs, choice = _costs(args, model, parallelizer, mesh)
     notes = list(costs.notes)
