@@ -350,3 +350,26 @@ def test_accelerate_clip_grad_norm_returns_the_whole_models_norm(mp2: MpResults)
     norm = _exports(mp2)["norm"]
     assert norm["type"] == "Tensor"
     assert norm["got"] == pytest.approx([norm["want"]] * tc.WORLD, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["save_model", "save_pretrained"])
+def test_accelerate_exports_of_a_peft_model_are_its_adapter(name: str, mp2: MpResults) -> None:
+    """A sharded ``PeftModel``: ``get_state_dict`` as for any model; ``save_model`` and
+    ``save_pretrained`` write its adapter (as ``ShardedTrainer.save_model`` and peft do),
+    which ``PeftModel.from_pretrained`` loads onto the base bit-exactly."""
+    result = _result(mp2, "accelerate_exports_lora")
+    _returned_everywhere(result["get_state_dict"])
+    state = result["unwrap=True"]["state"]
+    initial = tc.build_lora().state_dict()
+    assert result["unwrap=True"]["sizes"] == [len(initial), 0]
+    assert set(state) == set(initial)
+    for key, value in state.items():
+        assert torch.equal(value, result["full"][key]), key
+        assert torch.equal(value, initial[key]), key
+    _returned_everywhere(result["errors"][name])
+    assert set(result["listings"][name]) == {"adapter_config.json", "adapter_model.safetensors"}
+    path = Path(case_dir(mp2.out, "accelerate_exports_lora")) / name  # type: ignore[attr-defined]
+    loaded = peft.PeftModel.from_pretrained(tc.build_llava(), path).state_dict()
+    assert set(loaded) == set(state)
+    for key, value in state.items():
+        assert torch.equal(loaded[key], value), key

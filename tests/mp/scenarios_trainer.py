@@ -24,6 +24,8 @@ parameters; and what the run wrote (exports, checkpoints).
   ``unwrap_model(model).save_pretrained`` as accelerate's examples call it,
   ``accelerator.save`` of state dicts, ``register_for_checkpointing``,
   ``clip_grad_norm_``'s norm): what each returns or raises on every rank, and the files.
+- ``accelerate_exports_lora``: ``get_state_dict``, ``save_model`` and
+  ``unwrap_model(model).save_pretrained`` of a sharded ``PeftModel``.
 
 transformers, TRL, accelerate and datasets are imported inside: without them a scenario
 reports ``skipped``.
@@ -573,6 +575,39 @@ def accelerate_exports(ctx: DistributedContext, out: Path) -> dict[str, Any]:
                 for name in EXPORT_DIRS
             }
             result["files"] = sorted(p.name for p in root.iterdir() if p.is_file())
+        return result
+    finally:
+        _restore_accelerate()
+
+
+@scenario("accelerate_exports_lora")
+def accelerate_exports_lora(ctx: DistributedContext, out: Path) -> dict[str, Any]:
+    if _missing():
+        return {"skipped": f"needs {_missing()}"}
+    from accelerate import Accelerator
+
+    from fsdp_core.integrations.accelerate import prepare
+
+    root = case_dir(out, "accelerate_exports_lora")
+    try:
+        accelerator = Accelerator(cpu=ctx.device.type == "cpu")
+        (model,) = prepare(accelerator, _sharded("lora", "root", False))
+        result: dict[str, Any] = {
+            "full": {name: full(value) for name, value in model.state_dict().items()}
+        }
+        result["get_state_dict"] = _errors(lambda: result.update(_state_dicts(accelerator, model)))
+        unwrapped = accelerator.unwrap_model(model)
+        calls: dict[str, Callable[[], Any]] = {
+            "save_model": lambda: accelerator.save_model(model, root / "save_model"),
+            "save_pretrained": lambda: unwrapped.save_pretrained(
+                root / "save_pretrained",
+                is_main_process=accelerator.is_main_process,
+                save_function=accelerator.save,
+            ),
+        }
+        result["errors"] = {name: _errors(call) for name, call in calls.items()}
+        if ctx.rank == 0:
+            result["listings"] = {name: _listing(root / name) for name in calls}
         return result
     finally:
         _restore_accelerate()

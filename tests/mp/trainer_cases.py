@@ -53,6 +53,7 @@ SCENARIOS = (
     "accelerate_loop",
     "accelerate_fsdp2_plugin",
     "accelerate_exports",
+    "accelerate_exports_lora",
 )
 
 
