@@ -509,3 +509,20 @@ def test_a_tower_that_cannot_run_on_meta_is_noted_as_checked_at_the_first_step(
     )
     assert "RuntimeError" not in out
     assert "Tensor on device meta" not in out
+
+
+def test_balance_media_names_the_group_each_call_is_balanced_over(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The default balance group (``"auto"``): every rank up to 64, groups of 64 at 128
+    ranks; a tower with units (``per_layer``) is balanced over every rank."""
+    base = ["--model", "deepseek-v41-tiny", "--balance-media", "--freeze", "vision"]
+    small = run(capsys, *base, "--world-size", "2", "--policy", "root")
+    assert "each call balanced over all 2 data-parallel ranks" in small
+    big = run(capsys, *base, "--world-size", "128", "--policy", "root")
+    assert "over groups of at most 64 consecutive data-parallel ranks ('auto')" in big
+    assert "each call balanced within a group of 64 of the 128 data-parallel ranks" in big
+    assert "slot 170.0 KiB" in big  # 64 ranks' slots, not 128's
+    units = run(capsys, *base, "--world-size", "128", "--policy", "per_layer")
+    assert "tower calls balanced over all data-parallel ranks" in units
+    assert "each call balanced over all 128 data-parallel ranks" in units

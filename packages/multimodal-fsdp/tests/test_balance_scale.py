@@ -18,8 +18,13 @@ from fsdp_core import build_mesh
 from fsdp_core.fake_group import fake_process_group
 from fsdp_core.internals import TorchDispatchMode
 from multimodal_fsdp import MultimodalParallelizer
+from multimodal_fsdp.balance._planned import auto_group_size, group_size
 from multimodal_fsdp.balance.traffic import SLOT_INTS
-from multimodal_fsdp.runtime.balance_media import balance_group_ranks
+from multimodal_fsdp.runtime.balance_media import (
+    AUTO_GROUP_RANKS,
+    BalanceMediaRuntimeHook,
+    balance_group_ranks,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor")
 
@@ -167,3 +172,72 @@ def test_a_group_smaller_than_the_world_needs_towers_without_cross_group_units()
         )
         with pytest.raises(ValueError, match=r"\['vision_tower'\] own FSDP units"):
             parallelizer.parallelize(model, mesh=build_mesh())
+
+
+def test_the_default_group_is_auto() -> None:
+    assert MultimodalParallelizer().balance_media_group == "auto"
+    assert MultimodalParallelizer(balance_media_group="all").balance_media_group == "all"
+
+
+def test_auto_is_the_whole_world_up_to_64_ranks_then_a_divisor_near_64() -> None:
+    """``"auto"``: every rank up to 64; above, the largest divisor of the data-parallel
+    size up to 64 when it is at least 32, else the smallest divisor above 64 (every rank
+    on a prime size), so each group is a valid block and balances at least 32 ranks."""
+    assert AUTO_GROUP_RANKS == 64
+    assert [auto_group_size(n) for n in (1, 2, 3, 4, 8, 13, 64)] == [1, 2, 3, 4, 8, 13, 64]
+    assert [auto_group_size(n) for n in (128, 1024, 96, 72, 100, 1000)] == [64, 64, 48, 36, 50, 50]
+    assert [auto_group_size(n) for n in (67, 134, 536, 1016)] == [67, 67, 67, 127]
+    assert [group_size("auto", n) for n in (2, 4, 1024)] == [2, 4, 64]
+    assert group_size("auto", 1024, dp_replicate=8) == 64  # the data-parallel ranks, all dims
+
+
+def test_the_auto_groups_of_a_mesh() -> None:
+    assert balance_group_ranks([list(range(8))], "auto") == [list(range(8))]
+    assert balance_group_ranks([list(range(128))], "auto") == [
+        list(range(64)),
+        list(range(64, 128)),
+    ]
+    rows = [list(range(r * 48, r * 48 + 48)) for r in range(2)]  # HSDP: 2 replicas of 48
+    assert balance_group_ranks(rows, "auto") == rows  # blocks of 48 in row order
+
+
+def test_the_default_balances_within_64_ranks_at_1024(assigned: list[tuple[int, int]]) -> None:
+    """The default group at scale: the slot gathers of 64 ranks and an assignment of their
+    128 images, as ``balance_media_group=64``; at 64 ranks it is every rank."""
+    assert _step(1024, "auto") == [("allgather_", 64 * SLOT_INTS * 8)] * 2
+    assert _step(64, "auto") == _step(64, "all")
+    assert assigned == [(64, 128)] * 3
+
+
+def _plan_group(policy: str, group: str | int = "auto") -> tuple[str | int, str]:
+    model = _Vlm()
+    model.vision_tower.requires_grad_(False)
+    plan = MultimodalParallelizer(
+        frozen_multimodal_sharding=policy, balance_media=True, balance_media_group=group
+    ).plan(model)
+    planned = plan.hook("balance_media")
+    assert planned is not None
+    assert isinstance(planned.hook, BalanceMediaRuntimeHook)
+    return planned.hook.group, planned.format()
+
+
+def test_the_plan_shows_the_default_group() -> None:
+    group, line = _plan_group("root")
+    assert group == "auto"
+    assert "tower calls balanced over groups of at most 64 consecutive data-parallel ranks" in line
+    assert _plan_group("root", "all")[0] == "all"
+
+
+def test_auto_balances_a_tower_with_units_over_every_rank() -> None:
+    """A tower with units (``per_layer``) gathers over every rank, so a group without media
+    would skip its all-gathers: ``"auto"`` balances it over every rank (an explicit
+    smaller group is refused at install), and the 128-rank install succeeds."""
+    group, line = _plan_group("per_layer")
+    assert group == "all"
+    assert "tower calls balanced over all data-parallel ranks" in line
+    with fake_process_group(128, rank=0):
+        model = _Vlm()
+        model.vision_tower.requires_grad_(False)
+        MultimodalParallelizer(
+            frozen_multimodal_sharding="per_layer", balance_media=True
+        ).parallelize(model, mesh=build_mesh())

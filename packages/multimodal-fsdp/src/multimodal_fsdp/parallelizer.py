@@ -124,7 +124,10 @@ class MultimodalParallelizer(ModelParallelizer):
     ([`multimodal_fsdp.runtime.joined_layers`][multimodal_fsdp.runtime.joined_layers]);
     with ``uneven_media=True`` as well, projectors and media-dependent decoder layers
     fold into the root unit and balanced towers keep their units.
-    ``balance_media_group``: over which ranks each call is balanced: ``"all"`` (every
+    ``balance_media_group``: over which ranks each call is balanced: ``"auto"`` (the
+    default: every data-parallel rank up to 64, above that blocks of 32 to 64 consecutive
+    ranks, see [`balance_group_ranks`][multimodal_fsdp.runtime.balance_media.balance_group_ranks];
+    every rank when a balanced tower or joined module owns units), ``"all"`` (every
     data-parallel rank), ``"shard"`` / ``"replicate"`` (the groups of one dimension of
     an HSDP mesh) or a block size ``k`` (``k`` consecutive ranks, e.g. a node), so the
     exchange per rank stays bounded as the world grows.
@@ -161,7 +164,7 @@ class MultimodalParallelizer(ModelParallelizer):
         uneven_media: bool = False,
         disabled_hooks: Iterable[str] = (),
         balance_media: bool = False,
-        balance_media_group: str | int = "all",
+        balance_media_group: str | int = "auto",
         offload: OffloadPolicy | Mapping[str, OffloadPolicy | None] | PartOffload | None = None,
     ) -> None:
         super().__init__(dtype_safe=dtype_safe, disabled_hooks=disabled_hooks)

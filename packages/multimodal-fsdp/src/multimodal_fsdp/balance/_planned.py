@@ -24,12 +24,14 @@ if TYPE_CHECKING:
     from multimodal_fsdp.balance._step_media import StepMedia
 
 __all__ = [
+    "AUTO_GROUP_RANKS",
     "BALANCE_MEDIA",
     "DECISION_BYTES",
     "BalancePlanned",
     "BalancedTower",
     "JoinedModule",
     "Removable",
+    "auto_group_size",
     "blob_words",
     "group_size",
 ]
@@ -99,9 +101,30 @@ class JoinedModule:
     trainable: bool
 
 
+#: ``balance_media_group="auto"`` (the default) balances within blocks of at most this
+#: many consecutive data-parallel ranks: one balanced call's host work (slot gather,
+#: assignment) grows with its group, and balance quality with it (docs/benchmark.md 8b).
+AUTO_GROUP_RANKS: Final = 64
+
+
+def auto_group_size(ranks: int) -> int:
+    """The block size ``"auto"`` balances within on ``ranks`` data-parallel ranks: all of
+    them up to ``AUTO_GROUP_RANKS``; above, the largest divisor of ``ranks`` up to it
+    when that is at least half of it, else the smallest divisor above it (every rank on
+    a prime size). Always a divisor (equal blocks), never a group under half the bound."""
+    if ranks <= AUTO_GROUP_RANKS:
+        return ranks
+    below = max(d for d in range(1, AUTO_GROUP_RANKS + 1) if ranks % d == 0)
+    if 2 * below >= AUTO_GROUP_RANKS:
+        return below
+    return next(d for d in range(AUTO_GROUP_RANKS + 1, ranks + 1) if ranks % d == 0)
+
+
 def group_size(group: str | int, world_size: int, dp_replicate: int = 1) -> int:
-    """The ranks of one balance group (``"all"``, ``"shard"``, ``"replicate"`` or a block
-    size) on a mesh of ``world_size`` ranks with ``dp_replicate`` replicas."""
+    """The ranks of one balance group (``"auto"``, ``"all"``, ``"shard"``, ``"replicate"``
+    or a block size) on a mesh of ``world_size`` ranks with ``dp_replicate`` replicas."""
+    if group == "auto":
+        return auto_group_size(world_size)
     if group == "all":
         return world_size
     if group == "shard":

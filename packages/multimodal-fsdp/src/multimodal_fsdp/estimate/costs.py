@@ -357,7 +357,7 @@ def _costs_of(
     towers = balanced_towers(plan)
     if towers and step.media is None:
         world = balance_group_size(plan, shape.world_size, shape.dp_replicate)
-        notes.append(_exchange_note(towers, world))
+        notes.append(_exchange_note(towers, world, shape.world_size))
     return PlanCosts(
         model=_model_name(step.model),
         mesh=shape,
@@ -379,9 +379,10 @@ def _costs_of(
     )
 
 
-def _exchange_note(towers: Iterable[BalancedTower], world: int) -> str:
+def _exchange_note(towers: Iterable[BalancedTower], world: int, ranks: int) -> str:
     """What the exchange of each balanced tower costs per call, where the plan alone
-    cannot count it."""
+    cannot count it, and over how many of the ``ranks`` data-parallel ranks (``world``,
+    its balance group) each call is balanced."""
     slot = format_bytes(world * SLOT_INTS * 8)
     status = format_bytes(world * STATUS_INTS * 8)
     parts = []
@@ -397,6 +398,12 @@ def _exchange_note(towers: Iterable[BalancedTower], world: int) -> str:
         "balanced-media exchange NOT counted above: its calls and bytes depend on the "
         "step's media (give plan_costs media=, e.g. from record_step_media, or the CLI --batch); "
         + "; ".join(parts)
+        + (
+            f"; each call balanced over all {ranks} data-parallel ranks"
+            if world == ranks
+            else f"; each call balanced within a group of {world} of the {ranks} data-parallel "
+            "ranks"
+        )
     )
 
 

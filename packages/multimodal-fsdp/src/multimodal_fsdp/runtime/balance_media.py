@@ -58,10 +58,12 @@ from fsdp_core.containers import is_under
 from fsdp_core.internals import GRAPH_TASK, Probe
 from fsdp_core.runtime import HookStep, RuntimeHook
 from multimodal_fsdp.balance._planned import (
+    AUTO_GROUP_RANKS,
     BALANCE_MEDIA,
     DECISION_BYTES,
     BalancedTower,
     JoinedModule,
+    auto_group_size,
 )
 from multimodal_fsdp.balance._step_media import StepMedia, planned_runs, planned_tally
 from multimodal_fsdp.balance.targets import balance_targets
@@ -74,6 +76,7 @@ __all__ = [
     "JoinedModule",
     "BalanceMedia",
     "BalanceMediaRuntimeHook",
+    "AUTO_GROUP_RANKS",
     "BALANCE_GROUPS",
     "balance_group_ranks",
     "check_balance_group",
@@ -87,7 +90,9 @@ NAME = BALANCE_MEDIA
 BARRIER_BYTES = SLOT_INTS * 8
 
 #: The named balance groups (``balance_media_group=``); a positive int is a block size.
-BALANCE_GROUPS = ("all", "shard", "replicate")
+#: ``"auto"``, the default, is a block size from the data-parallel size
+#: (``auto_group_size``), or every rank where a balanced module owns units.
+BALANCE_GROUPS = ("auto", "all", "shard", "replicate")
 
 
 def check_balance_group(value: object) -> str | int:
@@ -127,9 +132,12 @@ def balance_group_ranks(mesh_ranks: Sequence[Sequence[int]], spec: str | int) ->
     replica of an HSDP mesh, one row for a 1-D mesh), as lists of global ranks:
     ``"all"`` every rank; ``"shard"`` each row (the ranks that shard one replica);
     ``"replicate"`` each column (the ranks holding the same shard); an int ``k`` blocks
-    of ``k`` consecutive ranks in row order (``k`` must divide the ranks)."""
+    of ``k`` consecutive ranks in row order (``k`` must divide the ranks); ``"auto"``
+    blocks of ``auto_group_size`` ranks (every rank up to ``AUTO_GROUP_RANKS``)."""
     flat = [int(r) for row in mesh_ranks for r in row]
-    if spec == "all":
+    if spec == "auto":
+        spec = auto_group_size(len(flat))
+    if spec == "all" or spec == len(flat):
         return [flat]
     if spec == "shard":
         return [[int(r) for r in row] for row in mesh_ranks]
@@ -170,8 +178,8 @@ class BalanceMediaRuntimeHook(RuntimeHook):
     whose forward pre-hook joins the calls a rank does not make; ``""``: the end of
     the model's forward), the joined modules (projectors with units of their own), the
     joined decoder layers (media-dependent layers that are units,
-    ``multimodal_fsdp.runtime.joined_layers``) and the balance group (``"all"``,
-    ``"shard"``, ``"replicate"`` or a block size: see ``balance_group_ranks``)."""
+    ``multimodal_fsdp.runtime.joined_layers``) and the balance group (``"auto"``,
+    ``"all"``, ``"shard"``, ``"replicate"`` or a block size: see ``balance_group_ranks``)."""
 
     name: ClassVar[str] = NAME
     reads: ClassVar[tuple[Probe, ...]] = (GRAPH_TASK,)
@@ -192,7 +200,7 @@ class BalanceMediaRuntimeHook(RuntimeHook):
         media_only: Sequence[str],
         joined: Sequence[str] = (),
         layers: Sequence[str] = (),
-        group: str | int = "all",
+        group: str | int = "auto",
     ) -> BalanceMediaRuntimeHook:
         """The hook balancing ``towers`` of ``plan``: each tower's layout, chosen by the
         plan-time probe (a tower no layout fits, itself or through the encoders it
@@ -201,7 +209,9 @@ class BalanceMediaRuntimeHook(RuntimeHook):
         the first non-root unit, in the model's registration order, outside
         ``media_only`` (towers, projectors, decoder layers that run only with media).
         Of ``joined`` (projectors) those that own units of ``plan`` are joined modules,
-        of ``layers`` (media-dependent decoder layers) those that are units."""
+        of ``layers`` (media-dependent decoder layers) those that are units. ``group``
+        ``"auto"`` becomes ``"all"`` when a balanced tower or joined module owns units
+        (they gather over every rank, so every rank must join their calls)."""
         members = [path for unit in plan.units if not unit.is_root for path in unit.paths]
         planned = []
         for path in towers:
@@ -236,12 +246,15 @@ class BalanceMediaRuntimeHook(RuntimeHook):
             for path in joined
             if any(is_under(member, path) for member in members)
         )
+        spec = check_balance_group(group)
+        if spec == "auto" and (joined_modules or any(t.run_when_empty for t in planned)):
+            spec = "all"  # their units gather over every rank: see check_group
         return cls(
             towers=tuple(planned),
             join_site=join_site,
             joined=joined_modules,
             layers=tuple(path for path in layers if path in members),
-            group=check_balance_group(group),
+            group=spec,
         )
 
     def cost(self) -> str:
@@ -315,11 +328,12 @@ class BalanceMediaRuntimeHook(RuntimeHook):
         towers = ", ".join(f"{t.path!r} ({t.layout})" for t in self.towers)
         where = f"before {self.join_site!r}" if self.join_site else "at the end of the forward"
         layouts = "; ".join(f"{t.path!r}: {t.probe}" for t in self.towers if t.probe)
-        over = (
-            "all data-parallel ranks"
-            if self.group == "all"
-            else f"groups of data-parallel ranks ({self.group!r})"
-        )
+        if self.group == "all":
+            over = "all data-parallel ranks"
+        elif self.group == "auto":
+            over = f"groups of at most {AUTO_GROUP_RANKS} consecutive data-parallel ranks ('auto')"
+        else:
+            over = f"groups of data-parallel ranks ({self.group!r})"
         joined = ""
         if self.joined or self.layers:
             names = [repr(m.path) for m in self.joined] + [repr(p) for p in self.layers]
