@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 import fsdp_core
 import model_deepseek_v41
@@ -40,6 +41,7 @@ NON_DEFAULTS: dict[str, Any] = {
     "uneven_media": True,
     "balance_media": True,
     "balance_media_group": 8,
+    "offload": {"tower": CPUOffloadPolicy(pin_memory=False)},
 }
 
 
