@@ -28,8 +28,10 @@ versions. Sections:
    rank (max / mean); the exchange's collectives, bytes, time and share of the step, with
    the machine's load per row; and a chart of each rank's step timeline under the skew
    (``--balance-chart``, default docs/img/balanced-media-timeline.png). 8b: the exchange
-   per rank at 64, 256 and 1,024 ranks under the fake group, balanced within groups of 8
-   and over every rank (``balance_scale.py``). ``--only balance-media`` runs this section
+   per rank at 64, 256 and 1,024 ranks under the fake group, balanced within groups of 8,
+   the default group (``"auto"``) and over every rank, with the balance each group
+   reaches under skewed media (``balance_scale.py``; ``python benchmarks/balance_scale.py``
+   runs 8b alone). ``--only balance-media`` runs this section
    alone (``--balance-steps N`` timed steps per variant).
 
 The analytic minimum of section 1 comes from ``analytic_minimum.py``, written
@@ -56,6 +58,7 @@ from typing import Any
 import torch
 from analytic_minimum import analytic_minimum, minimum_totals
 from balance_scale import measure_all as measure_balance_scale
+from balance_scale import report as report_balance_scale
 from torch import nn
 
 from fsdp_core import ShardingPlan, build_mesh, mixed_precision_policy
@@ -905,40 +908,8 @@ def write_balance_chart(rows: list[dict[str, Any]], path: Path) -> Path | None:
 
 
 def balance_scale_report(rows: list[dict[str, Any]]) -> list[str]:
-    """Section 8's scale table (``balance_scale.py``, fake process group)."""
-    header = [
-        "ranks",
-        "balance group",
-        "exchange coll. / step",
-        "KiB received / rank / step",
-        "assignment: ranks, items",
-        "assignment us",
-        "balanced call host us",
-    ]
-    table = [
-        [
-            str(r["world_size"]),
-            f"{r['group']} ranks" if isinstance(r["group"], int) else "every rank",
-            str(r["collectives"]),
-            f"{r['received_bytes'] / 1024:.1f}",
-            f"{r['assigned_ranks']}, {r['assigned_items']}",
-            f"{r['assign_us']:.0f}",
-            f"{r['call_us']:.0f}",
-        ]
-        for r in rows
-    ]
-    return [
-        "### 8b. The exchange at scale (fake process group, one process: bytes and counts as "
-        "on real ranks, times the host's work only; 2 images per rank, frozen tower, root)",
-        "",
-        _table(header, table),
-        "",
-        "With `balance_media_group=8` each rank's exchange (its collectives, the bytes it "
-        "receives) and the assignment (the ranks and items it balances) are the same at "
-        "every world size; over every rank the slot gather and the assignment grow with it. "
-        "Every fake rank has this rank's media, so every item stays home (the call's slot "
-        "gather and the join barrier's last round).",
-    ]
+    """Section 8b's table (``balance_scale.py``, fake process group)."""
+    return report_balance_scale(rows, _table)
 
 
 def balance_report(rows: list[dict[str, Any]], chart: Path | None) -> list[str]:
