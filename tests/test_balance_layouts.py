@@ -213,10 +213,85 @@ def test_unsplittable_arguments_and_outputs_are_named() -> None:
     grid = torch.tensor([[1, 4, 4]])
     with pytest.raises(ValueError, match="gives 16 patches"):
         PackedByGridLayout().split_call(qwen, (torch.randn(15, 96),), {"grid_thw": grid})
-    with pytest.raises(ValueError, match="precomputed tensor arguments \\['cu_seqlens'\\]"):
+    with pytest.raises(ValueError, match="tensor arguments \\['offsets'\\]"):
         PackedByGridLayout().split_call(
-            qwen, (torch.randn(16, 96),), {"grid_thw": grid, "cu_seqlens": torch.tensor([0, 16])}
+            _NamedPacked(), (torch.randn(16, 4),), {"grid_thw": grid, "offsets": torch.zeros(3)}
         )
+
+
+class _NamedPacked(nn.Module):
+    """A packed tower whose forward names a per-patch and a per-item tensor argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(
+        self,
+        patches: Tensor,
+        grid_thw: Tensor,
+        weights: Tensor | None = None,
+        scales: Tensor | None = None,
+        offsets: Tensor | None = None,
+    ) -> Tensor:
+        out = self.proj(patches)
+        if weights is not None:
+            out = out * weights[:, None]
+        if scales is not None:
+            out = out * torch.repeat_interleave(scales, grid_thw.prod(-1))[:, None]
+        return out
+
+
+def test_packed_by_grid_splits_named_arguments_indexed_like_the_patches_or_items() -> None:
+    """A named argument with one row per patch travels with its item's patches, one with
+    one row per item with its grid row; items of two calls rebuild one call."""
+    tower = _NamedPacked()
+    layout = PackedByGridLayout()
+    grids = torch.tensor([[1, 2, 2], [1, 2, 4]]), torch.tensor([[1, 4, 2]])
+    calls = [
+        {"grid_thw": g, "weights": torch.rand(int(g.prod(-1).sum())), "scales": torch.rand(len(g))}
+        for g in grids
+    ]
+    pixels = [torch.randn(int(g.prod(-1).sum()), 4) for g in grids]
+    split = [layout.split_call(tower, (p,), c) for p, c in zip(pixels, calls, strict=True)]
+    assert split[0].spec.fields == ("patches", "grid_thw", "weights", "scales")
+    assert [item.fields[2].shape[0] for item in split[0].items] == [4, 8]
+    items = [*split[0].items[1:], *split[1].items]
+    args, kwargs = layout.build_call(split[0].spec, items)
+    with torch.no_grad():
+        together = tower(*args, **kwargs)
+        alone = torch.cat([tower(p, **c) for p, c in zip(pixels, calls, strict=True)])[4:]
+    torch.testing.assert_close(together, alone)
+
+
+def test_tensors_forwarded_through_kwargs_are_left_out() -> None:
+    """transformers models forward their own keyword arguments to every submodule:
+    Qwen2-VL's tower gets a precomputed ``cu_seqlens`` (computed again from the balanced
+    call's grid) and Gemma 3's SigLIP tower the text's ``mm_token_type_ids`` (never read),
+    here with one image per call and texts of different lengths. Before, the first was
+    refused at the call ("cannot split the precomputed tensor arguments") and the second
+    was cut as one row per image, which two calls' rows cannot rebuild."""
+    qwen = _qwen2()
+    grid = torch.tensor([[1, 4, 4], [1, 4, 8]])
+    pixels = torch.randn(48, 96)
+    precomputed = {"grid_thw": grid, "cu_seqlens": torch.tensor([0, 16, 48], dtype=torch.int32)}
+    call = PackedByGridLayout().split_call(qwen, (pixels,), precomputed)
+    assert call.spec.fields == ("hidden_states", "grid_thw")
+    _assert_same(*_roundtrip(qwen, (pixels,), precomputed))
+    siglip = _siglip()
+    layout = BatchFirstLayout()
+    images = torch.randn(1, 3, 32, 32), torch.randn(1, 3, 32, 32)
+    texts = torch.zeros(1, 7, dtype=torch.int), torch.ones(1, 9, dtype=torch.int)
+    split = [
+        layout.split_call(siglip, (), {"pixel_values": p, "mm_token_type_ids": t})
+        for p, t in zip(images, texts, strict=True)
+    ]
+    assert split[0].spec.fields == ("pixel_values",)
+    args, kwargs = layout.build_call(split[0].spec, [*split[0].items, *split[1].items])
+    with torch.no_grad():
+        together = siglip(*args, **kwargs).last_hidden_state
+        alone = siglip(torch.cat(images)).last_hidden_state
+    torch.testing.assert_close(together, alone)
 
 
 class _Odd(nn.Module):

@@ -52,6 +52,55 @@ def test_the_plan_picks_the_family_layout(model: str) -> None:
     assert "per item" in line
 
 
+def test_omni_towers_split_the_calls_the_thinker_makes() -> None:
+    """The Qwen2.5-Omni thinker forwards the batch's ``mm_token_type_ids`` (one value per
+    text token, an argument it does not name) to both towers' ``**kwargs``; their layouts
+    leave it out and the items, encoded apart, give the call's output. Before, both
+    refused the call at the first step ("cannot split the precomputed tensor arguments
+    ['mm_token_type_ids']")."""
+    from multimodal_fsdp.balance import media_layout_for
+
+    model = balanced_families.build_omni(frozen=True).eval()
+    calls: dict[str, tuple[Any, ...]] = {}
+
+    def record(path: str) -> Any:
+        def hook(module: Any, args: Any, kwargs: Any) -> None:
+            calls[path] = (args, dict(kwargs))
+
+        return hook
+
+    handles = [
+        model.get_submodule(path).register_forward_pre_hook(record(path), with_kwargs=True)
+        for path in ("model.visual", "model.audio_tower")
+    ]
+    batch = balanced_families.omni_batch(0, {"audio": 2, "images": 2})
+    with torch.no_grad():
+        model(**batch)
+    for handle in handles:
+        handle.remove()
+    assert set(calls) == {"model.visual", "model.audio_tower"}
+    for path, (args, kwargs) in calls.items():
+        assert "mm_token_type_ids" in kwargs, path
+        tower = model.get_submodule(path)
+        layout = media_layout_for(tower)
+        call = layout.split_call(tower, args, kwargs)
+        assert "mm_token_type_ids" not in call.spec.fields, path
+        assert len(call.items) == 2, path
+        with torch.no_grad():
+            full = tower(*args, **kwargs)
+            pieces = []
+            for item in call.items:
+                item_args, item_kwargs = layout.build_call(call.spec, [item])
+                spec, parts = layout.split_output(
+                    tower(*item_args, **item_kwargs), [item.fields[0].shape[0]]
+                )
+                pieces.extend(parts)
+            joined = layout.join_output(spec, pieces)
+        torch.testing.assert_close(
+            joined.last_hidden_state, full.last_hidden_state, rtol=FP32, atol=FP32
+        )
+
+
 @functools.cache
 def _reference(name: str) -> ReferenceRun:
     case = balanced_families.CASES[name]

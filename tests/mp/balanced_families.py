@@ -291,7 +291,7 @@ def omni_batch(seed: int, media: dict[str, int]) -> Batch:
     """One sample of 64 tokens: ``media["audio"]`` clips of the lengths in turn (padded
     to the longest, ``feature_attention_mask`` saying each one's frames), then
     ``media["images"]`` images of 4 x 4 patches (4 tokens), each between its start and
-    end tokens."""
+    end tokens, and the ``mm_token_type_ids`` a processor gives."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, 150, (1, 64), generator=gen)
     clips = [OMNI_CLIPS[(seed + i) % len(OMNI_CLIPS)] for i in range(media.get("audio", 0))]
@@ -307,7 +307,15 @@ def omni_batch(seed: int, media: dict[str, int]) -> Batch:
     if position > ids.shape[1]:
         raise ValueError(f"media {media} do not fit in {ids.shape[1]} tokens")
     labels = ids.masked_fill((ids == OMNI_AUDIO) | (ids == OMNI_IMAGE), -100)
-    batch: Batch = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+    # The token types the Qwen processors return; the thinker names no such argument, so
+    # it forwards them to both towers in its **kwargs (they read none of it).
+    types = (ids == OMNI_IMAGE).int() + 3 * (ids == OMNI_AUDIO).int()
+    batch: Batch = {
+        "input_ids": ids,
+        "labels": labels,
+        "attention_mask": torch.ones_like(ids),
+        "mm_token_type_ids": types,
+    }
     if clips:
         longest = max(clips)
         features = torch.zeros(len(clips), OMNI_MEL, longest)

@@ -3,6 +3,15 @@
 Layouts split calls by argument name, whether the caller passed them by position or by
 keyword, and rebuild calls that pass positional-only arguments by position; the
 arguments a layout does not cut pass through unchanged and must hold no tensors.
+
+Tensors that reach a tower only through its ``**kwargs`` are left out of the balanced
+call. A transformers model forwards its own extra keyword arguments to every submodule,
+so a tower receives text-side tensors it never reads (Qwen2.5-Omni's and Gemma 3's
+``mm_token_type_ids``, one value per text token) and values precomputed from the call's
+items (``cu_seqlens``, ``position_ids``, ``window_index``), which the tower computes
+again from the items of the call it makes when they are absent, as it must for a
+balanced call that holds other items. The plan-time probe runs the tower without them.
+0-d tensors (``num_items_in_batch``) are kept: they travel with each item.
 """
 
 from __future__ import annotations
@@ -21,8 +30,19 @@ def forward_signature(tower: nn.Module) -> inspect.Signature:
     return inspect.signature(tower.forward)
 
 
+def _forwarded(value: Any) -> bool:
+    """Whether a value passed through ``**kwargs`` is left out of a balanced call: it holds
+    tensors and is not a 0-d tensor (see the module docstring)."""
+    if isinstance(value, Tensor):
+        return value.dim() > 0
+    leaves: list[Tensor] = []
+    _flatten(value, leaves)
+    return bool(leaves)
+
+
 def _bind(tower: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The call's arguments by name, ``**kwargs`` merged in, defaults left out."""
+    """The call's arguments by name, ``**kwargs`` merged in (less the tensors the model
+    forwards to every submodule, see the module docstring), defaults left out."""
     signature = forward_signature(tower)
     try:
         bound = signature.bind(*args, **kwargs)
@@ -34,7 +54,7 @@ def _bind(tower: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) ->
     for name, value in bound.arguments.items():
         kind = signature.parameters[name].kind
         if kind is inspect.Parameter.VAR_KEYWORD:
-            named.update(value)
+            named.update({key: v for key, v in value.items() if not _forwarded(v)})
         elif kind is inspect.Parameter.VAR_POSITIONAL:
             if value:
                 raise TypeError(

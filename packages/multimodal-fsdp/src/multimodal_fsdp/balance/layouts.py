@@ -476,7 +476,10 @@ class PackedByGridLayout(MediaLayout):
     ``(t, h, w)`` (Qwen2-VL, Qwen2.5-VL: ``visual(pixel_values, grid_thw=...)``). Item
     ``i`` owns ``t*h*w`` patch rows and one ``grid_thw`` row; its cost is ``t*h*w``. The
     outputs are packed too, with rows per item proportional to its patches (the spatial
-    merge gives fewer)."""
+    merge gives fewer). Another tensor argument the forward names is split by the same
+    rule when it is indexed like the patches (one row per patch) or like the items (one
+    row per ``grid_thw`` row), and refused otherwise; tensors that reach the tower only
+    through its ``**kwargs`` are left out (see ``_arguments``)."""
 
     name: ClassVar[str] = "packed-by-grid"
     grid_argument: ClassVar[str] = "grid_thw"
@@ -526,17 +529,6 @@ class PackedByGridLayout(MediaLayout):
                 f"shape (items, 3), got {shape}"
             )
         scalars = [n for n in scalar_arguments(named) if n not in (first, self.grid_argument)]
-        others = sorted(
-            n
-            for n, v in named.items()
-            if isinstance(v, Tensor) and n not in (first, self.grid_argument, *scalars)
-        )
-        if others:
-            raise ValueError(
-                f"the {self.name!r} layout cannot split the precomputed tensor arguments "
-                f"{others} of {type(tower).__name__}.forward (they span all items); leave "
-                f"them out (the tower computes them from {self.grid_argument})"
-            )
         sizes = [tuple(int(x) for x in row) for row in grid.tolist()]
         rows = [t * h * w for t, h, w in sizes]
         if sum(rows) != patches.shape[0]:
@@ -546,13 +538,24 @@ class PackedByGridLayout(MediaLayout):
             )
         if any(r <= 0 for r in rows):
             raise ValueError(f"every {self.grid_argument} row must be positive, got {sizes}")
-        chunks = torch.split(patches, rows, dim=0)
+        per_row, per_item = self._indexed_like_items(tower, named, (first, *scalars), rows)
+        chunks = {name: torch.split(named[name], rows, dim=0) for name in (first, *per_row)}
         extra = scalar_rows(named, scalars)
         items = tuple(
-            MediaItem(fields=(chunk, grid[i : i + 1], *extra), cost=r, sizes=size)
-            for i, (chunk, r, size) in enumerate(zip(chunks, rows, sizes, strict=True))
+            MediaItem(
+                fields=(
+                    chunks[first][i],
+                    grid[i : i + 1],
+                    *(chunks[n][i] for n in per_row),
+                    *(named[n][i : i + 1] for n in per_item),
+                    *extra,
+                ),
+                cost=r,
+                sizes=size,
+            )
+            for i, (r, size) in enumerate(zip(rows, sizes, strict=True))
         )
-        cut = (first, self.grid_argument, *scalars)
+        cut = (first, self.grid_argument, *per_row, *per_item, *scalars)
         constants = {n: v for n, v in named.items() if n not in cut}
         _check_constants(tower, constants, self.name)
         spec = CallSpec(
@@ -562,6 +565,38 @@ class PackedByGridLayout(MediaLayout):
             scalars=tuple(scalars),
         )
         return MediaCall(spec=spec, items=items)
+
+    def _indexed_like_items(
+        self,
+        tower: nn.Module,
+        named: Mapping[str, Any],
+        known: Sequence[str],
+        rows: Sequence[int],
+    ) -> tuple[list[str], list[str]]:
+        """The call's other tensor arguments, each indexed like the patches (one row per
+        patch: split with them) or like the items (one row per ``grid_thw`` row: split
+        with it); any other is an error naming it (it spans all items)."""
+        per_row: list[str] = []
+        per_item: list[str] = []
+        others: list[str] = []
+        for name, value in sorted(named.items()):
+            if not isinstance(value, Tensor) or name in (*known, self.grid_argument):
+                continue
+            if value.dim() >= 1 and value.shape[0] == sum(rows):
+                per_row.append(name)
+            elif value.dim() >= 1 and value.shape[0] == len(rows):
+                per_item.append(name)
+            else:
+                others.append(name)
+        if others:
+            raise ValueError(
+                f"the {self.name!r} layout cannot split the tensor arguments {others} of "
+                f"{type(tower).__name__}.forward: they have neither one row per patch "
+                f"({sum(rows)}) nor one per item ({len(rows)}), so they span all items; "
+                f"leave them out (the tower computes them from {self.grid_argument}) or "
+                "register a layout adapter that knows them (register_media_layout)"
+            )
+        return per_row, per_item
 
     def placeholder(
         self, spec: CallSpec, fields: Sequence[FieldSpec], sizes: tuple[int, ...]
