@@ -288,3 +288,36 @@ def test_the_estimate_moves_the_towers_shards_to_the_host(frozen: bool) -> None:
     assert off.host_bytes == tower + off.host_gradient_bytes + off.host_optimizer_bytes
     assert "host (offloaded)" in "\n".join(off.format_lines())
     assert off.as_dict()["host_param_bytes"] == tower
+
+
+# --- more edge cases -------------------------------------------------------------------------
+
+
+def test_every_part_can_be_offloaded_under_root() -> None:
+    model = ToyVLM(frozen_tower=True)
+    plan = MultimodalParallelizer(frozen_multimodal_sharding="root", offload=CPU).plan(model)
+    assert offloaded_units(plan) == plan.unit_labels()
+    assert "vision_tower" not in plan.unit_labels()  # root: the tower stays in the root unit
+
+
+def test_uneven_media_folds_the_tower_into_the_root_so_it_cannot_be_offloaded_alone() -> None:
+    model = ToyVLM(frozen_tower=True)
+    parallelizer = MultimodalParallelizer(uneven_media=True, offload={"tower": CPU})
+    with pytest.raises(ValueError, match=r"'vision_tower'.*uneven_media=True.*per_layer"):
+        parallelizer.plan(model)
+
+
+def test_a_partly_trainable_tower_under_root_cannot_be_offloaded_alone() -> None:
+    model = ToyVLM(frozen_tower=True)
+    model.vision_tower.blocks[0].requires_grad_(True)
+    parallelizer = MultimodalParallelizer(offload={"tower": CPU})
+    with pytest.raises(ValueError, match=r"'vision_tower'.*root unit.*per_layer"):
+        parallelizer.plan(model)
+
+
+def test_a_balanced_tower_can_be_offloaded() -> None:
+    model = ToyVLM(frozen_tower=True)
+    plan = MultimodalParallelizer(
+        frozen_multimodal_sharding="per_layer", balance_media=True, offload={"tower": CPU}
+    ).plan(model)
+    assert offloaded_units(plan) == [*TOWER_BLOCKS, "vision_tower"]
