@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
 import logging
 import os
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Final, NoReturn
+from typing import Any, Final, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -32,10 +32,12 @@ logger = logging.getLogger(__name__)
 
 #: Backends this library sets up itself; "fake" is the single-process test backend.
 VALID_BACKENDS: Final[tuple[str, ...]] = ("nccl", "gloo", "fake")
-#: Numbers the default groups this process starts from the torchrun store: each gets
-#: its own key prefix, so a group started after ``destroy_distributed`` never reads
-#: the keys (the peers' old gloo addresses) of the one before it.
-_GENERATIONS = itertools.count()
+#: Store keys of the handshake that gives each start of the default group its own key
+#: prefix (``_fresh_group_prefix``), and the prefix those groups' keys go under.
+_JOIN_PREFIX: Final = "fsdp_core/join"
+_GROUP_PREFIX: Final = "fsdp_core/default_pg"
+#: How long rank 0 sleeps at most between two looks at the other ranks' join keys.
+_JOIN_POLL_S: Final[float] = 0.05
 #: Threads torch starts that take the GIL from C++ after a collective or a backward:
 #: gloo's workers release a finished collective's tensors there (a tensor whose Python
 #: object is gone needs the GIL to drop it) and run its future's Python callbacks; the
@@ -166,6 +168,11 @@ def init_distributed(
     ``backend`` overrides the choice. Without torchrun variables it starts a
     one-process group, so the same script runs under ``python``. Calling it again
     returns the existing context (and refuses a different explicit backend).
+
+    Each start of the group keys its store entries under a prefix no earlier start
+    used (see ``_fresh_group_prefix``), so a job that torchrun restarts
+    (``--max-restarts``) on the store of its failed attempt, or a group started again
+    after ``destroy_distributed``, never reads the old entries.
     """
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
@@ -198,7 +205,7 @@ def init_distributed(
         dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     elif "MASTER_ADDR" in os.environ:
         store, _, _ = next(rendezvous("env://", rank, world_size, timeout=pg_timeout))
-        prefix = f"fsdp_core/default_pg/{next(_GENERATIONS)}"
+        prefix = _fresh_group_prefix(store, rank, world_size, pg_timeout)
         store = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
         dist.init_process_group(
             chosen, store=store, rank=rank, world_size=world_size, timeout=pg_timeout
@@ -219,6 +226,64 @@ def init_distributed(
         ctx.device,
     )
     return ctx
+
+
+def _fresh_group_prefix(store: Any, rank: int, world_size: int, timeout: timedelta) -> str:
+    """A store key prefix that no earlier start of a group on ``store`` used, the same on
+    every rank.
+
+    Why: torchrun restarts a failed job on the rendezvous store of the failed attempt,
+    whose keys (the gloo addresses of processes that are gone, the library's own
+    agreement keys) are still there; a group keyed like the one before reads them and
+    connects to a dead address ("Gloo connectFullMesh failed ... Connection refused") or
+    waits forever. ``TORCHELASTIC_RESTART_COUNT`` cannot name the attempt: it counts the
+    failures of each node's own workers, and a node that restarts because another one
+    failed does not count, so after a failure the nodes disagree.
+
+    So the ranks make a name: rank 0 draws a random token; every other rank writes a
+    random nonce under its key ``join/<rank>`` and waits for the key ``ack/<nonce>``,
+    which no earlier attempt can have written. Rank 0 answers every nonce it reads with
+    the token (a stale nonce of a dead attempt is answered in vain) until every rank
+    has confirmed under a key named by the token.
+    """
+    join = dist.PrefixStore(_JOIN_PREFIX, store)  # type: ignore[attr-defined]
+    if rank != 0:
+        nonce = uuid.uuid4().hex
+        join.set(f"rank/{rank}", nonce)
+        try:
+            join.wait([f"ack/{nonce}"], timeout)
+        except RuntimeError:  # DistStoreError
+            raise RuntimeError(
+                f"init_distributed: rank {rank} got no answer from rank 0 within "
+                f"{timeout.total_seconds():g} s; rank 0 did not start or is stuck"
+            ) from None
+        token = join.get(f"ack/{nonce}").decode()
+        join.add(f"{token}/joined", 1)
+        return f"{_GROUP_PREFIX}/{token}"
+    token = uuid.uuid4().hex
+    unwritten = [f"rank/{other}" for other in range(1, world_size)]
+    present: list[str] = []  # a key once written is never removed
+    answered: set[str] = set()
+    deadline = time.monotonic() + timeout.total_seconds()
+    pause = 0.001
+    while (joined := join.add(f"{token}/joined", 0)) < world_size - 1:
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"init_distributed: {world_size - 1 - joined} of the {world_size - 1} other "
+                f"ranks did not join rank 0 within {timeout.total_seconds():g} s; a rank did "
+                "not start, or stopped"
+            )
+        written = {key for key in unwritten if join.check([key])}
+        present += sorted(written)
+        unwritten = [key for key in unwritten if key not in written]
+        for raw in join.multi_get(present) if present else []:
+            nonce = raw.decode()
+            if nonce not in answered:
+                join.set(f"ack/{nonce}", token)
+                answered.add(nonce)
+        time.sleep(pause)
+        pause = min(2 * pause, _JOIN_POLL_S)
+    return f"{_GROUP_PREFIX}/{token}"
 
 
 def destroy_distributed() -> None:
