@@ -37,4 +37,10 @@ def test_predicted_and_measured_memory_report_the_same_figures_in_order() -> Non
         "host_gradient_bytes",
         "host_optimizer_bytes",
     ]
-    assert list(measured)[10:] == ["peak_bytes", "peak_breakdown"]
+    assert list(measured)[10:] == [
+        "peak_bytes",
+        "peak_breakdown",
+        "host_param_bytes",
+        "host_gradient_bytes",
+        "host_optimizer_bytes",
+    ]

@@ -321,3 +321,19 @@ def test_a_balanced_tower_can_be_offloaded() -> None:
         frozen_multimodal_sharding="per_layer", balance_media=True, offload={"tower": CPU}
     ).plan(model)
     assert offloaded_units(plan) == [*TOWER_BLOCKS, "vision_tower"]
+
+
+# --- the measured side -------------------------------------------------------------------------
+
+
+def test_a_measured_step_reads_the_accelerator_beside_offloaded_host_memory() -> None:
+    """With units offloaded the tracker reports the CPU beside the GPU, in no fixed order:
+    the device figures are the accelerator's, the host ones the CPU's."""
+    from multimodal_fsdp.measure.memory import _cpu_or_first, _host_of
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    snapshot = {cpu: {"Sharded Param": 3}, gpu: {"Sharded Param": 5}}
+    assert _cpu_or_first(snapshot) == {"Sharded Param": 5}
+    assert _host_of(snapshot) == {"Sharded Param": 3}
+    assert _cpu_or_first({cpu: {"Sharded Param": 3}}) == {"Sharded Param": 3}
+    assert _host_of({cpu: {"Sharded Param": 3}}) is None

@@ -24,6 +24,7 @@ message naming what is missing.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -99,10 +100,22 @@ def _new_tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> A
 
 
 def _cpu_or_first(snapshot: dict[torch.device, dict[str, int]]) -> dict[str, int]:
-    """The per-category bytes of the one device a rank computes on."""
+    """The per-category bytes of the device a rank computes on: its accelerator when the
+    snapshot has one (units offloaded to host memory add a CPU entry beside it, in no
+    fixed order), else the CPU."""
     if not snapshot:
         return {}
-    return next(iter(snapshot.values()))
+    accelerators = [device for device in snapshot if torch.device(device).type != "cpu"]
+    return snapshot[accelerators[0]] if accelerators else next(iter(snapshot.values()))
+
+
+def _host_of(snapshot: dict[torch.device, dict[str, int]]) -> dict[str, int] | None:
+    """The CPU's per-category bytes when the rank computes on an accelerator (what offloaded
+    units keep in host memory); ``None`` on a CPU-only rank, where the two are one."""
+    devices = [torch.device(device) for device in snapshot]
+    if not any(device.type != "cpu" for device in devices):
+        return None
+    return next((v for d, v in snapshot.items() if torch.device(d).type == "cpu"), {})
 
 
 def _module_snapshots(tracker: Any) -> Iterator[tuple[str, dict[str, int]]]:
@@ -150,6 +163,13 @@ class MeasuredMemory:
     #: The peak broken down by the tracker's categories.
     peak_breakdown: tuple[tuple[str, int], ...] = ()
     timeline: tuple[MemoryPoint, ...] = field(default=(), repr=False)
+    #: Sharded parameters in host memory (offloaded units) at rest; ``None`` on a CPU-only
+    #: rank, where host and device memory are one and every figure above counts them.
+    host_param_bytes: int | None = None
+    #: Sharded gradients in host memory after backward (``None``: CPU-only rank).
+    host_gradient_bytes: int | None = None
+    #: Optimizer state in host memory after the step (``None``: CPU-only rank).
+    host_optimizer_bytes: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready, every figure marked as measured."""
@@ -157,6 +177,9 @@ class MeasuredMemory:
             **memory_figures(self, source="measured"),
             "peak_bytes": self.peak_bytes,
             "peak_breakdown": dict(self.peak_breakdown),
+            "host_param_bytes": self.host_param_bytes,
+            "host_gradient_bytes": self.host_gradient_bytes,
+            "host_optimizer_bytes": self.host_optimizer_bytes,
         }
 
 
@@ -227,17 +250,33 @@ def measure_memory(
     tracker = _new_tracker(model, opt)
     tracker.track_inputs(tuple(replicated))
     with tracker:
-        resting = _cpu_or_first(tracker.get_tracker_snapshot("current"))
+        resting_all = tracker.get_tracker_snapshot("current")
         torch.autograd.backward(_loss(model, loss_fn))
-        after_backward = _cpu_or_first(tracker.get_tracker_snapshot("current"))
+        after_backward_all = tracker.get_tracker_snapshot("current")
         replicated_grads = _nbytes(p.grad for p in replicated if p.grad is not None)
         if opt is not None:
             opt.step()
             opt.zero_grad()
-        after_step = _cpu_or_first(tracker.get_tracker_snapshot("current"))
+        after_step_all = tracker.get_tracker_snapshot("current")
     peak = _cpu_or_first(tracker.get_tracker_snapshot("peak"))
-    return _result(
-        tracker, optimizer, replicated, resting, after_backward, after_step, peak, replicated_grads
+    measured = _result(
+        tracker,
+        optimizer,
+        replicated,
+        _cpu_or_first(resting_all),
+        _cpu_or_first(after_backward_all),
+        _cpu_or_first(after_step_all),
+        peak,
+        replicated_grads,
+    )
+    host = [_host_of(snap) for snap in (resting_all, after_backward_all, after_step_all)]
+    if host[0] is None or host[1] is None or host[2] is None:
+        return measured
+    return dataclasses.replace(
+        measured,
+        host_param_bytes=host[0].get(_SHARDED, 0),
+        host_gradient_bytes=host[1].get(_GRAD, 0),
+        host_optimizer_bytes=host[2].get(_OPT, 0),
     )
 
 
