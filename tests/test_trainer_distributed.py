@@ -262,6 +262,23 @@ def test_accelerate_get_state_dict_returns_on_each_rank_what_its_fsdp2_path_retu
     assert fsdp2 == _exports(mp2)["unwrap=True"]["sizes"]
 
 
+def test_on_the_fsdp2_path_save_pretrained_is_the_library_export(mp2: MpResults) -> None:
+    """There ``save_model`` is accelerate's own (weights only, no config, as documented);
+    ``unwrap_model(model).save_pretrained`` is the library's export, which
+    ``from_pretrained`` loads with the tensors of accelerate's ``get_state_dict``."""
+    result = _result(mp2, "accelerate_fsdp2_plugin")
+    _returned_everywhere(result["errors"]["save_model"])
+    assert set(result["listings"]["save_model"]) == {"model.safetensors"}
+    _returned_everywhere(result["errors"]["save_pretrained"])
+    assert {"config.json", "model.safetensors"} <= set(result["listings"]["save_pretrained"])
+    path = Path(case_dir(mp2.out, "accelerate_fsdp2_plugin")) / "save_pretrained"  # type: ignore[attr-defined]
+    loaded = type(tc.build_llava()).from_pretrained(path, dtype=torch.float32).state_dict()
+    state = result["gathered"]
+    assert set(loaded) == set(state)
+    for key, value in state.items():
+        assert torch.equal(loaded[key], value), key
+
+
 @pytest.mark.parametrize(
     "name", ["save_model", "save_model_shards", "save_pretrained", "save_pretrained_accelerate"]
 )

@@ -442,10 +442,34 @@ def _accelerate_case(ctx: DistributedContext, out: Path, name: str, plugin: Any)
         if plugin is None:
             result["refused"] = _refused_plain_state(ctx, out, accelerator)
         else:
-            result["state_dict_sizes"] = _everywhere(len(accelerator.get_state_dict(model)))
+            result.update(_fsdp2_exports(ctx, out, accelerator, model))
         return result
     finally:
         _restore_accelerate()
+
+
+def _fsdp2_exports(ctx: DistributedContext, out: Path, accelerator: Any, model: nn.Module) -> Any:
+    """On accelerate's FSDP2 path: its own ``get_state_dict`` (what each rank gets) and
+    ``save_model`` (its files), and ``unwrap_model(model).save_pretrained`` (the library's)."""
+    root = case_dir(out, "accelerate_fsdp2_plugin")
+    state = accelerator.get_state_dict(model)
+    found: dict[str, Any] = {
+        "state_dict_sizes": _everywhere(len(state)),
+        "gathered": dict(state) if ctx.rank == 0 else None,
+        "errors": {
+            "save_model": _errors(lambda: accelerator.save_model(model, root / "save_model")),
+            "save_pretrained": _errors(
+                lambda: accelerator.unwrap_model(model).save_pretrained(
+                    root / "save_pretrained",
+                    is_main_process=accelerator.is_main_process,
+                    save_function=accelerator.save,
+                )
+            ),
+        },
+    }
+    if ctx.rank == 0:
+        found["listings"] = {name: _listing(root / name) for name in found["errors"]}
+    return found
 
 
 def _refused_plain_state(ctx: DistributedContext, out: Path, routed: Any) -> list[str | None]:
