@@ -50,6 +50,7 @@ def test_frozen_norms_stay_on_the_device_beside_an_offloaded_frozen_tower(
     parallelizer = tower_parallelizer()
     plan = parallelizer.plan(model, mp_policy=MP)
     assert plan.replicated_param_names  # the frozen fp32 norms
+    assert any("replicated parameters" in note and "stay on the" in note for note in plan.notes)
     assert all(name.startswith("vision.") for name in plan.replicated_param_names)
     offloaded = [unit.label for unit in plan.units if unit.offload_policy is not None]
     assert offloaded

@@ -348,6 +348,22 @@ class MultimodalParallelizer(ModelParallelizer):
             )
         return chosen[0]
 
+    def _offload_kept_notes(self, ctx: PlanContext, found: Discovery) -> list[str]:
+        """Offloaded parts whose parameters the parallelizer replicates (kept whole on every
+        device outside FSDP, such as frozen fp32 norms): those stay on the device."""
+        notes = []
+        for part in found.parts:
+            if self.offload.for_part(part.found.role) is None:
+                continue
+            kept = [n for n in ctx.replicated_param_names if is_under(n, part.found.path)]
+            if kept:
+                notes.append(
+                    f"{part.found.role} {part.found.path!r} is offloaded but its "
+                    f"{len(kept)} replicated parameters ({summarise(kept, 2)}) stay on the "
+                    "device (outside FSDP)"
+                )
+        return notes
+
     def _check_offload(self, ctx: PlanContext, calls: tuple[ShardCall, ...]) -> None:
         """Every parameter of a part sits in a unit offloaded as its part is (refusing
         frozen parts under ``replicate`` or ``root`` offloaded unlike the root unit)."""
@@ -375,7 +391,7 @@ class MultimodalParallelizer(ModelParallelizer):
                 where = (
                     "joins the root unit, which holds the language model"
                     if unit.is_root
-                    else (f"sits in the unit {unit.label!r}")
+                    else f"sits in the unit {unit.label!r}"
                 )
                 raise ValueError(
                     f"offload {self.offload.label()}: the {role} {path or '<root>'!r} is "
@@ -427,6 +443,7 @@ class MultimodalParallelizer(ModelParallelizer):
             notes.append(f"frozen-tower policies per module: {self.frozen_policies.label}")
         if self.offload.any:
             notes.append(f"offload per part: {self.offload.label()}")
+            notes.extend(self._offload_kept_notes(ctx, found))
         for part, policy in self._parts_with_policies(found):
             head = f"{part.found.role} {part.found.path!r} ({part.found.modality})"
             if not part.frozen:
