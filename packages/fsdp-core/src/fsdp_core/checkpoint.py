@@ -12,6 +12,8 @@ rank. DCP's own save writes into the directory in place (a failure midway
 leaves new shard files next to the old ``.metadata``), so ``save_checkpoint``
 writes into a sibling directory that every rank sees and swaps it in, as
 ``save_pretrained`` does: the directory holds the old checkpoint or the new one.
+``latest_checkpoint`` finds the newest complete one in a directory of checkpoints, the
+one a restarted job resumes from.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -42,11 +45,17 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from fsdp_core import _export_swap
 from fsdp_core.checkpoint_contents import CheckpointContents, check_model_matches
-from fsdp_core.collective_entry import CollectiveCall, enter_collective, group_ranks
+from fsdp_core.collective_entry import (
+    CollectiveCall,
+    CollectiveCallError,
+    enter_collective,
+    group_ranks,
+)
 from fsdp_core.weights_check import refill_unset_buffers
 
 __all__ = [
     "save_checkpoint",
+    "latest_checkpoint",
     "load_checkpoint",
     "load_stage_checkpoint",
     "StageLoadReport",
@@ -67,6 +76,8 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[st
 
 
 _METADATA = ".metadata"
+#: The number a checkpoint directory's name ends in (``step-12``, ``checkpoint-000012``).
+_NUMBERED = re.compile(r"(\d+)$")
 
 
 def _is_dcp_file(name: str) -> bool:
@@ -150,6 +161,94 @@ def _save_state(state: dict[str, Any], work: Path) -> None:
 
 def _is_main(call: CollectiveCall) -> bool:
     return call.rank == (call.ranks[0] if call.active else call.rank)
+
+
+def latest_checkpoint(root: PathLike, *, timeout: float | timedelta | None = None) -> Path | None:
+    """The newest complete checkpoint in ``root``: the one a restarted job resumes from.
+
+    ``root`` holds one directory per checkpoint, each written by ``save_checkpoint``
+    under a name that ends in its step (``root / f"step-{step}"``; ``checkpoint-000012``
+    works too); the newest is the one whose name ends in the largest number. A
+    checkpoint is complete when it holds its ``.metadata``: ``save_checkpoint`` writes
+    into the hidden sibling ``.<name>.saving-checkpoint`` and moves it into place only
+    once every rank has written its part, so a job killed in the middle of a save leaves
+    that sibling and no directory under the checkpoint's name. Such leftovers (every
+    entry whose name starts with ``.``) are skipped and logged, never deleted here: the
+    next ``save_checkpoint`` of that name removes its own, and another job might be
+    saving into ``root`` right now. Files, and directories without a number at the end
+    of the name or without ``.metadata``, are skipped too.
+
+    Collective when a process group is initialised: every rank looks, and the ranks
+    must find the same checkpoint (``root`` on a filesystem every rank sees), so that
+    no rank resumes from another step than the others.
+
+    Args:
+        root: The directory holding the checkpoint directories. It need not exist yet
+            (a first run).
+        timeout: How long to wait for every rank to arrive (seconds or a
+            ``timedelta``; default the process group's timeout).
+
+    Returns:
+        The newest complete checkpoint's directory (``root`` joined with its name), or
+        ``None`` when ``root`` does not exist or holds no complete checkpoint.
+
+    Raises:
+        TypeError: ``root`` is not a ``str`` or ``os.PathLike``.
+        NotADirectoryError: ``root`` exists and is not a directory.
+        ValueError: Two complete checkpoints end in the same, largest number (such as
+            ``step-3`` and ``ckpt-3``): which one is newer is unknown.
+        CollectiveCallError: The ranks found different newest checkpoints, or not every
+            rank called this.
+    """
+    if not isinstance(root, (str, os.PathLike)):
+        raise TypeError(f"root must be a str or os.PathLike, got {type(root).__name__}")
+    directory = Path(root)
+    with enter_collective("latest_checkpoint", timeout=timeout) as call:
+        newest = call.run(
+            lambda: _newest_checkpoint(directory, log=_is_main(call)),
+            step=f"looking for checkpoints in {str(directory)!r}",
+        )
+        call.agree_on(
+            "none" if newest is None else newest.name,
+            what=f"newest checkpoint in {str(directory)!r}",
+            error=lambda text: CollectiveCallError(
+                f"latest_checkpoint: {text}; the checkpoints must be on a filesystem that "
+                "every rank sees"
+            ),
+        )
+    return newest
+
+
+def _newest_checkpoint(root: Path, *, log: bool) -> Path | None:
+    """``latest_checkpoint`` on this rank alone."""
+    if not root.exists():
+        return None
+    if not root.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "the checkpoint root is not a directory", str(root))
+    complete: dict[int, list[Path]] = {}
+    for entry in sorted(root.iterdir()):
+        if entry.name.startswith("."):
+            if log and entry.is_dir():
+                logger.info(
+                    "latest_checkpoint: skipping %s, an unfinished save or an earlier "
+                    "checkpoint set aside during one (the next save_checkpoint of that "
+                    "name removes its leftover)",
+                    entry,
+                )
+            continue
+        number = _NUMBERED.search(entry.name)
+        if number is not None and entry.is_dir() and (entry / _METADATA).is_file():
+            complete.setdefault(int(number.group(1)), []).append(entry)
+    if not complete:
+        return None
+    newest = complete[max(complete)]
+    if len(newest) > 1:
+        raise ValueError(
+            f"the checkpoints {[entry.name for entry in newest]} in {str(root)!r} end in "
+            f"the same number {max(complete)}: which one is newer is unknown; give each "
+            "checkpoint its own step number at the end of its name"
+        )
+    return newest[0]
 
 
 def _check_readable(path: PathLike) -> None:
