@@ -84,7 +84,7 @@ def test_a_root_that_is_a_file_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("bad", [3, None, b"bytes"])
 def test_a_root_of_another_type_is_refused(bad: object) -> None:
-    with pytest.raises(TypeError, match="root must be a str or os.PathLike"):
+    with pytest.raises(TypeError, match=r"root must be a str or os\.PathLike"):
         latest_checkpoint(bad)  # type: ignore[arg-type]
 
 
