@@ -390,3 +390,11 @@ def test_accelerate_exports_of_a_peft_model_are_its_adapter(name: str, mp2: MpRe
     assert set(loaded) == set(state)
     for key, value in state.items():
         assert torch.equal(loaded[key], value), key
+
+
+def test_the_routed_accelerator_leaves_unsharded_models_to_accelerate(mp2: MpResults) -> None:
+    found = _exports(mp2)["unsharded"]
+    assert found["same"]
+    assert found["listing"] == ["model.safetensors"]  # accelerate's save_model: no config
+    assert set(found["saved"]) == set(found["want"])
+    assert all(torch.equal(found["saved"][k], v) for k, v in found["want"].items())

@@ -542,6 +542,22 @@ def _clip_norm(accelerator: Any, model: nn.Module, batches: Any) -> dict[str, An
     return {"type": type(got).__name__, "got": _everywhere(float(full(got))), "want": float(want)}
 
 
+def _unsharded_exports(accelerator: Any, root: Path) -> dict[str, Any]:
+    """A model without FSDP units through the routed accelerator: accelerate's own."""
+    torch.manual_seed(0)
+    plain = nn.Linear(3, 2)
+    state = accelerator.get_state_dict(plain)
+    accelerator.save_model(plain, root / "unsharded")
+    accelerator.save(plain.state_dict(), root / "unsharded.bin")
+    accelerator.wait_for_everyone()
+    return {
+        "same": all(torch.equal(state[k], v) for k, v in plain.state_dict().items()),
+        "listing": _listing(root / "unsharded") if accelerator.is_main_process else None,
+        "saved": torch.load(root / "unsharded.bin") if accelerator.is_main_process else None,
+        "want": plain.state_dict(),
+    }
+
+
 @scenario("accelerate_exports")
 def accelerate_exports(ctx: DistributedContext, out: Path) -> dict[str, Any]:
     if _missing():
@@ -593,6 +609,7 @@ def accelerate_exports(ctx: DistributedContext, out: Path) -> dict[str, Any]:
         }
         result["errors"] = {name: _errors(call) for name, call in calls.items()}
         result["norm"] = _clip_norm(accelerator, model, batches)
+        result["unsharded"] = _unsharded_exports(accelerator, root)
         if ctx.rank == 0:
             result["listings"] = {
                 name: _listing(root / name) if (root / name).exists() else None

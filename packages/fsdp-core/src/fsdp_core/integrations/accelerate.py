@@ -161,7 +161,10 @@ def prepare(accelerator: Accelerator, model: nn.Module, *objects: Any) -> tuple[
 
     Returns ``(model, *prepared objects)`` in the order given. Collective, like
     ``accelerator.prepare``. At most one optimizer may be given (it is checkpointed with
-    the model).
+    the model). Off accelerate's FSDP2 path it also routes the accelerator's
+    ``save_state``/``load_state`` and its calls that read or write a sharded model's
+    weights (``get_state_dict``, ``save_model``, ``save``, ``register_for_checkpointing``;
+    see the module's description).
     """
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"accelerator must be an accelerate.Accelerator, got {accelerator!r}")
@@ -241,7 +244,8 @@ def _dtensor_keys(obj: object, path: str = "") -> Iterator[str]:
 def _get_state_dict(self: Accelerator, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
     """accelerate's ``get_state_dict``; a sharded model's as on accelerate's FSDP2 path:
     ``fsdp_core.export_full_state_dict`` (whole tensors on CPU on the main process, an
-    empty dict on the others). Collective for a sharded model: every rank calls it."""
+    empty dict on the others; ``unwrap`` changes nothing, as there: no wrapper holds the
+    model). Collective for a sharded model: every rank calls it."""
     sharded = _sharded_module(self, model)
     if sharded is not None:
         return export_full_state_dict(sharded)
