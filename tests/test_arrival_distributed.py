@@ -56,3 +56,42 @@ def test_generate_with_an_empty_batch_on_one_rank(mp2: MpResults) -> None:
         assert outcome["type"] == "CollectiveCallError", outcome
         assert "generate() with an empty batch as call #1" in outcome["message"]
         assert "drop_last=True" in outcome["message"]
+
+
+def test_a_rank_left_waiting_warns_names_the_missing_rank_and_gives_up(mp2: MpResults) -> None:
+    # Issue 33, item 3. Before: rank 0 waited silently for the mesh's whole timeout (8 s
+    # here, 30 min on gloo by default) and rank 1, coming to the call later, ran the
+    # forward alone into an all-gather nobody joined.
+    result = mp2("arrival_warns_then_gives_up")
+    waiting, late = result["outcomes"]
+    warnings = result["warnings"][0]
+    assert warnings, "the waiting rank logged no warning"
+    first = warnings[0]
+    assert first.startswith("rank 0 has waited ")
+    assert " s in call #2 of the model (a forward under torch.no_grad())" in first
+    assert "for ranks [1], which have not made it yet" in first
+    assert "rank 1: last made call #1, a training forward" in first
+    assert "It gives up at " in first
+    assert " UTC (4 s after it arrived" in first
+    assert "FSDP_CORE_RANK_WAIT_TIMEOUT_S" in first
+    assert result["warnings"][1] == []  # rank 1 did not wait
+    # Then the waiting rank gives up at the setting (not the mesh's 8 s) ...
+    assert waiting["type"] == "CollectiveCallError"
+    assert "ranks [1] did not make call #2 within 4 s" in waiting["message"]
+    assert "rank 1: #1, a training forward" in waiting["message"]
+    # ... and the rank that comes to that call afterwards raises the same error.
+    assert late["type"] == "CollectiveCallError"
+    assert late["message"] == waiting["message"]
+
+
+def test_a_slow_rank_is_warned_about_and_the_job_goes_on(mp2: MpResults) -> None:
+    result = mp2("arrival_slow_rank_goes_on")
+    for late_eval, next_step in result["outcomes"]:
+        assert late_eval["type"] == "", late_eval
+        assert next_step["type"] == "", next_step
+    for together, late in result["losses"]:
+        assert late == together  # the same forward, only later
+    warnings = result["warnings"][0]
+    assert warnings, "the waiting rank logged no warning"
+    assert "rank 1: last made call #2, a forward under torch.no_grad()" in warnings[0]
+    assert "(60 s after it arrived" in warnings[0]

@@ -8,7 +8,11 @@ it; tests/test_arrival_distributed.py holds the assertions.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -20,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from vlm import build_vlm, to_device, vlm_batches, vlm_loss
 
 from fsdp_core import DistributedContext, mixed_precision_policy
+from fsdp_core.rank_wait import TIMEOUT_ENV, WARN_ENV
 from fsdp_core.runtime import installed_hooks
 from model_deepseek_v41 import PARALLELIZER
 from multimodal_fsdp import MultimodalParallelizer
@@ -150,3 +155,93 @@ def generate_empty_batch(ctx: DistributedContext, out: Path) -> dict[str, Any]:
         model.generate(**prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)  # type: ignore[operator]
 
     return {"outcomes": _gather(_outcome(generate))}
+
+
+#: The short waits of the warning scenarios: warn after WARN_S, give up after GIVE_UP_S
+#: (shorter than the mesh's collective timeout, so the setting is what ends the wait).
+WARN_S = 1.0
+GIVE_UP_S = 4.0
+
+
+class _Records(logging.Handler):
+    """The warnings of the shared wait on this rank (fsdp_core.rank_wait)."""
+
+    def __init__(self, on_warning: Any = None) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+        self.on_warning = on_warning
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+        if self.on_warning is not None:
+            self.on_warning()
+
+
+@contextlib.contextmanager
+def _short_waits(timeout_s: float, records: _Records) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in (TIMEOUT_ENV, WARN_ENV)}
+    os.environ[TIMEOUT_ENV] = f"{timeout_s:g}"
+    os.environ[WARN_ENV] = f"{WARN_S:g}"
+    logger = logging.getLogger("fsdp_core.rank_wait")
+    logger.addHandler(records)
+    try:
+        yield
+    finally:
+        logger.removeHandler(records)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@scenario("arrival_warns_then_gives_up")
+def warns_then_gives_up(ctx: DistributedContext, out: Path) -> dict[str, Any]:
+    """Rank 0 evaluates alone while rank 1 waits in a barrier (issue 33, item 3): rank 0
+    warns within WARN_S, naming rank 1 and its last call, and gives up after GIVE_UP_S;
+    rank 1, let out of the barrier, then makes the given-up call and raises too instead
+    of running the forward alone."""
+    model, batches = _sharded(ctx)
+    _train_step(model, batches[0])
+    records = _Records()
+    with _short_waits(GIVE_UP_S, records):
+        if ctx.rank == 0:
+            outcome = _outcome(lambda: _eval_forward(model, batches[1]))
+            dist.barrier()  # lets rank 1 out once this rank gave up
+        else:
+            dist.barrier()
+            outcome = _outcome(lambda: _eval_forward(model, batches[1]))
+    return {"outcomes": _gather(outcome), "warnings": _gather(records.messages)}
+
+
+@scenario("arrival_slow_rank_goes_on")
+def slow_rank_goes_on(ctx: DistributedContext, out: Path) -> dict[str, Any]:
+    """A false alarm: rank 1 comes to an eval forward only after rank 0 warned about it
+    (well before the give-up). The forward runs on both ranks, with the same losses as
+    when the ranks came together, and training goes on."""
+    model, batches = _sharded(ctx)
+    _train_step(model, batches[0])
+    store: Any = dist.group.WORLD.get_group_store()  # type: ignore[union-attr]
+    warned = "scenario/arrival_slow_rank_goes_on/warned"
+
+    def eval_loss() -> float:
+        model.eval()
+        with torch.no_grad():
+            return float(vlm_loss(model, batches[1]))
+
+    together = eval_loss()
+    records = _Records(on_warning=lambda: store.set(warned, "1"))
+    with _short_waits(60.0, records):
+        if ctx.rank == 1:
+            # Slow: it comes only once rank 0 has warned (or, where nothing warns, later
+            # than rank 0's wait would last without the setting).
+            with contextlib.suppress(RuntimeError):  # DistStoreError: nobody warned
+                store.wait([warned], timedelta(seconds=2 * TIMEOUT_S))
+        late: dict[str, Any] = {}
+        outcome = _outcome(lambda: late.update(loss=eval_loss()))
+    after = _outcome(lambda: _train_step(model, batches[2]))
+    return {
+        "outcomes": _gather([outcome, after]),
+        "losses": _gather((together, late.get("loss"))),
+        "warnings": _gather(records.messages),
+    }

@@ -76,6 +76,34 @@ def test_an_error_leaving_the_block_reaches_the_waiting_ranks(
     assert [r["final_all_reduce"] for r in protocol] == [True, True]
 
 
+def test_a_rank_that_never_arrives_is_warned_about_with_its_last_call(
+    protocol: list[dict[str, Any]],
+) -> None:
+    # Issue 33, item 3: the waiting rank says who is missing and when it gives up.
+    assert protocol[0]["warn_alone"]["type"] == "CollectiveCallError"
+    first = protocol[0]["warn_alone_messages"][0]
+    assert "in alone again (collective call #" in first
+    assert "for ranks [1], which have not made it yet" in first
+    assert "rank 1: last entered escapes (collective call #" in first
+    assert "(1.5 s after it arrived; set FSDP_CORE_RANK_WAIT_TIMEOUT_S" in first
+    assert protocol[1]["warn_alone_messages"] == []
+
+
+def test_a_rank_late_to_a_step_is_warned_about_and_the_call_goes_on(
+    protocol: list[dict[str, Any]],
+) -> None:
+    assert [r["warn_slow"]["type"] for r in protocol] == [None, None]
+    first = protocol[0]["warn_slow_messages"][0]
+    assert "in slow step (the step 'writing')" in first
+    assert "rank 1: has not reached a step of slow step after its entry" in first
+
+
+def test_a_bad_wait_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FSDP_CORE_RANK_WAIT_WARN_S", "-1")
+    with pytest.raises(ValueError, match="FSDP_CORE_RANK_WAIT_WARN_S='-1'"):
+        enter_collective("alone")
+
+
 def test_no_op_without_a_group_or_under_the_fake_group() -> None:
     call = enter_collective("alone")
     assert not call.active

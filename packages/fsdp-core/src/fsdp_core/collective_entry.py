@@ -41,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_core.internals import process_group_timeout
+from fsdp_core.rank_wait import TIMEOUT_ENV, WaitLimits, wait_for_ranks, wait_limits
 
 __all__ = ["CollectiveCallError", "CollectiveCall", "enter_collective", "group_ranks"]
 
@@ -221,12 +222,35 @@ class CollectiveCall:
             self._decide(_ABORT)
         elif store.add(f"{base}/count", 1) == len(self.ranks):
             self._decide(_GO)
-        try:
-            store.wait([f"{base}/done"], timedelta(seconds=self.timeout_s))
-        except RuntimeError:  # DistStoreError; a FileStore raises a plain one
+        met = wait_for_ranks(
+            store,
+            f"{base}/done",
+            what=f"{self.name} (collective call #{number} of ranks {_ranks_text(self.ranks)})",
+            rank=self.rank,
+            limits=WaitLimits(self.timeout_s, wait_limits(self.timeout_s).warn_after_s),
+            last=lambda: self._last_entries(number),
+        )
+        if not met:
             self._decide(_ABORT)
         if store.get(f"{base}/decision").decode() != _GO:
             raise self._arrival_error()
+
+    def _last_entries(self, number: int) -> dict[int, str]:
+        """The ranks that have not entered call ``number``, each with the last collective
+        call of these ranks it entered (looked up among the few calls before)."""
+        group = _group_key(self.ranks)
+        last = {}
+        for rank in self.ranks:
+            if self._store.check([f"{_PREFIX}/{group}/{number}/name/{rank}"]):
+                continue
+            last[rank] = "entered none of the last collective calls of these ranks"
+            for earlier in range(number - 1, max(number - 1 - _LISTED, -1), -1):
+                key = f"{_PREFIX}/{group}/{earlier}/name/{rank}"
+                if self._store.check([key]):
+                    name = self._store.get(key).decode()
+                    last[rank] = f"last entered {name} (collective call #{earlier})"
+                    break
+        return last
 
     def _decide(self, decision: str) -> None:
         self._store.compare_set(f"{self._base}/decision", "", decision)
@@ -274,18 +298,16 @@ class CollectiveCall:
         if error is not None:
             store.set(f"{base}/error/{self.rank}", _failure_payload(error, self.rank, step))
             store.add(f"{base}/failures", 1)
-        store.set(f"{base}/at/{self.rank}", "1")
+        store.set(f"{base}/at/{self.rank}", step)
         if store.add(f"{base}/count", 1) == len(self.ranks):
             store.set(f"{base}/done", "1")
-        try:
-            store.wait([f"{base}/done"], timedelta(seconds=self.step_timeout_s))
-        except RuntimeError:  # DistStoreError; a FileStore raises a plain one
+        if not self._wait_step(f"{base}/done", step, self._last_steps):
             late = [r for r in self.ranks if not store.check([f"{base}/at/{r}"])]
             raise self._mark(
                 CollectiveCallError(
                     f"{self.name}: ranks {_ranks_text(late)} did not reach the step "
-                    f"{step!r} within {self.step_timeout_s:g} s (the process group's "
-                    "timeout); a rank stopped or is stuck"
+                    f"{step!r} within {self._step_limits().timeout_s:g} s; a rank stopped "
+                    f"or is stuck (the limit: the process group's timeout, or {TIMEOUT_ENV})"
                 )
             ) from error
         if store.add(f"{base}/failures", 0) == 0:
@@ -293,6 +315,35 @@ class CollectiveCall:
         failed = [r for r in self.ranks if store.check([f"{base}/error/{r}"])]
         payload = json.loads(store.get(f"{base}/error/{failed[0]}").decode())
         raise self._mark(_rebuild(payload, failed, self.name)) from error
+
+    def _step_limits(self) -> WaitLimits:
+        return wait_limits(self.step_timeout_s)
+
+    def _wait_step(self, key: str, step: str, last: Callable[[], dict[int, str]]) -> bool:
+        """Wait for ``key`` within the step's limits (see [rank_wait][fsdp_core.rank_wait])."""
+        return wait_for_ranks(
+            self._store,
+            key,
+            what=f"{self.name} (the step {step!r})",
+            rank=self.rank,
+            limits=self._step_limits(),
+            last=last,
+        )
+
+    def _last_steps(self) -> dict[int, str]:
+        """The ranks that have not reached the current step, each with the last step of
+        this call it reached."""
+        last = {}
+        for rank in self.ranks:
+            if self._store.check([f"{self._base}/step/{self._step - 1}/at/{rank}"]):
+                continue
+            last[rank] = f"has not reached a step of {self.name} after its entry"
+            for earlier in range(self._step - 2, -1, -1):
+                key = f"{self._base}/step/{earlier}/at/{rank}"
+                if self._store.check([key]):
+                    last[rank] = f"last reached the step {self._store.get(key).decode()!r}"
+                    break
+        return last
 
     def run(self, fn: Callable[[], T], *, step: str) -> T:
         """``fn()`` on this rank, then [agree][fsdp_core.collective_entry.CollectiveCall.agree]."""
@@ -318,7 +369,15 @@ class CollectiveCall:
             store.set(key, value)
             reference = value
         else:
-            store.wait([key], timedelta(seconds=self.step_timeout_s))
+            if not self._wait_step(
+                key, f"agreeing on {what}", lambda: self._lowest_missing(key, what)
+            ):
+                raise self._mark(
+                    CollectiveCallError(
+                        f"{self.name}: rank {lowest} did not share its {what} within "
+                        f"{self._step_limits().timeout_s:g} s; it stopped or is stuck"
+                    )
+                )
             reference = store.get(key).decode()
         problem = None
         if reference != value:
@@ -327,6 +386,11 @@ class CollectiveCall:
                 f"{reference[:16]}); every rank must pass the same"
             )
         self.agree(problem, step=f"agreeing on {what}")
+
+    def _lowest_missing(self, key: str, what: str) -> dict[int, str]:
+        if self._store.check([key]):
+            return {}
+        return {self.ranks[0]: f"has not shared its {what} yet"}
 
     # ------------------------------------------------------------ context manager
     def _mark(self, error: Exception) -> Exception:
@@ -352,7 +416,7 @@ class CollectiveCall:
                 f"{base}/error/{self.rank}", _failure_payload(error, self.rank, "on the way")
             )
             self._store.add(f"{base}/failures", 1)
-            self._store.set(f"{base}/at/{self.rank}", "1")
+            self._store.set(f"{base}/at/{self.rank}", "on the way")
             if self._store.add(f"{base}/count", 1) == len(self.ranks):
                 self._store.set(f"{base}/done", "1")
         except Exception:  # the store itself failed: the original error matters more
@@ -367,20 +431,30 @@ def enter_collective(
 ) -> CollectiveCall:
     """Wait until every rank of ``ranks`` (default: the world) entered ``name``.
 
-    Waits at most ``timeout`` (seconds or a timedelta; default: the process group's
-    own timeout), then raises [CollectiveCallError][fsdp_core.collective_entry.
-    CollectiveCallError] on every rank that arrived, naming the ranks that did not
-    and those that entered another collective call. Agreement steps of the returned
-    call wait as long as the process group's timeout (a step may write a large file).
+    Waits at most ``timeout`` (seconds or a timedelta; default:
+    ``FSDP_CORE_RANK_WAIT_TIMEOUT_S`` when set, else the process group's own timeout),
+    warning after a minute (see [rank_wait][fsdp_core.rank_wait]), then raises
+    [CollectiveCallError][fsdp_core.collective_entry.CollectiveCallError] on every rank
+    that arrived, naming the ranks that did not and those that entered another
+    collective call. Agreement steps of the returned call wait as long as
+    ``FSDP_CORE_RANK_WAIT_TIMEOUT_S`` or the process group's timeout (a step may write
+    a large file).
+
+    Raises:
+        CollectiveCallError: the ranks did not all enter ``name``.
+        TypeError: ``name`` or ``timeout`` has the wrong type.
+        ValueError: ``timeout``, or ``FSDP_CORE_RANK_WAIT_TIMEOUT_S`` or
+            ``FSDP_CORE_RANK_WAIT_WARN_S``, is not positive seconds.
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
     members = tuple(sorted(set(ranks))) if ranks is not None else group_ranks()
     group_timeout = process_group_timeout() if _active(members) else timedelta(minutes=30)
+    limits = wait_limits(group_timeout.total_seconds())  # the settings, checked
     call = CollectiveCall(
         name,
         members,
-        timeout_s=_seconds(timeout, group_timeout),
+        timeout_s=_seconds(timeout, timedelta(seconds=limits.timeout_s)),
         step_timeout_s=group_timeout.total_seconds(),
     )
     if call.active:

@@ -13,11 +13,16 @@ never a collective:
   where the ranks are normally in step.
 - Any other call (a forward without gradients or in eval mode, ``generate()``, a
   tower called outside the forward) waits until every rank of the mesh made the same
-  call, at most the process group's timeout, looking every half second at what the
-  others recorded. A rank that made another call under the same number (a training
-  forward, say), or already went past it, or did not arrive in time, ends the wait on
-  every waiting rank with [CollectiveCallError][fsdp_core.collective_entry.CollectiveCallError]
-  naming the ranks and what they called. Cost: a few store round trips per such call.
+  call, looking every half second at what the others recorded, in the shared wait of
+  [rank_wait][fsdp_core.rank_wait]: after a minute it logs a warning naming the ranks
+  that have not made the call, their last calls and when it gives up (the process
+  group's timeout unless ``FSDP_CORE_RANK_WAIT_TIMEOUT_S`` says otherwise). A rank that
+  made another call under the same number (a training forward, say), or already went
+  past it, or did not arrive in time, ends the wait on every waiting rank with
+  [CollectiveCallError][fsdp_core.collective_entry.CollectiveCallError] naming the
+  ranks and what they called; a rank that makes that call after the others gave up
+  raises the same error instead of running the forward alone. Cost: a few store round
+  trips per such call.
 - A rank left inside a collective (a training forward that the others did not join)
   fails when the process group times out; its exception gets a note (``add_note``)
   with what the other ranks did, read from the store.
@@ -32,7 +37,6 @@ import contextlib
 import hashlib
 import logging
 import sys
-import time
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -47,6 +51,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_core.collective_entry import CollectiveCallError, group_ranks
 from fsdp_core.internals import process_group_timeout
+from fsdp_core.rank_wait import wait_for_ranks, wait_limits
 from fsdp_core.runtime import RuntimeHook, installed_hooks
 
 __all__ = [
@@ -63,10 +68,6 @@ logger = logging.getLogger(__name__)
 
 NAME = "forward_arrival"
 _PREFIX: Final = "fsdp_core/arrival"
-#: How often a waiting rank looks at what the others recorded (and, after a first
-#: pause of ``_FIRST_PAUSE_S`` doubled each time, whether they all arrived).
-_POLL_S: Final = 0.5
-_FIRST_PAUSE_S: Final = 0.0001
 _LISTED: Final = 8
 #: How the note this hook adds to an exception starts.
 _NOTE: Final = "fsdp_core: "
@@ -96,7 +97,9 @@ def _ranks_text(ranks: list[int]) -> str:
 @dataclass
 class ForwardArrivalHook:
     """The installed hook (see the module docstring). ``calls`` counts this rank's
-    numbered calls of the model; ``waits`` those that waited for the other ranks."""
+    numbered calls of the model; ``waits`` those that waited for the other ranks;
+    ``timeout_s`` is how long a wait lasts unless ``FSDP_CORE_RANK_WAIT_TIMEOUT_S`` is
+    set (the mesh group's timeout)."""
 
     model: nn.Module
     ranks: tuple[int, ...]
@@ -122,6 +125,7 @@ class ForwardArrivalHook:
             count = self._store.add(f"{_PREFIX}/{digest}/models/{self._rank}", 1)
             self._base = f"{_PREFIX}/{digest}/{count}"
             self._store.set(f"{self._base}/status/{self._rank}", "0|no call yet")
+            wait_limits(self.timeout_s)  # a bad setting fails here, not at the first wait
         self._handles.append(self.model.register_forward_pre_hook(self._before, prepend=True))
         self._handles.append(self.model.register_forward_hook(self._after, always_call=True))
 
@@ -143,27 +147,33 @@ class ForwardArrivalHook:
         store = self._store
         tag = hashlib.sha1(kind.encode()).hexdigest()[:8]
         key = f"{self._base}/call/{number}/{tag}"
+        limits = wait_limits(self.timeout_s)  # a bad setting raises before the count
         if store.add(f"{key}/count", 1) == len(self.ranks):
-            store.set(f"{key}/done", "go")
-        start = time.monotonic()
-        looked = start
-        pause = _FIRST_PAUSE_S
-        problem = None
-        # Polled with check() (a store.wait() that times out logs a warning each time):
-        # quickly at first, where ranks in step meet, then every _POLL_S.
-        while not store.check([f"{key}/done"]):
-            time.sleep(pause)
-            pause = min(2 * pause, _POLL_S)
-            now = time.monotonic()
-            if now - looked < _POLL_S and now - start < self.timeout_s:
-                continue
-            looked = now
-            problem = self._divergence(number, kind, timed_out=now - start >= self.timeout_s)
+            # Compare-and-set: a call the others gave up on stays given up.
+            store.compare_set(f"{key}/done", "", "go")
+
+        def look() -> None:
+            problem = self._divergence(number, kind, timed_out=False, timeout_s=0.0)
             if problem is not None:
-                store.compare_set(f"{self._base}/diagnosis", "", problem)
-                store.compare_set(f"{key}/done", "", "abort")
+                self._decide(key, problem)
+
+        met = wait_for_ranks(
+            store,
+            f"{key}/done",
+            what=f"call #{number} of the model ({kind})",
+            rank=self._rank,
+            limits=limits,
+            last=lambda: self._last_calls(number),
+            look=look,
+        )
+        if not met:
+            problem = self._divergence(number, kind, timed_out=True, timeout_s=limits.timeout_s)
+            if problem is None:  # every rank made the call; the last is deciding "go"
+                store.wait([f"{key}/done"])
+            else:
+                self._decide(key, problem)
         if store.get(f"{key}/done").decode() != "go":
-            raise CollectiveCallError(store.get(f"{self._base}/diagnosis").decode() or problem)
+            raise CollectiveCallError(store.get(f"{self._base}/diagnosis").decode())
         if self._rank == self.ranks[0]:
             # Every rank added to this call's count after reading the previous call's
             # decision: the previous call's keys are not read again.
@@ -171,6 +181,26 @@ class ForwardArrivalHook:
                 store.delete_key(f"{self._passed}/count")
                 store.delete_key(f"{self._passed}/done")
             self._passed = key
+
+    def _decide(self, key: str, problem: str) -> None:
+        """End call ``key`` on every rank waiting in it, and on any rank that comes to it
+        later, with ``problem`` (unless the ranks met first)."""
+        self._store.compare_set(f"{self._base}/diagnosis", "", problem)
+        self._store.compare_set(f"{key}/done", "", "abort")
+
+    def _last_calls(self, number: int) -> dict[int, str]:
+        """The ranks that have not made call ``number`` yet, each with its last call."""
+        statuses = self._statuses()
+        last = {}
+        for rank in self.ranks:
+            made, what = statuses.get(rank, (-1, ""))
+            if made < 0:
+                last[rank] = "has not sharded this model yet"
+            elif made == 0:
+                last[rank] = "made no call of the model yet"
+            elif made < number:
+                last[rank] = f"last made call #{made}, {what}"
+        return last
 
     def _statuses(self) -> dict[int, tuple[int, str]]:
         """Each rank's last call (number, kind); ranks that installed no hook yet are
@@ -190,7 +220,9 @@ class ForwardArrivalHook:
             found[rank] = (int(number), kind)
         return found
 
-    def _divergence(self, number: int, kind: str, *, timed_out: bool) -> str | None:
+    def _divergence(
+        self, number: int, kind: str, *, timed_out: bool, timeout_s: float
+    ) -> str | None:
         """What stops call ``number`` (``kind``) from being made on every rank, or
         ``None`` while it still may be."""
         statuses = self._statuses()
@@ -220,7 +252,7 @@ class ForwardArrivalHook:
             )
             lines.append(
                 f"ranks {_ranks_text(behind)} did not make call #{number} within "
-                f"{self.timeout_s:g} s (their last calls: {last})"
+                f"{timeout_s:g} s (their last calls: {last})"
             )
         if any(EMPTY_BATCH in text for text in (kind, *(statuses[r][1] for r in other))):
             lines.append(
