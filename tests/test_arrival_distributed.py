@@ -4,8 +4,13 @@ Scenarios: tests/mp/scenarios_arrival.py (their mesh times out after 8 s)."""
 
 from __future__ import annotations
 
+import textwrap
+from pathlib import Path
+
 import pytest
 from launches import MpResults
+
+from fsdp_core.testing import run_torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -95,3 +100,44 @@ def test_a_slow_rank_is_warned_about_and_the_job_goes_on(mp2: MpResults) -> None
     assert warnings, "the waiting rank logged no warning"
     assert "rank 1: last made call #2, a forward under torch.no_grad()" in warnings[0]
     assert "(60 s after it arrived" in warnings[0]
+
+
+#: The issue's script as a user writes it: nothing caught, rank 1 waits in a barrier.
+EVAL_ON_RANK_0_ONLY = textwrap.dedent(
+    """
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from fsdp_core import ModelParallelizer, build_mesh, init_distributed
+
+    ctx = init_distributed(backend="gloo")  # the default 30-minute timeout
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    ModelParallelizer().parallelize(net, mesh=build_mesh())
+    net(torch.randn(4, 8)).square().mean().backward()
+    if ctx.rank == 0:
+        net.eval()
+        net(torch.randn(4, 8))
+    dist.barrier()
+    print(f"rank {ctx.rank} went past the barrier", flush=True)
+    """
+)
+
+
+def test_eval_on_rank_0_only_stops_the_job_instead_of_hanging(tmp_path: Path) -> None:
+    # Before: rank 0 waited silently for the group's 30 minutes (the test's 120 s limit
+    # ends it as a hang). Now it warns, gives up at the setting, and its error ends the
+    # job: torchrun stops rank 1 in its barrier (or gloo raises there).
+    script = tmp_path / "eval_on_rank_0_only.py"
+    script.write_text(EVAL_ON_RANK_0_ONLY)
+    env = {"FSDP_CORE_RANK_WAIT_WARN_S": "1", "FSDP_CORE_RANK_WAIT_TIMEOUT_S": "3"}
+    with pytest.raises(AssertionError) as failed:
+        run_torchrun(str(script), nproc=2, timeout_s=120, env=env)
+    output = str(failed.value)
+    assert "failed with exit code" in output, output[-3000:]
+    assert "has waited" in output
+    assert "rank 1: last made call #1, a training forward" in output
+    assert "CollectiveCallError" in output
+    assert "ranks [1] did not make call #2 within 3 s" in output
+    assert "went past the barrier" not in output
