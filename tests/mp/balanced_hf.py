@@ -224,9 +224,54 @@ def _cases() -> list[LoopCase]:
 
 
 CASES: dict[str, LoopCase] = {case.name: case for case in _cases()}
-#: These cases and those of the tower families of issue 26 (``balanced_families``), which
-#: run as scenarios ``balance_hf_<case>`` in the same launch.
-ALL_CASES: dict[str, LoopCase] = {**CASES, **FAMILY_CASES}
+
+# ------------------------------------------------------------ activation checkpointing
+#: Per step, each rank's LLaVA images: every image on rank 0 (one moves), then uneven.
+CHECKPOINTED_STEPS: tuple[tuple[dict[str, int], ...], ...] = (
+    ({"images": 2}, {"images": 0}),
+    ({"images": 1}, {"images": 3}),
+)
+#: (form, policy, tower) of the checkpointed cases: each form of ``loops.CHECKPOINTING``
+#: applied after sharding, with a frozen tower under a policy whose tower owns units
+#: (``per_layer``: placeholder runs, units' backward) and one whose tower owns none, and
+#: with a trainable tower. A frozen tower under transformers' forms returns outputs that
+#: require grad (``enable_input_require_grads`` on its embeddings) on the ranks that run
+#: it only; torch's wrapper puts the join site's pre-hook inside a checkpointed region.
+CHECKPOINTED_COMBOS: tuple[tuple[str, str, str], ...] = (
+    ("hf", "per_layer", "frozen"),  # the hang of issue 33
+    ("hf", "replicate", "trainable"),
+    ("hf_reentrant", "root", "frozen"),
+    ("hf_reentrant", "per_layer", "trainable"),
+    ("wrapper", "per_layer", "frozen"),
+    ("wrapper", "root", "trainable"),
+    ("wrapper_reentrant", "replicate", "frozen"),
+    ("wrapper_reentrant", "per_layer", "trainable"),
+)
+
+
+def _checkpointed_cases() -> list[LoopCase]:
+    return [
+        _case(
+            "llava",
+            policy,
+            tower,
+            name=f"llava_{form}_{policy}_{tower}",
+            media=steps(CHECKPOINTED_STEPS),
+            steps=len(CHECKPOINTED_STEPS),
+            loop="plain",
+            eval_extra=None,
+            checkpointing=form,
+            checkpoint_after_sharding=True,
+        )
+        for form, policy, tower in CHECKPOINTED_COMBOS
+    ]
+
+
+#: balance_media under activation checkpointing applied after sharding (issue 33).
+CHECKPOINTED: dict[str, LoopCase] = {case.name: case for case in _checkpointed_cases()}
+#: These cases, the checkpointed ones and those of the tower families of issue 26
+#: (``balanced_families``), which run as scenarios ``balance_hf_<case>`` in the same launch.
+ALL_CASES: dict[str, LoopCase] = {**CASES, **CHECKPOINTED, **FAMILY_CASES}
 
 
 def cases_for(world: int) -> list[str]:

@@ -56,6 +56,7 @@ LAUNCHES: dict[int, list[str]] = {
         "balance_media_hf",
         *(f"balance_hf_{name}" for name in balanced_hf_cases(2)),
         "balance_hf_accumulation",
+        "balance_trainer_checkpointing",
         *(f"balance_joined_{name}" for name in BALANCED_JOINED_CASES),
         "ckpt_load_other_world",
         *(f"loop_{name}" for name in cases_for(2)),

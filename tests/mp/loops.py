@@ -64,21 +64,45 @@ def toy_loss(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
     return loss
 
 
+#: The activation-checkpointing forms of :func:`apply_checkpointing`.
+CHECKPOINTING = ("hf", "hf_reentrant", "wrapper", "wrapper_reentrant")
+
+
 def apply_checkpointing(model: nn.Module, how: str | None) -> None:
-    """``"hf"``: transformers' ``gradient_checkpointing_enable()``; ``"wrapper"``: torch's
-    ``checkpoint_wrapper`` around every block and cross-attention layer."""
+    """``"hf"``: transformers' ``gradient_checkpointing_enable()`` (non-reentrant, its
+    default), ``"hf_reentrant"`` with ``use_reentrant=True``; ``"wrapper"``: torch's
+    ``checkpoint_wrapper`` (non-reentrant) around every block and cross-attention layer
+    (of a transformers model: every ``GradientCheckpointingLayer``, decoder layers and
+    tower blocks), ``"wrapper_reentrant"`` the same with ``CheckpointImpl.REENTRANT``."""
     if how is None:
         return
-    if how == "hf":
-        model.gradient_checkpointing_enable()  # type: ignore[operator]
+    if how in ("hf", "hf_reentrant"):
+        options = {"use_reentrant": True} if how == "hf_reentrant" else None
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)  # type: ignore[operator]
         return
-    if how != "wrapper":
-        raise ValueError(f"unknown checkpointing {how!r}")
+    if how not in CHECKPOINTING:
+        raise ValueError(f"unknown checkpointing {how!r}; valid: {CHECKPOINTING}")
+    import functools
+
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
         apply_activation_checkpointing,
+        checkpoint_wrapper,
     )
 
-    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, (ToyBlock, CrossLayer)))
+    layers: tuple[type[nn.Module], ...] = (ToyBlock, CrossLayer)
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        layers = (*layers, GradientCheckpointingLayer)
+    except ImportError:  # pragma: no cover - the toy models need no transformers
+        pass
+    impl = CheckpointImpl.REENTRANT if how == "wrapper_reentrant" else CheckpointImpl.NO_REENTRANT
+    apply_activation_checkpointing(
+        model,
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl),
+        check_fn=lambda m: isinstance(m, layers),
+    )
 
 
 # ------------------------------------------------------------------------------ cases
@@ -96,7 +120,10 @@ class LoopCase:
     precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and reduction)
     optimizer: str = "sgd"  # sgd | adamw
     expect: str = "match"  # match | uneven_error
-    checkpointing: str | None = None  # None | "wrapper" (torch) | "hf" (transformers)
+    checkpointing: str | None = None  # None or one of CHECKPOINTING
+    #: Apply ``checkpointing`` after sharding (as transformers' Trainer and users do), not
+    #: before planning.
+    checkpoint_after_sharding: bool = False
     world: int = 2
     dp_replicate: int = 1
     steps: int = 3
@@ -112,9 +139,22 @@ class LoopCase:
     grad_tol: float | None = None
 
     def build_model(self) -> nn.Module:
-        """The model with activation checkpointing applied (before any sharding)."""
+        """The model with activation checkpointing applied (before any sharding), or
+        without it when ``checkpoint_after_sharding`` (``after_sharding`` applies it)."""
         model = self.build()
-        apply_checkpointing(model, self.checkpointing)
+        if not self.checkpoint_after_sharding:
+            apply_checkpointing(model, self.checkpointing)
+        return model
+
+    def after_sharding(self, model: nn.Module) -> None:
+        """Apply ``checkpointing`` to the sharded model when ``checkpoint_after_sharding``."""
+        if self.checkpoint_after_sharding:
+            apply_checkpointing(model, self.checkpointing)
+
+    def reference_model(self) -> nn.Module:
+        """The model of the one-process reference: checkpointed whenever the case is."""
+        model = self.build_model()
+        self.after_sharding(model)
         return model
 
     @property

@@ -72,3 +72,43 @@ def balance_hf_accumulation(ctx: DistributedContext, out: Path) -> dict[str, Any
             "hooks": plan.hook_names(),
         }
     return results
+
+
+#: The trainers of ``balance_trainer_checkpointing``: transformers' with
+#: ``gradient_checkpointing=True`` and TRL's (``SFTConfig``'s default is True).
+CHECKPOINTED_TRAINERS = ("trainer", "sft")
+
+
+@scenario("balance_trainer_checkpointing")
+def balance_trainer_checkpointing(ctx: DistributedContext, out: Path) -> dict[str, Any]:
+    """``ShardedTrainer`` and ``ShardedSFTTrainer`` with ``gradient_checkpointing=True`` on
+    the tiny LLaVA fine-tune of ``trainer_cases`` (frozen tower, ``per_layer``,
+    ``balance_media=True``, every image on rank 0): the first backward hung (issue 33)."""
+    from scenarios_trainer import _losses, _missing, _recorder, _sharded, _trainable, _trainer
+
+    if _missing():
+        return {"skipped": f"needs {_missing()}"}
+    results: dict[str, Any] = {}
+    for kind in CHECKPOINTED_TRAINERS:
+        model = _sharded("frozen", "per_layer", True)
+        recorder = _recorder()
+        trainer = _trainer(
+            ctx,
+            model,
+            out / "balance_trainer_checkpointing" / kind,
+            kind,
+            "rank0",
+            callbacks=[recorder],
+            args={"gradient_checkpointing": True},
+        )
+        trainer.train()
+        results[kind] = {
+            "losses": _losses(trainer),
+            "grads0": recorder.grads0,
+            "params": _trainable(model),
+            # the layers the trainer checkpointed (it enables checkpointing in train())
+            "checkpointed": sum(
+                getattr(m, "gradient_checkpointing", False) is True for m in model.modules()
+            ),
+        }
+    return results

@@ -46,6 +46,7 @@ def run_case(
     if mesh is None:
         mesh = build_mesh(dp_replicate=case.dp_replicate)
     parallelizer.apply_plan(model, plan, mesh=mesh)
+    case.after_sharding(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     names = {id(p): n for n, p in model.named_parameters()}
     opt = case.optimizer_fn()(trainable)

@@ -20,11 +20,19 @@ if TYPE_CHECKING:
     from multimodal_fsdp.balance.exchange import Member
 
 
-def _status(code: int, leaves: int, group: Any, device: torch.device) -> list[Tensor]:
+#: Bits of the first word of a rank's status: its run failed; its outputs need a gradient.
+_FAILED, _NEEDS_GRAD = 1, 2
+
+
+def _status(bits: int, leaves: int, group: Any, device: torch.device) -> list[Tensor]:
     return [
         t.cpu()
-        for t in gather(torch.tensor([code, leaves], dtype=torch.int64, device=device), group)
+        for t in gather(torch.tensor([bits, leaves], dtype=torch.int64, device=device), group)
     ]
+
+
+def _needs_grad(pieces: Sequence[Sequence[Tensor]]) -> bool:
+    return any(t.requires_grad for piece in pieces for t in piece)
 
 
 @dataclass
@@ -45,6 +53,17 @@ class _Encoded:
         if self.spec:
             return len(self.spec.dtypes)
         return len(self.placeholder) if self.placeholder else -1
+
+    @property
+    def needs_grad(self) -> bool:
+        """Whether an output encoded here requires grad. A frozen tower fed inputs without
+        one can still return such outputs: a forward hook inside it (transformers'
+        ``enable_input_require_grads``, which ``gradient_checkpointing_enable`` installs on
+        the tower's embeddings) makes its activations require grad on the ranks that run
+        it, and only on those."""
+        return (
+            _needs_grad(self.kept) or _needs_grad(self.received) or _needs_grad([self.placeholder])
+        )
 
 
 class Exchanged:
@@ -113,8 +132,8 @@ class Exchanged:
         recv_items = self._received_items(received)
         if done.failure is None:
             self._encode_share(done, kept_items, recv_items, overlap)
-        leaves = self._check_status(done)
-        return self._outputs(done, in_token, leaves)
+        leaves, needs_grad = self._check_status(done)
+        return self._outputs(done, in_token, leaves, needs_grad)
 
     def _input_route(self) -> tuple[Route, list[Tensor], Tensor]:
         """The inputs of the items that change rank, one buffer per field, and the rows
@@ -196,12 +215,16 @@ class Exchanged:
         except Exception as raised:  # raised by _check_status, once every rank knows
             done.failure = raised
 
-    def _check_status(self, done: _Encoded) -> set[int]:
+    def _check_status(self, done: _Encoded) -> tuple[set[int], bool]:
         """The status gather: an error on one rank becomes an error on every rank (before
         any rank waits for outputs that will not come), and ranks agree on the number of
-        output tensors. Returns the agreed numbers (at most one)."""
-        statuses = _status(int(done.failure is not None), done.produced, self.group, self.device)
-        failed = [r for r, row in enumerate(statuses) if int(row[0])]
+        output tensors and on whether any rank's outputs need a gradient. Returns the
+        agreed numbers (at most one) and that answer."""
+        bits = (_FAILED if done.failure is not None else 0) | (
+            _NEEDS_GRAD if done.failure is None and done.needs_grad else 0
+        )
+        statuses = _status(bits, done.produced, self.group, self.device)
+        failed = [r for r, row in enumerate(statuses) if int(row[0]) & _FAILED]
         if failed:
             if done.failure is not None:
                 raise done.failure
@@ -214,12 +237,18 @@ class Exchanged:
                 "balanced tower call: the tower's outputs differ between ranks "
                 f"({sorted(leaves)} tensors)"
             )
-        return leaves
+        return leaves, any(int(row[0]) & _NEEDS_GRAD for row in statuses)
 
     def _outputs(
-        self, done: _Encoded, in_token: Tensor, leaves: set[int]
+        self, done: _Encoded, in_token: Tensor, leaves: set[int], needs_grad: bool
     ) -> tuple[Any, Tensor | None]:
-        """Outputs of moved items back to their owners; this rank's output in call order."""
+        """Outputs of moved items back to their owners; this rank's output in call order.
+
+        Whether gradients come back is agreed (``needs_grad``: some rank's outputs require
+        grad), never read from this rank's tensors alone: a rank whose outputs require grad
+        would otherwise record the exchange's backward (and its kept items' tower backward,
+        with its units' all-gathers) while a rank whose outputs do not records neither, and
+        the two wait in different collectives of the backward."""
         t, out_spec = self.t, done.spec
         if len(t.costs[t.rank]) and out_spec is None:
             raise RuntimeError(
@@ -227,7 +256,7 @@ class Exchanged:
             )  # the rule prevents it
         nleaves = len(out_spec.dtypes) if out_spec is not None else 0
         out_send = self._output_buffers(done)
-        differentiable = t.grad_enabled and (t.trainable or any(t.input_grads))
+        differentiable = t.grad_enabled and (t.trainable or any(t.input_grads) or needs_grad)
         kept = [
             torch.cat([piece[leaf] for piece in done.kept]) for leaf in range(nleaves) if done.kept
         ]

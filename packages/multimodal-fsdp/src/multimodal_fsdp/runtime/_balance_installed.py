@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from fsdp_core.containers import unwrap_module
 from fsdp_core.internals import in_backward
 from multimodal_fsdp.balance import MediaLayout, media_layout_for
 from multimodal_fsdp.balance._planned import BALANCE_MEDIA, BalancedTower, JoinedModule
@@ -93,15 +94,14 @@ class BalanceMedia:
         #: its loss reads none of a call's outputs.
         self._anchors: list[Tensor] = []
         found = _balanced_modules(model, towers, joined)
-        site = model.get_submodule(join_site) if join_site else None
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(self._start, prepend=True),
             model.register_forward_hook(self._end, always_call=True),
         ]
-        if site is not None:
-            self._handles.append(
-                site.register_forward_pre_hook(self._join_hook, prepend=True, with_kwargs=True)
-            )
+        #: The module whose forward pre-hook joins, and that hook (see ``_place_join``).
+        self._site: nn.Module | None = None
+        self._site_handle: RemovableHandle | None = None
+        self._place_join(model)
         #: Per member, the tickets of the calls its pre-hook brought to their round.
         self._tickets: list[list[Ticket]] = [[] for _ in found]
         members = [self._install_member(index, *entry) for index, entry in enumerate(found)]
@@ -166,9 +166,38 @@ class BalanceMedia:
             return False
         return self._active(member)
 
+    def _place_join(self, model: nn.Module) -> None:
+        """Put the join on the outermost module at the join site: the site itself, or a
+        wrapper around it (torch's ``checkpoint_wrapper``, ``torch.compile``), also one
+        applied after this hook was installed (activation checkpointing applied after
+        sharding). A pre-hook of the wrapped module runs inside the wrapper's
+        checkpointed region: a non-reentrant checkpoint's recomputation, which joins
+        nothing, would then save fewer tensors than the forward (``CheckpointError`` on the
+        ranks that joined calls there), and a reentrant one joins under ``no_grad`` and
+        detaches the anchor, so those ranks skip the exchange's backward the callers run."""
+        if not self.join_site:
+            return
+        path = self.join_site
+        site = unwrap_module(model.get_submodule(path))
+        while path:
+            parent = path.rpartition(".")[0]
+            if unwrap_module(model.get_submodule(parent)) is not site:
+                break
+            path = parent
+        outermost = model.get_submodule(path)
+        if outermost is self._site:
+            return
+        if self._site_handle is not None:
+            self._site_handle.remove()
+        self._site = outermost
+        self._site_handle = outermost.register_forward_pre_hook(
+            self._join_hook, prepend=True, with_kwargs=True
+        )
+
     def _start(self, module: nn.Module, _args: Any) -> None:
         self._in_forward += 1
         if self._in_forward == 1:
+            self._place_join(module)
             self._training = module.training and torch.is_grad_enabled()
             self._joined = in_backward()
             self.last_calls = 0
@@ -328,6 +357,10 @@ class BalanceMedia:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._site_handle is not None:
+            self._site_handle.remove()
+            self._site_handle = None
+            self._site = None
         if self._layers is not None:
             self._layers.remove()
         for module, _ in self._modules:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from fsdp_core.containers import unwrap_module
 from fsdp_core.internals import in_backward
 from multimodal_fsdp.balance._planned import DECISION_BYTES, blob_words
 from multimodal_fsdp.balance.exchange import zero_anchor
@@ -107,10 +108,13 @@ def _anchor_args(
 
 
 class _Container:
-    """One layer container with joined layers: their indices, the owner that runs it."""
+    """One layer container with joined layers: their indices, the items whose pre-hooks
+    decide (``hooks``, one per item), the owner that runs it."""
 
-    def __init__(self, items: Sequence[nn.Module], joined: set[int]) -> None:
-        self.items = list(items)
+    def __init__(self, container: nn.ModuleList, joined: set[int]) -> None:
+        self.container = container
+        self.items: list[nn.Module] = list(container)
+        self.hooks: list[RemovableHandle] = []
         self.joined = sorted(joined)
         self.last = -1  # the last index run (or passed) in this run of the owner
 
@@ -142,7 +146,7 @@ class JoinedLayers:
         handles: list[RemovableHandle] = []
         containers: dict[int, tuple[nn.Module, str, _Container]] = {}
         for position, path in enumerate(paths):
-            self._index[id(model.get_submodule(path))] = position
+            self._index[id(unwrap_module(model.get_submodule(path)))] = position
             parent_path, _, name = path.rpartition(".")
             container = model.get_submodule(parent_path) if parent_path else model
             if not isinstance(container, nn.ModuleList) or not name.isdigit():
@@ -154,19 +158,34 @@ class JoinedLayers:
             key = id(container)
             if key not in containers:
                 owner = model.get_submodule(owner_path) if owner_path else model
-                containers[key] = (owner, parent_path, _Container(list(container), set()))
+                containers[key] = (owner, parent_path, _Container(container, set()))
             containers[key][2].joined.append(int(name))
         for owner, _, state in containers.values():
             state.joined = sorted(set(state.joined))
             handles.append(owner.register_forward_pre_hook(self._reset(state), prepend=True))
             handles.append(owner.register_forward_hook(self._after(state), always_call=True))
-            for index, item in enumerate(state.items):
-                handles.append(
-                    item.register_forward_pre_hook(
-                        self._before(state, index), prepend=True, with_kwargs=True
-                    )
-                )
+            state.hooks = [
+                self._hook_item(state, index, item) for index, item in enumerate(state.items)
+            ]
         self._handles = handles
+        self._containers = [state for _, _, state in containers.values()]
+
+    def _hook_item(self, state: _Container, index: int, item: nn.Module) -> RemovableHandle:
+        return item.register_forward_pre_hook(
+            self._before(state, index), prepend=True, with_kwargs=True
+        )
+
+    def _rehook(self, state: _Container) -> None:
+        """Move each item's pre-hook to the module now in the container: a wrapper put
+        around a layer after this was installed (torch's ``checkpoint_wrapper`` applied
+        after sharding) runs the layer's own pre-hooks inside its checkpointed region, whose
+        recomputation decides nothing (a placeholder run there breaks the recomputation, or
+        under a reentrant checkpoint runs without gradients); the wrapper's run outside."""
+        for index, item in enumerate(state.container):
+            if index < len(state.items) and item is not state.items[index]:
+                state.hooks[index].remove()
+                state.items[index] = item
+                state.hooks[index] = self._hook_item(state, index, item)
 
     # -------------------------------------------------------------------- hooks
     def _on(self) -> bool:
@@ -174,6 +193,7 @@ class JoinedLayers:
 
     def _reset(self, state: _Container) -> Callable[..., None]:
         def hook(*_: Any) -> None:
+            self._rehook(state)
             if self._on():
                 state.last = -1
 
@@ -276,7 +296,7 @@ class JoinedLayers:
         it, the placeholder run's anchor."""
         device = self._device(layer)
         blob = describe_call(*ran) if ran is not None else None
-        source = self._agreement(self._index[id(layer)], blob, device)
+        source = self._agreement(self._index[id(unwrap_module(layer))], blob, device)
         self.last_decisions += 1
         if source is None or ran is not None:
             return None
@@ -293,3 +313,8 @@ class JoinedLayers:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for state in self._containers:
+            for handle in state.hooks:
+                handle.remove()
+            state.hooks.clear()
+        self._containers.clear()
