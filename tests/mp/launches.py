@@ -95,6 +95,7 @@ LAUNCHES: dict[int, list[str]] = {
         "arrival_generate_empty_batch",
         "arrival_warns_then_gives_up",
         "arrival_slow_rank_goes_on",
+        "arrival_slow_training_rank",
         "entry_ds_fully_shard_module",
         "entry_ds_function",
         *(f"entry_mm_flow_{policy}" for policy in ("root", "per_layer", "replicate")),
