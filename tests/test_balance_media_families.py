@@ -101,6 +101,50 @@ def test_omni_towers_split_the_calls_the_thinker_makes() -> None:
         )
 
 
+def _phi4_with_audio(audio: dict[str, Any]) -> torch.nn.Module:
+    import transformers
+    from phi4 import VOCAB
+
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}
+    config = transformers.Phi4MultimodalConfig(
+        vocab_size=VOCAB,
+        num_hidden_layers=1,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        vision_config={**small, "num_hidden_layers": 1, "image_size": 32, "patch_size": 8},
+        audio_config={**small, "num_blocks": 1, **audio},
+        **small,
+    )
+    torch.manual_seed(0)
+    model: torch.nn.Module = transformers.Phi4MultimodalForCausalLM(config)
+    return model
+
+
+def test_phi4_audio_plans_when_its_widths_agree_and_is_refused_with_its_own_error() -> None:
+    """What differs between Phi-4-multimodal's default config shrunk by its sizes and the
+    tests' tiny Phi-4: the audio encoder's ``ext_pw_out_channel`` and
+    ``depthwise_separable_out_channel`` must equal its ``hidden_size`` (the tiny config
+    sets all three to 32; the defaults are 1024). Left at 1024, the encoder runs on no
+    input, balanced or not, and the plan refuses it; the refusal now shows the error of
+    the input from the config (the convolution's channels), where before it showed the
+    last guess's ("The size of tensor a (224) must match the size of tensor b (80)").
+    With the widths agreeing it plans, on its real weights. (The unshrunk default config
+    plans on the meta device: tests/test_balance_media_every_type.py.)"""
+    mismatched = _phi4_with_audio({})
+    with pytest.raises(
+        ValueError, match="no media layout fits tower Phi4MultimodalAudioEmb"
+    ) as raised:
+        MultimodalParallelizer(balance_media=True).plan(mismatched)
+    assert "expected input[1, 1024, 8] to have 32 channels" in str(raised.value)
+    agreeing = _phi4_with_audio({"ext_pw_out_channel": 32, "depthwise_separable_out_channel": 32})
+    plan = MultimodalParallelizer(balance_media=True).plan(agreeing)
+    hook = plan.hook("balance_media")
+    assert hook is not None
+    towers = {t.path: t.probe for t in hook.hook.towers}  # type: ignore[attr-defined]
+    audio = towers["model.embed_tokens_extend.audio_embed.encoder"]
+    assert audio.startswith("batch-first, probed on cpu weights"), audio
+
+
 @functools.cache
 def _reference(name: str) -> ReferenceRun:
     case = balanced_families.CASES[name]

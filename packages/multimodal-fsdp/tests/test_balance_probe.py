@@ -321,3 +321,34 @@ def test_a_tower_that_takes_a_mask_is_probed_with_one_first() -> None:
     report = probe_layout(_PackedWhenMasked(), BatchFirstLayout())
     assert report.status == "misfit", report.summary()
     assert "an item's output rows depend on the other items of the call" in report.reason
+
+
+class _MisconfiguredAudio(nn.Module):
+    """An encoder whose config gives frames of 16 features but whose projection after
+    its convolution was built for another width (a config whose widths disagree, as
+    Phi-4-multimodal's default ``ext_pw_out_channel`` beside a shrunk ``hidden_size``):
+    it runs on no input, and the likeliest input's error is the one that says why."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = type("Config", (), {"input_size": 16})()
+        self.conv = nn.Conv1d(16, 8, 3, padding=1)
+        self.proj = nn.Linear(12, 8)
+
+    def forward(self, input_features: Tensor) -> Tensor:
+        if input_features.dim() != 3 or input_features.shape[-1] != 16:
+            raise ValueError(f"frames of 16 features wanted, got {tuple(input_features.shape)}")
+        hidden = self.conv(input_features.transpose(1, 2)).transpose(1, 2)
+        out: Tensor = self.proj(hidden)
+        return out
+
+
+def test_a_tower_that_runs_on_no_input_is_refused_with_its_likeliest_inputs_error() -> None:
+    """The refusal shows the error of the first probe input (from the config, the
+    likeliest), not the last guess's. Before, it showed the last guess's ("frames of 16
+    features wanted, got (1, 16, 64)"), which hid the tower's real fault."""
+    with pytest.raises(ValueError, match="no media layout fits") as raised:
+        choose_media_layout(_MisconfiguredAudio())
+    message = str(raised.value)
+    assert "mat1 and mat2 shapes cannot be multiplied" in message, message
+    assert "wanted" not in message, message

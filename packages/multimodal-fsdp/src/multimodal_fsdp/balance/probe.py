@@ -57,9 +57,9 @@ class ProbeReport:
     ``"misfit"``: the layout does not fit, ``reason`` says why, or ``"unprobed"``: the
     probe could not run, ``reason`` says why), where it ran (``"meta"`` or the weights'
     device type), the per-item inputs (name, rows of the probe's first item), each
-    output tensor's rows per item, and ``error``: the last error of a tower that ran on
-    none of the probe calls (a refusal shows it; the plan's note of a trusted layout
-    does not, its calls being checked at the first step)."""
+    output tensor's rows per item, and ``error``: the error of the first (likeliest)
+    probe call of a tower that ran on none of them (a refusal shows it; the plan's note
+    of a trusted layout does not, its calls being checked at the first step)."""
 
     layout: str
     status: str
@@ -347,12 +347,15 @@ def _probe(tower: nn.Module, layout: MediaLayout) -> ProbeReport:
             layout.name, UNPROBED, reason="the layout cannot make a probe call for this tower"
         )
     real = all(t.device.type != "meta" for t in (*tower.parameters(), *tower.buffers()))
-    last = ""
+    first = ""
     for pair in pairs:
         try:
             ran_on, outs = _outputs(tower, pair, real)
         except Exception as error:  # this input shape does not suit the tower
-            last = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+            # The first input is the likeliest (from the config): its error is the one
+            # that says why the tower runs on none (a config whose widths disagree), where
+            # the last guess's says only that an image is not a clip.
+            first = first or f"{type(error).__name__}: {error}".splitlines()[0][:300]
             continue
         try:
             report = _check(tower, layout, pair, outs, values=ran_on != "meta")
@@ -370,5 +373,5 @@ def _probe(tower: nn.Module, layout: MediaLayout) -> ProbeReport:
         layout.name,
         UNPROBED,
         reason=f"the tower ran on none of the {len(pairs)} probe inputs {where}",
-        error=last,
+        error=first,
     )
