@@ -102,6 +102,25 @@ def test_a_slow_rank_is_warned_about_and_the_job_goes_on(mp2: MpResults) -> None
     assert "(60 s after it arrived" in warnings[0]
 
 
+def test_a_slow_rank_in_a_training_forward_is_warned_about(mp2: MpResults) -> None:
+    # The sibling: a training forward waits in the step agreement's all-reduce, where
+    # the store cannot be polled; before, it waited there silently.
+    result = mp2("arrival_slow_training_rank")
+    for late_step, next_step in result["outcomes"]:
+        assert late_step["type"] == "", late_step
+        assert next_step["type"] == "", next_step
+    warnings = result["warnings"][0]
+    assert warnings, "the waiting rank logged no warning"
+    first = warnings[0]
+    assert "in the agreement before forward #2 of the model (an all-reduce" in first
+    assert "for ranks [1], which have not made it yet" in first
+    assert "rank 1: last made call #1, a training forward" in first
+    assert "inside a collective, which cannot be given up half done" in first
+    assert "the process group's timeout ends it at " in first
+    assert "(8 s after it arrived)" in first
+    assert result["warnings"][1] == []
+
+
 #: The issue's script as a user writes it: nothing caught, rank 1 waits in a barrier.
 EVAL_ON_RANK_0_ONLY = textwrap.dedent(
     """

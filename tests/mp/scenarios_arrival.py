@@ -245,3 +245,22 @@ def slow_rank_goes_on(ctx: DistributedContext, out: Path) -> dict[str, Any]:
         "losses": _gather((together, late.get("loss"))),
         "warnings": _gather(records.messages),
     }
+
+
+@scenario("arrival_slow_training_rank")
+def slow_training_rank(ctx: DistributedContext, out: Path) -> dict[str, Any]:
+    """The sibling in a training forward (it records its call without waiting): rank 0
+    waits in the step agreement's all-reduce, a collective, for rank 1, which comes only
+    once rank 0 warned about it. The step runs on both ranks and training goes on."""
+    model, batches = _sharded(ctx)
+    _train_step(model, batches[0])
+    store: Any = dist.group.WORLD.get_group_store()  # type: ignore[union-attr]
+    warned = "scenario/arrival_slow_training_rank/warned"
+    records = _Records(on_warning=lambda: store.set(warned, "1"))
+    with _short_waits(60.0, records):
+        if ctx.rank == 1:
+            with contextlib.suppress(RuntimeError):  # DistStoreError: nobody warned
+                store.wait([warned], timedelta(seconds=2 * TIMEOUT_S))
+        late = _outcome(lambda: _train_step(model, batches[1]))
+    after = _outcome(lambda: _train_step(model, batches[2]))
+    return {"outcomes": _gather([late, after]), "warnings": _gather(records.messages)}

@@ -188,6 +188,11 @@ class ForwardArrivalHook:
         self._store.compare_set(f"{self._base}/diagnosis", "", problem)
         self._store.compare_set(f"{key}/done", "", "abort")
 
+    def behind(self) -> dict[int, str]:
+        """The ranks that have made fewer calls of the model than this rank, each with
+        its last call (read from the store; empty without one)."""
+        return {} if self._store is None else self._last_calls(self.calls)
+
     def _last_calls(self, number: int) -> dict[int, str]:
         """The ranks that have not made call ``number`` yet, each with its last call."""
         statuses = self._statuses()

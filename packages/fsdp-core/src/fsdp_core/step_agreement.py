@@ -27,7 +27,10 @@ batch is empty, how many forwards of the model it ran and which micro-batch of i
 this is. When they differ, a second all-reduce collects each rank's values and every
 rank raises the same [StepMismatchError][fsdp_core.step_agreement.StepMismatchError] (or
 [EmptyBatchError][fsdp_core.step_agreement.EmptyBatchError]), built from them, before any
-collective of the forward: the process group stays usable.
+collective of the forward: the process group stays usable. A rank that waits in that
+all-reduce for ranks that have not made the forward (a training forward on some ranks
+only) logs the shared warning of [rank_wait][fsdp_core.rank_wait] after a minute, naming
+them and their last calls of the model; the process group's timeout ends the wait.
 
 The gradient sync flag therefore counts at the forward. A flag changed between a
 forward and its backward is set back for that backward (so the ranks' backwards match
@@ -45,13 +48,15 @@ every rank raises.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import astuple, dataclass
 from typing import Any, Final
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -60,7 +65,8 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import internals
 from fsdp_core.mesh_collectives import all_reduce_max_over_mesh, mesh_device
-from fsdp_core.runtime import BackwardWatch
+from fsdp_core.rank_wait import in_collective
+from fsdp_core.runtime import BackwardWatch, installed_hooks
 
 __all__ = [
     "AGREEMENT_BYTES",
@@ -265,6 +271,12 @@ class StepAgreement:
         ]
         self._ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
         self._device = mesh_device(mesh)
+        #: The mesh group's timeout, which ends a wait in the agreement's all-reduce
+        #: (``None`` where no other process takes part: nothing to wait for).
+        self._timeout_s: float | None = None
+        if dist.is_initialized() and len(self._ranks) > 1 and dist.get_backend() != "fake":
+            group = mesh.get_group(mesh.ndim - 1)
+            self._timeout_s = internals.process_group_timeout(group).total_seconds()
         self.forwards = 0
         self.agreements = 0
         self._micro = 0
@@ -315,8 +327,10 @@ class StepAgreement:
         (one all-reduce; a second one, to name the ranks, only when they differ)."""
         self.agreements += 1
         summary = torch.tensor(mine.summary(), dtype=torch.int64, device=self._device)
-        all_reduce_max_over_mesh(summary, self.mesh)
-        if _agrees(summary.tolist()):
+        with self._waiting(mine.forwards):
+            all_reduce_max_over_mesh(summary, self.mesh)
+            agreed = _agrees(summary.tolist())  # the host waits here on a GPU
+        if agreed:
             return
         me = self._ranks.index(torch.distributed.get_rank()) if len(self._ranks) > 1 else 0
         rows = torch.full(
@@ -330,6 +344,25 @@ class StepAgreement:
             if min(row) >= 0  # a rank that wrote nothing: only under the fake group
         }
         raise mismatch_error(table)
+
+    @contextlib.contextmanager
+    def _waiting(self, forward: int) -> Iterator[None]:
+        """The agreement's all-reduce, marked as a wait for the other ranks: a training
+        forward on some ranks only waits there, and is warned about (see
+        [rank_wait][fsdp_core.rank_wait]) with what the ``forward_arrival`` hook knows
+        of the other ranks' calls."""
+        if self._timeout_s is None:
+            yield
+            return
+        arrival = installed_hooks(self.model).get("forward_arrival")
+        behind = getattr(arrival, "behind", dict)
+        with in_collective(
+            f"the agreement before forward #{forward} of the model (an all-reduce over its mesh)",
+            rank=dist.get_rank(),
+            timeout_s=self._timeout_s,
+            last=behind,
+        ):
+            yield
 
     # ----------------------------------------------------------------- backward
     def _on_backward(self) -> None:
