@@ -227,9 +227,11 @@ def _add_policy_options(plan: argparse.ArgumentParser) -> None:
         "--balance-media",
         action="store_true",
         help=(
-            "plan with balance_media=True: every tower call spread over all data-parallel "
-            "ranks; the plan lists the balanced towers and their collectives per call "
-            "(with --batch, the exchange of that batch on every rank is counted)"
+            "plan with balance_media=True: every tower call spread over the data-parallel "
+            "ranks of its balance group (the default: every rank up to 64, groups of up to "
+            "64 beyond; the notes say which); the plan lists the balanced towers and their "
+            "collectives per call (with --batch, the exchange of that batch on every rank "
+            "is counted)"
         ),
     )
     plan.add_argument(
