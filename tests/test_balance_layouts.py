@@ -23,6 +23,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransforme
 
 from multimodal_fsdp.balance import (
     BatchFirstLayout,
+    FieldSpec,
     MediaCall,
     MediaItem,
     MediaLayout,
@@ -262,6 +263,12 @@ def test_packed_by_grid_splits_named_arguments_indexed_like_the_patches_or_items
         together = tower(*args, **kwargs)
         alone = torch.cat([tower(p, **c) for p, c in zip(pixels, calls, strict=True)])[4:]
     torch.testing.assert_close(together, alone)
+    item = split[0].items[1]  # a placeholder of it (a rank that encodes none) runs too
+    fields = [FieldSpec(t.dtype, tuple(t.shape[1:]), t.shape[0]) for t in item.fields]
+    stand_in = layout.placeholder(split[0].spec, fields, item.sizes)
+    assert [t.shape for t in stand_in.fields] == [t.shape for t in item.fields]
+    args, kwargs = layout.build_call(split[0].spec, [stand_in])
+    assert tower(*args, **kwargs).shape == (8, 4)
 
 
 def test_tensors_forwarded_through_kwargs_are_left_out() -> None:
