@@ -5,6 +5,7 @@ output, for calls made exactly as the VLMs make them."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ from multimodal_fsdp.balance import (
     media_layout_for,
     register_media_layout,
 )
+from multimodal_fsdp.balance import _arguments as arguments_module
 from multimodal_fsdp.balance import registry as registry_module
 
 VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
@@ -271,7 +273,9 @@ def test_packed_by_grid_splits_named_arguments_indexed_like_the_patches_or_items
     assert tower(*args, **kwargs).shape == (8, 4)
 
 
-def test_tensors_forwarded_through_kwargs_are_left_out() -> None:
+def test_tensors_forwarded_through_kwargs_are_left_out(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """transformers models forward their own keyword arguments to every submodule:
     Qwen2-VL's tower gets a precomputed ``cu_seqlens`` (computed again from the balanced
     call's grid) and Gemma 3's SigLIP tower the text's ``mm_token_type_ids`` (never read),
@@ -285,6 +289,8 @@ def test_tensors_forwarded_through_kwargs_are_left_out() -> None:
     call = PackedByGridLayout().split_call(qwen, (pixels,), precomputed)
     assert call.spec.fields == ("hidden_states", "grid_thw")
     _assert_same(*_roundtrip(qwen, (pixels,), precomputed))
+    monkeypatch.setattr(arguments_module, "_LOGGED", set())
+    caplog.set_level(logging.INFO, logger=arguments_module.__name__)
     siglip = _siglip()
     layout = BatchFirstLayout()
     images = torch.randn(1, 3, 32, 32), torch.randn(1, 3, 32, 32)
@@ -294,6 +300,9 @@ def test_tensors_forwarded_through_kwargs_are_left_out() -> None:
         for p, t in zip(images, texts, strict=True)
     ]
     assert split[0].spec.fields == ("pixel_values",)
+    left_out = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert len(left_out) == 1  # once per tower class, not per call
+    assert "['mm_token_type_ids'] reach SiglipVisionModel.forward" in left_out[0]
     args, kwargs = layout.build_call(split[0].spec, [*split[0].items, *split[1].items])
     with torch.no_grad():
         together = siglip(*args, **kwargs).last_hidden_state

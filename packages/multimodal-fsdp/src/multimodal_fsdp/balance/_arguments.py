@@ -11,18 +11,26 @@ so a tower receives text-side tensors it never reads (Qwen2.5-Omni's and Gemma 3
 items (``cu_seqlens``, ``position_ids``, ``window_index``), which the tower computes
 again from the items of the call it makes when they are absent, as it must for a
 balanced call that holds other items. The plan-time probe runs the tower without them.
-0-d tensors (``num_items_in_batch``) are kept: they travel with each item.
+0-d tensors (``num_items_in_batch``) are kept: they travel with each item. The names
+left out are logged once per tower class: a custom tower that reads a per-item tensor
+from its ``**kwargs`` must name it in its forward to have it cut with the items.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import Tensor, nn
 
 from multimodal_fsdp.balance._tree import _flatten
+
+logger = logging.getLogger(__name__)
+
+#: (tower class, names) already logged as left out, so a step logs nothing new.
+_LOGGED: set[tuple[str, tuple[str, ...]]] = set()
 
 
 def forward_signature(tower: nn.Module) -> inspect.Signature:
@@ -55,6 +63,7 @@ def _bind(tower: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) ->
         kind = signature.parameters[name].kind
         if kind is inspect.Parameter.VAR_KEYWORD:
             named.update({key: v for key, v in value.items() if not _forwarded(v)})
+            _log_left_out(tower, sorted(key for key, v in value.items() if _forwarded(v)))
         elif kind is inspect.Parameter.VAR_POSITIONAL:
             if value:
                 raise TypeError(
@@ -64,6 +73,19 @@ def _bind(tower: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) ->
         else:
             named[name] = value
     return named
+
+
+def _log_left_out(tower: nn.Module, names: list[str]) -> None:
+    key = (type(tower).__qualname__, tuple(names))
+    if names and key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.info(
+            "balance_media: tensors %s reach %s.forward only through its **kwargs and are "
+            "left out of its balanced calls (the tower recomputes or ignores them; name a "
+            "per-item argument in the forward to have it cut with the items)",
+            names,
+            type(tower).__name__,
+        )
 
 
 def _positional_only(tower: nn.Module) -> tuple[str, ...]:
