@@ -34,7 +34,7 @@ MATCHING = sorted(n for n, c in balanced_joined.CASES.items() if c.expect == "ma
 def _reference(name: str) -> ReferenceRun:
     case = balanced_joined.CASES[name]
     return reference_training(
-        case.build_model,
+        case.reference_model,
         case.step_fn(),
         steps=case.steps,
         world=case.world,

@@ -101,6 +101,20 @@ def _steps(table: tuple[tuple[dict[str, int], ...], ...]) -> Callable[[int, int]
     return lambda step, rank: table[step][rank]
 
 
+def _without_cache(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """``build`` with ``use_cache=False``: torch's ``checkpoint_wrapper`` (unlike
+    transformers' own checkpointing) leaves the cache on, and the recomputation of a
+    layer would read the keys its forward cached (in one process too)."""
+
+    def make() -> nn.Module:
+        model = build()
+        model.config.use_cache = False
+        model.config.get_text_config().use_cache = False
+        return model
+
+    return make
+
+
 def _cases() -> list[LoopCase]:
     mllama: dict[str, Any] = {
         "batch": _hf_batch("mllama"),
@@ -121,6 +135,17 @@ def _cases() -> list[LoopCase]:
     return [
         LoopCase("mllama_root_frozen", _hf("mllama"), policy="root", loop="eval", **mllama),
         LoopCase("mllama_per_layer_frozen", _hf("mllama"), policy="per_layer", **mllama),
+        # torch's checkpoint_wrapper around every decoder layer after sharding: a text-only
+        # rank joins the cross-attention layers at the next layer's pre-hook, which must
+        # run outside that layer's checkpointed region (issue 33).
+        LoopCase(
+            "mllama_per_layer_frozen_checkpoint_wrapper",
+            _without_cache(_hf("mllama")),
+            policy="per_layer",
+            checkpointing="wrapper",
+            checkpoint_after_sharding=True,
+            **mllama,
+        ),
         # SGD: AdamW turns the tiny gradients of this tower's first layers into full-size
         # steps, so rounding differences of the balanced batches (1e-7) grow past 1e-5.
         LoopCase(
