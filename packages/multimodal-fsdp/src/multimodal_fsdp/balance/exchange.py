@@ -36,7 +36,8 @@ Collectives, in order (``W`` ranks):
    ``all_to_all_single`` of the outputs of the items encoded away from their owner.
 
 Backward, for a balanced module that exchanged and when gradients are needed (grad
-mode on and the tower trainable or some rank's floating input requiring grad): one
+mode on and the tower trainable, some rank's floating input requiring grad, or some
+rank's tower outputs requiring grad, which the status gather tells every rank): one
 ``all_to_all_single`` with the output gradients along the inverse route of the
 outputs, led by ``L`` flag bytes to every rank, itself included (``L`` output tensors:
 whether this rank has a gradient for each, for the items it kept or got back; an output
