@@ -31,11 +31,11 @@ from fsdp_core import (
     destroy_distributed,
     export_full_state_dict,
     init_distributed,
-    latest_checkpoint,
     load_checkpoint,
     mixed_precision_policy,
     save_checkpoint,
 )
+from fsdp_core.checkpoint import latest_checkpoint
 from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
 
 STEPS = 8

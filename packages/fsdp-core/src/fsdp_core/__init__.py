@@ -9,7 +9,6 @@ from fsdp_core import compat
 from fsdp_core.__about__ import __version__
 from fsdp_core.checkpoint import (
     export_full_state_dict,
-    latest_checkpoint,
     load_checkpoint,
     load_checkpoint_unsharded,
     load_stage_checkpoint,
@@ -45,7 +44,6 @@ __all__ = [
     "ModelParallelizer",
     "ShardingPlan",
     "save_checkpoint",
-    "latest_checkpoint",
     "load_checkpoint",
     "load_checkpoint_unsharded",
     "load_stage_checkpoint",
