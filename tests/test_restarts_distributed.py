@@ -28,11 +28,12 @@ import torch
 from restart_job import KILLS, STEPS
 
 from fsdp_core.checkpoint import latest_checkpoint
-from fsdp_core.testing import TORCHRUN_ENV
+from fsdp_core.testing import TORCHRUN_ENV, free_port
 
 pytestmark = pytest.mark.distributed
 
 JOB = Path(__file__).parent / "mp" / "restart_job.py"
+NODES_JOB = Path(__file__).parent / "mp" / "restart_nodes_job.py"
 RESTARTS = 10
 #: A hang fails the test instead of stalling CI (the job takes ~40 s on 2 idle cores).
 TIMEOUT_S = 480.0
@@ -50,36 +51,38 @@ RESUMED_FROM = {
 }
 
 
-def _launch(out: Path) -> subprocess.CompletedProcess[str]:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        f"--max-restarts={RESTARTS}",
-        "--monitor-interval=0.1",
-        str(JOB),
-        str(out),
-    ]
+def _torchrun(*options: str) -> subprocess.Popen[str]:
+    """Start ``torchrun <options>`` in its own session (so a hang can be killed whole)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--monitor-interval=0.1"]
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
     env["OMP_NUM_THREADS"] = "1"
-    process = subprocess.Popen(
-        command,
+    return subprocess.Popen(
+        [*command, *options],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
         start_new_session=True,
     )
+
+
+def _finish(process: subprocess.Popen[str], timeout_s: float) -> tuple[int, str]:
+    """Its exit code and output; a torchrun still running after ``timeout_s`` fails the
+    test (killed with all its workers)."""
     try:
-        output, _ = process.communicate(timeout=TIMEOUT_S)
+        output, _ = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
-        pytest.fail(f"the restarted job did not finish within {TIMEOUT_S:.0f} s\n{output[-20000:]}")
-    return subprocess.CompletedProcess(command, process.returncode, output, "")
+        pytest.fail(f"the restarted job did not finish within {timeout_s:.0f} s\n{output[-20000:]}")
+    return process.returncode, output
+
+
+def _launch(out: Path) -> subprocess.CompletedProcess[str]:
+    options = ["--standalone", "--nproc-per-node=2", f"--max-restarts={RESTARTS}"]
+    returncode, output = _finish(_torchrun(*options, str(JOB), str(out)), TIMEOUT_S)
+    return subprocess.CompletedProcess(options, returncode, output, "")
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +139,20 @@ def test_weights_are_bit_identical_to_an_uninterrupted_run(job: dict[str, Any]) 
     assert resumed.keys() == reference.keys()
     different = [name for name in resumed if not torch.equal(resumed[name], reference[name])]
     assert not different
+
+
+def test_two_nodes_whose_restart_counts_differ_meet_again(tmp_path: Path) -> None:
+    # After rank 1's node restarts it (count 1), rank 0's node restarts for the
+    # membership change without counting (count 0): a store prefix made from the count
+    # would keep the two apart.
+    endpoint = f"127.0.0.1:{free_port()}"
+    options = ["--nnodes=2", "--nproc-per-node=1", "--max-restarts=2", "--rdzv-backend=c10d"]
+    options += [f"--rdzv-endpoint={endpoint}", "--rdzv-id=restart-nodes"]
+    nodes = [_torchrun(*options, str(NODES_JOB), str(tmp_path)) for _ in range(2)]
+    finished = [_finish(node, 240.0) for node in nodes]
+    assert [code for code, _ in finished] == [0, 0], (
+        finished[0][1][-10000:] + finished[1][1][-10000:]
+    )
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert sorted(result["restart_count"] for result in results) == [0, 1]
+    assert [result["total"] for result in results] == [6.0, 6.0]
