@@ -13,10 +13,8 @@ Connection refused") or hung. Cost: 11 starts of 2 ranks, about 70 s of CPU.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections import defaultdict
@@ -28,7 +26,7 @@ import torch
 from restart_job import KILLS, STEPS
 
 from fsdp_core.checkpoint import latest_checkpoint
-from fsdp_core.testing import TORCHRUN_ENV, free_port
+from fsdp_core.testing import TORCHRUN_ENV, _stop, free_port
 
 pytestmark = pytest.mark.distributed
 
@@ -68,13 +66,12 @@ def _torchrun(*options: str) -> subprocess.Popen[str]:
 
 def _finish(process: subprocess.Popen[str], timeout_s: float) -> tuple[int, str]:
     """Its exit code and output; a torchrun still running after ``timeout_s`` fails the
-    test (killed with all its workers)."""
+    test, stopped the way ``run_torchrun`` stops one: SIGTERM first, so that it stops its
+    workers (they run in sessions of their own), then SIGKILL."""
     try:
         output, _ = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
+        output, _ = _stop(process)
         pytest.fail(f"the restarted job did not finish within {timeout_s:.0f} s\n{output[-20000:]}")
     return process.returncode, output
 
