@@ -268,6 +268,8 @@ class ScheduleCheck:
         for path in layout.units:
             if path in region_paths:
                 continue  # a region that is a unit itself: its entry checkpoint covers it
+            if _covered(path, layout):
+                continue  # inside a hooked unit: it never checkpoints (see ``_covered``)
             module = model.get_submodule(path)
             handles.append(module.register_forward_pre_hook(self._unit(path), prepend=True))
         handles.append(model.register_forward_hook(self._end))
@@ -404,6 +406,27 @@ class ScheduleCheck:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _covered(path: str, layout: ScheduleLayout) -> bool:
+    """Whether the unit at ``path`` lies inside another hooked unit whose hook always runs
+    first in the same state, so that its own hook could never checkpoint (the fp32 norm
+    units inside a vision block): the outer unit holds no region (whose exit would re-arm
+    the check), ``path`` follows no region, and both lie in the same part of a region (or
+    in none). Leaving it unhooked keeps the check out of the block's ``forward``, where
+    a regionally compiled block would trace it."""
+    if path in layout.successors:
+        return False
+    parts = dict(layout.parts)
+    region_paths = {region.path for region in layout.regions}
+    for outer in layout.units:
+        if outer == path or outer in region_paths or not is_under(path, outer):
+            continue
+        if any(is_under(region, outer) for region in region_paths):
+            continue
+        if parts.get(path) in (None, parts.get(outer)):
+            return True
+    return False
 
 
 def _enters_part(part: str | None, call: list[str | None]) -> bool:
