@@ -129,7 +129,9 @@ def save_checkpoint(
     process group's timeout, and names the ranks that did not arrive). The new
     checkpoint is written into a sibling of ``path`` and swapped in only when
     every rank wrote its part, so a failed save leaves the previous checkpoint
-    in ``path`` loadable; other files in ``path`` are kept.
+    in ``path`` loadable; other files in ``path`` are kept. A job killed during the
+    save leaves that sibling (``.<name>.saving-checkpoint``) behind: the next save of
+    ``path`` removes it, and ``latest_checkpoint`` never returns it.
     """
     root = _export_swap.destination(path)
     with enter_collective(
