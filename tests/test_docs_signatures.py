@@ -55,7 +55,7 @@ def _text(page: str) -> str:
 
 def test_the_method_and_the_free_function_take_the_same_parameters() -> None:
     assert _as_written(ModelParallelizer.apply_plan) == REAL["apply_plan"]
-    assert REAL["apply_plan"] == "model, plan, *, mesh, offload_policy=None"
+    assert REAL["apply_plan"] == "model, plan, *, mesh, offload_policy=None, dp_dims=None"
 
 
 @pytest.mark.parametrize("page", INTRODUCING)

@@ -119,5 +119,6 @@ LAUNCHES: dict[int, list[str]] = {
         *(f"balance_hf_{name}" for name in balanced_hf_cases(4)),
         "ckpt_save_resume",
         *(f"loop_{name}" for name in cases_for(4)),
+        "nd_dp_tp",
     ],
 }

@@ -33,6 +33,7 @@ import scenarios_lightning  # noqa: F401
 import scenarios_loops  # noqa: F401
 import scenarios_lora_load  # noqa: F401
 import scenarios_misuse  # noqa: F401
+import scenarios_nd  # noqa: F401
 import scenarios_phi4  # noqa: F401
 import scenarios_pretrained  # noqa: F401
 import scenarios_staged  # noqa: F401

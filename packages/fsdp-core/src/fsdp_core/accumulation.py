@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -43,6 +43,9 @@ from fsdp_core import internals
 from fsdp_core.comm_tally import CommTally
 from fsdp_core.runtime import HookStep, RuntimeHook
 from fsdp_core.step_agreement import AGREEMENT_BYTES, StepAgreement
+
+if TYPE_CHECKING:
+    from fsdp_core.parallel_dims import ParallelDims
 
 __all__ = ["AccumulationWarmup", "AccumulationWarmupRuntimeHook", "install_unshard_warmup"]
 
@@ -148,14 +151,18 @@ class AccumulationWarmupRuntimeHook(RuntimeHook):
         internals.QUEUE_CALLBACK,
     )
 
-    def install(self, model: nn.Module, *, mesh: DeviceMesh) -> AccumulationWarmup:
-        return AccumulationWarmup(model, mesh=mesh)
+    def install(self, model: nn.Module, *, dims: ParallelDims) -> AccumulationWarmup:
+        """The step agreement runs over ``dims.lockstep_mesh``: the ranks that run the
+        model's forward together. TP, CP and EP ranks issue collectives inside the
+        forward, so a micro-batch or empty batch that differs between them hangs there
+        as it would in FSDP's own collectives; PP stages run other forwards."""
+        return AccumulationWarmup(model, mesh=dims.lockstep_mesh)
 
     def collectives(self, step: HookStep) -> CommTally:
-        """The step agreement: one all-reduce per mesh dimension before each forward,
-        which a single rank skips (the warm-up gathers nothing in an ordinary step)."""
+        """The step agreement: one all-reduce per lockstep mesh dimension before each
+        forward, which a single rank skips (the warm-up gathers nothing in an ordinary
+        step)."""
         tally = CommTally()
-        if step.world_size > 1:
-            for _ in range(step.dims):
-                tally.add("forward", "all_reduce", AGREEMENT_BYTES)
+        for _ in range(step.lockstep_dims):
+            tally.add("forward", "all_reduce", AGREEMENT_BYTES)
         return tally

@@ -44,11 +44,10 @@ import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.utils.hooks import RemovableHandle
 
@@ -58,6 +57,9 @@ from fsdp_core.forward_arrival import EMPTY_BATCH, arrival_scope, record_call
 from fsdp_core.plan import ShardingPlan, UnitPlan, unit_parameters
 from fsdp_core.runtime import RuntimeHook, output_tensors
 from fsdp_core.step_agreement import is_empty_batch
+
+if TYPE_CHECKING:
+    from fsdp_core.parallel_dims import ParallelDims
 
 __all__ = [
     "EntryUnshardHook",
@@ -282,7 +284,7 @@ class EntryUnshardRuntimeHook(RuntimeHook):
         units = plan.units
         return cls(tuple((path, tuple(units[i] for i in idx)) for path, idx in owners.items()))
 
-    def install(self, model: nn.Module, *, mesh: DeviceMesh) -> EntryUnshardHook:
+    def install(self, model: nn.Module, *, dims: ParallelDims) -> EntryUnshardHook:
         return install_entry_unshard(model, dict(self.owners))
 
 

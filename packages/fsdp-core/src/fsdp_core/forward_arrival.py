@@ -41,18 +41,20 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, ClassVar, Final
+from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
-from fsdp_core.collective_entry import CollectiveCallError, group_ranks
+from fsdp_core.collective_entry import CollectiveCallError
 from fsdp_core.internals import process_group_timeout
 from fsdp_core.rank_wait import wait_for_ranks, wait_limits
 from fsdp_core.runtime import RuntimeHook, installed_hooks
+
+if TYPE_CHECKING:
+    from fsdp_core.parallel_dims import ParallelDims
 
 __all__ = [
     "EMPTY_BATCH",
@@ -364,7 +366,11 @@ class ForwardArrivalRuntimeHook(RuntimeHook):
 
     name: ClassVar[str] = NAME
 
-    def install(self, model: nn.Module, *, mesh: DeviceMesh) -> ForwardArrivalHook:
+    def install(self, model: nn.Module, *, dims: ParallelDims) -> ForwardArrivalHook:
+        """The calls are numbered over ``dims.lockstep_ranks()``: every rank that runs
+        the model's forward (data-parallel, TP, CP and EP ranks, whose collectives inside
+        the forward hang when some of them skip a call); not over other PP stages."""
+        mesh = dims.dp_mesh
         group = mesh.get_group(mesh.ndim - 1) if dist.is_initialized() else None
         timeout = process_group_timeout(group) if group is not None else timedelta(minutes=10)
-        return ForwardArrivalHook(model, group_ranks(mesh=mesh), timeout_s=timeout.total_seconds())
+        return ForwardArrivalHook(model, dims.lockstep_ranks(), timeout_s=timeout.total_seconds())

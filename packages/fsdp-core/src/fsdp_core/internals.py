@@ -69,6 +69,7 @@ __all__ = [
     "tracks_grouped_passes",
     "memory_timeline_tracker",
     "set_ddp_ignored",
+    "root_mesh",
 ]
 
 _FAKE_PG_MODULE: Final = "torch.testing._internal.distributed.fake_pg"
@@ -490,3 +491,17 @@ def process_group_timeout(group: Any = None) -> timedelta:
     if isinstance(value, timedelta) and value.total_seconds() > 0:
         return value
     return timedelta(minutes=30)
+
+
+def root_mesh(mesh: Any) -> Any:
+    """The mesh ``mesh`` was sliced from (itself when it is no slice): torch keeps it in
+    the private ``DeviceMesh._get_root_mesh``. A mesh made by ``_flatten`` or
+    ``_unflatten`` has the mesh it came from as its root."""
+    getter = getattr(mesh, "_get_root_mesh", None)
+    if not callable(getter):
+        raise FSDPInternalsError(
+            "this torch's DeviceMesh has no _get_root_mesh(): the library cannot find the "
+            "mesh a data-parallel sub-mesh was sliced from; pass the whole mesh and name its "
+            "data-parallel dimensions (dp_dims=...)"
+        )
+    return getter()

@@ -15,7 +15,7 @@ import dataclasses
 import hashlib
 import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextvars import ContextVar
 from typing import ClassVar
 
@@ -26,7 +26,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from fsdp_core import internals
 from fsdp_core._core_hooks import core_hook_plans, forward_arrival_hook, is_entry
 from fsdp_core.accumulation import AccumulationWarmupRuntimeHook
-from fsdp_core.collective_entry import enter_collective, group_ranks
+from fsdp_core.collective_entry import enter_collective
 from fsdp_core.containers import iter_layer_items
 from fsdp_core.dtype_units import (
     UnitGroups,
@@ -41,6 +41,7 @@ from fsdp_core.module_tree import (
     install_first_forward_check,
     module_tree_fingerprint,
 )
+from fsdp_core.parallel_dims import ParallelDims
 from fsdp_core.plan import ShardCall, ShardingPlan, UnitPlan
 from fsdp_core.plan_context import PlanAdditions, PlanContext
 from fsdp_core.precision import island_policy
@@ -131,18 +132,32 @@ class ModelParallelizer:
         offload_policy: OffloadPolicy | None = None,
         reshard_after_forward: bool | int | None = None,
         ignored_params: set[nn.Parameter] | None = None,
+        dp_dims: str | Sequence[str] | None = None,
     ) -> nn.Module:
-        """Plan and apply in one step; returns ``model`` (sharded in place)."""
-        if not isinstance(mesh, DeviceMesh):
-            raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
-        check_reshard_after_forward(reshard_after_forward, shard_group_size(mesh))
+        """Plan and apply in one step; returns ``model`` (sharded in place).
+
+        ``mesh`` is the data-parallel mesh (1-D, or HSDP 2-D), also when it is a
+        sub-mesh of a larger mesh whose other dimensions (TP, CP, EP, PP) were applied
+        first (``world_mesh["dp"]``); or the whole mesh, with ``dp_dims`` naming its
+        data-parallel dimensions (``dp_dims="dp"``, ``dp_dims=("dp_replicate",
+        "dp_shard")``). See [`ParallelDims`][fsdp_core.parallel_dims.ParallelDims].
+
+        Raises:
+            TypeError: ``mesh`` is not a ``DeviceMesh``.
+            ValueError: ``dp_dims`` names no dimension of ``mesh``, or ``mesh`` alone is
+                not a data-parallel mesh (see ``ParallelDims.from_mesh``).
+        """
+        dims = ParallelDims.from_mesh(mesh, dp_dims=dp_dims)
+        check_reshard_after_forward(reshard_after_forward, shard_group_size(dims.dp_mesh))
         plan = self.plan(
             model,
             mp_policy=mp_policy,
             reshard_after_forward=reshard_after_forward,
             ignored_params=ignored_params,
         )
-        return self.apply_plan(model, plan, mesh=mesh, offload_policy=offload_policy)
+        return self.apply_plan(
+            model, plan, mesh=mesh, offload_policy=offload_policy, dp_dims=dp_dims
+        )
 
     def plan(
         self,
@@ -225,9 +240,11 @@ class ModelParallelizer:
         *,
         mesh: DeviceMesh,
         offload_policy: OffloadPolicy | None = None,
+        dp_dims: str | Sequence[str] | None = None,
     ) -> nn.Module:
         """Shard ``model`` in place as ``plan`` says; every call goes through
         [`_fully_shard_module`][fsdp_core.parallelizer.ModelParallelizer._fully_shard_module].
+        ``mesh`` and ``dp_dims`` as in ``parallelize``.
 
         A transformers or peft model then has its own collective
         ``save_pretrained`` (the instance's, bound to the library's export;
@@ -236,7 +253,7 @@ class ModelParallelizer:
         return _apply(
             model,
             plan,
-            mesh=mesh,
+            dims=ParallelDims.from_mesh(mesh, dp_dims=dp_dims),
             offload_policy=offload_policy,
             shard_module=self._shard_planned_call,
             before=self._before_apply,
@@ -477,17 +494,19 @@ def apply_plan(
     *,
     mesh: DeviceMesh,
     offload_policy: OffloadPolicy | None = None,
+    dp_dims: str | Sequence[str] | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place as ``plan`` says, from the plan alone: place the
     replicated parameters as it recorded, make each planned unit with torch's
     ``fully_shard``, check the units, and install the planned runtime hooks from their
-    plan data. Collective over the mesh's ranks; what a parallelizer's
-    [`apply_plan`][fsdp_core.parallelizer.ModelParallelizer.apply_plan] does, without
-    its overridable steps."""
+    plan data. Collective over the ranks that run the model's forward together; what a
+    parallelizer's [`apply_plan`][fsdp_core.parallelizer.ModelParallelizer.apply_plan]
+    does, without its overridable steps. ``mesh`` and ``dp_dims`` as in
+    [`ModelParallelizer.parallelize`][fsdp_core.parallelizer.ModelParallelizer.parallelize]."""
     return _apply(
         model,
         plan,
-        mesh=mesh,
+        dims=ParallelDims.from_mesh(mesh, dp_dims=dp_dims),
         offload_policy=offload_policy,
         shard_module=shard_unit,
         before=None,
@@ -512,7 +531,7 @@ def _apply(
     model: nn.Module,
     plan: ShardingPlan,
     *,
-    mesh: DeviceMesh,
+    dims: ParallelDims,
     offload_policy: OffloadPolicy | None,
     shard_module: ShardFn,
     before: _ApplyStep | None,
@@ -521,8 +540,10 @@ def _apply(
 ) -> nn.Module:
     if not isinstance(plan, ShardingPlan):
         raise TypeError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
-    # Collective: every rank of the mesh arrives and applies the same plan.
-    entry = enter_collective("apply_plan", ranks=group_ranks(mesh=mesh))
+    # Collective: every rank that runs the model's forward (the data-parallel ranks and
+    # those of TP, CP, EP) arrives and applies the same plan.
+    entry = enter_collective("apply_plan", ranks=dims.lockstep_ranks())
+    mesh = dims.dp_mesh
     entry.agree_on(_plan_digest(plan), what="sharding plan", error=PlanMismatchError)
     if plan.fingerprint is not None:
         check_module_tree(model, plan.fingerprint)
@@ -544,7 +565,7 @@ def _apply(
     hooks = [hook_of(planned) for planned in plan.hooks]
     internals.check_internals(model, {hook.name: hook.reads for hook in hooks})
     for hook in hooks:
-        installed = hook.install(model, mesh=mesh)
+        installed = hook.install(model, dims=dims)
         if installed is not None:
             register_installed_hook(model, installed)
     install_first_forward_check(model, module_tree_fingerprint(model))

@@ -42,10 +42,9 @@ from torch.utils.hooks import RemovableHandle
 from fsdp_core.comm_tally import CommTally
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
     from fsdp_core.internals import Probe
     from fsdp_core.mesh import MeshShape
+    from fsdp_core.parallel_dims import ParallelDims
     from fsdp_core.plan import ShardingPlan
 
 __all__ = [
@@ -87,6 +86,9 @@ class HookStep:
     #: The step's media, as the package whose hooks depend on it describes them
     #: (``multimodal_fsdp.estimate.exchange.StepMedia``); ``None``: not given.
     media: object = None
+    #: The job's parallel dimensions when the mesh has more than the data-parallel ones
+    #: (``mesh`` is their data-parallel shape); ``None``: data-parallel only.
+    parallel: ParallelDims | None = None
 
     @property
     def world_size(self) -> int:
@@ -94,8 +96,16 @@ class HookStep:
 
     @property
     def dims(self) -> int:
-        """Mesh dimensions with more than one rank: each repeats a hook's all-reduce."""
+        """Data-parallel mesh dimensions with more than one rank: each repeats an
+        all-reduce over the data-parallel mesh."""
         return sum(1 for size in self.mesh.sizes if size > 1)
+
+    @property
+    def lockstep_dims(self) -> int:
+        """Dimensions with more than one rank among those whose ranks run the model's
+        forward together (data-parallel, TP, CP, EP): each repeats an all-reduce over
+        them ([`lockstep_mesh`][fsdp_core.parallel_dims.ParallelDims.lockstep_mesh])."""
+        return self.dims if self.parallel is None else self.parallel.lockstep_dims
 
 
 class RuntimeHook(ABC):
@@ -110,9 +120,12 @@ class RuntimeHook(ABC):
     reads: ClassVar[tuple[Probe, ...]] = ()
 
     @abstractmethod
-    def install(self, model: nn.Module, *, mesh: DeviceMesh) -> InstalledHook | None:
+    def install(self, model: nn.Module, *, dims: ParallelDims) -> InstalledHook | None:
         """Put the hook on the sharded ``model``; ``None`` when this torch cannot (it
-        says so in a warning)."""
+        says so in a warning). ``dims`` are the job's parallel dimensions: a hook's
+        collectives run over the group its docstring names (``dims.dp_mesh`` for FSDP's
+        own reductions, ``dims.lockstep_mesh`` for checks that keep the whole forward in
+        step)."""
 
     def collectives(self, step: HookStep) -> CommTally:
         """The collectives the hook issues in ``step`` (per rank; none by default): its

@@ -20,9 +20,11 @@ the generation steps alike. A ``generate()`` call itself is checked by the
 ``forward_arrival`` hook (an empty prompt on some rank included).
 
 Before each forward of the model (ahead of the other runtime hooks), every rank puts a
-few integers in one all-reduce (MAX over the data-parallel mesh, ten int64 per mesh
-dimension, and a host sync): whether gradients are on, how many units will reduce their
-gradients in this micro-batch's backward (``set_requires_gradient_sync``), whether the
+few integers in one all-reduce (MAX over the ranks that run the model's forward
+together: the data-parallel mesh and any TP, CP or EP dimension, see
+[ParallelDims.lockstep_mesh][fsdp_core.parallel_dims.ParallelDims.lockstep_mesh]; ten
+int64 per mesh dimension, and a host sync): whether gradients are on, how many units will
+reduce their gradients in this micro-batch's backward (``set_requires_gradient_sync``), whether the
 batch is empty, how many forwards of the model it ran and which micro-batch of its step
 this is. When they differ, a second all-reduce collects each rank's values and every
 rank raises the same [StepMismatchError][fsdp_core.step_agreement.StepMismatchError] (or

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -44,6 +44,9 @@ from fsdp_core._backward_order import anchor_unit_inputs
 from fsdp_core.comm_tally import CommTally
 from fsdp_core.mesh_collectives import all_reduce_max_over_mesh, mesh_device
 from fsdp_core.runtime import BackwardWatch, HookStep, RuntimeHook
+
+if TYPE_CHECKING:
+    from fsdp_core.parallel_dims import ParallelDims
 
 __all__ = ["UnusedParamsHook", "UnusedParamsRuntimeHook", "install_unused_params_hook"]
 
@@ -180,8 +183,12 @@ class UnusedParamsRuntimeHook(RuntimeHook):
         internals.QUEUE_CALLBACK,
     )
 
-    def install(self, model: nn.Module, *, mesh: DeviceMesh) -> UnusedParamsHook | None:
-        return install_unused_params_hook(model, mesh=mesh)
+    def install(self, model: nn.Module, *, dims: ParallelDims) -> UnusedParamsHook | None:
+        """The usage flags are reduced over ``dims.dp_mesh``: they decide what FSDP's
+        reduce-scatter and all-reduce send, which run over the data-parallel ranks only
+        (the ranks of a TP or CP group hold the same batch and use the same parameters;
+        where they do not, their collectives in the forward already differ)."""
+        return install_unused_params_hook(model, mesh=dims.dp_mesh)
 
     def collectives(self, step: HookStep) -> CommTally:
         """The usage flags: one byte per trainable parameter tensor a unit manages,

@@ -19,6 +19,7 @@ from torch import nn
 from fsdp_core import ShardingPlan
 from fsdp_core.containers import is_under, module_spans
 from fsdp_core.mesh import MeshShape
+from fsdp_core.parallel_dims import ParallelDims
 from fsdp_core.plan import UnitPlan, unit_parameters
 from fsdp_core.runtime import HookStep
 from fsdp_core.sharding import check_reshard_after_forward
@@ -77,6 +78,8 @@ def resolve_step(
     no_backward: Iterable[str] | None,
     with_backward: Iterable[str],
     media: StepMedia | None,
+    *,
+    parallel: ParallelDims | None = None,
 ) -> CostedStep:
     """Check the plan against the mesh and read, once, what the tallies share; the
     checks run in the order users have always seen their errors."""
@@ -95,7 +98,9 @@ def resolve_step(
     if media is not None and not isinstance(media, StepMedia):
         raise TypeError(f"media must be a StepMedia, got {type(media).__name__}")
     return CostedStep(
-        hook=HookStep(plan=plan, model=model, mesh=shape, owned=owned, media=media),
+        hook=HookStep(
+            plan=plan, model=model, mesh=shape, owned=owned, media=media, parallel=parallel
+        ),
         free=free,
         free_judged=no_backward is None,
         forced=forced,

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp_core.comm_tally import KINDS, PHASES, CommTally
+from fsdp_core.parallel_dims import local_shape
 from fsdp_core.precision import compute_dtype
 
 __all__ = [
@@ -51,7 +52,7 @@ def _dim0_padded_numel(shape: torch.Size, factor: int) -> int:
 def padded_shard_numel(param: nn.Parameter, shard: int) -> int:
     """Elements of one rank's shard after FSDP pads dim 0 to a multiple of ``shard`` (the
     one padding rule of the estimates: collectives, activation replay, memory)."""
-    return _dim0_padded_numel(param.shape, shard) // shard
+    return _dim0_padded_numel(local_shape(param), shard) // shard
 
 
 def param_compute_dtype(param: nn.Parameter, policy: MixedPrecisionPolicy) -> torch.dtype:
@@ -84,14 +85,16 @@ def _gathered_bytes(
 ) -> int:
     """All-gather output bytes: every parameter padded, in its compute dtype."""
     return sum(
-        _dim0_padded_numel(p.shape, shard) * param_compute_dtype(p, policy).itemsize
+        _dim0_padded_numel(local_shape(p), shard) * param_compute_dtype(p, policy).itemsize
         for _, p in params
     )
 
 
 def _sharded_bytes(params: list[tuple[str, nn.Parameter]], shard: int) -> int:
     """Bytes one rank stores: its padded shard of each parameter, in the storage dtype."""
-    return sum(_dim0_padded_numel(p.shape, shard) // shard * p.dtype.itemsize for _, p in params)
+    return sum(
+        _dim0_padded_numel(local_shape(p), shard) // shard * p.dtype.itemsize for _, p in params
+    )
 
 
 def _unit_collectives(
@@ -117,7 +120,7 @@ def _unit_collectives(
     if not trainable:
         return tally
     reduce = unit_reduce_dtype(params, policy)
-    padded = sum(_dim0_padded_numel(p.shape, shard) for p in trainable)
+    padded = sum(_dim0_padded_numel(local_shape(p), shard) for p in trainable)
     if shard > 1:
         tally.add("backward", "reduce_scatter", padded * reduce.itemsize)
     if replicate > 1:

@@ -72,6 +72,7 @@ from torch import nn
 
 from fsdp_core import ShardingPlan
 from fsdp_core.mesh import MeshShape, resolve_mesh_shape
+from fsdp_core.parallel_dims import ParallelDims, local_shape
 from fsdp_core.runtime import HookPlan
 from fsdp_core.sharding import original_class
 from multimodal_fsdp.balance._planned import BalancedTower
@@ -261,12 +262,18 @@ def _short(dtype: torch.dtype) -> str:
 
 
 def resolve_cost_mesh(
-    mesh: MeshShape | None, world_size: int | None, dp_replicate: int
+    mesh: MeshShape | ParallelDims | None, world_size: int | None, dp_replicate: int
 ) -> MeshShape:
-    """The mesh shape costs are computed for: ``mesh``, else one of ``world_size`` ranks."""
+    """The data-parallel mesh shape costs are computed for: ``mesh`` (of a
+    ``ParallelDims``, its data-parallel shape), else one of ``world_size`` ranks."""
+    if isinstance(mesh, ParallelDims):
+        return mesh.dp_shape
     if mesh is not None:
         if not isinstance(mesh, MeshShape):
-            raise TypeError(f"mesh must be a fsdp_core.MeshShape, got {type(mesh).__name__}")
+            raise TypeError(
+                "mesh must be a fsdp_core.MeshShape or fsdp_core.parallel_dims.ParallelDims, "
+                f"got {type(mesh).__name__}"
+            )
         return mesh
     if world_size is None:
         raise ValueError("give a world_size (and optionally dp_replicate) or a mesh shape")
@@ -279,7 +286,7 @@ def plan_costs(
     *,
     world_size: int | None = None,
     dp_replicate: int = 1,
-    mesh: MeshShape | None = None,
+    mesh: MeshShape | ParallelDims | None = None,
     no_backward: Iterable[str] | None = None,
     with_backward: Iterable[str] = (),
     prefetch_guard: bool = True,
@@ -288,6 +295,12 @@ def plan_costs(
     media: StepMedia | None = None,
 ) -> PlanCosts:
     """Cost ``plan`` for ``model`` on a mesh (``world_size``/``dp_replicate`` or ``mesh``).
+
+    ``mesh`` may be the job's [`ParallelDims`][fsdp_core.parallel_dims.ParallelDims] when
+    the mesh has other dimensions (TP, CP, EP, PP): the units are costed on its
+    data-parallel shape, parameters that are already DTensors on another dimension by
+    their local shards, and the runtime hooks' checks over the ranks that run the
+    forward together.
 
     ``model`` may be on the meta device (only shapes, dtypes and
     ``requires_grad`` are read). Everything else comes from the plan: the runtime hooks'
@@ -308,7 +321,8 @@ def plan_costs(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     shape = resolve_cost_mesh(mesh, world_size, dp_replicate)
-    step = resolve_step(plan, model, shape, no_backward, with_backward, media)
+    parallel = mesh if isinstance(mesh, ParallelDims) and not mesh.is_data_parallel_only else None
+    step = resolve_step(plan, model, shape, no_backward, with_backward, media, parallel=parallel)
     hooks = [hook for _, hook in planned_hooks(plan, model) if hook is not None]
     runs: dict[str, int] = {}
     for hook in hooks:
@@ -427,7 +441,7 @@ def _replicated(plan: ShardingPlan, model: nn.Module) -> tuple[int, int]:
     total = 0
     for name in names:
         param = named[name]
-        total += param.numel() * dtypes.get(name, param.dtype).itemsize
+        total += local_shape(param).numel() * dtypes.get(name, param.dtype).itemsize
     return sum(named[n].numel() for n in names), total
 
 

@@ -15,17 +15,19 @@ exactly those of a real job.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_core import CommCounter, ShardingPlan, build_mesh
 from fsdp_core.collective_entry import enter_collective
 from fsdp_core.fake_group import current_or_fake_group
 from fsdp_core.mesh import resolve_mesh_shape
+from fsdp_core.parallel_dims import ParallelDims
 from fsdp_core.parallelizer import apply_plan
 from multimodal_fsdp.estimate.collectives import KINDS, PHASES, CommTally
 from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs
@@ -191,6 +193,8 @@ def measure_plan(
     no_backward: Iterable[str] | None = None,
     steps: int = 1,
     media: StepMedia | None = None,
+    mesh: DeviceMesh | None = None,
+    dp_dims: str | Sequence[str] | None = None,
 ) -> Measurement:
     """Cost ``plan``, apply it to ``model`` (sharded in place, from the plan alone: see
     [`fsdp_core.parallelizer.apply_plan`][fsdp_core.parallelizer.apply_plan]) and run
@@ -205,13 +209,27 @@ def measure_plan(
     ([`record_step_media`][multimodal_fsdp.estimate.exchange.record_step_media]): what
     the fake group runs, where every rank looks like the calling one. On real ranks
     with different media, give ``media`` with each rank's calls.
+
+    ``mesh`` (and ``dp_dims``, as ``parallelize`` takes them) measures on a mesh the
+    caller built under the initialised group, e.g. one whose other dimensions TP
+    already sharded ``model`` over; its data-parallel shape replaces ``dp_replicate``.
     """
-    shape = resolve_mesh_shape(world_size=world_size, dp_replicate=dp_replicate)
+    dims = None if mesh is None else ParallelDims.from_mesh(mesh, dp_dims=dp_dims)
+    if dims is None:
+        shape = resolve_mesh_shape(world_size=world_size, dp_replicate=dp_replicate)
+    elif dims.world_size != world_size:
+        raise ValueError(
+            f"world_size={world_size} does not match the mesh ({dims.describe()}: "
+            f"{dims.world_size} ranks)"
+        )
+    else:
+        shape = dims.dp_shape
     with current_or_fake_group(world_size):
         # Collective on a real group: every rank arrives, and a failure while costing
         # on one rank is raised on all (no-ops under the fake group).
         call = enter_collective("measure_plan")
-        mesh = build_mesh(dp_replicate=shape.dp_replicate, dp_shard=shape.dp_shard)
+        if mesh is None:
+            mesh = build_mesh(dp_replicate=shape.dp_replicate, dp_shard=shape.dp_shard)
 
         def prepare() -> PlanCosts:
             costed_media = step_media(
@@ -220,14 +238,14 @@ def measure_plan(
             return plan_costs(
                 plan,
                 model,
-                mesh=shape,
+                mesh=shape if dims is None else dims,
                 prefetch_guard=prefetch_guard,
                 no_backward=no_backward,
                 media=costed_media,
             )
 
         costs = call.run(prepare, step="costing the plan")
-        apply_plan(model, plan, mesh=mesh)
+        apply_plan(model, plan, mesh=mesh, dp_dims=dp_dims)
         if not prefetch_guard:
             remove_backward_prefetch_guard(model)
         measured = measure_step(model, loss_fn, steps=steps)

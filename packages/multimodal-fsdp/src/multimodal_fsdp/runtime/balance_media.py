@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,9 @@ from multimodal_fsdp.balance.targets import balance_targets
 from multimodal_fsdp.balance.traffic import SLOT_INTS
 from multimodal_fsdp.runtime._balance_installed import BalanceMedia
 from multimodal_fsdp.runtime.joined_layers import JoinedLayers
+
+if TYPE_CHECKING:
+    from fsdp_core.parallel_dims import ParallelDims
 
 __all__ = [
     "BalancedTower",
@@ -376,7 +379,11 @@ class BalanceMediaRuntimeHook(RuntimeHook):
                 "on an HSDP mesh freeze them and balance within 'shard'"
             )
 
-    def install(self, model: nn.Module, *, mesh: DeviceMesh) -> BalanceMedia:
+    def install(self, model: nn.Module, *, dims: ParallelDims) -> BalanceMedia:
+        """Balances within groups of ``dims.dp_mesh``: the data-parallel ranks hold
+        different batches; the ranks of a TP or CP group hold the same one and each
+        balances with its own data-parallel peers (same media, same route)."""
+        mesh = dims.dp_mesh
         self.check_group(mesh)
         group, size = _group_of(mesh, self.group)
         hook = BalanceMedia(

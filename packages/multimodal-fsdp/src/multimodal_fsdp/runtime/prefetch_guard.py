@@ -44,11 +44,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
@@ -63,6 +62,9 @@ from fsdp_core.runtime import (
     register_installed_hook,
     remove_runtime_hooks,
 )
+
+if TYPE_CHECKING:
+    from fsdp_core.parallel_dims import ParallelDims
 
 __all__ = [
     "BackwardPrefetchGuard",
@@ -246,7 +248,7 @@ class PrefetchGuardRuntimeHook(RuntimeHook):
             )
         )
 
-    def install(self, model: nn.Module, *, mesh: DeviceMesh) -> BackwardPrefetchGuard | None:
+    def install(self, model: nn.Module, *, dims: ParallelDims) -> BackwardPrefetchGuard | None:
         watched = []
         for label, paths in self.units:
             first = model.get_submodule(paths[0]) if paths[0] else model

@@ -55,7 +55,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Final
+from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 import torch
 from torch import nn
@@ -68,6 +68,9 @@ from fsdp_core.containers import is_module_container, is_under, unwrap_module
 from fsdp_core.internals import GRAPH_TASK, Probe, in_backward
 from fsdp_core.mesh_collectives import all_reduce_max_over_mesh, mesh_device
 from fsdp_core.runtime import HookStep, RuntimeHook
+
+if TYPE_CHECKING:
+    from fsdp_core.parallel_dims import ParallelDims
 
 __all__ = [
     "MediaRegion",
@@ -473,16 +476,17 @@ class ScheduleCheckRuntimeHook(RuntimeHook):
 
     layout: ScheduleLayout
 
-    def install(self, model: nn.Module, *, mesh: DeviceMesh) -> ScheduleCheck:
-        return install_schedule_check(model, self.layout, mesh=mesh)
+    def install(self, model: nn.Module, *, dims: ParallelDims) -> ScheduleCheck:
+        """The checkpoints agree over ``dims.lockstep_mesh``: every rank that runs the
+        model's forward, whose collectives in a media region (FSDP's, and TP's, CP's or
+        EP's in the modules there) hang when some rank's media differ."""
+        return install_schedule_check(model, self.layout, mesh=dims.lockstep_mesh)
 
     def collectives(self, step: HookStep) -> CommTally:
         """The checkpoints of one forward (every region runs once): one all-reduce of
-        ``CHECKPOINT_BYTES`` per mesh dimension each, on every rank whatever the media,
-        so the plan alone counts them (a single rank checks nothing)."""
+        ``CHECKPOINT_BYTES`` per lockstep mesh dimension each, on every rank whatever
+        the media, so the plan alone counts them (a single rank checks nothing)."""
         tally = CommTally()
-        if step.world_size <= 1:
-            return tally
-        for _ in range(self.layout.checkpoints_per_forward() * step.dims):
+        for _ in range(self.layout.checkpoints_per_forward() * step.lockstep_dims):
             tally.add("forward", "all_reduce", CHECKPOINT_BYTES)
         return tally

@@ -1,0 +1,379 @@
+"""The parallel dimensions of a job: the one place they enter the library.
+
+FSDP shards over the data-parallel dimensions of a ``DeviceMesh`` (one, or two for
+HSDP). Large vision-language models run it beside tensor (TP), context (CP), expert
+(EP) and pipeline (PP) parallelism that the caller or a framework applied first, on
+other dimensions of the same mesh. [`ParallelDims`][fsdp_core.parallel_dims.ParallelDims]
+says which dimensions exist and which ranks share what, so that plans, estimates and
+every runtime hook read one answer instead of assuming the world is their mesh:
+
+- the data-parallel mesh FSDP shards over
+  ([`dp_mesh`][fsdp_core.parallel_dims.ParallelDims.dp_mesh]);
+- the ranks that run this model's forward together
+  ([`lockstep_mesh`][fsdp_core.parallel_dims.ParallelDims.lockstep_mesh]): every
+  dimension but PP, because TP, CP and EP ranks issue collectives inside the forward
+  and hang when their forwards differ (PP stages run other parts of the model);
+- the ranks that hold the same batch, the *data group* for media
+  ([`data_group_ranks`][fsdp_core.parallel_dims.ParallelDims.data_group_ranks]): the
+  TP x CP ranks of one data-parallel coordinate.
+
+A dimension's role comes from its name (``tp``, ``cp``, ``ep``, ``pp`` or their long
+forms ``tensor_parallel``, ...); a dimension of more than one rank with any other name
+is refused, because the library could not tell whether its ranks run the forward
+together. Built by [`ParallelDims.from_mesh`][fsdp_core.parallel_dims.ParallelDims.from_mesh]
+from what the caller passes to ``parallelize``: the data-parallel sub-mesh of a larger
+mesh, or the whole mesh with ``dp_dims`` naming its data-parallel dimensions.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from fsdp_core import internals
+from fsdp_core.mesh import REPLICATE_DIM, SHARD_DIM, MeshShape
+
+__all__ = ["DIMENSION_ROLES", "ParallelDims", "dimension_role", "local_shape"]
+
+logger = logging.getLogger(__name__)
+
+#: The roles of non-data-parallel dimensions, each with the mesh dimension names that
+#: have it (torchtitan's short names, Lightning's long ones).
+DIMENSION_ROLES: Final[dict[str, tuple[str, ...]]] = {
+    "tp": ("tp", "tensor_parallel"),
+    "cp": ("cp", "context_parallel"),
+    "ep": ("ep", "expert_parallel"),
+    "pp": ("pp", "pipeline_parallel"),
+}
+#: Roles whose ranks hold the same batch (one data-parallel coordinate).
+_SAME_BATCH: Final = ("tp", "cp")
+#: Roles whose ranks do not run the same part of the model.
+_OTHER_STAGES: Final = ("pp",)
+
+
+def dimension_role(name: str) -> str | None:
+    """The role (``"tp"``, ``"cp"``, ``"ep"``, ``"pp"``) a mesh dimension's name gives
+    it, or ``None`` for any other name."""
+    for role, names in DIMENSION_ROLES.items():
+        if name in names:
+            return role
+    return None
+
+
+def local_shape(tensor: torch.Tensor) -> torch.Size:
+    """The shape of this rank's part of ``tensor``: the local shard of a DTensor (a
+    parameter that TP or EP already sharded on another dimension, whose local tensor FSDP
+    then shards over the data-parallel ranks), else the tensor's own shape."""
+    if isinstance(tensor, DTensor):
+        return tensor.to_local().shape
+    return tensor.shape
+
+
+def _known_names() -> str:
+    return ", ".join(name for names in DIMENSION_ROLES.values() for name in names)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The dimensions of a job's mesh and which of them are data-parallel.
+
+    ``names`` and ``sizes`` describe every dimension of the mesh the model's ranks
+    share (in mesh order); ``dp_names`` are the data-parallel ones FSDP shards over
+    (one, or two for HSDP: replicate, then shard). ``mesh`` and ``data_parallel_mesh``
+    are the meshes themselves (``None`` for a shape only, e.g. for estimates).
+
+    Raises:
+        ValueError: sizes that are not positive, repeated names, data-parallel names
+            that are not dimensions (or not one or two, or out of mesh order), or a
+            dimension of more than one rank whose name has no known role.
+    """
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+    dp_names: tuple[str, ...]
+    mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    data_parallel_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.names) != len(self.sizes):
+            raise ValueError(f"{len(self.names)} dimension names for {len(self.sizes)} sizes")
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"mesh dimension names repeat: {self.names}")
+        for name, size in zip(self.names, self.sizes, strict=True):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"dimension {name!r} has size {size!r}; sizes are positive ints")
+        _check_dp_names(self.dp_names, self.names)
+        unknown = [
+            f"{name}={size}"
+            for name, size in zip(self.names, self.sizes, strict=True)
+            if name not in self.dp_names and size > 1 and dimension_role(name) is None
+        ]
+        if unknown:
+            raise ValueError(
+                f"the mesh has dimensions {', '.join(unknown)} that are neither data-parallel "
+                f"({', '.join(self.dp_names)}) nor named for a known role ({_known_names()}); "
+                "the library cannot tell whether their ranks run the model's forward together "
+                "and hold the same batch: name them for their role, or name them data-parallel "
+                "with dp_dims=..."
+            )
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_mesh(
+        cls, mesh: DeviceMesh, *, dp_dims: str | Sequence[str] | None = None
+    ) -> ParallelDims:
+        """The dimensions of ``mesh`` as ``parallelize(model, mesh=..., dp_dims=...)``
+        receives it.
+
+        Without ``dp_dims``, ``mesh`` is the data-parallel mesh (1-D, or HSDP 2-D): when
+        it was sliced from a larger mesh (``world_mesh["dp"]``), that mesh's other
+        dimensions are the job's other dimensions. With ``dp_dims`` (a name or a tuple
+        of one or two names), ``mesh`` is the whole mesh and those are its
+        data-parallel dimensions.
+
+        Raises:
+            TypeError: ``mesh`` is not a ``DeviceMesh`` or ``dp_dims`` not names.
+            ValueError: ``dp_dims`` names no dimension of ``mesh`` (the message lists
+                them), or ``mesh`` without ``dp_dims`` is not a data-parallel mesh (more
+                than two dimensions, or a dimension named for TP, CP, EP or PP).
+        """
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
+        sizes = tuple(int(s) for s in mesh.shape)
+        if dp_dims is not None:
+            names = tuple(mesh.mesh_dim_names or ())
+            if not names:
+                raise ValueError(
+                    f"dp_dims={dp_dims!r} names dimensions, but the mesh has no dimension "
+                    "names: build it with mesh_dim_names=..."
+                )
+            wanted = _dim_names_arg(dp_dims)
+            _check_dp_names(wanted, names)
+            dp_mesh = mesh if wanted == names else mesh[wanted]
+            return cls(names, sizes, wanted, mesh=mesh, data_parallel_mesh=dp_mesh)
+        names = _names_of(mesh)
+        if mesh.ndim > 2:
+            raise ValueError(
+                f"a mesh with dimensions {names} is not a data-parallel mesh (FSDP shards over "
+                "one dimension, or two for HSDP): pass its data-parallel sub-mesh "
+                "(mesh['dp']) or the whole mesh with dp_dims=(<its data-parallel names>)"
+            )
+        roles = [n for n, s in zip(names, sizes, strict=True) if dimension_role(n) and s > 1]
+        if roles:
+            raise ValueError(
+                f"the mesh's dimensions {roles} are named for tensor, context, expert or "
+                f"pipeline parallelism, so {names} is not a data-parallel mesh: pass its "
+                f"data-parallel sub-mesh (mesh['dp']) or the whole mesh with dp_dims=..."
+            )
+        root = internals.root_mesh(mesh)
+        root_names = tuple(root.mesh_dim_names or ())
+        if root is mesh or not root_names:
+            return cls(names, sizes, names, mesh=mesh, data_parallel_mesh=mesh)
+        if not set(names) <= set(root_names):
+            # Flattened or unflattened meshes: the root's dimensions are not this mesh's.
+            logger.info(
+                "the data-parallel mesh %s comes from a mesh with dimensions %s that do not "
+                "contain its own; other parallel dimensions are not known (pass the whole "
+                "mesh and dp_dims=... to name them)",
+                names,
+                root_names,
+            )
+            return cls(names, sizes, names, mesh=mesh, data_parallel_mesh=mesh)
+        root_sizes = tuple(int(s) for s in root.shape)
+        return cls(root_names, root_sizes, names, mesh=root, data_parallel_mesh=mesh)
+
+    @classmethod
+    def from_sizes(
+        cls,
+        *,
+        dp_replicate: int = 1,
+        dp_shard: int,
+        tp: int = 1,
+        cp: int = 1,
+        ep: int = 1,
+        pp: int = 1,
+    ) -> ParallelDims:
+        """A shape without meshes (for plans and estimates), torchtitan's dimension
+        order: ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``ep``, ``tp``."""
+        named = (
+            ("pp", pp),
+            (REPLICATE_DIM, dp_replicate),
+            (SHARD_DIM, dp_shard),
+            ("cp", cp),
+            ("ep", ep),
+            ("tp", tp),
+        )
+        for name, size in named:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name} must be a positive int, got {size!r}")
+        kept = tuple((n, s) for n, s in named if s > 1 or n == SHARD_DIM)
+        dp = (REPLICATE_DIM, SHARD_DIM) if dp_replicate > 1 else (SHARD_DIM,)
+        return cls(tuple(n for n, _ in kept), tuple(s for _, s in kept), dp)
+
+    # ------------------------------------------------------------------- shape
+    def size(self, name: str) -> int:
+        """The size of the dimension ``name`` (1 when the mesh has none)."""
+        return self.sizes[self.names.index(name)] if name in self.names else 1
+
+    def role_size(self, role: str) -> int:
+        """How many ranks the dimensions of ``role`` (``"tp"``, ...) span together."""
+        if role not in DIMENSION_ROLES:
+            raise ValueError(f"unknown role {role!r}; roles: {', '.join(DIMENSION_ROLES)}")
+        return math.prod(self.size(n) for n in self.names if dimension_role(n) == role)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the whole mesh."""
+        return math.prod(self.sizes)
+
+    @property
+    def dp_shape(self) -> MeshShape:
+        """The data-parallel sizes FSDP shards over (what the estimates cost)."""
+        sizes = [self.size(n) for n in self.dp_names]
+        return MeshShape(dp_replicate=sizes[0] if len(sizes) == 2 else 1, dp_shard=sizes[-1])
+
+    @property
+    def other_dims(self) -> dict[str, int]:
+        """The dimensions that are not data-parallel, with their sizes."""
+        return {n: s for n, s in zip(self.names, self.sizes, strict=True) if n not in self.dp_names}
+
+    @property
+    def lockstep_names(self) -> tuple[str, ...]:
+        """The dimensions whose ranks run the model's forward together: the data-parallel
+        ones and those of more than one rank other than PP."""
+        return tuple(
+            n
+            for n, s in zip(self.names, self.sizes, strict=True)
+            if n in self.dp_names or (s > 1 and dimension_role(n) not in _OTHER_STAGES)
+        )
+
+    @property
+    def data_group_names(self) -> tuple[str, ...]:
+        """The dimensions of more than one rank whose ranks hold the same batch (TP, CP)."""
+        return tuple(
+            n
+            for n, s in zip(self.names, self.sizes, strict=True)
+            if s > 1 and dimension_role(n) in _SAME_BATCH
+        )
+
+    @property
+    def dp_dims(self) -> int:
+        """Data-parallel dimensions of more than one rank: each repeats an all-reduce over
+        the data-parallel mesh."""
+        return sum(1 for n in self.dp_names if self.size(n) > 1)
+
+    @property
+    def lockstep_dims(self) -> int:
+        """Dimensions of more than one rank among the lockstep ones: each repeats an
+        all-reduce over the lockstep mesh."""
+        return sum(1 for n in self.lockstep_names if self.size(n) > 1)
+
+    @property
+    def is_data_parallel_only(self) -> bool:
+        """Whether the lockstep ranks are the data-parallel ranks (no TP, CP, EP)."""
+        return self.lockstep_names == self.dp_names
+
+    # ------------------------------------------------------------------ meshes
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """The data-parallel mesh FSDP shards over (the object the caller passed, when
+        it passed that)."""
+        return self._need(self.data_parallel_mesh)
+
+    @property
+    def lockstep_mesh(self) -> DeviceMesh:
+        """The mesh of the ranks that run this model's forward together (the
+        data-parallel mesh itself when there is no other such dimension)."""
+        if self.is_data_parallel_only:
+            return self.dp_mesh
+        return _slice(self._need(self.mesh), self.lockstep_names)
+
+    @property
+    def data_group_mesh(self) -> DeviceMesh | None:
+        """The mesh of the ranks holding this rank's batch (TP x CP); ``None`` when each
+        rank holds its own."""
+        if not self.data_group_names:
+            return None
+        return _slice(self._need(self.mesh), self.data_group_names)
+
+    def lockstep_ranks(self) -> tuple[int, ...]:
+        """Global ranks of this rank's lockstep mesh, sorted (empty without a process group)."""
+        if not dist.is_initialized():
+            return ()
+        return _ranks(self.lockstep_mesh)
+
+    def data_group_ranks(self) -> tuple[int, ...]:
+        """Global ranks that hold this rank's batch, sorted (this rank alone without TP or
+        CP; empty without a process group)."""
+        if not dist.is_initialized():
+            return ()
+        group = self.data_group_mesh
+        return (dist.get_rank(),) if group is None else _ranks(group)
+
+    def describe(self) -> str:
+        """The dimensions in words, e.g. ``dp_shard=2 (data-parallel), tp=2``."""
+        return ", ".join(
+            f"{n}={s}" + (" (data-parallel)" if n in self.dp_names else "")
+            for n, s in zip(self.names, self.sizes, strict=True)
+        )
+
+    def _need(self, mesh: DeviceMesh | None) -> DeviceMesh:
+        if mesh is None:
+            raise ValueError(
+                f"these ParallelDims ({self.describe()}) are a shape without a mesh; build "
+                "them with ParallelDims.from_mesh(...) for meshes and ranks"
+            )
+        return mesh
+
+
+def _names_of(mesh: DeviceMesh) -> tuple[str, ...]:
+    names = tuple(mesh.mesh_dim_names or ())
+    if names:
+        return names
+    return (REPLICATE_DIM, SHARD_DIM) if mesh.ndim == 2 else (SHARD_DIM,) * mesh.ndim
+
+
+def _dim_names_arg(value: str | Sequence[str]) -> tuple[str, ...]:
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, Sequence) or not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            f"dp_dims must be a dimension name or a tuple of names, got {type(value).__name__} "
+            f"({value!r})"
+        )
+    return tuple(names)
+
+
+def _check_dp_names(wanted: tuple[str, ...], names: tuple[str, ...]) -> None:
+    if not 1 <= len(wanted) <= 2:
+        raise ValueError(
+            f"dp_dims names {len(wanted)} dimensions {wanted}; FSDP shards over one "
+            "data-parallel dimension, or two for HSDP (replicate, shard)"
+        )
+    missing = [n for n in wanted if n not in names]
+    if missing:
+        raise ValueError(
+            f"dp_dims {missing} are not dimensions of the mesh; its dimensions are {names}"
+        )
+    if len(set(wanted)) != len(wanted):
+        raise ValueError(f"dp_dims repeats a dimension: {wanted}")
+    if [names.index(n) for n in wanted] != sorted(names.index(n) for n in wanted):
+        raise ValueError(
+            f"dp_dims {wanted} are not in the mesh's order {names}: give the replicate "
+            "dimension before the shard dimension, as they are in the mesh"
+        )
+
+
+def _slice(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    return mesh if names == tuple(mesh.mesh_dim_names or ()) else mesh[names]
+
+
+def _ranks(mesh: DeviceMesh) -> tuple[int, ...]:
+    return tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))

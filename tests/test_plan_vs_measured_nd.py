@@ -1,0 +1,89 @@
+"""Plans on N-D meshes: a model whose language-model MLPs TP already sharded.
+
+Under the fake process group (one process, any world size), the library shards the
+tiny DeepSeek-V4.1 reference model over the data-parallel dimensions of a
+``('dp', 'tp')`` 2x2 mesh (given as the sub-mesh ``world['dp']``) and of a
+``('dp_replicate', 'dp_shard', 'tp')`` 2x2x2 mesh (given whole, with ``dp_dims``):
+the applied units are the plan's, and the collectives the plan predicts (the units'
+from the TP-local shards, the step agreement over every dimension whose ranks run the
+forward together) are those measured, count and bytes, per phase and kind.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensor_parallel import tensor_parallel_mlps
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from vlm import build_vlm, vlm_batches, vlm_loss
+
+from fsdp_core.fake_group import fake_process_group
+from fsdp_core.internals import applied_unit_paths
+from fsdp_core.step_agreement import AGREEMENT_BYTES
+from model_deepseek_v41 import PARALLELIZER
+from multimodal_fsdp.measure.comm import measure_plan
+from multimodal_fsdp.runtime.schedule_check import CHECKPOINT_BYTES, ScheduleCheckRuntimeHook
+
+pytestmark = [pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor")]
+
+POLICIES = ("root", "per_layer", "replicate")
+BATCH = vlm_batches(1, 1)[0][0]
+
+#: (mesh shape, names, what parallelize gets: the dp sub-mesh or dp_dims, lockstep dims)
+MESHES = {
+    "dp2_tp2_submesh": ((2, 2), ("dp", "tp"), "dp", None, 2),
+    "hsdp2x2_tp2_whole": (
+        (2, 2, 2),
+        ("dp_replicate", "dp_shard", "tp"),
+        None,
+        ("dp_replicate", "dp_shard"),
+        3,
+    ),
+}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("case", list(MESHES))
+def test_tp_sharded_model_plan_is_applied_and_its_costs_are_measured(
+    case: str, policy: str
+) -> None:
+    shape, names, sub, dp_dims, lockstep = MESHES[case]
+    world_size = 1
+    for size in shape:
+        world_size *= size
+    with fake_process_group(world_size):
+        world = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        model = build_vlm(dtype=torch.float32, frozen_tower=True)
+        tensor_parallel_mlps(model, world["tp"])
+        weight = model.get_parameter("model.layers.0.mlp.gate_up.weight")
+        assert isinstance(weight, DTensor)  # TP-sharded before the library runs
+        parallelizer = PARALLELIZER.with_options(frozen_multimodal_sharding=policy)
+        plan = parallelizer.plan(model)
+        mesh = world[sub] if sub is not None else world
+        measured = measure_plan(
+            plan,
+            model,
+            lambda m: vlm_loss(m, BATCH),  # type: ignore[arg-type]
+            world_size=world_size,
+            mesh=mesh,
+            dp_dims=dp_dims,
+        )
+        applied = sorted(tuple(sorted(paths)) for paths in applied_unit_paths(model))
+        # FSDP added the data-parallel dimensions to the TP placement.
+        assert model.get_parameter("model.layers.0.mlp.gate_up.weight").device_mesh.ndim == (
+            len(shape)
+        )
+    assert applied == sorted(tuple(sorted(unit.paths)) for unit in plan.units)
+    assert measured.matches, "\n".join(measured.comparison.differences())
+    # The step agreement and each schedule checkpoint: one all-reduce per lockstep
+    # dimension (TP's included), predicted and measured alike.
+    checks = sum(
+        planned.hook.layout.checkpoints_per_forward()  # type: ignore[attr-defined]
+        for planned in plan.hooks
+        if isinstance(planned.hook, ScheduleCheckRuntimeHook)
+    )
+    assert measured.costs.extra.counts[("forward", "all_reduce")] == lockstep * (1 + checks)
+    assert measured.costs.extra.nbytes[("forward", "all_reduce")] == lockstep * (
+        AGREEMENT_BYTES + checks * CHECKPOINT_BYTES
+    )
