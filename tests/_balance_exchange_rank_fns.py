@@ -410,10 +410,25 @@ CASES: dict[str, dict[str, Any]] = {
 UNREAD_CASES = sorted(name for name, spec in CASES.items() if spec.get("reads") == "middle")
 
 
+class _MaskedClip(nn.Module):
+    """A CLIP tower whose forward names a per-image ``pixel_attention_mask`` (as Idefics2's
+    and SmolVLM's towers do), so the balanced call must split it with the images; a mask
+    that reaches a tower only through ``**kwargs`` is left out of balanced calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clip = _clip()
+
+    def forward(
+        self, pixel_values: Tensor, pixel_attention_mask: Tensor | None = None, **kwargs: Any
+    ) -> Any:
+        return self.clip(pixel_values, **kwargs)
+
+
 def _bad_call_on_one_rank(rank: int) -> dict[str, Any]:
     """Rank 1's call cannot be split (a mask with the wrong rows): every rank raises, and
     the group still works afterwards."""
-    tower = _clip()
+    tower = _MaskedClip()
     pixels = torch.randn(2, 3, 16, 16)
     kwargs: dict[str, Any] = {"return_dict": True}
     if rank == 1:
