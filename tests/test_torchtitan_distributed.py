@@ -33,3 +33,10 @@ def test_torchtitan_parallelize_fn_trains_like_one_process(name: str, mp2: MpRes
     # Sharded on meta, before any value exists, as torchtitan calls it.
     assert result["on_meta_after_parallelize"]
     assert "dp_shard=2" in result["mesh"]
+    # compile.enable: each block's forward compiled (the numbers above: eager's).
+    if TORCHTITAN[name].compile_backend is None:
+        assert result["compiled"] == []
+    else:
+        blocks = ["vision_tower.blocks.0", "vision_tower.blocks.1"]
+        layers = [f"language_model.layers.{i}" for i in range(3)]
+        assert result["compiled"] == blocks + layers

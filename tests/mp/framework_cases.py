@@ -32,6 +32,8 @@ class FrameworkCase:
     loop: LoopCase
     #: ``gradient_clip_val`` / ``clip_gradients(max_norm=...)``; None: no clipping.
     max_norm: float | None = None
+    #: torchtitan's ``compile.backend`` with ``compile.enable`` (None: no compile).
+    compile_backend: str | None = None
 
     @property
     def name(self) -> str:
@@ -46,10 +48,12 @@ class FrameworkCase:
         return self.loop.loss(model, batch)
 
 
-def _case(name: str, *, max_norm: float | None = None, **loop: Any) -> FrameworkCase:
+def _case(
+    name: str, *, max_norm: float | None = None, compile_backend: str | None = None, **loop: Any
+) -> FrameworkCase:
     loop.setdefault("build", toy())
     loop.setdefault("optimizer", "adamw")
-    return FrameworkCase(LoopCase(name, **loop), max_norm=max_norm)
+    return FrameworkCase(LoopCase(name, **loop), max_norm=max_norm, compile_backend=compile_backend)
 
 
 def _llava_lora(name: str, **loop: Any) -> FrameworkCase:
@@ -107,6 +111,10 @@ TORCHTITAN: dict[str, FrameworkCase] = {
             policy="per_layer",
             balance_media=True,
             media=ALL_IMAGES_ON_RANK0,
+        ),
+        # compile.enable: every tower block and decoder layer compiled (fullgraph=True).
+        _case(
+            "torchtitan_compile", policy="per_layer", max_norm=MAX_NORM, compile_backend="aot_eager"
         ),
     )
 }

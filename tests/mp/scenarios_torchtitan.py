@@ -62,7 +62,7 @@ def run_torchtitan(case: FrameworkCase, ctx: DistributedContext, out: Path) -> d
         parallel_dims=parallel_dims,
         training=TrainingConfig(mixed_precision_param="float32"),
         parallelism=ParallelismConfig(),
-        compile_config=CompileConfig(),
+        compile_config=_compile_config(CompileConfig, case),
         ac_config=None,
         dump_folder=str(out),
     )
@@ -93,7 +93,24 @@ def run_torchtitan(case: FrameworkCase, ctx: DistributedContext, out: Path) -> d
         "params": {n: full(p) for n, p in model.named_parameters()},
         "on_meta_after_parallelize": on_meta,
         "mesh": str(parallel_dims.get_mesh("dp_shard")),
+        "compiled": _compiled_blocks(model),
     }
+
+
+def _compile_config(config_class: Any, case: FrameworkCase) -> Any:
+    if case.compile_backend is None:
+        return config_class()
+    return config_class(enable=True, components=["model"], backend=case.compile_backend)
+
+
+def _compiled_blocks(model: nn.Module) -> list[str]:
+    """The modules whose ``forward`` the compile replaced on the instance (balance_media
+    wraps a tower's ``forward`` too: not a compiled one)."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if hasattr(vars(module).get("forward"), "_torchdynamo_orig_callable")
+    ]
 
 
 def _to(value: Any, ctx: DistributedContext) -> Any:

@@ -120,6 +120,7 @@ class Parallelism:
 class Compile:
     enable: bool = False
     components: list[str] = field(default_factory=lambda: ["model", "loss"])
+    backend: Any = "aot_eager"
 
 
 def _call(dims: Dims, **configs: Any) -> dict[str, Any]:
@@ -178,10 +179,30 @@ def test_torchtitan_other_parallelisms_are_refused(mesh2: DeviceMesh, flag: str)
         _call(dims)
 
 
+def test_torchtitan_compiles_each_block_when_compile_names_the_model(mesh2: DeviceMesh) -> None:
+    """torchtitan's ``compile.enable``: each block's ``forward`` compiled with
+    ``compile.backend``, after the parallelizer ran; 'loss' alone compiles no block."""
+    dims = Dims({"dp_shard": mesh2})
+    for components, compiled in ((["model", "loss"], True), (["loss"], False)):
+        model = nn.Sequential(nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]))
+        recording = Recording()
+        config = Compile(enable=True, components=components)
+        assert (
+            torchtitan.parallelize_fn(recording)(model, parallel_dims=dims, compile_config=config)
+            is model
+        )
+        assert len(recording.calls) == 1
+        assert all(("forward" in vars(block)) is compiled for block in model[0])
+
+
 def test_torchtitan_compile_and_unknown_reshard_are_refused(mesh2: DeviceMesh) -> None:
     dims = Dims({"dp_shard": mesh2})
-    with pytest.raises(ValueError, match=r"compile\.components"):
+    with pytest.raises(ValueError, match=r"Linear has no layer stack.*compile\.components"):
         _call(dims, compile_config=Compile(enable=True))
+    layers = nn.Sequential(nn.ModuleList([nn.Linear(2, 2)]))
+    fn = torchtitan.parallelize_fn(Recording())
+    with pytest.raises(TypeError, match=r"compile\.backend must be a string, got int"):
+        fn(layers, parallel_dims=dims, compile_config=Compile(enable=True, backend=3))
     with pytest.raises(ValueError, match="always, never"):
         _call(dims, parallelism=Parallelism(fsdp_reshard_after_forward="sometimes"))
 

@@ -7,12 +7,16 @@ and builds the optimizer from the returned model. ``parallelize_fn`` makes such 
 function from a parallelizer: it reads the data-parallel mesh from ``ParallelDims``
 (``dp_shard``, with ``dp_replicate`` as HSDP), the mixed precision, CPU offload and
 ``fsdp_reshard_after_forward`` from torchtitan's configs, applies torchtitan's
-activation checkpointing when configured, and plans and applies the library's units
-on the ``meta`` model (planning needs no values).
+activation checkpointing when configured, plans and applies the library's units
+on the ``meta`` model (planning needs no values), and compiles each block when
+``compile.enable`` names the model, as torchtitan's ``apply_compile`` does
+(``fullgraph=True``, ``compile.backend``), but after sharding, so that FSDP's and the
+library's hooks stay outside the compiled code
+([`compile_blocks`][fsdp_core.regional_compile.compile_blocks]).
 
 The library shards over data-parallel ranks only: tensor, context, pipeline and
-expert parallelism are refused, as is ``torch.compile`` of the model, with the option
-to change, rather than silently ignored. torchtitan is not imported here; its configs
+expert parallelism are refused, with the option to change, rather than silently
+ignored. torchtitan is not imported here; its configs
 are read by attribute name, so any object with those attributes works.
 """
 
@@ -27,8 +31,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
+from fsdp_core.containers import iter_layer_items
 from fsdp_core.parallelizer import ModelParallelizer
 from fsdp_core.precision import mixed_precision_policy
+from fsdp_core.regional_compile import compile_blocks
 
 __all__ = ["data_parallel_mesh", "parallelize_fn"]
 
@@ -120,10 +126,10 @@ def parallelize_fn(
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         mesh = data_parallel_mesh(parallel_dims)
-        _refuse_compile(compile_config)
+        backend = _compile_backend(model, compile_config)
         if ac_config is not None:
             _apply_activation_checkpointing(model, ac_config, dump_folder)
-        return parallelizer.parallelize(
+        sharded = parallelizer.parallelize(
             model,
             mesh=mesh,
             mp_policy=mp_policy if mp_policy is not None else _mp_policy(training),
@@ -134,6 +140,10 @@ def parallelize_fn(
             if reshard_after_forward is not None
             else _reshard(parallelism),
         )
+        if backend is not None:
+            names = compile_blocks(sharded, backend=backend, fullgraph=True)
+            logger.info("compiled %d blocks with torch.compile(backend=%r)", len(names), backend)
+        return sharded
 
     return parallelize
 
@@ -165,15 +175,23 @@ def _reshard(parallelism: Any) -> bool | None:
     return _RESHARD[value]
 
 
-def _refuse_compile(compile_config: Any) -> None:
+def _compile_backend(model: nn.Module, compile_config: Any) -> str | None:
+    """The backend to compile the blocks with (``None``: no compile of the model), checked
+    before anything is applied."""
     if compile_config is None or not getattr(compile_config, "enable", False):
-        return
-    if "model" in getattr(compile_config, "components", ("model",)):
+        return None
+    if "model" not in getattr(compile_config, "components", ("model",)):
+        return None
+    backend = getattr(compile_config, "backend", "inductor")
+    if not isinstance(backend, str):
+        raise TypeError(f"compile.backend must be a string, got {type(backend).__name__}")
+    if next(iter_layer_items(model), None) is None:
         raise ValueError(
-            "compile.enable with 'model' in compile.components: this parallelize_fn does not "
-            "torch.compile the model; remove 'model' from compile.components (or disable "
-            "compile)"
+            f"compile.enable with 'model' in compile.components: {type(model).__name__} has "
+            "no layer stack (nn.ModuleList/nn.ModuleDict of blocks) to compile block by "
+            "block; remove 'model' from compile.components (or disable compile)"
         )
+    return backend
 
 
 def _apply_activation_checkpointing(model: nn.Module, ac_config: Any, dump_folder: str) -> None:
