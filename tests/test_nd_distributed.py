@@ -27,7 +27,7 @@ pytestmark = pytest.mark.distributed
 def reference() -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     return reference_run(
         lambda: build_vlm(dtype=torch.float32, frozen_tower=True),
-        vlm_batches(STEPS, 2, images=IMAGES),  # type: ignore[arg-type]
+        vlm_batches(STEPS, 2, images=IMAGES),
         vlm_loss,
         compute_dtype=None,
         lr=LR,

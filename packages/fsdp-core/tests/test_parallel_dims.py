@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_core.fake_group import fake_process_group
@@ -138,3 +139,31 @@ def test_a_mesh_that_is_not_data_parallel_is_refused() -> None:
 def test_dp_dims_need_a_mesh_with_names() -> None:
     with fake_process_group(4), pytest.raises(ValueError, match="no dimension names"):
         ParallelDims.from_mesh(init_device_mesh("cpu", (4,)), dp_dims="dp")
+
+
+def test_a_flattened_data_parallel_mesh_keeps_its_own_dimensions() -> None:
+    """A mesh flattened from others (torchtitan's ``dp_shard_cp``) names no dimension of
+    its root: the other dimensions are not known, so the data-parallel mesh is all
+    (as before N-D support); the whole mesh with ``dp_dims`` names them."""
+    with fake_process_group(8, rank=2):
+        world = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_shard", "cp", "tp"))
+        flat = world["dp_shard", "cp"]._flatten("dp_shard_cp")
+        dims = ParallelDims.from_mesh(flat)
+        assert dims.names == ("dp_shard_cp",)
+        assert dims.dp_mesh is flat
+        assert dims.lockstep_mesh is flat
+        assert dims.lockstep_ranks() == (0, 2, 4, 6)
+
+
+def test_local_shape_is_the_shard_a_rank_holds() -> None:
+    from torch import nn
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from fsdp_core.parallel_dims import local_shape
+
+    with fake_process_group(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        weight = nn.Parameter(distribute_tensor(torch.zeros(8, 6), mesh, [Shard(1)]))
+        assert tuple(weight.shape) == (8, 6)
+        assert tuple(local_shape(weight)) == (8, 3)
+        assert tuple(local_shape(torch.zeros(4, 2))) == (4, 2)

@@ -16,6 +16,7 @@ from torch import nn
 
 from fsdp_core import ShardingPlan
 from fsdp_core.mesh import MeshShape
+from fsdp_core.parallel_dims import ParallelDims
 from multimodal_fsdp.estimate.activations import trace_activations
 from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs, resolve_cost_mesh
 from multimodal_fsdp.estimate.exchange import StepMedia, step_media
@@ -30,7 +31,7 @@ def inspect_model(
     *,
     world_size: int | None = None,
     dp_replicate: int = 1,
-    mesh: MeshShape | None = None,
+    mesh: MeshShape | ParallelDims | None = None,
     prefetch_guard: bool = True,
     no_backward: Iterable[str] | None = None,
     optimizer: str | None = "adamw",
@@ -55,7 +56,7 @@ def inspect_model(
     costs = plan_costs(
         plan,
         model,
-        mesh=shape,
+        mesh=mesh if isinstance(mesh, ParallelDims) else shape,
         prefetch_guard=prefetch_guard,
         no_backward=no_backward,
         precision=precision,
