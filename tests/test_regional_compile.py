@@ -158,3 +158,72 @@ def test_compile_blocks_refuses_what_it_cannot_compile() -> None:
         compile_blocks(3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="Linear has no layer stack"):
         compile_blocks(nn.Linear(2, 2))
+
+
+def _text_model() -> nn.Module:
+    """The reference model's text decoder: a model with ``layers`` at its top, the layout
+    torchtitan's activation checkpointing expects."""
+    text: nn.Module = build_deepseek_v41(CONFIG).model
+    return text
+
+
+def _text_losses(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    ids = make_batch(CONFIG, batch_size=2, seq_len=16, num_images_per_sample=0)["input_ids"]
+    losses = []
+    for _ in range(2):
+        loss = model(ids).float().pow(2).mean()
+        loss.backward()
+        losses.append(loss.detach())
+    grads = {
+        name.replace("_checkpoint_wrapped_module.", ""): p.grad.full_tensor()  # type: ignore[attr-defined]
+        for name, p in model.named_parameters()
+        if p.grad is not None
+    }
+    return torch.stack(losses), grads
+
+
+def test_torchtitan_activation_checkpointing_then_compile_matches_eager() -> None:
+    """torchtitan's own ``FullAC`` and ``compile`` through the adapter, in torchtitan's
+    order (checkpointing first): the checkpointed layers compile inside their wrappers
+    (the recomputation reruns the compiled code) without a break, with eager's numbers."""
+    pytest.importorskip("torchtitan")
+    from torchtitan.config.configs import CompileConfig  # type: ignore[import-untyped]
+    from torchtitan.distributed.activation_checkpoint import FullAC  # type: ignore[import-untyped]
+
+    from fsdp_core import ModelParallelizer
+    from fsdp_core.integrations.torchtitan import parallelize_fn
+
+    dims = _OneRankDims(build_mesh())
+    eager_losses, eager_grads = _text_losses(
+        parallelize_fn(ModelParallelizer())(_text_model(), parallel_dims=dims)
+    )
+    model = parallelize_fn(ModelParallelizer())(
+        _text_model(),
+        parallel_dims=dims,
+        compile_config=CompileConfig(enable=True, components=["model"], backend=BACKEND),
+        ac_config=FullAC.Config(),
+    )
+    layers = list(model.get_submodule("layers").children())
+    assert all(type(layer).__name__ == "FSDPCheckpointWrapper" for layer in layers)
+    losses, grads = _text_losses(model)
+    assert _breaks() == {}
+    assert counters["stats"]["unique_graphs"] == 1
+    torch.testing.assert_close(losses, eager_losses)
+    assert grads.keys() == eager_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, eager_grads[name], msg=name)
+
+
+class _OneRankDims:
+    """What the adapter reads of torchtitan's ``ParallelDims`` on one rank."""
+
+    tp_enabled = cp_enabled = pp_enabled = ep_enabled = dp_replicate_enabled = False
+
+    def __init__(self, mesh: Any) -> None:
+        self._mesh = mesh
+
+    def get_optional_mesh(self, dims: str) -> Any:
+        return self._mesh if dims == "dp_shard" else None
+
+    def get_mesh(self, dims: str) -> Any:
+        return self._mesh
