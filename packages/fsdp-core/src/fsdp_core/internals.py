@@ -70,6 +70,7 @@ __all__ = [
     "memory_timeline_tracker",
     "set_ddp_ignored",
     "root_mesh",
+    "storage_tensors",
 ]
 
 _FAKE_PG_MODULE: Final = "torch.testing._internal.distributed.fake_pg"
@@ -505,3 +506,19 @@ def root_mesh(mesh: Any) -> Any:
             "data-parallel dimensions (dp_dims=...)"
         )
     return getter()
+
+
+def storage_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold ``tensor``'s memory: itself, or for a wrapper
+    subclass without storage of its own (a DTensor, funcol's ``AsyncCollectiveTensor``)
+    its inner tensors, found through the subclass protocol's ``__tensor_flatten__``."""
+    flatten = getattr(type(tensor), "__tensor_flatten__", None)
+    if flatten is None:
+        return [tensor]
+    names, _ = flatten(tensor)
+    inner: list[torch.Tensor] = []
+    for name in names:
+        value = getattr(tensor, name)
+        if isinstance(value, torch.Tensor):
+            inner.extend(storage_tensors(value))
+    return inner

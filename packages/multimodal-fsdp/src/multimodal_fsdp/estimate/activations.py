@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_core import ShardingPlan
+from fsdp_core import ShardingPlan, internals
 from fsdp_core.internals import TorchDispatchMode
 from fsdp_core.plan import unit_parameters
 from fsdp_core.runtime import output_tensors
@@ -92,18 +92,20 @@ class _LiveBytes(TorchDispatchMode):
         self.saved: set[int] = set()
 
     def add(self, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key in self.skip or key in self.seen or storage.nbytes() == 0:
-            return
-        self.seen[key] = storage.nbytes()
-        self.bump(storage.nbytes())
-        weakref.finalize(storage, self._free, key, storage.nbytes())
+        for held in internals.storage_tensors(tensor):
+            storage = held.untyped_storage()
+            key = storage.data_ptr()
+            if key in self.skip or key in self.seen or storage.nbytes() == 0:
+                continue
+            self.seen[key] = storage.nbytes()
+            self.bump(storage.nbytes())
+            weakref.finalize(storage, self._free, key, storage.nbytes())
 
     def mark_saved(self, tensor: torch.Tensor) -> None:
         """Follow ``tensor`` and count it among the saved bytes."""
         self.add(tensor)
-        self.saved.add(tensor.untyped_storage().data_ptr())
+        for held in internals.storage_tensors(tensor):
+            self.saved.add(held.untyped_storage().data_ptr())
 
     def saved_bytes(self) -> int:
         """Bytes of the saved storages that are still alive."""
@@ -172,7 +174,13 @@ def trace_activations(
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     check_shard(shard)
     twin = compute_copy(model, plan)
-    live = _LiveBytes({p.untyped_storage().data_ptr() for p in twin.parameters()})
+    live = _LiveBytes(
+        {
+            held.untyped_storage().data_ptr()
+            for p in twin.parameters()
+            for held in internals.storage_tensors(p)
+        }
+    )
     handles = []
     for unit in plan.units:
         for path in unit.paths:

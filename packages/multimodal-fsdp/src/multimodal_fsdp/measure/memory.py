@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -41,6 +42,7 @@ from fsdp_core.collective_entry import enter_collective
 from fsdp_core.fake_group import current_or_fake_group
 from fsdp_core.internals import memory_timeline_tracker
 from fsdp_core.mesh import resolve_mesh_shape
+from fsdp_core.parallel_dims import ParallelDims
 from fsdp_core.parallelizer import apply_plan
 from multimodal_fsdp.estimate.activations import trace_activations
 from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs
@@ -335,6 +337,8 @@ def measure_plan_memory(
     optimizer: str = "adamw",
     warmup: int = 1,
     media: StepMedia | None = None,
+    mesh: DeviceMesh | None = None,
+    dp_dims: str | Sequence[str] | None = None,
 ) -> MemoryMeasurement:
     """Predict the memory of ``plan`` (tracing the activations of ``loss_fn`` on an
     unsharded copy of ``model``), apply it to ``model`` from the plan alone and measure
@@ -342,26 +346,39 @@ def measure_plan_memory(
 
     A plan with balanced towers is predicted for ``media`` (by default the media of
     ``loss_fn``'s batch on every rank, what the fake group runs; see
-    [`measure_plan`][multimodal_fsdp.measure.comm.measure_plan])."""
+    [`measure_plan`][multimodal_fsdp.measure.comm.measure_plan]). ``mesh`` and ``dp_dims``
+    measure on the caller's mesh, as ``measure_plan`` takes them."""
     check_optimizer(optimizer)
-    shape = resolve_mesh_shape(world_size=world_size)
+    dims = None if mesh is None else ParallelDims.from_mesh(mesh, dp_dims=dp_dims)
+    if dims is None:
+        shape = resolve_mesh_shape(world_size=world_size)
+    elif dims.world_size != world_size:
+        raise ValueError(
+            f"world_size={world_size} does not match the mesh ({dims.describe()}: "
+            f"{dims.world_size} ranks)"
+        )
+    else:
+        shape = dims.dp_shape
     with current_or_fake_group(world_size):
         # Collective on a real group (no-ops under the fake group): see measure_plan.
         call = enter_collective("measure_plan_memory")
-        mesh = build_mesh(dp_shard=shape.dp_shard)
+        if mesh is None:
+            mesh = build_mesh(dp_shard=shape.dp_shard)
 
         def prepare() -> PlanCosts:
             rank = dist.get_rank() if dist.is_initialized() else 0
             costed_media = step_media(
                 plan, model, loss_fn, world_size=shape.world_size, rank=rank, media=media
             )
-            costs = plan_costs(plan, model, mesh=shape, media=costed_media)
+            costs = plan_costs(
+                plan, model, mesh=shape if dims is None else dims, media=costed_media
+            )
             activations = trace_activations(
                 plan, model, loss_fn, shard=shape.dp_shard, media=costed_media
             )
             return with_memory(costs, plan, model, optimizer=optimizer, activations=activations)
 
         costs = call.run(prepare, step="costing the plan")
-        apply_plan(model, plan, mesh=mesh)
+        apply_plan(model, plan, mesh=mesh, dp_dims=dp_dims)
         measured = measure_memory(model, loss_fn, optimizer=optimizer, warmup=warmup)
     return MemoryMeasurement(plan=plan, costs=costs, measured=measured)
