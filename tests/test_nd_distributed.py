@@ -52,3 +52,15 @@ def test_hooks_agree_over_the_ranks_they_must(case: str, mp4: MpResults) -> None
     assert result["arrival_ranks"] == [0, 1, 2, 3]
     assert result["agreement_ranks"] == [0, 1, 2, 3]
     assert result["unused_ranks"] in ([0, 2], [1, 3])
+
+
+def test_an_empty_batch_on_a_tp_peer_stops_every_rank(mp4: MpResults) -> None:
+    """The step agreement covers the TP peers: all four ranks raise the same
+    EmptyBatchError before the forward's collectives, and the job trains on."""
+    result = mp4("nd_tp_peer_empty_batch")
+    kinds = {kind for kind, _ in result["errors"]}
+    messages = {message for _, message in result["errors"]}
+    assert kinds == {"EmptyBatchError"}, result["errors"]
+    assert len(messages) == 1, messages
+    assert "rank 1" in messages.pop()
+    assert result["alive"] == 4.0

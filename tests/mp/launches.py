@@ -120,5 +120,6 @@ LAUNCHES: dict[int, list[str]] = {
         "ckpt_save_resume",
         *(f"loop_{name}" for name in cases_for(4)),
         "nd_dp_tp",
+        "nd_tp_peer_empty_batch",
     ],
 }

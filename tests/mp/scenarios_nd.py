@@ -98,3 +98,41 @@ def nd_dp_tp(ctx: DistributedContext, out: Path) -> dict[str, Any]:
         given, policy, balanced = name.split("/")
         results[name] = _case(ctx, given, policy, balanced == "balanced")
     return results
+
+
+def _gather(mine: Any) -> list[Any]:
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return gathered
+
+
+@scenario("nd_tp_peer_empty_batch")
+def nd_tp_peer_empty_batch(ctx: DistributedContext, out: Path) -> dict[str, Any]:
+    """Rank 1, the TP peer of rank 0, calls the model with an empty batch. The step
+    agreement runs over the ranks that run the forward together (all four), so every
+    rank raises ``EmptyBatchError`` before any collective of the forward; agreeing over
+    the data-parallel ranks only ({1, 3}) would stop ranks 1 and 3 while ranks 0 and 2
+    waited in the TP collectives of the forward. Then every rank with rows trains on."""
+    from fsdp_core.step_agreement import is_empty_batch
+
+    world = init_device_mesh(ctx.device.type, (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = world["dp"].get_local_rank()
+    model = build_vlm(dtype=torch.float32, frozen_tower=True).to(ctx.device)
+    tensor_parallel_mlps(model, world["tp"])
+    DeepseekV41ModelParallelizer(frozen_multimodal_sharding="root").parallelize(
+        model, mesh=world["dp"]
+    )
+    batch = to_device(vlm_batches(1, 2, images=IMAGES)[0][dp_rank], ctx.device)
+    empty = {k: (v[:0] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    mine = empty if ctx.rank == 1 else batch
+    assert is_empty_batch((), mine) == (ctx.rank == 1)
+    error: tuple[str, str] = ("", "")
+    try:
+        vlm_loss(model, mine).backward()  # type: ignore[arg-type]
+    except Exception as exc:
+        error = (type(exc).__name__, str(exc))
+    errors = _gather(error)
+    vlm_loss(model, batch).backward()  # type: ignore[arg-type]
+    alive = torch.ones(1)
+    dist.all_reduce(alive)
+    return {"errors": errors, "alive": float(alive)}
