@@ -227,3 +227,36 @@ class _OneRankDims:
 
     def get_mesh(self, dims: str) -> Any:
         return self._mesh
+
+
+def _checkpointed(*, frozen: bool) -> nn.Module:
+    """torch's ``checkpoint_wrapper`` around every vision block and decoder layer, before
+    sharding (the units are then the wrappers)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = build_deepseek_v41(CONFIG)
+    if frozen:
+        model.vision.requires_grad_(False)
+    for stack in (model.vision.blocks, model.model.layers):
+        for index, block in enumerate(list(stack)):
+            stack[index] = checkpoint_wrapper(block)
+    DeepseekV41ModelParallelizer(frozen_multimodal_sharding="per_layer").parallelize(
+        model, mesh=build_mesh()
+    )
+    return model
+
+
+def test_compile_blocks_looks_through_activation_checkpointing() -> None:
+    """A trainable block's pieces are compiled inside the checkpoint wrapper; the
+    recomputation in backward runs the compiled code again, with eager's numbers."""
+    eager_losses, eager_grads = _train(_checkpointed(frozen=False))
+    model = _checkpointed(frozen=False)
+    compiled = compile_blocks(model, backend=BACKEND)
+    assert "vision.blocks.0._checkpoint_wrapped_module.attn" in compiled
+    assert "model.layers.1._checkpoint_wrapped_module" in compiled
+    losses, grads = _train(model)
+    assert _breaks() == {}
+    torch.testing.assert_close(losses, eager_losses)
+    assert grads.keys() == eager_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, eager_grads[name], msg=name)
