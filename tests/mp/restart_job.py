@@ -18,6 +18,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -66,9 +67,26 @@ def log(**entry: Any) -> None:
         file.write(json.dumps({"attempt": ATTEMPT, **entry}) + "\n")
 
 
+def others_started(timeout_s: float = 120.0) -> None:
+    """Wait until every other rank logged its start in this attempt: a kill before
+    ``init_distributed`` would otherwise make torchrun stop a rank still importing torch
+    (a loaded machine), which then never logs that it started."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    deadline = time.monotonic() + timeout_s
+    for rank in range(world):
+        path = OUT / f"rank{rank}.jsonl"
+        while rank != RANK and time.monotonic() < deadline:
+            lines = path.read_text().splitlines() if path.exists() else []
+            if any(json.loads(line) == {"attempt": ATTEMPT, "started": True} for line in lines):
+                break
+            time.sleep(0.05)
+
+
 def die_if(where: str) -> None:
     """SIGKILL this process if this attempt's kill is here, on this rank."""
     if KILLS.get(ATTEMPT) == (RANK, where):
+        if where == "before init_distributed":
+            others_started()
         log(killed=where)
         os.kill(os.getpid(), signal.SIGKILL)
 
