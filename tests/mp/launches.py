@@ -121,5 +121,6 @@ LAUNCHES: dict[int, list[str]] = {
         *(f"loop_{name}" for name in cases_for(4)),
         "nd_dp_tp",
         "nd_tp_peer_empty_batch",
+        "nd_encoder_work",
     ],
 }

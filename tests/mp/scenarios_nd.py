@@ -136,3 +136,42 @@ def nd_tp_peer_empty_batch(ctx: DistributedContext, out: Path) -> dict[str, Any]
     alive = torch.ones(1)
     dist.all_reduce(alive)
     return {"errors": errors, "alive": float(alive)}
+
+
+#: Images per sample on each DP coordinate, per media distribution of
+#: ``nd_encoder_work``: even, uneven, and all media on one data group (the other
+#: text-only).
+ENCODER_MEDIA = {"even": [1, 1], "uneven": [2, 1], "one": [2, 0]}
+
+
+def _encoder_rows(ctx: DistributedContext, media: list[int], balanced: bool) -> list[int]:
+    """Images each rank's tower encodes in one training step (forward and backward) on
+    the ``('dp', 'tp')`` 2x2 mesh, gathered from every rank: a forward pre-hook on the
+    tower's first layer counts the rows (images) it runs on."""
+    world = init_device_mesh(ctx.device.type, (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = world["dp"].get_local_rank()
+    model = build_vlm(dtype=torch.float32, frozen_tower=True).to(ctx.device)
+    tensor_parallel_mlps(model, world["tp"])
+    DeepseekV41ModelParallelizer(
+        frozen_multimodal_sharding="root", balance_media=balanced
+    ).parallelize(model, mesh=world["dp"])
+    rows = [0]
+
+    def count(_module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        rows[0] += int(args[0].shape[0])
+
+    model.get_submodule("vision.patch_embed").register_forward_pre_hook(count)
+    batch = vlm_batches(1, 2, images=media)[0][dp_rank]
+    vlm_loss(model, to_device(batch, ctx.device)).backward()  # type: ignore[arg-type]
+    return [int(n) for n in _gather(rows[0])]
+
+
+@scenario("nd_encoder_work")
+def nd_encoder_work(ctx: DistributedContext, out: Path) -> dict[str, Any]:
+    """Images encoded per rank, with and without ``balance_media``, for each media
+    distribution of ``ENCODER_MEDIA`` (``tests/test_nd_encoder_work.py``)."""
+    return {
+        f"{name}/{'balanced' if balanced else 'plain'}": _encoder_rows(ctx, media, balanced)
+        for name, media in ENCODER_MEDIA.items()
+        for balanced in (False, True)
+    }
