@@ -1,0 +1,199 @@
+"""Tensor-parallel plans for language models, applied before the library shards.
+
+The library does not apply tensor parallelism (TP): the caller does, with torch's
+``parallelize_module``, on the ``tp`` dimension of its mesh, and then hands the
+data-parallel dimensions to ``parallelize`` (see ``docs/n-d-parallelism.md``). FSDP
+then shards each TP-local shard over the data-parallel ranks. These helpers write the
+usual plan for Llama/Qwen2-style decoder layers, so that a user need not, and check it
+at the boundary; a plan is an ordinary ``dict[str, ParallelStyle]`` that a user may
+edit or replace with their own, because the library shards whatever TP was applied.
+
+A plan holds the decoder layers' attention and MLP projections: q/k/v and gate/up
+column-wise (each rank holds whole heads and a slice of the intermediate features),
+o/down row-wise (one all-reduce per block, the output replicated). Frozen modules are
+left out unless asked (a frozen tower gains nothing from TP: it has no gradients or
+optimizer state, and the library shards it already).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+__all__ = [
+    "ATTENTION_PROJECTIONS",
+    "MLP_PROJECTIONS",
+    "apply_tensor_parallel",
+    "check_divisible",
+    "llama_style_plan",
+]
+
+#: Attention projections of a Llama/Qwen2-style layer: the column-wise ones, then the
+#: row-wise one.
+ATTENTION_PROJECTIONS: tuple[tuple[str, ...], str] = (("q_proj", "k_proj", "v_proj"), "o_proj")
+#: MLP projections of a Llama/Qwen2-style layer: the column-wise ones, then the row-wise one.
+MLP_PROJECTIONS: tuple[tuple[str, ...], str] = (("gate_proj", "up_proj"), "down_proj")
+
+
+def check_divisible(what: str, count: int, tp_size: int, *, where: str) -> None:
+    """Raise a ``ValueError`` naming the fix unless ``tp_size`` divides ``count``.
+
+    Raises:
+        ValueError: ``count`` (``what`` of ``where``) is not a multiple of ``tp_size``.
+    """
+    if count % tp_size:
+        divisors = [d for d in range(1, count + 1) if count % d == 0]
+        raise ValueError(
+            f"tp size {tp_size} does not divide the {count} {what} of {where}: each TP rank "
+            f"must hold an equal share; use a tp size among {divisors}"
+        )
+
+
+def _check_tp_size(tp_size: object) -> int:
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
+    return tp_size
+
+
+def _linear(module: nn.Module, name: str) -> nn.Linear | None:
+    child = getattr(module, name, None)
+    return child if isinstance(child, nn.Linear) else None
+
+
+def _is_trainable(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
+def _attention_plan(path: str, attn: nn.Module, tp_size: int) -> dict[str, ParallelStyle]:
+    columns, row = ATTENTION_PROJECTIONS
+    head_dim = getattr(attn, "head_dim", None)
+    if not isinstance(head_dim, int) or head_dim < 1:
+        raise ValueError(
+            f"{path} has q/k/v/o projections but no int head_dim attribute; write its "
+            "TP plan by hand (the library shards whatever TP was applied)"
+        )
+    for name in columns:
+        linear = _linear(attn, name)
+        assert linear is not None  # _is_llama_attention checked it
+        heads = linear.out_features // head_dim
+        kind = "query heads" if name == "q_proj" else "key/value heads"
+        check_divisible(kind, heads, tp_size, where=f"{path}.{name}")
+    plan: dict[str, ParallelStyle] = {f"{path}.{name}": ColwiseParallel() for name in columns}
+    plan[f"{path}.{row}"] = RowwiseParallel()
+    return plan
+
+
+def _mlp_plan(path: str, mlp: nn.Module, tp_size: int) -> dict[str, ParallelStyle]:
+    columns, row = MLP_PROJECTIONS
+    down = _linear(mlp, row)
+    assert down is not None  # _is_llama_mlp checked it
+    check_divisible("intermediate features", down.in_features, tp_size, where=f"{path}.{row}")
+    plan: dict[str, ParallelStyle] = {f"{path}.{name}": ColwiseParallel() for name in columns}
+    plan[f"{path}.{row}"] = RowwiseParallel()
+    return plan
+
+
+def _has_linears(module: nn.Module, names: tuple[str, ...]) -> bool:
+    return all(_linear(module, name) is not None for name in names)
+
+
+def llama_style_plan(
+    model: nn.Module, *, tp_size: int, include_frozen: bool = False
+) -> dict[str, ParallelStyle]:
+    """The TP plan of every Llama/Qwen2-style attention and MLP in ``model``.
+
+    An attention is a module with ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` Linears
+    and an int ``head_dim`` (transformers' Llama, Qwen2, Mistral, ... layers, whose
+    forward reshapes to ``(-1, head_dim)`` and so runs on each rank's heads); an MLP is
+    one with ``gate_proj``, ``up_proj``, ``down_proj`` Linears. Other modules (e.g. a
+    CLIP tower's ``out_proj``/``fc1`` layers) are not matched.
+
+    Args:
+        model: the model, on any device (``meta`` included).
+        tp_size: the size of the ``tp`` mesh dimension the plan will be applied on.
+        include_frozen: also plan modules without trainable parameters (default: a frozen
+            module is left to the library's sharding).
+
+    Returns:
+        ``{module path: ParallelStyle}`` for ``parallelize_module`` (or
+        [`apply_tensor_parallel`][multimodal_fsdp.tensor_parallel.apply_tensor_parallel]).
+
+    Raises:
+        ValueError: ``tp_size`` is not a positive int, it does not divide a planned
+            module's heads or intermediate features (the message lists the sizes that
+            do), or ``model`` has no such module (TP would change nothing).
+    """
+    tp_size = _check_tp_size(tp_size)
+    plan: dict[str, ParallelStyle] = {}
+    for path, module in model.named_modules():
+        if not include_frozen and not _is_trainable(module):
+            continue
+        columns, row = ATTENTION_PROJECTIONS
+        if _has_linears(module, (*columns, row)):
+            plan.update(_attention_plan(path, module, tp_size))
+        mlp_columns, mlp_row = MLP_PROJECTIONS
+        if _has_linears(module, (*mlp_columns, mlp_row)):
+            plan.update(_mlp_plan(path, module, tp_size))
+    if not plan:
+        frozen = "" if include_frozen else " trainable"
+        raise ValueError(
+            f"{type(model).__name__} has no{frozen} Llama/Qwen2-style attention (q_proj, "
+            "k_proj, v_proj, o_proj) or MLP (gate_proj, up_proj, down_proj): write its TP "
+            "plan by hand and apply it with parallelize_module before the library shards"
+            + ("" if include_frozen else ", or pass include_frozen=True for frozen modules")
+        )
+    return plan
+
+
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle]
+) -> list[str]:
+    """Apply ``plan`` over ``tp_mesh`` with torch's ``parallelize_module``; call it before
+    the library's ``parallelize`` (FSDP then shards the TP-local shards).
+
+    Args:
+        model: the model the plan's paths are relative to.
+        tp_mesh: the 1-D ``tp`` mesh (``world_mesh["tp"]``).
+        plan: ``{module path: ParallelStyle}``, e.g. from
+            [`llama_style_plan`][multimodal_fsdp.tensor_parallel.llama_style_plan] or
+            the user's own.
+
+    Returns:
+        The planned module paths, sorted.
+
+    Raises:
+        TypeError: ``tp_mesh`` is not a ``DeviceMesh``, or a plan value not a
+            ``ParallelStyle``.
+        ValueError: ``tp_mesh`` is not 1-D, the plan is empty, or it names a module
+            that ``model`` does not have.
+    """
+    if not isinstance(tp_mesh, DeviceMesh):
+        raise TypeError(f"tp_mesh must be a DeviceMesh, got {type(tp_mesh).__name__}")
+    if tp_mesh.ndim != 1:
+        raise ValueError(
+            f"tp_mesh has {tp_mesh.ndim} dimensions {tp_mesh.mesh_dim_names}; pass the 1-D "
+            "tensor-parallel sub-mesh, e.g. world_mesh['tp']"
+        )
+    if not plan:
+        raise ValueError("the TP plan is empty: there is nothing to apply")
+    modules = dict(model.named_modules())
+    missing = sorted(path for path in plan if path not in modules)
+    if missing:
+        raise ValueError(
+            f"the TP plan names modules {type(model).__name__} does not have: {missing[:5]}"
+        )
+    for path, style in plan.items():
+        if not isinstance(style, ParallelStyle):
+            raise TypeError(
+                f"the TP plan's {path!r} is a {type(style).__name__}, not a ParallelStyle"
+            )
+    parallelize_module(model, tp_mesh, dict(plan))
+    return sorted(plan)
