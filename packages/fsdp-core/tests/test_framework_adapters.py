@@ -44,9 +44,27 @@ def test_lightning_shards_over_the_data_parallel_ranks(fake_pg2: None) -> None:
     assert mesh.size() == 2
 
 
-def test_lightning_tensor_parallel_is_refused(fake_pg2: None) -> None:
-    with pytest.raises(ValueError, match=r"tensor_parallel=2.*tensor_parallel_size=1"):
-        lightning.data_parallel_mesh(_lightning_mesh(1, 2))
+def test_lightning_tensor_parallel_is_seen_beside_the_data_parallel_ranks(
+    fake_pg4: None,
+) -> None:
+    """tensor_parallel_size > 1: the data_parallel sub-mesh of Lightning's 2-D mesh, from
+    which the library's ParallelDims reads the tensor_parallel dimension."""
+    from fsdp_core.parallel_dims import ParallelDims
+
+    mesh = lightning.data_parallel_mesh(_lightning_mesh(2, 2))
+    assert mesh.mesh_dim_names == ("data_parallel",)
+    dims = ParallelDims.from_mesh(mesh)
+    assert dims.names == ("data_parallel", "tensor_parallel")
+    assert dims.sizes == (2, 2)
+    assert dims.dp_names == ("data_parallel",)
+    assert dims.data_group_names == ("tensor_parallel",)
+    assert not dims.is_data_parallel_only
+
+
+def test_lightning_a_mesh_without_data_parallel_is_refused(fake_pg4: None) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    with pytest.raises(ValueError, match="none named 'data_parallel'"):
+        lightning.data_parallel_mesh(mesh)
 
 
 def test_lightning_a_plain_1d_mesh_is_taken_as_it_is(mesh2: DeviceMesh) -> None:
@@ -171,12 +189,66 @@ def test_torchtitan_options_given_to_the_factory_win(mesh2: DeviceMesh) -> None:
     assert recording.calls[0]["reshard_after_forward"] is True
 
 
-@pytest.mark.parametrize("flag", ["tp_enabled", "cp_enabled", "pp_enabled", "ep_enabled"])
-def test_torchtitan_other_parallelisms_are_refused(mesh2: DeviceMesh, flag: str) -> None:
+@pytest.mark.parametrize(
+    ("flag", "option"),
+    [
+        ("cp_enabled", "context_parallel_degree"),
+        ("pp_enabled", "pipeline_parallel_degree"),
+        ("ep_enabled", "expert_parallel_degree"),
+    ],
+)
+def test_torchtitan_other_parallelisms_are_refused(
+    mesh2: DeviceMesh, flag: str, option: str
+) -> None:
     dims = Dims({"dp_shard": mesh2})
     setattr(dims, flag, True)
-    with pytest.raises(ValueError, match="data-parallel ranks only"):
+    with pytest.raises(ValueError, match=rf"{option}.*set those degrees to 1"):
         _call(dims)
+    with pytest.raises(ValueError, match=option):
+        torchtitan.data_parallel_mesh(dims)
+
+
+def test_torchtitan_tensor_parallel_needs_the_callers_plan(mesh2: DeviceMesh) -> None:
+    """torchtitan's parallelize_fn applies TP; the library has no plan of its own."""
+    dims = Dims({"dp_shard": mesh2, "dp_shard+tp": mesh2, "tp": mesh2}, tp_enabled=True)
+    dims.tp = 2  # type: ignore[attr-defined]
+    recording = Recording()
+    with pytest.raises(ValueError, match=r"tensor_parallel_degree=2.*tensor_parallel=fn"):
+        torchtitan.parallelize_fn(recording)(nn.Linear(2, 2), parallel_dims=dims)
+    assert recording.calls == []
+    with pytest.raises(TypeError, match="tensor_parallel must be a function"):
+        torchtitan.parallelize_fn(recording, tensor_parallel=3)  # type: ignore[arg-type]
+
+
+def test_torchtitan_tensor_parallel_first_then_the_whole_mesh_with_dp_dims(
+    fake_pg4: None,
+) -> None:
+    """The caller's TP runs on the tp mesh before sharding; the library gets the
+    (dp_shard, tp) mesh with dp_dims naming dp_shard, so it sees the TP dimension."""
+    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    dp, tp = world["dp_shard"], world["tp"]
+    dims = Dims({"dp_shard": dp, "dp_shard+tp": world, "tp": tp}, tp_enabled=True)
+    order: list[str] = []
+
+    class Ordered(Recording):
+        def parallelize(self, model: nn.Module, **kwargs: Any) -> nn.Module:
+            order.append("shard")
+            return super().parallelize(model, **kwargs)
+
+    def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+        assert tp_mesh is tp
+        order.append("tp")
+
+    recording = Ordered()
+    fn = torchtitan.parallelize_fn(recording, tensor_parallel=tensor_parallel)
+    fn(nn.Linear(2, 2), parallel_dims=dims)
+    assert order == ["tp", "shard"]
+    (call,) = recording.calls
+    assert call["mesh"] is world
+    assert call["dp_dims"] == ("dp_shard",)
+    assert dims.asked == [["dp_shard", "tp"], "tp"]
+    # Without TP: the data-parallel mesh alone, as before.
+    assert torchtitan.sharding_mesh(Dims({"dp_shard": dp})) == (dp, ("dp_shard",))
 
 
 def test_torchtitan_compiles_each_block_when_compile_names_the_model(mesh2: DeviceMesh) -> None:

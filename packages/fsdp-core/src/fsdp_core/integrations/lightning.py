@@ -3,10 +3,13 @@
 Both of Lightning's entry points hand the user a 2-D ``DeviceMesh`` with the
 dimensions ``("data_parallel", "tensor_parallel")``: the Trainer's strategy as
 ``self.device_mesh`` inside ``LightningModule.configure_model()``, Fabric's as the
-second argument of ``ModelParallelStrategy(parallelize_fn=...)``. The library shards
-over data-parallel ranks only, so ``parallelize_fn`` takes the ``data_parallel``
-sub-mesh (refusing a tensor-parallel size above 1 rather than sharding over the
-wrong ranks) and runs a parallelizer on it. The returned function does nothing on a
+second argument of ``ModelParallelStrategy(parallelize_fn=...)``. The user applies
+tensor parallelism first, on ``device_mesh["tensor_parallel"]``; ``parallelize_fn``
+then runs a parallelizer on the ``data_parallel`` sub-mesh. That sub-mesh is sliced
+from Lightning's 2-D mesh, so the library's
+[`ParallelDims`][fsdp_core.parallel_dims.ParallelDims] finds the ``tensor_parallel``
+dimension beside it (the ranks that run the forward together and hold the same
+batch). The returned function does nothing on a
 model the library already sharded, because Lightning calls ``configure_model()``
 again for every ``fit``/``validate``/``test`` of the same module.
 
@@ -39,10 +42,15 @@ ParallelizeFn = Callable[[nn.Module, DeviceMesh], nn.Module]
 def data_parallel_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
     """The data-parallel ranks of a Lightning ``ModelParallelStrategy`` mesh.
 
-    A mesh with a ``data_parallel`` dimension gives that sub-mesh; every other
-    dimension must have size 1 (the library does not combine with tensor
-    parallelism). A mesh without named dimensions or without that name is taken
-    as it is only when it is 1-D (a mesh the caller built for data parallelism).
+    A mesh with a ``data_parallel`` dimension gives that sub-mesh (the library reads
+    the mesh's other dimensions from it: ``tensor_parallel`` of any size, or others
+    named for their role, see ``ParallelDims``). A mesh without named dimensions or
+    without that name is taken as it is only when it is 1-D (a mesh the caller built
+    for data parallelism).
+
+    Raises:
+        TypeError: ``device_mesh`` is not a ``DeviceMesh``.
+        ValueError: a mesh of several dimensions has none named ``data_parallel``.
     """
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}")
@@ -55,18 +63,8 @@ def data_parallel_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
             f"{DATA_PARALLEL_DIM!r}; pass Lightning's ModelParallelStrategy mesh or a 1-D "
             "data-parallel mesh"
         )
-    others = {
-        name: int(device_mesh.size(index))
-        for index, name in enumerate(names)
-        if name != DATA_PARALLEL_DIM and device_mesh.size(index) > 1
-    }
-    if others:
-        sizes = ", ".join(f"{name}={size}" for name, size in others.items())
-        raise ValueError(
-            f"the device mesh also parallelises over {sizes}; the library shards over "
-            "data-parallel ranks only: use ModelParallelStrategy(data_parallel_size=<world "
-            "size>, tensor_parallel_size=1)"
-        )
+    if names == (DATA_PARALLEL_DIM,):
+        return device_mesh
     return device_mesh[DATA_PARALLEL_DIM]
 
 

@@ -14,9 +14,22 @@ on the ``meta`` model (planning needs no values), and compiles each block when
 library's hooks stay outside the compiled code
 ([`compile_blocks`][fsdp_core.regional_compile.compile_blocks]).
 
-The library shards over data-parallel ranks only: tensor, context, pipeline and
-expert parallelism are refused, with the option to change, rather than silently
-ignored. torchtitan is not imported here; its configs
+With ``tensor_parallel_degree > 1`` the function is torchtitan's parallelize_fn in
+full: torchtitan's Trainer applies no parallelism itself, each model's parallelize
+function applies TP first (``model.parallelize(parallel_dims)`` in torchtitan's own
+models), then activation checkpointing, compile and FSDP. The library has no TP plan of
+its own for a vision-language model, so the caller passes one as
+``parallelize_fn(..., tensor_parallel=fn)``: ``fn(model, tp_mesh)`` runs first, on the
+``meta`` model, with ``ParallelDims``' ``tp`` mesh. The library then shards over the
+data-parallel dimensions of torchtitan's dense mesh, given as that mesh's
+``(dp..., tp)`` sub-mesh with ``dp_dims`` naming the data-parallel ones, so that
+[`ParallelDims`][fsdp_core.parallel_dims.ParallelDims] sees the TP dimension (the
+ranks that run the forward together, those that hold the same batch).
+
+Context, pipeline and expert parallelism are refused, naming the option to change,
+rather than silently ignored (expert parallelism needs the experts kept out of the
+data-parallel units with their EP placements; context and pipeline parallelism are
+later work). torchtitan is not imported here; its configs
 are read by attribute name, so any object with those attributes works.
 """
 
@@ -36,24 +49,67 @@ from fsdp_core.parallelizer import ModelParallelizer
 from fsdp_core.precision import mixed_precision_policy
 from fsdp_core.regional_compile import compile_blocks
 
-__all__ = ["data_parallel_mesh", "parallelize_fn"]
+__all__ = ["data_parallel_mesh", "parallelize_fn", "sharding_mesh"]
 
 logger = logging.getLogger(__name__)
 
 #: What ``parallelize_fn`` returns: torchtitan's ``ModelSpec.parallelize_fn``.
 ParallelizeFn = Callable[..., nn.Module]
 
+#: The caller's tensor parallelism: ``fn(model, tp_mesh)`` shards ``model`` in place
+#: (torch's ``parallelize_module`` with the model's plan); its return value is ignored.
+TensorParallelFn = Callable[[nn.Module, DeviceMesh], object]
+
 #: ``ParallelismConfig.fsdp_reshard_after_forward`` -> the library's option
 #: (``None``: the plan's own choice, which is FSDP's default).
 _RESHARD: dict[str, bool | None] = {"default": None, "always": True, "never": False}
 
-#: ParallelDims flags of the parallelisms the library does not do, with their config option.
+#: ParallelDims flags of the parallelisms the library does not combine with, with their
+#: config option and what is missing.
 _REFUSED = (
-    ("tp_enabled", "tensor parallelism (parallelism.tensor_parallel_degree)"),
-    ("cp_enabled", "context parallelism (parallelism.context_parallel_degree)"),
-    ("pp_enabled", "pipeline parallelism (parallelism.pipeline_parallel_degree)"),
-    ("ep_enabled", "expert parallelism (parallelism.expert_parallel_degree)"),
+    (
+        "cp_enabled",
+        "context parallelism (parallelism.context_parallel_degree)",
+        "the library does not shard over cp yet",
+    ),
+    (
+        "pp_enabled",
+        "pipeline parallelism (parallelism.pipeline_parallel_degree)",
+        "the library does not plan per pipeline stage yet",
+    ),
+    (
+        "ep_enabled",
+        "expert parallelism (parallelism.expert_parallel_degree)",
+        "the library does not keep EP-sharded experts out of its data-parallel units yet",
+    ),
 )
+
+
+def _check_supported(parallel_dims: Any) -> None:
+    enabled = [
+        f"{what}: {why}" for flag, what, why in _REFUSED if getattr(parallel_dims, flag, False)
+    ]
+    if enabled:
+        raise ValueError(
+            f"{'; '.join(enabled)}. The library shards over data-parallel ranks beside tensor "
+            "parallelism: set those degrees to 1 (dp_shard, dp_replicate and tp are supported)"
+        )
+
+
+def _dp_names(parallel_dims: Any) -> tuple[str, ...]:
+    """torchtitan's data-parallel mesh dimensions: ``dp_shard`` (``fsdp`` in older
+    backends), after ``dp_replicate`` for HSDP."""
+    shard = "dp_shard" if _has_mesh(parallel_dims, "dp_shard") else "fsdp"
+    if getattr(parallel_dims, "dp_replicate_enabled", False):
+        return ("dp_replicate", shard)
+    return (shard,)
+
+
+def _get_mesh(parallel_dims: Any, dims: tuple[str, ...]) -> DeviceMesh:
+    mesh = parallel_dims.get_mesh(dims[0] if len(dims) == 1 else list(dims))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"parallel_dims.get_mesh({dims!r}) returned {type(mesh).__name__}")
+    return mesh
 
 
 def data_parallel_mesh(parallel_dims: Any) -> DeviceMesh:
@@ -61,22 +117,31 @@ def data_parallel_mesh(parallel_dims: Any) -> DeviceMesh:
     ``(dp_replicate, dp_shard)`` (HSDP) when ``dp_replicate > 1``.
 
     Older torchtitan backends name the shard dimension ``fsdp``: that is used when
-    ``dp_shard`` is not a mesh of this ``ParallelDims``.
+    ``dp_shard`` is not a mesh of this ``ParallelDims``. With tensor parallelism, pass
+    [`sharding_mesh`][fsdp_core.integrations.torchtitan.sharding_mesh] to the library
+    instead: this mesh alone does not show the ``tp`` dimension.
+
+    Raises:
+        ValueError: context, pipeline or expert parallelism is enabled.
     """
-    enabled = [why for flag, why in _REFUSED if getattr(parallel_dims, flag, False)]
-    if enabled:
-        raise ValueError(
-            f"{' and '.join(enabled)} enabled; the library shards over data-parallel ranks "
-            "only: set those degrees to 1 (dp_shard and dp_replicate are supported)"
-        )
-    shard = "dp_shard" if _has_mesh(parallel_dims, "dp_shard") else "fsdp"
-    dims: str | list[str] = shard
-    if getattr(parallel_dims, "dp_replicate_enabled", False):
-        dims = ["dp_replicate", shard]
-    mesh = parallel_dims.get_mesh(dims)
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"parallel_dims.get_mesh({dims!r}) returned {type(mesh).__name__}")
-    return mesh
+    _check_supported(parallel_dims)
+    return _get_mesh(parallel_dims, _dp_names(parallel_dims))
+
+
+def sharding_mesh(parallel_dims: Any) -> tuple[DeviceMesh, tuple[str, ...]]:
+    """What the library's ``parallelize(model, mesh=..., dp_dims=...)`` takes from a
+    torchtitan ``ParallelDims``: the data-parallel dimensions of its dense mesh plus
+    ``tp`` when ``tp > 1`` (one sub-mesh of torchtitan's, so the library sees which
+    ranks run the forward together), and the data-parallel names among them.
+
+    Raises:
+        ValueError: context, pipeline or expert parallelism is enabled.
+    """
+    _check_supported(parallel_dims)
+    dp_names = _dp_names(parallel_dims)
+    if not getattr(parallel_dims, "tp_enabled", False):
+        return _get_mesh(parallel_dims, dp_names), dp_names
+    return _get_mesh(parallel_dims, (*dp_names, "tp")), dp_names
 
 
 def _has_mesh(parallel_dims: Any, name: str) -> bool:
@@ -92,6 +157,7 @@ def parallelize_fn(
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
     reshard_after_forward: bool | int | None = None,
+    tensor_parallel: TensorParallelFn | None = None,
 ) -> ParallelizeFn:
     """torchtitan's ``parallelize_fn`` sharding with ``parallelizer`` (any
     ``ModelParallelizer``: ``multimodal_fsdp.MultimodalParallelizer(...)`` for a
@@ -104,12 +170,26 @@ def parallelize_fn(
     ``meta`` or allocated, shards it in place and returns it; on ``meta``, fill the
     shards afterwards as torchtitan does (``to_empty`` then ``init_weights``) or with
     the library's ``materialize_from_full`` / ``load_pretrained``.
+
+    ``tensor_parallel`` is required when ``parallel_dims.tp > 1``: ``fn(model,
+    tp_mesh)`` applies the model's TP plan (torch's ``parallelize_module``) before
+    activation checkpointing and sharding, as torchtitan's own parallelize functions
+    do; the library keeps its placements and shards over the data-parallel ranks.
+
+    Raises:
+        TypeError: ``parallelizer`` is not a ``ModelParallelizer``, or
+            ``tensor_parallel`` is not callable.
     """
     if not isinstance(parallelizer, ModelParallelizer):
         raise TypeError(
             "parallelizer must be a ModelParallelizer (multimodal_fsdp's "
             "MultimodalParallelizer, model_deepseek_v41's PARALLELIZER, ...), got "
             f"{type(parallelizer).__name__}"
+        )
+    if tensor_parallel is not None and not callable(tensor_parallel):
+        raise TypeError(
+            "tensor_parallel must be a function (model, tp_mesh) -> None, got "
+            f"{type(tensor_parallel).__name__}"
         )
 
     def parallelize(
@@ -125,13 +205,24 @@ def parallelize_fn(
     ) -> nn.Module:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        mesh = data_parallel_mesh(parallel_dims)
+        mesh, dp_dims = sharding_mesh(parallel_dims)
         backend = _compile_backend(model, compile_config)
+        tp_enabled = bool(getattr(parallel_dims, "tp_enabled", False))
+        if tp_enabled and tensor_parallel is None:
+            raise ValueError(
+                f"tensor parallelism (parallelism.tensor_parallel_degree={parallel_dims.tp}) "
+                "is enabled and torchtitan's parallelize_fn applies it: pass the model's TP "
+                "plan as parallelize_fn(..., tensor_parallel=fn), fn(model, tp_mesh) "
+                "(torch's parallelize_module), or set tensor_parallel_degree to 1"
+            )
+        if tp_enabled and tensor_parallel is not None:
+            tensor_parallel(model, _get_mesh(parallel_dims, ("tp",)))
         if ac_config is not None:
             _apply_activation_checkpointing(model, ac_config, dump_folder)
         sharded = parallelizer.parallelize(
             model,
             mesh=mesh,
+            dp_dims=dp_dims,
             mp_policy=mp_policy if mp_policy is not None else _mp_policy(training),
             offload_policy=offload_policy
             if offload_policy is not None
