@@ -24,7 +24,7 @@ from fsdp_core.regional_compile import compile_blocks
 from multimodal_fsdp import MultimodalParallelizer
 
 transformers = pytest.importorskip("transformers")
-from hf_vlms import hf_loss, llava_batch  # noqa: E402
+from hf_vlms import build_llava, hf_loss, llava_batch  # noqa: E402
 
 BACKEND = "aot_eager"
 LAYERS = 10  # more than dynamo's recompile_limit (8)
@@ -44,31 +44,7 @@ def one_rank() -> Iterator[None]:
 
 def _llava() -> nn.Module:
     """tests/mp/hf_vlms.py's LLaVA with ``LAYERS`` Llama layers, tower frozen, sharded."""
-    vision = transformers.CLIPVisionConfig(
-        hidden_size=36,
-        intermediate_size=70,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=32,
-        patch_size=8,
-        projection_dim=36,
-    )
-    text = transformers.LlamaConfig(
-        hidden_size=36,
-        intermediate_size=70,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=131,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    config = transformers.LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=3, projector_hidden_act="gelu"
-    )
-    torch.manual_seed(0)
-    model: nn.Module = transformers.LlavaForConditionalGeneration(config)
+    model = build_llava(text_layers=LAYERS)
     model.get_submodule("model.vision_tower").requires_grad_(False)
     MultimodalParallelizer().parallelize(model, mesh=build_mesh())
     return model

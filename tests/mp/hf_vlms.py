@@ -42,7 +42,8 @@ LLAVA_IMAGE_TOKEN = 3
 LLAVA_PATCHES = 16  # (32 / 8) ** 2 tokens per image
 
 
-def build_llava() -> nn.Module:
+def build_llava(*, text_layers: int = 2) -> nn.Module:
+    """A tiny LLaVA (2-layer CLIP tower, MLP projector, ``text_layers`` Llama layers)."""
     t = _transformers()
     vision = t.CLIPVisionConfig(
         hidden_size=36,
@@ -56,7 +57,7 @@ def build_llava() -> nn.Module:
     text = t.LlamaConfig(
         hidden_size=36,
         intermediate_size=70,
-        num_hidden_layers=2,
+        num_hidden_layers=text_layers,
         num_attention_heads=2,
         num_key_value_heads=2,
         vocab_size=131,
