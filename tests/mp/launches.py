@@ -122,5 +122,7 @@ LAUNCHES: dict[int, list[str]] = {
         "nd_dp_tp",
         "nd_tp_peer_empty_batch",
         "nd_encoder_work",
+        "tp_helper_llava",
+        "torchtitan_dp_tp",
     ],
 }

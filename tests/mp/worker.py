@@ -37,6 +37,7 @@ import scenarios_nd  # noqa: F401
 import scenarios_phi4  # noqa: F401
 import scenarios_pretrained  # noqa: F401
 import scenarios_staged  # noqa: F401
+import scenarios_tensor_parallel  # noqa: F401
 import scenarios_torchtitan  # noqa: F401
 import scenarios_trainer  # noqa: F401
 import scenarios_training  # noqa: F401
