@@ -7,6 +7,12 @@ built on ``meta``, with ``ParallelDims``' mesh and torchtitan's configs, then
 (``copy_full_into_``), so the runs compare with one process. torchtitan assumes an
 accelerator: its mesh device type is set to this rank's device here, in the test only.
 Without torchtitan installed the scenarios report ``skipped``.
+
+``torchtitan_dp_tp`` (4 ranks, issue 34): ``ParallelDims(dp_shard=2, tp=2)``; the
+adapter applies the caller's TP plan (``tensor_parallel.tensor_parallel_mlps`` on the
+tiny DeepSeek-V4.1 model's language MLPs) on torchtitan's ``tp`` mesh, then the library
+shards over ``dp_shard`` of torchtitan's dense mesh. The two ranks of a TP group train
+their DP coordinate's batch, so the run compares with ``scenarios_nd``'s reference.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from torch import nn
 from fsdp_core import DistributedContext
 from fsdp_core.integrations.torchtitan import parallelize_fn
 from fsdp_core.materialize import copy_full_into_
+from fsdp_core.runtime import installed_hooks
 
 
 def _torchtitan() -> Any:
@@ -123,3 +130,73 @@ for _name in TORCHTITAN:
         return run_torchtitan(TORCHTITAN[_case], ctx, out)
 
     scenario(_name)(_run)
+
+
+@scenario("torchtitan_dp_tp")
+def torchtitan_dp_tp(ctx: DistributedContext, out: Path) -> dict[str, Any]:
+    """dp_shard=2 x tp=2 through the adapter (see the module docstring)."""
+    from scenarios_nd import IMAGES, STEPS
+    from tensor_parallel import tensor_parallel_mlps
+    from vlm import LR, build_vlm, to_device, vlm_batches, vlm_loss
+
+    from model_deepseek_v41.fsdp import DeepseekV41ModelParallelizer
+
+    parallel_dims_module = _torchtitan()
+    if parallel_dims_module is None:
+        return {"skipped": "torchtitan is not installed"}
+    from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
+
+    parallel_dims_module.device_type = ctx.device.type  # torchtitan assumes an accelerator
+    parallel_dims = parallel_dims_module.ParallelDims(
+        dp_replicate=1, dp_shard=-1, cp=1, tp=2, pp=1, ep=1, world_size=ctx.world_size
+    )
+    model = build_vlm(dtype=torch.float32, frozen_tower=True, device="meta")
+    fn = parallelize_fn(
+        DeepseekV41ModelParallelizer(frozen_multimodal_sharding="per_layer"),
+        tensor_parallel=tensor_parallel_mlps,
+    )
+    model = fn(
+        model,
+        parallel_dims=parallel_dims,
+        training=TrainingConfig(mixed_precision_param="float32"),
+        parallelism=ParallelismConfig(),
+        compile_config=CompileConfig(),
+        ac_config=None,
+        dump_folder=str(out),
+    )
+    on_meta = all(p.device.type == "meta" for p in model.parameters())
+    model.to_empty(device=ctx.device)
+    initial = build_vlm(dtype=torch.float32, frozen_tower=True)
+    values = dict(initial.named_parameters())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            copy_full_into_(param, values[name])
+        for name, buffer in initial.named_buffers():
+            model.get_buffer(name).copy_(buffer)
+    dp_rank = parallel_dims.get_mesh("dp_shard").get_local_rank()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses: list[float] = []
+    grads0: dict[str, torch.Tensor] = {}
+    for step, per_dp in enumerate(vlm_batches(STEPS, 2, images=IMAGES)):
+        loss = vlm_loss(model, to_device(per_dp[dp_rank], ctx.device))  # type: ignore[arg-type]
+        loss.backward()
+        if step == 0:
+            grads0 = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)  # both ranks of a TP group hold their DP coordinate's loss
+        losses.append(total.item() / ctx.world_size)
+    hooks = installed_hooks(model)
+    return {
+        "losses": losses,
+        "grads0": grads0,
+        "params": {n: full(p) for n, p in model.named_parameters()},
+        "on_meta_after_parallelize": on_meta,
+        "arrival_ranks": list(hooks["forward_arrival"].ranks),  # type: ignore[attr-defined]
+        "unused_ranks": sorted(
+            int(r)
+            for r in hooks["unused_params"].mesh.mesh.flatten().tolist()  # type: ignore[attr-defined]
+        ),
+        "tp_mesh_dims": model.get_parameter("model.layers.0.mlp.gate_up.weight").device_mesh.ndim,
+    }
