@@ -124,5 +124,7 @@ LAUNCHES: dict[int, list[str]] = {
         "nd_encoder_work",
         "tp_helper_llava",
         "torchtitan_dp_tp",
+        # Last: Lightning takes over the launch's process group.
+        "lightning_dp_tp",
     ],
 }

@@ -10,6 +10,13 @@ clipping and the final parameters; ``lightning_resume`` trains 2 steps, saves wi
 the third. The scenarios run inside the suite's process group (Lightning takes it over:
 torchrun's environment, an initialised default group). Without Lightning installed they
 report ``skipped``.
+
+``lightning_dp_tp`` (4 ranks, issue 34): ``ModelParallelStrategy(data_parallel_size=2,
+tensor_parallel_size=2)``; ``configure_model()`` applies the user's TP
+(``tensor_parallel.tensor_parallel_mlps`` on the tiny DeepSeek-V4.1 model's language
+MLPs) on ``self.device_mesh["tensor_parallel"]``, then the library on
+``self.device_mesh``. Each rank trains its DP coordinate's batches, so the run compares
+with ``scenarios_nd``'s reference.
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ from scenarios_loops import _parallelizer
 from torch import nn
 
 from fsdp_core import DistributedContext
-from fsdp_core.integrations.lightning import parallelize_fn
+from fsdp_core.integrations.lightning import data_parallel_mesh, parallelize_fn
+from fsdp_core.parallel_dims import ParallelDims
+from fsdp_core.runtime import installed_hooks
 
 #: The quiet Trainer options every case uses (no logger, no progress bar, no sanity pass).
 QUIET: dict[str, Any] = {
@@ -205,3 +214,69 @@ for _name in FABRIC:
         return run_fabric(FABRIC[_case])
 
     scenario(_name)(_run_fabric)
+
+
+@scenario("lightning_dp_tp")
+def lightning_dp_tp(ctx: DistributedContext, out: Path) -> dict[str, Any]:
+    """The Trainer on a 2x2 (data_parallel, tensor_parallel) mesh (module docstring)."""
+    lightning = _lightning()
+    if lightning is None:
+        return {"skipped": "lightning is not installed"}
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from scenarios_nd import IMAGES, STEPS
+    from tensor_parallel import tensor_parallel_mlps
+    from vlm import LR, build_vlm, to_device, vlm_batches, vlm_loss
+
+    from model_deepseek_v41.fsdp import DeepseekV41ModelParallelizer
+
+    record: dict[str, Any] = {"losses": []}
+
+    class Module(lightning.LightningModule):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = build_vlm(dtype=torch.float32, frozen_tower=True)
+
+        def configure_model(self) -> None:
+            mesh = self.device_mesh
+            tensor_parallel_mlps(self.model, mesh["tensor_parallel"])
+            parallelizer = DeepseekV41ModelParallelizer(frozen_multimodal_sharding="per_layer")
+            parallelize_fn(parallelizer)(self.model, mesh)
+            record["dims"] = ParallelDims.from_mesh(data_parallel_mesh(mesh)).describe()
+
+        def training_step(self, batch: dict[str, Any], index: int) -> torch.Tensor:
+            loss = vlm_loss(self.model, batch)  # type: ignore[arg-type]
+            record["losses"].append(_mean(loss))  # TP peers hold the same loss: the DP mean
+            return loss
+
+        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+            if self.global_step == 0:
+                record["grads0"] = _grads(self.model)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            trainable = [p for p in self.model.parameters() if p.requires_grad]
+            return torch.optim.SGD(trainable, lr=LR)
+
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        devices=ctx.world_size,
+        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2),
+        max_steps=STEPS,
+        use_distributed_sampler=False,
+        enable_checkpointing=False,
+        default_root_dir=out / "lightning_dp_tp",
+        **QUIET,
+    )
+    # The strategy's mesh is (data_parallel, tensor_parallel) row-major: rank // 2 is
+    # this rank's data-parallel coordinate.
+    dp_rank = ctx.rank // 2
+    batches = [
+        to_device(per_dp[dp_rank], ctx.device) for per_dp in vlm_batches(STEPS, 2, images=IMAGES)
+    ]
+    module = Module()
+    trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
+    hooks = installed_hooks(module.model)
+    record["params"] = {n: full(p) for n, p in module.model.named_parameters()}
+    record["arrival_ranks"] = list(hooks["forward_arrival"].ranks)  # type: ignore[attr-defined]
+    record["dp_coordinate"] = module.device_mesh["data_parallel"].get_local_rank()
+    record["dp_rank"] = dp_rank
+    return record
