@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_core import CommCounter, ShardingPlan, build_mesh
 from fsdp_core.collective_entry import enter_collective
 from fsdp_core.fake_group import current_or_fake_group
-from fsdp_core.mesh import resolve_mesh_shape
+from fsdp_core.mesh import MeshShape, resolve_mesh_shape
 from fsdp_core.parallel_dims import ParallelDims
 from fsdp_core.parallelizer import apply_plan
 from multimodal_fsdp.estimate.collectives import KINDS, PHASES, CommTally
@@ -44,6 +44,7 @@ __all__ = [
     "compare",
     "measure_plan",
     "measure_step",
+    "measured_shape",
     "tally_from_counter",
 ]
 
@@ -182,6 +183,31 @@ class Measurement:
         return self.comparison.matches
 
 
+def measured_shape(
+    world_size: int,
+    *,
+    mesh: DeviceMesh | None,
+    dp_dims: str | Sequence[str] | None,
+    dp_replicate: int = 1,
+) -> tuple[ParallelDims | None, MeshShape]:
+    """The caller's ``mesh`` as ``ParallelDims`` (``None`` without one) and the
+    data-parallel shape a measurement shards over: the mesh's, else ``world_size`` ranks
+    with ``dp_replicate`` replicas.
+
+    Raises:
+        ValueError: ``world_size`` is not the mesh's number of ranks.
+    """
+    if mesh is None:
+        return None, resolve_mesh_shape(world_size=world_size, dp_replicate=dp_replicate)
+    dims = ParallelDims.from_mesh(mesh, dp_dims=dp_dims)
+    if dims.world_size != world_size:
+        raise ValueError(
+            f"world_size={world_size} does not match the mesh ({dims.describe()}: "
+            f"{dims.world_size} ranks)"
+        )
+    return dims, dims.dp_shape
+
+
 def measure_plan(
     plan: ShardingPlan,
     model: nn.Module,
@@ -214,16 +240,7 @@ def measure_plan(
     caller built under the initialised group, e.g. one whose other dimensions TP
     already sharded ``model`` over; its data-parallel shape replaces ``dp_replicate``.
     """
-    dims = None if mesh is None else ParallelDims.from_mesh(mesh, dp_dims=dp_dims)
-    if dims is None:
-        shape = resolve_mesh_shape(world_size=world_size, dp_replicate=dp_replicate)
-    elif dims.world_size != world_size:
-        raise ValueError(
-            f"world_size={world_size} does not match the mesh ({dims.describe()}: "
-            f"{dims.world_size} ranks)"
-        )
-    else:
-        shape = dims.dp_shape
+    dims, shape = measured_shape(world_size, mesh=mesh, dp_dims=dp_dims, dp_replicate=dp_replicate)
     with current_or_fake_group(world_size):
         # Collective on a real group: every rank arrives, and a failure while costing
         # on one rank is raised on all (no-ops under the fake group).

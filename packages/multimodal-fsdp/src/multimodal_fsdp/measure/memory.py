@@ -41,13 +41,12 @@ from fsdp_core import ShardingPlan, build_mesh
 from fsdp_core.collective_entry import enter_collective
 from fsdp_core.fake_group import current_or_fake_group
 from fsdp_core.internals import memory_timeline_tracker
-from fsdp_core.mesh import resolve_mesh_shape
-from fsdp_core.parallel_dims import ParallelDims
 from fsdp_core.parallelizer import apply_plan
 from multimodal_fsdp.estimate.activations import trace_activations
 from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs
 from multimodal_fsdp.estimate.exchange import StepMedia, step_media
 from multimodal_fsdp.estimate.memory import check_optimizer, memory_figures, with_memory
+from multimodal_fsdp.measure.comm import measured_shape
 
 __all__ = [
     "MeasuredMemory",
@@ -349,16 +348,7 @@ def measure_plan_memory(
     [`measure_plan`][multimodal_fsdp.measure.comm.measure_plan]). ``mesh`` and ``dp_dims``
     measure on the caller's mesh, as ``measure_plan`` takes them."""
     check_optimizer(optimizer)
-    dims = None if mesh is None else ParallelDims.from_mesh(mesh, dp_dims=dp_dims)
-    if dims is None:
-        shape = resolve_mesh_shape(world_size=world_size)
-    elif dims.world_size != world_size:
-        raise ValueError(
-            f"world_size={world_size} does not match the mesh ({dims.describe()}: "
-            f"{dims.world_size} ranks)"
-        )
-    else:
-        shape = dims.dp_shape
+    dims, shape = measured_shape(world_size, mesh=mesh, dp_dims=dp_dims)
     with current_or_fake_group(world_size):
         # Collective on a real group (no-ops under the fake group): see measure_plan.
         call = enter_collective("measure_plan_memory")
