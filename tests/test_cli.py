@@ -526,3 +526,93 @@ def test_balance_media_names_the_group_each_call_is_balanced_over(
     units = run(capsys, *base, "--world-size", "128", "--policy", "per_layer")
     assert "tower calls balanced over all data-parallel ranks" in units
     assert "each call balanced over all 128 data-parallel ranks" in units
+
+
+# --------------------------------------------------------------------------- --tp / --ep
+def _tp_planned_bytes() -> tuple[int, int]:
+    """(bytes of the tiny preset's parameters that its TP plan shards, all bytes), fp32."""
+    from model_deepseek_v41.config import DeepseekV41Config
+    from model_deepseek_v41.modeling import build_deepseek_v41
+    from model_deepseek_v41.tensor_parallel import deepseek_v41_tp_plan
+
+    model = build_deepseek_v41(DeepseekV41Config.preset("tiny"), device="meta")
+    planned = deepseek_v41_tp_plan(model, tp_size=2)
+    sharded = sum(p.numel() * 4 for path in planned for p in model.get_submodule(path).parameters())
+    return sharded, sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_tp_counts_tp_sharded_parameters_by_their_share(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """8 ranks at tp=2 shard over 4 data-parallel ranks like a 4-rank job, except that
+    the planned MLPs' parameters (and their gradients and AdamW state) are halved first."""
+    tp = json.loads(
+        run(capsys, "--model", "deepseek-v41-tiny", "--world-size", "8", "--tp", "2", "--json")
+    )
+    dp = json.loads(run(capsys, "--model", "deepseek-v41-tiny", "--world-size", "4", "--json"))
+    assert tp["parallel_dims"] == {
+        "names": ["dp_shard", "tp"],
+        "sizes": [4, 2],
+        "dp_names": ["dp_shard"],
+    }
+    assert dp["parallel_dims"] == {"names": ["dp_shard"], "sizes": [4], "dp_names": ["dp_shard"]}
+    assert (tp["dp_shard"], dp["dp_shard"]) == (4, 4)
+    sharded, total = _tp_planned_bytes()
+    assert dp["totals"]["sharded_param_bytes_per_rank"] == total // 4
+    saved = sharded // 2 // 4  # half of each planned parameter stays on the TP peer
+    assert tp["totals"]["sharded_param_bytes_per_rank"] == total // 4 - saved
+    for key, per_param in (("gradient_bytes", 1), ("optimizer_bytes", 2)):  # AdamW: 2 states
+        assert dp["memory"][key] - tp["memory"][key] == per_param * saved, key
+    assert any("tensor parallel: 8 ranks as ('dp', 'tp') = (4, 2)" in n for n in tp["notes"])
+    assert any("the preset's TP plan" in n for n in tp["notes"])
+
+
+def test_tp_uses_the_llama_plan_for_transformers_models_and_spares_frozen_towers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pytest.importorskip("transformers")
+    args = ("--model", "llava", "--freeze", "vision", "--policy", "per_layer", "--json")
+    tp = json.loads(run(capsys, *args, "--world-size", "8", "--tp", "2"))
+    (note,) = [n for n in tp["notes"] if n.startswith("tensor parallel")]
+    assert "the Llama/Qwen2-style TP plan" in note
+    # 7 projections per language layer of transformers' default Llama (32 layers).
+    assert "(224 modules)" in note
+    whole = json.loads(run(capsys, *args, "--world-size", "4"))
+    assert (
+        tp["totals"]["sharded_param_bytes_per_rank"]
+        < whole["totals"]["sharded_param_bytes_per_rank"]
+    )
+
+    def tower(costs: dict[str, Any]) -> list[Any]:
+        return [
+            (u["paths"], u["sharded_bytes_per_rank"], u["collectives"])
+            for u in costs["units"]
+            if any(path.startswith("model.vision_tower") for path in u["paths"])
+        ]
+
+    assert tower(tp)
+    assert tower(tp) == tower(whole)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--world-size", "8", "--tp", "3"), "--tp 3 does not divide --world-size 8"),
+        (("--world-size", "8", "--ep", "2"), "expert parallelism is not planned yet"),
+        (("--world-size", "8", "--tp", "2", "--batch", "1x32"), "with --tp give --activations"),
+        (("--world-size", "8", "--tp", "8", "--dp-replicate", "2"), "(with --tp 8)"),
+    ],
+)
+def test_tp_and_ep_refusals(
+    capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], message: str
+) -> None:
+    err = fail(capsys, "--model", "deepseek-v41-tiny", *argv)
+    assert message in err, err
+
+
+def test_a_tp_size_the_model_cannot_divide_names_the_sizes_that_do(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    err = fail(capsys, "--model", "deepseek-v41-tiny", "--world-size", "7", "--tp", "7")
+    assert "--tp 7: tp size 7 does not divide the" in err, err
+    assert "use a tp size among [1, 2" in err, err

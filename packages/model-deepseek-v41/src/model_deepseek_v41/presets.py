@@ -12,10 +12,12 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from model_deepseek_v41.config import DeepseekV41Config
 from model_deepseek_v41.fsdp import PARALLELIZER
 from model_deepseek_v41.modeling import build_deepseek_v41, make_batch
+from model_deepseek_v41.tensor_parallel import deepseek_v41_tp_plan
 from multimodal_fsdp import MultimodalParallelizer
 from multimodal_fsdp.cli.presets import ModelPreset
 
@@ -38,6 +40,11 @@ def _builder(size: str) -> Callable[[torch.dtype], tuple[nn.Module, MultimodalPa
     return build
 
 
+def _tp_plan(model: nn.Module, tp_size: int) -> dict[str, ParallelStyle]:
+    """The language MLPs' plan (``plan --tp``): what a job applies before the library."""
+    return deepseek_v41_tp_plan(model, tp_size=tp_size)
+
+
 def _batch_loss(size: str) -> Callable[[int, int], Callable[[nn.Module], torch.Tensor]]:
     def batch_loss(samples: int, tokens: int) -> Callable[[nn.Module], torch.Tensor]:
         batch = make_batch(DeepseekV41Config.preset(size), batch_size=samples, seq_len=tokens)
@@ -55,7 +62,11 @@ def model_presets() -> list[ModelPreset]:
     """The reference model at each preset size, on the meta device."""
     return [
         ModelPreset(
-            name, f"DeepSeek-V4.1 reference, {size} preset", _builder(size), _batch_loss(size)
+            name,
+            f"DeepSeek-V4.1 reference, {size} preset",
+            _builder(size),
+            _batch_loss(size),
+            tp_plan=_tp_plan,
         )
         for name, size in PRESET_SIZES.items()
     ]

@@ -4,6 +4,7 @@
         --policy per_layer --freeze vision
     multimodal-fsdp plan --model llava --world-size 64 --dp-replicate 8 --json
     multimodal-fsdp plan --model path/to/config.json --world-size 8
+    multimodal-fsdp plan --model deepseek-v41-base --world-size 16 --tp 2
 
 The model is built on the meta device (no memory, no weights). ``--model``
 takes a preset that an installed model package registers (the DeepSeek-V4.1
@@ -12,11 +13,18 @@ reference presets come with ``model-deepseek-v41``; see
 local
 ``config.json`` / model directory (needs the ``multimodal-fsdp[transformers]``
 extra).
+
+``--tp N`` plans a ``('dp', 'tp')`` job: the model's tensor-parallel plan (the preset's,
+else [`llama_style_plan`][multimodal_fsdp.tensor_parallel.llama_style_plan]) is applied
+on the meta model over a fake ``tp`` group first, as a job applies it before the
+library, so every figure counts a TP-sharded parameter by its 1/N local shard, which
+FSDP then shards over the ``world-size / (tp x dp-replicate)`` data-parallel ranks.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import difflib
@@ -29,9 +37,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy
 
-from fsdp_core.mesh import MeshShape, resolve_mesh_shape
+from fsdp_core.fake_group import fake_process_group
+from fsdp_core.mesh import resolve_mesh_shape
+from fsdp_core.parallel_dims import ParallelDims
 from fsdp_core.precision import DTYPE_ALIASES, mixed_precision_policy, parse_dtype
 from fsdp_core.sharding import check_reshard_after_forward
 from fsdp_core.sizes import parse_size
@@ -47,6 +58,7 @@ from multimodal_fsdp.policy import (
     FrozenMultimodalSharding,
     normalize_frozen_multimodal_sharding,
 )
+from multimodal_fsdp.tensor_parallel import apply_tensor_parallel, llama_style_plan
 
 __all__ = ["FREEZE_CHOICES", "build_parser", "main"]
 
@@ -176,7 +188,23 @@ def _add_model_options(plan: argparse.ArgumentParser) -> None:
         "--dp-replicate",
         type=_positive_int,
         default=1,
-        help="HSDP replicas; the shard group is world-size / dp-replicate (default 1)",
+        help=("HSDP replicas; the shard group is world-size / (dp-replicate x tp) (default 1)"),
+    )
+    plan.add_argument(
+        "--tp",
+        type=_positive_int,
+        default=1,
+        help=(
+            "tensor-parallel ranks: apply the model's TP plan (the preset's, else the "
+            "Llama/Qwen2-style one) before planning, on a ('dp', 'tp') mesh; per-rank "
+            "figures count TP-sharded parameters by 1/tp (default 1)"
+        ),
+    )
+    plan.add_argument(
+        "--ep",
+        type=_positive_int,
+        default=1,
+        help="expert-parallel ranks; only 1 is planned yet (default 1)",
     )
 
 
@@ -486,11 +514,12 @@ def _costs(
     args: argparse.Namespace,
     model: nn.Module,
     parallelizer: MultimodalParallelizer,
-    mesh: MeshShape,
+    dims: ParallelDims,
 ) -> tuple[PlanCosts, PolicyChoice | None]:
     """The plan of ``--policy``, or of the policy chosen for ``--memory-budget``: the
     parallelizer plans, the estimates read the plan."""
     loss_fn = _batch_loss(args)
+    mesh = dims.dp_shape
     options: dict[str, Any] = {
         "mesh": mesh,
         "prefetch_guard": not args.no_prefetch_guard,
@@ -523,7 +552,7 @@ def _costs(
             plan,
             model,
             precision=f"param={args.precision} reduce={args.reduce_precision}",
-            **options,
+            **{**options, "mesh": dims},
         )
     except ValueError as error:
         raise CliError(str(error)) from None
@@ -546,19 +575,76 @@ def _offloading(
     return clone
 
 
-def _plan(args: argparse.Namespace) -> tuple[PlanCosts, PolicyChoice | None]:
+def _parallel_dims(args: argparse.Namespace) -> ParallelDims:
+    """The job's dimensions: ``--world-size`` split into ``--tp`` and the data-parallel
+    ranks (``--dp-replicate`` x the shard group)."""
+    if args.ep != 1:
+        raise CliError(
+            f"--ep {args.ep}: expert parallelism is not planned yet (no planned model has "
+            "experts to shard); plan with --ep 1"
+        )
+    if args.world_size % args.tp:
+        raise CliError(
+            f"--tp {args.tp} does not divide --world-size {args.world_size}: the "
+            "data-parallel ranks are world-size / tp"
+        )
     try:
-        mesh = resolve_mesh_shape(world_size=args.world_size, dp_replicate=args.dp_replicate)
+        mesh = resolve_mesh_shape(
+            world_size=args.world_size // args.tp, dp_replicate=args.dp_replicate
+        )
     except ValueError as error:
-        raise CliError(str(error)) from None
+        raise CliError(f"{error} (with --tp {args.tp})" if args.tp > 1 else str(error)) from None
+    return ParallelDims.from_sizes(
+        dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, tp=args.tp
+    )
+
+
+def _tensor_parallel(
+    args: argparse.Namespace, model: nn.Module, stack: contextlib.ExitStack
+) -> str | None:
+    """Apply ``--tp``'s plan to the meta model over a fake ``tp`` group that ``stack``
+    keeps open while the plan is costed; returns the note saying what was sharded."""
+    if args.tp == 1:
+        return None
+    preset = _presets().get(args.model)
+    source = "the preset's TP plan"
+    try:
+        if preset is not None and preset.tp_plan is not None:
+            plan = preset.tp_plan(model, args.tp)
+        else:
+            plan = llama_style_plan(model, tp_size=args.tp)
+            source = "the Llama/Qwen2-style TP plan (multimodal_fsdp.tensor_parallel)"
+    except ValueError as error:
+        raise CliError(f"--tp {args.tp}: {error}") from None
+    stack.enter_context(fake_process_group(args.tp))
+    apply_tensor_parallel(model, init_device_mesh("cpu", (args.tp,), mesh_dim_names=("tp",)), plan)
+    return (
+        f"tensor parallel: {args.world_size} ranks as ('dp', 'tp') = "
+        f"({args.world_size // args.tp}, {args.tp}); {source} applied first ({len(plan)} "
+        f"modules), so their parameters count per rank by their 1/{args.tp} TP shard, which "
+        f"FSDP shards over the {args.world_size // args.tp} data-parallel ranks (the world "
+        "size above)"
+    )
+
+
+def _plan(args: argparse.Namespace, dims: ParallelDims) -> tuple[PlanCosts, PolicyChoice | None]:
+    if args.tp > 1 and args.batch is not None:
+        raise CliError(
+            "--batch traces activations of the whole model, not of its TP shards: with "
+            "--tp give --activations SIZE"
+        )
     model, parallelizer, described = _build_described(args.model, parse_dtype(args.storage_dtype))
     if args.balance_media:
         parallelizer = _balancing(parallelizer)
     if args.offload:
         parallelizer = _offloading(parallelizer, args.offload)
     frozen = freeze(model, parallelizer, args.freeze)
-    costs, choice = _costs(args, model, parallelizer, mesh)
+    with contextlib.ExitStack() as stack:
+        tensor_parallel = _tensor_parallel(args, model, stack)
+        costs, choice = _costs(args, model, parallelizer, dims)
     notes = list(costs.notes)
+    if tensor_parallel is not None:
+        notes.insert(0, tensor_parallel)
     notes.append("memory figures are predicted from the plan; nothing here is measured")
     if frozen:
         notes.insert(0, f"frozen: {', '.join(frozen)}")
@@ -573,11 +659,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        costs, choice = _plan(args)
+        dims = _parallel_dims(args)
+        costs, choice = _plan(args, dims)
     except CliError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     if args.json:
         data = costs.as_dict()
+        data["parallel_dims"] = {
+            "names": list(dims.names),
+            "sizes": list(dims.sizes),
+            "dp_names": list(dims.dp_names),
+        }
         if choice is not None:
             data["policy_choice"] = choice.as_dict()
         print(json.dumps(data, indent=2))

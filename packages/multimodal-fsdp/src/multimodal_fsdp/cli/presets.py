@@ -18,13 +18,14 @@ package
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Final
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 
@@ -43,13 +44,17 @@ class ModelPreset:
     ``build(storage_dtype)`` returns the model on the ``meta`` device (no memory, no
     weights) and the parallelizer that serves it. ``batch_loss(samples, tokens)``, when
     given, returns the loss of one batch of that shape, so the command line can trace
-    a step's activations (``plan --batch``).
+    a step's activations (``plan --batch``). ``tp_plan(model, tp_size)``, when given,
+    returns the model's tensor-parallel plan (``{module path: ParallelStyle}``) that
+    ``plan --tp`` applies; without it ``--tp`` uses
+    [`llama_style_plan`][multimodal_fsdp.tensor_parallel.llama_style_plan].
     """
 
     name: str
     description: str
     build: Callable[[torch.dtype], tuple[nn.Module, MultimodalParallelizer]]
     batch_loss: Callable[[int, int], Callable[[nn.Module], torch.Tensor]] | None = None
+    tp_plan: Callable[[nn.Module, int], Mapping[str, ParallelStyle]] | None = None
 
 
 def model_presets() -> dict[str, ModelPreset]:
