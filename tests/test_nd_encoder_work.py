@@ -6,10 +6,10 @@ model, its language MLPs tensor-parallel over ``tp``, the library over ``dp`` (r
 policy), for even media, uneven media and all media on one data group.
 
 Ranks ``2 * d + t``: data group ``d`` (ranks 0, 1 and ranks 2, 3) holds DP coordinate
-``d``'s batch. Today ``balance_media`` balances each TP rank with its data-parallel
-peers only (ranks 0, 2 and ranks 1, 3), so every image is encoded once per TP rank.
-Issue 34 item 3 (encode each image once in the world) is pinned by the strict xfail:
-it starts passing, and so fails, when that lands.
+``d``'s batch. Without balancing each rank encodes its whole batch's images, so every
+image twice (once per TP rank); with ``balance_media`` each image is encoded once in the
+world (before issue 34 item 3, each TP rank balanced with its data-parallel peers only:
+[1, 1, 1, 1] images for even media was [2, 2, 2, 2]).
 """
 
 from __future__ import annotations
@@ -39,26 +39,9 @@ def test_without_balancing_each_rank_encodes_its_data_groups_images(
 
 
 @pytest.mark.parametrize("name", sorted(ENCODER_MEDIA))
-def test_balancing_splits_each_tp_ranks_images_over_its_dp_peers(name: str, mp4: MpResults) -> None:
-    """Each TP rank (column of the mesh) encodes every image once, spread over its DP
-    peers to within one image (the images cost the same); the TP peers do the same
-    work."""
-    rows = mp4("nd_encoder_work")[f"{name}/balanced"]
-    total = sum(_images(name))
-    for tp in range(TP):
-        column = rows[tp::TP]
-        assert sum(column) == total, rows
-        assert max(column) - min(column) <= 1, rows
-    assert rows[0::TP] == rows[1::TP], rows
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 34 item 3: balance_media encodes each image once per TP rank, not once "
-    "in the world",
-)
-@pytest.mark.parametrize("name", sorted(ENCODER_MEDIA))
 def test_balancing_encodes_each_image_once_in_the_world(name: str, mp4: MpResults) -> None:
+    """The ranks of a TP group share their batch's images and the four ranks balance
+    them: each image is encoded once, every rank within one image of the others."""
     rows = mp4("nd_encoder_work")[f"{name}/balanced"]
     assert sum(rows) == sum(_images(name)), rows
     assert max(rows) - min(rows) <= 1, rows

@@ -271,7 +271,7 @@ class Exchanged:
         if through:
             returned, kept = returned[:nleaves], returned[nleaves:]
         anchor = out_token if out_token.requires_grad else None
-        if out_spec is None:
+        if out_spec is None or not t.costs[t.rank]:  # no items of its own (an empty share)
             return None, anchor
         output = self.layout.join_output(out_spec, self._in_call_order(out_spec, kept, returned))
         return output, anchor

@@ -66,6 +66,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
+from multimodal_fsdp.balance._data_group import DataGroup, gather_outputs
 from multimodal_fsdp.balance._exchanged import Exchanged
 from multimodal_fsdp.balance._metadata import Entry, RoundTable, exchange_round
 from multimodal_fsdp.balance.assign import assign_items, needs_exchange
@@ -95,12 +96,14 @@ Call = tuple[tuple[Any, ...], dict[str, Any]]
 @dataclass(frozen=True)
 class Ticket:
     """A call ``Rounds.enter`` brought to its round: the member, the round's table, the
-    call split into items (a balanced member) and the device of the metadata."""
+    call split into items (a balanced member) and the device of the metadata; with a
+    data group, ``call`` is this rank's share and ``whole`` the call it is a share of."""
 
     index: int
     table: RoundTable
     call: MediaCall | None
     device: torch.device
+    whole: MediaCall | None = None
 
 
 @dataclass(frozen=True)
@@ -169,11 +172,16 @@ def _device(members: Sequence[Member], call: MediaCall | None, group: Any) -> to
 
 
 class Rounds:
-    """The round protocol over ``members`` on ``group`` (see the module docstring)."""
+    """The round protocol over ``members`` on ``group`` (see the module docstring).
+    ``data``: the ranks holding this rank's batch (``multimodal_fsdp.balance._data_group``),
+    ``group`` then spans their data groups; each brings its share of a balanced call."""
 
-    def __init__(self, members: Sequence[Member], group: Any) -> None:
+    def __init__(
+        self, members: Sequence[Member], group: Any, *, data: DataGroup | None = None
+    ) -> None:
         self.members = tuple(members)
         self.group = group
+        self.data = data
 
     # ------------------------------------------------------------------ entry points
     def enter(
@@ -191,10 +199,13 @@ class Rounds:
         error: BaseException | None = None
         trainable = any(p.requires_grad for p in member.module.parameters())
         call: MediaCall | None = None
+        whole: MediaCall | None = None
         blob = b""
         try:
             if member.layout is not None:
                 call = member.layout.split_call(member.module, tuple(args), named)
+                if self.data is not None:
+                    whole, call = call, self.data.share_of(call)
             else:
                 blob = describe_call(tuple(args), named)
         except (ValueError, TypeError) as raised:
@@ -209,7 +220,8 @@ class Rounds:
             table = exchange_round(entry, error, group=self.group, device=device)
             chosen = min(table.called())
             if chosen == index:
-                return Ticket(index=index, table=table, call=call, device=device), anchors
+                ticket = Ticket(index=index, table=table, call=call, device=device, whole=whole)
+                return ticket, anchors
             anchor = self._join_module(chosen, table, device)
             if anchor is not None:
                 anchors.append(anchor)
@@ -226,9 +238,22 @@ class Rounds:
                 return member.run(own=True)(*original[0], **original[1]), None
             except Exception as raised:
                 self._fail(raised, ticket.device)
-        return self._balanced(
-            member, ticket.table, ticket.index, ticket.call, original, ticket.device
+        if self.data is None or ticket.whole is None or ticket.call is None:
+            return self._balanced(
+                member, ticket.table, ticket.index, ticket.call, original, ticket.device
+            )
+        share = ticket.call
+        own: Call | None = None
+        if share.items and member.layout is not None:
+            own = member.layout.build_call(share.spec, share.items)
+        output, anchor = self._balanced(
+            member, ticket.table, ticket.index, share, own, ticket.device
         )
+        if member.layout is None:  # pragma: no cover - a ticket with a share is balanced
+            raise RuntimeError("balanced call of a joined module")
+        weights = [item.fields[0].shape[0] for item in share.items]
+        whole = gather_outputs(member.layout, self.data, output, weights, ticket.device)
+        return whole, anchor
 
     def call(
         self,

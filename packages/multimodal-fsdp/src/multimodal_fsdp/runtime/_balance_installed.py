@@ -23,6 +23,7 @@ from torch.utils.hooks import RemovableHandle
 from fsdp_core.containers import unwrap_module
 from fsdp_core.internals import in_backward
 from multimodal_fsdp.balance import MediaLayout, media_layout_for
+from multimodal_fsdp.balance._data_group import DataGroup
 from multimodal_fsdp.balance._planned import BALANCE_MEDIA, BalancedTower, JoinedModule
 from multimodal_fsdp.balance.exchange import Member, Rounds, Ticket
 from multimodal_fsdp.runtime.joined_layers import JoinedLayers, _anchor_args, add_to_outputs
@@ -72,6 +73,7 @@ class BalanceMedia:
         joined: tuple[JoinedModule, ...] = (),
         layers: tuple[str, ...] = (),
         layer_group: Any = None,
+        data: DataGroup | None = None,
     ) -> None:
         """Check every module before changing any (a refusal leaves the model as it was),
         then install the model's start and end hooks, the join site's pre-hook, each
@@ -105,7 +107,7 @@ class BalanceMedia:
         #: Per member, the tickets of the calls its pre-hook brought to their round.
         self._tickets: list[list[Ticket]] = [[] for _ in found]
         members = [self._install_member(index, *entry) for index, entry in enumerate(found)]
-        self._rounds = Rounds(members, group)
+        self._rounds = Rounds(members, group, data=data)
         self._layers = (
             JoinedLayers(
                 model, layers, layer_group if layer_group is not None else group, self._live

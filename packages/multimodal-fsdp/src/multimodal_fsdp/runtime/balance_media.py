@@ -43,6 +43,7 @@ joins runs the tower through ``__call__`` too.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -57,6 +58,7 @@ from fsdp_core.comm_tally import CommTally
 from fsdp_core.containers import is_under
 from fsdp_core.internals import GRAPH_TASK, Probe
 from fsdp_core.runtime import HookStep, RuntimeHook
+from multimodal_fsdp.balance._data_group import DataGroup
 from multimodal_fsdp.balance._planned import (
     AUTO_GROUP_RANKS,
     BALANCE_MEDIA,
@@ -381,11 +383,18 @@ class BalanceMediaRuntimeHook(RuntimeHook):
 
     def install(self, model: nn.Module, *, dims: ParallelDims) -> BalanceMedia:
         """Balances within groups of ``dims.dp_mesh``: the data-parallel ranks hold
-        different batches; the ranks of a TP or CP group hold the same one and each
-        balances with its own data-parallel peers (same media, same route)."""
+        different batches. The ranks of a TP or CP group (a *data group*) hold the same
+        one: with frozen towers and joined modules each brings its share of every call
+        and the rounds run over the balance group's data groups together, so each image
+        is encoded once (``multimodal_fsdp.balance._data_group``); with a trainable one
+        (whose parameter gradients would then need summing over the data group) each
+        rank balances with its own data-parallel peers (same media, same route)."""
         mesh = dims.dp_mesh
         self.check_group(mesh)
         group, size = _group_of(mesh, self.group)
+        data = _data_group(dims, self)
+        if data is not None:
+            group, size = _spanning(dims, mesh, self.group)
         hook = BalanceMedia(
             model,
             self.towers,
@@ -394,6 +403,7 @@ class BalanceMediaRuntimeHook(RuntimeHook):
             joined=self.joined,
             layers=self.layers,
             layer_group=_balanced_group(mesh) if self.layers else None,
+            data=data,
         )
         logger.info(
             "balance_media on %s over groups of %d ranks, joining at %s",
@@ -402,6 +412,43 @@ class BalanceMediaRuntimeHook(RuntimeHook):
             self.join_site or "the end of the forward",
         )
         return hook
+
+
+def _data_group(dims: ParallelDims, hook: BalanceMediaRuntimeHook) -> DataGroup | None:
+    """This rank's data group, when its ranks share the encoding: more than one rank and
+    no trainable balanced tower or joined module (collective over the data group)."""
+    ranks = tuple(sorted(dims.data_group_ranks()))
+    if len(ranks) < 2:
+        return None
+    if any(t.trainable for t in hook.towers) or any(m.trainable for m in hook.joined):
+        return None
+    group = dist.new_group(ranks=list(ranks), use_local_synchronization=True)
+    return DataGroup(group=group, ranks=ranks, position=ranks.index(dist.get_rank()))
+
+
+def _data_groups(dims: ParallelDims) -> list[list[int]]:
+    """Every data group of the job's mesh (global ranks, sorted): the ranks along its
+    TP and CP dimensions at each coordinate of the others."""
+    mesh = dims.mesh
+    if mesh is None:  # pragma: no cover - a data group needs the job's mesh
+        raise RuntimeError("balance_media: a data group without the job's mesh")
+    names = list(dims.names)
+    inner = [names.index(n) for n in dims.data_group_names]
+    order = [i for i in range(len(names)) if i not in inner] + inner
+    size = math.prod(dims.sizes[i] for i in inner)
+    ranks = mesh.mesh.permute(order).reshape(-1, size)
+    return [sorted(int(r) for r in row.tolist()) for row in ranks]
+
+
+def _spanning(dims: ParallelDims, mesh: DeviceMesh, spec: str | int) -> tuple[Any, int]:
+    """The process group of this rank's balance group together with the data groups of
+    its members (collective over those ranks) and its size."""
+    me = dist.get_rank()
+    mine = next(g for g in balance_group_ranks(_mesh_rows(mesh), spec) if me in g)
+    spanned = sorted(r for group in _data_groups(dims) if set(group) & set(mine) for r in group)
+    if spanned == list(range(dist.get_world_size())):
+        return dist.group.WORLD, len(spanned)
+    return dist.new_group(ranks=spanned, use_local_synchronization=True), len(spanned)
 
 
 def _media(step: HookStep) -> StepMedia | None:
