@@ -12,6 +12,9 @@ One HTML comment on the line before a block changes that:
 
 ``<!-- docs-test: skip (reason) -->``
     the block is left out of the page's script; use rarely, always with the reason.
+``<!-- docs-test: ranks (N) -->``
+    the page's script runs on N ranks instead of 2 (for pages about meshes of more
+    dimensions, e.g. ``('dp', 'tp')`` 2x2 on 4); the block stays in the script.
 
 A page whose script imports transformers, peft, lightning or torchtitan is skipped when it is
 not installed.
@@ -48,6 +51,7 @@ OPTIONAL_IMPORTS = (
 _FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})\s*(?P<lang>[\w+-]*)")
 _MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<spec>.*?)\s*-->\s*$")
 _SKIP = re.compile(r"^skip\s*\((?P<reason>.+)\)$")
+_RANKS = re.compile(r"^ranks\s*\((?P<n>[1-9][0-9]*)\)$")
 
 
 @dataclass
@@ -55,6 +59,7 @@ class Page:
     """One page's python blocks, as the script the test runs."""
 
     page: str
+    nproc: int = NPROC
     lines: list[int] = field(default_factory=list)
     blocks: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
@@ -100,17 +105,23 @@ def collect(docs: Path = DOCS) -> list[Page]:
         for line, lang, code, options in _blocks(path.read_text(encoding="utf-8")):
             if lang not in ("python", "py"):
                 continue
+            skipped = False
             for option in options:
                 skip = _SKIP.match(option)
+                ranks = _RANKS.match(option)
                 if skip:
                     page.skipped.append(f"line {line}: {skip['reason']}")
+                    skipped = True
+                elif ranks:
+                    page.nproc = int(ranks["n"])
                 else:
                     page.problems.append(
                         f"docs/{page.page}:{line}: unknown docs-test option {option!r} "
-                        "(the only one is 'skip (reason)': a page's blocks are one "
-                        "torchrun script)"
+                        "(the options are 'skip (reason)' and 'ranks (N)': a page's blocks "
+                        "are one torchrun script)"
                     )
-            if not options:
+                    skipped = True
+            if not skipped:
                 page.lines.append(line)
                 page.blocks.append(code)
         if page.blocks or page.problems:
@@ -156,7 +167,17 @@ def test_a_page_script_keeps_the_line_numbers(tmp_path: Path) -> None:
     assert page.skipped == ["line 11: why"]
 
 
-@pytest.mark.parametrize("bad", ["world_size=4", "gloo", "continue", "skip"])
+def test_a_ranks_marker_sets_the_page_s_ranks_and_keeps_its_block(tmp_path: Path) -> None:
+    (tmp_path / "page.md").write_text(
+        "<!-- docs-test: ranks (4) -->\n```python\na = 1\n```\n\n```python\nb = 2\n```\n"
+    )
+    (page,) = collect(tmp_path)
+    assert (page.nproc, page.blocks, page.problems) == (4, ["a = 1\n", "b = 2\n"], [])
+    (tmp_path / "page.md").write_text("```python\na = 1\n```\n")
+    assert collect(tmp_path)[0].nproc == NPROC
+
+
+@pytest.mark.parametrize("bad", ["world_size=4", "gloo", "continue", "skip", "ranks (0)", "ranks"])
 def test_an_unknown_marker_is_refused(tmp_path: Path, bad: str) -> None:
     (tmp_path / "page.md").write_text(f"<!-- docs-test: {bad} -->\n```python\na = 1\n```\n")
     (page,) = collect(tmp_path)
@@ -178,7 +199,7 @@ def test_docs_page_runs_under_torchrun(
     monkeypatch.chdir(tmp_path)
     path = tmp_path / f"docs-{Path(page.page).stem}.py"  # never shadows a module
     path.write_text(script, encoding="utf-8")
-    run_torchrun(path.name, nproc=NPROC, timeout_s=TIMEOUT_S)
+    run_torchrun(path.name, nproc=page.nproc, timeout_s=TIMEOUT_S)
 
 
 def _public_modules(package_dir: Path) -> list[str]:
