@@ -1,9 +1,11 @@
 """Encoder work per rank on a ``('dp', 'tp')`` 2x2 mesh (4 gloo ranks), measured.
 
-The scenario ``nd_encoder_work`` (``tests/mp/scenarios_nd.py``) counts the images each
-rank's frozen tower encodes in one training step of the tiny DeepSeek-V4.1 reference
-model, its language MLPs tensor-parallel over ``tp``, the library over ``dp`` (root
-policy), for even media, uneven media and all media on one data group.
+The scenario ``nd_encoder_work`` (``tests/mp/scenarios_nd.py``) trains the tiny
+DeepSeek-V4.1 reference model, its language MLPs tensor-parallel over ``tp`` and the
+library over ``dp``, for even media, uneven media and all media on one data group (the
+other text-only): ``balance_media`` under each frozen-tower policy, without it under
+``root``, and a trainable tower. It counts the images each rank's tower encodes in the
+first step and compares losses, gradients and parameters with one process.
 
 Ranks ``2 * d + t``: data group ``d`` (ranks 0, 1 and ranks 2, 3) holds DP coordinate
 ``d``'s batch. Without balancing each rank encodes its whole batch's images, so every
@@ -15,8 +17,12 @@ world (before issue 34 item 3, each TP rank balanced with its data-parallel peer
 from __future__ import annotations
 
 import pytest
+import torch
+from compare import TOL, check_against_reference
 from launches import MpResults
-from scenarios_nd import ENCODER_MEDIA
+from scenarios_nd import ENCODER_MEDIA, ENCODER_STEPS, POLICIES, encoder_cases
+from toy import reference_run
+from vlm import LR, build_vlm, vlm_batches, vlm_loss
 
 pytestmark = pytest.mark.distributed
 
@@ -29,19 +35,64 @@ def _images(name: str) -> list[int]:
     return [SAMPLES * n for n in ENCODER_MEDIA[name]]
 
 
+@pytest.fixture(scope="module")
+def references() -> dict[tuple[str, bool], tuple]:  # type: ignore[type-arg]
+    """One process on both DP batches of each step, per distribution and tower kind."""
+    return {
+        (name, trainable): reference_run(
+            lambda trainable=trainable: build_vlm(  # type: ignore[misc]
+                dtype=torch.float32, frozen_tower=not trainable
+            ),
+            vlm_batches(ENCODER_STEPS, 2, images=media),
+            vlm_loss,
+            compute_dtype=None,
+            lr=LR,
+        )
+        for name, media in ENCODER_MEDIA.items()
+        for trainable in (False, True)
+        if not trainable or name == "uneven"
+    }
+
+
 @pytest.mark.parametrize("name", sorted(ENCODER_MEDIA))
 def test_without_balancing_each_rank_encodes_its_data_groups_images(
     name: str, mp4: MpResults
 ) -> None:
-    rows = mp4("nd_encoder_work")[f"{name}/plain"]
+    rows = mp4("nd_encoder_work")[f"{name}/root/plain"]["rows"]
     images = _images(name)
     assert rows == [images[rank // TP] for rank in range(4)]
 
 
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", sorted(ENCODER_MEDIA))
-def test_balancing_encodes_each_image_once_in_the_world(name: str, mp4: MpResults) -> None:
+def test_balancing_encodes_each_image_once_in_the_world(
+    name: str, policy: str, mp4: MpResults
+) -> None:
     """The ranks of a TP group share their batch's images and the four ranks balance
     them: each image is encoded once, every rank within one image of the others."""
-    rows = mp4("nd_encoder_work")[f"{name}/balanced"]
+    rows = mp4("nd_encoder_work")[f"{name}/{policy}/balanced"]["rows"]
     assert sum(rows) == sum(_images(name)), rows
     assert max(rows) - min(rows) <= 1, rows
+
+
+def test_a_trainable_tower_balances_each_tp_rank_with_its_dp_peers(mp4: MpResults) -> None:
+    """A trainable tower's parameter gradients would need summing over the TP group if
+    its ranks split the images, so each TP rank still encodes every image once, spread
+    over its data-parallel peers."""
+    rows = mp4("nd_encoder_work")["uneven/per_layer/trainable"]["rows"]
+    total = sum(_images("uneven"))
+    for tp in range(TP):
+        column = rows[tp::TP]
+        assert sum(column) == total, rows
+        assert max(column) - min(column) <= 1, rows
+
+
+@pytest.mark.parametrize("case", encoder_cases())
+def test_trains_like_one_process(
+    case: str,
+    mp4: MpResults,
+    references: dict[tuple[str, bool], tuple],  # type: ignore[type-arg]
+) -> None:
+    name, _, variant = case.split("/")
+    result = mp4("nd_encoder_work")[case]
+    check_against_reference(result, references[(name, variant == "trainable")], TOL[torch.float32])

@@ -142,36 +142,62 @@ def nd_tp_peer_empty_batch(ctx: DistributedContext, out: Path) -> dict[str, Any]
 #: ``nd_encoder_work``: even, uneven, and all media on one data group (the other
 #: text-only).
 ENCODER_MEDIA = {"even": [1, 1], "uneven": [2, 1], "one": [2, 0]}
+#: Steps of each ``nd_encoder_work`` case (the images are counted in the first).
+ENCODER_STEPS = 2
 
 
-def _encoder_rows(ctx: DistributedContext, media: list[int], balanced: bool) -> list[int]:
-    """Images each rank's tower encodes in one training step (forward and backward) on
-    the ``('dp', 'tp')`` 2x2 mesh, gathered from every rank: a forward pre-hook on the
-    tower's first layer counts the rows (images) it runs on."""
+def encoder_cases() -> list[str]:
+    """``media/policy/variant``: every distribution balanced under each frozen-tower
+    policy, plain under ``root``, and a trainable tower balanced on uneven media."""
+    return [
+        *(f"{name}/root/plain" for name in ENCODER_MEDIA),
+        *(f"{name}/{policy}/balanced" for name in ENCODER_MEDIA for policy in POLICIES),
+        "uneven/per_layer/trainable",
+    ]
+
+
+def _encoder_case(ctx: DistributedContext, name: str, policy: str, variant: str) -> dict[str, Any]:
+    """One case of ``encoder_cases`` on the ``('dp', 'tp')`` 2x2 mesh: losses, first-step
+    gradients, final parameters and the images each rank's tower encoded in the first
+    step (a forward pre-hook on the tower's first layer counts its rows), gathered."""
     world = init_device_mesh(ctx.device.type, (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank = world["dp"].get_local_rank()
-    model = build_vlm(dtype=torch.float32, frozen_tower=True).to(ctx.device)
+    trainable = variant == "trainable"
+    model = build_vlm(dtype=torch.float32, frozen_tower=not trainable).to(ctx.device)
     tensor_parallel_mlps(model, world["tp"])
     DeepseekV41ModelParallelizer(
-        frozen_multimodal_sharding="root", balance_media=balanced
+        frozen_multimodal_sharding=policy, balance_media=variant != "plain"
     ).parallelize(model, mesh=world["dp"])
     rows = [0]
 
     def count(_module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         rows[0] += int(args[0].shape[0])
 
-    model.get_submodule("vision.patch_embed").register_forward_pre_hook(count)
-    batch = vlm_batches(1, 2, images=media)[0][dp_rank]
-    vlm_loss(model, to_device(batch, ctx.device)).backward()  # type: ignore[arg-type]
-    return [int(n) for n in _gather(rows[0])]
+    handle = model.get_submodule("vision.patch_embed").register_forward_pre_hook(count)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses: list[float] = []
+    grads0: dict[str, torch.Tensor] = {}
+    batches = vlm_batches(ENCODER_STEPS, 2, images=ENCODER_MEDIA[name])
+    for step, per_dp in enumerate(batches):
+        loss = vlm_loss(model, to_device(per_dp[dp_rank], ctx.device))  # type: ignore[arg-type]
+        loss.backward()
+        if step == 0:
+            handle.remove()
+            grads0 = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)  # both ranks of a TP group hold their DP coordinate's loss
+        losses.append(total.item() / ctx.world_size)
+    return {
+        "rows": [int(n) for n in _gather(rows[0])],
+        "losses": losses,
+        "grads0": grads0,
+        "params": {n: full(p) for n, p in model.named_parameters()},
+    }
 
 
 @scenario("nd_encoder_work")
 def nd_encoder_work(ctx: DistributedContext, out: Path) -> dict[str, Any]:
-    """Images encoded per rank, with and without ``balance_media``, for each media
-    distribution of ``ENCODER_MEDIA`` (``tests/test_nd_encoder_work.py``)."""
-    return {
-        f"{name}/{'balanced' if balanced else 'plain'}": _encoder_rows(ctx, media, balanced)
-        for name, media in ENCODER_MEDIA.items()
-        for balanced in (False, True)
-    }
+    """Every case of ``encoder_cases`` (``tests/test_nd_encoder_work.py``)."""
+    return {case: _encoder_case(ctx, *case.split("/")) for case in encoder_cases()}
