@@ -1,7 +1,14 @@
 """torchrun script of the benchmark: balanced media on real gloo ranks.
 
 Usage: torchrun --nproc-per-node W balance_media.py OUT.json [--steps N] [--warmup K]
-[--policy P] [--images M]
+[--policy P] [--images M] [--tp T]
+
+``--tp T`` (T > 1): a ``('dp', 'tp')`` mesh of ``W/T x T`` ranks; torch's
+``parallelize_module`` shards the decoder's MLPs over ``tp`` before the library shards
+over ``dp``, and the ``T`` ranks of a TP group hold the same batch (their DP
+coordinate's; the distributions below count DP coordinates, not ranks). Per-rank
+figures cover all ``W`` ranks: without balancing each image is encoded on every rank
+of its TP group, with it once in the world.
 
 One launch per world size. Two copies of the same small VLM, with the same weights and
 batches, are sharded by ``MultimodalParallelizer(frozen_multimodal_sharding=P)``: one with
@@ -50,6 +57,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn import functional
 
 from fsdp_core import CommCounter, build_mesh, exit_rank, init_distributed
@@ -148,6 +157,15 @@ class BenchVLM(nn.Module):
         logits = self.lm_head(self.language_model(hidden))
         loss: torch.Tensor = functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
         return loss
+
+
+def tensor_parallel(model: BenchVLM, tp_mesh: Any) -> None:
+    """Shard the decoder's MLPs over ``tp_mesh`` (``up`` by columns, ``down`` by rows)."""
+    plan: dict[str, Any] = {}
+    for i in range(TEXT_LAYERS):
+        plan[f"language_model.layers.{i}.up"] = ColwiseParallel()
+        plan[f"language_model.layers.{i}.down"] = RowwiseParallel()
+    parallelize_module(model, tp_mesh, plan)
 
 
 def build(seed: int = 0) -> BenchVLM:
@@ -376,6 +394,7 @@ def run_distribution(
     args: argparse.Namespace,
     rank: int,
 ) -> dict[str, Any]:
+    """One distribution's timed steps; ``rank`` is this rank's DP coordinate (its batch)."""
     steps: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     losses: dict[str, list[float]] = {v: [] for v in variants}
     order = list(variants.items())
@@ -404,9 +423,10 @@ def run_distribution(
         variant: counted_step(model, optimizers[variant], make_batch(counts[rank], seed=7 + rank))
         for variant, model in variants.items()
     }
-    comm["balanced"]["predicted"] = predicted_exchange(
-        counts, rank, run_when_empty=args.policy == "per_layer"
-    )
+    if args.tp == 1:  # the prediction covers the data-parallel exchange alone
+        comm["balanced"]["predicted"] = predicted_exchange(
+            counts, rank, run_when_empty=args.policy == "per_layer"
+        )
     comm_all: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(comm_all, comm)
     return summarise(name, counts, steps, comm_all, losses)
@@ -429,6 +449,7 @@ def summarise(
     losses: dict[str, list[float]],
 ) -> dict[str, Any]:
     result: dict[str, Any] = {"distribution": name, "images_per_rank": counts, "variants": {}}
+    world = len(comm_all)
     for variant, records in steps.items():
         step_s = [max(r["step_s"] for r in s["ranks"]) for s in records]
         # The slowest rank's exchange (waiting included) over the step: the exchange's share.
@@ -443,15 +464,11 @@ def summarise(
         result["variants"][variant] = {
             "median_step_s": _median(step_s),
             "step_s": step_s,
-            "median_tower_s_per_rank": [_median([t[r] for t in tower]) for r in range(len(counts))],
+            "median_tower_s_per_rank": [_median([t[r] for t in tower]) for r in range(world)],
             "median_tower_max_over_mean": _median([_max_over_mean(t) for t in tower]),
-            "median_tower_cpu_s_per_rank": [
-                _median([t[r] for t in cpu]) for r in range(len(counts))
-            ],
+            "median_tower_cpu_s_per_rank": [_median([t[r] for t in cpu]) for r in range(world)],
             "median_tower_cpu_max_over_mean": _median([_max_over_mean(t) for t in cpu]),
-            "median_exchange_s_per_rank": [
-                _median([x[r] for x in exchange]) for r in range(len(counts))
-            ],
+            "median_exchange_s_per_rank": [_median([x[r] for x in exchange]) for r in range(world)],
             "median_exchange_share": _median(shares),
             "timeline": [
                 {"step_s": r["step_s"], "events": r["events"]}
@@ -481,6 +498,7 @@ def main() -> None:
     parser.add_argument(
         "--distributions", default=",".join(DISTRIBUTIONS), help="comma-separated subset"
     )
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per batch")
     parser.add_argument(
         "--no-option",
         action="store_true",
@@ -490,23 +508,35 @@ def main() -> None:
     torch.set_num_threads(1)
     load_at_start = os.getloadavg()[0]
     ctx = init_distributed(backend="gloo")
-    mesh = build_mesh()
+    if args.tp < 1 or ctx.world_size % args.tp:
+        raise ValueError(f"--tp {args.tp} must be positive and divide {ctx.world_size} ranks")
+    world = None
+    if args.tp > 1:
+        world = init_device_mesh(
+            "cpu", (ctx.world_size // args.tp, args.tp), mesh_dim_names=("dp", "tp")
+        )
+        mesh = world["dp"]
+    else:
+        mesh = build_mesh()
+    data_rank = ctx.rank // args.tp
     patch_collectives()
     variants: dict[str, nn.Module] = {}
     with _quiet():
         for variant in VARIANTS:
             model = build()
+            if world is not None:
+                tensor_parallel(model, world["tp"])
             balanced = variant == "balanced" and not args.no_option
             variants[variant] = parallelizer(args.policy, balanced).parallelize(model, mesh=mesh)
             instrument(model)
     optimizers = {k: torch.optim.SGD(m.parameters(), lr=LR) for k, m in variants.items()}
     distributions = []
     for name in args.distributions.split(","):
-        counts = images_per_rank(name, ctx.world_size, args.images)
+        counts = images_per_rank(name, ctx.world_size // args.tp, args.images)
         before = os.getloadavg()[0]
         with _quiet():
             distributions.append(
-                run_distribution(name, counts, variants, optimizers, args, ctx.rank)
+                run_distribution(name, counts, variants, optimizers, args, data_rank)
             )
         # The machine's 1-minute load around this row (other processes slow every time).
         distributions[-1]["load_average"] = [before, os.getloadavg()[0]]
@@ -515,6 +545,7 @@ def main() -> None:
         tower = sum(p.numel() for p in reference.vision_tower.parameters())
         result = {
             "world_size": ctx.world_size,
+            "tp": args.tp,
             "policy": args.policy,
             "steps": args.steps,
             "warmup": args.warmup,
