@@ -298,3 +298,31 @@ def test_torchtitan_activation_checkpointing_needs_model_layers(mesh2: DeviceMes
     fn(model, parallel_dims=Dims({"dp_shard": mesh2}), ac_config=Policy())
     assert applied == [model]
     assert len(recording.calls) == 1
+
+
+@pytest.mark.parametrize(
+    ("backend", "shard"), [("spmd_types", "dp_shard"), ("partial_dtensor", "fsdp")]
+)
+def test_torchtitan_hsdp_beside_tp_on_torchtitans_own_meshes(
+    monkeypatch: pytest.MonkeyPatch, backend: str, shard: str
+) -> None:
+    """torchtitan's real ParallelDims (dp_replicate=2 x dp_shard=2 x tp=2, 8 fake ranks):
+    the mesh given to the library is one of torchtitan's, in its dimension order, and the
+    library's ParallelDims reads HSDP beside TP from it."""
+    parallel_dims_module = pytest.importorskip("torchtitan.distributed.parallel_dims")
+    from fsdp_core.fake_group import fake_process_group
+    from fsdp_core.parallel_dims import ParallelDims
+
+    monkeypatch.setattr(parallel_dims_module, "device_type", "cpu")
+    with fake_process_group(8):
+        dims = parallel_dims_module.ParallelDims(
+            dp_replicate=2, dp_shard=2, cp=1, tp=2, pp=1, ep=1, world_size=8, spmd_backend=backend
+        )
+        mesh, dp_dims = torchtitan.sharding_mesh(dims)
+        assert mesh.mesh_dim_names == ("dp_replicate", shard, "tp")
+        assert dp_dims == ("dp_replicate", shard)
+        library = ParallelDims.from_mesh(mesh, dp_dims=dp_dims)
+        assert library.dp_shape.dp_replicate == 2
+        assert library.dp_shape.dp_shard == 2
+        assert library.data_group_names == ("tp",)
+        assert library.lockstep_names == ("dp_replicate", shard, "tp")
