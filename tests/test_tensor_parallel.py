@@ -13,8 +13,13 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 from vlm import build_vlm
 
 from fsdp_core.fake_group import fake_process_group
@@ -145,6 +150,8 @@ def test_a_model_without_planned_modules_is_refused() -> None:
     model = build_vlm(dtype=torch.float32, frozen_tower=True)
     with pytest.raises(ValueError, match="no trainable Llama/Qwen2-style attention"):
         llama_style_plan(model, tp_size=2)
+    with pytest.raises(ValueError, match="no trainable Llama/Qwen2-style decoder layer"):
+        llama_style_plan(model, tp_size=2, sequence_parallel=True)
     model.requires_grad_(False)
     with pytest.raises(ValueError, match="include_frozen=True"):
         deepseek_v41_tp_plan(model, tp_size=2)
@@ -166,3 +173,32 @@ def test_apply_checks_the_mesh_and_the_plan() -> None:
         with pytest.raises(ValueError, match="empty"):
             apply_tensor_parallel(model, world["tp"], {})
         assert not any(isinstance(p, DTensor) for p in model.parameters())  # nothing applied
+
+
+def test_sequence_parallel_plans_each_decoder_layer_around_its_projections() -> None:
+    model = _llava()
+    plan = llama_style_plan(model, tp_size=2, sequence_parallel=True)
+    plain = llama_style_plan(model, tp_size=2)
+    layers = {f"model.language_model.layers.{i}" for i in range(2)}
+    around = {
+        f"{layer}.{part}"
+        for layer in layers
+        for part in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+    }
+    assert set(plan) == set(plain) | layers | around
+    assert all(isinstance(plan[f"{layer}.input_layernorm"], SequenceParallel) for layer in layers)
+    assert all(isinstance(plan[f"{layer}.mlp"], PrepareModuleInput) for layer in layers)
+    # The row-wise projections reduce-scatter along the sequence instead of all-reducing.
+    for layer in layers:
+        for row in ("self_attn.o_proj", "mlp.down_proj"):
+            assert plan[f"{layer}.{row}"].output_layouts == (Shard(1),)
+            assert plain[f"{layer}.{row}"].output_layouts == (Replicate(),)
+    with fake_process_group(4):
+        world = _world()
+        apply_tensor_parallel(model, world["tp"], plan)
+        norm = model.get_parameter("model.language_model.layers.0.input_layernorm.weight")
+        assert _placement(model, "model.language_model.layers.0.input_layernorm.weight") == (
+            ("tp",),
+            (Replicate(),),
+        )
+        assert isinstance(norm, DTensor)

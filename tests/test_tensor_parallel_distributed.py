@@ -12,7 +12,7 @@ import pytest
 import torch
 from compare import TOL, check_against_reference
 from launches import MpResults
-from scenarios_tensor_parallel import LR, build_tp_llava, tp_llava_batches
+from scenarios_tensor_parallel import CASES, LR, build_tp_llava, tp_llava_batches
 
 pytestmark = pytest.mark.distributed
 
@@ -37,10 +37,14 @@ def _reference() -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.
     return losses, params, grads0
 
 
-def test_llama_tp_plan_then_the_library_trains_like_one_process(mp4: MpResults) -> None:
+@pytest.mark.parametrize("case", list(CASES))
+def test_llama_tp_plan_then_the_library_trains_like_one_process(case: str, mp4: MpResults) -> None:
     pytest.importorskip("transformers")
-    result = mp4("tp_helper_llava")
+    result = mp4("tp_helper_llava")[case]
     check_against_reference(result, _reference(), TOL[torch.float32])
-    assert len(result["planned"]) == 2 * 7  # 2 layers x (q, k, v, o, gate, up, down)
+    # 2 layers x (q, k, v, o, gate, up, down), and with sequence parallelism each layer,
+    # its two norms, its attention and its MLP.
+    assert len(result["planned"]) == 2 * 7 + (2 * 5 if CASES[case] else 0)
+    assert result["norm_is_dtensor"] == CASES[case]  # SequenceParallel replicates norms on tp
     assert result["down_proj_mesh"] == ["dp", "tp"]
     assert result["down_proj_placements"] == ["S(0)", "S(1)"]  # str(Shard(0))

@@ -6,7 +6,8 @@ out), ``apply_tensor_parallel`` applies it over ``tp``, then the library shards 
 ``dp`` (the whole mesh with ``dp_dims='dp'``). The two ranks of a TP group hold their DP
 coordinate's batch, so the job must train like one process on the mean of the two DP
 batches' losses: ``tests/test_tensor_parallel_distributed.py`` compares losses,
-first-step gradients and final parameters (full tensors).
+first-step gradients and final parameters (full tensors). Two cases: the plain plan,
+and ``sequence_parallel=True`` (norms and residual adds on half the sequence each).
 """
 
 from __future__ import annotations
@@ -45,15 +46,22 @@ def build_tp_llava() -> torch.nn.Module:
     return model
 
 
+#: The cases of ``tp_helper_llava``: whether the plan is sequence-parallel.
+CASES = {"plain": False, "sequence_parallel": True}
+
+
 @scenario("tp_helper_llava")
 def tp_helper_llava(ctx: DistributedContext, out: Path) -> dict[str, Any]:
     """See the module docstring."""
+    return {name: _case(ctx, sequence_parallel=sp) for name, sp in CASES.items()}
+
+
+def _case(ctx: DistributedContext, *, sequence_parallel: bool) -> dict[str, Any]:
     world = init_device_mesh(ctx.device.type, (DP, 2), mesh_dim_names=("dp", "tp"))
     dp_rank = world["dp"].get_local_rank()
     model = build_tp_llava().to(ctx.device)
-    planned = apply_tensor_parallel(
-        model, world["tp"], llama_style_plan(model, tp_size=world["tp"].size())
-    )
+    plan = llama_style_plan(model, tp_size=world["tp"].size(), sequence_parallel=sequence_parallel)
+    planned = apply_tensor_parallel(model, world["tp"], plan)
     MultimodalParallelizer(frozen_multimodal_sharding="root").parallelize(
         model, mesh=world, dp_dims="dp"
     )
@@ -73,7 +81,10 @@ def tp_helper_llava(ctx: DistributedContext, out: Path) -> dict[str, Any]:
         losses.append(total.item() / ctx.world_size)
     down = model.get_parameter("model.language_model.layers.0.mlp.down_proj.weight")
     assert isinstance(down, DTensor)
+    norm = model.get_parameter("model.language_model.layers.0.input_layernorm.weight")
     return {
+        "norm_is_dtensor": isinstance(norm, DTensor)
+        and "tp" in (norm.device_mesh.mesh_dim_names or ()),
         "planned": planned,
         "losses": losses,
         "grads0": grads0,

@@ -13,6 +13,15 @@ column-wise (each rank holds whole heads and a slice of the intermediate feature
 o/down row-wise (one all-reduce per block, the output replicated). Frozen modules are
 left out unless asked (a frozen tower gains nothing from TP: it has no gradients or
 optimizer state, and the library shards it already).
+
+With ``sequence_parallel=True`` each decoder layer (a module with ``input_layernorm``,
+``self_attn``, ``post_attention_layernorm`` and ``mlp``) also runs its norms and residual
+adds on 1/tp of the sequence: the layer's input is split along the sequence (no
+communication), each block's input is all-gathered before its column-wise projections,
+its row-wise output reduce-scattered along the sequence, and the layer's output
+all-gathered again. The layer stays self-contained (it takes and returns the whole
+sequence), so the embeddings, the merge of image features and the final norm need no
+plan; the sequence length must be a multiple of tp.
 """
 
 from __future__ import annotations
@@ -21,10 +30,14 @@ from collections.abc import Mapping
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -41,6 +54,15 @@ __all__ = [
 ATTENTION_PROJECTIONS: tuple[tuple[str, ...], str] = (("q_proj", "k_proj", "v_proj"), "o_proj")
 #: MLP projections of a Llama/Qwen2-style layer: the column-wise ones, then the row-wise one.
 MLP_PROJECTIONS: tuple[tuple[str, ...], str] = (("gate_proj", "up_proj"), "down_proj")
+#: The children of a Llama/Qwen2-style decoder layer that sequence parallelism plans.
+DECODER_LAYER_PARTS: tuple[str, ...] = (
+    "input_layernorm",
+    "self_attn",
+    "post_attention_layernorm",
+    "mlp",
+)
+#: The sequence dimension of ``(batch, sequence, hidden)`` activations.
+_SEQ = 1
 
 
 def check_divisible(what: str, count: int, tp_size: int, *, where: str) -> None:
@@ -72,7 +94,9 @@ def _is_trainable(module: nn.Module) -> bool:
     return any(p.requires_grad for p in module.parameters())
 
 
-def _attention_plan(path: str, attn: nn.Module, tp_size: int) -> dict[str, ParallelStyle]:
+def _attention_plan(
+    path: str, attn: nn.Module, tp_size: int, *, sequence_parallel: bool = False
+) -> dict[str, ParallelStyle]:
     columns, row = ATTENTION_PROJECTIONS
     head_dim = getattr(attn, "head_dim", None)
     if not isinstance(head_dim, int) or head_dim < 1:
@@ -87,18 +111,75 @@ def _attention_plan(path: str, attn: nn.Module, tp_size: int) -> dict[str, Paral
         kind = "query heads" if name == "q_proj" else "key/value heads"
         check_divisible(kind, heads, tp_size, where=f"{path}.{name}")
     plan: dict[str, ParallelStyle] = {f"{path}.{name}": ColwiseParallel() for name in columns}
-    plan[f"{path}.{row}"] = RowwiseParallel()
+    plan[f"{path}.{row}"] = _row(sequence_parallel)
     return plan
 
 
-def _mlp_plan(path: str, mlp: nn.Module, tp_size: int) -> dict[str, ParallelStyle]:
+def _row(sequence_parallel: bool) -> RowwiseParallel:
+    """Row-wise; with sequence parallelism its output is reduce-scattered along the
+    sequence instead of all-reduced."""
+    return RowwiseParallel(output_layouts=Shard(_SEQ)) if sequence_parallel else RowwiseParallel()
+
+
+def _decoder_layer_plan(path: str) -> dict[str, ParallelStyle]:
+    """Sequence parallelism around one decoder layer (see the module docstring)."""
+    return {
+        path: _SequenceSplitLayer(),
+        f"{path}.input_layernorm": SequenceParallel(),
+        f"{path}.self_attn": PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(_SEQ)},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            use_local_output=True,
+        ),
+        f"{path}.post_attention_layernorm": SequenceParallel(),
+        f"{path}.mlp": PrepareModuleInput(
+            input_layouts=(Shard(_SEQ),),
+            desired_input_layouts=(Replicate(),),
+            use_local_output=True,
+        ),
+    }
+
+
+class _SequenceSplitLayer(ParallelStyle):
+    """A decoder layer that takes and returns the whole sequence and works on 1/tp of it:
+    its first input is split along the sequence, its output all-gathered."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        PrepareModuleInput(
+            input_layouts=(Replicate(),),
+            desired_input_layouts=(Shard(_SEQ),),
+            use_local_output=True,
+        )._apply(module, device_mesh)
+        PrepareModuleOutput(
+            output_layouts=(Shard(_SEQ),),
+            desired_output_layouts=(Replicate(),),
+            use_local_output=True,
+        )._apply(module, device_mesh)
+        return module
+
+
+def _mlp_plan(
+    path: str, mlp: nn.Module, tp_size: int, *, sequence_parallel: bool = False
+) -> dict[str, ParallelStyle]:
     columns, row = MLP_PROJECTIONS
     down = _linear(mlp, row)
     assert down is not None  # _is_llama_mlp checked it
     check_divisible("intermediate features", down.in_features, tp_size, where=f"{path}.{row}")
     plan: dict[str, ParallelStyle] = {f"{path}.{name}": ColwiseParallel() for name in columns}
-    plan[f"{path}.{row}"] = RowwiseParallel()
+    plan[f"{path}.{row}"] = _row(sequence_parallel)
     return plan
+
+
+def _is_decoder_layer(module: nn.Module) -> bool:
+    parts = [getattr(module, name, None) for name in DECODER_LAYER_PARTS]
+    if not all(isinstance(part, nn.Module) for part in parts):
+        return False
+    columns, row = ATTENTION_PROJECTIONS
+    mlp_columns, mlp_row = MLP_PROJECTIONS
+    return _has_linears(parts[1], (*columns, row)) and _has_linears(  # type: ignore[arg-type]
+        parts[3],  # type: ignore[arg-type]
+        (*mlp_columns, mlp_row),
+    )
 
 
 def _has_linears(module: nn.Module, names: tuple[str, ...]) -> bool:
@@ -106,7 +187,11 @@ def _has_linears(module: nn.Module, names: tuple[str, ...]) -> bool:
 
 
 def llama_style_plan(
-    model: nn.Module, *, tp_size: int, include_frozen: bool = False
+    model: nn.Module,
+    *,
+    tp_size: int,
+    include_frozen: bool = False,
+    sequence_parallel: bool = False,
 ) -> dict[str, ParallelStyle]:
     """The TP plan of every Llama/Qwen2-style attention and MLP in ``model``.
 
@@ -121,6 +206,10 @@ def llama_style_plan(
         tp_size: the size of the ``tp`` mesh dimension the plan will be applied on.
         include_frozen: also plan modules without trainable parameters (default: a frozen
             module is left to the library's sharding).
+        sequence_parallel: also split each decoder layer's norms and residual adds along
+            the sequence (see the module docstring); only attentions and MLPs inside
+            such layers are planned then, and the sequence length must be a multiple
+            of ``tp_size``.
 
     Returns:
         ``{module path: ParallelStyle}`` for ``parallelize_module`` (or
@@ -133,20 +222,34 @@ def llama_style_plan(
     """
     tp_size = _check_tp_size(tp_size)
     plan: dict[str, ParallelStyle] = {}
+    columns, row = ATTENTION_PROJECTIONS
+    mlp_columns, mlp_row = MLP_PROJECTIONS
     for path, module in model.named_modules():
         if not include_frozen and not _is_trainable(module):
             continue
-        columns, row = ATTENTION_PROJECTIONS
+        if sequence_parallel:
+            if _is_decoder_layer(module):
+                plan.update(_decoder_layer_plan(path))
+                attn, mlp = module.get_submodule("self_attn"), module.get_submodule("mlp")
+                plan.update(
+                    _attention_plan(f"{path}.self_attn", attn, tp_size, sequence_parallel=True)
+                )
+                plan.update(_mlp_plan(f"{path}.mlp", mlp, tp_size, sequence_parallel=True))
+            continue
         if _has_linears(module, (*columns, row)):
             plan.update(_attention_plan(path, module, tp_size))
-        mlp_columns, mlp_row = MLP_PROJECTIONS
         if _has_linears(module, (*mlp_columns, mlp_row)):
             plan.update(_mlp_plan(path, module, tp_size))
     if not plan:
         frozen = "" if include_frozen else " trainable"
+        wanted = (
+            "decoder layer (input_layernorm, self_attn, post_attention_layernorm, mlp) "
+            "around such an attention and MLP"
+            if sequence_parallel
+            else "attention (q_proj, k_proj, v_proj, o_proj) or MLP (gate_proj, up_proj, down_proj)"
+        )
         raise ValueError(
-            f"{type(model).__name__} has no{frozen} Llama/Qwen2-style attention (q_proj, "
-            "k_proj, v_proj, o_proj) or MLP (gate_proj, up_proj, down_proj): write its TP "
+            f"{type(model).__name__} has no{frozen} Llama/Qwen2-style {wanted}: write its TP "
             "plan by hand and apply it with parallelize_module before the library shards"
             + ("" if include_frozen else ", or pass include_frozen=True for frozen modules")
         )
