@@ -96,3 +96,16 @@ def test_trains_like_one_process(
     name, _, variant = case.split("/")
     result = mp4("nd_encoder_work")[case]
     check_against_reference(result, references[(name, variant == "trainable")], TOL[torch.float32])
+
+
+def test_inputs_that_require_a_gradient_stop_every_rank(mp4: MpResults) -> None:
+    """A rank encodes only its share of its TP group's images, so it cannot give the
+    inputs their whole gradient: all four ranks raise the same ValueError, and the job
+    can still run a collective afterwards (no rank is left waiting)."""
+    result = mp4("nd_balanced_input_grads")
+    kinds = {kind for kind, _ in result["errors"]}
+    messages = {message for _, message in result["errors"]}
+    assert kinds == {"ValueError"}, result["errors"]
+    assert len(messages) == 1, messages
+    assert "require a gradient" in messages.pop()
+    assert result["alive"] == 4.0

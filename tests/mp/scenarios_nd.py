@@ -201,3 +201,28 @@ def _encoder_case(ctx: DistributedContext, name: str, policy: str, variant: str)
 def nd_encoder_work(ctx: DistributedContext, out: Path) -> dict[str, Any]:
     """Every case of ``encoder_cases`` (``tests/test_nd_encoder_work.py``)."""
     return {case: _encoder_case(ctx, *case.split("/")) for case in encoder_cases()}
+
+
+@scenario("nd_balanced_input_grads")
+def nd_balanced_input_grads(ctx: DistributedContext, out: Path) -> dict[str, Any]:
+    """``pixel_values`` that require a gradient on the ``('dp', 'tp')`` 2x2 mesh with
+    ``balance_media``: each rank of a TP group encodes only its share of the images, so
+    it could not return the whole input gradient; every rank raises the same ValueError
+    at the same round instead of one rank raising while the others wait."""
+    world = init_device_mesh(ctx.device.type, (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = world["dp"].get_local_rank()
+    model = build_vlm(dtype=torch.float32, frozen_tower=True).to(ctx.device)
+    tensor_parallel_mlps(model, world["tp"])
+    DeepseekV41ModelParallelizer(frozen_multimodal_sharding="root", balance_media=True).parallelize(
+        model, mesh=world["dp"]
+    )
+    batch = to_device(vlm_batches(1, 2, images=IMAGES)[0][dp_rank], ctx.device)
+    batch["pixel_values"] = batch["pixel_values"].clone().requires_grad_(True)
+    error: tuple[str, str] = ("", "")
+    try:
+        vlm_loss(model, batch).backward()  # type: ignore[arg-type]
+    except ValueError as exc:
+        error = (type(exc).__name__, str(exc))
+    alive = torch.ones(1)
+    dist.all_reduce(alive)
+    return {"errors": _gather(error), "alive": float(alive)}

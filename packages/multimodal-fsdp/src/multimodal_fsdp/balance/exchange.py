@@ -362,6 +362,15 @@ class Rounds:
         device: torch.device,
     ) -> tuple[Any, Tensor | None]:
         t = table.module_table(module)
+        if self.data is not None and t.grad_enabled and any(t.input_grads):
+            # Every rank of the round sees the same table, so every rank raises here.
+            raise ValueError(
+                f"balance_media: a call of {type(member.module).__name__} has inputs that "
+                "require a gradient, but on a mesh with TP or CP ranks each rank of a data "
+                "group encodes only its share of the call, so those ranks would get the "
+                "inputs' gradient for their share alone; detach the tower's inputs, or "
+                "parallelize without balance_media"
+            )
         if not any(t.costs):
             if original is None:
                 return None, None
