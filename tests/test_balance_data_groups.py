@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_core.fake_group import fake_process_group
 from fsdp_core.parallel_dims import ParallelDims
-from multimodal_fsdp.balance._data_group import DataGroup
+from multimodal_fsdp.balance._data_group import HEADER_INTS, DataGroup, gathered_bytes
 from multimodal_fsdp.runtime.balance_media import _data_groups, _spanning
 
 #: (mesh shape, names, data-parallel names, every data group)
@@ -56,9 +56,21 @@ def test_the_rounds_span_the_balance_groups_data_groups() -> None:
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 @pytest.mark.parametrize("items", [0, 1, 2, 3, 5, 8])
 def test_shares_cover_every_item_once_and_differ_by_at_most_one(size: int, items: int) -> None:
+    """A call of at least as many items as ranks is split (each item in one share, the
+    shares' sizes within one); a smaller one goes whole to every rank, unsplit."""
     ranks = tuple(range(size))
     shares = [DataGroup(None, ranks, p).share(items) for p in range(size)]
+    if items < size:
+        assert shares == [(0, items)] * size
+        assert gathered_bytes([7] * items, size) == []
+        return
     covered = [i for start, stop in shares for i in range(start, stop)]
     assert covered == list(range(items))
     lengths = [stop - start for start, stop in shares]
+    assert min(lengths) >= 1
     assert max(lengths) - min(lengths) <= 1
+    if size > 1:  # the header, then every share padded to the longest (7 bytes per item)
+        assert gathered_bytes([7] * items, size) == [
+            size * HEADER_INTS * 8,
+            size * 7 * max(lengths),
+        ]

@@ -6,7 +6,9 @@ tiny DeepSeek-V4.1 reference model over the data-parallel dimensions of a
 ``('dp_replicate', 'dp_shard', 'tp')`` 2x2x2 mesh (given whole, with ``dp_dims``):
 the applied units are the plan's, and the collectives the plan predicts (the units'
 from the TP-local shards, the step agreement over every dimension whose ranks run the
-forward together) are those measured, count and bytes, per phase and kind; so are the
+forward together) are those measured, count and bytes, per phase and kind (with
+``balance_media`` on a frozen tower too: rounds over both data groups, then each data
+group's gathers of its ranks' shares); so are the
 per-rank memory figures of parameters, gathered parameters, gradients and optimizer
 state, and the activations and peak within the tolerances data-parallel plans get.
 """
@@ -26,6 +28,9 @@ from fsdp_core.internals import applied_unit_paths
 from fsdp_core.parallel_dims import ParallelDims
 from fsdp_core.step_agreement import AGREEMENT_BYTES
 from model_deepseek_v41 import PARALLELIZER
+from model_deepseek_v41.fsdp import DeepseekV41ModelParallelizer
+from multimodal_fsdp.balance._data_group import HEADER_INTS
+from multimodal_fsdp.balance.traffic import SLOT_INTS
 from multimodal_fsdp.cli.inspection import inspect_model
 from multimodal_fsdp.measure.comm import measure_plan
 from multimodal_fsdp.measure.memory import measure_plan_memory
@@ -130,3 +135,35 @@ def test_tp_sharded_model_memory_is_predicted_from_its_local_shards(policy: str)
         assert getattr(predicted, name) == getattr(measured, name), name
         assert getattr(inspected, name) == getattr(measured, name), name
     check_memory(result)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_balanced_frozen_tower_on_tp_ranks_costs_what_is_measured(policy: str) -> None:
+    """``balance_media`` on the ``('dp', 'tp')`` 2x2 mesh: the rounds span both data
+    groups (4 ranks) and each data group gathers its shares' outputs after every
+    balanced call; the plan predicts those collectives, count and bytes, as measured."""
+    with fake_process_group(4):
+        world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = build_vlm(dtype=torch.float32, frozen_tower=True)
+        tensor_parallel_mlps(model, world["tp"])
+        parallelizer = DeepseekV41ModelParallelizer(
+            frozen_multimodal_sharding=policy, balance_media=True
+        )
+        plan = parallelizer.plan(model)
+        measured = measure_plan(
+            plan, model, lambda m: vlm_loss(m, BATCH), world_size=4, mesh=world["dp"]
+        )
+    assert measured.costs.balanced_towers == ("vision",)
+    assert measured.matches, "\n".join(measured.comparison.differences())
+    # The batch's one tower call of 2 images, each encoded to 1 row of (4, 4, 64) float32:
+    # its round and the barrier's over both data groups (4 ranks), then rank 0's data
+    # group gathers the fixed headers and the two shares' outputs.
+    assert measured.costs.exchange is not None
+    assert measured.costs.exchange.as_dict() == {
+        "forward": {
+            "all_gather": {
+                "count": 2 + 2,
+                "bytes": 2 * 4 * SLOT_INTS * 8 + 2 * HEADER_INTS * 8 + 2 * (4 * 4 * 64 * 4),
+            }
+        }
+    }

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fsdp_core.comm_tally import CommTally
+from multimodal_fsdp.balance._data_group import gathered_bytes, share_of_position
 from multimodal_fsdp.balance._planned import (
     DECISION_BYTES,
     BalancedTower,
@@ -44,6 +45,7 @@ __all__ = [
     "Member",
     "StepMedia",
     "call_buffers",
+    "data_group_media",
     "exchange_rounds",
     "exchange_tally",
     "layer_runs",
@@ -361,20 +363,88 @@ def exchange_tally(
     return tally
 
 
+def data_group_media(media: StepMedia, size: int) -> StepMedia:
+    """``media`` (per rank of the balance group, each its data group's calls) as the
+    rounds see it when data groups of ``size`` ranks share the encoding
+    (``multimodal_fsdp.balance._data_group``): per rank of the balance group, the ranks of
+    its data group in order, each with its share of every split call; the predicted rank
+    is the first of ``media.rank``'s data group (every rank of the fake process group is
+    the calling one, rank 0)."""
+    ranks = []
+    for calls in media.ranks:
+        for position in range(size):
+            ranks.append(
+                tuple(
+                    call
+                    if call.joined
+                    else BalancedCall(
+                        tower=call.tower,
+                        spec=call.spec,
+                        items=call.items[
+                            slice(*share_of_position(len(call.items), position, size))
+                        ],
+                        output_tensors=call.output_tensors,
+                        blob_bytes=call.blob_bytes,
+                    )
+                    for call in calls
+                )
+            )
+    layers = tuple(row for row in media.layers for _ in range(size))
+    return StepMedia(ranks=tuple(ranks), rank=media.rank * size, layers=layers)
+
+
+def data_group_tally(media: StepMedia, size: int) -> CommTally:
+    """The gathers within ``media.rank``'s data group of ``size`` ranks after each of its
+    split calls (``media`` per rank of the balance group, unsplit)."""
+    tally = CommTally()
+    for call in media.ranks[media.rank]:
+        if call.joined:
+            continue
+        for nbytes in gathered_bytes([item.output_bytes for item in call.items], size):
+            tally.add("forward", "all_gather", nbytes)
+    return tally
+
+
+def shares_encoding(planned: BalancePlanned, data_group: int) -> bool:
+    """Whether the data groups of ``data_group`` ranks share the encoding: more than one
+    rank and no trainable balanced tower or joined module (``BalanceMediaRuntimeHook``)."""
+    return (
+        data_group > 1
+        and not any(t.trainable for t in planned.towers)
+        and not any(m.trainable for m in planned.joined)
+    )
+
+
 def planned_tally(
-    planned: BalancePlanned, media: StepMedia | None, *, world_size: int, dp_replicate: int
+    planned: BalancePlanned,
+    media: StepMedia | None,
+    *,
+    world_size: int,
+    dp_replicate: int,
+    data_group: int = 1,
 ) -> CommTally:
     """The ``balance_media`` hook's collectives in one step on ``world_size`` ranks: with
     the step's media, its exchange (rounds, barrier and layer decisions); without, only
-    the joined layers' decisions, which do not depend on the media."""
+    the joined layers' decisions, which do not depend on the media. ``data_group``: the
+    ranks holding each data-parallel rank's batch (TP x CP); when they share the
+    encoding, the rounds run over the balance group's data groups together, each rank
+    with its share, and each data group gathers its split calls' outputs."""
     if media is not None:
-        return exchange_tally(
-            media,
+        size = group_size(planned.group, world_size, dp_replicate)
+        layers = len(planned.layers) if world_size > 1 else 0
+        if not shares_encoding(planned, data_group):
+            return exchange_tally(
+                media, planned.towers, world_size=size, joined=planned.joined, layers=layers
+            )
+        tally = exchange_tally(
+            data_group_media(media, data_group),
             planned.towers,
-            world_size=group_size(planned.group, world_size, dp_replicate),
+            world_size=size * data_group,
             joined=planned.joined,
-            layers=len(planned.layers) if world_size > 1 else 0,
+            layers=layers,
         )
+        tally.merge(data_group_tally(media, data_group))
+        return tally
     tally = CommTally()
     if world_size > 1:
         for _ in planned.layers:  # the joined layers' decisions, whatever the media

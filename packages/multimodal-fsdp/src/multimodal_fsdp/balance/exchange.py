@@ -34,6 +34,9 @@ Collectives, in order (``W`` ranks):
    ``all_to_all_single`` (uint8) of the inputs of the items that change rank (a rank
    sends nothing to itself), ``all_gather`` of the status (``STATUS_INTS`` int64), and
    ``all_to_all_single`` of the outputs of the items encoded away from their owner.
+3. With a data group (``data``) and a call of at least as many items as it has ranks,
+   after the call: two ``all_gather`` on the data group, a fixed header and the shares'
+   outputs (``multimodal_fsdp.balance._data_group``).
 
 Backward, for a balanced module that exchanged and when gradients are needed (grad
 mode on and the tower trainable, some rank's floating input requiring grad, or some
@@ -66,7 +69,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
-from multimodal_fsdp.balance._data_group import DataGroup, gather_outputs
+from multimodal_fsdp.balance._data_group import DataGroup, gather_outputs, splits
 from multimodal_fsdp.balance._exchanged import Exchanged
 from multimodal_fsdp.balance._metadata import Entry, RoundTable, exchange_round
 from multimodal_fsdp.balance.assign import assign_items, needs_exchange
@@ -204,7 +207,7 @@ class Rounds:
         try:
             if member.layout is not None:
                 call = member.layout.split_call(member.module, tuple(args), named)
-                if self.data is not None:
+                if self.data is not None and splits(len(call.items), self.data.size):
                     whole, call = call, self.data.share_of(call)
             else:
                 blob = describe_call(tuple(args), named)
@@ -251,7 +254,7 @@ class Rounds:
         )
         if member.layout is None:  # pragma: no cover - a ticket with a share is balanced
             raise RuntimeError("balanced call of a joined module")
-        weights = [item.fields[0].shape[0] for item in share.items]
+        weights = [item.fields[0].shape[0] for item in ticket.whole.items]
         whole = gather_outputs(member.layout, self.data, output, weights, ticket.device)
         return whole, anchor
 

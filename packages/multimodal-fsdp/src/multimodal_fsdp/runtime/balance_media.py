@@ -58,7 +58,7 @@ from fsdp_core.comm_tally import CommTally
 from fsdp_core.containers import is_under
 from fsdp_core.internals import GRAPH_TASK, Probe
 from fsdp_core.runtime import HookStep, RuntimeHook
-from multimodal_fsdp.balance._data_group import DataGroup
+from multimodal_fsdp.balance._data_group import HEADER_INTS, DataGroup
 from multimodal_fsdp.balance._planned import (
     AUTO_GROUP_RANKS,
     BALANCE_MEDIA,
@@ -67,7 +67,12 @@ from multimodal_fsdp.balance._planned import (
     JoinedModule,
     auto_group_size,
 )
-from multimodal_fsdp.balance._step_media import StepMedia, planned_runs, planned_tally
+from multimodal_fsdp.balance._step_media import (
+    StepMedia,
+    planned_runs,
+    planned_tally,
+    shares_encoding,
+)
 from multimodal_fsdp.balance.targets import balance_targets
 from multimodal_fsdp.balance.traffic import SLOT_INTS
 from multimodal_fsdp.runtime._balance_installed import BalanceMedia
@@ -292,7 +297,18 @@ class BalanceMediaRuntimeHook(RuntimeHook):
             "; ".join(parts)
             + f"; per forward one more all_gather of {BARRIER_BYTES} bytes per rank "
             "(the join barrier's last round)"
+            + self._data_group_clause(
+                "; on a mesh with TP or CP ranks the rounds span the balance group's data "
+                "groups, and after each call of at least as many items as a data group has "
+                f"ranks, 2 all_gathers on the data group ({HEADER_INTS} int64 per rank, "
+                "then the shares' outputs padded to the longest)"
+            )
         )
+
+    def _data_group_clause(self, clause: str) -> str:
+        """``clause`` where the ranks of a data group would share the encoding (frozen
+        towers and joined modules), else nothing."""
+        return clause if shares_encoding(self, 2) else ""
 
     def collectives(self, step: HookStep) -> CommTally:
         """The hook's cost model: with the step's media (a
@@ -301,7 +317,11 @@ class BalanceMediaRuntimeHook(RuntimeHook):
         ``media.rank``; without, the joined layers' decisions alone (the rest depends on
         the media)."""
         return planned_tally(
-            self, _media(step), world_size=step.world_size, dp_replicate=step.mesh.dp_replicate
+            self,
+            _media(step),
+            world_size=step.world_size,
+            dp_replicate=step.mesh.dp_replicate,
+            data_group=_data_group_size(step.parallel),
         )
 
     def unit_runs(self, step: HookStep) -> Mapping[str, int]:
@@ -343,8 +363,12 @@ class BalanceMediaRuntimeHook(RuntimeHook):
         if self.joined or self.layers:
             names = [repr(m.path) for m in self.joined] + [repr(p) for p in self.layers]
             joined = f"; joined by ranks without media: {', '.join(names)}"
+        shared = self._data_group_clause(
+            " (on a mesh with TP or CP ranks, with the ranks of their data groups, each "
+            "bringing its share of every call: each item is encoded once)"
+        )
         return (
-            f"tower calls balanced over {over}: {towers}; ranks join the "
+            f"tower calls balanced over {over}{shared}: {towers}; ranks join the "
             f"calls they do not make {where}"
             + joined
             + (f"; layouts: {layouts}" if layouts else "")
@@ -412,6 +436,13 @@ class BalanceMediaRuntimeHook(RuntimeHook):
             self.join_site or "the end of the forward",
         )
         return hook
+
+
+def _data_group_size(dims: ParallelDims | None) -> int:
+    """The ranks of a data group (TP x CP) of ``dims``; 1 on a data-parallel mesh."""
+    if dims is None:
+        return 1
+    return math.prod(dims.size(name) for name in dims.data_group_names)
 
 
 def _data_group(dims: ParallelDims, hook: BalanceMediaRuntimeHook) -> DataGroup | None:
