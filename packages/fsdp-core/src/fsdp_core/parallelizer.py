@@ -426,8 +426,7 @@ class ModelParallelizer:
         units: tuple[UnitPlan, ...] | None = None,
     ) -> ShardCall:
         """A call with one unit (or the given expansion), marking its members as planned;
-        its offload is
-        [`_unit_offload`][fsdp_core.parallelizer.ModelParallelizer._unit_offload]'s."""
+        its offload is ``_unit_offload``'s."""
         ignored = ctx.ignored_under(paths)
         offload = self._unit_offload(paths, ctx)
         if units is None:
