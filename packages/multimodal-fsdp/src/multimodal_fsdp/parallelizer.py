@@ -66,8 +66,15 @@ from fsdp_core import ModelParallelizer, ShardingPlan
 from fsdp_core.containers import is_under, iter_layer_items, join_path
 from fsdp_core.dtype_units import dominant_dtype
 from fsdp_core.parallelizer import PlanAdditions, PlanContext
-from fsdp_core.plan import ShardCall, format_offload, unit_parameters
+from fsdp_core.plan import ShardCall
 from fsdp_core.runtime import HookPlan
+from multimodal_fsdp._plan_checks import (
+    _check_discovery,
+    _check_folded,
+    _check_offload,
+    _offload_kept_notes,
+    _part_of,
+)
 from multimodal_fsdp.discovery.validation import check_attribute_names, check_module_paths
 from multimodal_fsdp.layers import multimodal_unit_paths
 from multimodal_fsdp.media_hooks import media_hook_plans
@@ -323,20 +330,13 @@ class MultimodalParallelizer(ModelParallelizer):
             return False
         return not part.frozen or frozen_policy(policy).layer_units
 
-    def _part_of(self, name: str, found: Discovery) -> tuple[OffloadPart, str]:
-        """The part (and its module path) that the module or parameter ``name`` belongs to."""
-        for part in found.parts:
-            if part.found.path and is_under(name, part.found.path):
-                return part.found.role, part.found.path
-        return "language_model", ""
-
     def _unit_offload(self, paths: tuple[str, ...], ctx: PlanContext) -> OffloadPolicy | None:
         """The offload of the part the unit's members belong to (the root unit and the
         decoder layers: ``language_model``)."""
         if not self.offload.any:
             return None
         found = self._discovery(ctx)
-        parts = {self._part_of(path, found) for path in paths} if any(paths) else set()
+        parts = {_part_of(path, found) for path in paths} if any(paths) else set()
         chosen = [self.offload.for_part(role) for role, _ in sorted(parts)]
         if "" in paths or not chosen:
             chosen.append(self.offload.for_part("language_model"))
@@ -347,61 +347,6 @@ class MultimodalParallelizer(ModelParallelizer):
                 f"; offload {self.offload.label()}); give those parts the same offload"
             )
         return chosen[0]
-
-    def _offload_kept_notes(self, ctx: PlanContext, found: Discovery) -> list[str]:
-        """Offloaded parts whose parameters the parallelizer replicates (kept whole on every
-        device outside FSDP, such as frozen fp32 norms): those stay on the device."""
-        notes = []
-        for part in found.parts:
-            if self.offload.for_part(part.found.role) is None:
-                continue
-            kept = [n for n in ctx.replicated_param_names if is_under(n, part.found.path)]
-            if kept:
-                notes.append(
-                    f"{part.found.role} {part.found.path!r} is offloaded but its "
-                    f"{len(kept)} replicated parameters ({summarise(kept, 2)}) stay on the "
-                    "device (outside FSDP)"
-                )
-        return notes
-
-    def _check_offload(self, ctx: PlanContext, calls: tuple[ShardCall, ...]) -> None:
-        """Every parameter of a part sits in a unit offloaded as its part is (refusing
-        frozen parts under ``replicate`` or ``root`` offloaded unlike the root unit)."""
-        if not self.offload.any:
-            return
-        found = self._discovery(ctx)
-        for part, policy in self._parts_with_policies(found):
-            role: OffloadPart = part.found.role
-            offloaded = self.offload.for_part(role)
-            if part.frozen and frozen_policy(policy).replicates and offloaded is not None:
-                raise ValueError(
-                    f"offload gives the {role} {part.found.path!r} "
-                    f"{format_offload(offloaded)}, but its frozen-tower "
-                    f"policy {policy!r} keeps its frozen parameters whole on every device, "
-                    "outside FSDP, whose offload moves only sharded parameters; use "
-                    "frozen_multimodal_sharding='per_layer' for it (a unit per block and one "
-                    f"for the rest), or do not offload the {role}"
-                )
-        plan = ShardingPlan(calls=calls, ignored_param_names=tuple(ctx.ignored_param_names))
-        for unit, params in zip(plan.units, unit_parameters(plan, ctx.model), strict=True):
-            for name, _ in params:
-                role, path = self._part_of(name, found)
-                if self.offload.for_part(role) == unit.offload_policy:
-                    continue
-                where = (
-                    "joins the root unit, which holds the language model"
-                    if unit.is_root
-                    else f"sits in the unit {unit.label!r}"
-                )
-                raise ValueError(
-                    f"offload {self.offload.label()}: the {role} {path or '<root>'!r} is "
-                    f"offloaded as {_offload_text(self.offload.for_part(role))}, but its "
-                    f"parameter {name!r} {where}, offloaded as "
-                    f"{_offload_text(unit.offload_policy)}. A frozen tower or projector under "
-                    "the 'root' policy (or folded by uneven_media=True) has no units of its "
-                    "own; use frozen_multimodal_sharding='per_layer' for it (a unit per block "
-                    "and one for the rest), or give it the language model's offload"
-                )
 
     def _partly_trainable_unit_paths(
         self, part: MultimodalParts, policy: FrozenMultimodalSharding
@@ -443,7 +388,7 @@ class MultimodalParallelizer(ModelParallelizer):
             notes.append(f"frozen-tower policies per module: {self.frozen_policies.label}")
         if self.offload.any:
             notes.append(f"offload per part: {self.offload.label()}")
-            notes.extend(self._offload_kept_notes(ctx, found))
+            notes.extend(_offload_kept_notes(self.offload, ctx, found))
         for part, policy in self._parts_with_policies(found):
             head = f"{part.found.role} {part.found.path!r} ({part.found.modality})"
             if not part.frozen:
@@ -481,7 +426,8 @@ class MultimodalParallelizer(ModelParallelizer):
         """The replicated parameters' dtypes, the paths no gradient reaches and the
         record of what was found and decided, from the plan's one discovery."""
         found = self._discovery(ctx)
-        self._check_offload(ctx, calls)
+        if self.offload.any:
+            _check_offload(self.offload, found, self._parts_with_policies(found), ctx, calls)
         units = ShardingPlan(calls=calls)
         balanced = self._balanced_towers(found)
         joined = self._joined_paths(found)
@@ -630,10 +576,6 @@ class MultimodalParallelizer(ModelParallelizer):
 _FEATURE_METHODS = ("get_image_features", "get_video_features", "get_audio_features")
 
 
-def _offload_text(policy: OffloadPolicy | None) -> str:
-    return "-" if policy is None else format_offload(policy)
-
-
 def _param_names_under(model: nn.Module, roots: Iterable[str]) -> list[str]:
     prefixes = list(roots)
     if not prefixes:
@@ -647,33 +589,3 @@ def _compute_dtype(calls: Iterable[ShardCall]) -> torch.dtype | None:
     """The parameter dtype of the root call (the last one, if several)."""
     roots = [call for call in calls if call.paths == ("",)]
     return roots[-1].mp_policy.param_dtype if roots else None
-
-
-def _check_discovery(discovery: object, model: nn.Module, options: DiscoveryOptions) -> None:
-    """A discovery given to ``plan()`` must be ``model``'s, made with the parallelizer's
-    options and the model's current trainable parameters."""
-    if not isinstance(discovery, Discovery):
-        raise TypeError(
-            f"discovery must be a multimodal_fsdp Discovery, got {type(discovery).__name__}"
-        )
-    if not discovery.matches(model, options):
-        raise ValueError(
-            "the discovery given to plan() is not this model's as it is now (another model, "
-            "other discovery options, or parameters frozen or unfrozen since); make it with "
-            "parallelizer.discover(model) right before planning, or pass discovery=None"
-        )
-
-
-def _check_folded(regions: Iterable[MediaRegion]) -> None:
-    """Under ``uneven_media=True`` no media region may keep units of its own."""
-    left = list(regions)
-    if left:
-        raise ValueError(
-            "uneven_media=True folds towers, projectors and media-dependent decoder "
-            "layers into the root unit, but these still need units of their own: "
-            + "; ".join(f"{r.path!r} ({summarise(r.units)})" for r in left)
-            + " (odd-dtype parameters that cannot share the root unit's dtype). "
-            "Freeze them (frozen parameters are replicated or join the root), give "
-            "them the model's dtype, or use uneven_media=False and the same media "
-            "calls on every rank."
-        )
