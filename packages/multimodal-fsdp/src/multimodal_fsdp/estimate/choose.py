@@ -39,7 +39,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from fsdp_core import ShardingPlan, mixed_precision_policy
 from fsdp_core.mesh import MeshShape
 from fsdp_core.sharding import check_reshard_after_forward
-from fsdp_core.sizes import parse_size
+from multimodal_fsdp.estimate._choose_args import _budget, _policies
 from multimodal_fsdp.estimate.activations import ActivationTrace, trace_activations
 from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs, resolve_cost_mesh
 from multimodal_fsdp.estimate.exchange import StepMedia, step_media
@@ -52,7 +52,6 @@ from multimodal_fsdp.policy import (
     FrozenMultimodalSharding,
     FrozenPolicies,
     frozen_policy,
-    normalize_frozen_multimodal_sharding,
 )
 from multimodal_fsdp.record import MultimodalRecord, PlannedPart, plan_record
 
@@ -187,23 +186,6 @@ class MemoryBudgetError(ValueError):
             f"({smallest.peak_bytes} B) with {given}{extra}; "
             "raise the budget, add ranks, or freeze or shard more"
         )
-
-
-def _budget(value: int | str) -> int:
-    if isinstance(value, str):
-        return parse_size(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"budget must be a positive number of bytes or a size, got {value!r}")
-    return value
-
-
-def _policies(policies: Sequence[str]) -> tuple[FrozenMultimodalSharding, ...]:
-    if isinstance(policies, str) or not policies:
-        raise ValueError(
-            f"policies must be a non-empty sequence of {VALID_FROZEN_MULTIMODAL_SHARDING}, "
-            f"got {policies!r}"
-        )
-    return tuple(dict.fromkeys(normalize_frozen_multimodal_sharding(p) for p in policies))
 
 
 def _combinations(

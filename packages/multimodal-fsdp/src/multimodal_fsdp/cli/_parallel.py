@@ -1,0 +1,134 @@
+"""``plan``'s job dimensions and the copies of the parallelizer its options ask for.
+
+``--world-size``/``--dp-replicate``/``--tp``/``--ep`` make the job's
+[`ParallelDims`][fsdp_core.parallel_dims.ParallelDims]; ``--tp`` applies the model's
+TP plan to the meta model; ``--balance-media`` and ``--offload`` copy the parallelizer.
+Moved out of [`multimodal_fsdp.cli.main`][multimodal_fsdp.cli.main], which uses them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+from collections.abc import Sequence
+
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy
+
+from fsdp_core.fake_group import fake_process_group
+from fsdp_core.mesh import resolve_mesh_shape
+from fsdp_core.parallel_dims import ParallelDims
+from multimodal_fsdp.cli.presets import model_presets
+from multimodal_fsdp.offload import PartOffload
+from multimodal_fsdp.parallelizer import MultimodalParallelizer
+from multimodal_fsdp.tensor_parallel import apply_tensor_parallel, llama_style_plan
+
+
+class CliError(Exception):
+    """A user error: printed as ``error: ...`` with exit status 2."""
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return number
+
+
+def _add_parallel_options(plan: argparse.ArgumentParser) -> None:
+    """``--dp-replicate``, ``--tp`` and ``--ep``: how ``--world-size`` is split."""
+    plan.add_argument(
+        "--dp-replicate",
+        type=_positive_int,
+        default=1,
+        help=("HSDP replicas; the shard group is world-size / (dp-replicate x tp) (default 1)"),
+    )
+    plan.add_argument(
+        "--tp",
+        type=_positive_int,
+        default=1,
+        help=(
+            "tensor-parallel ranks: apply the model's TP plan (the preset's, else the "
+            "Llama/Qwen2-style one) before planning, on a ('dp', 'tp') mesh; per-rank "
+            "figures count TP-sharded parameters by 1/tp (default 1)"
+        ),
+    )
+    plan.add_argument(
+        "--ep",
+        type=_positive_int,
+        default=1,
+        help="expert-parallel ranks; only 1 is planned yet (default 1)",
+    )
+
+
+def _balancing(parallelizer: MultimodalParallelizer) -> MultimodalParallelizer:
+    """A copy of ``parallelizer`` with ``balance_media=True`` (``--balance-media``)."""
+    clone = copy.copy(parallelizer)
+    clone.balance_media = True
+    return clone
+
+
+def _offloading(
+    parallelizer: MultimodalParallelizer, parts: Sequence[str]
+) -> MultimodalParallelizer:
+    """A copy of ``parallelizer`` that offloads ``parts`` to host memory (``--offload``)."""
+    clone = copy.copy(parallelizer)
+    clone.offload = PartOffload.parse(dict.fromkeys(parts, CPUOffloadPolicy()))
+    return clone
+
+
+def _parallel_dims(args: argparse.Namespace) -> ParallelDims:
+    """The job's dimensions: ``--world-size`` split into ``--tp`` and the data-parallel
+    ranks (``--dp-replicate`` x the shard group)."""
+    if args.ep != 1:
+        raise CliError(
+            f"--ep {args.ep}: expert parallelism is not planned yet (no planned model has "
+            "experts to shard); plan with --ep 1"
+        )
+    if args.world_size % args.tp:
+        raise CliError(
+            f"--tp {args.tp} does not divide --world-size {args.world_size}: the "
+            "data-parallel ranks are world-size / tp"
+        )
+    try:
+        mesh = resolve_mesh_shape(
+            world_size=args.world_size // args.tp, dp_replicate=args.dp_replicate
+        )
+    except ValueError as error:
+        raise CliError(f"{error} (with --tp {args.tp})" if args.tp > 1 else str(error)) from None
+    return ParallelDims.from_sizes(
+        dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, tp=args.tp
+    )
+
+
+def _tensor_parallel(
+    args: argparse.Namespace, model: nn.Module, stack: contextlib.ExitStack
+) -> str | None:
+    """Apply ``--tp``'s plan to the meta model over a fake ``tp`` group that ``stack``
+    keeps open while the plan is costed; returns the note saying what was sharded."""
+    if args.tp == 1:
+        return None
+    preset = model_presets().get(args.model)
+    source = "the preset's TP plan"
+    try:
+        if preset is not None and preset.tp_plan is not None:
+            plan = preset.tp_plan(model, args.tp)
+        else:
+            plan = llama_style_plan(model, tp_size=args.tp)
+            source = "the Llama/Qwen2-style TP plan (multimodal_fsdp.tensor_parallel)"
+    except ValueError as error:
+        raise CliError(f"--tp {args.tp}: {error}") from None
+    stack.enter_context(fake_process_group(args.tp))
+    apply_tensor_parallel(model, init_device_mesh("cpu", (args.tp,), mesh_dim_names=("tp",)), plan)
+    return (
+        f"tensor parallel: {args.world_size} ranks as ('dp', 'tp') = "
+        f"({args.world_size // args.tp}, {args.tp}); {source} applied first ({len(plan)} "
+        f"modules), so their parameters count per rank by their 1/{args.tp} TP shard, which "
+        f"FSDP shards over the {args.world_size // args.tp} data-parallel ranks (the world "
+        "size above)"
+    )
