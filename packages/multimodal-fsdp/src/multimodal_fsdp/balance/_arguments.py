@@ -119,3 +119,37 @@ def scalar_arguments(named: Mapping[str, Any]) -> list[str]:
 def scalar_rows(named: Mapping[str, Any], names: Sequence[str]) -> tuple[Tensor, ...]:
     """One item's rows of the scalar fields ``names``: each 0-d value as a 1-row tensor."""
     return tuple(named[n].reshape(1) for n in names)
+
+
+def _indexed_like_items(
+    tower: nn.Module,
+    named: Mapping[str, Any],
+    known: Sequence[str],
+    rows: Sequence[int],
+    layout: str,
+    grid_argument: str,
+) -> tuple[list[str], list[str]]:
+    """The call's other tensor arguments (not in ``known``), each indexed like the patches
+    (one row per patch: split with them) or like the items (one row per ``grid_argument``
+    row: split with it); any other is an error naming it (it spans all items)."""
+    per_row: list[str] = []
+    per_item: list[str] = []
+    others: list[str] = []
+    for name, value in sorted(named.items()):
+        if not isinstance(value, Tensor) or name in known:
+            continue
+        if value.dim() >= 1 and value.shape[0] == sum(rows):
+            per_row.append(name)
+        elif value.dim() >= 1 and value.shape[0] == len(rows):
+            per_item.append(name)
+        else:
+            others.append(name)
+    if others:
+        raise ValueError(
+            f"the {layout!r} layout cannot split the tensor arguments {others} of "
+            f"{type(tower).__name__}.forward: they have neither one row per patch "
+            f"({sum(rows)}) nor one per item ({len(rows)}), so they span all items; "
+            f"leave them out (the tower computes them from {grid_argument}) or "
+            "register a layout adapter that knows them (register_media_layout)"
+        )
+    return per_row, per_item

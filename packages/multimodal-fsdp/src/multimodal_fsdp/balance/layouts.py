@@ -39,6 +39,7 @@ from torch import Tensor, nn
 # them importable from here for the family layouts, the registry and the probe.
 from multimodal_fsdp.balance._arguments import _bind as _bind
 from multimodal_fsdp.balance._arguments import _check_constants as _check_constants
+from multimodal_fsdp.balance._arguments import _indexed_like_items as _indexed_like_items
 from multimodal_fsdp.balance._arguments import _positional_only as _positional_only
 from multimodal_fsdp.balance._arguments import forward_signature as forward_signature
 from multimodal_fsdp.balance._arguments import scalar_arguments as scalar_arguments
@@ -538,7 +539,9 @@ class PackedByGridLayout(MediaLayout):
             )
         if any(r <= 0 for r in rows):
             raise ValueError(f"every {self.grid_argument} row must be positive, got {sizes}")
-        per_row, per_item = self._indexed_like_items(tower, named, (first, *scalars), rows)
+        per_row, per_item = _indexed_like_items(
+            tower, named, (first, *scalars, self.grid_argument), rows, self.name, self.grid_argument
+        )
         chunks = {name: torch.split(named[name], rows, dim=0) for name in (first, *per_row)}
         extra = scalar_rows(named, scalars)
         items = tuple(
@@ -565,38 +568,6 @@ class PackedByGridLayout(MediaLayout):
             scalars=tuple(scalars),
         )
         return MediaCall(spec=spec, items=items)
-
-    def _indexed_like_items(
-        self,
-        tower: nn.Module,
-        named: Mapping[str, Any],
-        known: Sequence[str],
-        rows: Sequence[int],
-    ) -> tuple[list[str], list[str]]:
-        """The call's other tensor arguments, each indexed like the patches (one row per
-        patch: split with them) or like the items (one row per ``grid_thw`` row: split
-        with it); any other is an error naming it (it spans all items)."""
-        per_row: list[str] = []
-        per_item: list[str] = []
-        others: list[str] = []
-        for name, value in sorted(named.items()):
-            if not isinstance(value, Tensor) or name in (*known, self.grid_argument):
-                continue
-            if value.dim() >= 1 and value.shape[0] == sum(rows):
-                per_row.append(name)
-            elif value.dim() >= 1 and value.shape[0] == len(rows):
-                per_item.append(name)
-            else:
-                others.append(name)
-        if others:
-            raise ValueError(
-                f"the {self.name!r} layout cannot split the tensor arguments {others} of "
-                f"{type(tower).__name__}.forward: they have neither one row per patch "
-                f"({sum(rows)}) nor one per item ({len(rows)}), so they span all items; "
-                f"leave them out (the tower computes them from {self.grid_argument}) or "
-                "register a layout adapter that knows them (register_media_layout)"
-            )
-        return per_row, per_item
 
     def placeholder(
         self, spec: CallSpec, fields: Sequence[FieldSpec], sizes: tuple[int, ...]
