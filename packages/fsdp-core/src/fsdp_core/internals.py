@@ -70,6 +70,7 @@ __all__ = [
     "memory_timeline_tracker",
     "set_ddp_ignored",
     "root_mesh",
+    "flatten_mesh",
     "storage_tensors",
 ]
 
@@ -506,6 +507,20 @@ def root_mesh(mesh: Any) -> Any:
             "data-parallel dimensions (dp_dims=...)"
         )
     return getter()
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """``mesh``'s dimensions as one, named ``name`` (torch's private
+    ``DeviceMesh._flatten``, cached by torch: the same object on every call); the data
+    parallel shard and CP dimensions become FSDP's one shard dimension this way."""
+    flatten = getattr(mesh, "_flatten", None)
+    if not callable(flatten):
+        raise FSDPInternalsError(
+            "this torch's DeviceMesh has no _flatten(): the library cannot shard over the "
+            "data-parallel and context-parallel ranks together; flatten them yourself and "
+            "pass that mesh as the data-parallel one"
+        )
+    return flatten(name)
 
 
 def storage_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
