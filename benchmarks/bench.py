@@ -62,11 +62,11 @@ from balance_scale import report as report_balance_scale
 from torch import nn
 
 from fsdp_core import ShardingPlan, build_mesh, mixed_precision_policy
+from fsdp_core.collective_count import CommTally
 from fsdp_core.fake_group import fake_process_group
 from fsdp_core.testing import run_torchrun
 from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
 from multimodal_fsdp import MultimodalParallelizer
-from multimodal_fsdp.estimate.collectives import CommTally
 from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs
 from multimodal_fsdp.estimate.render import format_bytes
 from multimodal_fsdp.estimate.rewrite import ungroup_units

@@ -32,14 +32,13 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_core import CommCounter, build_mesh, exit_rank, init_distributed, mixed_precision_policy
+from fsdp_core.collective_count import CommTally
 from fsdp_core.forward_arrival import TRAINING_FORWARD, ForwardArrivalHook
-from fsdp_core.mesh_collectives import all_reduce_max_over_mesh
+from fsdp_core.mesh import all_reduce_max_over_mesh
 from fsdp_core.runtime import installed_hooks
 from fsdp_core.step_agreement import RankStep, StepAgreement
 from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
-from multimodal_fsdp.estimate.collectives import CommTally
 from multimodal_fsdp.estimate.costs import plan_costs
-from multimodal_fsdp.measure.comm import tally_from_counter
 
 #: A small model whose step is not all Python overhead, still quick on 2 CPU cores.
 CONFIG = DeepseekV41Config.tiny(
@@ -139,7 +138,7 @@ def main() -> None:
             optimizers[name].zero_grad(set_to_none=True)
             elapsed = time.perf_counter() - start
             if counter is not None:
-                comm[name] = tally_from_counter(counter)
+                comm[name] = counter.tally()
             if step >= args.warmup:
                 times[name].append(elapsed)
             losses[name].append(float(loss.detach()))

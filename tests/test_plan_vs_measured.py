@@ -25,9 +25,9 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp_core import ShardingPlan, mixed_precision_policy
+from fsdp_core.collective_count import CommTally
 from model_deepseek_v41 import PARALLELIZER, build_deepseek_v41, make_batch
 from multimodal_fsdp import MultimodalParallelizer
-from multimodal_fsdp.estimate.collectives import CommTally
 from multimodal_fsdp.estimate.rewrite import ungroup_units
 from multimodal_fsdp.measure.comm import Measurement, measure_plan
 

@@ -27,12 +27,12 @@ from memory_check import check_memory, relative
 from torch import nn
 
 from fsdp_core import mixed_precision_policy
+from fsdp_core.collective_count import CommTally
 from fsdp_core.step_agreement import AGREEMENT_BYTES
 from fsdp_core.testing import run_on_gloo_ranks
 from multimodal_fsdp import MultimodalParallelizer
 from multimodal_fsdp.balance import CallSpec, exchange_traffic
 from multimodal_fsdp.balance.traffic import SLOT_INTS
-from multimodal_fsdp.estimate.collectives import CommTally
 from multimodal_fsdp.estimate.costs import plan_costs
 from multimodal_fsdp.estimate.exchange import (
     BalancedCall,

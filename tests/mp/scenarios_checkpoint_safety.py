@@ -31,7 +31,7 @@ from fsdp_core import (
     build_mesh,
     mixed_precision_policy,
 )
-from fsdp_core.comm import CommCounter
+from fsdp_core.collective_count import CommCounter
 from fsdp_core.hf import _load, _save, load_pretrained, save_pretrained
 
 #: Small enough that the tiny model's export spans several files.

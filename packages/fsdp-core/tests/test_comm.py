@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_core.comm import CollectiveRecord, CommCounter, collective_kind
+from fsdp_core.collective_count import CollectiveRecord, CommCounter, collective_kind
 from fsdp_core.precision import default_mp_policy
 from fsdp_core.sharding import apply_fully_shard
 

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from fsdp_core.comm import CommCounter  # noqa: E402
+from fsdp_core.collective_count import CommCounter  # noqa: E402
 from fsdp_core.fake_group import fake_process_group  # noqa: E402
 from fsdp_core.hf import _safetensors_dir  # noqa: E402
 from fsdp_core.hf.pretrained import PretrainedLoad, load_pretrained, save_pretrained  # noqa: E402

@@ -1,4 +1,4 @@
-"""One dtype rule for the estimates (``multimodal_fsdp.estimate.collectives``): a floating parameter
+"""One dtype rule for the estimates (``multimodal_fsdp.estimate.units``): a floating parameter
 is gathered in the policy's ``param_dtype`` (``fsdp_core.precision.compute_dtype``), others
 in their own dtype; gradients are reduced in ``reduce_dtype``, else the compute dtype. The
 collectives, the costs and the activation replay all use it."""
@@ -10,8 +10,8 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp_core import runtime
-from multimodal_fsdp.estimate import activations, collectives, costs
-from multimodal_fsdp.estimate.collectives import (
+from multimodal_fsdp.estimate import activations, costs, units
+from multimodal_fsdp.estimate.units import (
     param_compute_dtype,
     param_reduce_dtype,
     unit_reduce_dtype,
@@ -36,9 +36,9 @@ def test_compute_and_reduce_dtypes() -> None:
 
 
 def test_every_estimate_uses_the_one_rule() -> None:
-    assert activations.param_compute_dtype is collectives.param_compute_dtype
-    assert activations.param_reduce_dtype is collectives.param_reduce_dtype
-    assert costs.param_compute_dtype is collectives.param_compute_dtype
-    assert costs.unit_reduce_dtype is collectives.unit_reduce_dtype
+    assert activations.param_compute_dtype is units.param_compute_dtype
+    assert activations.param_reduce_dtype is units.param_reduce_dtype
+    assert costs.param_compute_dtype is units.param_compute_dtype
+    assert costs.unit_reduce_dtype is units.unit_reduce_dtype
     # The replay watches unit outputs with the runtime hooks' tensor walker.
     assert activations.output_tensors is runtime.output_tensors

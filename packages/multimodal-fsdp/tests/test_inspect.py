@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from fsdp_core import ModelParallelizer, mixed_precision_policy
+from fsdp_core.collective_count import CommTally
 from fsdp_core.mesh import resolve_mesh_shape
 from multimodal_fsdp import MultimodalParallelizer
 from multimodal_fsdp.cli.inspection import inspect_model
-from multimodal_fsdp.estimate.collectives import CommTally
 from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs
 from multimodal_fsdp.estimate.render import format_bytes
 from multimodal_fsdp.estimate.rewrite import ungroup_units

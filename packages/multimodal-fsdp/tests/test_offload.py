@@ -22,8 +22,8 @@ from fsdp_core import build_mesh, internals, mixed_precision_policy
 from fsdp_core.fake_group import fake_process_group
 from fsdp_core.plan import ShardingPlan, unit_parameters
 from multimodal_fsdp import MultimodalParallelizer, plan_costs
-from multimodal_fsdp.estimate.collectives import padded_shard_numel
 from multimodal_fsdp.estimate.memory import estimate_memory
+from multimodal_fsdp.estimate.units import padded_shard_numel
 from multimodal_fsdp.offload import OFFLOAD_PARTS, PartOffload
 
 pytestmark = pytest.mark.filterwarnings(

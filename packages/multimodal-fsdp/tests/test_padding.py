@@ -1,4 +1,4 @@
-"""FSDP's padding rule exists once (``multimodal_fsdp.estimate.collectives.padded_shard_numel``),
+"""FSDP's padding rule exists once (``multimodal_fsdp.estimate.units.padded_shard_numel``),
 for the collectives, the activation replay and the memory estimate alike.
 
 FSDP2 pads dim 0 of every parameter to a multiple of the shard-group size. It refuses
@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from multimodal_fsdp.estimate import activations, collectives, memory
-from multimodal_fsdp.estimate.collectives import padded_shard_numel
+from multimodal_fsdp.estimate import activations, memory, units
+from multimodal_fsdp.estimate.units import padded_shard_numel
 
 
 @pytest.mark.parametrize(
@@ -34,4 +34,4 @@ def test_a_scalar_parameter_has_no_padded_shard() -> None:
 def test_one_rule_serves_every_estimate() -> None:
     assert activations.padded_shard_numel is padded_shard_numel
     assert memory.padded_shard_numel is padded_shard_numel
-    assert collectives.padded_shard_numel is padded_shard_numel
+    assert units.padded_shard_numel is padded_shard_numel

@@ -14,8 +14,8 @@ from fsdp_core.checkpoint import (
     load_stage_checkpoint,
     save_checkpoint,
 )
+from fsdp_core.collective_count import CommCounter
 from fsdp_core.collective_entry import CollectiveCallError
-from fsdp_core.comm import CommCounter
 from fsdp_core.distributed import (
     DistributedContext,
     destroy_distributed,

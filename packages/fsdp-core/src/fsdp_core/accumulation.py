@@ -40,7 +40,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import internals
-from fsdp_core.comm_tally import CommTally
+from fsdp_core.collective_count import CommTally
 from fsdp_core.runtime import HookStep, RuntimeHook
 from fsdp_core.step_agreement import AGREEMENT_BYTES, StepAgreement
 

@@ -1,10 +1,12 @@
-"""DeviceMesh construction for FSDP (1-D) and HSDP (2-D) data parallelism."""
+"""DeviceMesh construction for FSDP (1-D) and HSDP (2-D) data parallelism, and the small
+agreements runtime hooks make over the data-parallel ranks of a mesh (not the world)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Final
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -16,6 +18,9 @@ __all__ = [
     "MeshShape",
     "resolve_mesh_shape",
     "build_mesh",
+    "mesh_device",
+    "mesh_groups",
+    "all_reduce_max_over_mesh",
 ]
 
 SHARD_DIM: Final[str] = "dp_shard"
@@ -105,3 +110,28 @@ def build_mesh(
             f"group (which runs on {backend_device!r}); pass {backend_device!r} or None"
         )
     return init_device_mesh(backend_device, shape.sizes, mesh_dim_names=shape.dim_names)
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device a collective over ``mesh`` needs its tensors on."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def mesh_groups(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, ...]:
+    """One process group per mesh dimension (size-1 dimensions left out)."""
+    return tuple(mesh.get_group(dim) for dim in range(mesh.ndim) if mesh.size(dim) > 1)
+
+
+def all_reduce_max_over_mesh(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Element-wise maximum of ``tensor`` over every rank of ``mesh``, in place.
+
+    Runtime hooks agree on tiny flags over exactly the ranks that share the model's
+    collectives, which may be a part of a larger world: one all-reduce per mesh dimension
+    larger than one (the maximum over the replicate groups of the maxima over the shard
+    groups is the maximum over all), with public API only.
+    """
+    for group in mesh_groups(mesh):
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_core.mesh_collectives import mesh_device
+from fsdp_core.mesh import mesh_device
 from fsdp_core.plan import ShardingPlan
 
 __all__ = ["place_replicated_params"]

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from fsdp_core.comm_tally import CommTally
+from fsdp_core.collective_count import CommTally
 
 if TYPE_CHECKING:
     from fsdp_core.internals import Probe

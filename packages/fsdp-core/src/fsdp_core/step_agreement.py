@@ -66,7 +66,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import internals
-from fsdp_core.mesh_collectives import all_reduce_max_over_mesh, mesh_device
+from fsdp_core.mesh import all_reduce_max_over_mesh, mesh_device
 from fsdp_core.rank_wait import in_collective
 from fsdp_core.runtime import BackwardWatch, installed_hooks
 

@@ -41,8 +41,8 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import compat, internals
 from fsdp_core._backward_order import anchor_unit_inputs
-from fsdp_core.comm_tally import CommTally
-from fsdp_core.mesh_collectives import all_reduce_max_over_mesh, mesh_device
+from fsdp_core.collective_count import CommTally
+from fsdp_core.mesh import all_reduce_max_over_mesh, mesh_device
 from fsdp_core.runtime import BackwardWatch, HookStep, RuntimeHook
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fsdp_core.comm_tally import CommTally
+from fsdp_core.collective_count import CommTally
 from multimodal_fsdp.balance._data_group import gathered_bytes, share_of_position
 from multimodal_fsdp.balance._planned import (
     DECISION_BYTES,
@@ -332,7 +332,7 @@ def exchange_tally(
     all_reduce where ``media.layers`` says some ranks run a layer and others skip it).
     ``world_size``: the ranks of the balance group. ``all_gather`` bytes are the gathered
     output (every rank's slot), ``all_to_all`` bytes those this rank sends, with what it
-    receives beside them, as [`fsdp_core.CommCounter`][fsdp_core.comm.CommCounter]
+    receives beside them, as [`fsdp_core.CommCounter`][fsdp_core.collective_count.CommCounter]
     counts them."""
     if not isinstance(media, StepMedia):
         raise TypeError(f"media must be a StepMedia, got {type(media).__name__}")

@@ -30,11 +30,6 @@ from fsdp_core.internals import TorchDispatchMode
 from fsdp_core.plan import unit_parameters
 from fsdp_core.runtime import output_tensors
 from multimodal_fsdp.balance._planned import Removable
-from multimodal_fsdp.estimate.collectives import (
-    padded_shard_numel,
-    param_compute_dtype,
-    param_reduce_dtype,
-)
 from multimodal_fsdp.estimate.compute_copy import add_cast_hooks, compute_copy
 from multimodal_fsdp.estimate.exchange import (
     CallBuffers,
@@ -45,6 +40,11 @@ from multimodal_fsdp.estimate.exchange import (
     members_of,
 )
 from multimodal_fsdp.estimate.timeline import kept_after_forward
+from multimodal_fsdp.estimate.units import (
+    padded_shard_numel,
+    param_compute_dtype,
+    param_reduce_dtype,
+)
 
 __all__ = ["ActivationTrace", "LossFn", "exchange_buffer_bytes", "trace_activations"]
 

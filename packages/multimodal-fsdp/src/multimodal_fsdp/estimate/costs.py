@@ -48,8 +48,9 @@ finishes its forward right after a unit without backward re-gathers that unit
 in its pre-backward; ``prefetch_guard=False`` accounts for that waste.
 
 The parts of the model live in their own modules, one concept each:
-[`multimodal_fsdp.estimate.collectives`][multimodal_fsdp.estimate.collectives]
-([`CommTally`][multimodal_fsdp.estimate.collectives.CommTally] and the byte rules),
+[`multimodal_fsdp.estimate.units`][multimodal_fsdp.estimate.units]
+(each unit in the step and the byte rules;
+[`CommTally`][fsdp_core.collective_count.CommTally] is fsdp-core's),
 [`multimodal_fsdp.reachability`][multimodal_fsdp.reachability] (which frozen modules see no
 gradient), [`multimodal_fsdp.estimate.timeline`][multimodal_fsdp.estimate.timeline] (the peak of
 gathered parameters),
@@ -71,18 +72,13 @@ import torch
 from torch import nn
 
 from fsdp_core import ShardingPlan
+from fsdp_core.collective_count import CommTally
 from fsdp_core.mesh import MeshShape, resolve_mesh_shape
 from fsdp_core.parallel_dims import ParallelDims, local_shape
 from fsdp_core.runtime import HookPlan
 from fsdp_core.sharding import original_class
 from multimodal_fsdp.balance._planned import BalancedTower
 from multimodal_fsdp.balance.traffic import SLOT_INTS, STATUS_INTS
-from multimodal_fsdp.estimate._step import CostedStep, place_unit, resolve_step
-from multimodal_fsdp.estimate.collectives import (
-    CommTally,
-    param_compute_dtype,
-    unit_reduce_dtype,
-)
 from multimodal_fsdp.estimate.exchange import (
     StepMedia,
     balance_group_size,
@@ -92,7 +88,14 @@ from multimodal_fsdp.estimate.exchange import (
 )
 from multimodal_fsdp.estimate.render import format_bytes, format_costs
 from multimodal_fsdp.estimate.timeline import _peaks, _prefetch_waste, _Unit
-from multimodal_fsdp.planned_hooks import planned_hooks
+from multimodal_fsdp.estimate.units import (
+    CostedStep,
+    param_compute_dtype,
+    place_unit,
+    resolve_step,
+    unit_reduce_dtype,
+)
+from multimodal_fsdp.media_hook_planning import planned_hooks
 from multimodal_fsdp.record import plan_record
 
 if TYPE_CHECKING:  # an annotation only: memory builds on this module

@@ -56,8 +56,8 @@ from fsdp_core import ShardingPlan
 from fsdp_core.mesh import MeshShape
 from fsdp_core.plan import UnitPlan, unit_parameters
 from multimodal_fsdp.estimate.activations import ActivationTrace, check_shard
-from multimodal_fsdp.estimate.collectives import padded_shard_numel
 from multimodal_fsdp.estimate.render import format_bytes
+from multimodal_fsdp.estimate.units import padded_shard_numel
 
 if TYPE_CHECKING:  # an annotation only: the costs hold a memory estimate, not the reverse
     from multimodal_fsdp.estimate.costs import PlanCosts

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from multimodal_fsdp.estimate.collectives import CommTally
+    from fsdp_core.collective_count import CommTally
     from multimodal_fsdp.estimate.costs import PlanCosts, UnitCost
 
 __all__ = ["format_bytes", "format_costs", "format_count"]

@@ -15,7 +15,7 @@ replay holds the one FSDP2 keeps in forward beside a unit's parameters).
 [`multimodal_fsdp.estimate.costs`][multimodal_fsdp.estimate.costs] places the units of a plan on
 this timeline; the
 rules of order, prefetch and peak live here, apart from the byte rules
-([`multimodal_fsdp.estimate.collectives`][multimodal_fsdp.estimate.collectives]) and the report
+([`multimodal_fsdp.estimate.units`][multimodal_fsdp.estimate.units]) and the report
 ([`multimodal_fsdp.estimate.render`][multimodal_fsdp.estimate.render]).
 """
 
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from fsdp_core.collective_count import CommTally
 from fsdp_core.plan import UnitPlan
-from multimodal_fsdp.estimate.collectives import CommTally
 
 __all__ = ["effective_reshard", "kept_after_forward"]
 

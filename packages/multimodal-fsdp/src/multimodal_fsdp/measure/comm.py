@@ -2,8 +2,8 @@
 count a real step.
 
 [`measure_step`][multimodal_fsdp.measure.comm.measure_step] runs one forward and one backward of an
-already sharded model inside [`fsdp_core.CommCounter`][fsdp_core.comm.CommCounter] (a dispatch mode
-over the ``c10d`` ops), tagging each collective with its phase.
+already sharded model inside [`fsdp_core.CommCounter`][fsdp_core.collective_count.CommCounter]
+(a dispatch mode over the ``c10d`` ops), tagging each collective with its phase.
 [`measure_plan`][multimodal_fsdp.measure.comm.measure_plan] does the whole round trip in one
 process:
 cost the plan analytically, shard the model under the fake process group (or the process group
@@ -24,12 +24,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_core import CommCounter, ShardingPlan, build_mesh
+from fsdp_core.collective_count import CommTally
 from fsdp_core.collective_entry import enter_collective
 from fsdp_core.fake_group import current_or_fake_group
 from fsdp_core.mesh import MeshShape, resolve_mesh_shape
 from fsdp_core.parallel_dims import ParallelDims
 from fsdp_core.parallelizer import apply_plan
-from multimodal_fsdp.estimate.collectives import KINDS, PHASES, CommTally
 from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs
 from multimodal_fsdp.estimate.exchange import StepMedia, step_media
 from multimodal_fsdp.runtime.prefetch_guard import (
@@ -45,7 +45,6 @@ __all__ = [
     "measure_plan",
     "measure_step",
     "measured_shape",
-    "tally_from_counter",
 ]
 
 logger = logging.getLogger(__name__)
@@ -57,15 +56,6 @@ LossFn = Callable[[nn.Module], torch.Tensor]
 def _rank() -> int:
     """This process's rank (0 outside a process group)."""
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def tally_from_counter(counter: CommCounter) -> CommTally:
-    """A [`CommTally`][multimodal_fsdp.estimate.collectives.CommTally] of everything ``counter``
-    recorded."""
-    tally = CommTally()
-    for record in counter.records:
-        tally.add(record.phase, record.kind, record.nbytes, received=record.received)
-    return tally
 
 
 @dataclass(frozen=True)
@@ -98,74 +88,48 @@ def measure_step(model: nn.Module, loss_fn: LossFn, *, steps: int = 1) -> Measur
             torch.autograd.backward(loss)
     guard = backward_prefetch_guard(model)
     blocked = tuple(guard.blocked_units()) if guard is not None else ()
-    return MeasuredStep(comm=tally_from_counter(counter), blocked_units=blocked)
+    return MeasuredStep(comm=counter.tally(), blocked_units=blocked)
 
 
 @dataclass(frozen=True)
 class Comparison:
     """Expected (analytic) against measured collectives, per phase and kind."""
 
-    rows: tuple[tuple[str, str, int, int, int, int], ...]  # phase, kind, n_exp, b_exp, n, b
-    #: Bytes received where the kind records them (``all_to_all``): phase, kind,
-    #: expected, measured.
-    received: tuple[tuple[str, str, int, int], ...] = ()
+    expected: CommTally
+    measured: CommTally
 
     @property
     def matches(self) -> bool:
-        return all(r[2] == r[4] and r[3] == r[5] for r in self.rows) and all(
-            r[2] == r[3] for r in self.received
-        )
+        return self.expected == self.measured
 
     def differences(self) -> list[str]:
-        return [
-            f"{phase} {kind}: expected {n0} ({b0} B), measured {n1} ({b1} B)"
-            for phase, kind, n0, b0, n1, b1 in self.rows
-            if (n0, b0) != (n1, b1)
-        ] + [
-            f"{phase} {kind}: expected {r0} B received, measured {r1} B"
-            for phase, kind, r0, r1 in self.received
-            if r0 != r1
-        ]
+        return self.expected.differences(self.measured)
 
     def format(self) -> str:
+        """A table of both tallies, one row per (phase, kind) seen on either side, with
+        the bytes received beside an ``all_to_all``'s."""
+        plan, seen = self.expected, self.measured
         head = ("phase", "kind", "plan", "measured", "plan B", "measured B")
         lines = ["{:<9} {:<15} {:>6} {:>9} {:>12} {:>12}".format(*head)]
-        for phase, kind, n0, b0, n1, b1 in self.rows:
-            mark = "" if (n0, b0) == (n1, b1) else "  <-- differs"
-            lines.append(f"{phase:<9} {kind:<15} {n0:>6} {n1:>9} {b0:>12} {b1:>12}{mark}")
-        for phase, kind, r0, r1 in self.received:
-            mark = "" if r0 == r1 else "  <-- differs"
-            label = f"{kind} recv"
-            lines.append(f"{phase:<9} {label:<15} {'':>6} {'':>9} {r0:>12} {r1:>12}{mark}")
+        for key in CommTally(counts={**plan.counts, **seen.counts}).pairs():
+            got = (seen.counts.get(key, 0), seen.nbytes.get(key, 0))
+            cells: list[tuple[str, int | str, int, int | str, int]] = [
+                (key[1], plan.counts.get(key, 0), plan.nbytes.get(key, 0), *got)
+            ]
+            if key in plan.received or key in seen.received:
+                received = (plan.received.get(key, 0), seen.received.get(key, 0))
+                cells.append((f"{key[1]} recv", "", received[0], "", received[1]))
+            for label, n0, b0, n1, b1 in cells:
+                mark = "" if (n0, b0) == (n1, b1) else "  <-- differs"
+                lines.append(f"{key[0]:<9} {label:<15} {n0:>6} {n1:>9} {b0:>12} {b1:>12}{mark}")
         return "\n".join(lines)
 
 
 def compare(expected: CommTally | PlanCosts, measured: CommTally | MeasuredStep) -> Comparison:
-    """Row per (phase, kind) seen on either side, in phase then kind order."""
-    plan = expected.comm if isinstance(expected, PlanCosts) else expected
-    seen = measured.comm if isinstance(measured, MeasuredStep) else measured
-    order = {name: i for i, name in enumerate((*PHASES, *KINDS))}
-    keys = sorted(
-        set(plan.counts) | set(seen.counts),
-        key=lambda k: (order.get(k[0], 99), order.get(k[1], 99), k),
-    )
+    """The plan's (or a tally's) collectives against a measured step's."""
     return Comparison(
-        rows=tuple(
-            (
-                phase,
-                kind,
-                plan.counts.get((phase, kind), 0),
-                plan.nbytes.get((phase, kind), 0),
-                seen.counts.get((phase, kind), 0),
-                seen.nbytes.get((phase, kind), 0),
-            )
-            for phase, kind in keys
-        ),
-        received=tuple(
-            (phase, kind, plan.received.get((phase, kind), 0), seen.received.get((phase, kind), 0))
-            for phase, kind in keys
-            if (phase, kind) in plan.received or (phase, kind) in seen.received
-        ),
+        expected=expected.comm if isinstance(expected, PlanCosts) else expected,
+        measured=measured.comm if isinstance(measured, MeasuredStep) else measured,
     )
 
 

@@ -63,10 +63,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import ShardingPlan
-from fsdp_core.comm_tally import CommTally
+from fsdp_core.collective_count import CommTally
 from fsdp_core.containers import is_module_container, is_under, unwrap_module
 from fsdp_core.internals import GRAPH_TASK, Probe, in_backward
-from fsdp_core.mesh_collectives import all_reduce_max_over_mesh, mesh_device
+from fsdp_core.mesh import all_reduce_max_over_mesh, mesh_device
 from fsdp_core.runtime import HookStep, RuntimeHook
 
 if TYPE_CHECKING:
