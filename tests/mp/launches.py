@@ -124,6 +124,7 @@ LAUNCHES: dict[int, list[str]] = {
         "nd_encoder_work",
         "nd_balanced_input_grads",
         "tp_helper_llava",
+        "cp_dp_llava",
         "torchtitan_dp_tp",
         # Last: Lightning takes over the launch's process group.
         "lightning_dp_tp",

@@ -25,6 +25,7 @@ import scenarios_balance_hf  # noqa: F401
 import scenarios_balance_joined  # noqa: F401
 import scenarios_checkpoint_safety  # noqa: F401
 import scenarios_core  # noqa: F401
+import scenarios_cp  # noqa: F401
 import scenarios_crashes  # noqa: F401
 import scenarios_framework_calls  # noqa: F401
 import scenarios_hf_export  # noqa: F401

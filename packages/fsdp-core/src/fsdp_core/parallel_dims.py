@@ -17,6 +17,11 @@ every runtime hook read one answer instead of assuming the world is their mesh:
   ([`data_group_ranks`][fsdp_core.parallel_dims.ParallelDims.data_group_ranks]): the
   TP x CP ranks of one data-parallel coordinate.
 
+CP ranks hold different tokens of the same samples, so their gradients are summed like
+the data-parallel ones: FSDP shards over the data-parallel shard dimension and CP
+together (``dp_mesh``, flattened as torchtitan folds ``dp_shard`` and ``cp`` into
+``fsdp``), while balancing reads the ranks with different batches (``batch_mesh``).
+
 A dimension's role comes from its name (``tp``, ``cp``, ``ep``, ``pp`` or their long
 forms ``tensor_parallel``, ...); a dimension of more than one rank with any other name
 is refused, because the library could not tell whether its ranks run the forward
@@ -236,9 +241,21 @@ class ParallelDims:
 
     @property
     def dp_shape(self) -> MeshShape:
-        """The data-parallel sizes FSDP shards over (what the estimates cost)."""
+        """The sizes FSDP shards over (what the estimates cost): the data-parallel ones,
+        the shard dimension times CP."""
         sizes = [self.size(n) for n in self.dp_names]
-        return MeshShape(dp_replicate=sizes[0] if len(sizes) == 2 else 1, dp_shard=sizes[-1])
+        return MeshShape(
+            dp_replicate=sizes[0] if len(sizes) == 2 else 1,
+            dp_shard=sizes[-1] * math.prod(self.size(n) for n in self.cp_names),
+        )
+
+    @property
+    def cp_names(self) -> tuple[str, ...]:
+        """The context-parallel dimensions of more than one rank (FSDP shards over them
+        with the data-parallel shard dimension)."""
+        return tuple(
+            n for n in self.data_group_names if dimension_role(n) == "cp" and n not in self.dp_names
+        )
 
     @property
     def other_dims(self) -> dict[str, int]:
@@ -284,8 +301,22 @@ class ParallelDims:
     # ------------------------------------------------------------------ meshes
     @property
     def dp_mesh(self) -> DeviceMesh:
-        """The data-parallel mesh FSDP shards over (the object the caller passed, when
-        it passed that)."""
+        """The mesh FSDP shards over: the data-parallel mesh (the object the caller
+        passed, when it passed that), its shard dimension flattened with CP when the job
+        has CP (HSDP: ``(replicate, shard_cp)``)."""
+        if not self.cp_names:
+            return self.batch_mesh
+        root = self._need(self.mesh)
+        shard = (self.dp_names[-1], *self.cp_names)
+        flat = internals.flatten_mesh(root[shard], "_".join(shard))
+        if len(self.dp_names) == 1:
+            return flat  # type: ignore[no-any-return]
+        return root[(self.dp_names[0], "_".join(shard))]
+
+    @property
+    def batch_mesh(self) -> DeviceMesh:
+        """The data-parallel mesh: ranks that hold different batches (what balancing
+        spreads media over)."""
         return self._need(self.data_parallel_mesh)
 
     @property

@@ -42,7 +42,7 @@ from torch import Tensor
 from multimodal_fsdp.balance._metadata import gather
 from multimodal_fsdp.balance.layouts import MediaCall, MediaLayout, OutputSpec
 
-__all__ = ["HEADER_INTS", "DataGroup", "gather_outputs", "gathered_bytes"]
+__all__ = ["HEADER_INTS", "DataGroup", "gather_outputs", "gathered_bytes", "select_items"]
 
 #: int64 words of a rank's header in the gather after a split call: its bytes, the
 #: structure's fingerprint.
@@ -57,6 +57,8 @@ class DataGroup:
     group: Any
     ranks: tuple[int, ...]
     position: int
+    #: CP ranks among them: each rank names the items it needs (``gather_outputs``).
+    indexed: bool = False
 
     @property
     def size(self) -> int:
@@ -86,10 +88,16 @@ def share_of_position(items: int, position: int, size: int) -> tuple[int, int]:
     return position * items // size, (position + 1) * items // size
 
 
-def gathered_bytes(output_bytes: Sequence[int], size: int) -> list[int]:
+def gathered_bytes(output_bytes: Sequence[int], size: int, *, indexed: bool = False) -> list[int]:
     """Bytes each rank receives in the gathers after a call whose items' outputs take
     ``output_bytes`` (every output tensor, in call order) on a data group of ``size``
-    ranks: the header's, then the padded outputs'; none when the call is not split."""
+    ranks: the header's, then the padded outputs'; none when the call is not split.
+    ``indexed`` (CP): the header carries an item mask, and a rank is assumed to need
+    the items of its own share (a sequence whose media spread evenly over its shards),
+    so the all_to_all after it moves nothing (``[header, 0]``)."""
+    if indexed and size > 1:
+        header = size * (HEADER_INTS + 1 + len(output_bytes)) * 8
+        return [header, 0] if splits(len(output_bytes), size) else [header]
     if not splits(len(output_bytes), size):
         return []
     longest = max(
@@ -97,6 +105,23 @@ def gathered_bytes(output_bytes: Sequence[int], size: int) -> list[int]:
         for p in range(size)
     )
     return [size * HEADER_INTS * 8, size * longest]
+
+
+def select_items(
+    layout: MediaLayout, output: Any, weights: Sequence[int], needs: Sequence[int]
+) -> Any:
+    """The output of a call's items ``needs`` from ``output``, the whole call's (a rank
+    that encoded or received every item).
+
+    Raises:
+        ValueError: ``needs`` are not increasing item indices of the call."""
+    if list(needs) != sorted(set(needs)) or any(not 0 <= i < len(weights) for i in needs):
+        raise ValueError(
+            f"context_parallel_media: items {list(needs)} are not increasing indices of this "
+            f"call of {len(weights)} items"
+        )
+    spec, pieces = layout.split_output(output, list(weights))
+    return layout.join_output(spec, [pieces[i] for i in needs])
 
 
 def _bytes_of(tensor: Tensor) -> Tensor:
@@ -134,49 +159,123 @@ def gather_outputs(
     output: Any,
     weights: Sequence[int],
     device: torch.device,
+    needs: Sequence[int] | None = None,
 ) -> Any:
-    """The whole call's output on every rank of ``data`` (collective over the group),
-    from each rank's ``output`` for its share of a split call whose items have the given
-    ``weights`` (the whole call's, in call order): this rank's pieces keep their graph,
-    the others' are received copies.
+    """The call's output on every rank of ``data`` (collective over the group), from
+    each rank's ``output`` for its share of a call whose items have the given
+    ``weights`` (the whole call's, in call order; on an unsplit call every rank's
+    ``output`` is the whole call's): this rank's pieces keep their graph, the others'
+    are received copies. On an indexed group (CP) the header carries each rank's
+    ``needs`` (the items it wants, ``None``: all) and a rank gets those items only.
 
     Raises:
-        RuntimeError: on every rank, when the ranks' output structures differ."""
-    start, stop = data.share(len(weights))
+        RuntimeError: on every rank, when the ranks' output structures differ.
+        ValueError: on every rank, when a rank's ``needs`` are not increasing item
+            indices of the call."""
+    items = len(weights)
+    split = splits(items, data.size)
+    if not split and not data.indexed:
+        return output
+    start, stop = data.share(items)
     spec, mine = layout.split_output(output, list(weights[start:stop]))
-    sizes = [
-        [sum(piece) for piece in _share_bytes(spec, weights[slice(*data_share)])]
-        for data_share in (share_of_position(len(weights), p, data.size) for p in range(data.size))
-    ]
-    totals = [sum(piece_sizes) for piece_sizes in sizes]
-    header = torch.tensor([totals[data.position], _fingerprint(spec)], dtype=torch.int64)
-    told = [tuple(int(v) for v in h.cpu().tolist()) for h in gather(header.to(device), data.group)]
-    if len({fingerprint for _, fingerprint in told}) > 1:
+    shares = [share_of_position(items, p, data.size) for p in range(data.size)]
+    item_bytes = [sum(piece) for piece in _share_bytes(spec, weights)]
+    totals = [sum(item_bytes[slice(*share)]) for share in shares] if split else [0] * data.size
+    wanted = range(items) if needs is None else needs
+    bad = list(wanted) != sorted(set(wanted)) or any(not 0 <= i < items for i in wanted)
+    mask = [0] * items if bad else [int(i in set(wanted)) for i in range(items)]
+    words = [totals[data.position], _fingerprint(spec)]
+    if data.indexed:
+        words += [int(bad), *mask]
+    rows = [h.cpu().tolist() for h in gather(torch.tensor(words).to(device), data.group)]
+    if len({row[1] for row in rows}) > 1:
         raise RuntimeError(
             "balanced tower call: the ranks of a data group encoded outputs of different "
-            f"structures (bytes and structure fingerprint per rank: {told}); the tower's "
-            "output must depend on its inputs alone"
+            f"structures (bytes and structure fingerprint per rank: {[r[:2] for r in rows]}); "
+            "the tower's output must depend on its inputs alone"
         )
-    longest = max(totals)
+    if data.indexed and any(row[2] for row in rows):
+        failed = [p for p, row in enumerate(rows) if row[2]]
+        raise ValueError(
+            f"context_parallel_media: the ranks at positions {failed} of the data group "
+            f"{data.ranks} named items that are not increasing indices of this call of "
+            f"{items} items (this rank asked for {list(wanted)})"
+        )
+    masks = [row[3:] for row in rows] if data.indexed else [[1] * items] * data.size
+    owner = [p for p, share in enumerate(shares) for _ in range(*share)] if split else None
+    if owner is None:  # unsplit: every rank holds the whole call
+        return layout.join_output(spec, [mine[i] for i in range(items) if masks[data.position][i]])
+    if all(all(m) for m in masks):
+        received = _all_gathered(mine, max(totals), data, device)
+    else:
+        received = _exchanged(mine, masks, item_bytes, shares, data, device)
+    pieces: list[tuple[Tensor, ...]] = []
+    offsets = [0] * data.size
+    for item, weight in enumerate(weights):
+        source = owner[item]
+        if source == data.position:
+            if masks[data.position][item]:
+                pieces.append(mine[item - start])
+            continue
+        if not masks[data.position][item]:
+            continue
+        piece = []
+        for leaf, size in enumerate(_share_bytes(spec, [weight])[0]):
+            chunk = received[source][offsets[source] : offsets[source] + size].clone()
+            piece.append(
+                chunk.view(spec.dtypes[leaf]).view(spec.rows(leaf, weight), *spec.row_shapes[leaf])
+            )
+            offsets[source] += size
+        pieces.append(tuple(piece))
+    return layout.join_output(spec, pieces)
+
+
+def _flat(pieces: Sequence[Sequence[Tensor]]) -> Tensor:
+    leaves = [_bytes_of(leaf) for piece in pieces for leaf in piece]
+    return torch.cat(leaves) if leaves else torch.empty(0, dtype=torch.uint8)
+
+
+def _all_gathered(
+    mine: Sequence[Sequence[Tensor]], longest: int, data: DataGroup, device: torch.device
+) -> list[Tensor]:
+    """Every rank's share's output bytes (all_gather, padded to ``longest``)."""
     send = torch.zeros(longest, dtype=torch.uint8, device=device)
-    if mine:
-        flat = torch.cat([_bytes_of(leaf) for piece in mine for leaf in piece])
-        send[: flat.numel()] = flat
+    flat = _flat(mine).to(device)
+    send[: flat.numel()] = flat
     received = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(data.size)]
     dist.all_gather(received, send, group=data.group)
-    pieces: list[tuple[Tensor, ...]] = []
-    for source, buffer in enumerate(received):
-        if source == data.position:
-            pieces.extend(mine)
-            continue
-        first, last = share_of_position(len(weights), source, data.size)
-        offset = 0
-        for weight in weights[first:last]:
-            piece = []
-            for leaf, size in enumerate(_share_bytes(spec, [weight])[0]):
-                shape = (spec.rows(leaf, weight), *spec.row_shapes[leaf])
-                chunk = buffer[offset : offset + size].clone()
-                piece.append(chunk.view(spec.dtypes[leaf]).view(shape))
-                offset += size
-            pieces.append(tuple(piece))
-    return layout.join_output(spec, pieces)
+    return received
+
+
+def _exchanged(
+    mine: Sequence[Sequence[Tensor]],
+    masks: Sequence[Sequence[int]],
+    item_bytes: Sequence[int],
+    shares: Sequence[tuple[int, int]],
+    data: DataGroup,
+    device: torch.device,
+) -> list[Tensor]:
+    """Per source rank, the bytes of the items of its share this rank needs (one
+    all_to_all: each rank sends every other the items of its share that one needs)."""
+    start, stop = shares[data.position]
+    send = [
+        _flat([mine[i - start] for i in range(start, stop) if masks[q][i]])
+        if q != data.position
+        else torch.empty(0, dtype=torch.uint8)
+        for q in range(data.size)
+    ]
+    into = [
+        0
+        if p == data.position
+        else sum(item_bytes[i] for i in range(*shares[p]) if masks[data.position][i])
+        for p in range(data.size)
+    ]
+    output = torch.empty(sum(into), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(
+        output,
+        torch.cat(send).to(device),
+        output_split_sizes=into,
+        input_split_sizes=[t.numel() for t in send],
+        group=data.group,
+    )
+    return list(torch.split(output, into))

@@ -69,10 +69,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
-from multimodal_fsdp.balance._data_group import DataGroup, gather_outputs, splits
+from multimodal_fsdp.balance._data_group import DataGroup, gather_outputs, select_items, splits
 from multimodal_fsdp.balance._exchanged import Exchanged
 from multimodal_fsdp.balance._metadata import Entry, RoundTable, exchange_round
 from multimodal_fsdp.balance.assign import assign_items, needs_exchange
+from multimodal_fsdp.balance.context_parallel import take_needs
 from multimodal_fsdp.balance.layouts import (
     CallSpec,
     MediaCall,
@@ -161,6 +162,11 @@ def _tensors(value: Any, leaves: list[Tensor], depth: int = 0) -> None:
         _tensors(value.to_tuple(), leaves, depth + 1)
 
 
+def _weights(call: MediaCall) -> list[int]:
+    """Each item's weight (its main field's rows), as the output specs read them."""
+    return [item.fields[0].shape[0] for item in call.items]
+
+
 def _device(members: Sequence[Member], call: MediaCall | None, group: Any) -> torch.device:
     if call is not None:
         for item in call.items:
@@ -241,22 +247,25 @@ class Rounds:
                 return member.run(own=True)(*original[0], **original[1]), None
             except Exception as raised:
                 self._fail(raised, ticket.device)
-        if self.data is None or ticket.whole is None or ticket.call is None:
-            return self._balanced(
-                member, ticket.table, ticket.index, ticket.call, original, ticket.device
+        layout, share, needs = member.layout, ticket.call, take_needs()
+        if layout is None or share is None:  # pragma: no cover - a balanced call has both
+            raise RuntimeError("balanced call of a joined module")
+        data = self.data
+        if data is None or (ticket.whole is None and not data.indexed):
+            output, anchor = self._balanced(
+                member, ticket.table, ticket.index, share, original, ticket.device
             )
-        share = ticket.call
-        own: Call | None = None
-        if share.items and member.layout is not None:
-            own = member.layout.build_call(share.spec, share.items)
+            if needs is not None:  # CP without a data group: this rank encoded every item
+                output = select_items(layout, output, _weights(share), needs)
+            return output, anchor
+        own: Call | None = original  # an unsplit call (CP): every rank encodes all of it
+        if ticket.whole is not None:
+            own = layout.build_call(share.spec, share.items) if share.items else None
         output, anchor = self._balanced(
             member, ticket.table, ticket.index, share, own, ticket.device
         )
-        if member.layout is None:  # pragma: no cover - a ticket with a share is balanced
-            raise RuntimeError("balanced call of a joined module")
-        weights = [item.fields[0].shape[0] for item in ticket.whole.items]
-        whole = gather_outputs(member.layout, self.data, output, weights, ticket.device)
-        return whole, anchor
+        weights = _weights(ticket.whole or share)
+        return gather_outputs(layout, data, output, weights, ticket.device, needs), anchor
 
     def call(
         self,

@@ -54,7 +54,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_core import ShardingPlan
-from fsdp_core.collective_count import CommTally
+from fsdp_core.comm_tally import CommTally
 from fsdp_core.containers import is_under
 from fsdp_core.internals import GRAPH_TASK, Probe
 from fsdp_core.runtime import HookStep, RuntimeHook
@@ -316,10 +316,11 @@ class BalanceMediaRuntimeHook(RuntimeHook):
         round, the join barrier's last round and the joined layers' decisions, for
         ``media.rank``; without, the joined layers' decisions alone (the rest depends on
         the media)."""
+        cp = 1 if step.parallel is None else step.parallel.role_size("cp")
         return planned_tally(
             self,
             _media(step),
-            world_size=step.world_size,
+            world_size=step.world_size // cp,  # FSDP's shard dimension holds CP's ranks
             dp_replicate=step.mesh.dp_replicate,
             data_group=_data_group_size(step.parallel),
         )
@@ -406,14 +407,14 @@ class BalanceMediaRuntimeHook(RuntimeHook):
             )
 
     def install(self, model: nn.Module, *, dims: ParallelDims) -> BalanceMedia:
-        """Balances within groups of ``dims.dp_mesh``: the data-parallel ranks hold
+        """Balances within groups of ``dims.batch_mesh``: the data-parallel ranks hold
         different batches. The ranks of a TP or CP group (a *data group*) hold the same
         one: with frozen towers and joined modules each brings its share of every call
         and the rounds run over the balance group's data groups together, so each image
         is encoded once (``multimodal_fsdp.balance._data_group``); with a trainable one
         (whose parameter gradients would then need summing over the data group) each
         rank balances with its own data-parallel peers (same media, same route)."""
-        mesh = dims.dp_mesh
+        mesh = dims.batch_mesh
         self.check_group(mesh)
         group, size = _group_of(mesh, self.group)
         data = _data_group(dims, self)
@@ -454,7 +455,8 @@ def _data_group(dims: ParallelDims, hook: BalanceMediaRuntimeHook) -> DataGroup 
     if any(t.trainable for t in hook.towers) or any(m.trainable for m in hook.joined):
         return None
     group = dist.new_group(ranks=list(ranks), use_local_synchronization=True)
-    return DataGroup(group=group, ranks=ranks, position=ranks.index(dist.get_rank()))
+    position = ranks.index(dist.get_rank())
+    return DataGroup(group=group, ranks=ranks, position=position, indexed=bool(dims.cp_names))
 
 
 def _data_groups(dims: ParallelDims) -> list[list[int]]:

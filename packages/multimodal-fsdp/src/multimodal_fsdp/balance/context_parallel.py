@@ -1,0 +1,117 @@
+"""Context parallelism: each CP rank gets the media features of its own sequence shard.
+
+Under context parallelism the ranks of a CP group hold different tokens of the same
+samples, and the same media. With ``balance_media=True`` and frozen towers the CP
+group is part of the rank's *data group* (``multimodal_fsdp.balance._data_group``):
+each rank encodes a share of every tower call's items. Inside
+[`context_parallel_media`][multimodal_fsdp.balance.context_parallel.context_parallel_media]
+a rank names, per balanced tower call, the items its shard's media tokens need, and the
+call returns the outputs of those items only, in call order: the data group sends each
+rank the needed outputs it did not encode itself (one ``all_to_all`` of their bytes
+after a header gather that carries every rank's item mask), so no rank holds the
+features of the whole sample.
+[`items_of_tokens`][multimodal_fsdp.balance.context_parallel.items_of_tokens] turns
+the ordinals of a shard's media tokens into those items and the rows to take.
+
+A long video whose frames are separate items (one row of ``pixel_values`` per frame, the
+``batch-first`` layout) is split over the CP group frame by frame this way; a video that
+is one item (``packed-by-grid``'s ``(t, h, w)``) is encoded whole by each rank that
+needs it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+__all__ = ["context_parallel_media", "items_of_tokens"]
+
+
+@dataclass
+class _Needs:
+    """The items named per call, and how many calls have taken theirs."""
+
+    calls: tuple[tuple[int, ...], ...]
+    taken: int = field(default=0)
+
+
+_NEEDS: ContextVar[_Needs | None] = ContextVar("multimodal_fsdp_cp_needs", default=None)
+
+
+@contextmanager
+def context_parallel_media(*calls: Sequence[int]) -> Iterator[None]:
+    """Inside, this rank's ``k``-th balanced tower call returns the outputs of the items
+    ``calls[k]`` (indices into the call's items, increasing) instead of every item's.
+
+    For CP ranks of a job whose mesh has a CP dimension and whose towers are balanced
+    on data groups (``balance_media=True``, frozen towers): the ranks of the data group
+    exchange which items each needs, so a wrong index raises a ``ValueError`` on every
+    rank of it. Calls beyond ``calls`` return every item, as without the context.
+
+    Args:
+        calls: per balanced tower call in the forward(s) inside, the items this rank's
+            sequence shard needs (e.g. ``items_of_tokens(...)[0]``).
+
+    Raises:
+        TypeError: an entry is not a sequence of ints.
+    """
+    checked = []
+    for items in calls:
+        if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+            raise TypeError(f"each call's items must be a sequence of ints, got {items!r}")
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+            raise TypeError(f"each call's items must be ints, got {list(items)!r}")
+        checked.append(tuple(items))
+    token = _NEEDS.set(_Needs(tuple(checked)))
+    try:
+        yield
+    finally:
+        _NEEDS.reset(token)
+
+
+def take_needs() -> tuple[int, ...] | None:
+    """The items this rank's next balanced call needs (``None``: every item); each call
+    takes the next entry of the enclosing ``context_parallel_media``."""
+    needs = _NEEDS.get()
+    if needs is None or needs.taken >= len(needs.calls):
+        return None
+    needs.taken += 1
+    return needs.calls[needs.taken - 1]
+
+
+def items_of_tokens(
+    tokens_per_item: Sequence[int], ordinals: Sequence[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The items that a shard's media tokens come from, and where each token's row is.
+
+    Args:
+        tokens_per_item: the media tokens each item of the call becomes, in call order
+            (an image's tokens, a frame's).
+        ordinals: the shard's media tokens, as positions among all media tokens of the
+            call (increasing; a load-balanced CP shard may hold two runs of them).
+
+    Returns:
+        The items (increasing), and per ordinal its row among the rows of those items'
+        features put one after another.
+
+    Raises:
+        ValueError: an ordinal outside the call's tokens, or not increasing.
+    """
+    starts = [0]
+    for count in tokens_per_item:
+        starts.append(starts[-1] + int(count))
+    if list(ordinals) != sorted(set(ordinals)) or any(not 0 <= o < starts[-1] for o in ordinals):
+        raise ValueError(
+            f"media token ordinals must increase within [0, {starts[-1]}), got {list(ordinals)}"
+        )
+    item_of = [bisect.bisect_right(starts, o) - 1 for o in ordinals]
+    items = tuple(sorted(set(item_of)))
+    offset = {}
+    rows = 0
+    for item in items:
+        offset[item] = rows
+        rows += int(tokens_per_item[item])
+    return items, tuple(offset[i] + o - starts[i] for i, o in zip(item_of, ordinals, strict=True))
