@@ -54,7 +54,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_core import ShardingPlan
-from fsdp_core.comm_tally import CommTally
+from fsdp_core.collective_count import CommTally
 from fsdp_core.containers import is_under
 from fsdp_core.internals import GRAPH_TASK, Probe
 from fsdp_core.runtime import HookStep, RuntimeHook
