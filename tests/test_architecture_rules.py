@@ -4,9 +4,10 @@
   (``multimodal_fsdp.model_discovery.Discovery``) that the planning hooks read from the
   plan context, so one parallelizer can plan several models (or threads) at once.
 - One sharding path: torch's ``fully_shard`` is called in one function
-  (``fsdp_core.sharding.apply_fully_shard``), and that function has one caller
-  (``fsdp_core.shard_calls.shard_unit``), which every entry point reaches by planning its
-  module's calls and running them (``fsdp_core.shard_calls.run_calls``).
+  (``fsdp_core.sharding.shard_units``), which the entry points call directly with
+  checked units: a plan's (``apply_plan``, ``parallelize``) or one module's own
+  (``_fully_shard_module`` and the free functions, ``fsdp_core.shard_calls.group_units``),
+  both made from planned calls by ``fsdp_core.shard_calls.call_units``.
 """
 
 from __future__ import annotations
@@ -52,9 +53,19 @@ def _called(func: ast.expr) -> str | None:
     return None
 
 
-def test_fully_shard_has_one_call_site_and_it_has_one_caller() -> None:
-    assert _callers("fully_shard") == ["fsdp_core/sharding.py:apply_fully_shard"]
-    assert _callers("apply_fully_shard") == ["fsdp_core/shard_calls.py:shard_unit"]
+def test_fully_shard_has_one_call_site_and_the_entry_points_call_it() -> None:
+    assert _callers("fully_shard") == ["fsdp_core/sharding.py:shard_units"]
+    assert _callers("shard_units") == [
+        "fsdp_core/dtype_units.py:fully_shard_dtype_safe",
+        "fsdp_core/dtype_units.py:shard_groups_then_module",
+        "fsdp_core/parallelizer.py:_apply",
+        "fsdp_core/parallelizer.py:_fully_shard_module",
+        "fsdp_core/sharding.py:apply_fully_shard",
+    ]
+    assert _callers("call_units") == [
+        "fsdp_core/parallelizer.py:_apply",
+        "fsdp_core/shard_calls.py:group_units",
+    ]
 
 
 def _tiny(*, frozen_tower: bool) -> nn.Module:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_core import (
     MixedDtypeError,
@@ -24,8 +25,8 @@ from fsdp_core.dtype_units import group_islands
 from fsdp_core.fake_group import fake_process_group
 from fsdp_core.hf import load_pretrained
 from fsdp_core.parallelizer import PlanContext
-from fsdp_core.plan import ShardCall
-from fsdp_core.sharding import ShardTarget, apply_fully_shard
+from fsdp_core.plan import ShardCall, ShardingPlan
+from fsdp_core.sharding import apply_fully_shard
 from fsdp_core.testing import TORCHRUN_ENV
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -92,16 +93,15 @@ def test_mixed_dtype_remedies(fake2: None) -> None:
     trains(frozen)
 
 
-# --- PlanMismatchError: "Plan every unit ... so that _fully_shard_module only applies it" ----
+# --- PlanMismatchError: "Plan every unit ... so that applying the plan makes only those" ----
 
 
 class HeadInShard(ModelParallelizer):
-    """Makes a unit the plan does not list: the head, when the root is sharded."""
+    """Makes a unit the plan does not list: the head, before the plan's units."""
 
-    def _fully_shard_module(self, module: ShardTarget, **kwargs: object) -> None:
-        if isinstance(module, Scaled):
-            apply_fully_shard(module.head, **kwargs)  # type: ignore[arg-type]
-        super()._fully_shard_module(module, **kwargs)
+    def _before_apply(self, model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> None:
+        assert isinstance(model, Scaled)
+        apply_fully_shard(model.head, mesh=mesh, mp_policy=plan.calls[-1].mp_policy)
 
 
 class HeadPlanned(ModelParallelizer):

@@ -7,13 +7,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+import fsdp_core.sharding
 from fsdp_core.parallelizer import ModelParallelizer, PlanContext, parameter_names
 from fsdp_core.plan import ShardCall, ShardingPlan, UnitPlan, unit_parameters
 from fsdp_core.precision import default_mp_policy, fp32_island_policy
-from fsdp_core.sharding import ShardTarget
 
 BF16, FP32 = torch.bfloat16, torch.float32
 DIM = 8
@@ -101,7 +101,7 @@ def test_parameter_names_refuses_foreign_params() -> None:
 def _ctx(model: nn.Module, ignored: frozenset[str] = frozenset()) -> PlanContext:
     return PlanContext(
         model=model, mp_policy=MixedPrecisionPolicy(), reshard_after_forward=None,
-        ignored_param_names=ignored,
+        ignored_param_names=ignored, found=None,
     )  # fmt: skip
 
 
@@ -409,32 +409,41 @@ def test_unit_paths_override() -> None:
 # apply_plan / parallelize under the fake process group -------------------------------------------
 
 
-class Recording(ModelParallelizer):
-    def __init__(self, **kwargs: bool) -> None:
-        super().__init__(**kwargs)
-        self.calls: list[tuple[ShardTarget, dict[str, object]]] = []
-
-    def _fully_shard_module(self, module: ShardTarget, **kwargs: object) -> None:
-        self.calls.append((module, kwargs))
-        super()._fully_shard_module(module, **kwargs)
+Recorded = list[tuple[object, dict[str, object]]]
 
 
-def test_parallelize_hsdp_shards_every_unit(hsdp_mesh: DeviceMesh) -> None:
+@pytest.fixture
+def fully_shard_calls(monkeypatch: pytest.MonkeyPatch) -> Recorded:
+    """Every call of torch's ``fully_shard`` (where the library calls it): target, options."""
+    calls: Recorded = []
+    real = fsdp_core.sharding.fully_shard
+
+    def recording(target: object, **kwargs: object) -> object:
+        calls.append((target, kwargs))
+        return real(target, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(fsdp_core.sharding, "fully_shard", recording)
+    return calls
+
+
+def test_parallelize_hsdp_shards_every_unit(
+    hsdp_mesh: DeviceMesh, fully_shard_calls: Recorded
+) -> None:
     model = _mixed(Model())
-    parallelizer = Recording()
+    parallelizer = ModelParallelizer()
     plan = parallelizer.plan(model, mp_policy=default_mp_policy())
     result = parallelizer.parallelize(model, mesh=hsdp_mesh, mp_policy=default_mp_policy())
     assert result is model
-    # Every call of the plan went through _fully_shard_module, in order.
-    assert len(parallelizer.calls) == len(plan.calls)
-    for (target, kwargs), call in zip(parallelizer.calls, plan.calls, strict=True):
+    # Every call of the plan reached fully_shard, in order, with its own options.
+    assert len(fully_shard_calls) == len(plan.calls)
+    for (target, kwargs), call in zip(fully_shard_calls, plan.calls, strict=True):
         members = list(target) if isinstance(target, list) else [target]
         assert members == [model.get_submodule(p) for p in call.paths]
         assert kwargs["mesh"] is hsdp_mesh
         assert kwargs["mp_policy"] == call.mp_policy
         assert kwargs["reshard_after_forward"] == call.reshard_after_forward
-        assert kwargs["ignored_params"] is None
-        assert kwargs["offload_policy"] is None
+        assert "ignored_params" not in kwargs
+        assert type(kwargs["offload_policy"]) is OffloadPolicy  # no offload
     for unit in plan.units:
         for path in unit.paths:
             assert isinstance(model.get_submodule(path), FSDPModule), path
@@ -447,18 +456,19 @@ def test_parallelize_hsdp_shards_every_unit(hsdp_mesh: DeviceMesh) -> None:
     assert all(p.grad is not None for p in model.parameters())
 
 
-def test_parallelize_1d_mesh_with_ignored_params(mesh4: DeviceMesh) -> None:
+def test_parallelize_1d_mesh_with_ignored_params(
+    mesh4: DeviceMesh, fully_shard_calls: Recorded
+) -> None:
     model = Model()
     ignored = {model.layers[1].attn.weight, model.head.bias}
-    parallelizer = Recording()
+    parallelizer = ModelParallelizer()
     parallelizer.parallelize(model, mesh=mesh4, ignored_params=ignored, reshard_after_forward=2)
     by_members = {
-        tuple(id(m) for m in (t if isinstance(t, list) else [t])): kw
-        for t, kw in parallelizer.calls
+        tuple(id(m) for m in (t if isinstance(t, list) else [t])): kw for t, kw in fully_shard_calls
     }
     assert by_members[(id(model.layers[1]),)]["ignored_params"] == {model.layers[1].attn.weight}
     assert by_members[(id(model),)]["ignored_params"] == ignored
-    assert by_members[(id(model.layers[0]),)]["ignored_params"] is None
+    assert by_members[(id(model.layers[0]),)].get("ignored_params") is None
     for name, param in model.named_parameters():
         if param in ignored:
             assert not isinstance(param, DTensor), name
@@ -525,10 +535,9 @@ def test_apply_plan_runs_before_apply_once_and_uses_hooks(mesh4: DeviceMesh) -> 
 class _ExtraUnit(ModelParallelizer):
     """Makes a unit the plan does not list: what the apply-time check refuses."""
 
-    def _fully_shard_module(self, module: ShardTarget, **kwargs: object) -> None:
-        if isinstance(module, nn.Sequential):
-            super()._fully_shard_module(module[0], **kwargs)
-        super()._fully_shard_module(module, **kwargs)
+    def _before_apply(self, model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> None:
+        assert isinstance(model, nn.Sequential)
+        self._fully_shard_module(model[0], mesh=mesh, mp_policy=MixedPrecisionPolicy())
 
 
 def test_applied_units_equal_the_plan(mesh2: DeviceMesh) -> None:

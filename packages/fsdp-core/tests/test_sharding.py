@@ -155,7 +155,9 @@ def test_apply_fully_shard_bad_policy(mesh2: DeviceMesh) -> None:
 
 def test_apply_fully_shard_bad_offload_policy(mesh2: DeviceMesh) -> None:
     model = _mlp()
-    with pytest.raises(TypeError, match=r"offload_policy must be an OffloadPolicy, got str"):
+    with pytest.raises(
+        TypeError, match=r"offload_policy must be an OffloadPolicy or None, got str"
+    ):
         apply_fully_shard(
             model,
             mesh=mesh2,

@@ -13,7 +13,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from fsdp_core import build_mesh, internals
 from fsdp_core.fake_group import fake_process_group
 from fsdp_core.plan import ShardCall, ShardingPlan, UnitPlan, format_offload
-from fsdp_core.shard_calls import run_calls
+from fsdp_core.shard_calls import call_units
+from fsdp_core.sharding import shard_units
 
 NO_MP = MixedPrecisionPolicy()
 CPU = CPUOffloadPolicy(pin_memory=False)
@@ -61,14 +62,14 @@ def test_the_plan_prints_each_units_offload() -> None:
 
 def test_each_call_is_offloaded_as_it_says(mesh2: DeviceMesh) -> None:
     net = model()
-    run_calls(net, [call("0", CPU), call("", None)], mesh=mesh2)
+    shard_units(call_units(net, [call("0", CPU), call("", None)], mesh=mesh2))
     assert isinstance(offload_of(net[0]), CPUOffloadPolicy)
     assert not isinstance(offload_of(net), CPUOffloadPolicy)
 
 
 def test_offload_for_every_unit_still_offloads_every_unit(mesh2: DeviceMesh) -> None:
     net = model()
-    run_calls(net, [call("0", None), call("", None)], mesh=mesh2, offload_policy=CPU)
+    shard_units(call_units(net, [call("0", None), call("", None)], mesh=mesh2, offload_policy=CPU))
     assert isinstance(offload_of(net[0]), CPUOffloadPolicy)
     assert isinstance(offload_of(net), CPUOffloadPolicy)
 
@@ -76,5 +77,7 @@ def test_offload_for_every_unit_still_offloads_every_unit(mesh2: DeviceMesh) -> 
 def test_both_at_once_are_refused_before_any_unit(mesh2: DeviceMesh) -> None:
     net = model()
     with pytest.raises(ValueError, match=r"plan already offloads 1 of its calls \('0'\)"):
-        run_calls(net, [call("0", CPU), call("", None)], mesh=mesh2, offload_policy=CPU)
+        shard_units(
+            call_units(net, [call("0", CPU), call("", None)], mesh=mesh2, offload_policy=CPU)
+        )
     assert not any(isinstance(m, FSDPModule) for m in net.modules())

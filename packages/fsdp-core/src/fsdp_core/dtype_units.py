@@ -21,8 +21,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from fsdp_core import compat
 from fsdp_core.containers import join_path
 from fsdp_core.precision import island_policy
-from fsdp_core.shard_calls import shard_groups
-from fsdp_core.sharding import ShardOptions, is_sharded
+from fsdp_core.shard_calls import group_units
+from fsdp_core.sharding import ShardOptions, is_sharded, shard_units
 
 __all__ = [
     "DtypeIsland",
@@ -187,7 +187,7 @@ def shard_groups_then_module(
         reshard_after_forward=reshard_after_forward,
         ignored_params=None if ignored_params is None else frozenset(ignored_params),
     )
-    shard_groups(module, groups, options)
+    shard_units(group_units(module, groups, options))
 
 
 #: Units to make inside a module before the module itself: member paths (relative to
@@ -243,5 +243,5 @@ def fully_shard_dtype_safe(
         ignored_params=None if ignored_params is None else frozenset(ignored_params),
     )
     groups = dtype_island_groups(module, mp_policy, ignored_params=ignored_params, grouped=grouped)
-    shard_groups(module, groups, options)
+    shard_units(group_units(module, groups, options))
     return module

@@ -1,21 +1,21 @@
 """``ModelParallelizer``: decide the FSDP units of a model, then apply them.
 
 Planning walks the model and returns a [`ShardingPlan`][fsdp_core.plan.ShardingPlan]
-with no side effects; applying it sends every call through the single
-overridable method
-[`_fully_shard_module`][fsdp_core.parallelizer.ModelParallelizer._fully_shard_module]. Model
-packages subclass this and override the planning hooks and that method. Applying needs
-nothing but the plan: [`apply_plan`][fsdp_core.parallelizer.apply_plan] does it without a
-parallelizer (the method delegates to it).
+with no side effects; applying it checks the plan once and makes its units with
+[`shard_units`][fsdp_core.sharding.shard_units] (``parallelize`` -> ``_apply`` ->
+``shard_units`` -> torch's ``fully_shard``). Model packages subclass this and override
+the planning hooks. Applying needs nothing but the plan:
+[`apply_plan`][fsdp_core.parallelizer.apply_plan] does it without a parallelizer.
+[`_fully_shard_module`][fsdp_core.parallelizer.ModelParallelizer._fully_shard_module], the
+reference contract's entry for frameworks, plans one module and applies it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Sequence
-from contextvars import ContextVar
-from typing import ClassVar
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar, Generic, cast
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -48,17 +48,11 @@ from fsdp_core.module_tree import (
 )
 from fsdp_core.parallel_dims import ParallelDims
 from fsdp_core.plan import ShardCall, ShardingPlan, UnitPlan
-from fsdp_core.plan_context import PlanAdditions, PlanContext
+from fsdp_core.plan_context import FoundT, PlanAdditions, PlanContext
 from fsdp_core.precision import island_policy
 from fsdp_core.replicated import place_replicated_params
 from fsdp_core.runtime import HookPlan, RuntimeHook, register_installed_hook
-from fsdp_core.shard_calls import (
-    ShardFn,
-    check_offload_given_once,
-    run_calls,
-    shard_groups,
-    shard_unit,
-)
+from fsdp_core.shard_calls import call_units, group_units
 from fsdp_core.sharding import (
     ShardOptions,
     ShardTarget,
@@ -67,6 +61,7 @@ from fsdp_core.sharding import (
     is_sharded,
     shard_group_size,
     shard_targets,
+    shard_units,
 )
 from fsdp_core.stale_optimizer import mark_replaced_parameters
 from fsdp_core.unused_params import UnusedParamsRuntimeHook
@@ -83,11 +78,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: True while ``apply_plan`` executes the calls of a plan: ``_fully_shard_module`` then
-#: makes exactly the unit it is given. Outside (a framework calling it on a module of its
-#: choice) it plans that module's units first.
-_PLANNED_CALL: ContextVar[bool] = ContextVar("fsdp_core_planned_call", default=False)
-
 
 def parameter_names(model: nn.Module, params: Iterable[nn.Parameter] | None) -> tuple[str, ...]:
     """Qualified names of ``params`` in ``model``; a parameter it does not own is an error."""
@@ -102,14 +92,15 @@ def parameter_names(model: nn.Module, params: Iterable[nn.Parameter] | None) -> 
     return names
 
 
-class ModelParallelizer:
+class ModelParallelizer(Generic[FoundT]):
     """Shard each layer-container item as an FSDP unit, then the root.
 
     Every unit is made dtype-safe (odd-dtype islands split off, see
     [`fsdp_core.dtype_units`][fsdp_core.dtype_units]) unless ``dtype_safe=False``. After sharding,
     the runtime hooks the plan lists ([`ShardingPlan.hooks`][fsdp_core.plan.ShardingPlan.hooks]) are
     installed; ``disabled_hooks`` names hooks to leave out (see
-    [`HOOKS`][fsdp_core.parallelizer.ModelParallelizer.HOOKS]).
+    [`HOOKS`][fsdp_core.parallelizer.ModelParallelizer.HOOKS]). ``FoundT`` is what the
+    parallelizer finds in a model before planning (``ctx.found``; ``None`` here).
     """
 
     #: The runtime hook classes this parallelizer may plan (subclasses add theirs); their
@@ -160,9 +151,7 @@ class ModelParallelizer:
             reshard_after_forward=reshard_after_forward,
             ignored_params=ignored_params,
         )
-        return self.apply_plan(
-            model, plan, mesh=mesh, offload_policy=offload_policy, dp_dims=dp_dims
-        )
+        return _apply(model, plan, dims=dims, offload_policy=offload_policy, parallelizer=self)
 
     def plan(
         self,
@@ -188,7 +177,7 @@ class ModelParallelizer:
         mp_policy: MixedPrecisionPolicy | None,
         reshard_after_forward: bool | int | None,
         ignored_params: set[nn.Parameter] | None,
-        found: object,
+        found: FoundT | None,
     ) -> ShardingPlan:
         """The one planning pass: what the parallelizer finds in the model (``found``,
         or [`_find`][fsdp_core.parallelizer.ModelParallelizer._find] when ``None``), then
@@ -205,7 +194,7 @@ class ModelParallelizer:
             reshard_after_forward, shard_size=_any_divisor(reshard_after_forward)
         )
         given = parameter_names(model, ignored_params)
-        ctx = PlanContext(
+        ctx: PlanContext[FoundT] = PlanContext(
             model=model,
             mp_policy=policy,
             reshard_after_forward=reshard_after_forward,
@@ -247,61 +236,46 @@ class ModelParallelizer:
         offload_policy: OffloadPolicy | None = None,
         dp_dims: str | Sequence[str] | None = None,
     ) -> nn.Module:
-        """Shard ``model`` in place as ``plan`` says; every call goes through
-        [`_fully_shard_module`][fsdp_core.parallelizer.ModelParallelizer._fully_shard_module].
-        ``mesh`` and ``dp_dims`` as in ``parallelize``.
+        """Shard ``model`` in place as ``plan`` says:
+        [`apply_plan`][fsdp_core.parallelizer.apply_plan] with this parallelizer's
+        ``_before_apply`` and ``_after_apply``, installing only the runtime hooks of its
+        ``HOOKS``. ``mesh`` and ``dp_dims`` as in ``parallelize``.
 
         A transformers or peft model then has its own collective
         ``save_pretrained`` (the instance's, bound to the library's export;
         the class's stays ``type(model).save_pretrained``): see
         docs/meta-init-and-checkpoints.md."""
-        return _apply(
-            model,
-            plan,
-            dims=ParallelDims.from_mesh(mesh, dp_dims=dp_dims),
-            offload_policy=offload_policy,
-            shard_module=self._shard_planned_call,
-            before=self._before_apply,
-            after=self._after_apply,
-            hook_of=self._runtime_hook,
-        )
+        dims = ParallelDims.from_mesh(mesh, dp_dims=dp_dims)
+        return _apply(model, plan, dims=dims, offload_policy=offload_policy, parallelizer=self)
 
     # ------------------------------------------------------------ hooks to override
     def _fully_shard_module(self, module: ShardTarget, **kwargs: object) -> ShardTarget:
-        """Shard ``module`` and return it: the single method every unit goes through
-        (the reference contract's ``_fully_shard_module(module, **kwargs)``).
+        """Plan ``module`` alone and apply that plan; returns ``module`` (the reference
+        contract's ``_fully_shard_module(module, **kwargs)``, for frameworks that decide
+        the units themselves; ``apply_plan`` does not call it).
 
-        Called by ``apply_plan``, it makes exactly the planned call it is given. Called
-        by a framework outside any plan (``mesh=`` and ``mp_policy=`` required,
-        ``offload_policy=``, ``reshard_after_forward=`` and ``ignored_params=`` default
-        to ``None``), it makes ``module`` a unit the way a plan would: the units
-        [`_unit_groups`][fsdp_core.parallelizer.ModelParallelizer._unit_groups] names
-        first (dtype islands here), then ``module``. A list of modules is one grouped
-        unit; a module that already is a unit is left as it is. Subclasses that wrap it
-        call ``super()._fully_shard_module(module, **kwargs)``."""
+        ``mesh=`` and ``mp_policy=`` are required, ``offload_policy=``,
+        ``reshard_after_forward=`` and ``ignored_params=`` default to ``None``. The units
+        [`_unit_groups`][fsdp_core.parallelizer.ModelParallelizer._unit_groups] names come
+        first (dtype islands here), then ``module``. A list of modules is one grouped unit;
+        a module that already is a unit is left as it is. Subclasses that wrap it call
+        ``super()._fully_shard_module(module, **kwargs)``.
+
+        Raises:
+            TypeError: an unknown or missing option, or one of the wrong type.
+            ValueError: ``reshard_after_forward`` does not divide the shard group.
+        """
         options = ShardOptions.from_kwargs(
             kwargs, caller=f"{type(self).__name__}._fully_shard_module"
         )
-        if _PLANNED_CALL.get():
-            shard_unit(module, options)
-            return module
-        return self._shard_outside_plan(module, options)
-
-    def _shard_planned_call(self, target: ShardTarget, options: ShardOptions) -> None:
-        """A call of ``apply_plan``, through the overridable contract method."""
-        self._fully_shard_module(target, **options.as_kwargs())
-
-    def _shard_outside_plan(self, module: ShardTarget, options: ShardOptions) -> ShardTarget:
-        """Plan-then-apply of one module outside a plan (see ``_fully_shard_module``)."""
         members = shard_targets(module)
         if len(members) > 1:
-            shard_unit(members, options)  # a grouped unit is a plan of one call
-            return module
-        target = members[0]
-        if is_sharded(target):
-            logger.info("%s is already an FSDP unit; leaving it as it is", type(target).__name__)
-            return module
-        shard_groups(target, self._unit_groups(target, options), options)
+            shard_units([(members, options)])
+        elif is_sharded(members[0]):
+            logger.info("%s is already an FSDP unit; leaving it as it is", type(module).__name__)
+        else:
+            groups = self._unit_groups(members[0], options)
+            shard_units(group_units(members[0], groups, options))
         return module
 
     def _unit_groups(self, module: nn.Module, options: ShardOptions) -> UnitGroups:
@@ -313,40 +287,42 @@ class ModelParallelizer:
             return []
         return dtype_island_groups(module, options.mp_policy, ignored_params=options.ignored_params)
 
-    def _unit_paths(self, ctx: PlanContext) -> list[str]:
+    def _unit_paths(self, ctx: PlanContext[FoundT]) -> list[str]:
         """Paths of the modules that become units before the root (layer-container items)."""
         return [path for path, _ in iter_layer_items(ctx.model)]
 
-    def _find(self, model: nn.Module) -> object:
+    def _find(self, model: nn.Module) -> FoundT:
         """What planning needs to know about ``model`` beyond its layer containers, found
         once per plan and read by the planning hooks as ``ctx.found`` (a multimodal
-        parallelizer's discovery); nothing here."""
-        return None
+        parallelizer's discovery); nothing (``None``) here."""
+        return cast(FoundT, None)
 
     def _ignored_param_names(self, model: nn.Module, names: tuple[str, ...]) -> Iterable[str]:
         """Parameters kept out of FSDP besides the replicated ones (``names``: those the
         caller gave as ``ignored_params``)."""
         return names
 
-    def _replicated_param_names(self, ctx: PlanContext) -> Iterable[str]:
+    def _replicated_param_names(self, ctx: PlanContext[FoundT]) -> Iterable[str]:
         """Parameters the parallelizer keeps whole on every rank itself (placed, cast and
         synchronised before sharding, ignored by every unit); none here."""
         return ()
 
-    def _plan_additions(self, ctx: PlanContext, calls: tuple[ShardCall, ...]) -> PlanAdditions:
+    def _plan_additions(
+        self, ctx: PlanContext[FoundT], calls: tuple[ShardCall, ...]
+    ) -> PlanAdditions:
         """What the plan holds beside its calls, decided from the same context: the
         replicated parameters' dtypes, the paths no gradient reaches, the planner's
         records; nothing here."""
         return PlanAdditions()
 
-    def _plan_leading_calls(self, ctx: PlanContext) -> list[ShardCall]:
+    def _plan_leading_calls(self, ctx: PlanContext[FoundT]) -> list[ShardCall]:
         """Calls planned before any layer item (e.g. units shared by several layers)."""
         return []
 
-    def _plan_notes(self, ctx: PlanContext) -> list[str]:
+    def _plan_notes(self, ctx: PlanContext[FoundT]) -> list[str]:
         return []
 
-    def _entry_paths(self, ctx: PlanContext) -> list[str]:
+    def _entry_paths(self, ctx: PlanContext[FoundT]) -> list[str]:
         """Modules that code may call outside the model's forward: the ``entry_unshard``
         hook gathers their parameters' units for such calls. Here: wrapped models that
         generate (a ``PeftModel``'s ``generate`` runs the inner transformers model's,
@@ -356,21 +332,10 @@ class ModelParallelizer:
         projectors (``generate()`` computes image features before the forward)."""
         return [path for path, module in ctx.model.named_modules() if path and is_entry(module)]
 
-    def _plan_hooks(self, ctx: PlanContext, plan: ShardingPlan) -> list[HookPlan]:
+    def _plan_hooks(self, ctx: PlanContext[FoundT], plan: ShardingPlan) -> list[HookPlan]:
         """The runtime hooks ``plan`` needs (before ``disabled_hooks`` are taken out),
         planned from the finished plan."""
         return core_hook_plans(ctx.model, plan, self._entry_paths(ctx))
-
-    def _runtime_hook(self, planned: HookPlan) -> RuntimeHook:
-        """The hook object of a planned hook: one of this parallelizer's
-        [`HOOKS`][fsdp_core.parallelizer.ModelParallelizer.HOOKS]."""
-        hook = planned.hook
-        if hook is None or not isinstance(hook, self.HOOKS):
-            raise ValueError(
-                f"{type(self).__name__} cannot install a runtime hook named {planned.name!r}; "
-                f"it installs {', '.join(_names(self.HOOKS))}"
-            )
-        return hook
 
     def _before_apply(self, model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> None:
         """Runs once before the first unit is made, after the plan's replicated parameters
@@ -382,7 +347,7 @@ class ModelParallelizer:
     def _plan_calls(
         self,
         path: str,
-        ctx: PlanContext,
+        ctx: PlanContext[FoundT],
         *,
         reshard_after_forward: bool | int | None,
         role: str | None = None,
@@ -423,7 +388,7 @@ class ModelParallelizer:
     def _make_call(
         self,
         paths: tuple[str, ...],
-        ctx: PlanContext,
+        ctx: PlanContext[FoundT],
         *,
         mp_policy: MixedPrecisionPolicy,
         reshard_after_forward: bool | int | None,
@@ -457,7 +422,9 @@ class ModelParallelizer:
             offload_policy=offload,
         )
 
-    def _unit_offload(self, paths: tuple[str, ...], ctx: PlanContext) -> OffloadPolicy | None:
+    def _unit_offload(
+        self, paths: tuple[str, ...], ctx: PlanContext[FoundT]
+    ) -> OffloadPolicy | None:
         """The offload policy the plan gives the unit of ``paths`` (``None``: the device,
         or ``apply_plan(offload_policy=...)`` for every unit); none here, a multimodal
         parallelizer decides it per part."""
@@ -488,7 +455,7 @@ def check_applied_units(model: nn.Module, plan: ShardingPlan) -> None:
         f"applying the plan made {len(made)} FSDP units where the plan lists "
         f"{len(planned)}: made but not planned {_paths_text(extra)}; planned but not made "
         f"{_paths_text(missing)}. Plan every unit (override the planning hooks, e.g. "
-        "_plan_leading_calls or _plan_calls), so that _fully_shard_module only applies it."
+        "_plan_leading_calls or _plan_calls), so that applying the plan makes only those."
     )
 
 
@@ -506,29 +473,16 @@ def apply_plan(
     plan data. Collective over the ranks that run the model's forward together; what a
     parallelizer's [`apply_plan`][fsdp_core.parallelizer.ModelParallelizer.apply_plan]
     does, without its overridable steps. ``mesh`` and ``dp_dims`` as in
-    [`ModelParallelizer.parallelize`][fsdp_core.parallelizer.ModelParallelizer.parallelize]."""
-    return _apply(
-        model,
-        plan,
-        dims=ParallelDims.from_mesh(mesh, dp_dims=dp_dims),
-        offload_policy=offload_policy,
-        shard_module=shard_unit,
-        before=None,
-        after=None,
-        hook_of=_planned_hook,
-    )
+    [`ModelParallelizer.parallelize`][fsdp_core.parallelizer.ModelParallelizer.parallelize].
 
-
-_ApplyStep = Callable[..., None]
-
-
-def _planned_hook(planned: HookPlan) -> RuntimeHook:
-    if planned.hook is None:
-        raise ValueError(
-            f"the plan lists a runtime hook {planned.name!r} without its hook object; "
-            "plans made by a parallelizer's plan() carry it"
-        )
-    return planned.hook
+    Raises:
+        TypeError: ``plan`` is not a ``ShardingPlan``, or ``mesh`` not a ``DeviceMesh``.
+        ValueError: the plan cannot be applied as given (an offload for every unit beside
+            per-unit ones, options the mesh refuses, a hook without its object).
+        PlanMismatchError: ranks hold different plans, or the units made differ from it.
+    """
+    dims = ParallelDims.from_mesh(mesh, dp_dims=dp_dims)
+    return _apply(model, plan, dims=dims, offload_policy=offload_policy, parallelizer=None)
 
 
 def _apply(
@@ -537,11 +491,10 @@ def _apply(
     *,
     dims: ParallelDims,
     offload_policy: OffloadPolicy | None,
-    shard_module: ShardFn,
-    before: _ApplyStep | None,
-    after: _ApplyStep | None,
-    hook_of: Callable[[HookPlan], RuntimeHook],
+    parallelizer: ModelParallelizer[Any] | None,
 ) -> nn.Module:
+    """The one application of a plan: every check first (the ranks' plans, the module
+    tree, the options of each unit, the hooks), then the units, then the hooks."""
     if not isinstance(plan, ShardingPlan):
         raise TypeError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
     # Collective: every rank that runs the model's forward (the data-parallel ranks and
@@ -552,21 +505,17 @@ def _apply(
     if plan.fingerprint is not None:
         check_module_tree(model, plan.fingerprint)
     check_ignored_params_supported(plan.ignored_param_names, plan.replicated_param_names)
-    check_offload_given_once(plan.calls, offload_policy)
+    units = call_units(model, plan.calls, mesh=mesh, offload_policy=offload_policy)
+    hooks = [_hook_object(planned, parallelizer) for planned in plan.hooks]
     named = dict(model.named_parameters())
-    place_replicated_params(model, plan, mesh=mesh)
-    if before is not None:
-        before(model, plan, mesh=mesh)
-    planned = _PLANNED_CALL.set(True)
-    try:
-        run_calls(model, plan.calls, mesh=mesh, offload_policy=offload_policy, shard=shard_module)
-    finally:
-        _PLANNED_CALL.reset(planned)
-    if after is not None:
-        after(model, plan, mesh=mesh)
+    place_replicated_params(model, plan, mesh=dims.lockstep_mesh)
+    if parallelizer is not None:
+        parallelizer._before_apply(model, plan, mesh=mesh)
+    shard_units(units)
+    if parallelizer is not None:
+        parallelizer._after_apply(model, plan, mesh=mesh)
     mark_replaced_parameters(model, named)
     check_applied_units(model, plan)
-    hooks = [hook_of(planned) for planned in plan.hooks]
     internals.check_internals(model, {hook.name: hook.reads for hook in hooks})
     for hook in hooks:
         installed = hook.install(model, dims=dims)
@@ -584,3 +533,19 @@ def _apply(
         ", ".join(plan.hook_names()) or "none",
     )
     return model
+
+
+def _hook_object(planned: HookPlan, parallelizer: ModelParallelizer[Any] | None) -> RuntimeHook:
+    """The hook object of a planned hook; with a parallelizer, one of its ``HOOKS``."""
+    hook = planned.hook
+    if hook is None:
+        raise ValueError(
+            f"the plan lists a runtime hook {planned.name!r} without its hook object; "
+            "plans made by a parallelizer's plan() carry it"
+        )
+    if parallelizer is not None and not isinstance(hook, parallelizer.HOOKS):
+        raise ValueError(
+            f"{type(parallelizer).__name__} cannot install a runtime hook named "
+            f"{planned.name!r}; it installs {', '.join(_names(parallelizer.HOOKS))}"
+        )
+    return hook

@@ -12,29 +12,35 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Generic
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from typing_extensions import TypeVar
 
 from fsdp_core.containers import is_under
 
-__all__ = ["PlanAdditions", "PlanContext"]
+__all__ = ["FoundT", "PlanAdditions", "PlanContext"]
+
+#: What a parallelizer finds in a model before planning (``PlanContext.found``): a
+#: multimodal parallelizer's ``Discovery``; ``None`` for a plain ``ModelParallelizer``.
+FoundT = TypeVar("FoundT", default=None)
 
 
 @dataclass
-class PlanContext:
+class PlanContext(Generic[FoundT]):
     """What planning hooks may read, and the modules already given to a unit."""
 
     model: nn.Module
     mp_policy: MixedPrecisionPolicy
     reshard_after_forward: bool | int | None
     ignored_param_names: frozenset[str]
-    planned: set[int] = field(default_factory=set)
     #: What the parallelizer found in the model before planning, for its planning hooks
-    #: (a multimodal parallelizer's discovery); ``None`` for this class, which finds
-    #: nothing beyond the layer containers.
-    found: object = None
+    #: (a multimodal parallelizer's ``Discovery``; ``None`` for a plain
+    #: ``ModelParallelizer``, which finds nothing beyond the layer containers).
+    found: FoundT
+    planned: set[int] = field(default_factory=set)
     #: Parameters the parallelizer keeps whole on every rank (a subset of the ignored
     #: ones), as the parallelizer's ``_replicated_param_names`` named them.
     replicated_param_names: tuple[str, ...] = ()

@@ -1,19 +1,18 @@
-"""The one path from planned calls to FSDP units.
+"""Planned calls as units to shard.
 
 Every way of sharding (a parallelizer's plan, ``apply_plan`` without a parallelizer, a
 framework calling ``_fully_shard_module`` on a module of its choice, the free functions
 ``fully_shard_dtype_safe``, ``shard_groups_then_module`` and model packages' own) plans
-the units of its module as [`ShardCall`][fsdp_core.plan.ShardCall]s, then runs them
-here: [`run_calls`][fsdp_core.shard_calls.run_calls] resolves each call's members and
-ignored parameters and hands it, with its options as one
-[`ShardOptions`][fsdp_core.sharding.ShardOptions], to a shard function, by default
-[`shard_unit`][fsdp_core.shard_calls.shard_unit], the only caller of
-[`apply_fully_shard`][fsdp_core.sharding.apply_fully_shard].
+the units of its module as [`ShardCall`][fsdp_core.plan.ShardCall]s
+([`group_calls`][fsdp_core.shard_calls.group_calls] for one module alone), turns them into
+units with their options ([`call_units`][fsdp_core.shard_calls.call_units]) and hands
+those to [`shard_units`][fsdp_core.sharding.shard_units], the only call of torch's
+``fully_shard``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -21,26 +20,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp_core.containers import is_under
 from fsdp_core.plan import ShardCall, UnitPlan
-from fsdp_core.sharding import ShardOptions, ShardTarget, apply_fully_shard
+from fsdp_core.sharding import ShardOptions, ShardTarget
 
-__all__ = [
-    "ShardFn",
-    "check_offload_given_once",
-    "group_calls",
-    "run_calls",
-    "shard_groups",
-    "shard_unit",
-]
-
-#: Makes one planned unit: its target (a module, or modules sharing one unit) and options.
-ShardFn = Callable[[ShardTarget, ShardOptions], object]
-
-
-def shard_unit(target: ShardTarget, options: ShardOptions) -> None:
-    """Make ``target`` one FSDP unit with ``options``: the only call of
-    [`apply_fully_shard`][fsdp_core.sharding.apply_fully_shard] (and so of torch's
-    ``fully_shard``) in the library."""
-    apply_fully_shard(target, **options.as_kwargs())
+__all__ = ["call_units", "check_offload_given_once", "group_calls", "group_units"]
 
 
 def group_calls(
@@ -76,34 +58,33 @@ def group_calls(
     return tuple(calls)
 
 
-def run_calls(
+def call_units(
     root: nn.Module,
-    calls: Iterable[ShardCall],
+    calls: Sequence[ShardCall],
     *,
     mesh: DeviceMesh,
     offload_policy: OffloadPolicy | None = None,
-    shard: ShardFn = shard_unit,
-) -> None:
-    """Make the units of ``calls`` (paths relative to ``root``, ``""`` is ``root``), in
-    order, each through ``shard`` with its own options.
+) -> list[tuple[ShardTarget, ShardOptions]]:
+    """The units ``calls`` make (paths relative to ``root``, ``""`` is ``root``), in
+    order, each with its own options, checked.
 
     Each call is offloaded as it says (``ShardCall.offload_policy``); ``offload_policy``
     offloads every unit of calls that say nothing. Both at once would leave it open which
-    units offload: a ``ValueError`` before any unit is made."""
-    planned = list(calls)
-    check_offload_given_once(planned, offload_policy)
+    units offload: a ``ValueError``."""
+    check_offload_given_once(calls, offload_policy)
     named = dict(root.named_parameters())
-    for call in planned:
+    units: list[tuple[ShardTarget, ShardOptions]] = []
+    for call in calls:
         members = [root.get_submodule(path) if path else root for path in call.paths]
-        ignored = frozenset(named[name] for name in call.ignored_param_names)
         options = ShardOptions(
             mesh=mesh,
             mp_policy=call.mp_policy,
-            offload_policy=(offload_policy if call.offload_policy is None else call.offload_policy),
+            offload_policy=offload_policy if call.offload_policy is None else call.offload_policy,
             reshard_after_forward=call.reshard_after_forward,
-            ignored_params=ignored or None,
+            ignored_params=frozenset(named[name] for name in call.ignored_param_names),
         )
-        shard(members[0] if len(members) == 1 else members, options)
+        units.append((members[0] if len(members) == 1 else members, options))
+    return units
 
 
 def check_offload_given_once(calls: Sequence[ShardCall], offload_policy: object) -> None:
@@ -122,12 +103,12 @@ def check_offload_given_once(calls: Sequence[ShardCall], offload_policy: object)
         )
 
 
-def shard_groups(
+def group_units(
     module: nn.Module,
     groups: Sequence[tuple[Sequence[str], MixedPrecisionPolicy]],
     options: ShardOptions,
-) -> None:
-    """Plan ``module`` alone ([`group_calls`][fsdp_core.shard_calls.group_calls]: its
-    groups, then itself) and run that plan."""
+) -> list[tuple[ShardTarget, ShardOptions]]:
+    """The units of ``module`` alone, planned by
+    [`group_calls`][fsdp_core.shard_calls.group_calls] (its groups, then itself)."""
     calls = group_calls(module, groups, options)
-    run_calls(module, calls, mesh=options.mesh, offload_policy=options.offload_policy)
+    return call_units(module, calls, mesh=options.mesh, offload_policy=options.offload_policy)

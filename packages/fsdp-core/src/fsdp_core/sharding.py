@@ -1,8 +1,9 @@
 """The one call site of ``torch.distributed.fsdp.fully_shard`` in the project.
 
 Everything that turns modules into FSDP units comes through
-[`apply_fully_shard`][fsdp_core.sharding.apply_fully_shard], so the checks FSDP2 itself makes late
-(or not at all) are made here, before any state changes.
+[`shard_units`][fsdp_core.sharding.shard_units] with options checked once, where they
+entered the library ([`ShardOptions`][fsdp_core.sharding.ShardOptions]); what FSDP2 itself
+checks late (or not at all) is checked there for every unit before the first is made.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "ShardOptions",
     "SHARD_OPTION_NAMES",
     "shard_targets",
+    "shard_units",
     "apply_fully_shard",
     "owned_ignored_params",
     "shard_group_size",
@@ -156,16 +158,6 @@ class ShardOptions:
         values: dict[str, Any] = dict(kwargs)
         return cls(**values)
 
-    def as_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for [`apply_fully_shard`][fsdp_core.sharding.apply_fully_shard]."""
-        return {
-            "mesh": self.mesh,
-            "mp_policy": self.mp_policy,
-            "offload_policy": self.offload_policy,
-            "reshard_after_forward": self.reshard_after_forward,
-            "ignored_params": set(self.ignored_params) if self.ignored_params else None,
-        }
-
 
 def owned_ignored_params(
     modules: Iterable[nn.Module], ignored_params: Iterable[nn.Parameter] | None
@@ -214,28 +206,33 @@ def _usable_offload(policy: OffloadPolicy | None) -> OffloadPolicy:
     return policy
 
 
-def apply_fully_shard(
-    target: ShardTarget,
-    *,
-    mesh: DeviceMesh,
-    mp_policy: MixedPrecisionPolicy,
-    offload_policy: OffloadPolicy | None = None,
-    reshard_after_forward: bool | int | None = None,
-    ignored_params: set[nn.Parameter] | None = None,
-) -> None:
-    """Make ``target`` one FSDP unit, after checking what FSDP would reject later.
+def shard_units(units: Iterable[tuple[ShardTarget, ShardOptions]]) -> None:
+    """Make each target one FSDP unit with its options, in order: the only call of
+    torch's ``fully_shard`` in the library.
 
-    Passes only the ignored parameters that ``target`` owns (and none when that
-    set is empty), disables pinned memory for CPU offload without an
-    accelerator, and refuses modules that are already units instead of
-    wrapping them twice.
+    Every unit is checked before the first is made (no member already a unit, grouped
+    units and ignored parameters supported by this torch), so a refused call shards
+    nothing. Each unit gets only the ignored parameters its members own (none when that
+    set is empty), and CPU offload without an accelerator runs without pinned memory.
     """
-    modules = _as_modules(target)
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    check_reshard_after_forward(reshard_after_forward, shard_group_size(mesh))
+    checked = [(_as_modules(target), options) for target, options in units]
+    for modules, options in checked:
+        _check_can_shard(modules, options)
+    for modules, options in checked:
+        owned = owned_ignored_params(modules, options.ignored_params)
+        fully_shard(  # type: ignore[call-overload]
+            modules[0] if len(modules) == 1 else modules,
+            mesh=options.mesh,
+            mp_policy=options.mp_policy,
+            offload_policy=_usable_offload(options.offload_policy),
+            reshard_after_forward=options.reshard_after_forward,
+            **({} if owned is None else {"ignored_params": owned}),
+        )
+        for module in modules:
+            refuse_ddp(module)  # DDP around a unit would fail deep in DTensor
+
+
+def _check_can_shard(modules: list[nn.Module], options: ShardOptions) -> None:
     for module in modules:
         if is_sharded(module):
             raise ValueError(
@@ -247,24 +244,42 @@ def apply_fully_shard(
             f"this torch ({torch.__version__}) cannot put several modules in one FSDP unit; "
             "shard them one by one"
         )
-    owned = owned_ignored_params(modules, ignored_params)
+    owned = owned_ignored_params(modules, options.ignored_params)
     if owned is not None and not compat.FULLY_SHARD_IGNORED_PARAMS:
         raise ValueError(
             f"this torch ({torch.__version__}) has no fully_shard(ignored_params=...); "
             "pass no ignored_params= (with a parallelizer: use a frozen-tower policy other "
             "than 'replicate')"
         )
-    kwargs: dict[str, object] = {
-        "mesh": mesh,
-        "mp_policy": mp_policy,
-        "offload_policy": _usable_offload(offload_policy),
-        "reshard_after_forward": reshard_after_forward,
-    }
-    if owned is not None:
-        kwargs["ignored_params"] = owned
-    fully_shard(modules[0] if len(modules) == 1 else modules, **kwargs)  # type: ignore[call-overload]
-    for module in modules:
-        refuse_ddp(module)  # DDP around a unit would fail deep in DTensor
+
+
+def apply_fully_shard(
+    target: ShardTarget,
+    *,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy | None = None,
+    reshard_after_forward: bool | int | None = None,
+    ignored_params: set[nn.Parameter] | None = None,
+) -> None:
+    """Make ``target`` (a module, or modules sharing one unit) one FSDP unit, after
+    checking what FSDP would reject later ([`shard_units`][fsdp_core.sharding.shard_units]
+    with these options).
+
+    Raises:
+        TypeError: ``target``, ``mesh``, ``mp_policy``, ``offload_policy`` or
+            ``ignored_params`` has the wrong type.
+        ValueError: a member already is a unit, ``reshard_after_forward`` does not divide
+            the shard group, or this torch lacks grouped units or ``ignored_params``.
+    """
+    options = ShardOptions(
+        mesh=mesh,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        reshard_after_forward=reshard_after_forward,
+        ignored_params=None if ignored_params is None else frozenset(ignored_params),
+    )
+    shard_units([(target, options)])
 
 
 def check_ignored_params_supported(

@@ -46,7 +46,7 @@ from fsdp_core.containers import is_module_container, is_under, join_path, unwra
 from fsdp_core.dtype_units import UnitGroups, dominant_dtype, dtype_island_groups
 from fsdp_core.parallelizer import PlanContext
 from fsdp_core.plan import ShardCall
-from fsdp_core.sharding import ShardOptions, ShardTarget, is_sharded
+from fsdp_core.sharding import ShardOptions, is_sharded
 from multimodal_fsdp import MultimodalParallelizer
 from multimodal_fsdp.discovery import resolve_multimodal_modules
 from multimodal_fsdp.discovery.names import MultimodalModule
@@ -270,14 +270,14 @@ def fully_shard_deepseek_v41(
     sharded as one grouped unit with ``mp_policy`` (used for norm groups). Everything is
     checked before the first unit is made, so a bad call shards nothing.
     """
-    options = ShardOptions(
+    DeepseekV41ModelParallelizer()._fully_shard_module(
+        module,
         mesh=mesh,
         mp_policy=mp_policy,
         offload_policy=offload_policy,
         reshard_after_forward=reshard_after_forward,
-        ignored_params=None if ignored_params is None else frozenset(ignored_params),
+        ignored_params=ignored_params,
     )
-    DeepseekV41ModelParallelizer()._shard_outside_plan(module, options)
     return module
 
 
@@ -295,18 +295,13 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
     ``exclude`` and ``extra_tower_names`` decide the norms' units too; applying a plan
     only executes its calls. Every option of ``multimodal_fsdp.MultimodalParallelizer``
     is accepted with the same meaning and default.
+
+    Its ``_fully_shard_module`` (the reference contract, inherited), called by a framework
+    on a module of its choice (NeMo Automodel's MoE parallelizer: each vision block, then
+    the tower, then the root, with ``mesh=`` and ``mp_policy=``), is exactly
+    ``fully_shard_deepseek_v41(module, **kwargs)``, with this parallelizer's discovery
+    options (``exclude=``, ``extra_tower_names=``) deciding the towers.
     """
-
-    def _fully_shard_module(self, module: ShardTarget, **kwargs: object) -> ShardTarget:
-        """Shard ``module`` and return it (the reference contract).
-
-        Called by a framework outside any plan (NeMo Automodel's MoE parallelizer: each
-        vision block, then the tower, then the root, with ``mesh=`` and ``mp_policy=``):
-        exactly ``fully_shard_deepseek_v41(module, **kwargs)``, with this parallelizer's
-        discovery options (``exclude=``, ``extra_tower_names=``) deciding the towers.
-        Called by ``apply_plan``: executes the planned call (the norm units are calls of
-        the plan already, ``_plan_leading_calls``)."""
-        return super()._fully_shard_module(module, **kwargs)
 
     def _unit_groups(self, module: nn.Module, options: ShardOptions) -> UnitGroups:
         """Outside a plan: the fp32 norm units of ``module`` (a vision tower or block) and
@@ -335,10 +330,10 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
             )
         return units
 
-    def _plan_leading_calls(self, ctx: PlanContext) -> list[ShardCall]:
+    def _plan_leading_calls(self, ctx: PlanContext[Discovery]) -> list[ShardCall]:
         groups = _plan_norm_groups(
             ctx.model,
-            _vision_towers(self._discovery(ctx)),
+            _vision_towers(ctx.found),
             mp_policy=ctx.mp_policy,
             ignored_param_names=ctx.ignored_param_names,
             planned=ctx.planned,
@@ -354,7 +349,7 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
             for group in groups
         ]
 
-    def _replicated_param_names(self, ctx: PlanContext) -> list[str]:
+    def _replicated_param_names(self, ctx: PlanContext[Discovery]) -> list[str]:
         """Also replicate frozen fp32 vision norms, whatever the policy.
 
         A frozen norm needs no gradient reduction, and kept whole in fp32 on
@@ -364,7 +359,7 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
         """
         names = super()._replicated_param_names(ctx)
         seen = set(names)
-        towers = _vision_towers(self._discovery(ctx))
+        towers = _vision_towers(ctx.found)
         for name, param in _vision_norm_parameters(ctx.model, towers):
             if not param.requires_grad and name not in seen:
                 seen.add(name)

@@ -29,7 +29,9 @@ def _part_of(name: str, found: Discovery) -> tuple[OffloadPart, str]:
     return "language_model", ""
 
 
-def _offload_kept_notes(offload: PartOffload, ctx: PlanContext, found: Discovery) -> list[str]:
+def _offload_kept_notes(
+    offload: PartOffload, ctx: PlanContext[Discovery], found: Discovery
+) -> list[str]:
     """Offloaded parts whose parameters the parallelizer replicates (kept whole on every
     device outside FSDP, such as frozen fp32 norms): those stay on the device."""
     notes = []
@@ -50,7 +52,7 @@ def _check_offload(
     offload: PartOffload,
     found: Discovery,
     parts: Iterable[tuple[MultimodalParts, FrozenMultimodalSharding]],
-    ctx: PlanContext,
+    ctx: PlanContext[Discovery],
     calls: tuple[ShardCall, ...],
 ) -> None:
     """Every parameter of a part sits in a unit offloaded as its part is (refusing

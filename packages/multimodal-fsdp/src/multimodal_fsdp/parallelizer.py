@@ -101,7 +101,7 @@ __all__ = ["MultimodalParallelizer"]
 logger = logging.getLogger(__name__)
 
 
-class MultimodalParallelizer(ModelParallelizer):
+class MultimodalParallelizer(ModelParallelizer[Discovery]):
     """A [`ModelParallelizer`][fsdp_core.parallelizer.ModelParallelizer] that applies the
     frozen-tower policy.
 
@@ -245,16 +245,6 @@ class MultimodalParallelizer(ModelParallelizer):
     def _find(self, model: nn.Module) -> Discovery:
         return self.discover(model)
 
-    @staticmethod
-    def _discovery(ctx: PlanContext) -> Discovery:
-        """The discovery of the plan ``ctx`` belongs to."""
-        if not isinstance(ctx.found, Discovery):
-            raise TypeError(
-                "a multimodal plan context carries the model's Discovery, got "
-                f"{type(ctx.found).__name__}"
-            )
-        return ctx.found
-
     def _planned_parts(self, found: Discovery) -> list[PlannedPart]:
         """The discovered modules as the plan records them, with their policies."""
         return [
@@ -278,14 +268,14 @@ class MultimodalParallelizer(ModelParallelizer):
         ]
 
     # ------------------------------------------------------- planning hooks
-    def _replicated_param_names(self, ctx: PlanContext) -> list[str]:
+    def _replicated_param_names(self, ctx: PlanContext[Discovery]) -> list[str]:
         """Parameters kept whole on every rank: those of the frozen parts the policy
         replicates (subclasses may add more)."""
-        return _param_names_under(ctx.model, self._replicated_paths(self._discovery(ctx)))
+        return _param_names_under(ctx.model, self._replicated_paths(ctx.found))
 
-    def _unit_paths(self, ctx: PlanContext) -> list[str]:
+    def _unit_paths(self, ctx: PlanContext[Discovery]) -> list[str]:
         model = ctx.model
-        found = self._discovery(ctx)
+        found = ctx.found
         parts = self._parts_with_policies(found)
         roots = found.paths
         conditional = set(found.conditional)
@@ -330,12 +320,14 @@ class MultimodalParallelizer(ModelParallelizer):
             return False
         return not part.frozen or frozen_policy(policy).layer_units
 
-    def _unit_offload(self, paths: tuple[str, ...], ctx: PlanContext) -> OffloadPolicy | None:
+    def _unit_offload(
+        self, paths: tuple[str, ...], ctx: PlanContext[Discovery]
+    ) -> OffloadPolicy | None:
         """The offload of the part the unit's members belong to (the root unit and the
         decoder layers: ``language_model``)."""
         if not self.offload.any:
             return None
-        found = self._discovery(ctx)
+        found = ctx.found
         parts = {_part_of(path, found) for path in paths} if any(paths) else set()
         chosen = [self.offload.for_part(role) for role, _ in sorted(parts)]
         if "" in paths or not chosen:
@@ -356,9 +348,9 @@ class MultimodalParallelizer(ModelParallelizer):
         units (``per_layer``)."""
         return frozen_policy(policy).partly_trainable_units(classify_layers(part))
 
-    def _plan_notes(self, ctx: PlanContext) -> list[str]:
+    def _plan_notes(self, ctx: PlanContext[Discovery]) -> list[str]:
         notes = []
-        found = self._discovery(ctx)
+        found = ctx.found
         conditional = found.conditional
         if conditional:
             where = (
@@ -422,10 +414,12 @@ class MultimodalParallelizer(ModelParallelizer):
             found=discovery,
         )
 
-    def _plan_additions(self, ctx: PlanContext, calls: tuple[ShardCall, ...]) -> PlanAdditions:
+    def _plan_additions(
+        self, ctx: PlanContext[Discovery], calls: tuple[ShardCall, ...]
+    ) -> PlanAdditions:
         """The replicated parameters' dtypes, the paths no gradient reaches and the
         record of what was found and decided, from the plan's one discovery."""
-        found = self._discovery(ctx)
+        found = ctx.found
         if self.offload.any:
             _check_offload(self.offload, found, self._parts_with_policies(found), ctx, calls)
         units = ShardingPlan(calls=calls)
@@ -477,7 +471,7 @@ class MultimodalParallelizer(ModelParallelizer):
         """Paths of the media regions of ``plan``: only ranks with media would run them."""
         return [region.path for region in self.media_regions(model, plan)]
 
-    def _entry_paths(self, ctx: PlanContext) -> list[str]:
+    def _entry_paths(self, ctx: PlanContext[Discovery]) -> list[str]:
         """Besides wrapped generating models and transformers submodels: models that
         compute media features (``get_image_features`` and the like, called by
         ``generate()`` or by hand, as is their forward), then towers and projectors
@@ -490,7 +484,7 @@ class MultimodalParallelizer(ModelParallelizer):
             and path not in paths
             and any(callable(getattr(type(module), f, None)) for f in _FEATURE_METHODS)
         ]
-        towers = self._discovery(ctx).paths
+        towers = ctx.found.paths
         return paths + [path for path in towers if path not in paths]
 
     def _balanced_towers(self, found: Discovery) -> list[str]:
@@ -509,14 +503,14 @@ class MultimodalParallelizer(ModelParallelizer):
             return []
         return [*found.projectors, *found.conditional]
 
-    def _plan_hooks(self, ctx: PlanContext, plan: ShardingPlan) -> list[HookPlan]:
+    def _plan_hooks(self, ctx: PlanContext[Discovery], plan: ShardingPlan) -> list[HookPlan]:
         record = plan_record(plan)
         if record is None:
             raise ValueError("a multimodal plan carries its MultimodalRecord before its hooks")
         return [
             *super()._plan_hooks(ctx, plan),
             *media_hook_plans(
-                self._discovery(ctx),
+                ctx.found,
                 plan,
                 record,
                 per_layer=self.frozen_policies.per_layer_where,
