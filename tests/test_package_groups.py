@@ -167,7 +167,7 @@ def _estimate_runtime_imports() -> list[str]:
 
 def test_no_estimate_module_imports_a_runtime_module() -> None:
     """Each runtime hook owns its cost model; ``plan_costs`` asks the planned hook objects
-    (a hand-built entry is rebuilt by ``multimodal_fsdp.planned_hooks``)."""
+    (a hand-built entry is rebuilt by ``multimodal_fsdp.media_hook_planning``)."""
     found = _estimate_runtime_imports()
     assert not found, "estimate modules that import runtime hooks:\n" + "\n".join(found)
 

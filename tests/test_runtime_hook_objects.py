@@ -19,7 +19,7 @@ import torch
 from vlm import build_vlm, vlm_batches, vlm_loss  # tests/mp, on sys.path (conftest)
 
 import fsdp_core
-import fsdp_core._core_hooks
+import fsdp_core.hook_planning
 from fsdp_core import build_mesh, mixed_precision_policy
 from fsdp_core.fake_group import fake_process_group
 from fsdp_core.runtime import installed_hooks
@@ -119,14 +119,14 @@ def layout_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 @pytest.fixture
 def owner_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts calls of ``entry_owners`` (the ``entry_unshard`` hook's data) by the parallelizer."""
-    original: Callable[..., Any] = fsdp_core._core_hooks.entry_owners
+    original: Callable[..., Any] = fsdp_core.hook_planning.entry_owners
     calls: list[int] = []
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(fsdp_core._core_hooks, "entry_owners", counting)
+    monkeypatch.setattr(fsdp_core.hook_planning, "entry_owners", counting)
     return calls
 
 

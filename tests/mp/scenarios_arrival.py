@@ -116,18 +116,18 @@ def tower_by_hand(ctx: DistributedContext, out: Path) -> dict[str, Any]:
 
 @scenario("arrival_eval_everywhere")
 def eval_everywhere(ctx: DistributedContext, out: Path) -> dict[str, Any]:
-    """The right way: every rank evaluates (its own batch); nothing is raised, and only
-    the calls without gradients waited."""
+    """The right way: every rank evaluates (its own batch); nothing is raised, and every
+    call met the other ranks at the agreement."""
     model, batches = _sharded(ctx)
     outcomes = []
     for batch in batches:
         outcomes.append(_outcome(lambda b=batch: _train_step(model, b)))
         outcomes.append(_outcome(lambda b=batch: _eval_forward(model, b)))
-    hook = installed_hooks(model)["forward_arrival"]
+    hook = installed_hooks(model)["forward_agreement"]
     return {
         "outcomes": _gather(outcomes),
         "calls": _gather(hook.calls),  # type: ignore[attr-defined]
-        "waits": _gather(hook.waits),  # type: ignore[attr-defined]
+        "points": _gather(hook.agreement.points),  # type: ignore[attr-defined]
     }
 
 
@@ -249,9 +249,9 @@ def slow_rank_goes_on(ctx: DistributedContext, out: Path) -> dict[str, Any]:
 
 @scenario("arrival_slow_training_rank")
 def slow_training_rank(ctx: DistributedContext, out: Path) -> dict[str, Any]:
-    """The sibling in a training forward (it records its call without waiting): rank 0
-    waits in the step agreement's all-reduce, a collective, for rank 1, which comes only
-    once rank 0 warned about it. The step runs on both ranks and training goes on."""
+    """The sibling in a training forward: rank 0 waits at the agreement (the c10d store,
+    as for an eval forward) for rank 1, which comes only once rank 0 warned about it. The
+    step runs on both ranks and training goes on."""
     model, batches = _sharded(ctx)
     _train_step(model, batches[0])
     store: Any = dist.group.WORLD.get_group_store()  # type: ignore[union-attr]

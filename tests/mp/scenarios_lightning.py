@@ -276,7 +276,7 @@ def lightning_dp_tp(ctx: DistributedContext, out: Path) -> dict[str, Any]:
     trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
     hooks = installed_hooks(module.model)
     record["params"] = {n: full(p) for n, p in module.model.named_parameters()}
-    record["arrival_ranks"] = list(hooks["forward_arrival"].ranks)  # type: ignore[attr-defined]
+    record["arrival_ranks"] = list(hooks["forward_agreement"].ranks)  # type: ignore[attr-defined]
     record["dp_coordinate"] = module.device_mesh["data_parallel"].get_local_rank()
     record["dp_rank"] = dp_rank
     return record

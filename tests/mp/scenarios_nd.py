@@ -70,17 +70,17 @@ def _case(ctx: DistributedContext, given: str, policy: str, balanced: bool) -> d
         dist.all_reduce(total)  # both ranks of a TP group hold their DP coordinate's loss
         losses.append(total.item() / ctx.world_size)
     hooks = installed_hooks(model)
-    arrival = hooks["forward_arrival"]
-    warmup = hooks["accumulation_warmup"]
+    agreement = hooks["forward_agreement"]
+    schedule = hooks.get("schedule_check")
     return {
         "losses": losses,
         "grads0": grads0,
         "params": {n: full(p) for n, p in model.named_parameters()},
         "hooks": sorted(hooks),
-        "arrival_ranks": list(arrival.ranks),  # type: ignore[attr-defined]
-        "agreement_ranks": sorted(
-            int(r)
-            for r in warmup.agreement.mesh.mesh.flatten().tolist()  # type: ignore[attr-defined]
+        "arrival_ranks": list(agreement.ranks),  # type: ignore[attr-defined]
+        # The schedule check meets at the same agreement as the forward's (one sequence).
+        "agreement_ranks": list(
+            getattr(schedule, "agreement", agreement.agreement).ranks  # type: ignore[attr-defined]
         ),
         "unused_ranks": sorted(
             int(r)

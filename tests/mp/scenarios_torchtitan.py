@@ -193,7 +193,7 @@ def torchtitan_dp_tp(ctx: DistributedContext, out: Path) -> dict[str, Any]:
         "grads0": grads0,
         "params": {n: full(p) for n, p in model.named_parameters()},
         "on_meta_after_parallelize": on_meta,
-        "arrival_ranks": list(hooks["forward_arrival"].ranks),  # type: ignore[attr-defined]
+        "arrival_ranks": list(hooks["forward_agreement"].ranks),  # type: ignore[attr-defined]
         "unused_ranks": sorted(
             int(r)
             for r in hooks["unused_params"].mesh.mesh.flatten().tolist()  # type: ignore[attr-defined]

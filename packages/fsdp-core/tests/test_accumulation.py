@@ -338,7 +338,7 @@ def test_model_parallelizer_makes_accumulation_safe(mesh2: DeviceMesh) -> None:
     assert set(installed_hooks(model)) == {
         "accumulation_warmup",
         "unused_params",
-        "forward_arrival",
+        "forward_agreement",
     }
     counter = CommCounter()
     with counter:

@@ -27,6 +27,7 @@ from fsdp_core import (
 )
 from fsdp_core.accumulation import AccumulationWarmupRuntimeHook, install_unshard_warmup
 from fsdp_core.fake_group import fake_process_group
+from fsdp_core.forward_agreement import ForwardAgreementRuntimeHook
 from fsdp_core.internals import check_internals
 from fsdp_core.unused_params import UnusedParamsRuntimeHook, install_unused_params_hook
 
@@ -76,8 +77,9 @@ def test_a_missing_attribute_is_named_with_the_hook_to_switch_off(
         check_internals(model, ALL_HOOKS)
     message = str(info.value)
     assert "accumulation_warmup needs FSDPParamGroup.reduce_grads" in message
+    assert "forward_agreement needs FSDPParamGroup.reduce_grads" in message
     assert "unused_params needs FSDPParamGroup.reduce_grads" in message
-    assert "disabled_hooks=('accumulation_warmup', 'unused_params')" in message
+    assert "disabled_hooks=('accumulation_warmup', 'unused_params', 'forward_agreement')" in message
     # Hooks that need none of it are fine.
     check_internals(model, {"reads_nothing": (), "reads_autograd": (internals.GRAPH_TASK,)})
     # The accessors raise the same error instead of guessing a default.
@@ -90,7 +92,11 @@ def test_the_parallelizer_fails_at_apply_time_when_an_internal_was_renamed(
 ) -> None:
     """Not at the first forward, and not by silently switching the fix off."""
     renamed = internals.Probe("group", "reduce_grads_renamed")
-    for hook in (AccumulationWarmupRuntimeHook, UnusedParamsRuntimeHook):
+    for hook in (
+        AccumulationWarmupRuntimeHook,
+        UnusedParamsRuntimeHook,
+        ForwardAgreementRuntimeHook,
+    ):
         monkeypatch.setattr(
             hook,
             "reads",
@@ -98,11 +104,11 @@ def test_the_parallelizer_fails_at_apply_time_when_an_internal_was_renamed(
         )
     with pytest.raises(FSDPInternalsError, match="reduce_grads_renamed"):
         ModelParallelizer().parallelize(Net(), mesh=mesh)
-    # Opting out of both hooks shards and trains (without what they fix).
+    # Opting out of the three hooks shards and trains (without what they fix).
     model = Net()
-    ModelParallelizer(disabled_hooks=("accumulation_warmup", "unused_params")).parallelize(
-        model, mesh=mesh
-    )
+    ModelParallelizer(
+        disabled_hooks=("accumulation_warmup", "unused_params", "forward_agreement")
+    ).parallelize(model, mesh=mesh)
     model(torch.randn(2, 4)).sum().backward()
 
 

@@ -15,7 +15,6 @@ from fsdp_core.rank_wait import (
     TIMEOUT_ENV,
     WARN_ENV,
     WaitLimits,
-    in_collective,
     seconds_setting,
     wait_for_ranks,
     wait_limits,
@@ -145,42 +144,3 @@ def test_a_look_that_decides_ends_the_wait() -> None:
     )
     assert met is True
     assert store.get("done") == b"abort"
-
-
-def test_a_wait_inside_a_collective_is_warned_about_by_the_watch_thread(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setenv(WARN_ENV, "0.1")
-    warned = threading.Event()
-    messages: list[str] = []
-
-    class Seen(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            messages.append(record.getMessage())
-            warned.set()
-
-    handler = Seen()
-    logging.getLogger(WAIT_LOGGER).addHandler(handler)
-    try:
-        with in_collective(
-            "the agreement before forward #2 of the model",
-            rank=0,
-            timeout_s=1800.0,
-            last=lambda: {1: "last made call #1, a training forward"},
-        ):
-            assert warned.wait(30), "no warning while blocked"
-    finally:
-        logging.getLogger(WAIT_LOGGER).removeHandler(handler)
-    assert "in the agreement before forward #2 of the model for ranks [1]" in messages[0]
-    assert "rank 1: last made call #1, a training forward" in messages[0]
-    assert "the process group's timeout ends it at " in messages[0]
-    assert "(1800 s after it arrived)" in messages[0]
-
-
-def test_a_bad_setting_is_refused_when_a_collective_wait_is_marked(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setenv(WARN_ENV, "never")
-    with pytest.raises(ValueError, match="FSDP_CORE_RANK_WAIT_WARN_S='never'"):  # noqa: SIM117
-        with in_collective("x", rank=0, timeout_s=1.0, last=dict):
-            pass

@@ -1,10 +1,11 @@
-"""Unit tests for fsdp_core.step_agreement (one process, the fake group).
+"""Unit tests for fsdp_core.step_agreement and the forward agreement that carries it
+(one process, the fake group).
 
-Under the fake group the agreement's all-reduce returns this rank's values, so only
-what one rank can see is tested here: an empty batch, gradient sync changed between a
-forward and its backward, an optimizer step after unreduced backwards, and the error
-texts built from a table of ranks. What several ranks disagree about is tested on real
-ranks (tests/test_crashes_distributed.py).
+Under the fake group a rank meets only itself at the agreement, so only what one rank
+can see is tested here: an empty batch, gradient sync changed between a forward and its
+backward, an optimizer step after unreduced backwards, and the error texts built from a
+table of ranks. What several ranks disagree about is tested on real ranks
+(tests/test_crashes_distributed.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_core import CommCounter, ModelParallelizer
 from fsdp_core.runtime import installed_hooks
 from fsdp_core.step_agreement import (
-    AGREEMENT_BYTES,
     EmptyBatchError,
     RankStep,
     StepMismatchError,
@@ -90,16 +90,14 @@ def test_the_errors_name_the_ranks_and_the_remedy() -> None:
     assert str(changed).startswith("rank 0 changed set_requires_gradient_sync between")
 
 
-def test_a_forward_costs_one_small_all_reduce(mesh2: DeviceMesh) -> None:
+def test_a_forward_costs_no_collective(mesh2: DeviceMesh) -> None:
     model = _sharded(mesh2)
-    hook = installed_hooks(model)["accumulation_warmup"]
-    agreement = hook.agreement  # type: ignore[attr-defined]
+    hook = installed_hooks(model)["forward_agreement"]
     with CommCounter() as counter, counter.phase("forward"):
         out = model(torch.randn(2, DIM))
-    reduces = [r for r in counter.records if r.kind == "all_reduce"]
-    assert [(r.nbytes, r.dtype) for r in reduces] == [(AGREEMENT_BYTES, torch.int64)]
-    assert counter.records[0].kind == "all_reduce"  # before the forward's all-gathers
-    assert (agreement.forwards, agreement.agreements) == (1, 1)
+    assert [r for r in counter.records if r.kind == "all_reduce"] == []
+    assert counter.records[0].kind == "all_gather"  # the forward's own, first
+    assert (hook.step.forwards, hook.agreement.points) == (1, 1)  # type: ignore[attr-defined]
     out.sum().backward()
 
 
@@ -107,7 +105,7 @@ def test_an_empty_batch_stops_before_any_collective(mesh2: DeviceMesh) -> None:
     model = _sharded(mesh2)
     with CommCounter() as counter, pytest.raises(EmptyBatchError, match="empty batch"):
         model(torch.randn(0, DIM))
-    assert [r.kind for r in counter.records] == ["all_reduce", "all_reduce"]
+    assert counter.records == []
     model(torch.randn(2, DIM)).sum().backward()  # the model works on
 
 
@@ -146,10 +144,11 @@ def test_a_step_after_unreduced_backwards_stops(mesh2: DeviceMesh) -> None:
 
 def test_removing_the_hook_removes_the_agreement(mesh2: DeviceMesh) -> None:
     model = _sharded(mesh2)
-    installed_hooks(model)["accumulation_warmup"].remove()
-    with CommCounter() as counter:
-        model(torch.randn(2, DIM)).sum().backward()
-    assert [r.nbytes for r in counter.records if r.kind == "all_reduce"] != [AGREEMENT_BYTES]
+    hook = installed_hooks(model)["forward_agreement"]
+    hook.remove()
+    model(torch.randn(2, DIM)).sum().backward()
+    assert hook.agreement.points == 0  # type: ignore[attr-defined]
+    model(torch.randn(0, DIM))  # the hook removed: nothing refuses an empty batch
     model.set_requires_gradient_sync(False)
     model(torch.randn(2, DIM)).sum().backward()
     torch.optim.SGD(model.parameters(), lr=0.1).step()  # no check left
@@ -162,13 +161,15 @@ class Generating(Net):
         return super().forward(x)
 
 
-def test_generation_steps_agree_on_nothing(mesh2: DeviceMesh) -> None:
+def test_generation_steps_say_no_step(mesh2: DeviceMesh) -> None:
     torch.manual_seed(0)
     model = Generating()
     ModelParallelizer().parallelize(model, mesh=mesh2)
-    with torch.no_grad(), CommCounter() as counter:
+    hook = installed_hooks(model)["forward_agreement"]
+    with torch.no_grad():
         model(torch.randn(2, DIM), cache=object())
-    assert [r.kind for r in counter.records if r.kind == "all_reduce"] == []
-    with torch.no_grad(), CommCounter() as counter:
-        model(torch.randn(2, DIM))  # an eval forward agrees
-    assert [r.nbytes for r in counter.records if r.kind == "all_reduce"] == [AGREEMENT_BYTES]
+    assert hook.step.forwards == 0  # type: ignore[attr-defined]
+    with torch.no_grad():
+        model(torch.randn(2, DIM))  # an eval forward says its step
+    assert hook.step.forwards == 1  # type: ignore[attr-defined]
+    assert hook.agreement.points == 2  # type: ignore[attr-defined]

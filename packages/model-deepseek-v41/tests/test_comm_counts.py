@@ -16,13 +16,11 @@ irrelevant here) three layouts of the vision norms are compared:
 With a *frozen* tower each frozen-tower policy is measured; its 2L+1 fp32 norms
 are replicated (no unit, no collective after the one broadcast at setup).
 
-Every forward starts with the step agreement of the ``accumulation_warmup`` hook (one
-80-byte all-reduce: the ranks run the same micro-batch, none with an empty batch). The
-tower's blocks are units (trainable tower, or frozen under ``per_layer``), so the tower
-is a media region and the schedule check adds two 16-byte all-reduces to every forward
-(the tower's entry, and the first text layer after it). Every step also ends its
-backward with one all-reduce of the usage flags of the trainable parameters (the
-``unused_params`` hook).
+The runtime hooks that guard diverging ranks (the forward agreement before every call
+of the model; where the tower's blocks are units, the schedule check at the tower's
+entry and the first text layer after it) meet at the c10d store: no collective in
+forward beside FSDP's own. Every step ends its backward with one all-reduce of the
+usage flags of the trainable parameters (the ``unused_params`` hook).
 
 The numbers are exact (collectives are counted as ``c10d`` ops by
 :class:`fsdp_core.CommCounter`) and are quoted in the package README (checked
@@ -42,7 +40,6 @@ from torch.distributed.fsdp import FSDPModule
 
 from fsdp_core import CommCounter, build_mesh, compat, mixed_precision_policy
 from fsdp_core.fake_group import fake_process_group
-from fsdp_core.step_agreement import AGREEMENT_BYTES
 from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
 from model_deepseek_v41.modeling import RMSNorm
 from multimodal_fsdp import MultimodalParallelizer
@@ -52,8 +49,6 @@ TOWER_DEPTHS = (4, 8)
 MODES = ("grouped", "per_norm", "none")
 POLICIES = ("root", "per_layer", "replicate")
 README = Path(__file__).resolve().parents[1] / "README.md"
-#: A schedule checkpoint's all-reduce: two int64 positions.
-CHECKPOINT_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -80,17 +75,17 @@ class StepCounts:
 #: units = L + 4 grouped (1 norm unit + L blocks + 2 text layers + root, which holds the
 #: aligner), 3L + 4 one unit per norm, L + 3 without fp32 units. The root is not
 #: re-gathered in backward (it keeps its parameters after forward), hence one all-gather
-#: fewer. Three all-reduces per forward: the step agreement and the two schedule
-#: checkpoints (the blocks are units).
+#: fewer. No all-reduce in forward: the forward agreement and the two schedule
+#: checkpoints (the blocks are units) meet at the c10d store.
 EXPECTED: dict[tuple[int, str], tuple[int, int, int, int, int, int]] = {
     # (units, fp32 norm units, all-gathers fwd, all-gathers bwd, reduce-scatters,
     #  all-reduces fwd)
-    (4, "grouped"): (8, 1, 8, 7, 8, 3),
-    (4, "per_norm"): (16, 9, 16, 15, 16, 3),
-    (4, "none"): (7, 0, 7, 6, 7, 3),
-    (8, "grouped"): (12, 1, 12, 11, 12, 3),
-    (8, "per_norm"): (28, 17, 28, 27, 28, 3),
-    (8, "none"): (11, 0, 11, 10, 11, 3),
+    (4, "grouped"): (8, 1, 8, 7, 8, 0),
+    (4, "per_norm"): (16, 9, 16, 15, 16, 0),
+    (4, "none"): (7, 0, 7, 6, 7, 0),
+    (8, "grouped"): (12, 1, 12, 11, 12, 0),
+    (8, "per_norm"): (28, 17, 28, 27, 28, 0),
+    (8, "none"): (11, 0, 11, 10, 11, 0),
 }
 
 #: Frozen tower, grouped norms: (vision blocks L, policy) -> counts. Only the text layers
@@ -100,12 +95,12 @@ EXPECTED: dict[tuple[int, str], tuple[int, int, int, int, int, int]] = {
 EXPECTED_FROZEN: dict[tuple[int, str], tuple[int, int, int, int, int, int, int, int]] = {
     # (units, fp32 norm units, replicated params, broadcasts at setup, all-gathers fwd,
     #  all-gathers bwd, reduce-scatters, all-reduces fwd)
-    (4, "root"): (3, 0, 9, 9, 3, 2, 3, 1),
-    (4, "per_layer"): (7, 0, 9, 9, 7, 2, 3, 3),
-    (4, "replicate"): (3, 0, 43, 43, 3, 2, 3, 1),
-    (8, "root"): (3, 0, 17, 17, 3, 2, 3, 1),
-    (8, "per_layer"): (11, 0, 17, 17, 11, 2, 3, 3),
-    (8, "replicate"): (3, 0, 83, 83, 3, 2, 3, 1),
+    (4, "root"): (3, 0, 9, 9, 3, 2, 3, 0),
+    (4, "per_layer"): (7, 0, 9, 9, 7, 2, 3, 0),
+    (4, "replicate"): (3, 0, 43, 43, 3, 2, 3, 0),
+    (8, "root"): (3, 0, 17, 17, 3, 2, 3, 0),
+    (8, "per_layer"): (11, 0, 17, 17, 11, 2, 3, 0),
+    (8, "replicate"): (3, 0, 83, 83, 3, 2, 3, 0),
 }
 
 
@@ -158,22 +153,16 @@ def _run(vision_layers: int, *, frozen_tower: bool, policy: str, bf16_norms: boo
     ]
     # Setup only broadcasts (the replicated parameters, once each).
     assert set(setup.counts()) <= {"broadcast"}
-    # A step: the step agreement first, all-gathers and reduce-scatters, the schedule
-    # checkpoints in forward (the first one before the tower's first all-gather) and the
-    # usage flags of the trainable parameters at the end of backward; no broadcast.
-    first_record = second.records[0]
-    assert (first_record.kind, first_record.nbytes) == ("all_reduce", AGREEMENT_BYTES)
-    reduces = [r for r in second.records if r.kind == "all_reduce" and r.phase == "forward"]
-    checks = reduces[1:]
-    assert all((r.nbytes, r.dtype) == (CHECKPOINT_BYTES, torch.int64) for r in checks)
+    # A step: all-gathers and reduce-scatters (the runtime hooks' agreement meets at the
+    # store, no collective in forward) and the usage flags of the trainable parameters at
+    # the end of backward; no broadcast.
+    assert second.records[0].kind == "all_gather"
+    assert [r for r in second.records if r.kind == "all_reduce" and r.phase == "forward"] == []
     flags = [r for r in second.records if r.kind == "all_reduce" and r.phase == "backward"]
     trainable = sum(1 for p in model.parameters() if p.requires_grad and p in _dtensors(model))
     assert [(r.nbytes, r.dtype) for r in flags] == [(trainable, torch.uint8)]
     assert second.records[-1].kind == "all_reduce"  # the flags come last
     assert set(second.counts()) == {"all_gather", "reduce_scatter", "all_reduce"}
-    if checks:
-        towers = [r for r in second.records if r.kind == "all_gather"]
-        assert second.records.index(checks[0]) < second.records.index(towers[1])
     assert "reduce_scatter" not in second.counts("forward")
     forward, backward = second.counts("forward"), second.counts("backward")
     return StepCounts(
@@ -227,12 +216,11 @@ def test_exact_counts(vision_layers: int, mode: str) -> None:
         counts.all_reduces_forward,
     ) == EXPECTED[(vision_layers, mode)]
     # One all-gather per unit in forward, every unit but the root re-gathered in
-    # backward, one reduce-scatter per (trainable) unit, the agreement and two
-    # checkpoints, one flags.
+    # backward, one reduce-scatter per (trainable) unit, one flags.
     assert counts.all_gathers_forward == counts.units
     assert counts.all_gathers_backward == counts.units - 1
     assert counts.reduce_scatters == counts.units
-    assert counts.all_reduces_forward == 3
+    assert counts.all_reduces_forward == 0
     assert counts.all_reduces_backward == 1
     # Nothing is replicated: the tower is trainable.
     assert (counts.replicated_params, counts.broadcasts_setup) == (0, 0)
@@ -262,8 +250,8 @@ def test_exact_counts_with_a_frozen_tower(vision_layers: int, policy: str) -> No
         assert counts.replicated_params == norms
         hidden = DeepseekV41Config.tiny().vision_hidden
         assert counts.broadcast_bytes_setup == norms * hidden * 4
-    # The step agreement, and the schedule check only where the tower owns units.
-    assert counts.all_reduces_forward == 1 + (2 if policy == "per_layer" else 0)
+    # The forward agreement and the schedule check meet at the store under every policy.
+    assert counts.all_reduces_forward == 0
     assert counts.all_reduces_backward == 1
     assert counts.all_gathers_forward == counts.units
     # Only the text layers are re-gathered in backward; text layers and root reduce.

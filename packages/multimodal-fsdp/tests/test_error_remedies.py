@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from fsdp_core import build_mesh, mixed_precision_policy
 from fsdp_core.fake_group import fake_process_group
+from fsdp_core.rank_agreement import RankAgreement, kind_of
 from fsdp_core.runtime import installed_hooks
 from multimodal_fsdp import MultimodalParallelizer, UnevenMediaError
 from multimodal_fsdp.runtime import schedule_check as uneven_module
@@ -82,25 +83,25 @@ def fake2() -> Iterator[None]:
 
 
 class OtherRank:
-    """Plays a second rank that saw images while this one is text-only."""
+    """Plays a second rank that saw images while this one is text-only (its positions
+    at the agreement, recorded in a forward with an image)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.tokens: list[int] = []
+        self.values: list[str] = []
         self.recording = True
         self.merged = 0
-        real = uneven_module.all_reduce_max_over_mesh
 
-        def all_reduce(tensor: Tensor, mesh: Any) -> Tensor:
-            real(tensor, mesh)
+        def local(agreement: RankAgreement, value: str) -> dict[int, str]:
+            if kind_of(value) != uneven_module.POSITION:
+                return {0: value}
             if self.recording:
-                self.tokens.append(int(tensor[0]))
-            else:
-                other = self.tokens[self.merged] if self.merged < len(self.tokens) else -1
-                self.merged += 1
-                tensor.copy_(torch.maximum(tensor, torch.tensor([other, -other])))
-            return tensor
+                self.values.append(value)
+                return {0: value}
+            other = self.values[self.merged] if self.merged < len(self.values) else "call|"
+            self.merged += 1
+            return {0: value, 1: other}
 
-        monkeypatch.setattr(uneven_module, "all_reduce_max_over_mesh", all_reduce)
+        monkeypatch.setattr(RankAgreement, "_local", local)
 
 
 def build(*, frozen: bool, cross: bool = False) -> Vlm:

@@ -18,8 +18,8 @@ from fsdp_core import ModelParallelizer, mixed_precision_policy
 from fsdp_core.collective_count import CommTally
 from fsdp_core.mesh import resolve_mesh_shape
 from multimodal_fsdp import MultimodalParallelizer
-from multimodal_fsdp.cli.inspection import inspect_model
 from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs
+from multimodal_fsdp.estimate.predict import inspect_model
 from multimodal_fsdp.estimate.render import format_bytes
 from multimodal_fsdp.estimate.rewrite import ungroup_units
 from multimodal_fsdp.reachability import backward_free_paths
@@ -285,13 +285,13 @@ def test_plain_model_parallelizer_plans_are_costed_too() -> None:
     plan = ModelParallelizer().plan(model, mp_policy=MP)
     costs = plan_costs(plan, model, world_size=2)
     assert costs.comm.count("all_gather", "forward") == len(costs.units)
-    # The unused-params hook (one all-reduce of the usage flags per backward) and the
-    # step agreement of accumulation_warmup (one all-reduce before the forward).
+    # The unused-params hook (one all-reduce of the usage flags per backward); the
+    # forward agreement meets at the c10d store (no collective).
     assert [(k, costs.extra.count(k)) for k in ("all_reduce", "all_gather")] == [
-        ("all_reduce", 2),
+        ("all_reduce", 1),
         ("all_gather", 0),
     ]
-    assert costs.extra.count("all_reduce", "forward") == 1
+    assert costs.extra.count("all_reduce", "forward") == 0
     assert costs.extra.bytes("all_reduce", "backward") == sum(
         1 for p in model.parameters() if p.requires_grad
     )

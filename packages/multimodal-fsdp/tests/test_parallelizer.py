@@ -27,7 +27,6 @@ from fsdp_core import (
 )
 from fsdp_core.fake_group import fake_process_group
 from fsdp_core.runtime import installed_hooks
-from fsdp_core.step_agreement import AGREEMENT_BYTES
 from multimodal_fsdp import VALID_FROZEN_MULTIMODAL_SHARDING, MultimodalParallelizer
 from multimodal_fsdp.parts import MultimodalParts, split_frozen_parts
 from multimodal_fsdp.policy import FrozenPolicies
@@ -626,18 +625,22 @@ def test_schedule_check_only_where_multimodal_modules_own_units(
     assert parallelizer.modules_with_units(model, plan) == owners
     assert ("schedule_check" in plan.hook_names()) == bool(owners)
     parallelizer.apply_plan(model, plan, mesh=mesh2)
+    check = installed_hooks(model).get("schedule_check")
+    checks = []
     counter = CommCounter()
     with counter:
         for _ in range(2):
             with counter.phase("forward"):
                 logits = model(torch.randn(2, 3, PATCH), torch.randint(0, VOCAB, (2, 5)))
+            checks.append(getattr(check, "last_checkpoints", 0))
             with counter.phase("backward"):
                 logits.float().pow(2).mean().backward()
-    # Two 16-byte checkpoints per forward where checked (the tower's entry and the first
-    # unit after it; the fake group's all-reduce returns the local values, so the ranks
-    # "agree"), none otherwise; one usage-flag all-reduce per backward everywhere.
-    checks = [r.phase for r in counter.records if r.kind == "all_reduce" and r.nbytes == 16]
-    assert checks == (["forward"] * 4 if owners else [])
+    # Two checkpoints per forward where checked (the tower's entry and the first unit
+    # after it; under the fake group a rank meets only itself, so the ranks "agree"),
+    # none otherwise; they meet at the c10d store, so no all-reduce in forward; one
+    # usage-flag all-reduce per backward everywhere.
+    assert checks == ([2, 2] if owners else [0, 0])
+    assert [r for r in counter.records if r.kind == "all_reduce" and r.phase == "forward"] == []
     flags = [r.phase for r in counter.records if r.kind == "all_reduce" and r.dtype == torch.uint8]
     assert flags == ["backward"] * 2
 
@@ -648,9 +651,8 @@ def test_schedule_check_needs_no_media_argument_names(mesh2: DeviceMesh) -> None
     model.vision_tower.requires_grad_(False)
     apply("per_layer", model, mesh2)
     assert "schedule_check" in installed_hooks(model)
-    with CommCounter() as counter:
-        step(model)
-    assert sum(1 for r in counter.records if r.kind == "all_reduce" and r.nbytes == 16) == 2
+    step(model)
+    assert installed_hooks(model)["schedule_check"].last_checkpoints == 2  # type: ignore[attr-defined]
 
 
 # --- communication per policy --------------------------------------------------------------
@@ -735,15 +737,9 @@ def test_a_step_runs_only_all_gathers_and_reduce_scatters_and_the_runtime_hooks(
         # unused_params: one flag per trainable parameter tensor, once per backward.
         trainable = sum(1 for p in frozen_vlm().parameters() if p.requires_grad)
         flags = ("backward", trainable, torch.uint8)
-        # accumulation_warmup's step agreement: one all-reduce before the forward.
-        agreement = ("forward", AGREEMENT_BYTES, torch.int64)
-        if policy == "per_layer":
-            # The tower owns units: its entry checkpoint comes before its first all-gather,
-            # and one more checkpoint comes before the first unit after it.
-            checks = [("forward", 16, torch.int64)] * 2
-            assert hooks == [agreement, *checks, flags], policy
-        else:
-            assert hooks == [agreement, flags], policy
+        # The forward agreement and the schedule checkpoints (per_layer: the tower owns
+        # units) meet at the c10d store: no all-reduce in forward.
+        assert hooks == [flags], policy
         assert {r.dtype for r in counter.records if r.kind == "all_gather"} == {torch.bfloat16}
 
 

@@ -20,10 +20,11 @@ from torch.utils.checkpoint import checkpoint
 
 from fsdp_core import CommCounter, build_mesh, mixed_precision_policy
 from fsdp_core.fake_group import fake_process_group
+from fsdp_core.rank_agreement import RankAgreement, kind_of
 from fsdp_core.runtime import installed_hooks
 from multimodal_fsdp import MultimodalParallelizer, UnevenMediaError
 from multimodal_fsdp.runtime import schedule_check as uneven_module
-from multimodal_fsdp.runtime.schedule_check import CHECKPOINT_BYTES, ScheduleCheck
+from multimodal_fsdp.runtime.schedule_check import ScheduleCheck
 
 DIM = 8
 FP32 = mixed_precision_policy("fp32", "fp32")
@@ -123,35 +124,44 @@ def frozen_tower(**kwargs: Any) -> Vlm:
 
 
 class OtherRank:
-    """Plays a second rank (rank 1): the positions it reports, merged into this rank's
-    checkpoints, and its position in the table the ranks share once they disagree."""
+    """Plays a second rank (rank 1) at the agreement: the positions it reported in a
+    recorded forward are what it says at this rank's checkpoints (calls of the model it
+    agrees with; past its last position, it is at the model's next call)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.tokens: list[int] = []
+        self.values: list[str] = []
         self.recording = True
         self.merged = 0
-        self.disagreed_at: int | None = None  # the other's token where the ranks parted
-        real = uneven_module.all_reduce_max_over_mesh
 
-        def all_reduce(tensor: Tensor, mesh: Any) -> Tensor:
-            real(tensor, mesh)
+        def local(agreement: RankAgreement, value: str) -> dict[int, str]:
+            if kind_of(value) != uneven_module.POSITION:
+                return {0: value}
             if self.recording:
-                self.tokens.append(int(tensor[0]))
-            elif self.disagreed_at is not None:  # the positions table: [rank 0, rank 1]
-                tensor[1] = self.disagreed_at
-            else:
-                other = self.tokens[self.merged] if self.merged < len(self.tokens) else -1
-                self.merged += 1
-                if other != int(tensor[0]):
-                    self.disagreed_at = other
-                tensor.copy_(torch.maximum(tensor, torch.tensor([other, -other])))
-            return tensor
+                self.values.append(value)
+                return {0: value}
+            other = self.values[self.merged] if self.merged < len(self.values) else "call|"
+            self.merged += 1
+            return {0: value, 1: other}
 
-        monkeypatch.setattr(uneven_module, "all_reduce_max_over_mesh", all_reduce)
+        monkeypatch.setattr(RankAgreement, "_local", local)
 
 
-def small_all_reduces(counter: CommCounter) -> int:
-    return sum(1 for r in counter.records if r.kind == "all_reduce" and r.nbytes == 16)
+def media_meetings(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The positions this rank says at the agreement from now on (one per checkpoint)."""
+    met: list[str] = []
+    real = RankAgreement.meet
+
+    def meet(agreement: RankAgreement, kind: str, payload: str, *, what: str) -> None:
+        if kind == uneven_module.POSITION:
+            met.append(payload)
+        real(agreement, kind, payload, what=what)
+
+    monkeypatch.setattr(RankAgreement, "meet", meet)
+    return met
+
+
+def forward_all_reduces(counter: CommCounter) -> int:
+    return sum(1 for r in counter.records if r.kind == "all_reduce" and r.phase == "forward")
 
 
 # --- where the checkpoints are ---------------------------------------------------------------
@@ -183,47 +193,46 @@ def test_a_cross_attention_layer_is_a_region_even_under_root(
     assert check.layout.checkpoints_per_forward() == 3
 
 
-def test_no_region_no_check(fake2: None) -> None:
+def test_no_region_no_check(fake2: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    met = media_meetings(monkeypatch)
     for policy in ("root", "replicate"):
         model, check = shard(frozen_tower(), policy=policy)
         assert check is None
-        with CommCounter() as counter:
-            model(torch.randn(2, DIM), images()).sum().backward()
-        assert small_all_reduces(counter) == 0, policy
+        model(torch.randn(2, DIM), images()).sum().backward()
+        assert met == [], policy
 
 
 @pytest.mark.parametrize(("kinds", "expected"), [((1, 0), 2), ((1, 1), 3), ((0, 0), 1)])
 def test_each_tower_call_is_one_checkpoint(
-    fake2: None, kinds: tuple[int, int], expected: int
+    fake2: None, monkeypatch: pytest.MonkeyPatch, kinds: tuple[int, int], expected: int
 ) -> None:
+    met = media_meetings(monkeypatch)
     model, check = shard(frozen_tower())
     assert check is not None
     pixels = images() if kinds[0] else None
     videos = images(3) if kinds[1] else None
     with CommCounter() as counter:
-        model(torch.randn(2, DIM), pixels, videos).sum().backward()
-    assert check.last_checkpoints == expected
-    assert small_all_reduces(counter) == expected
-    checks = [r for r in counter.records if r.kind == "all_reduce" and r.nbytes == 16]
-    assert {(r.phase, r.dtype, r.nbytes) for r in checks} == {
-        ("unspecified", torch.int64, CHECKPOINT_BYTES)
-    }
+        with counter.phase("forward"):
+            loss = model(torch.randn(2, DIM), pixels, videos).sum()
+        loss.backward()
+    assert check.last_checkpoints == len(met) == expected
+    assert forward_all_reduces(counter) == 0  # the checkpoints meet at the store
 
 
-def test_a_forward_recomputed_in_backward_is_not_checked(fake2: None) -> None:
+def test_a_forward_recomputed_in_backward_is_not_checked(
+    fake2: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    met = media_meetings(monkeypatch)
     model = Vlm()
     model.vision_tower.blocks[0].forward = lambda x, f=model.vision_tower.blocks[0].forward: (
         checkpoint(f, x, use_reentrant=False)
     )
     model, check = shard(model)
     assert check is not None
-    with CommCounter() as counter:
-        with counter.phase("forward"):
-            loss = model(torch.randn(2, DIM), images()).sum()
-        with counter.phase("backward"):
-            loss.backward()
-    checks = [r.phase for r in counter.records if r.kind == "all_reduce" and r.nbytes == 16]
-    assert checks == ["forward", "forward"]
+    loss = model(torch.randn(2, DIM), images()).sum()
+    assert len(met) == 2
+    loss.backward()  # recomputes the checkpointed block
+    assert len(met) == 2
 
 
 # --- disagreement --------------------------------------------------------------------------------
@@ -363,14 +372,17 @@ def test_each_encoder_in_a_region_is_a_part_with_its_checkpoint(fake2: None) -> 
     ("kinds", "expected"), [((1, 1), 3), ((1, 0), 2), ((0, 1), 2), ((0, 0), 1)]
 )
 def test_a_region_call_checks_only_the_parts_it_runs(
-    fake2: None, kinds: tuple[int, int], expected: int
+    fake2: None, monkeypatch: pytest.MonkeyPatch, kinds: tuple[int, int], expected: int
 ) -> None:
+    met = media_meetings(monkeypatch)
     model, check = shard_holder()
     media = (images() if kinds[0] else None, images(2) if kinds[1] else None)
     with CommCounter() as counter:
-        model(torch.randn(2, DIM), *media).sum().backward()
-    assert check.last_checkpoints == expected
-    assert small_all_reduces(counter) == expected
+        with counter.phase("forward"):
+            loss = model(torch.randn(2, DIM), *media).sum()
+        loss.backward()
+    assert check.last_checkpoints == len(met) == expected
+    assert forward_all_reduces(counter) == 0
 
 
 @pytest.mark.parametrize(
@@ -446,7 +458,10 @@ def test_a_text_only_rank_beside_a_media_rank_stops_at_a_cross_layer(
 # --- uneven_media=True ---------------------------------------------------------------------------
 
 
-def test_uneven_media_folds_regions_into_the_root(fake2: None) -> None:
+def test_uneven_media_folds_regions_into_the_root(
+    fake2: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    met = media_meetings(monkeypatch)
     trainable = Vlm(cross=1)
     parallelizer = MultimodalParallelizer(uneven_media=True)
     plan = parallelizer.plan(trainable, mp_policy=FP32)
@@ -454,9 +469,8 @@ def test_uneven_media_folds_regions_into_the_root(fake2: None) -> None:
     assert "schedule_check" not in plan.hook_names()
     assert any("join the root unit" in note for note in plan.notes)
     parallelizer.apply_plan(trainable, plan, mesh=build_mesh())
-    with CommCounter() as counter:
-        trainable(torch.randn(2, DIM)).sum().backward()  # text only: fine on any rank
-    assert small_all_reduces(counter) == 0
+    trainable(torch.randn(2, DIM)).sum().backward()  # text only: fine on any rank
+    assert met == []
 
 
 def test_uneven_media_refuses_per_layer() -> None:
@@ -476,12 +490,12 @@ def test_uneven_media_refuses_odd_dtype_units_inside_a_tower() -> None:
         MultimodalParallelizer(uneven_media=True).plan(model, mp_policy=FP32)
 
 
-def test_schedule_check_can_be_disabled(fake2: None) -> None:
+def test_schedule_check_can_be_disabled(fake2: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    met = media_meetings(monkeypatch)
     model, check = shard(frozen_tower(), disabled_hooks=("schedule_check",))
     assert check is None
-    with CommCounter() as counter:
-        model(torch.randn(2, DIM), images()).sum().backward()
-    assert small_all_reduces(counter) == 0
+    model(torch.randn(2, DIM), images()).sum().backward()
+    assert met == []
 
 
 def test_unknown_hook_names_are_refused() -> None:

@@ -18,13 +18,9 @@ Two FSDP2 behaviours (torch 2.13) break gradient accumulation in VLM training
   gives such parameters a zero fp32 accumulated gradient, so every gradient of
   the unit is accumulated in the reduce dtype.
 
-Both read FSDP2 internals, through [`fsdp_core.internals`][fsdp_core.internals] only.
-
-The hook also installs the [step agreement][fsdp_core.step_agreement]: before each forward
-the ranks agree that they run the same micro-batch with the same gradient sync (and a
-non-empty batch), so uneven micro-batch counts stop with the same error on every rank
-instead of mismatched reduce-scatters, and an optimizer step after backwards with
-gradient sync off stops instead of changing nothing.
+Both read FSDP2 internals, through [`fsdp_core.internals`][fsdp_core.internals] only. That
+the ranks run the same micro-batch with the same gradient sync is agreed before, by the
+[forward agreement][fsdp_core.forward_agreement], whose pre-hook runs first.
 """
 
 from __future__ import annotations
@@ -35,14 +31,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import internals
-from fsdp_core.collective_count import CommTally
-from fsdp_core.runtime import HookStep, RuntimeHook
-from fsdp_core.step_agreement import AGREEMENT_BYTES, StepAgreement
+from fsdp_core.runtime import RuntimeHook
 
 if TYPE_CHECKING:
     from fsdp_core.parallel_dims import ParallelDims
@@ -52,10 +45,6 @@ __all__ = ["AccumulationWarmup", "AccumulationWarmupRuntimeHook", "install_unsha
 logger = logging.getLogger(__name__)
 
 NAME = "accumulation_warmup"
-
-
-def _units(root: nn.Module) -> list[FSDPModule]:
-    return internals.distinct_units(root)
 
 
 def _align_accumulated_grads(unit: FSDPModule) -> bool:
@@ -83,26 +72,20 @@ def _align_accumulated_grads(unit: FSDPModule) -> bool:
 
 
 class AccumulationWarmup:
-    """The installed warm-up: a forward pre-hook on ``root``, registered on construction;
-    with a ``mesh``, the step agreement too (its pre-hook runs first, so no rank warms up
-    units in a step the ranks disagree about)."""
+    """The installed warm-up: a forward pre-hook on ``root``, registered on construction."""
 
     name: str = NAME
 
-    def __init__(self, root: nn.Module, *, mesh: DeviceMesh | None = None) -> None:
+    def __init__(self, root: nn.Module) -> None:
         self._handle: RemovableHandle | None = root.register_forward_pre_hook(
             self._before_forward, prepend=True, with_kwargs=True
-        )
-        #: The step agreement installed with the warm-up (``None`` without a mesh).
-        self.agreement: StepAgreement | None = (
-            StepAgreement(root, mesh=mesh) if mesh is not None else None
         )
         #: How many units the last forward warmed up, and aligned.
         self.last_warmed = 0
         self.last_aligned = 0
 
     def _before_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        units = _units(module)
+        units = internals.distinct_units(module)
         pending = [unit for unit in units if internals.never_unsharded(unit)]
         for unit in pending:
             unit.unshard()
@@ -118,9 +101,6 @@ class AccumulationWarmup:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
-        if self.agreement is not None:
-            self.agreement.remove()
-            self.agreement = None
 
 
 def install_unshard_warmup(root: nn.Module) -> AccumulationWarmup:
@@ -136,8 +116,8 @@ def install_unshard_warmup(root: nn.Module) -> AccumulationWarmup:
 
 @dataclass(frozen=True)
 class AccumulationWarmupRuntimeHook(RuntimeHook):
-    """The ``accumulation_warmup`` runtime hook (no plan data beyond its targets): the
-    warm-up and the step agreement."""
+    """The ``accumulation_warmup`` runtime hook (no plan data beyond its targets); it
+    issues no collective in an ordinary step."""
 
     name: ClassVar[str] = NAME
     reads: ClassVar[tuple[internals.Probe, ...]] = (
@@ -147,22 +127,7 @@ class AccumulationWarmupRuntimeHook(RuntimeHook):
         internals.PARAM_UNSHARDED,
         internals.PARAM_ACCUMULATED,
         internals.PARAM_REDUCE_DTYPE,
-        internals.GRAPH_TASK,
-        internals.QUEUE_CALLBACK,
     )
 
     def install(self, model: nn.Module, *, dims: ParallelDims) -> AccumulationWarmup:
-        """The step agreement runs over ``dims.lockstep_mesh``: the ranks that run the
-        model's forward together. TP, CP and EP ranks issue collectives inside the
-        forward, so a micro-batch or empty batch that differs between them hangs there
-        as it would in FSDP's own collectives; PP stages run other forwards."""
-        return AccumulationWarmup(model, mesh=dims.lockstep_mesh)
-
-    def collectives(self, step: HookStep) -> CommTally:
-        """The step agreement: one all-reduce per lockstep mesh dimension before each
-        forward, which a single rank skips (the warm-up gathers nothing in an ordinary
-        step)."""
-        tally = CommTally()
-        for _ in range(step.lockstep_dims):
-            tally.add("forward", "all_reduce", AGREEMENT_BYTES)
-        return tally
+        return AccumulationWarmup(model)

@@ -53,7 +53,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import internals
 from fsdp_core.containers import is_under
-from fsdp_core.forward_arrival import EMPTY_BATCH, arrival_scope, record_call
+from fsdp_core.forward_agreement import EMPTY_BATCH, agreement_scope, record_call
 from fsdp_core.plan import ShardingPlan, UnitPlan, unit_parameters
 from fsdp_core.runtime import RuntimeHook, output_tensors
 from fsdp_core.step_agreement import is_empty_batch
@@ -190,7 +190,7 @@ class EntryUnshardHook:
                 return original(*args, **kwargs)
             empty = is_empty_batch(args, kwargs)
             kind = f"generate(){EMPTY_BATCH if empty else ''}"
-            with arrival_scope(self.model, kind):
+            with agreement_scope(self.model, kind):
                 if not owners:
                     return original(*args, **kwargs)
                 gathered: list[FSDPModule] = []

@@ -1,10 +1,10 @@
 """How a rank waits on the c10d store for the other ranks: the one wait of every guard.
 
-The divergence guards ([forward_arrival][fsdp_core.forward_arrival] and
-[collective_entry][fsdp_core.collective_entry]) make a rank wait, through the process
-group's store, until the other ranks reach the same call or step. A rank that never
-comes (``if rank == 0: model.eval(); model(**batch)``) would leave the waiting rank
-silent for the whole wait, so this wait:
+The divergence guards ([rank_agreement][fsdp_core.rank_agreement], where the forward
+agreement and the schedule check meet, and [collective_entry][fsdp_core.collective_entry])
+make a rank wait, through the process group's store, until the other ranks reach the same
+call or step. A rank that never comes (``if rank == 0: model.eval(); model(**batch)``)
+would leave the waiting rank silent for the whole wait, so this wait:
 
 - logs a warning after ``warn_after_s`` (default 60 s) naming the ranks that have not
   arrived, what each last did (as the guard knows it from the store), and when this
@@ -22,24 +22,15 @@ launcher's, a script's or a test's setting applies):
 The wait polls ``store.check`` (a ``store.wait`` that times out logs a warning of
 its own each time): quickly at first, where ranks in step meet, then every
 ``POLL_S``. It adds no store operation to a rank that does not wait.
-
-A guard that waits inside a collective instead (the step agreement's all-reduce before
-each forward, which a training forward on some ranks only leaves waiting) cannot poll:
-[in_collective][fsdp_core.rank_wait.in_collective] marks that wait, and one daemon
-thread per process logs the same warnings for it, saying that the process group's
-timeout ends it (a collective cannot be given up half done). Marking costs no store
-operation and no lock.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final
@@ -49,7 +40,6 @@ __all__ = [
     "TIMEOUT_ENV",
     "WARN_ENV",
     "WaitLimits",
-    "in_collective",
     "seconds_setting",
     "wait_for_ranks",
     "wait_limits",
@@ -126,11 +116,9 @@ def _warn(
     limits: WaitLimits,
     gives_up_at: float,
     last: Any,
-    *,
-    collective: bool = False,
 ) -> None:
     missing: Mapping[int, str] = last()
-    if not missing and not collective:
+    if not missing:
         return  # every rank arrived since the last look: the wait ends at once
     ranks: Sequence[int] = sorted(missing)
     listed = "; ".join(f"rank {r}: {missing[r]}" for r in ranks[:_LISTED])
@@ -138,20 +126,11 @@ def _warn(
     who = (
         f"for ranks {list(ranks[:_LISTED])}{more}, which have not made it yet (what each "
         f"last did: {listed})"
-        if ranks
-        else "for other ranks of the mesh"
     )
-    if collective:
-        end = (
-            f"It is inside a collective, which cannot be given up half done: the process "
-            f"group's timeout ends it at {_clock(gives_up_at)} ({limits.timeout_s:g} s after "
-            "it arrived) with an error"
-        )
-    else:
-        end = (
-            f"It gives up at {_clock(gives_up_at)} ({limits.timeout_s:g} s after it arrived; "
-            f"set {TIMEOUT_ENV} to change that) and then raises an error"
-        )
+    end = (
+        f"It gives up at {_clock(gives_up_at)} ({limits.timeout_s:g} s after it arrived; "
+        f"set {TIMEOUT_ENV} to change that) and then raises an error"
+    )
     logger.warning(
         "rank %d has waited %.3g s in %s %s. %s; a rank that is merely slow arrives before "
         "then and the job goes on.",
@@ -210,82 +189,3 @@ def wait_for_ranks(
         time.sleep(min(pause, max(deadline - now, 0.0)))
         pause = min(2 * pause, POLL_S)
     return True
-
-
-@dataclass
-class _Blocked:
-    """A wait inside a collective, as [in_collective][fsdp_core.rank_wait.in_collective]
-    marked it; ``warn_in`` is only changed by the watch thread."""
-
-    what: str
-    rank: int
-    last: Callable[[], Mapping[int, str]]
-    limits: WaitLimits
-    started: float
-    ends_at: float
-    warn_in: float
-
-
-#: The collective wait now marked on this process (replaced whole, never changed).
-_BLOCKED: list[_Blocked | None] = [None]
-_WATCH: list[threading.Thread] = []
-#: How often the watch thread looks at the marked wait.
-WATCH_S: Final = 0.5
-
-
-def _watch() -> None:
-    while True:
-        time.sleep(WATCH_S)
-        blocked = _BLOCKED[0]
-        if blocked is None:
-            continue
-        waited = time.monotonic() - blocked.started
-        if waited < blocked.warn_in:
-            continue
-        blocked.warn_in *= 2
-        try:
-            _warn(
-                blocked.what,
-                blocked.rank,
-                waited,
-                blocked.limits,
-                blocked.ends_at,
-                blocked.last,
-                collective=True,
-            )
-        except Exception:  # the store went away: the collective will fail on its own
-            logger.debug("could not read the other ranks' last calls", exc_info=True)
-
-
-@contextlib.contextmanager
-def in_collective(
-    what: str,
-    *,
-    rank: int,
-    timeout_s: float,
-    last: Callable[[], Mapping[int, str]],
-) -> Iterator[None]:
-    """Mark a wait inside a collective (``what``) that the process group's timeout
-    (``timeout_s``) ends: when it lasts past the warning delay of
-    [wait_limits][fsdp_core.rank_wait.wait_limits], a daemon thread logs the shared
-    warning, naming the ranks ``last`` returns (read only then). Costs no store
-    operation; the thread starts at the first mark of the process.
-    """
-    if not _WATCH:
-        thread = threading.Thread(target=_watch, name="fsdp_core.rank_wait", daemon=True)
-        thread.start()
-        _WATCH.append(thread)
-    limits = wait_limits(timeout_s)
-    _BLOCKED[0] = _Blocked(
-        what=what,
-        rank=rank,
-        last=last,
-        limits=WaitLimits(timeout_s, limits.warn_after_s),
-        started=time.monotonic(),
-        ends_at=time.time() + timeout_s,
-        warn_in=limits.warn_after_s,
-    )
-    try:
-        yield
-    finally:
-        _BLOCKED[0] = None

@@ -1,44 +1,32 @@
-"""Every rank agrees on a forward of the model before any collective of it runs.
+"""What a rank brings to the agreement before each forward: its step.
 
 FSDP2 turns each forward and backward of a sharded model into collectives that every
-rank of the mesh must issue alike. Some mistakes make the ranks' collectives differ with
-nothing noticing in time:
+rank must issue alike. Some mistakes make the ranks' collectives differ with nothing
+noticing in time:
 
 - gradient accumulation with a different number of micro-batches per rank: one rank
   reduce-scatters while another accumulates (gloo aborts the process with
   ``EnforceNotMet``, NCCL hangs);
 - a rank whose batch is empty: the model fails inside (transformers' attention cannot
   reshape zero rows) while the other ranks wait in the next all-gather;
-- a forward that some ranks run with gradients and others without, or a forward some
-  ranks run and others not, when the ranks meet at the next forward.
+- a forward that some ranks run with gradients and others without.
 
-Forwards of ``generate()`` (a forward without gradients that carries a key-value cache:
-``cache``, ``past_key_values`` or ``cache_position``) agree on nothing: ranks with images
-compute image features before them, with collectives of their own (a schedule checkpoint,
-a balanced exchange), that an agreement on the other ranks would meet; every rank runs
-the generation steps alike. A ``generate()`` call itself is checked by the
-``forward_arrival`` hook (an empty prompt on some rank included).
+So before each forward of the model, the
+[forward agreement][fsdp_core.forward_agreement] hook says this rank's
+[RankStep][fsdp_core.step_agreement.RankStep] (whether gradients are on, how many units
+will reduce their gradients in this micro-batch's backward, whether the batch is empty,
+which forward and which micro-batch of its step this is) at the ranks' meeting point
+([rank_agreement][fsdp_core.rank_agreement]: through the c10d store, no collective).
+When the ranks differ, every rank raises the same
+[StepMismatchError][fsdp_core.step_agreement.StepMismatchError] (or
+[EmptyBatchError][fsdp_core.step_agreement.EmptyBatchError]), built from their steps by
+[mismatch_error][fsdp_core.step_agreement.mismatch_error], before any collective of the
+forward.
 
-Before each forward of the model (ahead of the other runtime hooks), every rank puts a
-few integers in one all-reduce (MAX over the ranks that run the model's forward
-together: the data-parallel mesh and any TP, CP or EP dimension, see
-[ParallelDims.lockstep_mesh][fsdp_core.parallel_dims.ParallelDims.lockstep_mesh]; ten
-int64 per mesh dimension, and a host sync): whether gradients are on, how many units will
-reduce their gradients in this micro-batch's backward (``set_requires_gradient_sync``), whether the
-batch is empty, how many forwards of the model it ran and which micro-batch of its step
-this is. When they differ, a second all-reduce collects each rank's values and every
-rank raises the same [StepMismatchError][fsdp_core.step_agreement.StepMismatchError] (or
-[EmptyBatchError][fsdp_core.step_agreement.EmptyBatchError]), built from them, before any
-collective of the forward: the process group stays usable. A rank that waits in that
-all-reduce for ranks that have not made the forward (a training forward on some ranks
-only) logs the shared warning of [rank_wait][fsdp_core.rank_wait] after a minute, naming
-them and their last calls of the model; the process group's timeout ends the wait.
-
-The gradient sync flag therefore counts at the forward. A flag changed between a
-forward and its backward is set back for that backward (so the ranks' backwards match
-what they agreed), with a warning, and the next forward raises ``StepMismatchError`` on
-every rank. A forward inside a backward (activation-checkpoint recomputation) agrees on
-nothing: every rank recomputes alike.
+The gradient sync flag therefore counts at the forward
+([StepState][fsdp_core.step_agreement.StepState]). A flag changed between a forward and
+its backward is set back for that backward (so the ranks' backwards match what they
+agreed), with a warning, and the next forward raises ``StepMismatchError`` on every rank.
 
 One more mistake is silent: backwards with gradient sync off and no backward with it on
 before ``optimizer.step()``. The sharded gradients were never reduced, so the step
@@ -50,44 +38,36 @@ every rank raises.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import astuple, dataclass
 from typing import Any, Final
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import internals
-from fsdp_core.mesh import all_reduce_max_over_mesh, mesh_device
-from fsdp_core.rank_wait import in_collective
-from fsdp_core.runtime import BackwardWatch, installed_hooks
+from fsdp_core.runtime import BackwardWatch
 
 __all__ = [
-    "AGREEMENT_BYTES",
     "EmptyBatchError",
     "RankStep",
-    "StepAgreement",
     "StepMismatchError",
+    "StepState",
     "UnreducedGradientsError",
-    "install_step_agreement",
     "is_empty_batch",
+    "mismatch_error",
 ]
 
 logger = logging.getLogger(__name__)
 
 _LISTED: Final = 8
 #: Keywords of a forward inside transformers' ``generate()`` (5.x passes ``cache``).
-_GENERATION_KEYS: Final = ("cache", "past_key_values", "cache_position")
-#: Bytes of the all-reduce (per mesh dimension) every forward of the model costs.
-AGREEMENT_BYTES: Final = 10 * 8
+GENERATION_KEYS: Final = ("cache", "past_key_values", "cache_position")
 #: What the ranks should do about uneven micro-batch counts (quoted by the errors).
 _EVEN_COUNTS: Final = (
     "Give every rank the same number of micro-batches per optimizer step (for example "
@@ -132,33 +112,25 @@ class RankStep:
     #: 1 when gradient sync changed between the last forward and its backward.
     changed: int
 
-    def summary(self) -> list[int]:
-        """The values whose maxima tell whether every rank agrees (min as -max(-x))."""
-        return [
-            self.grad,
-            1 - self.grad,
-            self.sync,
-            -self.sync,
-            self.empty,
-            self.forwards,
-            -self.forwards,
-            self.micro,
-            -self.micro,
-            self.changed,
-        ]
+    def text(self) -> str:
+        """The step as the agreement carries it."""
+        return ",".join(map(str, astuple(self)))
+
+    @classmethod
+    def parse(cls, text: str) -> RankStep:
+        return cls(*(int(value) for value in text.split(",")))
 
 
-def _agrees(summary: Sequence[int]) -> bool:
-    grad, no_grad, sync, neg_sync, empty, forwards, neg_forwards, micro, neg_micro, changed = (
-        summary
-    )
-    return (
-        not (grad and no_grad)
-        and sync == -neg_sync
-        and not empty
-        and forwards == -neg_forwards
-        and micro == -neg_micro
-        and not changed
+def agrees(steps: Sequence[RankStep]) -> bool:
+    """Whether ranks that said ``steps`` run the same forward, none with an empty batch
+    and none with gradient sync changed since its last forward."""
+    first = steps[0]
+    return all(
+        (s.grad, s.sync, s.forwards, s.micro)
+        == (first.grad, first.sync, first.forwards, first.micro)
+        and not s.empty
+        and not s.changed
+        for s in steps
     )
 
 
@@ -259,28 +231,16 @@ def mismatch_error(table: Mapping[int, RankStep]) -> Exception:
     )
 
 
-class StepAgreement:
-    """The installed agreement (see the module docstring), put on the sharded ``model`` by
-    its constructor. ``agreements`` counts the forwards it agreed on."""
+class StepState:
+    """This rank's step as the agreement before each forward of ``model`` sees it (see the
+    module docstring); ``forwards`` counts the forwards that said it."""
 
-    name: str = "step_agreement"
-
-    def __init__(self, model: nn.Module, *, mesh: DeviceMesh) -> None:
+    def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.mesh = mesh
         self._units: list[FSDPModule] = [
             unit for unit in internals.distinct_units(model) if internals.param_groups(unit)
         ]
-        self._ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
-        self._device = mesh_device(mesh)
-        #: The mesh group's timeout, which ends a wait in the agreement's all-reduce
-        #: (``None`` where no other process takes part: nothing to wait for).
-        self._timeout_s: float | None = None
-        if dist.is_initialized() and len(self._ranks) > 1 and dist.get_backend() != "fake":
-            group = mesh.get_group(mesh.ndim - 1)
-            self._timeout_s = internals.process_group_timeout(group).total_seconds()
         self.forwards = 0
-        self.agreements = 0
         self._micro = 0
         #: Per-unit gradient sync as agreed at the last forward with gradients.
         self._agreed: tuple[bool, ...] | None = None
@@ -288,25 +248,19 @@ class StepAgreement:
         self._in_backward = False
         #: Whether the last backward left gradients unreduced (gradient sync off).
         self.unreduced = False
-        self._handles: list[RemovableHandle] = [
-            model.register_forward_pre_hook(self._before_forward, prepend=True, with_kwargs=True)
-        ]
         self._watch: BackwardWatch | None = BackwardWatch(model, self._on_backward)
-        _AGREEMENTS.add(self)
+        _STATES.add(self)
         _install_step_check()
 
-    # ------------------------------------------------------------------ forward
     def _flags(self) -> tuple[bool, ...]:
         return tuple(internals.reduces_gradients(unit) for unit in self._units)
 
-    def _before_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if internals.in_backward():
-            return  # a recomputation inside backward: every rank runs it alike
+    def before_forward(self, args: Any, kwargs: Mapping[str, Any]) -> RankStep | None:
+        """The step of the forward about to run, or ``None`` for a generation step (a
+        forward without gradients that carries a key-value cache), which says nothing."""
         grad = torch.is_grad_enabled()
-        if not grad and any(kwargs.get(key) is not None for key in _GENERATION_KEYS):
-            # A generation step: ranks with images ran the tower before it (image
-            # features), with collectives of its own, and every rank runs the steps alike.
-            return
+        if not grad and any(kwargs.get(key) is not None for key in GENERATION_KEYS):
+            return None
         self.forwards += 1
         flags = self._flags() if grad else ()
         if grad:
@@ -322,51 +276,8 @@ class StepAgreement:
             changed=int(self._changed),
         )
         self._changed = False
-        self.agree(mine)
+        return mine
 
-    def agree(self, mine: RankStep) -> None:
-        """Raise on every rank unless every rank of the mesh said the same as ``mine``
-        (one all-reduce; a second one, to name the ranks, only when they differ)."""
-        self.agreements += 1
-        summary = torch.tensor(mine.summary(), dtype=torch.int64, device=self._device)
-        with self._waiting(mine.forwards):
-            all_reduce_max_over_mesh(summary, self.mesh)
-            agreed = _agrees(summary.tolist())  # the host waits here on a GPU
-        if agreed:
-            return
-        me = self._ranks.index(torch.distributed.get_rank()) if len(self._ranks) > 1 else 0
-        rows = torch.full(
-            (len(self._ranks), len(astuple(mine))), -1, dtype=torch.int64, device=self._device
-        )
-        rows[me] = torch.tensor(astuple(mine), dtype=torch.int64)
-        all_reduce_max_over_mesh(rows, self.mesh)
-        table = {
-            rank: RankStep(*row)
-            for rank, row in zip(self._ranks, rows.tolist(), strict=True)
-            if min(row) >= 0  # a rank that wrote nothing: only under the fake group
-        }
-        raise mismatch_error(table)
-
-    @contextlib.contextmanager
-    def _waiting(self, forward: int) -> Iterator[None]:
-        """The agreement's all-reduce, marked as a wait for the other ranks: a training
-        forward on some ranks only waits there, and is warned about (see
-        [rank_wait][fsdp_core.rank_wait]) with what the ``forward_arrival`` hook knows
-        of the other ranks' calls."""
-        if self._timeout_s is None:
-            yield
-            return
-        arrival = installed_hooks(self.model).get("forward_arrival")
-        behind = getattr(arrival, "behind", dict)
-        with in_collective(
-            f"the agreement before forward #{forward} of the model (an all-reduce over its mesh)",
-            rank=dist.get_rank(),
-            timeout_s=self._timeout_s,
-            last=behind,
-        ):
-            yield
-
-    # ----------------------------------------------------------------- backward
     def _on_backward(self) -> None:
         if self._in_backward:
             return
@@ -392,27 +303,18 @@ class StepAgreement:
         if reduced:
             self._micro = 0
 
-    # ---------------------------------------------------------------- optimizer
     def holds_parameters_of(self, optimizer: torch.optim.Optimizer) -> bool:
         mine = {id(p) for p in self.model.parameters()}
         return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
         if self._watch is not None:
             self._watch.remove()
             self._watch = None
-        _AGREEMENTS.discard(self)
+        _STATES.discard(self)
 
 
-def install_step_agreement(model: nn.Module, *, mesh: DeviceMesh) -> StepAgreement:
-    """Install the agreement on a sharded ``model`` (see the module docstring)."""
-    return StepAgreement(model, mesh=mesh)
-
-
-_AGREEMENTS: weakref.WeakSet[StepAgreement] = weakref.WeakSet()
+_STATES: weakref.WeakSet[StepState] = weakref.WeakSet()
 _STEP_HOOK: list[RemovableHandle] = []
 
 
@@ -423,9 +325,9 @@ def _install_step_check() -> None:
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    for agreement in list(_AGREEMENTS):
-        if agreement.unreduced and agreement.holds_parameters_of(optimizer):
-            sync_now = any(agreement._flags())
+    for state in list(_STATES):
+        if state.unreduced and state.holds_parameters_of(optimizer):
+            sync_now = any(state._flags())
             when = (
                 "gradient sync is on again, but it was off during the last backward"
                 if sync_now

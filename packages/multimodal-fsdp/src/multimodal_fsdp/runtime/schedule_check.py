@@ -34,19 +34,17 @@ A tower with one layer stack still costs one checkpoint per call (at its stack's
 unit instead of its entry); a region call that runs no unit costs none (it issued no
 collective).
 
-At each such checkpoint all ranks all-reduce one 16-byte tensor (the position:
-which module, which call of it in this forward) over the data-parallel mesh. If
-the positions differ, the ranks share where each of them is (one more all-reduce,
-only then) and every rank raises the same
-[`UnevenMediaError`][multimodal_fsdp.runtime.schedule_check.UnevenMediaError] at that same
-collective, naming where each rank is and what to change; no mismatched collective has been
-issued. Between checkpoints the ranks run the same units. Forwards inside backward
+At each such checkpoint the ranks meet at the model's
+[agreement][fsdp_core.rank_agreement] (the c10d store, no collective), each saying its
+position (which module, which call of it in this forward), in the same numbered sequence
+as the forward agreement before each call. If the positions differ, every rank raises
+the same [`UnevenMediaError`][multimodal_fsdp.runtime.schedule_check.UnevenMediaError],
+naming where each rank is and what to change; no mismatched collective has been issued.
+Between checkpoints the ranks run the same units. Forwards inside backward
 (activation-checkpoint recomputation) are not checked: they repeat a forward that was.
 
-The schedule plan ([`ScheduleLayout`][multimodal_fsdp.runtime.schedule_check.ScheduleLayout]) is
-data, so the hook's cost model
-([`collectives`][multimodal_fsdp.runtime.schedule_check.ScheduleCheckRuntimeHook.collectives])
-counts its collectives exactly
+The schedule plan ([`ScheduleLayout`][multimodal_fsdp.runtime.schedule_check.ScheduleLayout])
+is data: the plan says how many checkpoints (store meetings) one forward costs
 ([`checkpoints_per_forward`][multimodal_fsdp.runtime.schedule_check.ScheduleLayout.checkpoints_per_forward]).
 """
 
@@ -57,17 +55,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
-import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import ShardingPlan
-from fsdp_core.collective_count import CommTally
 from fsdp_core.containers import is_module_container, is_under, unwrap_module
 from fsdp_core.internals import GRAPH_TASK, Probe, in_backward
-from fsdp_core.mesh import all_reduce_max_over_mesh, mesh_device
-from fsdp_core.runtime import HookStep, RuntimeHook
+from fsdp_core.rank_agreement import Meeting, RankAgreement, agreement_of, kind_of, payload_of
+from fsdp_core.runtime import RuntimeHook
 
 if TYPE_CHECKING:
     from fsdp_core.parallel_dims import ParallelDims
@@ -78,7 +73,6 @@ __all__ = [
     "ScheduleCheckRuntimeHook",
     "ScheduleLayout",
     "UnevenMediaError",
-    "install_schedule_check",
     "plan_schedule_layout",
 ]
 
@@ -86,10 +80,11 @@ logger = logging.getLogger(__name__)
 
 NAME = "schedule_check"
 
-#: Bytes of one checkpoint's all-reduce (two int64 values) per mesh dimension.
-CHECKPOINT_BYTES: Final[int] = 2 * 8
+#: The kind of this hook's values at the agreement.
+POSITION: Final = "media"
 
 _CALL_BITS = 24  # the call ordinal's share of a position token
+_AT_CALL: Final = -2  # the "position" of a rank that is at a call of the model
 
 
 class UnevenMediaError(RuntimeError):
@@ -251,9 +246,12 @@ class ScheduleCheck:
 
     name: str = NAME
 
-    def __init__(self, model: nn.Module, layout: ScheduleLayout, *, mesh: DeviceMesh) -> None:
+    def __init__(self, model: nn.Module, layout: ScheduleLayout, agreement: RankAgreement) -> None:
         self.layout = layout
-        self.mesh = mesh
+        self.agreement = agreement
+        # A position explains a meeting before a call does: a rank with one tower call
+        # more meets the others' next call there.
+        agreement.register(POSITION, self._explain, self._describe_value, first=True)
         self._parts = dict(layout.parts)
         self._calls: list[int] = []
         self._armed = True
@@ -293,26 +291,32 @@ class ScheduleCheck:
         self._calls[site] += 1
         self.last_checkpoints += 1
         token = (site << _CALL_BITS) + min(self._calls[site], (1 << _CALL_BITS) - 1)
-        both = torch.tensor([token, -token], dtype=torch.int64, device=mesh_device(self.mesh))
-        all_reduce_max_over_mesh(both, self.mesh)
-        high, low = int(both[0].item()), -int(both[1].item())
-        if high != low:
-            raise UnevenMediaError(self._message(self._positions(token)))
+        self.agreement.meet(
+            POSITION, str(token), what=f"the media checkpoint {self._describe(token)}"
+        )
 
-    def _positions(self, token: int) -> list[tuple[int, int]]:
-        """(global rank, position token) of every rank of the mesh: one more all-reduce,
-        made only once the ranks know they disagree, so that all raise the same error."""
-        ranks = [int(rank) for rank in self.mesh.mesh.flatten().tolist()]
-        table = torch.full((len(ranks),), -1, dtype=torch.int64, device=mesh_device(self.mesh))
-        coordinate = self.mesh.get_coordinate() or [0] * self.mesh.ndim
-        flat = 0
-        for dim, position in enumerate(coordinate):
-            flat = flat * self.mesh.size(dim) + position
-        table[flat] = token
-        all_reduce_max_over_mesh(table, self.mesh)
-        return list(zip(ranks, (int(value) for value in table.tolist()), strict=True))
+    def _token(self, value: str) -> int:
+        """The position of a value; -2 for a rank at a call of the model instead."""
+        return int(payload_of(value)) if kind_of(value) == POSITION else _AT_CALL
+
+    def _explain(self, meeting: Meeting) -> Exception | None:
+        """``UnevenMediaError`` when the ranks' positions differ (a rank at a call of the
+        model counts as at no checkpoint)."""
+        values = dict(meeting.values)
+        if len(set(values.values())) <= 1 and not (meeting.timed_out_s and meeting.elsewhere):
+            return None
+        positions = [
+            (r, self._token(values[r]) if r in values else -1)
+            for r in sorted({*values, *meeting.elsewhere})
+        ]
+        return UnevenMediaError(self._message(positions))
+
+    def _describe_value(self, value: str) -> str:
+        return f"the media checkpoint {self._describe(self._token(value))}"
 
     def _describe(self, token: int) -> str:
+        if token == _AT_CALL:
+            return "done with this forward's media (at the model's next call)"
         if token < 0:
             return "nowhere known"
         site, call = token >> _CALL_BITS, token & ((1 << _CALL_BITS) - 1)
@@ -409,6 +413,7 @@ class ScheduleCheck:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.agreement.unregister(POSITION)
 
 
 def _covered(path: str, layout: ScheduleLayout) -> bool:
@@ -453,23 +458,10 @@ def _ranks(ranks: list[int], shown: int = 8) -> str:
     return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
-def install_schedule_check(
-    model: nn.Module, layout: ScheduleLayout, *, mesh: DeviceMesh
-) -> ScheduleCheck:
-    """Install the checkpoints of ``layout`` on a sharded ``model``."""
-    check = ScheduleCheck(model, layout, mesh=mesh)
-    logger.info(
-        "schedule check on %d media regions: %s",
-        len(layout.regions),
-        [region.path for region in layout.regions],
-    )
-    return check
-
-
 @dataclass(frozen=True)
 class ScheduleCheckRuntimeHook(RuntimeHook):
     """The ``schedule_check`` runtime hook; its plan data: the schedule layout, computed
-    once when the plan is made."""
+    once when the plan is made. It issues no collective."""
 
     name: ClassVar[str] = NAME
     reads: ClassVar[tuple[Probe, ...]] = (GRAPH_TASK,)
@@ -477,16 +469,12 @@ class ScheduleCheckRuntimeHook(RuntimeHook):
     layout: ScheduleLayout
 
     def install(self, model: nn.Module, *, dims: ParallelDims) -> ScheduleCheck:
-        """The checkpoints agree over ``dims.lockstep_mesh``: every rank that runs the
+        """The checkpoints agree over ``dims.lockstep_ranks()``: every rank that runs the
         model's forward, whose collectives in a media region (FSDP's, and TP's, CP's or
         EP's in the modules there) hang when some rank's media differ."""
-        return install_schedule_check(model, self.layout, mesh=dims.lockstep_mesh)
-
-    def collectives(self, step: HookStep) -> CommTally:
-        """The checkpoints of one forward (every region runs once): one all-reduce of
-        ``CHECKPOINT_BYTES`` per lockstep mesh dimension each, on every rank whatever
-        the media, so the plan alone counts them (a single rank checks nothing)."""
-        tally = CommTally()
-        for _ in range(self.layout.checkpoints_per_forward() * step.lockstep_dims):
-            tally.add("forward", "all_reduce", CHECKPOINT_BYTES)
-        return tally
+        logger.info(
+            "schedule check on %d media regions: %s",
+            len(self.layout.regions),
+            [region.path for region in self.layout.regions],
+        )
+        return ScheduleCheck(model, self.layout, agreement_of(model, dims))

@@ -1,22 +1,34 @@
-"""The multimodal runtime hooks of a plan, planned from the finished plan, its record and
-the discovery it was made from (after the core hooks, see ``fsdp_core._core_hooks``)."""
+"""Which multimodal runtime hooks a plan gets, and the hook object of each plan entry.
+
+``media_hook_plans`` plans them from the finished plan, its record and the discovery it
+was made from (after the core hooks, see ``fsdp_core.hook_planning``). The estimates ask
+each entry's hook object what it costs
+([`RuntimeHook.collectives`][fsdp_core.runtime.RuntimeHook.collectives]);
+``planned_hooks`` gives them those objects: the one a plan made by ``plan()`` carries, else
+(an entry built by hand) one rebuilt here, above the hooks and below the estimates, so
+that no estimate imports a hook module: the core hooks without plan data from their name,
+the schedule check laid out from the plan's record of its media regions. Anything else
+stays without an object and costs nothing.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from torch import nn
+
 from fsdp_core import ShardingPlan
+from fsdp_core.accumulation import AccumulationWarmupRuntimeHook
 from fsdp_core.containers import is_under
-from fsdp_core.runtime import HookPlan
+from fsdp_core.runtime import HookPlan, RuntimeHook
+from fsdp_core.unused_params import UnusedParamsRuntimeHook
 from multimodal_fsdp.model_discovery import Discovery
-from multimodal_fsdp.record import MultimodalRecord
+from multimodal_fsdp.record import MultimodalRecord, media_regions_of, plan_record
 from multimodal_fsdp.runtime.balance_media import BalanceMediaRuntimeHook
 from multimodal_fsdp.runtime.prefetch_guard import PrefetchGuardRuntimeHook, frozen_unit_labels
-from multimodal_fsdp.runtime.schedule_check import (
-    CHECKPOINT_BYTES,
-    ScheduleCheckRuntimeHook,
-    plan_schedule_layout,
-)
+from multimodal_fsdp.runtime.schedule_check import ScheduleCheckRuntimeHook, plan_schedule_layout
 
-__all__ = ["guarded_frozen_units", "media_hook_plans"]
+__all__ = ["guarded_frozen_units", "media_hook_plans", "planned_hooks"]
 
 
 def media_hook_plans(
@@ -58,10 +70,10 @@ def media_hook_plans(
                 "call, so uneven media fail on every rank with UnevenMediaError instead "
                 "of hanging",
                 targets=[r.path for r in layout.regions],
-                cost=f"{layout.checkpoints_per_forward()} all-reduces of "
-                f"{CHECKPOINT_BYTES} bytes and host syncs per forward (one call of each "
-                "region, running all its encoders); one more per extra region call "
-                "(per encoder it runs, for a region holding several)",
+                cost=f"no collective: {layout.checkpoints_per_forward()} meetings at the "
+                "c10d store per forward (one call of each region, running all its "
+                "encoders); one more per extra region call (per encoder it runs, for a "
+                "region holding several)",
             )
         )
     towers = list(record.balanced_towers)
@@ -108,3 +120,41 @@ def guarded_frozen_units(found: Discovery, plan: ShardingPlan) -> list[str]:
         for label in labels
         if all(any(is_under(path, tower) for tower in towers) for path in paths[label])
     ]
+
+
+def planned_hooks(
+    plan: ShardingPlan, model: nn.Module
+) -> tuple[tuple[HookPlan, RuntimeHook | None], ...]:
+    """Each hook entry of ``plan``, in the plan's order, with its hook object: the one the
+    plan carries, else the one rebuilt for a hand-built entry (see the module doc), else
+    ``None``."""
+    return tuple(
+        (planned, planned.hook if planned.hook is not None else _rebuilt(planned, plan, model))
+        for planned in plan.hooks
+    )
+
+
+def _schedule_check(plan: ShardingPlan, model: nn.Module) -> RuntimeHook | None:
+    """The schedule check laid out from the media regions the plan's record names (none
+    without a record or a region)."""
+    record = plan_record(plan)
+    if record is None:
+        return None
+    regions = media_regions_of(
+        record.parts, record.conditional_layers, plan, balanced=record.balanced_towers
+    )
+    layout = plan_schedule_layout(model, plan, regions)
+    return None if layout is None else ScheduleCheckRuntimeHook(layout)
+
+
+#: Per hook name, how a hand-built entry's object is rebuilt from the plan and model.
+_REBUILD: dict[str, Callable[[ShardingPlan, nn.Module], RuntimeHook | None]] = {
+    AccumulationWarmupRuntimeHook.name: lambda _plan, _model: AccumulationWarmupRuntimeHook(),
+    UnusedParamsRuntimeHook.name: lambda _plan, _model: UnusedParamsRuntimeHook(),
+    ScheduleCheckRuntimeHook.name: _schedule_check,
+}
+
+
+def _rebuilt(planned: HookPlan, plan: ShardingPlan, model: nn.Module) -> RuntimeHook | None:
+    rebuild = _REBUILD.get(planned.name)
+    return None if rebuild is None else rebuild(plan, model)

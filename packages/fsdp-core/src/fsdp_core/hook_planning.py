@@ -1,6 +1,6 @@
-"""The runtime hooks every ``ModelParallelizer`` plan may get, planned from the finished
-plan: the step agreement and usage flags for units with trainable parameters, the
-entry unshard of modules called outside the forward, and forward arrival (last)."""
+"""Which runtime hooks a ``ModelParallelizer`` plan gets, planned from the finished plan:
+the accumulation warm-up and usage flags for units with trainable parameters, the entry
+unshard of modules called outside the forward, and the forward agreement (last)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,22 @@ from torch import nn
 
 from fsdp_core.accumulation import AccumulationWarmupRuntimeHook
 from fsdp_core.entry_unshard import EntryUnshardRuntimeHook, entry_owners
-from fsdp_core.forward_arrival import ForwardArrivalRuntimeHook
+from fsdp_core.expert_parallel import expert_grad_reduce_plans
+from fsdp_core.forward_agreement import ForwardAgreementRuntimeHook
 from fsdp_core.plan import ShardingPlan, unit_parameters
 from fsdp_core.runtime import HookPlan
 from fsdp_core.unused_params import UnusedParamsRuntimeHook
 
-__all__ = ["core_hook_plans", "forward_arrival_hook", "is_entry"]
+__all__ = ["core_hook_plans", "forward_agreement_hook", "is_entry"]
 
 
 def core_hook_plans(model: nn.Module, plan: ShardingPlan, entry_paths: list[str]) -> list[HookPlan]:
     """``accumulation_warmup`` and ``unused_params`` when a unit holds trainable
     parameters, then ``entry_unshard`` for the ``entry_paths`` that own units."""
-    entries = _entry_hooks(entry_owners(model, plan, entry_paths), plan)
+    entries = [
+        *_entry_hooks(entry_owners(model, plan, entry_paths), plan),
+        *expert_grad_reduce_plans(model, plan.ignored_param_names),
+    ]
     trainable = [
         unit.label
         for unit, params in zip(plan.units, unit_parameters(plan, model), strict=True)
@@ -30,11 +34,10 @@ def core_hook_plans(model: nn.Module, plan: ShardingPlan, entry_paths: list[str]
     return [
         AccumulationWarmupRuntimeHook().planned(
             reason="no-sync backwards stay valid when a unit has not run yet or a "
-            "parameter is first reached by a later micro-batch; before each forward "
-            "the ranks agree on the micro-batch, gradient sync and a non-empty batch",
+            "parameter is first reached by a later micro-batch",
             targets=trainable,
-            cost="one 80-byte all-reduce and a host sync per forward (the step "
-            "agreement); one all-gather per never-gathered unit, once, in no-sync steps",
+            cost="no collective in an ordinary step; one all-gather per never-gathered "
+            "unit, once, in no-sync steps",
         ),
         UnusedParamsRuntimeHook().planned(
             reason="ranks that skip part of a unit send zeros in its reduce-scatter; "
@@ -71,14 +74,14 @@ def _entry_hooks(owners: dict[str, tuple[int, ...]], plan: ShardingPlan) -> list
     ]
 
 
-def forward_arrival_hook() -> HookPlan:
+def forward_agreement_hook() -> HookPlan:
     """Planned last, so that its forward pre-hook runs before every other hook's (each
     is put in front) and before any collective of the forward."""
-    return ForwardArrivalRuntimeHook().planned(
-        reason="a forward, eval or generate() run on some ranks only fails on every rank "
-        "with an error naming the ranks and their calls, instead of hanging",
+    return ForwardAgreementRuntimeHook().planned(
+        reason="before each call of the model (forward, eval, generate()) the ranks agree "
+        "on the call, the micro-batch, gradient sync and a non-empty batch: a call on some "
+        "ranks only or uneven steps fail on every rank with an error naming the ranks, "
+        "instead of hanging",
         targets=["<root>"],
-        cost="no collective: a training forward writes one store key; a forward without "
-        "gradients, in eval mode or generate() waits for every rank at the c10d store "
-        "(about three store round trips)",
+        cost="no collective: five or six round trips to the c10d store per call",
     )

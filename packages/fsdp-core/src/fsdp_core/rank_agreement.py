@@ -1,0 +1,292 @@
+"""The one agreement of the ranks that run a model's forward together: the divergence guard.
+
+Under FSDP every call of a sharded model is collective, and so is every point where the
+ranks' schedules may part (a tower that runs only with images). The runtime hooks that
+guard those points (the forward agreement before each call of the model, the schedule
+check at media checkpoints) all *meet* here: each rank says what it is about to do (a
+short text: a kind, then what the hook needs) at the model's next numbered point, and
+every rank goes on only when every lockstep rank
+([ParallelDims.lockstep_ranks][fsdp_core.parallel_dims.ParallelDims.lockstep_ranks]: all
+dimensions but PP) said something the hook of that kind accepts. Otherwise every rank
+raises the same exception, built once from what the ranks said, before any collective of
+the point was issued: the process group stays usable.
+
+It goes through the process group's c10d store, never a collective: no extra collective
+and no device synchronisation per step. Per point, a rank writes its value and adds to
+the point's count (2 store round trips), the last to arrive reads every value (1) and
+records the decision (1), and each rank reads it (1 to 2, after the shared wait of
+[rank_wait][fsdp_core.rank_wait], which warns after a minute naming the ranks that have
+not arrived and gives up after the process group's timeout unless
+``FSDP_CORE_RANK_WAIT_TIMEOUT_S`` says otherwise). A rank that comes to a point the
+others gave up on raises their error instead of running on alone. Under the ``fake``
+backend, without a process group or on one rank, a rank meets itself: the hooks still
+reject what one rank can see (an empty batch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sys
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Final
+
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_core.internals import process_group_timeout
+from fsdp_core.rank_wait import wait_for_ranks, wait_limits
+
+if TYPE_CHECKING:
+    from fsdp_core.parallel_dims import ParallelDims
+
+__all__ = ["Meeting", "RankAgreement", "agreement_of"]
+
+logger = logging.getLogger(__name__)
+
+_PREFIX: Final = "fsdp_core/agreement"
+_GO: Final = "go"
+
+
+@dataclass(frozen=True)
+class Meeting:
+    """What the ranks said at one point: ``values`` of the ranks there, ``elsewhere`` the
+    others' last point and value (point -1: the rank has not sharded the model yet; 0:
+    it met nowhere yet); ``timed_out_s`` is set once the wait for them ended."""
+
+    point: int
+    values: Mapping[int, str]
+    elsewhere: Mapping[int, tuple[int, str]]
+    timed_out_s: float | None = None
+
+
+#: Builds the error of a meeting (``None``: the ranks agree, or may still).
+Explain = Callable[[Meeting], Exception | None]
+#: Says what a rank's last value means, for the waiting rank's warning.
+Describe = Callable[[str], str]
+
+
+def kind_of(value: str) -> str:
+    """The kind of a value (its text before the first ``|``)."""
+    return value.partition("|")[0]
+
+
+def payload_of(value: str) -> str:
+    """A value without its kind."""
+    return value.partition("|")[2]
+
+
+def _encode(error: Exception) -> str:
+    kind = type(error)
+    return f"{kind.__module__}:{kind.__qualname__}|{error}"
+
+
+def _decode(text: str) -> Exception:
+    """The exception a decision names, of its type where this process has it loaded."""
+    from fsdp_core.collective_entry import CollectiveCallError
+
+    name, _, message = text.partition("|")
+    module, _, qualname = name.partition(":")
+    owner: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        owner = getattr(owner, part, None)
+    if isinstance(owner, type) and issubclass(owner, Exception):
+        try:
+            return owner(message)
+        except Exception:  # a type that needs other arguments
+            pass
+    return CollectiveCallError(message)
+
+
+class RankAgreement:
+    """The numbered meeting points of one sharded model's ``ranks`` (see the module
+    docstring). Hooks register how they explain and describe their kind of value;
+    ``points`` counts this rank's points."""
+
+    def __init__(self, ranks: tuple[int, ...], *, timeout_s: float) -> None:
+        self.ranks = ranks
+        self.timeout_s = timeout_s
+        self.points = 0
+        self.active = dist.is_initialized() and len(ranks) > 1 and dist.get_backend() != "fake"
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        #: kind -> (explain, describe); the first registered kind present explains.
+        self._kinds: dict[str, tuple[Explain, Describe]] = {}
+        self._store: Any = None
+        self._base = ""
+        self._passed = ""
+        if self.active:
+            wait_limits(timeout_s)  # a bad setting fails here, not at the first point
+            self._store = dist.group.WORLD.get_group_store()  # type: ignore[union-attr]
+            digest = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:12]
+            # One namespace per model: two sharded models of one job count separately.
+            count = self._store.add(f"{_PREFIX}/{digest}/models/{self.rank}", 1)
+            self._base = f"{_PREFIX}/{digest}/{count}"
+            self._store.set(self._status(self.rank), "0|")
+
+    def register(
+        self, kind: str, explain: Explain, describe: Describe, *, first: bool = False
+    ) -> None:
+        """How values of ``kind`` are explained and described; ``first``: this kind
+        explains a meeting where it is present before any kind registered earlier."""
+        entry = (explain, describe)
+        self._kinds = {kind: entry, **self._kinds} if first else {**self._kinds, kind: entry}
+
+    def unregister(self, kind: str) -> None:
+        self._kinds.pop(kind, None)
+
+    # ----------------------------------------------------------------- meeting
+    def meet(self, kind: str, payload: str, *, what: str) -> None:
+        """Meet the other ranks at the next point, saying ``kind|payload``; ``what`` names
+        the point in the warning of a long wait.
+
+        Raises:
+            Exception: the error the registered hooks built from what the ranks said (the
+                same on every rank), or ``CollectiveCallError`` for ranks that did not come.
+        """
+        self.points += 1
+        point = self.points
+        value = f"{kind}|{payload}"
+        if not self.active:
+            error = self._explain(Meeting(point, self._local(value), {}))
+            if error is not None:
+                raise error
+            return
+        store = self._store
+        store.set(self._status(self.rank), f"{point}|{value}")
+        key = f"{self._base}/point/{point}"
+        limits = wait_limits(self.timeout_s)
+        if store.add(f"{key}/count", 1) == len(self.ranks):
+            self._decide(key, self._meeting(point))
+
+        def look() -> None:
+            meeting = self._meeting(point)
+            if len(set(meeting.values.values())) > 1:
+                self._decide(key, meeting)
+
+        met = wait_for_ranks(
+            store,
+            f"{key}/done",
+            what=what,
+            rank=self.rank,
+            limits=limits,
+            last=lambda: self._behind(point),
+            look=look,
+        )
+        if not met:
+            meeting = replace(self._meeting(point), timed_out_s=limits.timeout_s)
+            if meeting.elsewhere:
+                self._decide(key, meeting)
+            store.wait([f"{key}/done"])  # every rank came: the last one is deciding
+        decision = store.get(f"{key}/done").decode()
+        if decision != _GO:
+            raise _decode(decision)
+        if self.rank == self.ranks[0]:
+            # Every rank added to this point's count after reading the previous point's
+            # decision: the previous point's keys are not read again.
+            if self._passed:
+                store.delete_key(f"{self._passed}/count")
+                store.delete_key(f"{self._passed}/done")
+            self._passed = key
+
+    def _local(self, value: str) -> dict[int, str]:
+        """The values of a meeting with no other process (a test plays other ranks here)."""
+        return {self.rank: value}
+
+    def _decide(self, key: str, meeting: Meeting) -> None:
+        """Record the decision of ``meeting`` (unless it may still go well); the first
+        decision recorded wins."""
+        complete = not meeting.elsewhere
+        error = self._explain(meeting)
+        if error is None and not complete:
+            return
+        decision = _GO if error is None else _encode(error)
+        self._store.compare_set(f"{key}/done", "", decision)
+
+    def _explain(self, meeting: Meeting) -> Exception | None:
+        """The error of ``meeting``: built by the first registered kind present; when the
+        ranks parted and it builds none, a plain one naming what each rank said."""
+        from fsdp_core.collective_entry import CollectiveCallError
+
+        values = meeting.values
+        parted = len(set(values.values())) > 1 or (
+            meeting.timed_out_s is not None and bool(meeting.elsewhere)
+        )
+        present = {kind_of(v) for v in values.values()}
+        explain = next((e for kind, (e, _) in self._kinds.items() if kind in present), None)
+        error = explain(meeting) if explain is not None else None
+        if error is not None or not parted:
+            return error
+        said = "; ".join(f"rank {r}: {self._describe(v)}" for r, v in values.items())
+        missing = sorted(meeting.elsewhere)
+        return CollectiveCallError(
+            f"the ranks {list(self.ranks)} of a sharded model parted at point {meeting.point} "
+            f"({said}" + (f"; ranks {missing} did not come" if missing else "") + ")"
+        )
+
+    def _describe(self, value: str) -> str:
+        entry = self._kinds.get(kind_of(value))
+        return entry[1](value) if entry is not None else value
+
+    # ------------------------------------------------------------------ store
+    def _status(self, rank: int) -> str:
+        return f"{self._base}/status/{rank}"
+
+    def _statuses(self) -> dict[int, tuple[int, str]]:
+        """Each rank's last point and value; ranks that have not sharded the model yet are
+        missing. One round trip once every rank has."""
+        keys = [self._status(rank) for rank in self.ranks]
+        if self._store.check(keys):
+            raw = list(zip(self.ranks, self._store.multi_get(keys), strict=True))
+        else:
+            raw = [
+                (r, self._store.get(k))
+                for r, k in zip(self.ranks, keys, strict=True)
+                if self._store.check([k])
+            ]
+        found = {}
+        for rank, text in raw:
+            number, _, value = text.decode().partition("|")
+            found[rank] = (int(number), value)
+        return found
+
+    def _meeting(self, point: int) -> Meeting:
+        statuses = self._statuses()
+        values = {r: statuses[r][1] for r in self.ranks if statuses.get(r, (-1, ""))[0] == point}
+        elsewhere = {r: statuses.get(r, (-1, "")) for r in self.ranks if r not in values}
+        return Meeting(point, values, elsewhere)
+
+    def behind(self) -> dict[int, str]:
+        """The ranks that have not come to this rank's last point, each with what it did
+        last (empty without other processes)."""
+        return self._behind(self.points) if self.active else {}
+
+    def _behind(self, point: int) -> dict[int, str]:
+        last = {}
+        for rank, (number, value) in self._meeting(point).elsewhere.items():
+            if number < 0:
+                last[rank] = "has not sharded this model yet"
+            elif number == 0:
+                last[rank] = "made no call of the model yet"
+            else:
+                last[rank] = f"last made {self._describe(value)}"
+        return last
+
+
+_AGREEMENTS: weakref.WeakKeyDictionary[nn.Module, RankAgreement] = weakref.WeakKeyDictionary()
+
+
+def agreement_of(model: nn.Module, dims: ParallelDims) -> RankAgreement:
+    """The agreement of ``model``'s lockstep ranks, made by its first hook; every hook of
+    the model meets through it, so their points are numbered in one sequence."""
+    agreement = _AGREEMENTS.get(model)
+    ranks = dims.lockstep_ranks()
+    if agreement is None or agreement.ranks != ranks:
+        mesh = dims.dp_mesh
+        group = mesh.get_group(mesh.ndim - 1) if dist.is_initialized() else None
+        timeout = process_group_timeout(group) if group is not None else timedelta(minutes=10)
+        agreement = RankAgreement(ranks, timeout_s=timeout.total_seconds())
+        _AGREEMENTS[model] = agreement
+    return agreement
