@@ -15,7 +15,15 @@ every runtime hook read one answer instead of assuming the world is their mesh:
   and hang when their forwards differ (PP stages run other parts of the model);
 - the ranks that hold the same batch, the *data group* for media
   ([`data_group_ranks`][fsdp_core.parallel_dims.ParallelDims.data_group_ranks]): the
-  TP x CP ranks of one data-parallel coordinate.
+  TP x CP ranks of one data-parallel coordinate;
+- with expert parallelism, the ranks that hold replicas of this rank's expert shard
+  ([`expert_replica_mesh`][fsdp_core.parallel_dims.ParallelDims.expert_replica_mesh]).
+
+EP borrows its ranks from data parallelism, as torchtitan's does: the ranks along an
+``ep`` dimension hold different batches, the experts are sharded over ``ep`` (by the
+caller's EP plan, applied first) and replicated over the data-parallel dimensions, and
+every other parameter is data-parallel over the data-parallel dimensions and ``ep``
+together: FSDP shards it over their flattened mesh.
 
 CP ranks hold different tokens of the same samples, so their gradients are summed like
 the data-parallel ones: FSDP shards over the data-parallel shard dimension and CP
@@ -246,8 +254,36 @@ class ParallelDims:
         sizes = [self.size(n) for n in self.dp_names]
         return MeshShape(
             dp_replicate=sizes[0] if len(sizes) == 2 else 1,
-            dp_shard=sizes[-1] * math.prod(self.size(n) for n in self.cp_names),
+            dp_shard=sizes[-1] * math.prod(self.size(n) for n in self.folded_names),
         )
+
+    @property
+    def ep_names(self) -> tuple[str, ...]:
+        """The expert-parallel dimensions of more than one rank (EP borrows data-parallel
+        ranks: FSDP shards the non-expert parameters over them too)."""
+        return tuple(
+            n
+            for n, s in zip(self.names, self.sizes, strict=True)
+            if s > 1 and n not in self.dp_names and dimension_role(n) == "ep"
+        )
+
+    @property
+    def folded_names(self) -> tuple[str, ...]:
+        """The CP and EP dimensions, in mesh order: FSDP shards over them together with
+        the data-parallel shard dimension."""
+        folded = set(self.cp_names) | set(self.ep_names)
+        return tuple(n for n in self.names if n in folded)
+
+    @property
+    def expert_replica_names(self) -> tuple[str, ...]:
+        """The dimensions over which an expert shard is replicated: the data-parallel and
+        CP ones (their ranks see other tokens, so an expert's gradient sums over them)."""
+        return tuple(n for n in self.names if n in self.dp_names or n in self.cp_names)
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks that hold the same expert shard."""
+        return math.prod(self.size(n) for n in self.expert_replica_names)
 
     @property
     def cp_names(self) -> tuple[str, ...]:
@@ -285,7 +321,7 @@ class ParallelDims:
     def dp_dims(self) -> int:
         """Data-parallel dimensions of more than one rank: each repeats an all-reduce over
         the data-parallel mesh."""
-        return sum(1 for n in self.dp_names if self.size(n) > 1)
+        return sum(1 for size in self.dp_shape.sizes if size > 1)
 
     @property
     def lockstep_dims(self) -> int:
@@ -304,10 +340,10 @@ class ParallelDims:
         """The mesh FSDP shards over: the data-parallel mesh (the object the caller
         passed, when it passed that), its shard dimension flattened with CP when the job
         has CP (HSDP: ``(replicate, shard_cp)``)."""
-        if not self.cp_names:
+        if not self.folded_names:
             return self.batch_mesh
         root = self._need(self.mesh)
-        shard = (self.dp_names[-1], *self.cp_names)
+        shard = tuple(n for n in self.names if n == self.dp_names[-1] or n in self.folded_names)
         flat = internals.flatten_mesh(root[shard], "_".join(shard))
         if len(self.dp_names) == 1:
             return flat  # type: ignore[no-any-return]
@@ -334,6 +370,18 @@ class ParallelDims:
         if not self.data_group_names:
             return None
         return _slice(self._need(self.mesh), self.data_group_names)
+
+    @property
+    def expert_mesh(self) -> DeviceMesh:
+        """The mesh the caller shards experts over (its ``ep`` dimensions)."""
+        if not self.ep_names:
+            raise ValueError(f"these ParallelDims ({self.describe()}) have no ep dimension")
+        return _slice(self._need(self.mesh), self.ep_names)
+
+    @property
+    def expert_replica_mesh(self) -> DeviceMesh:
+        """The ranks that hold this rank's expert shard (``expert_replica_names``)."""
+        return _slice(self._need(self.mesh), self.expert_replica_names)
 
     def lockstep_ranks(self) -> tuple[int, ...]:
         """Global ranks of this rank's lockstep mesh, sorted (empty without a process group)."""

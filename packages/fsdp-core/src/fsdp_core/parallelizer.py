@@ -40,6 +40,7 @@ from fsdp_core.dtype_units import (
     group_islands,
 )
 from fsdp_core.entry_unshard import EntryUnshardRuntimeHook
+from fsdp_core.expert_parallel import ExpertGradReduceRuntimeHook, expert_param_names
 from fsdp_core.forward_arrival import ForwardArrivalRuntimeHook
 from fsdp_core.module_tree import (
     check_module_tree,
@@ -110,6 +111,7 @@ class ModelParallelizer(Generic[FoundT]):
         UnusedParamsRuntimeHook,
         EntryUnshardRuntimeHook,
         ForwardArrivalRuntimeHook,
+        ExpertGradReduceRuntimeHook,
     )
 
     def __init__(self, *, dtype_safe: bool = True, disabled_hooks: Iterable[str] = ()) -> None:
@@ -193,7 +195,7 @@ class ModelParallelizer(Generic[FoundT]):
         check_reshard_after_forward(
             reshard_after_forward, shard_size=_any_divisor(reshard_after_forward)
         )
-        given = parameter_names(model, ignored_params)
+        given = (*parameter_names(model, ignored_params), *expert_param_names(model))
         ctx: PlanContext[FoundT] = PlanContext(
             model=model,
             mp_policy=policy,
