@@ -192,7 +192,6 @@ def test_torchtitan_options_given_to_the_factory_win(mesh2: DeviceMesh) -> None:
 @pytest.mark.parametrize(
     ("flag", "option"),
     [
-        ("cp_enabled", "context_parallel_degree"),
         ("pp_enabled", "pipeline_parallel_degree"),
         ("ep_enabled", "expert_parallel_degree"),
     ],
@@ -326,3 +325,42 @@ def test_torchtitan_hsdp_beside_tp_on_torchtitans_own_meshes(
         assert library.dp_shape.dp_shard == 2
         assert library.data_group_names == ("tp",)
         assert library.lockstep_names == ("dp_replicate", shard, "tp")
+
+
+@pytest.mark.parametrize(
+    ("backend", "names", "dp_dims", "replicate"),
+    [
+        ("spmd_types", ("dp_replicate", "dp_shard", "cp", "tp"), ("dp_replicate", "dp_shard"), 2),
+        ("partial_dtensor", ("batch", "cp", "tp"), ("batch",), 1),
+    ],
+)
+def test_torchtitan_context_parallel_on_torchtitans_own_meshes(
+    monkeypatch: pytest.MonkeyPatch,
+    backend: str,
+    names: tuple[str, ...],
+    dp_dims: tuple[str, ...],
+    replicate: int,
+) -> None:
+    """torchtitan's real ParallelDims with cp=2 (dp_replicate=2 x dp_shard=2 x cp=2 x tp=2,
+    16 fake ranks): the library gets a mesh that shows cp, shards over the data-parallel
+    shard dimension times cp (8 ranks per replica; the legacy backend, whose fsdp folds
+    cp, over batch x cp), and shares media within cp x tp; data_parallel_mesh, which
+    cannot show cp, refuses."""
+    parallel_dims_module = pytest.importorskip("torchtitan.distributed.parallel_dims")
+    from fsdp_core.fake_group import fake_process_group
+    from fsdp_core.parallel_dims import ParallelDims
+
+    monkeypatch.setattr(parallel_dims_module, "device_type", "cpu")
+    with fake_process_group(16):
+        dims = parallel_dims_module.ParallelDims(
+            dp_replicate=2, dp_shard=2, cp=2, tp=2, pp=1, ep=1, world_size=16, spmd_backend=backend
+        )
+        mesh, given = torchtitan.sharding_mesh(dims)
+        assert (mesh.mesh_dim_names, given) == (names, dp_dims)
+        library = ParallelDims.from_mesh(mesh, dp_dims=given)
+        assert library.dp_shape.dp_replicate == replicate
+        assert library.dp_shape.world_size == 8
+        assert library.data_group_names == ("cp", "tp")
+        assert library.dp_mesh.size() == 8
+        with pytest.raises(ValueError, match=r"context_parallel_degree.*sharding_mesh"):
+            torchtitan.data_parallel_mesh(dims)

@@ -24,7 +24,9 @@ features.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -509,18 +511,27 @@ def root_mesh(mesh: Any) -> Any:
     return getter()
 
 
-def flatten_mesh(mesh: Any, name: str) -> Any:
-    """``mesh``'s dimensions as one, named ``name`` (torch's private
-    ``DeviceMesh._flatten``, cached by torch: the same object on every call); the data
-    parallel shard and CP dimensions become FSDP's one shard dimension this way."""
-    flatten = getattr(mesh, "_flatten", None)
-    if not callable(flatten):
+@functools.cache
+def flatten_mesh(mesh: Any, name: str, *, keep: int = 0) -> Any:
+    """``mesh``'s dimensions after its first ``keep`` as one, named ``name`` (torch's
+    private ``DeviceMesh._flatten``, then ``_unflatten`` to put the kept ones back in
+    front; cached, so the process groups are made once); the data-parallel shard and
+    CP dimensions become FSDP's one shard dimension this way."""
+    if not callable(getattr(mesh, "_flatten", None)) or not callable(
+        getattr(mesh, "_unflatten", None)
+    ):
         raise FSDPInternalsError(
-            "this torch's DeviceMesh has no _flatten(): the library cannot shard over the "
-            "data-parallel and context-parallel ranks together; flatten them yourself and "
-            "pass that mesh as the data-parallel one"
+            "this torch's DeviceMesh has no _flatten()/_unflatten(): the library cannot shard "
+            "over the data-parallel and context-parallel ranks together; flatten them yourself "
+            "and pass that mesh as the data-parallel one"
         )
-    return flatten(name)
+    names = tuple(mesh.mesh_dim_names)
+    if not keep:
+        return mesh._flatten(name)
+    whole = mesh._flatten("_".join(names))
+    sizes = tuple(int(s) for s in mesh.shape)
+    folded = math.prod(sizes[keep:])
+    return whole._unflatten(0, (*sizes[:keep], folded), (*names[:keep], name))
 
 
 def storage_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:

@@ -344,10 +344,9 @@ class ParallelDims:
             return self.batch_mesh
         root = self._need(self.mesh)
         shard = tuple(n for n in self.names if n == self.dp_names[-1] or n in self.folded_names)
-        flat = internals.flatten_mesh(root[shard], "_".join(shard))
-        if len(self.dp_names) == 1:
-            return flat  # type: ignore[no-any-return]
-        return root[(self.dp_names[0], "_".join(shard))]
+        kept = self.dp_names[:-1]  # HSDP's replicate dimension stays in front
+        folded = root[(*kept, *shard)]
+        return internals.flatten_mesh(folded, "_".join(shard), keep=len(kept))  # type: ignore[no-any-return]
 
     @property
     def batch_mesh(self) -> DeviceMesh:

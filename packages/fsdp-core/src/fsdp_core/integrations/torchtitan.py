@@ -26,11 +26,18 @@ data-parallel dimensions of torchtitan's dense mesh, given as that mesh's
 [`ParallelDims`][fsdp_core.parallel_dims.ParallelDims] sees the TP dimension (the
 ranks that run the forward together, those that hold the same batch).
 
-Context, pipeline and expert parallelism are refused, naming the option to change,
-rather than silently ignored (expert parallelism needs the experts kept out of the
-data-parallel units with their EP placements; context and pipeline parallelism are
-later work). torchtitan is not imported here; its configs
-are read by attribute name, so any object with those attributes works.
+With ``context_parallel_degree > 1`` the mesh given to the library also has ``cp``:
+FSDP then shards over the data-parallel shard dimension and ``cp`` together (torchtitan
+folds them into ``fsdp`` too), and ``balance_media`` shares each tower call among the CP
+ranks ([`ParallelDims`][fsdp_core.parallel_dims.ParallelDims]). On torchtitan's legacy
+mesh backend, whose ``fsdp`` dimension already folds ``cp``, the library shards over
+``batch`` x ``cp`` (its ``dataloading`` mesh), which has no HSDP replicas.
+
+Pipeline and expert parallelism are refused, naming the option to change, rather than
+silently ignored (expert parallelism needs the experts kept out of the data-parallel
+units with their EP placements; pipeline parallelism is later work). torchtitan is not
+imported here; its configs are read by attribute name, so any object with those
+attributes works.
 """
 
 from __future__ import annotations
@@ -68,11 +75,6 @@ _RESHARD: dict[str, bool | None] = {"default": None, "always": True, "never": Fa
 #: config option and what is missing.
 _REFUSED = (
     (
-        "cp_enabled",
-        "context parallelism (parallelism.context_parallel_degree)",
-        "the library does not shard over cp yet",
-    ),
-    (
         "pp_enabled",
         "pipeline parallelism (parallelism.pipeline_parallel_degree)",
         "the library does not plan per pipeline stage yet",
@@ -92,13 +94,17 @@ def _check_supported(parallel_dims: Any) -> None:
     if enabled:
         raise ValueError(
             f"{'; '.join(enabled)}. The library shards over data-parallel ranks beside tensor "
-            "parallelism: set those degrees to 1 (dp_shard, dp_replicate and tp are supported)"
+            "parallelism: set those degrees to 1 (dp_shard, dp_replicate, cp and tp are "
+            "supported)"
         )
 
 
 def _dp_names(parallel_dims: Any) -> tuple[str, ...]:
     """torchtitan's data-parallel mesh dimensions: ``dp_shard`` (``fsdp`` in older
-    backends), after ``dp_replicate`` for HSDP."""
+    backends; ``batch`` there with CP, whose ``fsdp`` folds ``cp``), after
+    ``dp_replicate`` for HSDP."""
+    if not _has_mesh(parallel_dims, "dp_shard") and getattr(parallel_dims, "cp_enabled", False):
+        return ("batch",)
     shard = "dp_shard" if _has_mesh(parallel_dims, "dp_shard") else "fsdp"
     if getattr(parallel_dims, "dp_replicate_enabled", False):
         return ("dp_replicate", shard)
@@ -122,26 +128,33 @@ def data_parallel_mesh(parallel_dims: Any) -> DeviceMesh:
     instead: this mesh alone does not show the ``tp`` dimension.
 
     Raises:
-        ValueError: context, pipeline or expert parallelism is enabled.
+        ValueError: context, pipeline or expert parallelism is enabled (with context
+            parallelism, shard over ``sharding_mesh``, which shows ``cp``).
     """
     _check_supported(parallel_dims)
+    if getattr(parallel_dims, "cp_enabled", False):
+        raise ValueError(
+            "context parallelism (parallelism.context_parallel_degree) is enabled: FSDP must "
+            "shard over cp too, which this data-parallel mesh does not show; pass "
+            "sharding_mesh(parallel_dims) to the library instead"
+        )
     return _get_mesh(parallel_dims, _dp_names(parallel_dims))
 
 
 def sharding_mesh(parallel_dims: Any) -> tuple[DeviceMesh, tuple[str, ...]]:
     """What the library's ``parallelize(model, mesh=..., dp_dims=...)`` takes from a
     torchtitan ``ParallelDims``: the data-parallel dimensions of its dense mesh plus
-    ``tp`` when ``tp > 1`` (one sub-mesh of torchtitan's, so the library sees which
-    ranks run the forward together), and the data-parallel names among them.
+    ``cp`` and ``tp`` when they are above 1 (one sub-mesh of torchtitan's, so the
+    library sees which ranks run the forward together and hold the same batch), and the
+    data-parallel names among them.
 
     Raises:
-        ValueError: context, pipeline or expert parallelism is enabled.
+        ValueError: pipeline or expert parallelism is enabled.
     """
     _check_supported(parallel_dims)
     dp_names = _dp_names(parallel_dims)
-    if not getattr(parallel_dims, "tp_enabled", False):
-        return _get_mesh(parallel_dims, dp_names), dp_names
-    return _get_mesh(parallel_dims, (*dp_names, "tp")), dp_names
+    others = tuple(d for d in ("cp", "tp") if getattr(parallel_dims, f"{d}_enabled", False))
+    return _get_mesh(parallel_dims, (*dp_names, *others)), dp_names
 
 
 def _has_mesh(parallel_dims: Any, name: str) -> bool:
