@@ -1,5 +1,5 @@
 """Small pure helpers of ``fsdp_core.parallelizer``: hook-name checks, the plan digest
-that ranks agree on, unit-path text for errors and the mesh-free shard-size default."""
+that ranks agree on and unit-path text for errors."""
 
 from __future__ import annotations
 
@@ -56,10 +56,3 @@ def _plan_digest(plan: ShardingPlan) -> str:
         )
     )
     return hashlib.sha256(re.sub(r" at 0x[0-9a-f]+", "", text).encode()).hexdigest()
-
-
-def _any_divisor(value: object) -> int:
-    """Plans are mesh-free: accept any positive int here; the mesh check runs at apply."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    return 1

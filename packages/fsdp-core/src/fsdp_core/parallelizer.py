@@ -22,9 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp_core import internals
-from fsdp_core._core_hooks import core_hook_plans, forward_arrival_hook, is_entry
 from fsdp_core._parallelizer_helpers import (
-    _any_divisor,
     _check_hook_names,
     _names,
     _paths_text,
@@ -41,7 +39,8 @@ from fsdp_core.dtype_units import (
 )
 from fsdp_core.entry_unshard import EntryUnshardRuntimeHook
 from fsdp_core.expert_parallel import ExpertGradReduceRuntimeHook, expert_param_names
-from fsdp_core.forward_arrival import ForwardArrivalRuntimeHook
+from fsdp_core.forward_agreement import ForwardAgreementRuntimeHook
+from fsdp_core.hook_planning import core_hook_plans, forward_agreement_hook, is_entry
 from fsdp_core.module_tree import (
     check_module_tree,
     install_first_forward_check,
@@ -110,7 +109,7 @@ class ModelParallelizer(Generic[FoundT]):
         AccumulationWarmupRuntimeHook,
         UnusedParamsRuntimeHook,
         EntryUnshardRuntimeHook,
-        ForwardArrivalRuntimeHook,
+        ForwardAgreementRuntimeHook,
         ExpertGradReduceRuntimeHook,
     )
 
@@ -192,9 +191,7 @@ class ModelParallelizer(Generic[FoundT]):
             raise TypeError(
                 f"mp_policy must be a MixedPrecisionPolicy, got {type(policy).__name__}"
             )
-        check_reshard_after_forward(
-            reshard_after_forward, shard_size=_any_divisor(reshard_after_forward)
-        )
+        check_reshard_after_forward(reshard_after_forward, shard_size=None)  # mesh-free
         given = (*parameter_names(model, ignored_params), *expert_param_names(model))
         ctx: PlanContext[FoundT] = PlanContext(
             model=model,
@@ -225,7 +222,7 @@ class ModelParallelizer(Generic[FoundT]):
             sync_replicated=added.sync_replicated,
             records=added.records,
         )
-        planned = [*self._plan_hooks(ctx, plan), forward_arrival_hook()]
+        planned = [*self._plan_hooks(ctx, plan), forward_agreement_hook()]
         hooks = [h for h in planned if h.name not in self.disabled_hooks]
         return dataclasses.replace(plan, hooks=tuple(hooks))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Final
 
 import torch
@@ -89,17 +89,6 @@ def shard_targets(target: object) -> list[nn.Module]:
     return [target]
 
 
-#: The keyword options of a sharding call, as ``fully_shard`` and the reference
-#: ``_fully_shard_module(module, **kwargs)`` name them.
-SHARD_OPTION_NAMES: Final[tuple[str, ...]] = (
-    "mesh",
-    "mp_policy",
-    "offload_policy",
-    "reshard_after_forward",
-    "ignored_params",
-)
-
-
 @dataclass(frozen=True)
 class ShardOptions:
     """The options of one sharding call, checked once where they enter the library.
@@ -159,6 +148,11 @@ class ShardOptions:
         return cls(**values)
 
 
+#: The keyword options of a sharding call, as ``fully_shard`` and the reference
+#: ``_fully_shard_module(module, **kwargs)`` name them.
+SHARD_OPTION_NAMES: Final[tuple[str, ...]] = tuple(f.name for f in fields(ShardOptions))
+
+
 def owned_ignored_params(
     modules: Iterable[nn.Module], ignored_params: Iterable[nn.Parameter] | None
 ) -> set[nn.Parameter] | None:
@@ -175,8 +169,9 @@ def shard_group_size(mesh: DeviceMesh) -> int:
     return int(mesh.size(mesh.ndim - 1))
 
 
-def check_reshard_after_forward(value: object, shard_size: int) -> None:
-    """Validate ``reshard_after_forward`` before FSDP sees it."""
+def check_reshard_after_forward(value: object, shard_size: int | None) -> None:
+    """Validate ``reshard_after_forward`` before FSDP sees it: an int must divide
+    ``shard_size`` (any positive int without a mesh, ``shard_size=None``: plans)."""
     if value is None or isinstance(value, bool):
         return
     if not isinstance(value, int):
@@ -184,7 +179,7 @@ def check_reshard_after_forward(value: object, shard_size: int) -> None:
             "reshard_after_forward must be a bool, an int or None, "
             f"got {type(value).__name__} ({value!r})"
         )
-    if value < 1 or shard_size % value:
+    if value < 1 or (shard_size is not None and shard_size % value):
         raise ValueError(
             f"reshard_after_forward={value} must be a positive divisor of the shard group "
             f"size {shard_size} (or True/False/None)"
@@ -215,11 +210,8 @@ def shard_units(units: Iterable[tuple[ShardTarget, ShardOptions]]) -> None:
     nothing. Each unit gets only the ignored parameters its members own (none when that
     set is empty), and CPU offload without an accelerator runs without pinned memory.
     """
-    checked = [(_as_modules(target), options) for target, options in units]
-    for modules, options in checked:
-        _check_can_shard(modules, options)
-    for modules, options in checked:
-        owned = owned_ignored_params(modules, options.ignored_params)
+    checked = [_checked_unit(_as_modules(target), options) for target, options in units]
+    for modules, options, owned in checked:
         fully_shard(  # type: ignore[call-overload]
             modules[0] if len(modules) == 1 else modules,
             mesh=options.mesh,
@@ -232,7 +224,11 @@ def shard_units(units: Iterable[tuple[ShardTarget, ShardOptions]]) -> None:
             refuse_ddp(module)  # DDP around a unit would fail deep in DTensor
 
 
-def _check_can_shard(modules: list[nn.Module], options: ShardOptions) -> None:
+def _checked_unit(
+    modules: list[nn.Module], options: ShardOptions
+) -> tuple[list[nn.Module], ShardOptions, set[nn.Parameter] | None]:
+    """``modules`` with their options and the ignored parameters they own, or what FSDP
+    would refuse (late, or after changing state)."""
     for module in modules:
         if is_sharded(module):
             raise ValueError(
@@ -251,6 +247,7 @@ def _check_can_shard(modules: list[nn.Module], options: ShardOptions) -> None:
             "pass no ignored_params= (with a parallelizer: use a frozen-tower policy other "
             "than 'replicate')"
         )
+    return modules, options, owned
 
 
 def apply_fully_shard(

@@ -77,7 +77,7 @@ from multimodal_fsdp._plan_checks import (
 )
 from multimodal_fsdp.discovery.validation import check_attribute_names, check_module_paths
 from multimodal_fsdp.layers import multimodal_unit_paths
-from multimodal_fsdp.media_hooks import media_hook_plans
+from multimodal_fsdp.media_hook_planning import media_hook_plans
 from multimodal_fsdp.model_discovery import Discovery, DiscoveryOptions, discover_with
 from multimodal_fsdp.offload import OffloadPart, PartOffload
 from multimodal_fsdp.parts import (
