@@ -598,7 +598,7 @@ def test_tp_uses_the_llama_plan_for_transformers_models_and_spares_frozen_towers
     ("argv", "message"),
     [
         (("--world-size", "8", "--tp", "3"), "--tp 3 does not divide --world-size 8"),
-        (("--world-size", "8", "--ep", "2"), "expert parallelism is not planned yet"),
+        (("--world-size", "8", "--ep", "2"), "has no EP plan"),
         (("--world-size", "8", "--tp", "2", "--batch", "1x32"), "with --tp give --activations"),
         (("--world-size", "8", "--tp", "8", "--dp-replicate", "2"), "(with --tp 8)"),
     ],

@@ -29,6 +29,9 @@ _INT_FIELDS: tuple[str, ...] = (
     "text_intermediate",
     "max_seq_len",
     "image_token_id",
+    "num_experts",
+    "experts_per_token",
+    "expert_intermediate",
 )
 _FLOAT_FIELDS: tuple[str, ...] = ("norm_eps", "rope_theta")
 
@@ -59,6 +62,10 @@ class DeepseekV41Config:
     text_intermediate: int = 128
     max_seq_len: int = 128
     image_token_id: int = 1
+    # Routed experts (model_deepseek_v41.moe) in place of every text MLP when > 0.
+    num_experts: int = 0
+    experts_per_token: int = 2
+    expert_intermediate: int = 64
     # Shared.
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
@@ -80,7 +87,7 @@ class DeepseekV41Config:
                 )
         for name in _INT_FIELDS:
             value = getattr(self, name)
-            if name == "image_token_id":
+            if name in ("image_token_id", "num_experts"):
                 continue
             if value <= 0:
                 raise ValueError(f"DeepseekV41Config.{name}={value} must be > 0")
@@ -114,6 +121,11 @@ class DeepseekV41Config:
             raise ValueError(
                 f"DeepseekV41Config.image_token_id={self.image_token_id} must be in "
                 f"[0, vocab_size={self.vocab_size})"
+            )
+        if self.num_experts < 0 or (self.num_experts and self.experts_per_token > self.num_experts):
+            raise ValueError(
+                f"DeepseekV41Config.num_experts={self.num_experts} must be >= 0 (0: dense "
+                f"MLPs) and experts_per_token={self.experts_per_token} at most num_experts"
             )
         if self.vocab_size < 2:
             raise ValueError(
@@ -185,7 +197,10 @@ class DeepseekV41Config:
         vision = patch_embed + self.vision_layers * vision_block + v
         merged = v * self.downsample_ratio**2
         aligner = merged * t + t + t * t + t
-        text_layer = t + t * 3 * t + t * t + t + t * 2 * ti + ti * t
+        mlp = t * 2 * ti + ti * t
+        if self.num_experts:
+            mlp = t * self.num_experts + self.num_experts * 3 * t * self.expert_intermediate
+        text_layer = t + t * 3 * t + t * t + t + mlp
         text = self.vocab_size * t + self.text_layers * text_layer + t
         lm_head = t * self.vocab_size
         return vision + aligner + text + lm_head

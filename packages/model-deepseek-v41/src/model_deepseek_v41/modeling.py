@@ -25,6 +25,7 @@ from torch.nn import functional
 
 from fsdp_core.materialize import copy_full_into_
 from model_deepseek_v41.config import DeepseekV41Config
+from model_deepseek_v41.moe import MoE
 
 __all__ = [
     "INIT_STD",
@@ -340,7 +341,11 @@ class TextDecoderLayer(nn.Module):
         self.input_layernorm = TextRMSNorm(config.text_hidden, config.norm_eps)
         self.self_attn = TextAttention(config)
         self.post_attention_layernorm = TextRMSNorm(config.text_hidden, config.norm_eps)
-        self.mlp = SwiGLU(config.text_hidden, config.text_intermediate, bias=False)
+        self.mlp: nn.Module = (
+            MoE(config)
+            if config.num_experts
+            else SwiGLU(config.text_hidden, config.text_intermediate, bias=False)
+        )
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions)

@@ -2,7 +2,8 @@
 
 ``--world-size``/``--dp-replicate``/``--tp``/``--ep`` make the job's
 [`ParallelDims`][fsdp_core.parallel_dims.ParallelDims]; ``--tp`` applies the model's
-TP plan to the meta model; ``--balance-media`` and ``--offload`` copy the parallelizer.
+TP plan to the meta model, ``--ep`` its EP plan (the preset's ``ep_plan``);
+``--balance-media`` and ``--offload`` copy the parallelizer.
 Moved out of [`multimodal_fsdp.cli.main`][multimodal_fsdp.cli.main], which uses them.
 """
 
@@ -62,7 +63,11 @@ def _add_parallel_options(plan: argparse.ArgumentParser) -> None:
         "--ep",
         type=_positive_int,
         default=1,
-        help="expert-parallel ranks; only 1 is planned yet (default 1)",
+        help=(
+            "expert-parallel ranks, borrowed from the data-parallel ones: apply the "
+            "preset's EP plan (its routed experts sharded over ep) before planning; the "
+            "experts stay out of FSDP and count per rank by their 1/ep shard (default 1)"
+        ),
     )
 
 
@@ -84,11 +89,16 @@ def _offloading(
 
 def _parallel_dims(args: argparse.Namespace) -> ParallelDims:
     """The job's dimensions: ``--world-size`` split into ``--tp`` and the data-parallel
-    ranks (``--dp-replicate`` x the shard group)."""
-    if args.ep != 1:
+    ranks (``--dp-replicate`` x the shard group), of which ``--ep`` shard the experts."""
+    if args.ep > 1 and args.tp > 1:
         raise CliError(
-            f"--ep {args.ep}: expert parallelism is not planned yet (no planned model has "
-            "experts to shard); plan with --ep 1"
+            f"--ep {args.ep} with --tp {args.tp}: expert and tensor parallelism are not "
+            "planned together; plan one of them (--tp 1 or --ep 1)"
+        )
+    if args.world_size % args.ep:
+        raise CliError(
+            f"--ep {args.ep} does not divide --world-size {args.world_size}: EP borrows "
+            "data-parallel ranks, world-size / ep of them per expert shard"
         )
     if args.world_size % args.tp:
         raise CliError(
@@ -97,20 +107,23 @@ def _parallel_dims(args: argparse.Namespace) -> ParallelDims:
         )
     try:
         mesh = resolve_mesh_shape(
-            world_size=args.world_size // args.tp, dp_replicate=args.dp_replicate
+            world_size=args.world_size // (args.tp * args.ep), dp_replicate=args.dp_replicate
         )
     except ValueError as error:
         raise CliError(f"{error} (with --tp {args.tp})" if args.tp > 1 else str(error)) from None
     return ParallelDims.from_sizes(
-        dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, tp=args.tp
+        dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, tp=args.tp, ep=args.ep
     )
 
 
 def _tensor_parallel(
     args: argparse.Namespace, model: nn.Module, stack: contextlib.ExitStack
 ) -> str | None:
-    """Apply ``--tp``'s plan to the meta model over a fake ``tp`` group that ``stack``
-    keeps open while the plan is costed; returns the note saying what was sharded."""
+    """Apply ``--tp``'s plan (or ``--ep``'s) to the meta model over a fake group that
+    ``stack`` keeps open while the plan is costed; returns the note saying what was
+    sharded."""
+    if args.ep > 1:
+        return _expert_parallel(args, model, stack)
     if args.tp == 1:
         return None
     preset = model_presets().get(args.model)
@@ -131,4 +144,30 @@ def _tensor_parallel(
         f"modules), so their parameters count per rank by their 1/{args.tp} TP shard, which "
         f"FSDP shards over the {args.world_size // args.tp} data-parallel ranks (the world "
         "size above)"
+    )
+
+
+def _expert_parallel(
+    args: argparse.Namespace, model: nn.Module, stack: contextlib.ExitStack
+) -> str:
+    """Apply the preset's EP plan to the meta model over a fake ``ep`` group."""
+    preset = model_presets().get(args.model)
+    if preset is None or preset.ep_plan is None:
+        with_plans = sorted(n for n, p in model_presets().items() if p.ep_plan is not None)
+        raise CliError(
+            f"--ep {args.ep}: the model {args.model!r} has no EP plan (a preset's ep_plan "
+            f"shards its routed experts); presets with one: {', '.join(with_plans) or 'none'}"
+        )
+    stack.enter_context(fake_process_group(args.ep))
+    try:
+        sharded = preset.ep_plan(model, init_device_mesh("cpu", (args.ep,), mesh_dim_names=("ep",)))
+    except ValueError as error:
+        raise CliError(f"--ep {args.ep}: {error}") from None
+    dp = args.world_size // args.ep
+    return (
+        f"expert parallel: {args.world_size} ranks as ('dp', 'ep') = ({dp}, {args.ep}); the "
+        f"preset's EP plan placed {len(sharded)} expert parameters Shard(0) over ep, so they "
+        f"count per rank by their 1/{args.ep} shard, kept out of FSDP (replicated over the "
+        f"{dp} ranks of each ep coordinate); FSDP shards the rest over all "
+        f"{args.world_size} ranks"
     )

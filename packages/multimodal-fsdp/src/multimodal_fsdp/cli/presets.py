@@ -18,13 +18,14 @@ package
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Final
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
@@ -48,6 +49,8 @@ class ModelPreset:
     returns the model's tensor-parallel plan (``{module path: ParallelStyle}``) that
     ``plan --tp`` applies; without it ``--tp`` uses
     [`llama_style_plan`][multimodal_fsdp.tensor_parallel.llama_style_plan].
+    ``ep_plan(model, ep_mesh)``, when given, shards the model's routed experts over the
+    1-D ``ep_mesh`` and returns the names of the parameters it placed (``plan --ep``).
     """
 
     name: str
@@ -55,6 +58,7 @@ class ModelPreset:
     build: Callable[[torch.dtype], tuple[nn.Module, MultimodalParallelizer]]
     batch_loss: Callable[[int, int], Callable[[nn.Module], torch.Tensor]] | None = None
     tp_plan: Callable[[nn.Module, int], Mapping[str, ParallelStyle]] | None = None
+    ep_plan: Callable[[nn.Module, DeviceMesh], Sequence[str]] | None = None
 
 
 def model_presets() -> dict[str, ModelPreset]:

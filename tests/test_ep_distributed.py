@@ -1,0 +1,59 @@
+"""Expert parallelism on 4 gloo ranks (``tests/mp/scenarios_ep.py``).
+
+The DeepSeek-V4.1 reference model with 4 routed experts per layer on a ``('dp', 'ep')``
+2x2 mesh trains like one process on the mean of the four ranks' losses (fp32): through
+the library (the vision tower frozen under each policy, and trainable), and through the
+calls NeMo Automodel's MoE parallelizer makes. The experts stay ``Shard(0)`` on ``ep``
+and out of every FSDP unit of the library's plan.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from compare import TOL, check_against_reference
+from launches import MpResults
+from scenarios_ep import CASES, LR, build_ep_model, ep_batches
+
+pytestmark = pytest.mark.distributed
+
+
+def _reference(case: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    model = build_ep_model(case)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses: list[float] = []
+    grads0: dict[str, torch.Tensor] = {}
+    for step, per_rank in enumerate(ep_batches()):
+        loss = sum(model(**batch) for batch in per_rank) / len(per_rank)
+        assert isinstance(loss, torch.Tensor)
+        loss.backward()
+        if step == 0:
+            grads0 = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return losses, params, grads0
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_moe_with_ep_through_the_library_trains_like_one_process(case: str, mp4: MpResults) -> None:
+    result = mp4("ep_deepseek_moe")[case]
+    check_against_reference(result, _reference(case), TOL[torch.float32])
+    # 2 layers x (gate_up, down): placed Shard(0) on ep, 2 of the 4 experts per rank,
+    # ignored by the plan and in no FSDP unit; their gradients reduced by the planned hook.
+    assert len(result["sharded"]) == 4
+    assert result["ignored"] == sorted(result["sharded"])
+    assert result["experts_in_units"] == []
+    assert (result["expert_mesh"], result["expert_placements"]) == (["ep"], ["S(0)"])
+    assert result["expert_local_experts"] == 2
+    assert "expert_grad_reduce" in result["planned_hooks"]
+    assert "expert_grad_reduce" in result["hooks"]
+
+
+def test_nemo_automodel_moe_calls_keep_working(mp4: MpResults) -> None:
+    result = mp4("ep_nemo_calls")
+    check_against_reference(result, _reference("trainable"), TOL[torch.float32])
+    # FSDP's ep_shard dimension in front of the EP placement NeMo's ExpertParallel made.
+    assert result["expert_mesh"] == ["ep_shard", "ep"]
+    assert result["expert_placements"] == ["S(1)", "S(0)"]
