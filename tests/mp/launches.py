@@ -126,6 +126,8 @@ LAUNCHES: dict[int, list[str]] = {
         "tp_helper_llava",
         "cp_dp_llava",
         "torchtitan_dp_tp",
+        "ep_deepseek_moe",
+        "ep_nemo_calls",
         # Last: Lightning takes over the launch's process group.
         "lightning_dp_tp",
     ],

@@ -54,6 +54,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 
 from fsdp_core import ShardingPlan
 from fsdp_core.mesh import MeshShape
+from fsdp_core.parallel_dims import local_shape
 from fsdp_core.plan import UnitPlan, unit_parameters
 from multimodal_fsdp.estimate.activations import ActivationTrace, check_shard
 from multimodal_fsdp.estimate.render import format_bytes
@@ -254,7 +255,7 @@ def _trainable_shards(
     for name in plan.ignored_param_names:
         param = named.get(name)
         if param is not None and param.requires_grad:
-            sizes.append(param.numel() * param.dtype.itemsize)
+            sizes.append(local_shape(param).numel() * param.dtype.itemsize)
     return sizes
 
 
