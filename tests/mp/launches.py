@@ -124,10 +124,9 @@ LAUNCHES: dict[int, list[str]] = {
         "nd_encoder_work",
         "nd_balanced_input_grads",
         "tp_helper_llava",
+        "pp_dp_stages",
         "cp_dp_llava",
         "torchtitan_dp_tp",
-        "ep_deepseek_moe",
-        "ep_nemo_calls",
         # Last: Lightning takes over the launch's process group.
         "lightning_dp_tp",
     ],

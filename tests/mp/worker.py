@@ -27,7 +27,6 @@ import scenarios_checkpoint_safety  # noqa: F401
 import scenarios_core  # noqa: F401
 import scenarios_cp  # noqa: F401
 import scenarios_crashes  # noqa: F401
-import scenarios_ep  # noqa: F401
 import scenarios_framework_calls  # noqa: F401
 import scenarios_hf_export  # noqa: F401
 import scenarios_inference  # noqa: F401
@@ -37,6 +36,7 @@ import scenarios_lora_load  # noqa: F401
 import scenarios_misuse  # noqa: F401
 import scenarios_nd  # noqa: F401
 import scenarios_phi4  # noqa: F401
+import scenarios_pp  # noqa: F401
 import scenarios_pretrained  # noqa: F401
 import scenarios_staged  # noqa: F401
 import scenarios_tensor_parallel  # noqa: F401

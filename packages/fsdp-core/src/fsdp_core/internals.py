@@ -119,6 +119,7 @@ QUEUE_CALLBACK = Probe("autograd", "queue_callback")
 GROUP_UNSHARDED = Probe("group", "is_unsharded")
 STATE_IS_ROOT = Probe("state", "_is_root")
 STATE_LAZY_INIT = Probe("state", "_lazy_init")
+STATE_CTX = Probe("state", "_state_ctx")
 
 
 # ------------------------------------------------------------------------ accessors
@@ -168,6 +169,13 @@ def applied_unit_paths(model: nn.Module) -> list[tuple[str, ...]]:
         tuple(names.get(id(member), "<outside the model>") for member in unit_modules(unit))
         for unit in distinct_units(model)
     ]
+
+
+def finishes_backward(unit: FSDPModule) -> bool:
+    """Whether FSDP ends the current backward itself; ``False`` after
+    ``set_is_last_backward(False)``, when the caller reduces the gradients by hand
+    later (torch's pipeline schedules do, once per step)."""
+    return bool(getattr(_require(_state(unit), STATE_CTX), "is_last_backward", True))
 
 
 def param_groups(unit: FSDPModule) -> tuple[Any, ...]:

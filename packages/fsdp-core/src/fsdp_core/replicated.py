@@ -24,8 +24,10 @@ logger = logging.getLogger(__name__)
 
 def place_replicated_params(model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> None:
     """Move the replicated parameters to the mesh device in the dtypes the plan recorded
-    (their own dtype where it recorded none), then broadcast them from rank 0 when
-    ``plan.sync_replicated``. Meta parameters stay on meta (materialised later)."""
+    (their own dtype where it recorded none), then, when ``plan.sync_replicated``,
+    broadcast them over ``mesh`` (the ranks that hold this model: the lockstep mesh, so
+    each pipeline stage among its own ranks) from its first rank. Meta parameters stay
+    on meta (materialised later)."""
     if not plan.replicated_param_names:
         return
     named = dict(model.named_parameters())
@@ -39,11 +41,12 @@ def place_replicated_params(model: nn.Module, plan: ShardingPlan, *, mesh: Devic
         target = param.device if param.device.type == "meta" else device
         if param.device != target or param.dtype != dtype:
             param.data = param.data.to(device=target, dtype=dtype)
-    if plan.sync_replicated and dist.is_initialized() and dist.get_world_size() > 1:
+    if plan.sync_replicated and dist.is_initialized():
         for name in plan.replicated_param_names:
             param = named[name]
-            if param.device.type != "meta":
-                dist.broadcast(param.data, src=0)
+            for dim in range(mesh.ndim) if param.device.type != "meta" else ():
+                if mesh.size(dim) > 1:  # one dimension after another: all equal the first
+                    dist.broadcast(param.data, group=mesh.get_group(dim), group_src=0)
     logger.info(
         "replicated %d parameters on %s (dtypes %s)",
         len(dtypes),

@@ -279,7 +279,10 @@ class StepState:
         return mine
 
     def _on_backward(self) -> None:
-        if self._in_backward:
+        if self._in_backward or not internals.finishes_backward(self.model):  # type: ignore[arg-type]
+            # A caller that ends the backwards by hand (torch's pipeline schedules turn
+            # gradient sync off before each backward, then reduce every unit once per
+            # step) owns the flag: the same on every rank of the stage, nothing unreduced.
             return
         self._in_backward = True
         flags = self._flags()
