@@ -127,6 +127,8 @@ LAUNCHES: dict[int, list[str]] = {
         "pp_dp_stages",
         "cp_dp_llava",
         "torchtitan_dp_tp",
+        "ep_deepseek_moe",
+        "ep_nemo_calls",
         # Last: Lightning takes over the launch's process group.
         "lightning_dp_tp",
     ],

@@ -27,6 +27,7 @@ import scenarios_checkpoint_safety  # noqa: F401
 import scenarios_core  # noqa: F401
 import scenarios_cp  # noqa: F401
 import scenarios_crashes  # noqa: F401
+import scenarios_ep  # noqa: F401
 import scenarios_framework_calls  # noqa: F401
 import scenarios_hf_export  # noqa: F401
 import scenarios_inference  # noqa: F401
