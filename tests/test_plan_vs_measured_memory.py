@@ -34,7 +34,6 @@ from fsdp_core.sizes import parse_size
 from fsdp_core.testing import run_on_gloo_ranks
 from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
 from multimodal_fsdp import MultimodalParallelizer
-from multimodal_fsdp.cli.inspection import inspect_model
 from multimodal_fsdp.estimate.activations import trace_activations
 from multimodal_fsdp.estimate.choose import (
     MemoryBudgetError,
@@ -44,6 +43,7 @@ from multimodal_fsdp.estimate.choose import (
 )
 from multimodal_fsdp.estimate.costs import PlanCosts
 from multimodal_fsdp.estimate.memory import OPTIMIZER_STATES, estimate_memory, optimizer_state_bytes
+from multimodal_fsdp.estimate.predict import inspect_model
 from multimodal_fsdp.measure.memory import (
     MemoryMeasurement,
     make_optimizer,

@@ -168,9 +168,9 @@ def test_the_plan_says_whether_replicated_parameters_are_broadcast(sync: bool) -
 
 
 def test_stages_take_no_parallelizer() -> None:
-    from multimodal_fsdp.cli.inspection import inspect_model
     from multimodal_fsdp.estimate.activations import trace_activations
     from multimodal_fsdp.estimate.costs import plan_costs
+    from multimodal_fsdp.estimate.predict import inspect_model
     from multimodal_fsdp.measure.comm import measure_plan
     from multimodal_fsdp.measure.memory import measure_plan_memory
 

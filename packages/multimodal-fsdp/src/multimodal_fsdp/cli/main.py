@@ -50,11 +50,11 @@ from multimodal_fsdp.cli._parallel import (
     _positive_int,
     _tensor_parallel,
 )
-from multimodal_fsdp.cli.inspection import inspect_model
 from multimodal_fsdp.cli.presets import ModelPreset, model_presets
 from multimodal_fsdp.estimate.choose import PolicyChoice, choose_frozen_policy
 from multimodal_fsdp.estimate.costs import PlanCosts
 from multimodal_fsdp.estimate.memory import OPTIMIZER_STATES
+from multimodal_fsdp.estimate.predict import inspect_model
 from multimodal_fsdp.offload import OFFLOAD_PARTS
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 from multimodal_fsdp.policy import (
@@ -450,13 +450,6 @@ def freeze(model: nn.Module, parallelizer: MultimodalParallelizer, what: str) ->
 
 
 # --------------------------------------------------------------------------- main
-def _with_activations(costs: PlanCosts, activations: int | None) -> PlanCosts:
-    """``costs`` with ``--activations`` (end of forward and backward alike) in its memory."""
-    if activations is None or costs.memory is None:
-        return costs
-    return dataclasses.replace(costs, memory=costs.memory.with_activations(activations))
-
-
 def _batch_loss(args: argparse.Namespace) -> Callable[[nn.Module], torch.Tensor] | None:
     """The loss of one ``--batch`` for the activation trace (DeepSeek-V4.1 presets)."""
     if args.batch is None:
@@ -520,11 +513,12 @@ def _costs(
             plan,
             model,
             precision=f"param={args.precision} reduce={args.reduce_precision}",
+            activations=args.activations,
             **{**options, "mesh": dims},
         )
     except ValueError as error:
         raise CliError(str(error)) from None
-    return _with_activations(costs, args.activations), None
+    return costs, None
 
 
 def _plan(args: argparse.Namespace, dims: ParallelDims) -> tuple[PlanCosts, PolicyChoice | None]:

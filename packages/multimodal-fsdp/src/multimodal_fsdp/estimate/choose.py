@@ -39,11 +39,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from fsdp_core import ShardingPlan, mixed_precision_policy
 from fsdp_core.mesh import MeshShape
 from fsdp_core.sharding import check_reshard_after_forward
-from multimodal_fsdp.estimate._choose_args import _budget, _policies
-from multimodal_fsdp.estimate.activations import ActivationTrace, trace_activations
-from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs, resolve_cost_mesh
-from multimodal_fsdp.estimate.exchange import StepMedia, step_media
-from multimodal_fsdp.estimate.memory import check_optimizer, with_memory
+from fsdp_core.sizes import parse_size
+from multimodal_fsdp.estimate.activations import ActivationTrace
+from multimodal_fsdp.estimate.costs import PlanCosts, resolve_cost_mesh
+from multimodal_fsdp.estimate.exchange import StepMedia
+from multimodal_fsdp.estimate.memory import check_optimizer
+from multimodal_fsdp.estimate.predict import inspect_model
 from multimodal_fsdp.estimate.render import format_bytes
 from multimodal_fsdp.model_discovery import Discovery
 from multimodal_fsdp.policy import (
@@ -52,6 +53,7 @@ from multimodal_fsdp.policy import (
     FrozenMultimodalSharding,
     FrozenPolicies,
     frozen_policy,
+    normalize_frozen_multimodal_sharding,
 )
 from multimodal_fsdp.record import MultimodalRecord, PlannedPart, plan_record
 
@@ -186,6 +188,23 @@ class MemoryBudgetError(ValueError):
             f"({smallest.peak_bytes} B) with {given}{extra}; "
             "raise the budget, add ranks, or freeze or shard more"
         )
+
+
+def _budget(value: int | str) -> int:
+    if isinstance(value, str):
+        return parse_size(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"budget must be a positive number of bytes or a size, got {value!r}")
+    return value
+
+
+def _policies(policies: Sequence[str]) -> tuple[FrozenMultimodalSharding, ...]:
+    if isinstance(policies, str) or not policies:
+        raise ValueError(
+            f"policies must be a non-empty sequence of {VALID_FROZEN_MULTIMODAL_SHARDING}, "
+            f"got {policies!r}"
+        )
+    return tuple(dict.fromkeys(normalize_frozen_multimodal_sharding(p) for p in policies))
 
 
 def _combinations(
@@ -399,31 +418,18 @@ class _Costing:
     def costs(self, plan: ShardingPlan, label: str) -> PlanCosts:
         """The plan's collectives and predicted memory (traced activations, given ones, or
         none), labelled with its policies."""
-        media = step_media(
-            plan, self.model, self.loss_fn, world_size=self.shape.world_size, media=self.media
-        )
-        costs = plan_costs(
+        return inspect_model(
             plan,
             self.model,
             mesh=self.shape,
             prefetch_guard=self.prefetch_guard,
-            policy=label,
+            optimizer=self.optimizer,
+            loss_fn=self.loss_fn,
+            activations=self.activations,
             precision=self.precision,
-            media=media,
+            policy=label,
+            media=self.media,
         )
-        traced = (
-            None
-            if self.loss_fn is None
-            else trace_activations(
-                plan, self.model, self.loss_fn, shard=self.shape.dp_shard, media=media
-            )
-        )
-        costs = with_memory(costs, plan, self.model, optimizer=self.optimizer, activations=traced)
-        if self.activations is not None and costs.memory is not None:
-            costs = dataclasses.replace(
-                costs, memory=costs.memory.with_activations(self.activations)
-            )
-        return costs
 
 
 @dataclass(frozen=True)
@@ -556,7 +562,7 @@ def choose_frozen_policy(
     ``parallelizer`` already has are replaced by the choice; with ``uneven_media=True`` (and no
     ``balance_media``) it never chooses ``per_layer``, which that option then refuses. A
     parallelizer with ``balance_media=True`` has its exchange counted in every plan, as
-    [`inspect_model`][multimodal_fsdp.cli.inspection.inspect_model] counts it: for ``media``, by
+    [`inspect_model`][multimodal_fsdp.estimate.predict.inspect_model] counts it: for ``media``, by
     default that of ``loss_fn``'s batch on every rank (see
     [`step_media`][multimodal_fsdp.estimate.exchange.step_media]).
     """

@@ -95,7 +95,7 @@ from multimodal_fsdp.estimate.units import (
     resolve_step,
     unit_reduce_dtype,
 )
-from multimodal_fsdp.planned_hooks import planned_hooks
+from multimodal_fsdp.media_hook_planning import planned_hooks
 from multimodal_fsdp.record import plan_record
 
 if TYPE_CHECKING:  # an annotation only: memory builds on this module

@@ -30,8 +30,9 @@ from fsdp_core.fake_group import current_or_fake_group
 from fsdp_core.mesh import MeshShape, resolve_mesh_shape
 from fsdp_core.parallel_dims import ParallelDims
 from fsdp_core.parallelizer import apply_plan
-from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs
+from multimodal_fsdp.estimate.costs import PlanCosts
 from multimodal_fsdp.estimate.exchange import StepMedia, step_media
+from multimodal_fsdp.estimate.predict import inspect_model
 from multimodal_fsdp.runtime.prefetch_guard import (
     backward_prefetch_guard,
     remove_backward_prefetch_guard,
@@ -216,12 +217,13 @@ def measure_plan(
             costed_media = step_media(
                 plan, model, loss_fn, world_size=shape.world_size, rank=_rank(), media=media
             )
-            return plan_costs(
+            return inspect_model(
                 plan,
                 model,
                 mesh=shape if dims is None else dims,
                 prefetch_guard=prefetch_guard,
                 no_backward=no_backward,
+                optimizer=None,
                 media=costed_media,
             )
 

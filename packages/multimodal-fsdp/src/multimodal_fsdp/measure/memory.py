@@ -42,10 +42,10 @@ from fsdp_core.collective_entry import enter_collective
 from fsdp_core.fake_group import current_or_fake_group
 from fsdp_core.internals import memory_timeline_tracker
 from fsdp_core.parallelizer import apply_plan
-from multimodal_fsdp.estimate.activations import trace_activations
-from multimodal_fsdp.estimate.costs import PlanCosts, plan_costs
+from multimodal_fsdp.estimate.costs import PlanCosts
 from multimodal_fsdp.estimate.exchange import StepMedia, step_media
-from multimodal_fsdp.estimate.memory import check_optimizer, memory_figures, with_memory
+from multimodal_fsdp.estimate.memory import check_optimizer, memory_figures
+from multimodal_fsdp.estimate.predict import inspect_model
 from multimodal_fsdp.measure.comm import measured_shape
 
 __all__ = [
@@ -360,13 +360,14 @@ def measure_plan_memory(
             costed_media = step_media(
                 plan, model, loss_fn, world_size=shape.world_size, rank=rank, media=media
             )
-            costs = plan_costs(
-                plan, model, mesh=shape if dims is None else dims, media=costed_media
+            return inspect_model(
+                plan,
+                model,
+                mesh=shape if dims is None else dims,
+                optimizer=optimizer,
+                loss_fn=loss_fn,
+                media=costed_media,
             )
-            activations = trace_activations(
-                plan, model, loss_fn, shard=shape.dp_shard, media=costed_media
-            )
-            return with_memory(costs, plan, model, optimizer=optimizer, activations=activations)
 
         costs = call.run(prepare, step="costing the plan")
         apply_plan(model, plan, mesh=mesh, dp_dims=dp_dims)
