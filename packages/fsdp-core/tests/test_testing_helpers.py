@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import textwrap
@@ -79,6 +80,37 @@ def sleeper(tmp_path: Path) -> Iterator[Path]:
 
 
 # fake_process_group ------------------------------------------------------------------------------
+
+
+def _module_list(readme: str) -> dict[str, str]:
+    """The README's ``- `module`: what it holds`` entries, continuation lines joined."""
+    entries: dict[str, str] = {}
+    current = None
+    for line in readme.splitlines():
+        match = re.match(r"- `(fsdp_core[\w.]*)`: (.*)", line)
+        if match:
+            current = match[1]
+            entries[current] = match[2]
+        elif current and line.startswith("  "):
+            entries[current] += " " + line.strip()
+        else:
+            current = None
+    return entries
+
+
+def test_the_fake_group_has_one_public_home() -> None:
+    """Users import ``fake_process_group`` from ``fsdp_core.fake_group``, the one module
+    that exports it; the README's module list and the testing helpers' docstring send
+    them there, not to ``fsdp_core.testing`` (which does not export it)."""
+    import fsdp_core.fake_group
+    import fsdp_core.testing
+
+    assert "fake_process_group" in fsdp_core.fake_group.__all__
+    assert not hasattr(fsdp_core.testing, "fake_process_group")
+    assert "re-export" not in (fsdp_core.testing.__doc__ or "")
+    readme = (TESTS_DIR.parent / "README.md").read_text(encoding="utf-8")
+    homes = [m for m, text in _module_list(readme).items() if "fake process group" in text]
+    assert homes == ["fsdp_core.fake_group"]
 
 
 def test_fake_process_group_lifecycle() -> None:

@@ -1,8 +1,9 @@
 """Helpers for tests that need process groups, for this project and downstream ones.
 
-- [`fake_process_group`][fsdp_core.fake_group.fake_process_group]: FSDP2 in one process with exact
-  collective counts and bytes (numbers computed under it are meaningless); it lives in
-  [`fsdp_core.fake_group`][fsdp_core.fake_group] and is re-exported here.
+- [`fake_process_group`][fsdp_core.fake_group.fake_process_group], imported from
+  [`fsdp_core.fake_group`][fsdp_core.fake_group] (the product's measurements run under it
+  too): FSDP2 in one process with exact collective counts and bytes (numbers computed
+  under it are meaningless).
 - [`run_on_gloo_ranks`][fsdp_core.testing.run_on_gloo_ranks]: run a picklable function on N CPU
   ranks.
 - [`run_torchrun`][fsdp_core.testing.run_torchrun]: launch a script under torchrun with a hard
