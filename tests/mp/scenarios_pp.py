@@ -42,7 +42,7 @@ from fsdp_core.materialize import copy_full_into_
 from fsdp_core.runtime import installed_hooks
 from model_deepseek_v41 import build_deepseek_v41
 from model_deepseek_v41.fsdp import DeepseekV41ModelParallelizer
-from multimodal_fsdp.pipeline import split_stages
+from multimodal_fsdp.pipeline import check_stages, split_stages
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 #: (parallelizer options, whether the tower is frozen)
@@ -77,16 +77,19 @@ def _case(ctx: DistributedContext, schedule: str, variant: str) -> dict[str, Any
     pp_rank, dp_rank = world["pp"].get_local_rank(), world["dp"].get_local_rank()
     options, frozen = VARIANTS[variant]
     whole = build_deepseek_v41(CONFIG, device="meta")
-    stage = split_stages(
+    if frozen:
+        whole.vision.requires_grad_(False)
+    parallelizer = DeepseekV41ModelParallelizer(**options)
+    stages = split_stages(
         whole, layers="model.layers", num_stages=2, forwards=(first_forward, last_forward)
-    )[pp_rank]
+    )
+    check_stages(stages, parallelizer=parallelizer)  # every rank, every stage: same answer
+    stage = stages[pp_rank]
     reference = dict(build_deepseek_v41(CONFIG, seed=0).named_parameters())
     stage.to_empty(device=ctx.device)
     for name, param in stage.named_parameters():
         copy_full_into_(param, reference[name].detach())
-    if frozen and pp_rank == 0:
-        stage.vision.requires_grad_(False)
-    DeepseekV41ModelParallelizer(**options).parallelize(stage, mesh=world, dp_dims="dp")
+    parallelizer.parallelize(stage, mesh=world, dp_dims="dp")
     inputs, outputs = _stage_meta(pp_rank)
     pipeline = PipelineStage(
         stage,

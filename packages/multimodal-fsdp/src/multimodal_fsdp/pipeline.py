@@ -12,6 +12,12 @@ caller gives each stage its ``forward``. Each stage module is then sharded by th
 library over the stage's data-parallel ranks, like any model
 (``parallelize(stage, mesh=world, dp_dims="dp")`` on a ``('pp', 'dp')`` mesh), and
 driven by torch's schedules (``ScheduleGPipe``, ``Schedule1F1B``).
+
+An error raised inside one stage's step stops that stage's ranks while the others wait
+in the pipeline's send and receive, so what the library would stop at run time is
+refused before: ``check_stages`` plans every stage on every rank (the same answer
+everywhere, no communication) and refuses towers off the first stage and media regions
+(units that run only with media, whose uneven steps the ``schedule_check`` hook stops).
 """
 
 from __future__ import annotations
@@ -25,8 +31,10 @@ from typing import Any
 from torch import nn
 
 from fsdp_core.containers import is_under
+from fsdp_core.plan import ShardingPlan
+from multimodal_fsdp.parallelizer import MultimodalParallelizer
 
-__all__ = ["split_stages", "stage_layer_ranges"]
+__all__ = ["check_stages", "split_stages", "stage_layer_ranges"]
 
 #: A stage's forward: the stage module, then the inputs the schedule gives it.
 StageForward = Callable[..., Any]
@@ -170,3 +178,41 @@ def _check_shared(model: nn.Module, placed: dict[str, int]) -> None:
                     "pipeline stages; untie them (e.g. tie_word_embeddings=False) or keep "
                     "both modules on one stage"
                 )
+
+
+def check_stages(
+    stages: Sequence[nn.Module], *, parallelizer: MultimodalParallelizer
+) -> list[ShardingPlan]:
+    """Plan every stage with ``parallelizer`` and refuse what would stop one stage in the
+    middle of a pipeline step; returns the plans (stage ``i``'s for its ranks'
+    ``parallelizer.apply_plan``, or for the estimates). Call it on every rank with all
+    stages (on ``meta``): every rank raises the same error, before any stage runs.
+
+    Raises:
+        ValueError: a tower or projector on a stage other than the first (media enter
+            at stage 0), or a stage whose plan has media regions (a step where some
+            ranks' microbatches have media and others' not would raise
+            ``UnevenMediaError`` on that stage only): use ``balance_media=True``,
+            ``uneven_media=True`` or the ``root`` / ``replicate`` policy.
+    """
+    plans = []
+    for index, stage in enumerate(stages):
+        found = parallelizer.discover(stage)
+        if index and found.paths:
+            raise ValueError(
+                f"pipeline stage {index} holds the towers or projectors {found.paths}; media "
+                "enter the pipeline at its first stage: place them on stage 0 "
+                "(split_stages(..., first_stage=(...)))"
+            )
+        plan = parallelizer.plan(stage, discovery=found)
+        if plan.hook("schedule_check") is not None:
+            raise ValueError(
+                f"pipeline stage {index}'s plan has media regions (units that run only with "
+                "media, checked by the schedule_check hook): a step where some data-parallel "
+                "ranks' microbatches have media and others' not would stop that stage with "
+                "UnevenMediaError while the other stages wait in the pipeline's send/recv. "
+                "Use balance_media=True, uneven_media=True, or "
+                "frozen_multimodal_sharding='root' or 'replicate' with trainable towers frozen"
+            )
+        plans.append(plan)
+    return plans
