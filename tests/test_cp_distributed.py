@@ -69,3 +69,14 @@ def test_a_frozen_tower_encodes_each_item_once_in_the_world(case: str, mp4: MpRe
     counts = MEDIA[case][0]
     expected = sum(n if n >= 2 else 2 * n for n in counts)
     assert sum(encoded) == expected, encoded
+
+
+def test_the_cost_model_counts_the_cp_header_and_the_exchange() -> None:
+    """Per balanced call on a CP data group: a header of 3 + items int64 per rank, then
+    an all_to_all that moves nothing when each rank needs its own share; a call of fewer
+    items than ranks has the header only. Without CP (TP) the gathers are unchanged."""
+    from multimodal_fsdp.balance._data_group import HEADER_INTS, gathered_bytes
+
+    assert gathered_bytes([100] * 4, 2, indexed=True) == [2 * (HEADER_INTS + 1 + 4) * 8, 0]
+    assert gathered_bytes([100], 2, indexed=True) == [2 * (HEADER_INTS + 1 + 1) * 8]
+    assert gathered_bytes([100] * 4, 2) == [2 * HEADER_INTS * 8, 2 * 200]

@@ -393,15 +393,19 @@ def data_group_media(media: StepMedia, size: int) -> StepMedia:
     return StepMedia(ranks=tuple(ranks), rank=media.rank * size, layers=layers)
 
 
-def data_group_tally(media: StepMedia, size: int) -> CommTally:
+def data_group_tally(media: StepMedia, size: int, *, indexed: bool = False) -> CommTally:
     """The gathers within ``media.rank``'s data group of ``size`` ranks after each of its
-    split calls (``media`` per rank of the balance group, unsplit)."""
+    split calls (``media`` per rank of the balance group, unsplit); ``indexed`` (CP): the
+    header with the item masks after every call, and the all_to_all of needed items."""
     tally = CommTally()
+    kinds = ("all_gather", "all_to_all" if indexed else "all_gather")
     for call in media.ranks[media.rank]:
         if call.joined:
             continue
-        for nbytes in gathered_bytes([item.output_bytes for item in call.items], size):
-            tally.add("forward", "all_gather", nbytes)
+        outputs = [item.output_bytes for item in call.items]
+        sizes = gathered_bytes(outputs, size, indexed=indexed)
+        for kind, nbytes in zip(kinds[: len(sizes)], sizes, strict=True):
+            tally.add("forward", kind, nbytes)
     return tally
 
 
@@ -422,6 +426,7 @@ def planned_tally(
     world_size: int,
     dp_replicate: int,
     data_group: int = 1,
+    indexed: bool = False,
 ) -> CommTally:
     """The ``balance_media`` hook's collectives in one step on ``world_size`` ranks: with
     the step's media, its exchange (rounds, barrier and layer decisions); without, only
@@ -443,7 +448,7 @@ def planned_tally(
             joined=planned.joined,
             layers=layers,
         )
-        tally.merge(data_group_tally(media, data_group))
+        tally.merge(data_group_tally(media, data_group, indexed=indexed))
         return tally
     tally = CommTally()
     if world_size > 1:

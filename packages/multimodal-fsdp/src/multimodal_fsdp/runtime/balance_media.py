@@ -323,6 +323,7 @@ class BalanceMediaRuntimeHook(RuntimeHook):
             world_size=step.world_size // cp,  # FSDP's shard dimension holds CP's ranks
             dp_replicate=step.mesh.dp_replicate,
             data_group=_data_group_size(step.parallel),
+            indexed=cp > 1,  # CP ranks name their items: a header mask, an all_to_all
         )
 
     def unit_runs(self, step: HookStep) -> Mapping[str, int]:
