@@ -41,7 +41,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_core.internals import process_group_timeout
-from fsdp_core.rank_wait import TIMEOUT_ENV, WaitLimits, wait_for_ranks, wait_limits
+from fsdp_core.rank_wait import (
+    LISTED,
+    TIMEOUT_ENV,
+    WaitLimits,
+    ranks_text,
+    wait_for_ranks,
+    wait_limits,
+)
 
 __all__ = ["CollectiveCallError", "CollectiveCall", "enter_collective", "group_ranks"]
 
@@ -52,7 +59,6 @@ T = TypeVar("T")
 _PREFIX: Final = "fsdp_core/collective"
 _GO: Final = "go"
 _ABORT: Final = "abort"
-_LISTED: Final = 8
 #: Calls entered so far in this process, per group of ranks.
 _SEQUENCE: dict[str, int] = {}
 #: Set on an exception that every rank already raises (not posted again on exit).
@@ -62,12 +68,6 @@ _AGREED: Final = "_fsdp_core_agreed"
 class CollectiveCallError(RuntimeError):
     """A collective function was not entered by every rank of its group, or the
     ranks entered different ones, or a rank failed and the others raise it too."""
-
-
-def _ranks_text(ranks: Sequence[int]) -> str:
-    items = sorted(ranks)
-    more = f" and {len(items) - _LISTED} more" if len(items) > _LISTED else ""
-    return f"{items[:_LISTED]}{more}"
 
 
 def group_ranks(
@@ -144,7 +144,7 @@ def _failure_payload(error: BaseException, rank: int, step: str) -> str:
     )
 
 
-def _exception_type(module: str, qualname: str) -> type[Exception] | None:
+def exception_type(module: str, qualname: str) -> type[Exception] | None:
     """The class a failing rank raised, if this process has it loaded already."""
     owner: Any = sys.modules.get(module)
     for part in qualname.split("."):
@@ -160,8 +160,8 @@ def _rebuild(payload: dict[str, Any], failed: Sequence[int], name: str) -> Excep
     others = [r for r in failed if r != rank]
     text = f"{name} failed on rank {rank} ({step}): {payload['message']}"
     if others:
-        text += f"; ranks {_ranks_text(others)} failed too"
-    kind = _exception_type(payload["module"], payload["qualname"])
+        text += f"; ranks {ranks_text(others)} failed too"
+    kind = exception_type(payload["module"], payload["qualname"])
     number = payload.get("errno")
     try:
         if kind is not None and issubclass(kind, OSError) and isinstance(number, int):
@@ -211,7 +211,7 @@ class CollectiveCall:
             logger.warning(
                 "skipping collective call %d of ranks %s: decided without this rank",
                 number,
-                _ranks_text(self.ranks),
+                ranks_text(self.ranks),
             )
             number += 1  # the others gave up on this rank there: the call is over
         _SEQUENCE[group] = number + 1
@@ -225,7 +225,7 @@ class CollectiveCall:
         met = wait_for_ranks(
             store,
             f"{base}/done",
-            what=f"{self.name} (collective call #{number} of ranks {_ranks_text(self.ranks)})",
+            what=f"{self.name} (collective call #{number} of ranks {ranks_text(self.ranks)})",
             rank=self.rank,
             limits=WaitLimits(self.timeout_s, wait_limits(self.timeout_s).warn_after_s),
             last=lambda: self._last_entries(number),
@@ -244,7 +244,7 @@ class CollectiveCall:
             if self._store.check([f"{_PREFIX}/{group}/{number}/name/{rank}"]):
                 continue
             last[rank] = "entered none of the last collective calls of these ranks"
-            for earlier in range(number - 1, max(number - 1 - _LISTED, -1), -1):
+            for earlier in range(number - 1, max(number - 1 - LISTED, -1), -1):
                 key = f"{_PREFIX}/{group}/{earlier}/name/{rank}"
                 if self._store.check([key]):
                     name = self._store.get(key).decode()
@@ -268,16 +268,14 @@ class CollectiveCall:
         problems = []
         if missing:
             problems.append(
-                f"ranks {_ranks_text(missing)} did not arrive within {self.timeout_s:g} s"
+                f"ranks {ranks_text(missing)} did not arrive within {self.timeout_s:g} s"
             )
-        problems += [
-            f"rank {r} entered {n} instead" for r, n in sorted(elsewhere.items())[:_LISTED]
-        ]
+        problems += [f"rank {r} entered {n} instead" for r, n in sorted(elsewhere.items())[:LISTED]]
         if not problems:
             problems.append("the other ranks gave up waiting before this rank arrived")
         return CollectiveCallError(
             f"{self.name} is collective: call it on every rank of the model's mesh "
-            f"(ranks {_ranks_text(self.ranks)}), not on some of them; "
+            f"(ranks {ranks_text(self.ranks)}), not on some of them; "
             + "; ".join(problems)
             + f" (rank {self.rank} raises this)"
         )
@@ -305,7 +303,7 @@ class CollectiveCall:
             late = [r for r in self.ranks if not store.check([f"{base}/at/{r}"])]
             raise self._mark(
                 CollectiveCallError(
-                    f"{self.name}: ranks {_ranks_text(late)} did not reach the step "
+                    f"{self.name}: ranks {ranks_text(late)} did not reach the step "
                     f"{step!r} within {self._step_limits().timeout_s:g} s; a rank stopped "
                     f"or is stuck (the limit: the process group's timeout, or {TIMEOUT_ENV})"
                 )

@@ -42,6 +42,7 @@ from torch.utils.hooks import RemovableHandle
 from fsdp_core import internals
 from fsdp_core.collective_entry import CollectiveCallError
 from fsdp_core.rank_agreement import Meeting, RankAgreement, agreement_of, kind_of, payload_of
+from fsdp_core.rank_wait import LISTED, ranks_text
 from fsdp_core.runtime import RuntimeHook, installed_hooks
 from fsdp_core.step_agreement import RankStep, StepState, agrees, mismatch_error
 
@@ -61,7 +62,6 @@ __all__ = [
 NAME = "forward_agreement"
 #: The kind of this hook's values at the agreement.
 CALL: Final = "call"
-_LISTED: Final = 8
 #: Added to a call's kind when its batch has no rows: the ranks then disagree at once.
 EMPTY_BATCH: Final = " with an empty batch"
 TRAINING_FORWARD: Final = "a training forward"
@@ -77,11 +77,6 @@ def call_kind(model: nn.Module) -> str:
     if not model.training:
         return "a forward in eval mode (model.eval())"
     return TRAINING_FORWARD
-
-
-def _ranks_text(ranks: list[int]) -> str:
-    more = f" and {len(ranks) - _LISTED} more" if len(ranks) > _LISTED else ""
-    return f"{ranks[:_LISTED]}{more}"
 
 
 def _call(value: str) -> tuple[int, str, RankStep | None]:
@@ -157,9 +152,9 @@ class ForwardAgreement:
         number = min(number for number, _ in made)
         if late:
             behind = sorted(meeting.elsewhere)
-            last = "; ".join(f"rank {r}: {_last(*meeting.elsewhere[r])}" for r in behind[:_LISTED])
+            last = "; ".join(f"rank {r}: {_last(*meeting.elsewhere[r])}" for r in behind[:LISTED])
             lines.append(
-                f"ranks {_ranks_text(behind)} did not make call #{number} within "
+                f"ranks {ranks_text(behind)} did not make call #{number} within "
                 f"{meeting.timed_out_s:g} s (their last calls: {last})"
             )
         if any(EMPTY_BATCH in kind for _, kind in made):
@@ -169,7 +164,7 @@ class ForwardAgreement:
             )
         return CollectiveCallError(
             f"the model's calls are collective under FSDP: every rank of the mesh (ranks "
-            f"{_ranks_text(list(self.ranks))}) must make the same calls in the same order, "
+            f"{ranks_text(self.ranks)}) must make the same calls in the same order, "
             "but " + "; ".join(lines) + ". A forward, eval or generate() on some ranks only "
             "(e.g. `if rank == 0: model.eval(); model(**batch)`) cannot run on a sharded "
             "model: run it on every rank, each on its share of the data, or export the full "

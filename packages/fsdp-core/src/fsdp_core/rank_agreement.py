@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import sys
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -37,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Final
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_core.collective_entry import CollectiveCallError, exception_type
 from fsdp_core.internals import process_group_timeout
 from fsdp_core.rank_wait import wait_for_ranks, wait_limits
 
@@ -86,19 +86,12 @@ def _encode(error: Exception) -> str:
 
 def _decode(text: str) -> Exception:
     """The exception a decision names, of its type where this process has it loaded."""
-    from fsdp_core.collective_entry import CollectiveCallError
-
     name, _, message = text.partition("|")
-    module, _, qualname = name.partition(":")
-    owner: Any = sys.modules.get(module)
-    for part in qualname.split("."):
-        owner = getattr(owner, part, None)
-    if isinstance(owner, type) and issubclass(owner, Exception):
-        try:
-            return owner(message)
-        except Exception:  # a type that needs other arguments
-            pass
-    return CollectiveCallError(message)
+    kind = exception_type(*name.partition(":")[::2])
+    try:
+        return (kind or CollectiveCallError)(message)
+    except Exception:  # a type that needs other arguments
+        return CollectiveCallError(message)
 
 
 class RankAgreement:
@@ -208,8 +201,6 @@ class RankAgreement:
     def _explain(self, meeting: Meeting) -> Exception | None:
         """The error of ``meeting``: built by the first registered kind present; when the
         ranks parted and it builds none, a plain one naming what each rank said."""
-        from fsdp_core.collective_entry import CollectiveCallError
-
         values = meeting.values
         parted = len(set(values.values())) > 1 or (
             meeting.timed_out_s is not None and bool(meeting.elsewhere)

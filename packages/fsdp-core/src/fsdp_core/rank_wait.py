@@ -30,7 +30,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final
@@ -40,6 +40,7 @@ __all__ = [
     "TIMEOUT_ENV",
     "WARN_ENV",
     "WaitLimits",
+    "ranks_text",
     "seconds_setting",
     "wait_for_ranks",
     "wait_limits",
@@ -53,10 +54,11 @@ TIMEOUT_ENV: Final = "FSDP_CORE_RANK_WAIT_TIMEOUT_S"
 WARN_ENV: Final = "FSDP_CORE_RANK_WAIT_WARN_S"
 #: The first warning's delay when ``WARN_ENV`` is not set.
 DEFAULT_WARN_AFTER_S: Final = 60.0
+#: How many ranks a message lists before it says how many more.
+LISTED: Final = 8
 #: How often a waiting rank looks (after a first pause of ``_FIRST_PAUSE_S``, doubled).
 POLL_S: Final = 0.5
 _FIRST_PAUSE_S: Final = 0.0001
-_LISTED: Final = 8
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,14 @@ def wait_limits(default_timeout_s: float) -> WaitLimits:
     )
 
 
+def ranks_text(ranks: Iterable[int]) -> str:
+    """``[0, 2]``, or the first ``LISTED`` ranks and how many more: how every guard's
+    message lists ranks."""
+    items = sorted(ranks)
+    more = f" and {len(items) - LISTED} more" if len(items) > LISTED else ""
+    return f"{items[:LISTED]}{more}"
+
+
 def _clock(epoch_s: float) -> str:
     return datetime.fromtimestamp(epoch_s, tz=UTC).strftime("%H:%M:%S UTC")
 
@@ -121,11 +131,9 @@ def _warn(
     if not missing:
         return  # every rank arrived since the last look: the wait ends at once
     ranks: Sequence[int] = sorted(missing)
-    listed = "; ".join(f"rank {r}: {missing[r]}" for r in ranks[:_LISTED])
-    more = f" and {len(ranks) - _LISTED} more" if len(ranks) > _LISTED else ""
+    listed = "; ".join(f"rank {r}: {missing[r]}" for r in ranks[:LISTED])
     who = (
-        f"for ranks {list(ranks[:_LISTED])}{more}, which have not made it yet (what each "
-        f"last did: {listed})"
+        f"for ranks {ranks_text(ranks)}, which have not made it yet (what each last did: {listed})"
     )
     end = (
         f"It gives up at {_clock(gives_up_at)} ({limits.timeout_s:g} s after it arrived; "

@@ -51,6 +51,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import internals
+from fsdp_core.rank_wait import ranks_text
 from fsdp_core.runtime import BackwardWatch
 
 __all__ = [
@@ -65,7 +66,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_LISTED: Final = 8
 #: Keywords of a forward inside transformers' ``generate()`` (5.x passes ``cache``).
 GENERATION_KEYS: Final = ("cache", "past_key_values", "cache_position")
 #: What the ranks should do about uneven micro-batch counts (quoted by the errors).
@@ -143,14 +143,9 @@ def is_empty_batch(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
     return bool(batched) and all(t.numel() == 0 for t in batched)
 
 
-def _ranks_text(ranks: Sequence[int]) -> str:
-    more = f" and {len(ranks) - _LISTED} more" if len(ranks) > _LISTED else ""
-    return f"{list(ranks[:_LISTED])}{more}"
-
-
 def _who(ranks: Sequence[int]) -> str:
     """``rank 3`` or ``ranks [0, 2]``."""
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranks_text(ranks)}"
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks_text(ranks)}"
 
 
 def _grouped(table: Mapping[int, RankStep], key: Any) -> list[tuple[Any, list[int]]]:
@@ -170,7 +165,7 @@ def mismatch_error(table: Mapping[int, RankStep]) -> Exception:
     """The error every rank raises for ``table`` (global rank -> what it said), built
     from the table alone so that every rank raises the same words."""
     ranks = sorted(table)
-    head = f"the ranks of the model's mesh ({_ranks_text(ranks)}) "
+    head = f"the ranks of the model's mesh ({ranks_text(ranks)}) "
     empty = [r for r in ranks if table[r].empty]
     if empty:
         return EmptyBatchError(
