@@ -1,6 +1,6 @@
 """``plan``'s job dimensions and the copies of the parallelizer its options ask for.
 
-``--world-size``/``--dp-replicate``/``--tp``/``--ep`` make the job's
+``--world-size``/``--dp-replicate``/``--tp``/``--cp``/``--ep`` make the job's
 [`ParallelDims`][fsdp_core.parallel_dims.ParallelDims]; ``--tp`` applies the model's
 TP plan to the meta model, ``--ep`` its EP plan (the preset's ``ep_plan``);
 ``--balance-media`` and ``--offload`` copy the parallelizer.
@@ -60,6 +60,15 @@ def _add_parallel_options(plan: argparse.ArgumentParser) -> None:
         ),
     )
     plan.add_argument(
+        "--cp",
+        type=_positive_int,
+        default=1,
+        help=(
+            "context-parallel ranks: each sample's sequence split over cp ranks, which hold "
+            "the same batch; FSDP shards over the data-parallel ranks x cp (default 1)"
+        ),
+    )
+    plan.add_argument(
         "--ep",
         type=_positive_int,
         default=1,
@@ -105,14 +114,25 @@ def _parallel_dims(args: argparse.Namespace) -> ParallelDims:
             f"--tp {args.tp} does not divide --world-size {args.world_size}: the "
             "data-parallel ranks are world-size / tp"
         )
+    if args.world_size % (args.tp * args.ep * args.cp):
+        raise CliError(
+            f"--cp {args.cp} does not divide --world-size {args.world_size} (with --tp "
+            f"{args.tp}, --ep {args.ep}): the data-parallel ranks are world-size / (tp x ep x cp)"
+        )
+    if args.cp > 1 and args.batch is not None:
+        raise CliError(
+            "--batch traces activations of whole sequences, not of a CP rank's share: with "
+            "--cp give --activations SIZE"
+        )
     try:
         mesh = resolve_mesh_shape(
-            world_size=args.world_size // (args.tp * args.ep), dp_replicate=args.dp_replicate
+            world_size=args.world_size // (args.tp * args.ep * args.cp),
+            dp_replicate=args.dp_replicate,
         )
     except ValueError as error:
         raise CliError(f"{error} (with --tp {args.tp})" if args.tp > 1 else str(error)) from None
     return ParallelDims.from_sizes(
-        dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, tp=args.tp, ep=args.ep
+        dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, tp=args.tp, ep=args.ep, cp=args.cp
     )
 
 
@@ -121,7 +141,30 @@ def _tensor_parallel(
 ) -> str | None:
     """Apply ``--tp``'s plan (or ``--ep``'s) to the meta model over a fake group that
     ``stack`` keeps open while the plan is costed; returns the note saying what was
-    sharded."""
+    sharded, after ``--cp``'s."""
+    notes = (_context_parallel(args), _sharded_first(args, model, stack))
+    return "; ".join(note for note in notes if note) or None
+
+
+def _context_parallel(args: argparse.Namespace) -> str | None:
+    """What ``--cp`` changes: FSDP's ranks, a rank's activations, the media exchange."""
+    if args.cp == 1:
+        return None
+    dp = args.world_size // (args.tp * args.cp)
+    return (
+        f"context parallel: {args.world_size} ranks as ('dp', 'cp') = ({dp}, {args.cp}) (beside "
+        f"tp={args.tp}); FSDP shards over dp x cp = {dp * args.cp} ranks, a rank's activations "
+        f"are those of 1/{args.cp} of each sequence (give --activations for that share); with "
+        "--balance-media and frozen towers the CP ranks share each tower call and each gets "
+        "its shard's items only: per call a header all_gather of 3 + items int64 per rank, "
+        "then an all_to_all of the needed items another CP rank encoded"
+    )
+
+
+def _sharded_first(
+    args: argparse.Namespace, model: nn.Module, stack: contextlib.ExitStack
+) -> str | None:
+    """The TP or EP plan applied to the meta model (``_tensor_parallel``)."""
     if args.ep > 1:
         return _expert_parallel(args, model, stack)
     if args.tp == 1:
