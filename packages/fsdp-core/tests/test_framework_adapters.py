@@ -191,10 +191,7 @@ def test_torchtitan_options_given_to_the_factory_win(mesh2: DeviceMesh) -> None:
 
 @pytest.mark.parametrize(
     ("flag", "option"),
-    [
-        ("pp_enabled", "pipeline_parallel_degree"),
-        ("ep_enabled", "expert_parallel_degree"),
-    ],
+    [("ep_enabled", "expert_parallel_degree")],
 )
 def test_torchtitan_other_parallelisms_are_refused(
     mesh2: DeviceMesh, flag: str, option: str
@@ -364,3 +361,47 @@ def test_torchtitan_context_parallel_on_torchtitans_own_meshes(
         assert library.dp_mesh.size() == 8
         with pytest.raises(ValueError, match=r"context_parallel_degree.*sharding_mesh"):
             torchtitan.data_parallel_mesh(dims)
+
+
+class _StagePart(nn.Module):
+    """A model part as torchtitan's pipeline split leaves it: modules of other stages set
+    to ``None``, the layers a ``ModuleDict`` keyed by their indices in the whole model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = None
+        self.layers = nn.ModuleDict({"2": nn.Linear(4, 4), "3": nn.Linear(4, 4)})
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = layer(x)
+        out: torch.Tensor = self.norm(x)
+        return out
+
+
+def test_torchtitan_pipeline_parts_are_sharded_over_their_stage(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torchtitan's real ParallelDims with pp=2 x dp_shard=2 (4 fake ranks): its
+    pipelining_fn calls parallelize_fn once per model part; each part is sharded over the
+    data-parallel ranks of its stage (2 of the 4), whose ranks its hooks meet over."""
+    parallel_dims_module = pytest.importorskip("torchtitan.distributed.parallel_dims")
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_core.fake_group import fake_process_group
+    from fsdp_core.parallel_dims import ParallelDims
+
+    monkeypatch.setattr(parallel_dims_module, "device_type", "cpu")
+    with fake_process_group(4):
+        dims = parallel_dims_module.ParallelDims(
+            dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=2, ep=1, world_size=4
+        )
+        assert dims.pp_enabled
+        mesh, dp_dims = torchtitan.sharding_mesh(dims)
+        library = ParallelDims.from_mesh(mesh, dp_dims=dp_dims)
+        assert (library.world_size, library.lockstep_names) == (2, dp_dims)
+        part = torchtitan.parallelize_fn(ModelParallelizer())(_StagePart(), parallel_dims=dims)
+        weight = part.get_parameter("layers.3.weight")
+        assert isinstance(weight, DTensor)
+        assert weight.device_mesh.size() == 2

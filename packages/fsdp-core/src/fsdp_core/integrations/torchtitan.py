@@ -33,9 +33,18 @@ ranks ([`ParallelDims`][fsdp_core.parallel_dims.ParallelDims]). On torchtitan's 
 mesh backend, whose ``fsdp`` dimension already folds ``cp``, the library shards over
 ``batch`` x ``cp`` (its ``dataloading`` mesh), which has no HSDP replicas.
 
-Pipeline and expert parallelism are refused, naming the option to change, rather than
-silently ignored (expert parallelism needs the experts kept out of the data-parallel
-units with their EP placements; pipeline parallelism is later work). torchtitan is not
+With ``pipeline_parallel_degree > 1`` torchtitan's ``pipelining_fn`` (``pipeline_llm``,
+``pipeline_vlm``) cuts the model into parts, one per local stage, and calls this
+``parallelize_fn`` once per part with the same ``ParallelDims``. Each part is sharded
+like a model of its own over the data-parallel ranks of this rank's ``pp`` coordinate
+(the sub-meshes above hold only those), and its runtime hooks meet over that stage's
+ranks; a part without the towers (every stage but the first) is planned as a plain
+language model. Pipeline schedules end each step's backwards by hand, which the step
+agreement leaves to them ([`fsdp_core.step_agreement`][fsdp_core.step_agreement]).
+
+Expert parallelism is refused, naming the option to change, rather than silently
+ignored (it needs the experts kept out of the data-parallel units with their EP
+placements). torchtitan is not
 imported here; its configs are read by attribute name, so any object with those
 attributes works.
 """
@@ -74,11 +83,6 @@ _RESHARD: dict[str, bool | None] = {"default": None, "always": True, "never": Fa
 #: ParallelDims flags of the parallelisms the library does not combine with, with their
 #: config option and what is missing.
 _REFUSED = (
-    (
-        "pp_enabled",
-        "pipeline parallelism (parallelism.pipeline_parallel_degree)",
-        "the library does not plan per pipeline stage yet",
-    ),
     (
         "ep_enabled",
         "expert parallelism (parallelism.expert_parallel_degree)",
@@ -128,7 +132,7 @@ def data_parallel_mesh(parallel_dims: Any) -> DeviceMesh:
     instead: this mesh alone does not show the ``tp`` dimension.
 
     Raises:
-        ValueError: context, pipeline or expert parallelism is enabled (with context
+        ValueError: context or expert parallelism is enabled (with context
             parallelism, shard over ``sharding_mesh``, which shows ``cp``).
     """
     _check_supported(parallel_dims)
@@ -149,7 +153,7 @@ def sharding_mesh(parallel_dims: Any) -> tuple[DeviceMesh, tuple[str, ...]]:
     data-parallel names among them.
 
     Raises:
-        ValueError: pipeline or expert parallelism is enabled.
+        ValueError: expert parallelism is enabled.
     """
     _check_supported(parallel_dims)
     dp_names = _dp_names(parallel_dims)
