@@ -107,13 +107,13 @@ class HeadInShard(ModelParallelizer):
 class HeadPlanned(ModelParallelizer):
     """The remedy: the head planned as a unit, applied as planned."""
 
-    def _plan_leading_calls(self, ctx: PlanContext) -> list[ShardCall]:
-        return self._plan_calls("head", ctx, reshard_after_forward=ctx.reshard_after_forward)
+    def _units(self, ctx: PlanContext) -> list[str | ShardCall]:
+        return ["head", *super()._units(ctx)]
 
 
 def test_plan_mismatch_remedy(fake2: None) -> None:
     model = Scaled(in_submodule=True)
-    with pytest.raises(PlanMismatchError, match=r"_plan_leading_calls or _plan_calls"):
+    with pytest.raises(PlanMismatchError, match=r"_units or _plan_calls"):
         HeadInShard().parallelize(model, mesh=build_mesh())
     model = Scaled(in_submodule=True)
     plan = HeadPlanned().plan(model)

@@ -305,13 +305,12 @@ class SharedFirst(ModelParallelizer):
         super().__init__()
         self.before_apply: list[ShardingPlan] = []
 
-    def _plan_leading_calls(self, ctx: PlanContext) -> list[ShardCall]:
-        return [
-            self._make_call(
-                ("towers.b",), ctx, mp_policy=ctx.mp_policy, reshard_after_forward=False,
-                role="shared",
-            )
-        ]  # fmt: skip
+    def _units(self, ctx: PlanContext) -> list[str | ShardCall]:
+        shared = self._make_call(
+            ("towers.b",), ctx, mp_policy=ctx.mp_policy, reshard_after_forward=False,
+            role="shared",
+        )  # fmt: skip
+        return [shared, *super()._units(ctx)]
 
     def _ignored_param_names(self, model: nn.Module, names: tuple[str, ...]) -> list[str]:
         return [*names, "embed.weight", "embed.bias"]
@@ -363,13 +362,12 @@ class EncoderModel(nn.Module):
 class EncoderFirst(ModelParallelizer):
     """A leading call that makes an ancestor of layer items one unit."""
 
-    def _plan_leading_calls(self, ctx: PlanContext) -> list[ShardCall]:
-        return [
-            self._make_call(
-                ("encoder",), ctx, mp_policy=ctx.mp_policy, reshard_after_forward=None,
-                role="shared",
-            )
-        ]  # fmt: skip
+    def _units(self, ctx: PlanContext) -> list[str | ShardCall]:
+        shared = self._make_call(
+            ("encoder",), ctx, mp_policy=ctx.mp_policy, reshard_after_forward=None,
+            role="shared",
+        )  # fmt: skip
+        return [shared, *super()._units(ctx)]
 
 
 def test_plan_skips_items_under_a_planned_ancestor() -> None:
@@ -397,9 +395,9 @@ def test_make_call_with_explicit_units() -> None:
     assert ctx.is_planned(model.layers[1])
 
 
-def test_unit_paths_override() -> None:
+def test_units_override() -> None:
     class OnlyLayers(ModelParallelizer):
-        def _unit_paths(self, ctx: PlanContext) -> list[str]:
+        def _units(self, ctx: PlanContext) -> list[str | ShardCall]:
             return ["layers"]
 
     plan = OnlyLayers(dtype_safe=False).plan(Model())
@@ -556,7 +554,9 @@ def test_a_unit_made_outside_the_plan_is_refused(mesh2: DeviceMesh) -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     parallelizer = _ExtraUnit()
     plan = parallelizer.plan(model)
-    with pytest.raises(PlanMismatchError, match=r"made but not planned \['0'\].*_plan_leading"):
+    with pytest.raises(
+        PlanMismatchError, match=r"made but not planned \['0'\].*_units or _plan_calls"
+    ):
         parallelizer.apply_plan(model, plan, mesh=mesh2)
 
 

@@ -204,12 +204,13 @@ class ModelParallelizer(Generic[FoundT]):
         ctx.ignored_param_names = frozenset(
             (*self._ignored_param_names(model, given), *ctx.replicated_param_names)
         )
-        calls: list[ShardCall] = list(self._plan_leading_calls(ctx))
-        for path in self._unit_paths(ctx):
-            if ctx.is_planned(ctx.module(path)) or not ctx.has_unplanned_params(path):
-                continue
-            calls.extend(self._plan_calls(path, ctx, reshard_after_forward=reshard_after_forward))
-        calls.extend(self._plan_calls("", ctx, reshard_after_forward=reshard_after_forward))
+        calls: list[ShardCall] = []
+        for unit in self._units(ctx):
+            if isinstance(unit, ShardCall):
+                calls.append(unit)
+            elif not ctx.is_planned(ctx.module(unit)) and ctx.has_unplanned_params(unit):
+                calls.extend(self._plan_calls(unit, ctx))
+        calls.extend(self._plan_calls("", ctx))
         added = self._plan_additions(ctx, tuple(calls))
         plan = ShardingPlan(
             calls=tuple(calls),
@@ -286,8 +287,13 @@ class ModelParallelizer(Generic[FoundT]):
             return []
         return dtype_island_groups(module, options.mp_policy, ignored_params=options.ignored_params)
 
-    def _unit_paths(self, ctx: PlanContext[FoundT]) -> list[str]:
-        """Paths of the modules that become units before the root (layer-container items)."""
+    def _units(self, ctx: PlanContext[FoundT]) -> list[str | ShardCall]:
+        """The units made before the root, in order: the one planning hook that names
+        them. A path becomes a unit with its dtype islands split off
+        ([`_plan_calls`][fsdp_core.parallelizer.ModelParallelizer._plan_calls]; skipped when
+        an earlier unit holds it or it would own no parameter); a call (``_make_call``:
+        groups, a policy of their own) is planned as it is. Here: the layer-container
+        items."""
         return [path for path, _ in iter_layer_items(ctx.model)]
 
     def _find(self, model: nn.Module) -> FoundT:
@@ -314,10 +320,6 @@ class ModelParallelizer(Generic[FoundT]):
         records; nothing here."""
         return PlanAdditions()
 
-    def _plan_leading_calls(self, ctx: PlanContext[FoundT]) -> list[ShardCall]:
-        """Calls planned before any layer item (e.g. units shared by several layers)."""
-        return []
-
     def _plan_notes(self, ctx: PlanContext[FoundT]) -> list[str]:
         return []
 
@@ -343,45 +345,30 @@ class ModelParallelizer(Generic[FoundT]):
     def _after_apply(self, model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> None:
         """Runs once after the last unit is made (e.g. to tune prefetching or add guards)."""
 
-    def _plan_calls(
-        self,
-        path: str,
-        ctx: PlanContext[FoundT],
-        *,
-        reshard_after_forward: bool | int | None,
-        role: str | None = None,
-    ) -> list[ShardCall]:
+    def _plan_calls(self, path: str, ctx: PlanContext[FoundT]) -> list[ShardCall]:
         """The calls that make ``path`` a unit: its dtype islands first, then itself."""
-        module = ctx.module(path)
-        role = role or ("root" if path == "" else "layer")
-        calls: list[ShardCall] = []
+        reshard = ctx.reshard_after_forward
+        groups: list[tuple[tuple[str, ...], MixedPrecisionPolicy, str]] = []
         if self.dtype_safe:
             dominant, islands = find_dtype_islands(
-                module,
+                ctx.module(path),
                 prefix=path,
                 skip=lambda _p, sub: ctx.is_planned(sub),
                 ignored_param_names=ctx.ignored_param_names,
             )
-            for dtype, paths in group_islands(islands):
-                calls.append(
-                    self._make_call(
-                        paths,
-                        ctx,
-                        mp_policy=island_policy(dtype, ctx.mp_policy, surrounding_dtype=dominant),
-                        reshard_after_forward=reshard_after_forward,
-                        role="dtype_island",
-                    )
+            groups += [
+                (
+                    paths,
+                    island_policy(dtype, ctx.mp_policy, surrounding_dtype=dominant),
+                    "dtype_island",
                 )
-        calls.append(
-            self._make_call(
-                (path,),
-                ctx,
-                mp_policy=ctx.mp_policy,
-                reshard_after_forward=reshard_after_forward,
-                role=role,
-            )
-        )
-        return calls
+                for dtype, paths in group_islands(islands)
+            ]
+        groups.append(((path,), ctx.mp_policy, "root" if path == "" else "layer"))
+        return [
+            self._make_call(paths, ctx, mp_policy=policy, reshard_after_forward=reshard, role=role)
+            for paths, policy, role in groups
+        ]
 
     # ------------------------------------------------------------------- helpers
     def _make_call(
@@ -454,7 +441,7 @@ def check_applied_units(model: nn.Module, plan: ShardingPlan) -> None:
         f"applying the plan made {len(made)} FSDP units where the plan lists "
         f"{len(planned)}: made but not planned {_paths_text(extra)}; planned but not made "
         f"{_paths_text(missing)}. Plan every unit (override the planning hooks, e.g. "
-        "_plan_leading_calls or _plan_calls), so that applying the plan makes only those."
+        "_units or _plan_calls), so that applying the plan makes only those."
     )
 
 

@@ -330,7 +330,9 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
             )
         return units
 
-    def _plan_leading_calls(self, ctx: PlanContext[Discovery]) -> list[ShardCall]:
+    def _units(self, ctx: PlanContext[Discovery]) -> list[str | ShardCall]:
+        """The fp32 norm units of the discovered vision towers first (one per tower, as
+        torch allows), then the multimodal parallelizer's units."""
         groups = _plan_norm_groups(
             ctx.model,
             _vision_towers(ctx.found),
@@ -338,7 +340,7 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
             ignored_param_names=ctx.ignored_param_names,
             planned=ctx.planned,
         )
-        return [
+        norm_units: list[str | ShardCall] = [
             self._make_call(
                 group.paths,
                 ctx,
@@ -348,6 +350,7 @@ class DeepseekV41ModelParallelizer(MultimodalParallelizer):
             )
             for group in groups
         ]
+        return [*norm_units, *super()._units(ctx)]
 
     def _replicated_param_names(self, ctx: PlanContext[Discovery]) -> list[str]:
         """Also replicate frozen fp32 vision norms, whatever the policy.

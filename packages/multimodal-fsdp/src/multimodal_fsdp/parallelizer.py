@@ -273,13 +273,13 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
         replicates (subclasses may add more)."""
         return _param_names_under(ctx.model, self._replicated_paths(ctx.found))
 
-    def _unit_paths(self, ctx: PlanContext[Discovery]) -> list[str]:
+    def _units(self, ctx: PlanContext[Discovery]) -> list[str | ShardCall]:
         model = ctx.model
         found = ctx.found
         parts = self._parts_with_policies(found)
         roots = found.paths
         conditional = set(found.conditional)
-        paths = [
+        paths: list[str | ShardCall] = [
             path
             for path, _ in iter_layer_items(model)
             if not any(is_under(path, root) for root in roots)
