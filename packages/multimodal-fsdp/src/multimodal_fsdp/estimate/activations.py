@@ -29,15 +29,13 @@ from fsdp_core import ShardingPlan, internals
 from fsdp_core.internals import TorchDispatchMode
 from fsdp_core.plan import unit_parameters
 from fsdp_core.runtime import output_tensors
-from multimodal_fsdp.balance._planned import Removable
+from multimodal_fsdp.balance._planned import BalancedTower, JoinedModule, Removable
 from multimodal_fsdp.estimate.compute_copy import add_cast_hooks, compute_copy
 from multimodal_fsdp.estimate.exchange import (
     CallBuffers,
     StepMedia,
     balance_hook,
-    balanced_towers,
     call_buffers,
-    members_of,
 )
 from multimodal_fsdp.estimate.timeline import kept_after_forward
 from multimodal_fsdp.estimate.units import (
@@ -438,8 +436,12 @@ class _ExchangeBuffers:
     ) -> None:
         self.live = live
         self.hooks: list[Any] = []
-        members = members_of(plan)
-        for tower in balanced_towers(plan):
+        hook = balance_hook(plan)
+        towers = () if hook is None else hook.towers
+        members: tuple[BalancedTower | JoinedModule, ...] = (
+            () if hook is None else (*hook.towers, *hook.joined)
+        )
+        for tower in towers:
             buffers = call_buffers(media, tower, members)
             module = twin.get_submodule(tower.path) if tower.path else twin
             calls = [0]

@@ -77,11 +77,10 @@ from fsdp_core.mesh import MeshShape, resolve_mesh_shape
 from fsdp_core.parallel_dims import ParallelDims, local_shape
 from fsdp_core.runtime import HookPlan
 from fsdp_core.sharding import original_class
-from multimodal_fsdp.balance._planned import BalancedTower
+from multimodal_fsdp.balance._planned import BalancedTower, group_size
 from multimodal_fsdp.balance.traffic import SLOT_INTS, STATUS_INTS
 from multimodal_fsdp.estimate.exchange import (
     StepMedia,
-    balance_group_size,
     balance_hook,
     balanced_towers,
     exchange_tally,
@@ -371,9 +370,10 @@ def _costs_of(
     notes = list(plan.notes)
     if step.free and step.free_judged:
         notes.append(f"no gradient reaches {sorted(step.free)} (media inputs only)")
-    towers = balanced_towers(plan)
-    if towers and step.media is None:
-        world = balance_group_size(plan, shape.world_size, shape.dp_replicate)
+    hook = balance_hook(plan)
+    towers = () if hook is None else hook.towers
+    if hook is not None and towers and step.media is None:
+        world = group_size(hook.group, shape.world_size, shape.dp_replicate)
         notes.append(_exchange_note(towers, world, shape.world_size))
     return PlanCosts(
         model=_model_name(step.model),

@@ -41,8 +41,6 @@ from multimodal_fsdp.balance._planned import (
     BALANCE_MEDIA,
     BalancedTower,
     BalancePlanned,
-    JoinedModule,
-    group_size,
 )
 from multimodal_fsdp.balance._step_media import (
     BalancedCall,
@@ -64,12 +62,8 @@ __all__ = [
     "ItemSizes",
     "StepMedia",
     "exchange_tally",
-    "balance_group_size",
-    "joined_layers",
-    "joined_modules",
     "layer_runs",
     "module_runs",
-    "members_of",
     "record_step_media",
     "step_media",
 ]
@@ -91,30 +85,6 @@ def balanced_towers(plan: ShardingPlan) -> tuple[BalancedTower, ...]:
     """The towers the plan's ``balance_media`` hook balances (none without the hook)."""
     hook = balance_hook(plan)
     return () if hook is None else hook.towers
-
-
-def joined_modules(plan: ShardingPlan) -> tuple[JoinedModule, ...]:
-    """The modules (projectors with units) the plan's ``balance_media`` hook joins."""
-    hook = balance_hook(plan)
-    return () if hook is None else hook.joined
-
-
-def members_of(plan: ShardingPlan) -> tuple[BalancedTower | JoinedModule, ...]:
-    """The balanced towers and joined modules of the plan's hook, in the hook's order."""
-    return (*balanced_towers(plan), *joined_modules(plan))
-
-
-def joined_layers(plan: ShardingPlan) -> tuple[str, ...]:
-    """The media-dependent decoder layers the plan's ``balance_media`` hook joins."""
-    hook = balance_hook(plan)
-    return () if hook is None else hook.layers
-
-
-def balance_group_size(plan: ShardingPlan, world_size: int, dp_replicate: int = 1) -> int:
-    """The ranks of one balance group of the plan's ``balance_media`` hook on a mesh of
-    ``world_size`` ranks (``dp_replicate`` replicas): what ``StepMedia`` describes."""
-    hook = balance_hook(plan)
-    return group_size("all" if hook is None else hook.group, world_size, dp_replicate)
 
 
 # --------------------------------------------------------------------------- recording
@@ -165,18 +135,18 @@ def record_step_media(
     ``StepMedia(ranks=(calls_of_rank_0, calls_of_rank_1, ...), rank=...)``."""
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    towers = balanced_towers(plan)
-    if not towers:
+    hook = balance_hook(plan)
+    if hook is None or not hook.towers:
         return StepMedia.same_on_every_rank((), world_size=world_size, rank=rank)
     twin = compute_copy(model, plan)
     calls: list[BalancedCall] = []
-    layers = joined_layers(plan)
+    layers = hook.layers
     layer_blobs = [b""] * len(layers)
     handles = []
     for unit in plan.units:
         for path in unit.paths:
             handles += add_cast_hooks(twin.get_submodule(path), unit.mp_policy)
-    for tower in towers:
+    for tower in hook.towers:
 
         def capture(
             module: nn.Module, args: Any, kwargs: Any, output: Any, tower: BalancedTower = tower
@@ -187,7 +157,7 @@ def record_step_media(
         # First among the forward hooks: the output as the tower's forward returns it,
         # before a unit's output cast (the exchange carries it so).
         handles.append(module.register_forward_hook(capture, with_kwargs=True, prepend=True))
-    for joined in joined_modules(plan):
+    for joined in hook.joined:
 
         def enter(_module: nn.Module, args: Any, kwargs: Any, path: str = joined.path) -> None:
             blob = describe_call(tuple(args), dict(kwargs))
