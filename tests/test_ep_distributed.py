@@ -2,9 +2,10 @@
 
 The DeepSeek-V4.1 reference model with 4 routed experts per layer on a ``('dp', 'ep')``
 2x2 mesh trains like one process on the mean of the four ranks' losses (fp32): through
-the library (the vision tower frozen under each policy, and trainable), and through the
-calls NeMo Automodel's MoE parallelizer makes. The experts stay ``Shard(0)`` on ``ep``
-and out of every FSDP unit of the library's plan.
+the library (the vision tower frozen under each policy, and trainable), through the calls
+NeMo Automodel's MoE parallelizer makes, and through the torchtitan adapter (experts
+placed on the meta model, then ``to_empty`` and ``init_weights``). The experts stay
+``Shard(0)`` on ``ep`` and out of every FSDP unit of the library's plan.
 """
 
 from __future__ import annotations
@@ -57,3 +58,11 @@ def test_nemo_automodel_moe_calls_keep_working(mp4: MpResults) -> None:
     # FSDP's ep_shard dimension in front of the EP placement NeMo's ExpertParallel made.
     assert result["expert_mesh"] == ["ep_shard", "ep"]
     assert result["expert_placements"] == ["S(1)", "S(0)"]
+
+
+def test_torchtitan_adapter_with_ep_trains_like_one_process(mp4: MpResults) -> None:
+    pytest.importorskip("torchtitan")
+    result = mp4("torchtitan_dp_ep")
+    check_against_reference(result, _reference("trainable"), TOL[torch.float32])
+    assert (result["expert_mesh"], result["expert_placements"]) == (["ep"], ["S(0)"])
+    assert "expert_grad_reduce" in result["hooks"]

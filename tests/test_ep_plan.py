@@ -148,3 +148,30 @@ def test_plan_ep_refusals(
         main(["plan", "--model", "deepseek-v41-moe-tiny", *argv])
     err = capsys.readouterr().err
     assert message in err, err
+
+
+@pytest.mark.parametrize("backend", ["spmd_types", "partial_dtensor"])
+def test_torchtitan_ep_gives_the_library_its_sparse_mesh(
+    monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """torchtitan's ParallelDims(dp_shard=4, ep=2): the library gets (efsdp, ep) with
+    efsdp data-parallel, so FSDP shards the rest over all 4 ranks and an expert's
+    gradient is reduced over its efsdp peers."""
+    titan = pytest.importorskip("torchtitan.distributed.parallel_dims")
+    from fsdp_core.integrations import torchtitan
+
+    monkeypatch.setattr(titan, "device_type", "cpu")
+    with fake_process_group(4, rank=1):
+        dims = titan.ParallelDims(
+            dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=2, world_size=4, spmd_backend=backend
+        )
+        mesh, dp_dims = torchtitan.sharding_mesh(dims)
+        assert (mesh.mesh_dim_names, dp_dims) == (("efsdp", "ep"), ("efsdp",))
+        library = ParallelDims.from_mesh(mesh, dp_dims=dp_dims)
+        assert library.dp_shape == MeshShape(dp_replicate=1, dp_shard=4)
+        assert _ranks(library.dp_mesh) == [0, 1, 2, 3]
+        assert _ranks(library.expert_replica_mesh) == [1, 3]
+        with pytest.raises(ValueError, match=r"expert_parallel_degree=2.*expert_parallel=fn"):
+            torchtitan.parallelize_fn(PARALLELIZER)(
+                build_deepseek_v41(CONFIG, device="meta"), parallel_dims=dims
+            )

@@ -7,8 +7,10 @@ over ``dp`` and ``ep`` flattened, keeping the experts out of its units and reduc
 gradients over ``dp`` (``fsdp_core.expert_parallel``). ``ep_deepseek_moe`` runs the vision
 tower frozen under each policy and trainable; ``ep_nemo_calls`` calls
 ``fully_shard_deepseek_v41`` and ``PARALLELIZER._fully_shard_module`` the way NeMo
-Automodel's MoE parallelizer does. ``tests/test_ep_distributed.py`` compares each with one
-process on the mean of the four batches' losses (losses, first-step gradients, parameters).
+Automodel's MoE parallelizer does; ``torchtitan_dp_ep`` goes through the torchtitan
+adapter with torchtitan's own ``ParallelDims(dp_shard=4, ep=2)`` on the meta model.
+``tests/test_ep_distributed.py`` compares each with one process on the mean of the four
+batches' losses (losses, first-step gradients, parameters).
 """
 
 from __future__ import annotations
@@ -155,6 +157,43 @@ def ep_nemo_calls(ctx: DistributedContext, out: Path) -> dict[str, Any]:
     result.update(
         expert_mesh=list(expert.device_mesh.mesh_dim_names or ()),
         expert_placements=[str(p) for p in expert.placements],
+    )
+    return result
+
+
+@scenario("torchtitan_dp_ep")
+def torchtitan_dp_ep(ctx: DistributedContext, out: Path) -> dict[str, Any]:
+    """torchtitan's ParallelDims(dp_shard=4, ep=2): the adapter runs the caller's EP plan
+    on its ``ep`` mesh, then the library over its sparse mesh (``efsdp``, ``ep``); the
+    meta model is then materialised and initialised as torchtitan does."""
+    from torchtitan.config.configs import ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import parallel_dims as parallel_dims_module
+
+    from fsdp_core.integrations.torchtitan import parallelize_fn
+
+    parallel_dims_module.device_type = ctx.device.type  # torchtitan assumes an accelerator
+    parallel_dims = parallel_dims_module.ParallelDims(
+        dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=2, world_size=ctx.world_size
+    )
+    model = build_deepseek_v41(CONFIG, device="meta")
+    fn = parallelize_fn(
+        PARALLELIZER.with_options(frozen_multimodal_sharding="root"), expert_parallel=shard_experts
+    )
+    model = fn(
+        model,
+        parallel_dims=parallel_dims,
+        training=TrainingConfig(mixed_precision_param="float32"),
+        parallelism=ParallelismConfig(),
+    )
+    model.to_empty(device=ctx.device)
+    model.init_weights(seed=0)
+    expert = model.get_parameter(EXPERT)
+    assert isinstance(expert, DTensor)
+    result = _train(model, ctx)
+    result.update(
+        expert_mesh=list(expert.device_mesh.mesh_dim_names or ()),
+        expert_placements=[str(p) for p in expert.placements],
+        hooks=sorted(installed_hooks(model)),
     )
     return result
 

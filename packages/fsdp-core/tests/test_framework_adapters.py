@@ -189,18 +189,14 @@ def test_torchtitan_options_given_to_the_factory_win(mesh2: DeviceMesh) -> None:
     assert recording.calls[0]["reshard_after_forward"] is True
 
 
-@pytest.mark.parametrize(
-    ("flag", "option"),
-    [("ep_enabled", "expert_parallel_degree")],
-)
-def test_torchtitan_other_parallelisms_are_refused(
-    mesh2: DeviceMesh, flag: str, option: str
+def test_torchtitan_ep_beside_tp_is_refused_and_ep_needs_the_sharding_mesh(
+    mesh2: DeviceMesh,
 ) -> None:
-    dims = Dims({"dp_shard": mesh2})
-    setattr(dims, flag, True)
-    with pytest.raises(ValueError, match=rf"{option}.*set those degrees to 1"):
+    dims = Dims({"dp_shard": mesh2}, tp_enabled=True, ep_enabled=True)
+    with pytest.raises(ValueError, match=r"expert_parallel_degree\) beside tp.*set tp to 1"):
         _call(dims)
-    with pytest.raises(ValueError, match=option):
+    dims.tp_enabled = False
+    with pytest.raises(ValueError, match=r"expert_parallel_degree.*sharding_mesh"):
         torchtitan.data_parallel_mesh(dims)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -94,13 +94,7 @@ class ExpertGradReduceRuntimeHook(RuntimeHook):
             )
         mesh = dims.expert_replica_mesh
         groups = [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1]
-        divisor = dims.dp_shape.world_size
-        named = dict(model.named_parameters())
-        handles = [
-            named[n].register_hook(_reducer(groups, divisor))  # type: ignore[no-untyped-call]
-            for n in self.params
-        ]
-        return ExpertGradReduceHook(handles)
+        return ExpertGradReduceHook(model, self.params, _reducer(groups, dims.dp_shape.world_size))
 
     def collectives(self, step: HookStep) -> CommTally:
         """One all-reduce per expert parameter and replica dimension of more than one rank."""
@@ -137,14 +131,45 @@ def _reducer(
 
 
 class ExpertGradReduceHook:
-    """The installed hook: one gradient hook per expert parameter."""
+    """The installed hook: a gradient hook on each expert parameter, put on the parameter
+    object its module holds when the module runs (``to_empty`` and checkpoint loading
+    may replace the objects after the plan is applied, as torchtitan's flow does)."""
 
     name = NAME
 
-    def __init__(self, handles: list[RemovableHandle]) -> None:
-        self._handles = handles
+    def __init__(
+        self,
+        model: nn.Module,
+        params: Sequence[str],
+        reduce: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        self._reduce = reduce
+        self._hooked: dict[tuple[int, str], tuple[nn.Parameter, RemovableHandle]] = {}
+        owners: dict[str, list[str]] = {}
+        for name in params:
+            path, _, local = name.rpartition(".")
+            owners.setdefault(path, []).append(local)
+        self._handles = [
+            model.get_submodule(path).register_forward_pre_hook(self._hook_params(locals_))
+            for path, locals_ in owners.items()
+        ]
+
+    def _hook_params(self, names: list[str]) -> Callable[[nn.Module, Any], None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            for name in names:
+                param = module.get_parameter(name)
+                key = (id(module), name)
+                held = self._hooked.get(key)
+                if held is not None and held[0] is param:
+                    continue
+                if held is not None:
+                    held[1].remove()
+                handle = param.register_hook(self._reduce)  # type: ignore[no-untyped-call]
+                self._hooked[key] = (param, handle)
+
+        return hook
 
     def remove(self) -> None:
-        for handle in self._handles:
+        for handle in [*self._handles, *(h for _, h in self._hooked.values())]:
             handle.remove()
-        self._handles = []
+        self._handles, self._hooked = [], {}

@@ -33,6 +33,15 @@ ranks ([`ParallelDims`][fsdp_core.parallel_dims.ParallelDims]). On torchtitan's 
 mesh backend, whose ``fsdp`` dimension already folds ``cp``, the library shards over
 ``batch`` x ``cp`` (its ``dataloading`` mesh), which has no HSDP replicas.
 
+With ``expert_parallel_degree > 1`` (EP borrowed from the data-parallel ranks, tp and
+cp 1) the caller's EP plan runs first, ``parallelize_fn(..., expert_parallel=fn)``:
+``fn(model, ep_mesh)`` places the routed experts on ``ParallelDims``' ``ep`` mesh. The
+library then gets torchtitan's sparse mesh (``efsdp``, ``ep``; HSDP: with
+``dp_replicate``) with the data-parallel names: FSDP shards everything but the experts
+over ``efsdp`` x ``ep`` (torchtitan's ``fsdp`` ranks), keeps the experts out of its
+units with their EP placements and reduces their gradients over ``efsdp``
+([`fsdp_core.expert_parallel`][fsdp_core.expert_parallel]).
+
 With ``pipeline_parallel_degree > 1`` torchtitan's ``pipelining_fn`` (``pipeline_llm``,
 ``pipeline_vlm``) cuts the model into parts, one per local stage, and calls this
 ``parallelize_fn`` once per part with the same ``ParallelDims``. Each part is sharded
@@ -42,9 +51,8 @@ ranks; a part without the towers (every stage but the first) is planned as a pla
 language model. Pipeline schedules end each step's backwards by hand, which the step
 agreement leaves to them ([`fsdp_core.step_agreement`][fsdp_core.step_agreement]).
 
-Expert parallelism is refused, naming the option to change, rather than silently
-ignored (it needs the experts kept out of the data-parallel units with their EP
-placements). torchtitan is not
+EP beside TP or CP is refused, naming the option to change,
+rather than silently ignored. torchtitan is not
 imported here; its configs are read by attribute name, so any object with those
 attributes works.
 """
@@ -80,26 +88,18 @@ TensorParallelFn = Callable[[nn.Module, DeviceMesh], object]
 #: (``None``: the plan's own choice, which is FSDP's default).
 _RESHARD: dict[str, bool | None] = {"default": None, "always": True, "never": False}
 
-#: ParallelDims flags of the parallelisms the library does not combine with, with their
-#: config option and what is missing.
-_REFUSED = (
-    (
-        "ep_enabled",
-        "expert parallelism (parallelism.expert_parallel_degree)",
-        "the library does not keep EP-sharded experts out of its data-parallel units yet",
-    ),
-)
+
+def _ep_enabled(parallel_dims: Any) -> bool:
+    return bool(getattr(parallel_dims, "ep_enabled", False))
 
 
 def _check_supported(parallel_dims: Any) -> None:
-    enabled = [
-        f"{what}: {why}" for flag, what, why in _REFUSED if getattr(parallel_dims, flag, False)
-    ]
-    if enabled:
+    beside = [d for d in ("tp", "cp") if getattr(parallel_dims, f"{d}_enabled", False)]
+    if _ep_enabled(parallel_dims) and beside:
         raise ValueError(
-            f"{'; '.join(enabled)}. The library shards over data-parallel ranks beside tensor "
-            "parallelism: set those degrees to 1 (dp_shard, dp_replicate, cp and tp are "
-            "supported)"
+            f"expert parallelism (parallelism.expert_parallel_degree) beside {', '.join(beside)}"
+            ": the library plans EP borrowed from the data-parallel ranks only; set "
+            f"{' and '.join(f'{d} to 1' for d in beside)}, or expert_parallel_degree to 1"
         )
 
 
@@ -136,12 +136,16 @@ def data_parallel_mesh(parallel_dims: Any) -> DeviceMesh:
             parallelism, shard over ``sharding_mesh``, which shows ``cp``).
     """
     _check_supported(parallel_dims)
-    if getattr(parallel_dims, "cp_enabled", False):
-        raise ValueError(
-            "context parallelism (parallelism.context_parallel_degree) is enabled: FSDP must "
-            "shard over cp too, which this data-parallel mesh does not show; pass "
-            "sharding_mesh(parallel_dims) to the library instead"
-        )
+    for flag, what in (
+        ("cp_enabled", "context parallelism (parallelism.context_parallel_degree)"),
+        ("ep_enabled", "expert parallelism (parallelism.expert_parallel_degree)"),
+    ):
+        if getattr(parallel_dims, flag, False):
+            raise ValueError(
+                f"{what} is enabled: FSDP must shard over its ranks too, which "
+                "this data-parallel mesh does not show; pass sharding_mesh(parallel_dims) "
+                "to the library instead"
+            )
     return _get_mesh(parallel_dims, _dp_names(parallel_dims))
 
 
@@ -153,9 +157,13 @@ def sharding_mesh(parallel_dims: Any) -> tuple[DeviceMesh, tuple[str, ...]]:
     data-parallel names among them.
 
     Raises:
-        ValueError: expert parallelism is enabled.
+        ValueError: expert parallelism beside tensor or context parallelism.
     """
     _check_supported(parallel_dims)
+    if _ep_enabled(parallel_dims):
+        replicate = getattr(parallel_dims, "dp_replicate_enabled", False)
+        efsdp = ("dp_replicate", "efsdp") if replicate else ("efsdp",)
+        return _get_mesh(parallel_dims, (*efsdp, "ep")), efsdp
     dp_names = _dp_names(parallel_dims)
     others = tuple(d for d in ("cp", "tp") if getattr(parallel_dims, f"{d}_enabled", False))
     return _get_mesh(parallel_dims, (*dp_names, *others)), dp_names
@@ -175,6 +183,7 @@ def parallelize_fn(
     offload_policy: OffloadPolicy | None = None,
     reshard_after_forward: bool | int | None = None,
     tensor_parallel: TensorParallelFn | None = None,
+    expert_parallel: TensorParallelFn | None = None,
 ) -> ParallelizeFn:
     """torchtitan's ``parallelize_fn`` sharding with ``parallelizer`` (any
     ``ModelParallelizer``: ``multimodal_fsdp.MultimodalParallelizer(...)`` for a
@@ -192,10 +201,12 @@ def parallelize_fn(
     tp_mesh)`` applies the model's TP plan (torch's ``parallelize_module``) before
     activation checkpointing and sharding, as torchtitan's own parallelize functions
     do; the library keeps its placements and shards over the data-parallel ranks.
+    ``expert_parallel`` is required when ``parallel_dims.ep > 1``: ``fn(model, ep_mesh)``
+    places the routed experts on the ``ep`` mesh (``Shard(0)``), before the rest.
 
     Raises:
         TypeError: ``parallelizer`` is not a ``ModelParallelizer``, or
-            ``tensor_parallel`` is not callable.
+            ``tensor_parallel`` or ``expert_parallel`` is not callable.
     """
     if not isinstance(parallelizer, ModelParallelizer):
         raise TypeError(
@@ -203,11 +214,11 @@ def parallelize_fn(
             "MultimodalParallelizer, model_deepseek_v41's PARALLELIZER, ...), got "
             f"{type(parallelizer).__name__}"
         )
-    if tensor_parallel is not None and not callable(tensor_parallel):
-        raise TypeError(
-            "tensor_parallel must be a function (model, tp_mesh) -> None, got "
-            f"{type(tensor_parallel).__name__}"
-        )
+    for name, fn in (("tensor_parallel", tensor_parallel), ("expert_parallel", expert_parallel)):
+        if fn is not None and not callable(fn):
+            raise TypeError(
+                f"{name} must be a function (model, mesh) -> None, got {type(fn).__name__}"
+            )
 
     def parallelize(
         model: nn.Module,
@@ -234,6 +245,15 @@ def parallelize_fn(
             )
         if tp_enabled and tensor_parallel is not None:
             tensor_parallel(model, _get_mesh(parallel_dims, ("tp",)))
+        if _ep_enabled(parallel_dims):
+            if expert_parallel is None:
+                raise ValueError(
+                    f"expert parallelism (parallelism.expert_parallel_degree="
+                    f"{parallel_dims.ep}) is enabled and torchtitan's parallelize_fn applies "
+                    "it: pass the model's EP plan as parallelize_fn(..., expert_parallel=fn), "
+                    "fn(model, ep_mesh), or set expert_parallel_degree to 1"
+                )
+            expert_parallel(model, _get_mesh(parallel_dims, ("ep",)))
         if ac_config is not None:
             _apply_activation_checkpointing(model, ac_config, dump_folder)
         sharded = parallelizer.parallelize(
