@@ -175,3 +175,34 @@ def test_torchtitan_ep_gives_the_library_its_sparse_mesh(
             torchtitan.parallelize_fn(PARALLELIZER)(
                 build_deepseek_v41(CONFIG, device="meta"), parallel_dims=dims
             )
+
+
+def test_lightning_with_an_expert_parallel_dimension_beside_data_parallel() -> None:
+    from fsdp_core.integrations import lightning
+    from fsdp_core.runtime import installed_hooks
+
+    with fake_process_group(4, rank=2):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "expert_parallel"))
+        model = build_deepseek_v41(CONFIG)
+        shard_experts(model, mesh["expert_parallel"])
+        lightning.parallelize_fn(PARALLELIZER)(model, mesh)
+        expert = model.get_parameter(EXPERTS[0])
+        assert isinstance(expert, DTensor)
+        assert expert.device_mesh.mesh_dim_names == ("expert_parallel",)
+        assert "expert_grad_reduce" in installed_hooks(model)
+
+
+def test_lightning_refuses_experts_its_mesh_does_not_show() -> None:
+    from fsdp_core.integrations import lightning
+    from fsdp_core.sharding import is_sharded
+
+    with fake_process_group(4, rank=0):
+        strategy_mesh = init_device_mesh(
+            "cpu", (4, 1), mesh_dim_names=("data_parallel", "tensor_parallel")
+        )
+        experts_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+        model = build_deepseek_v41(CONFIG)
+        shard_experts(model, experts_mesh["ep"])
+        with pytest.raises(ValueError, match="no expert-parallel dimension"):
+            lightning.parallelize_fn(PARALLELIZER)(model, strategy_mesh)
+        assert not is_sharded(model)

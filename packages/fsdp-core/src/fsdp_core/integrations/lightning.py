@@ -13,6 +13,13 @@ batch). The returned function does nothing on a
 model the library already sharded, because Lightning calls ``configure_model()``
 again for every ``fit``/``validate``/``test`` of the same module.
 
+Lightning's meshes have no expert-parallel dimension. A model whose experts the caller
+placed on an EP mesh (``fsdp_core.expert_parallel``) needs the job's mesh to show it:
+build it with an ``expert_parallel`` dimension beside ``data_parallel`` (EP borrows the
+data-parallel ranks), place the experts on that dimension, and pass that mesh to the
+returned function (in ``configure_model()``, instead of ``self.device_mesh``). Experts on
+a mesh the given one does not show are refused before anything is sharded.
+
 Lightning itself is not imported here: the adapter only reads the mesh.
 """
 
@@ -25,6 +32,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
+from fsdp_core.expert_parallel import expert_param_names
+from fsdp_core.parallel_dims import ParallelDims
 from fsdp_core.parallelizer import ModelParallelizer
 from fsdp_core.sharding import is_sharded
 
@@ -99,12 +108,28 @@ def parallelize_fn(
         if is_sharded(module):
             logger.info("%s is already sharded; leaving it as it is", type(module).__name__)
             return module
+        mesh = data_parallel_mesh(device_mesh)
+        _check_experts(module, mesh)
         return parallelizer.parallelize(
             module,
-            mesh=data_parallel_mesh(device_mesh),
+            mesh=mesh,
             mp_policy=mp_policy,
             offload_policy=offload_policy,
             reshard_after_forward=reshard_after_forward,
         )
 
     return parallelize
+
+
+def _check_experts(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Experts placed over EP need a mesh that shows the EP dimension (refused up front,
+    on every rank alike: they were given the same mesh)."""
+    experts = expert_param_names(module)
+    if experts and not ParallelDims.from_mesh(mesh).ep_names:
+        raise ValueError(
+            f"{len(experts)} parameters ({experts[0]}, ...) are placed over expert "
+            f"parallelism, but the mesh given ({ParallelDims.from_mesh(mesh).describe()}) has "
+            "no expert-parallel dimension (Lightning's ModelParallelStrategy mesh has none): "
+            "build the mesh with ('data_parallel', 'expert_parallel') dimensions, place the "
+            "experts on its 'expert_parallel' dimension and pass that mesh instead"
+        )
