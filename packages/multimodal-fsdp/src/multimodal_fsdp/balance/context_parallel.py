@@ -14,9 +14,10 @@ features of the whole sample.
 the ordinals of a shard's media tokens into those items and the rows to take.
 
 A long video whose frames are separate items (one row of ``pixel_values`` per frame, the
-``batch-first`` layout) is split over the CP group frame by frame this way; a video that
-is one item (``packed-by-grid``'s ``(t, h, w)``) is encoded whole by each rank that
-needs it.
+``batch-first`` layout) is split over the CP group frame by frame this way. A video that
+is one item of a ``packed-by-grid`` call (Qwen2-VL's ``(t, h, w)``) is cut into ``t``
+one-frame items with ``frames=True`` (its tower attends within a frame, so the frames'
+outputs, in order, are the video's); without it the video is one item.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
+import torch
+
+from multimodal_fsdp.balance.layouts import MediaCall, MediaItem, MediaLayout, PackedByGridLayout
+
 __all__ = ["context_parallel_media", "items_of_tokens"]
 
 
@@ -35,6 +40,7 @@ class _Needs:
     """The items named per call, and how many calls have taken theirs."""
 
     calls: tuple[tuple[int, ...], ...]
+    frames: bool = False
     taken: int = field(default=0)
 
 
@@ -42,7 +48,7 @@ _NEEDS: ContextVar[_Needs | None] = ContextVar("multimodal_fsdp_cp_needs", defau
 
 
 @contextmanager
-def context_parallel_media(*calls: Sequence[int]) -> Iterator[None]:
+def context_parallel_media(*calls: Sequence[int], frames: bool = False) -> Iterator[None]:
     """Inside, this rank's ``k``-th balanced tower call returns the outputs of the items
     ``calls[k]`` (indices into the call's items, increasing) instead of every item's.
 
@@ -54,10 +60,15 @@ def context_parallel_media(*calls: Sequence[int]) -> Iterator[None]:
     Args:
         calls: per balanced tower call in the forward(s) inside, the items this rank's
             sequence shard needs (e.g. ``items_of_tokens(...)[0]``).
+        frames: cut each ``(t, h, w)`` item of a ``packed-by-grid`` call into ``t``
+            one-frame items first (the items ``calls`` names are then frames); every rank
+            of a CP group must pass the same value.
 
     Raises:
-        TypeError: an entry is not a sequence of ints.
+        TypeError: an entry is not a sequence of ints, or ``frames`` not a bool.
     """
+    if not isinstance(frames, bool):
+        raise TypeError(f"frames must be a bool, got {frames!r}")
     checked = []
     for items in calls:
         if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
@@ -65,7 +76,7 @@ def context_parallel_media(*calls: Sequence[int]) -> Iterator[None]:
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
             raise TypeError(f"each call's items must be ints, got {list(items)!r}")
         checked.append(tuple(items))
-    token = _NEEDS.set(_Needs(tuple(checked)))
+    token = _NEEDS.set(_Needs(tuple(checked), frames=frames))
     try:
         yield
     finally:
@@ -80,6 +91,35 @@ def take_needs() -> tuple[int, ...] | None:
         return None
     needs.taken += 1
     return needs.calls[needs.taken - 1]
+
+
+def split_frames(layout: MediaLayout, call: MediaCall) -> MediaCall:
+    """``call`` with each ``(t, h, w)`` item of a ``packed-by-grid`` call cut into ``t``
+    items of one frame, inside ``context_parallel_media(..., frames=True)``; else
+    ``call``. A field with a row per patch is cut with the patches, the grid row becomes
+    ``(1, h, w)``, any other field (one row per item) goes with every frame."""
+    needs = _NEEDS.get()
+    if needs is None or not needs.frames or not isinstance(layout, PackedByGridLayout):
+        return call
+    items: list[MediaItem] = []
+    for item in call.items:
+        t, h, w = item.sizes[:3]
+        if t == 1:
+            items.append(item)
+            continue
+        rows = h * w
+        grid = torch.tensor([[1, h, w]], dtype=item.fields[1].dtype, device=item.fields[1].device)
+        for f in range(t):
+            fields = tuple(
+                grid
+                if i == 1
+                else value[f * rows : (f + 1) * rows]
+                if value.dim() and value.shape[0] == t * rows
+                else value
+                for i, value in enumerate(item.fields)
+            )
+            items.append(MediaItem(fields=fields, cost=rows, sizes=(1, h, w)))
+    return MediaCall(spec=call.spec, items=tuple(items))
 
 
 def items_of_tokens(

@@ -73,7 +73,7 @@ from multimodal_fsdp.balance._data_group import DataGroup, gather_outputs, selec
 from multimodal_fsdp.balance._exchanged import Exchanged
 from multimodal_fsdp.balance._metadata import Entry, RoundTable, exchange_round
 from multimodal_fsdp.balance.assign import assign_items, needs_exchange
-from multimodal_fsdp.balance.context_parallel import take_needs
+from multimodal_fsdp.balance.context_parallel import split_frames, take_needs
 from multimodal_fsdp.balance.layouts import (
     CallSpec,
     MediaCall,
@@ -213,6 +213,7 @@ class Rounds:
         try:
             if member.layout is not None:
                 call = member.layout.split_call(member.module, tuple(args), named)
+                call = split_frames(member.layout, call)
                 if self.data is not None and splits(len(call.items), self.data.size):
                     whole, call = call, self.data.share_of(call)
             else:
