@@ -1,8 +1,9 @@
 """``plan``'s job dimensions and the copies of the parallelizer its options ask for.
 
-``--world-size``/``--dp-replicate``/``--tp``/``--cp``/``--ep`` make the job's
+``--world-size``/``--dp-replicate``/``--tp``/``--cp``/``--ep``/``--pp`` make the job's
 [`ParallelDims`][fsdp_core.parallel_dims.ParallelDims]; ``--tp`` applies the model's
-TP plan to the meta model, ``--ep`` its EP plan (the preset's ``ep_plan``);
+TP plan to the meta model, ``--ep`` its EP plan (the preset's ``ep_plan``), ``--pp``
+cuts it into pipeline stages, each planned and costed on its own;
 ``--balance-media`` and ``--offload`` copy the parallelizer.
 Moved out of [`multimodal_fsdp.cli.main`][multimodal_fsdp.cli.main], which uses them.
 """
@@ -18,12 +19,14 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy
 
+from fsdp_core.containers import is_module_container, is_under
 from fsdp_core.fake_group import fake_process_group
 from fsdp_core.mesh import resolve_mesh_shape
 from fsdp_core.parallel_dims import ParallelDims
 from multimodal_fsdp.cli.presets import model_presets
 from multimodal_fsdp.offload import PartOffload
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
+from multimodal_fsdp.pipeline import check_stages, split_stages, stage_layer_ranges
 from multimodal_fsdp.tensor_parallel import apply_tensor_parallel, llama_style_plan
 
 
@@ -69,6 +72,16 @@ def _add_parallel_options(plan: argparse.ArgumentParser) -> None:
         ),
     )
     plan.add_argument(
+        "--pp",
+        type=_positive_int,
+        default=1,
+        help=(
+            "pipeline stages: the model is cut along its decoder layers (towers, projectors "
+            "and embeddings on the first stage, final norm and head on the last) and each "
+            "stage is planned and costed per rank of its world-size / pp ranks (default 1)"
+        ),
+    )
+    plan.add_argument(
         "--ep",
         type=_positive_int,
         default=1,
@@ -99,6 +112,18 @@ def _offloading(
 def _parallel_dims(args: argparse.Namespace) -> ParallelDims:
     """The job's dimensions: ``--world-size`` split into ``--tp`` and the data-parallel
     ranks (``--dp-replicate`` x the shard group), of which ``--ep`` shard the experts."""
+    if args.world_size % args.pp:
+        raise CliError(
+            f"--pp {args.pp} does not divide --world-size {args.world_size}: each pipeline "
+            "stage runs on world-size / pp ranks"
+        )
+    if args.pp > 1 and (args.batch is not None or args.memory_budget is not None):
+        raise CliError(
+            f"--pp {args.pp} plans each stage on its own: --batch traces the whole model "
+            "(give --activations SIZE) and --memory-budget chooses for the whole model "
+            "(give --policy)"
+        )
+    args.world_size //= args.pp  # the ranks of one stage, which the figures are for
     if args.ep > 1 and args.tp > 1:
         raise CliError(
             f"--ep {args.ep} with --tp {args.tp}: expert and tensor parallelism are not "
@@ -132,8 +157,52 @@ def _parallel_dims(args: argparse.Namespace) -> ParallelDims:
     except ValueError as error:
         raise CliError(f"{error} (with --tp {args.tp})" if args.tp > 1 else str(error)) from None
     return ParallelDims.from_sizes(
-        dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, tp=args.tp, ep=args.ep, cp=args.cp
+        dp_replicate=mesh.dp_replicate,
+        dp_shard=mesh.dp_shard,
+        tp=args.tp,
+        ep=args.ep,
+        cp=args.cp,
+        pp=args.pp,
     )
+
+
+def _pipeline_stages(
+    args: argparse.Namespace, model: nn.Module, parallelizer: MultimodalParallelizer
+) -> list[tuple[str | None, nn.Module]]:
+    """``--pp``'s stages of the meta model, each with the note that says what it holds
+    (the model alone, without a note, at ``--pp 1``); refused, as a job would be, when a
+    stage could stop alone (``check_stages``)."""
+    if args.pp == 1:
+        return [(None, model)]
+    found = parallelizer.discover(model).paths
+    containers = [
+        (len(module), path)
+        for path, module in model.named_modules()
+        if path and is_module_container(module) and not any(is_under(path, f) for f in found)
+    ]
+    if not containers:
+        raise CliError(f"--pp {args.pp}: {type(model).__name__} has no decoder layer container")
+    count, layers = max(containers, key=lambda c: c[0])
+    chosen = parallelizer.with_options(frozen_multimodal_sharding=args.policy or "root")
+    try:
+        stages = split_stages(model, layers=layers, num_stages=args.pp)
+        check_stages(stages, parallelizer=chosen)
+    except ValueError as error:
+        raise CliError(f"--pp {args.pp}: {error}") from None
+    ranges = stage_layer_ranges(count, args.pp)
+    where = {0: "; with the towers, projectors and embeddings", args.pp - 1: "; with the head"}
+    return [
+        (
+            f"pipeline stage {i} of {args.pp} ({args.world_size} ranks each, "
+            f"{args.world_size * args.pp} in all): {layers} {r.start}..{r.stop - 1}"
+            f"{where.get(i, '')}; figures per rank of this stage, its gathers per "
+            "microbatch (torch's schedules run each microbatch's forward and backward; they "
+            "reduce-scatter once per step), beside the pipeline's send/recv of each "
+            "microbatch's hidden states",
+            stage,
+        )
+        for i, (r, stage) in enumerate(zip(ranges, stages, strict=True))
+    ]
 
 
 def _tensor_parallel(

@@ -47,6 +47,7 @@ from multimodal_fsdp.cli._parallel import (
     _balancing,
     _offloading,
     _parallel_dims,
+    _pipeline_stages,
     _positive_int,
     _tensor_parallel,
 )
@@ -521,7 +522,10 @@ def _costs(
     return costs, None
 
 
-def _plan(args: argparse.Namespace, dims: ParallelDims) -> tuple[PlanCosts, PolicyChoice | None]:
+def _plan(
+    args: argparse.Namespace, dims: ParallelDims
+) -> list[tuple[PlanCosts, PolicyChoice | None]]:
+    """The costs of the plan (one per pipeline stage with ``--pp``)."""
     if args.tp > 1 and args.batch is not None:
         raise CliError(
             "--batch traces activations of the whole model, not of its TP shards: with "
@@ -533,19 +537,22 @@ def _plan(args: argparse.Namespace, dims: ParallelDims) -> tuple[PlanCosts, Poli
     if args.offload:
         parallelizer = _offloading(parallelizer, args.offload)
     frozen = freeze(model, parallelizer, args.freeze)
+    staged = []
     with contextlib.ExitStack() as stack:
         tensor_parallel = _tensor_parallel(args, model, stack)
-        costs, choice = _costs(args, model, parallelizer, dims)
-    notes = list(costs.notes)
-    if tensor_parallel is not None:
-        notes.insert(0, tensor_parallel)
-    notes.append("memory figures are predicted from the plan; nothing here is measured")
-    if frozen:
-        notes.insert(0, f"frozen: {', '.join(frozen)}")
-    else:
-        notes.insert(0, "nothing frozen: the frozen-tower policy changes nothing (see --freeze)")
-    notes.insert(0, described)
-    return dataclasses.replace(costs, notes=tuple(notes)), choice
+        for stage_note, stage in _pipeline_stages(args, model, parallelizer):
+            costs, choice = _costs(args, stage, parallelizer, dims)
+            first = [described, tensor_parallel, stage_note]
+            if frozen:
+                first.insert(1, f"frozen: {', '.join(frozen)}")
+            else:
+                first.insert(
+                    1, "nothing frozen: the frozen-tower policy changes nothing (see --freeze)"
+                )
+            notes = [n for n in first if n is not None] + list(costs.notes)
+            notes.append("memory figures are predicted from the plan; nothing here is measured")
+            staged.append((dataclasses.replace(costs, notes=tuple(notes)), choice))
+    return staged
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -554,21 +561,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         dims = _parallel_dims(args)
-        costs, choice = _plan(args, dims)
+        staged = _plan(args, dims)
     except CliError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     if args.json:
-        data = costs.as_dict()
+        stages = []
+        for costs, choice in staged:
+            data = costs.as_dict()
+            if choice is not None:
+                data["policy_choice"] = choice.as_dict()
+            stages.append(data)
+        data = stages[0] if len(stages) == 1 else {"stages": stages}
         data["parallel_dims"] = {
             "names": list(dims.names),
             "sizes": list(dims.sizes),
             "dp_names": list(dims.dp_names),
         }
-        if choice is not None:
-            data["policy_choice"] = choice.as_dict()
         print(json.dumps(data, indent=2))
     else:
-        print(costs.format(collapse=not args.no_collapse))
+        print("\n\n".join(costs.format(collapse=not args.no_collapse) for costs, _ in staged))
     return 0
 
 
