@@ -26,11 +26,11 @@ pytest.importorskip("transformers")
 import multimodal_fsdp.runtime.joined_layers as joined_layers
 from fsdp_core import mixed_precision_policy
 from multimodal_fsdp import MultimodalParallelizer
+from multimodal_fsdp.balance._planned import DECISION_BYTES, blob_words
 from multimodal_fsdp.balance.placeholder import describe_call
 from multimodal_fsdp.estimate.exchange import StepMedia
 from multimodal_fsdp.measure.comm import measure_plan
 from multimodal_fsdp.measure.memory import measure_plan_memory
-from multimodal_fsdp.runtime.joined_layers import DECISION_BYTES, blob_words
 
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor")
 

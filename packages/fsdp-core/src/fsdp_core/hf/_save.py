@@ -195,6 +195,20 @@ def save_pretrained(
     ``merge_adapters`` that fails on every rank before anything is written, as
     do adapters the merge does not implement (DoRA and other variants, LoRA on
     embeddings or convolutions).
+
+    Args:
+        model: the model (sharded or not; a ``PeftModel`` writes its adapter).
+        directory: the export directory (created, or its export replaced).
+        max_shard_size: the largest file, in bytes or as ``"5GB"``.
+        key_mapping: module name -> checkpoint key.
+        merge_adapters: write LoRA layers merged into their base weights.
+        timeout: the arrival check's timeout in seconds or a timedelta.
+
+    Returns:
+        The names of the files written.
+
+    Raises:
+        CollectiveCallError: a rank did not arrive or failed (on every rank).
     """
     ranks = group_ranks(model=model)
     with enter_collective("save_pretrained", ranks=ranks, timeout=timeout) as call:
@@ -204,7 +218,7 @@ def save_pretrained(
         )
         if plan is None:  # a PeftModel: its adapter alone, in peft's format
             return _export_adapter(model, directory, None, "auto", call)
-        with _beside(call, directory, plan.total_size, replaces=is_weight_file) as work:
+        with _staging_directory(call, directory, plan.total_size, replaces=is_weight_file) as work:
             written = _write_export(model, plan, work, call)
     logger.info("saved %d tensors to %s in %d files", len(plan.entries), directory, len(plan.files))
     return written
@@ -380,7 +394,7 @@ def _verify_adapter(work: Path, keys: Sequence[str]) -> None:
 
 
 @contextmanager
-def _beside(
+def _staging_directory(
     call: CollectiveCall, directory: PathLike, total_size: int, *, replaces: Callable[[str], bool]
 ) -> Iterator[Path | None]:
     """A directory beside ``directory`` to write into (on the writing rank; ``None`` on the
@@ -418,7 +432,7 @@ def _export_adapter(
         lambda: _plan_adapter(model, adapter, save_embedding_layers),
         step="deriving the adapter's keys",
     )
-    with _beside(
+    with _staging_directory(
         call, directory, plan.total_size, replaces=_hf_model.ADAPTER_FILES.__contains__
     ) as work:
         tensors: dict[str, torch.Tensor] = {}

@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from multimodal_fsdp.balance._tree import _flatten
+from multimodal_fsdp.balance._tree import take_tensors_out
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +44,13 @@ def _forwarded(value: Any) -> bool:
     if isinstance(value, Tensor):
         return value.dim() > 0
     leaves: list[Tensor] = []
-    _flatten(value, leaves)
+    take_tensors_out(value, leaves)
     return bool(leaves)
 
 
-def _bind(tower: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+def arguments_by_name(
+    tower: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
     """The call's arguments by name, ``**kwargs`` merged in (less the tensors the model
     forwards to every submodule, see the module docstring), defaults left out."""
     signature = forward_signature(tower)
@@ -88,7 +90,7 @@ def _log_left_out(tower: nn.Module, names: list[str]) -> None:
         )
 
 
-def _positional_only(tower: nn.Module) -> tuple[str, ...]:
+def positional_only_names(tower: nn.Module) -> tuple[str, ...]:
     """The names a rebuilt call must pass by position."""
     return tuple(
         name
@@ -97,12 +99,14 @@ def _positional_only(tower: nn.Module) -> tuple[str, ...]:
     )
 
 
-def _check_constants(tower: nn.Module, constants: Mapping[str, Any], layout: str) -> None:
+def check_constants_hold_no_tensor(
+    tower: nn.Module, constants: Mapping[str, Any], layout: str
+) -> None:
     """Arguments passed through unchanged hold no tensor: a tensor there spans items the
     layout cannot cut, so balancing it would be wrong."""
     for name, value in constants.items():
         leaves: list[Tensor] = []
-        _flatten(value, leaves)
+        take_tensors_out(value, leaves)
         if leaves:
             raise ValueError(
                 f"the {layout!r} layout cannot split argument {name!r} of "
@@ -121,7 +125,7 @@ def scalar_rows(named: Mapping[str, Any], names: Sequence[str]) -> tuple[Tensor,
     return tuple(named[n].reshape(1) for n in names)
 
 
-def _indexed_like_items(
+def indexed_like_items(
     tower: nn.Module,
     named: Mapping[str, Any],
     known: Sequence[str],

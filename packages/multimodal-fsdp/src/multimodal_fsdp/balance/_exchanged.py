@@ -270,11 +270,11 @@ class Exchanged:
         )
         if through:
             returned, kept = returned[:nleaves], returned[nleaves:]
-        anchor = out_token if out_token.requires_grad else None
+        zero_term = out_token if out_token.requires_grad else None
         if out_spec is None or not t.costs[t.rank]:  # no items of its own (an empty share)
-            return None, anchor
+            return None, zero_term
         output = self.layout.join_output(out_spec, self._in_call_order(out_spec, kept, returned))
-        return output, anchor
+        return output, zero_term
 
     def _output_buffers(self, done: _Encoded) -> list[Tensor]:
         """The outputs of the items encoded here for other ranks, one buffer per output

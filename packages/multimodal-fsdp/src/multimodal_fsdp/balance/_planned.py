@@ -5,8 +5,8 @@ installs the exchange; the estimates read the same plan data to count what it co
 need the balanced towers and joined modules, the size of a balance group and the bytes of
 the joined layers' decisions, so these live here, in the balance group below both, and
 ``BalancePlanned`` says what the estimates read of a planned hook without importing it.
-The public names are re-exported where they were first published
-(``multimodal_fsdp.runtime.balance_media``, ``multimodal_fsdp.runtime.joined_layers``).
+The hook's plan data types are published with the hook, in
+``multimodal_fsdp.runtime.balance_media``.
 """
 
 from __future__ import annotations

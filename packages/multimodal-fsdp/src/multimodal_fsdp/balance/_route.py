@@ -170,7 +170,7 @@ class Exchange(torch.autograd.Function):
         nfields, nkept = len(route.dtypes), len(route.kept)
         fields = tensors[:nfields]
         kept = tensors[nfields : nfields + nkept]
-        ctx.anchors = len(tensors) - nfields - nkept
+        ctx.nflag_scalars = len(tensors) - nfields - nkept
         if pending is None:
             pending = start_forward(route, fields, async_op=False)
         received, _ = pending.wait()
@@ -225,12 +225,12 @@ class Exchange(torch.autograd.Function):
         anywhere = [True] * max(route.flags, nfields)
         if received is not None:
             anywhere = [bool(x) for x in received.amax(dim=0).tolist()]
-        result: list[Tensor | None] = [None] * (nfields + nkept + ctx.anchors)
+        result: list[Tensor | None] = [None] * (nfields + nkept + ctx.nflag_scalars)
         for f, grad in zip(fields, back, strict=True):
             result[f] = grad if anywhere[f] else None
         for k, grad in enumerate(kept_grads):
             result[nfields + k] = grad
-        for k in range(ctx.anchors):
+        for k in range(ctx.nflag_scalars):
             if anywhere[k]:
                 result[nfields + nkept + k] = torch.zeros((), device=route.device)
         return (None, None, torch.zeros(ctx.link_shape, device=route.device), *result)

@@ -17,7 +17,7 @@ from torch import Tensor
 _MAX_DEPTH = 8
 
 
-def _flatten(value: Any, leaves: list[Tensor], depth: int = 0) -> Any:
+def take_tensors_out(value: Any, leaves: list[Tensor], depth: int = 0) -> Any:
     """The structure of ``value`` with every tensor replaced by ("leaf", index)."""
     if depth > _MAX_DEPTH:
         raise ValueError(f"tower output nested deeper than {_MAX_DEPTH} levels")
@@ -26,20 +26,20 @@ def _flatten(value: Any, leaves: list[Tensor], depth: int = 0) -> Any:
         return ("leaf", len(leaves) - 1)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         names = tuple(f.name for f in dataclasses.fields(value) if f.init)
-        children = tuple(_flatten(getattr(value, n), leaves, depth + 1) for n in names)
+        children = tuple(take_tensors_out(getattr(value, n), leaves, depth + 1) for n in names)
         return ("dataclass", type(value), names, children)
     if isinstance(value, Mapping):
         keys = tuple(value.keys())
-        children = tuple(_flatten(value[k], leaves, depth + 1) for k in keys)
+        children = tuple(take_tensors_out(value[k], leaves, depth + 1) for k in keys)
         return ("mapping", type(value), keys, children)
     if isinstance(value, (tuple, list)):
-        children = tuple(_flatten(v, leaves, depth + 1) for v in value)
+        children = tuple(take_tensors_out(v, leaves, depth + 1) for v in value)
         return ("sequence", type(value), children)
     return ("const", value)
 
 
-def _unflatten(tree: Any, leaves: Sequence[Tensor]) -> Any:
-    """The value ``_flatten`` walked, rebuilt with its own types around ``leaves``."""
+def put_tensors_back(tree: Any, leaves: Sequence[Tensor]) -> Any:
+    """The value ``take_tensors_out`` walked, rebuilt with its own types around ``leaves``."""
     kind = tree[0]
     if kind == "leaf":
         return leaves[tree[1]]
@@ -47,12 +47,12 @@ def _unflatten(tree: Any, leaves: Sequence[Tensor]) -> Any:
         return tree[1]
     if kind == "dataclass":
         _, cls, names, children = tree
-        return cls(**{n: _unflatten(c, leaves) for n, c in zip(names, children, strict=True)})
+        return cls(**{n: put_tensors_back(c, leaves) for n, c in zip(names, children, strict=True)})
     if kind == "mapping":
         _, cls, keys, children = tree
-        return cls([(k, _unflatten(c, leaves)) for k, c in zip(keys, children, strict=True)])
+        return cls([(k, put_tensors_back(c, leaves)) for k, c in zip(keys, children, strict=True)])
     _, cls, children = tree
-    values = [_unflatten(c, leaves) for c in children]
+    values = [put_tensors_back(c, leaves) for c in children]
     if cls is tuple or cls is list:
         return cls(values)
     if issubclass(cls, tuple) and hasattr(cls, "_fields"):  # a namedtuple

@@ -88,8 +88,8 @@ __all__ = [
     "join_remaining_calls",
     "Member",
     "Rounds",
-    "Ticket",
-    "zero_anchor",
+    "EnteredCall",
+    "zero_loss_term",
 ]
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ Call = tuple[tuple[Any, ...], dict[str, Any]]
 
 
 @dataclass(frozen=True)
-class Ticket:
+class EnteredCall:
     """A call ``Rounds.enter`` brought to its round: the member, the round's table, the
     call split into items (a balanced member) and the device of the metadata; with a
     data group, ``call`` is this rank's share and ``whole`` the call it is a share of."""
@@ -132,7 +132,7 @@ class Member:
         return self.runner if own or self.joiner is None else self.joiner
 
 
-def zero_anchor(output: Any) -> Tensor | None:
+def zero_loss_term(output: Any) -> Tensor | None:
     """Every floating tensor of ``output`` summed, times 0: a scalar to add to the loss
     so that a placeholder run's backward (its units' collectives) runs; ``None`` when no
     output needs a gradient."""
@@ -195,10 +195,10 @@ class Rounds:
     # ------------------------------------------------------------------ entry points
     def enter(
         self, index: int, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None
-    ) -> tuple[Ticket, list[Tensor]]:
+    ) -> tuple[EnteredCall, list[Tensor]]:
         """The rounds of this rank's call of member ``index`` up to the one that runs it
         (collective): a round whose lowest called module is another runs that module's
-        call here, as a rank without it (its anchors are returned), and this rank brings
+        call here, as a rank without it (its zero loss terms are returned), and this rank brings
         its call again in the next round. Then ``finish`` runs the call: a hook calls
         ``enter`` before the module's own pre-forward hooks (FSDP's all-gather of a module
         that is a unit) and ``finish`` inside its forward, so every rank issues the
@@ -225,48 +225,50 @@ class Rounds:
             module=index, identity=member.identity, trainable=trainable, call=call, blob=blob
         )
         device = _device([member], call, self.group)
-        anchors: list[Tensor] = []
+        zero_terms: list[Tensor] = []
         while True:
             table = exchange_round(entry, error, group=self.group, device=device)
             chosen = min(table.called())
             if chosen == index:
-                ticket = Ticket(index=index, table=table, call=call, device=device, whole=whole)
-                return ticket, anchors
-            anchor = self._join_module(chosen, table, device)
-            if anchor is not None:
-                anchors.append(anchor)
+                entered = EnteredCall(
+                    index=index, table=table, call=call, device=device, whole=whole
+                )
+                return entered, zero_terms
+            zero_term = self._join_module(chosen, table, device)
+            if zero_term is not None:
+                zero_terms.append(zero_term)
 
     def finish(
-        self, ticket: Ticket, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None
+        self, entered: EnteredCall, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None
     ) -> tuple[Any, Tensor | None]:
         """This rank's call of the member ``enter`` brought to its round: the output and,
-        for a balanced call that exchanged with gradients flowing back, its anchor."""
-        member = self.members[ticket.index]
+        for a balanced call that exchanged with gradients flowing back, its zero_term."""
+        member = self.members[entered.index]
         original: Call = (tuple(args), dict(kwargs or {}))
         if member.layout is None:  # joined: the caller's own call, as without balancing
             try:
                 return member.run(own=True)(*original[0], **original[1]), None
             except Exception as raised:
-                self._fail(raised, ticket.device)
-        layout, share, needs = member.layout, ticket.call, take_needs()
+                self._fail(raised, entered.device)
+        layout, share, needs = member.layout, entered.call, take_needs()
         if layout is None or share is None:  # pragma: no cover - a balanced call has both
             raise RuntimeError("balanced call of a joined module")
         data = self.data
-        if data is None or (ticket.whole is None and not data.indexed):
-            output, anchor = self._balanced(
-                member, ticket.table, ticket.index, share, original, ticket.device
+        if data is None or (entered.whole is None and not data.indexed):
+            output, zero_term = self._balanced(
+                member, entered.table, entered.index, share, original, entered.device
             )
             if needs is not None:  # CP without a data group: this rank encoded every item
                 output = select_items(layout, output, _weights(share), needs)
-            return output, anchor
+            return output, zero_term
         own: Call | None = original  # an unsplit call (CP): every rank encodes all of it
-        if ticket.whole is not None:
+        if entered.whole is not None:
             own = layout.build_call(share.spec, share.items) if share.items else None
-        output, anchor = self._balanced(
-            member, ticket.table, ticket.index, share, own, ticket.device
+        output, zero_term = self._balanced(
+            member, entered.table, entered.index, share, own, entered.device
         )
-        weights = _weights(ticket.whole or share)
-        return gather_outputs(layout, data, output, weights, ticket.device, needs), anchor
+        weights = _weights(entered.whole or share)
+        return gather_outputs(layout, data, output, weights, entered.device, needs), zero_term
 
     def call(
         self,
@@ -274,36 +276,36 @@ class Rounds:
         args: tuple[Any, ...],
         kwargs: Mapping[str, Any] | None,
         *,
-        anchors: list[Tensor] | None = None,
+        zero_terms: list[Tensor] | None = None,
     ) -> Any:
         """This rank's call of member ``index``: ``enter`` then ``finish`` (collective);
-        the anchors of the rounds' exchanges and placeholder runs go to ``anchors``.
+        the zero loss terms of the rounds' exchanges and placeholder runs go to ``zero_terms``.
 
         A direct caller has no pre-forward hook between ``enter`` and ``finish``, so a
         member that is an FSDP unit is gathered here, at the point where a rank joining
         the call gathers it (``_join_module``); its own pre-forward then gathers nothing."""
-        ticket, made = self.enter(index, args, kwargs)
+        entered, made = self.enter(index, args, kwargs)
         self._gather_unit(self.members[index])
-        output, anchor = self.finish(ticket, args, kwargs)
-        if anchors is not None:
-            anchors.extend(made)
-            if anchor is not None:
-                anchors.append(anchor)
+        output, zero_term = self.finish(entered, args, kwargs)
+        if zero_terms is not None:
+            zero_terms.extend(made)
+            if zero_term is not None:
+                zero_terms.append(zero_term)
         return output
 
     def join_one(self) -> tuple[list[Tensor], bool]:
-        """One round without a call of this rank's own: the anchors of what it joined
+        """One round without a call of this rank's own: the zero loss terms of what it joined
         and whether any rank called."""
         device = _device(self.members, None, self.group)
         table = exchange_round(None, None, group=self.group, device=device)
         if not table.called():
             return [], False
-        anchor = self._join_module(min(table.called()), table, device)
-        return ([anchor] if anchor is not None else []), True
+        zero_term = self._join_module(min(table.called()), table, device)
+        return ([zero_term] if zero_term is not None else []), True
 
     def join(self) -> tuple[Tensor | None, int]:
         """Rounds without a call of this rank's own until one in which no rank calls:
-        the sum of their anchors (``None`` if none) and the number of rounds joined."""
+        the sum of their zero loss terms (``None`` if none) and the number of rounds joined."""
         total: Tensor | None = None
         joined = 0
         while True:
@@ -311,8 +313,8 @@ class Rounds:
             if not called:
                 return total, joined
             joined += 1
-            for anchor in made:
-                total = anchor if total is None else total + anchor.to(total.device)
+            for zero_term in made:
+                total = zero_term if total is None else total + zero_term.to(total.device)
 
     # ------------------------------------------------------------------ one round
     def _join_module(self, module: int, table: RoundTable, device: torch.device) -> Tensor | None:
@@ -322,10 +324,10 @@ class Rounds:
         member = self.members[module]
         self._gather_unit(member)
         if member.layout is None:
-            _, anchor = self._joined(member, table, module, None, device)
+            _, zero_term = self._joined(member, table, module, None, device)
         else:
-            _, anchor = self._balanced(member, table, module, None, None, device)
-        return anchor
+            _, zero_term = self._balanced(member, table, module, None, None, device)
+        return zero_term
 
     @staticmethod
     def _gather_unit(member: Member) -> None:
@@ -362,7 +364,7 @@ class Rounds:
             output = member.run(own=False)(*args, **kwargs)
         except Exception as raised:
             self._fail(raised, device)
-        return None, zero_anchor(output)
+        return None, zero_loss_term(output)
 
     # ------------------------------------------------------------------ balanced
     def _balanced(
@@ -440,7 +442,7 @@ def balanced_call(
     group: Any = None,
     run_when_empty: bool = False,
     runner: Callable[..., Any] | None = None,
-    anchors: list[Tensor] | None = None,
+    zero_terms: list[Tensor] | None = None,
 ) -> Any:
     """``tower(*args, **kwargs)``, with the items of every rank's call spread evenly over
     the ranks of ``group`` (collective: every rank calls this or ``join_without_call``).
@@ -451,13 +453,13 @@ def balanced_call(
     where inputs require grad, to the inputs. ``runner`` runs the tower on the local share (default
     ``tower`` itself; a hook that replaces the tower's forward passes the original).
     ``run_when_empty``: run the tower on a placeholder whose output counts 0 when this
-    rank gets nothing to encode (for towers that own FSDP units). ``anchors``: a list
-    that gets the call's zero anchor when gradients flow back; add it to the loss (as
+    rank gets nothing to encode (for towers that own FSDP units). ``zero_terms``: a list
+    that gets the call's zero loss term when gradients flow back; add it to the loss (as
     ``join_without_call``'s) so this rank runs the exchange's backward collectives even
     when its loss reads none of the outputs, as the ranks that joined do.
     """
     rounds = _single(tower, layout, group, run_when_empty, runner)
-    return rounds.call(0, tuple(args), kwargs, anchors=anchors)
+    return rounds.call(0, tuple(args), kwargs, zero_terms=zero_terms)
 
 
 def join_without_call(
@@ -474,8 +476,8 @@ def join_without_call(
     rounds = _single(tower, layout, group, run_when_empty, runner)
     made, _ = rounds.join_one()
     total = torch.zeros(())
-    for anchor in made:
-        total = total + anchor.to(total.device)
+    for zero_term in made:
+        total = total + zero_term.to(total.device)
     return total
 
 
@@ -493,7 +495,7 @@ def join_remaining_calls(
 
     Ranks need not know each other's number of calls (text-only batches, an image call
     here and an image and a video call there, one call per image). Returns the sum of the
-    zero anchors (add it to a tensor the loss depends on, before the decoder, so the
+    zero loss terms (add it to a tensor the loss depends on, before the decoder, so the
     backward collectives keep their order) and the number of calls joined. The last
     round costs one ``all_gather`` of the slot.
     """

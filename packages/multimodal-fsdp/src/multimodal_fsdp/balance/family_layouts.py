@@ -25,7 +25,16 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from multimodal_fsdp.balance._arguments import (
+    arguments_by_name,
+    check_constants_hold_no_tensor,
+    forward_signature,
+    positional_only_names,
+    scalar_arguments,
+    scalar_rows,
+)
 from multimodal_fsdp.balance._probe_inputs import config_value, floating_dtype
+from multimodal_fsdp.balance._tree import put_tensors_back, take_tensors_out
 from multimodal_fsdp.balance.layouts import (
     CallSpec,
     FieldSpec,
@@ -35,14 +44,6 @@ from multimodal_fsdp.balance.layouts import (
     OutputSpec,
     ProbeCall,
     RowRule,
-    _bind,
-    _check_constants,
-    _flatten,
-    _positional_only,
-    _unflatten,
-    forward_signature,
-    scalar_arguments,
-    scalar_rows,
 )
 
 __all__ = ["PackedBySizeLayout", "PackedByLengthLayout", "TiledLayout"]
@@ -75,11 +76,11 @@ def _spec(
     cut: Sequence[str],
 ) -> CallSpec:
     constants = {n: v for n, v in named.items() if n not in cut and n not in scalars}
-    _check_constants(tower, constants, layout)
+    check_constants_hold_no_tensor(tower, constants, layout)
     return CallSpec(
         fields=(*fields, *scalars),
         constants=tuple(constants.items()),
-        positional=_positional_only(tower),
+        positional=positional_only_names(tower),
         scalars=tuple(scalars),
     )
 
@@ -147,7 +148,7 @@ class PackedBySizeLayout(MediaLayout):
     def split_call(
         self, tower: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> MediaCall:
-        named = _bind(tower, args, kwargs)
+        named = arguments_by_name(tower, args, kwargs)
         patch = self.patch or config_value(tower, "patch_size")
         if not isinstance(patch, int):
             raise ValueError(f"the {self.name!r} layout needs the patch size of the tower")
@@ -290,7 +291,7 @@ class PackedByLengthLayout(MediaLayout):
     def split_call(
         self, tower: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> MediaCall:
-        named = _bind(tower, args, kwargs)
+        named = arguments_by_name(tower, args, kwargs)
         first = next(iter(forward_signature(tower).parameters))
         features, lens = named.get(first), named.get(self.lengths_argument)
         if not isinstance(features, Tensor) or features.dim() != 2:
@@ -407,7 +408,7 @@ class TiledLayout(MediaLayout):
     def split_call(
         self, tower: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> MediaCall:
-        named = _bind(tower, args, kwargs)
+        named = arguments_by_name(tower, args, kwargs)
         pixels = named.get(self.pixel_argument)
         if not isinstance(pixels, Tensor) or pixels.dim() < 3:
             raise TypeError(
@@ -464,7 +465,7 @@ class TiledLayout(MediaLayout):
         if not weights:
             raise ValueError("split_output needs the weights of at least one item")
         leaves: list[Tensor] = []
-        tree = _flatten(output, leaves)
+        tree = take_tensors_out(output, leaves)
         for index, leaf in enumerate(leaves):
             if leaf.dim() < 2 or leaf.shape[0] != len(weights) or leaf.shape[1] < max(weights):
                 raise ValueError(
@@ -489,4 +490,4 @@ class TiledLayout(MediaLayout):
             else torch.empty((0, 0, *spec.row_shapes[i]), dtype=spec.dtypes[i])
             for i in range(len(spec.dtypes))
         ]
-        return _unflatten(spec.tree, leaves)
+        return put_tensors_back(spec.tree, leaves)

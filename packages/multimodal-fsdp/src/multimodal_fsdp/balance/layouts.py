@@ -35,15 +35,15 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-# Call binding and output walking live in their own modules; the ``as`` imports keep
-# them importable from here for the family layouts, the registry and the probe.
-from multimodal_fsdp.balance._arguments import _bind as _bind
-from multimodal_fsdp.balance._arguments import _check_constants as _check_constants
-from multimodal_fsdp.balance._arguments import _indexed_like_items as _indexed_like_items
-from multimodal_fsdp.balance._arguments import _positional_only as _positional_only
-from multimodal_fsdp.balance._arguments import forward_signature as forward_signature
-from multimodal_fsdp.balance._arguments import scalar_arguments as scalar_arguments
-from multimodal_fsdp.balance._arguments import scalar_rows as scalar_rows
+from multimodal_fsdp.balance._arguments import (
+    arguments_by_name,
+    check_constants_hold_no_tensor,
+    forward_signature,
+    indexed_like_items,
+    positional_only_names,
+    scalar_arguments,
+    scalar_rows,
+)
 from multimodal_fsdp.balance._probe_inputs import (
     candidate_rows,
     config_value,
@@ -51,8 +51,7 @@ from multimodal_fsdp.balance._probe_inputs import (
     mask_arguments,
     mask_lengths,
 )
-from multimodal_fsdp.balance._tree import _flatten as _flatten
-from multimodal_fsdp.balance._tree import _unflatten as _unflatten
+from multimodal_fsdp.balance._tree import put_tensors_back, take_tensors_out
 
 __all__ = [
     "MediaItem",
@@ -258,7 +257,7 @@ class MediaLayout(ABC):
         if not weights:
             raise ValueError("split_output needs the weights of at least one item")
         leaves: list[Tensor] = []
-        tree = _flatten(output, leaves)
+        tree = take_tensors_out(output, leaves)
         total = sum(weights)
         ratios: list[Fraction] = []
         rules: list[RowRule | None] = []
@@ -322,7 +321,7 @@ class MediaLayout(ABC):
                 else torch.empty((0, *spec.row_shapes[i]), dtype=spec.dtypes[i])
             )
             leaves.append(leaf.unsqueeze(0) if spec.axis(i) == 1 else leaf)
-        return _unflatten(spec.tree, leaves)
+        return put_tensors_back(spec.tree, leaves)
 
     # ---------------------------------------------------------------- layout hooks
     def item_axis(self, leaf: Tensor, items: int) -> int:
@@ -431,7 +430,7 @@ class BatchFirstLayout(MediaLayout):
     def split_call(
         self, tower: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> MediaCall:
-        named = _bind(tower, args, kwargs)
+        named = arguments_by_name(tower, args, kwargs)
         main = self.main_argument(tower) or self.pixel_argument
         pixels = named.get(main)
         if not isinstance(pixels, Tensor) or pixels.dim() < 1:
@@ -454,7 +453,7 @@ class BatchFirstLayout(MediaLayout):
                     f"{type(tower).__name__}"
                 )
         constants = {n: v for n, v in named.items() if n not in names and n not in scalars}
-        _check_constants(tower, constants, self.name)
+        check_constants_hold_no_tensor(tower, constants, self.name)
         cost = max(1, pixels[0].numel()) if count else 1
         items = tuple(
             MediaItem(
@@ -466,7 +465,7 @@ class BatchFirstLayout(MediaLayout):
         spec = CallSpec(
             fields=(*names, *scalars),
             constants=tuple(constants.items()),
-            positional=_positional_only(tower),
+            positional=positional_only_names(tower),
             scalars=tuple(scalars),
         )
         return MediaCall(spec=spec, items=items)
@@ -515,7 +514,7 @@ class PackedByGridLayout(MediaLayout):
     def split_call(
         self, tower: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> MediaCall:
-        named = _bind(tower, args, kwargs)
+        named = arguments_by_name(tower, args, kwargs)
         first = next(iter(forward_signature(tower).parameters))
         patches, grid = named.get(first), named.get(self.grid_argument)
         if not isinstance(patches, Tensor) or patches.dim() < 1:
@@ -539,7 +538,7 @@ class PackedByGridLayout(MediaLayout):
             )
         if any(r <= 0 for r in rows):
             raise ValueError(f"every {self.grid_argument} row must be positive, got {sizes}")
-        per_row, per_item = _indexed_like_items(
+        per_row, per_item = indexed_like_items(
             tower, named, (first, *scalars, self.grid_argument), rows, self.name, self.grid_argument
         )
         chunks = {name: torch.split(named[name], rows, dim=0) for name in (first, *per_row)}
@@ -560,11 +559,11 @@ class PackedByGridLayout(MediaLayout):
         )
         cut = (first, self.grid_argument, *per_row, *per_item, *scalars)
         constants = {n: v for n, v in named.items() if n not in cut}
-        _check_constants(tower, constants, self.name)
+        check_constants_hold_no_tensor(tower, constants, self.name)
         spec = CallSpec(
             fields=cut,
             constants=tuple(constants.items()),
-            positional=_positional_only(tower),
+            positional=positional_only_names(tower),
             scalars=tuple(scalars),
         )
         return MediaCall(spec=spec, items=items)

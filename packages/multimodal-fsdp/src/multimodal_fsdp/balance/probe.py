@@ -35,7 +35,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from multimodal_fsdp.balance.layouts import MediaLayout, ProbeCall, _flatten
+from multimodal_fsdp.balance._tree import take_tensors_out
+from multimodal_fsdp.balance.layouts import MediaLayout, ProbeCall
 
 __all__ = ["ProbeReport", "probe_layout"]
 
@@ -234,7 +235,7 @@ def _mixing(tower: nn.Module) -> str:
 # ------------------------------------------------------------------------ checking
 def _leaves(output: Any) -> list[Tensor]:
     leaves: list[Tensor] = []
-    _flatten(output, leaves)
+    take_tensors_out(output, leaves)
     return leaves
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from multimodal_fsdp.balance._arguments import forward_signature
 from multimodal_fsdp.balance.family_layouts import (
     PackedByLengthLayout,
     PackedBySizeLayout,
@@ -29,7 +30,6 @@ from multimodal_fsdp.balance.layouts import (
     BatchFirstLayout,
     MediaLayout,
     PackedByGridLayout,
-    forward_signature,
 )
 from multimodal_fsdp.balance.probe import ProbeReport, probe_layout
 

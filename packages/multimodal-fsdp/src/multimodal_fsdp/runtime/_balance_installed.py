@@ -25,8 +25,8 @@ from fsdp_core.internals import in_backward
 from multimodal_fsdp.balance import MediaLayout, media_layout_for
 from multimodal_fsdp.balance._data_group import DataGroup
 from multimodal_fsdp.balance._planned import BALANCE_MEDIA, BalancedTower, JoinedModule
-from multimodal_fsdp.balance.exchange import Member, Rounds, Ticket
-from multimodal_fsdp.runtime.joined_layers import JoinedLayers, _anchor_args, add_to_outputs
+from multimodal_fsdp.balance.exchange import EnteredCall, Member, Rounds
+from multimodal_fsdp.runtime.joined_layers import JoinedLayers, _add_to_first_input, add_to_outputs
 
 __all__ = ["BalanceMedia"]
 
@@ -91,10 +91,10 @@ class BalanceMedia:
         #: Calls balanced and rounds joined in the last forward (for tests and benchmarks).
         self.last_calls = 0
         self.last_joined = 0
-        #: This forward's balanced calls' zero anchors, added at the join site with the
+        #: This forward's balanced calls' zero loss terms, added at the join site with the
         #: joined calls' ones: every rank then runs every exchange's backward, even when
         #: its loss reads none of a call's outputs.
-        self._anchors: list[Tensor] = []
+        self._zero_terms: list[Tensor] = []
         found = _balanced_modules(model, towers, joined)
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(self._start, prepend=True),
@@ -104,8 +104,8 @@ class BalanceMedia:
         self._site: nn.Module | None = None
         self._site_handle: RemovableHandle | None = None
         self._place_join(model)
-        #: Per member, the tickets of the calls its pre-hook brought to their round.
-        self._tickets: list[list[Ticket]] = [[] for _ in found]
+        #: Per member, the calls its pre-hook brought to their round.
+        self._entered: list[list[EnteredCall]] = [[] for _ in found]
         members = [self._install_member(index, *entry) for index, entry in enumerate(found)]
         self._rounds = Rounds(members, group, data=data)
         self._layers = (
@@ -176,7 +176,7 @@ class BalanceMedia:
         checkpointed region: a non-reentrant checkpoint's recomputation, which joins
         nothing, would then save fewer tensors than the forward (``CheckpointError`` on the
         ranks that joined calls there), and a reentrant one joins under ``no_grad`` and
-        detaches the anchor, so those ranks skip the exchange's backward the callers run."""
+        detaches the zero loss term, so those ranks skip the exchange's backward the callers run."""
         if not self.join_site:
             return
         path = self.join_site
@@ -204,7 +204,7 @@ class BalanceMedia:
             self._joined = in_backward()
             self.last_calls = 0
             self.last_joined = 0
-            self._anchors.clear()
+            self._zero_terms.clear()
             if self._layers is not None:
                 self._layers.last_joined = 0
                 self._layers.last_decisions = 0
@@ -216,19 +216,19 @@ class BalanceMedia:
             return None
         if self._in_forward or self._joined:
             return None
-        anchor = self._join_all()
-        if anchor is None:
+        zero_term = self._join_all()
+        if zero_term is None:
             return None
-        return add_to_outputs(output, anchor)
+        return add_to_outputs(output, zero_term)
 
     # --------------------------------------------------------------- calling
     def _enter(self, index: int, member: Member) -> Callable[..., None]:
         def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if not self._balances(member):
                 return
-            ticket, anchors = self._rounds.enter(index, args, kwargs)
-            self._anchors.extend(anchors)
-            self._tickets[index].append(ticket)
+            entered, zero_terms = self._rounds.enter(index, args, kwargs)
+            self._zero_terms.extend(zero_terms)
+            self._entered[index].append(entered)
 
         return hook
 
@@ -242,15 +242,15 @@ class BalanceMedia:
     ) -> Callable[..., Any]:
         @functools.wraps(original)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            tickets = self._tickets[index]
-            if self._bypass or not tickets:
+            entered_calls = self._entered[index]
+            if self._bypass or not entered_calls:
                 if self._in_forward and self._joined and member.run_when_empty:
                     self._warn_late(path)
                 return original(*args, **kwargs)
             self.last_calls += 1
-            output, anchor = self._rounds.finish(tickets.pop(), args, kwargs)
-            if anchor is not None:
-                self._anchors.append(anchor)
+            output, zero_term = self._rounds.finish(entered_calls.pop(), args, kwargs)
+            if zero_term is not None:
+                self._zero_terms.append(zero_term)
             return output
 
         return forward
@@ -315,23 +315,23 @@ class BalanceMedia:
 
     # --------------------------------------------------------------- joining
     def _join_all(self) -> Tensor | None:
-        """Join every round other ranks still run; the summed anchor of the calls made and
+        """Join every round other ranks still run; the summed zero loss term of the calls made and
         joined (``None`` when there were none or no module is balanced in this forward)."""
         self._joined = True
-        for tickets in self._tickets:
-            tickets.clear()  # a call whose forward raised after its round
-        made, self._anchors = self._anchors, []
+        for entered_calls in self._entered:
+            entered_calls.clear()  # a call whose forward raised after its round
+        made, self._zero_terms = self._zero_terms, []
         if in_backward():
             return None
         total: Tensor | None = None
-        for anchor in made:  # the calls this rank made
-            total = anchor if total is None else total + anchor.to(total.device)
+        for zero_term in made:  # the calls this rank made
+            total = zero_term if total is None else total + zero_term.to(total.device)
         if not any(self._active(member) for _, member in self._modules):
             return total
-        joined_anchor, joined = self._rounds.join()
+        joined_term, joined = self._rounds.join()
         self.last_joined += joined
-        if joined_anchor is not None:
-            total = joined_anchor if total is None else total + joined_anchor.to(total.device)
+        if joined_term is not None:
+            total = joined_term if total is None else total + joined_term.to(total.device)
         return total
 
     def _join_hook(
@@ -339,15 +339,15 @@ class BalanceMedia:
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if not self._in_forward or self._joined:
             return None
-        anchor = self._join_all()
-        if anchor is None:
+        zero_term = self._join_all()
+        if zero_term is None:
             return None
-        anchored = _anchor_args(args, kwargs, anchor)
-        if anchored is not None:
-            return anchored
+        with_term = _add_to_first_input(args, kwargs, zero_term)
+        if with_term is not None:
+            return with_term
         raise RuntimeError(
             f"balance_media: the join site {self.join_site!r} got no floating tensor input to "
-            "carry the exchange's zero anchor; plan the hook with another join site"
+            "carry the exchange's zero loss term; plan the hook with another join site"
         )
 
     @property

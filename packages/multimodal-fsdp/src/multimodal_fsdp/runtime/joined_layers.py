@@ -36,11 +36,11 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_core.containers import unwrap_module
 from fsdp_core.internals import in_backward
-from multimodal_fsdp.balance._planned import DECISION_BYTES, blob_words
-from multimodal_fsdp.balance.exchange import zero_anchor
+from multimodal_fsdp.balance._planned import blob_words
+from multimodal_fsdp.balance.exchange import zero_loss_term
 from multimodal_fsdp.balance.placeholder import describe_call, placeholder_call
 
-__all__ = ["DECISION_BYTES", "JoinedLayers", "add_anchor", "add_to_outputs", "blob_words"]
+__all__ = ["JoinedLayers", "add_to_first_tensor", "add_to_outputs"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,17 +55,17 @@ def reduce_sum(tensor: Tensor, group: Any) -> None:
     dist.all_reduce(tensor, group=group)
 
 
-def add_anchor(value: Any, anchor: Tensor) -> tuple[Any, bool]:
-    """``value`` with ``anchor`` added to its first floating tensor (walking tuples,
+def add_to_first_tensor(value: Any, zero_term: Tensor) -> tuple[Any, bool]:
+    """``value`` with ``zero_term`` added to its first floating tensor (walking tuples,
     lists and mappings); whether one was found."""
     if isinstance(value, Tensor):
         if value.is_floating_point():
-            return value + anchor.to(device=value.device, dtype=value.dtype), True
+            return value + zero_term.to(device=value.device, dtype=value.dtype), True
         return value, False
     if isinstance(value, (tuple, list)):
         items = list(value)
         for index, item in enumerate(items):
-            items[index], done = add_anchor(item, anchor)
+            items[index], done = add_to_first_tensor(item, zero_term)
             if done:
                 rebuilt = type(value)(items) if type(value) in (tuple, list) else items
                 return rebuilt, True
@@ -73,35 +73,35 @@ def add_anchor(value: Any, anchor: Tensor) -> tuple[Any, bool]:
     return value, False
 
 
-def add_to_outputs(output: Any, anchor: Tensor) -> Any:
-    """``output`` with ``anchor`` added to every floating tensor in it (whichever output
-    the loss reads carries the anchor)."""
+def add_to_outputs(output: Any, zero_term: Tensor) -> Any:
+    """``output`` with ``zero_term`` added to every floating tensor in it (whichever output
+    the loss reads carries it)."""
     if isinstance(output, Tensor):
         if output.is_floating_point():
-            return output + anchor.to(device=output.device, dtype=output.dtype)
+            return output + zero_term.to(device=output.device, dtype=output.dtype)
         return output
     if isinstance(output, Mapping):
         for key in list(output.keys()):
             try:
-                output[key] = add_to_outputs(output[key], anchor)  # type: ignore[index]
+                output[key] = add_to_outputs(output[key], zero_term)  # type: ignore[index]
             except TypeError:
                 return output  # an immutable mapping: leave it
         return output
     if isinstance(output, (tuple, list)) and type(output) in (tuple, list):
-        return type(output)(add_to_outputs(item, anchor) for item in output)
+        return type(output)(add_to_outputs(item, zero_term) for item in output)
     return output
 
 
-def _anchor_args(
-    args: tuple[Any, ...], kwargs: dict[str, Any], anchor: Tensor
+def _add_to_first_input(
+    args: tuple[Any, ...], kwargs: dict[str, Any], zero_term: Tensor
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """A forward's arguments with ``anchor`` added to their first floating tensor (the
+    """A forward's arguments with ``zero_term`` added to their first floating tensor (the
     positional ones first); ``None`` when they hold none."""
-    new_args, done = add_anchor(args, anchor)
+    new_args, done = add_to_first_tensor(args, zero_term)
     if done:
         return tuple(new_args), kwargs
     for key, value in kwargs.items():
-        new_value, done = add_anchor(value, anchor)
+        new_value, done = add_to_first_tensor(value, zero_term)
         if done:
             return args, {**kwargs, key: new_value}
     return None
@@ -205,19 +205,19 @@ class JoinedLayers:
         ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
             if not self._on():
                 return None
-            anchor = self._skipped(state, index, args, kwargs)
+            zero_term = self._skipped(state, index, args, kwargs)
             if index in state.joined:
                 self._decide(state.items[index], ran=(args, kwargs))
             state.last = max(state.last, index)
-            if anchor is None:
+            if zero_term is None:
                 return None
-            anchored = _anchor_args(args, kwargs, anchor)
-            if anchored is None:
+            with_term = _add_to_first_input(args, kwargs, zero_term)
+            if with_term is None:
                 raise RuntimeError(
                     f"balance_media: layer {index} of a container with joined layers got no "
-                    "floating tensor input to carry a joined layer's zero anchor"
+                    "floating tensor input to carry a joined layer's zero loss term"
                 )
-            return anchored
+            return with_term
 
         return hook
 
@@ -229,11 +229,11 @@ class JoinedLayers:
 
             if sys.exc_info()[0] is not None:  # the forward raised: no collective after it
                 return None
-            anchor = self._skipped(state, len(state.items), (), {})
+            zero_term = self._skipped(state, len(state.items), (), {})
             state.last = -1
-            if anchor is None:
+            if zero_term is None:
                 return None
-            return add_to_outputs(output, anchor)
+            return add_to_outputs(output, zero_term)
 
         return hook
 
@@ -241,13 +241,13 @@ class JoinedLayers:
         self, state: _Container, upto: int, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Tensor | None:
         """Decide every joined layer this rank passed without running (between the last
-        one run and ``upto``); the sum of the placeholder runs' anchors."""
+        one run and ``upto``); the sum of the placeholder runs' zero loss terms."""
         total: Tensor | None = None
         for index in state.joined:
             if state.last < index < upto:
-                anchor = self._decide(state.items[index], ran=None)
-                if anchor is not None:
-                    total = anchor if total is None else total + anchor.to(total.device)
+                zero_term = self._decide(state.items[index], ran=None)
+                if zero_term is not None:
+                    total = zero_term if total is None else total + zero_term.to(total.device)
         return total
 
     # ----------------------------------------------------------------- decisions
@@ -293,7 +293,7 @@ class JoinedLayers:
         self, layer: nn.Module, *, ran: tuple[tuple[Any, ...], dict[str, Any]] | None
     ) -> Tensor | None:
         """The decision for one joined layer; on a rank that skipped it while another ran
-        it, the placeholder run's anchor."""
+        it, the placeholder run's zero loss term."""
         device = self._device(layer)
         blob = describe_call(*ran) if ran is not None else None
         source = self._agreement(self._index[id(unwrap_module(layer))], blob, device)
@@ -307,7 +307,7 @@ class JoinedLayers:
         finally:
             self._bypass -= 1
         self.last_joined += 1
-        return zero_anchor(output)
+        return zero_loss_term(output)
 
     def remove(self) -> None:
         for handle in self._handles:
