@@ -132,6 +132,16 @@ def save_checkpoint(
     in ``path`` loadable; other files in ``path`` are kept. A job killed during the
     save leaves that sibling (``.<name>.saving-checkpoint``) behind: the next save of
     ``path`` removes it, and ``latest_checkpoint`` never returns it.
+
+    Args:
+        path: the checkpoint directory (created or replaced).
+        model: the sharded model.
+        optimizer: its optimizer, saved beside it.
+        step: a training step stored with the checkpoint.
+        timeout: the arrival check's timeout in seconds or a timedelta.
+
+    Raises:
+        CollectiveCallError: a rank did not arrive or failed (on every rank).
     """
     root = _export_swap.destination(path)
     with enter_collective(
@@ -309,6 +319,18 @@ def load_checkpoint(
     checkpoint: those that ``to_empty()`` left undefined after a ``meta`` build are
     recomputed for transformers models (as ``load_pretrained`` does); others must be
     set by hand.
+
+    Args:
+        path: a directory ``save_checkpoint`` wrote.
+        model: the sharded model, filled in place.
+        optimizer: its optimizer, filled in place.
+        timeout: the arrival check's timeout.
+
+    Returns:
+        The ``step`` given to ``save_checkpoint`` (None if none was).
+
+    Raises:
+        ValueError: a tensor changed shape, or the freeze set differs (on every rank).
     """
     return _load(path, model, optimizer, stage=False, timeout=timeout, name="load_checkpoint").step
 
@@ -330,6 +352,18 @@ def load_stage_checkpoint(
     report (also logged) names the parameters restored, fresh, and dropped (state saved
     for parameters frozen now). A model tensor whose shape changed, or that the
     checkpoint lacks, is a ``ValueError`` naming it. Collective, like ``load_checkpoint``.
+
+    Args:
+        path: a directory ``save_checkpoint`` wrote in an earlier stage.
+        model: the sharded model of this stage.
+        optimizer: this stage's optimizer.
+        timeout: the arrival check's timeout.
+
+    Returns:
+        The parameters whose optimizer state was restored, started fresh or dropped.
+
+    Raises:
+        ValueError: a model tensor changed shape or is missing (on every rank).
     """
     report = _load(
         path, model, optimizer, stage=True, timeout=timeout, name="load_stage_checkpoint"
@@ -495,6 +529,11 @@ def load_checkpoint_unsharded(
 
     Under a process group DCP reads collectively: then every rank must call it
     (arrival check and agreement as ``load_checkpoint``).
+
+    Args:
+        path: a directory ``save_checkpoint`` wrote.
+        model: a plain (unsharded) model, filled in place.
+        timeout: the arrival check's timeout under a process group.
     """
     with enter_collective(
         "load_checkpoint_unsharded", ranks=group_ranks(model=model), timeout=timeout
@@ -520,6 +559,13 @@ def export_full_state_dict(
     For export (``torch.save``, safetensors, a Hugging Face checkpoint): dtypes
     are the stored ones, so fp32 islands stay fp32. Collective (every rank
     gathers): call it on every rank, not under ``if rank == 0``.
+
+    Args:
+        model: the sharded model.
+        timeout: the arrival check's timeout.
+
+    Returns:
+        ``{name: full CPU tensor}`` on rank 0, ``{}`` on the others.
     """
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     with enter_collective(

@@ -40,7 +40,14 @@ class CheckpointContents:
 
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> CheckpointContents:
-        """Read ``path``'s ``.metadata`` (the caller checked that it exists)."""
+        """Read ``path``'s ``.metadata`` (the caller checked that it exists).
+
+        Args:
+            path: the checkpoint directory.
+
+        Returns:
+            The shapes and optimizer state it records.
+        """
         metadata = FileSystemReader(path).read_metadata().state_dict_metadata
         model: dict[str, tuple[int, ...]] = {}
         for key, value in metadata.items():
@@ -88,7 +95,16 @@ def check_model_matches(
     contents: CheckpointContents, model_state: Mapping[str, Any], path: str | os.PathLike[str]
 ) -> None:
     """Raise ``ValueError`` when a model tensor changed shape since the save (its name,
-    both shapes), or when the checkpoint has no value for one (their names)."""
+    both shapes), or when the checkpoint has no value for one (their names).
+
+    Args:
+        contents: what the checkpoint holds.
+        model_state: the model's state dict (names and tensors).
+        path: the checkpoint, for the message.
+
+    Raises:
+        ValueError: a tensor's shape changed, or the checkpoint lacks one.
+    """
     changed = []
     for name, value in model_state.items():
         shape = _shape(value)

@@ -108,7 +108,11 @@ FAKE_PROCESS_GROUP: Final[bool] = internals.has_fake_store()
 
 
 def capabilities() -> dict[str, bool]:
-    """All flags by name, for logs and bug reports."""
+    """All flags by name, for logs and bug reports.
+
+    Returns:
+        ``{flag name: value}``.
+    """
     return {
         "FSDP2_AVAILABLE": FSDP2_AVAILABLE,
         "FULLY_SHARD_IGNORED_PARAMS": FULLY_SHARD_IGNORED_PARAMS,

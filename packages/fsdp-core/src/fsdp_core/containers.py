@@ -34,7 +34,14 @@ _WRAPPED_ATTRS = ("_checkpoint_wrapped_module", "_orig_mod")
 
 
 def unwrap_module(module: nn.Module) -> nn.Module:
-    """The module inside activation-checkpoint and compile wrappers (any depth)."""
+    """The module inside activation-checkpoint and compile wrappers (any depth).
+
+    Args:
+        module: a module, possibly wrapped (``checkpoint_wrapper``, ``torch.compile``).
+
+    Returns:
+        The innermost wrapped module (``module`` itself when unwrapped).
+    """
     for _ in range(16):
         inner = next(
             (
@@ -51,19 +58,42 @@ def unwrap_module(module: nn.Module) -> nn.Module:
 
 
 def join_path(prefix: str, name: str) -> str:
-    """Qualified name of ``name`` under ``prefix`` (the root's path is ``""``)."""
+    """Qualified name of ``name`` under ``prefix`` (the root's path is ``""``).
+
+    Args:
+        prefix: the parent's qualified name.
+        name: the child's attribute name.
+
+    Returns:
+        ``prefix.name``, or ``name`` under the root.
+    """
     return f"{prefix}.{name}" if prefix else name
 
 
 def is_under(path: str, root: str) -> bool:
     """Whether the module or parameter at ``path`` is ``root`` or lies inside it (every
     path lies inside the model's own path ``""``). The one prefix rule of the packages:
-    ``"vision.blocks.1"`` is under ``"vision"``, ``"vision_proj"`` is not."""
+    ``"vision.blocks.1"`` is under ``"vision"``, ``"vision_proj"`` is not.
+
+    Args:
+        path: a qualified module or parameter name.
+        root: a qualified module name.
+
+    Returns:
+        Whether ``path`` is ``root`` or a descendant of it.
+    """
     return root == "" or path == root or path.startswith(root + ".")
 
 
 def is_module_container(module: nn.Module) -> bool:
-    """Whether ``module`` is a list or dict of layers (``nn.Sequential`` is a layer, not one)."""
+    """Whether ``module`` is a list or dict of layers (``nn.Sequential`` is a layer, not one).
+
+    Args:
+        module: any module.
+
+    Returns:
+        Whether it is an ``nn.ModuleList`` or ``nn.ModuleDict``.
+    """
     return isinstance(module, (nn.ModuleList, nn.ModuleDict))
 
 
@@ -74,6 +104,13 @@ def is_branch_dict(container: nn.Module, parent: nn.Module) -> bool:
     parameters besides its dicts (the wrapped module) and every item of the dict
     is a leaf module or of the wrapped module's class (a copy of it). Structural,
     so it covers any adapter library that keeps adapters this way.
+
+    Args:
+        container: the candidate ``nn.ModuleDict``.
+        parent: the module holding ``container``.
+
+    Returns:
+        Whether ``container`` is a branch dict of ``parent``.
     """
     if not isinstance(container, nn.ModuleDict) or len(container) == 0:
         return False
@@ -89,7 +126,15 @@ def is_branch_dict(container: nn.Module, parent: nn.Module) -> bool:
 
 def is_layer_container(module: nn.Module, parent: nn.Module | None = None) -> bool:
     """Whether ``module``'s items become units: a list or dict of layers, not a branch
-    dict of ``parent`` (unknown when ``parent`` is None)."""
+    dict of ``parent`` (unknown when ``parent`` is None).
+
+    Args:
+        module: any module.
+        parent: the module holding it, if known.
+
+    Returns:
+        Whether its items become units.
+    """
     if not is_module_container(module):
         return False
     return parent is None or not is_branch_dict(module, parent)
@@ -113,7 +158,17 @@ def _wrapped_child(parent: nn.Module) -> nn.Module | None:
 
 
 def container_items(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The ``(key, item)`` pairs of a layer container, in registration order."""
+    """The ``(key, item)`` pairs of a layer container, in registration order.
+
+    Args:
+        module: an ``nn.ModuleList`` or ``nn.ModuleDict``.
+
+    Returns:
+        Its ``(key, item)`` pairs.
+
+    Raises:
+        TypeError: ``module`` is not a layer container.
+    """
     if not is_module_container(module):
         raise TypeError(f"{type(module).__name__} is not an nn.ModuleList or nn.ModuleDict")
     return [(str(key), item) for key, item in module.named_children()]
@@ -128,6 +183,13 @@ def iter_layer_items(module: nn.Module, prefix: str = "") -> Iterator[tuple[str,
     container passed itself yields its own items. Branch dicts
     ([`is_branch_dict`][fsdp_core.containers.is_branch_dict]) are searched like plain modules:
     adapters stay in the unit of the layer they adapt.
+
+    Args:
+        module: where to search (a container itself, or any module).
+        prefix: ``module``'s qualified name in the model.
+
+    Yields:
+        ``(qualified name, item)`` for each leaf item.
     """
     if is_module_container(module):
         yield from _iter_container(module, prefix)
@@ -155,7 +217,15 @@ def _iter_container(container: nn.Module, prefix: str) -> Iterator[tuple[str, nn
 
 def module_spans(model: nn.Module) -> dict[str, tuple[int, int]]:
     """Pre-order position and subtree end of every module (``named_modules`` order), so
-    that "runs before" and "lies inside" are integer comparisons."""
+    that "runs before" and "lies inside" are integer comparisons.
+
+    Args:
+        model: the model.
+
+    Returns:
+        ``{qualified name: (position, end)}``: a module lies inside another when its
+        position is in the other's ``[position, end)``.
+    """
     spans: dict[str, tuple[int, int]] = {}
     seen: set[int] = set()
     counter = 0

@@ -83,6 +83,16 @@ def device_type_for_backend(backend: str) -> str:
 
     Accepts plain names ("gloo", "nccl", "fake") and torch's device-qualified
     form ("cpu:gloo", "cpu:gloo,cuda:nccl"); the accelerator wins when present.
+
+    Args:
+        backend: a backend name as ``dist.get_backend()`` reports it.
+
+    Returns:
+        ``"cuda"`` or ``"cpu"`` (or the accelerator the backend names).
+
+    Raises:
+        TypeError: ``backend`` is not a string.
+        ValueError: the backend is unknown.
     """
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, got {type(backend).__name__}")
@@ -173,6 +183,19 @@ def init_distributed(
     used (see ``_fresh_group_prefix``), so a job that torchrun restarts
     (``--max-restarts``) on the store of its failed attempt, or a group started again
     after ``destroy_distributed``, never reads the old entries.
+
+    Args:
+        backend: ``"nccl"``, ``"gloo"``, ... instead of the automatic choice.
+        timeout: the process group's collective timeout (torch's default if None).
+
+    Returns:
+        The rank, world size, backend and device of this process.
+
+    Raises:
+        TypeError: ``backend`` or ``timeout`` has the wrong type.
+        ValueError: the torchrun environment is inconsistent, or a group with another
+            backend is already initialised.
+        RuntimeError: rank 0 did not answer the start-up exchange in time.
     """
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
@@ -379,6 +402,9 @@ def exit_rank(code: int = 0) -> NoReturn:
     the interpreter's teardown runs, ``atexit`` handlers included. Logging handlers,
     standard output and error are flushed first. Not for a failure path: the barrier
     waits for every rank.
+
+    Args:
+        code: the process's exit status.
     """
     if dist.is_initialized():
         with contextlib.suppress(RuntimeError):

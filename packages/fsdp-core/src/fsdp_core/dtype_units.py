@@ -80,7 +80,14 @@ def _considered(
 
 def dominant_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype | None:
     """The dtype holding the most elements of ``tensors`` (parameters or any tensors;
-    first seen wins a tie); ``None`` when empty."""
+    first seen wins a tie); ``None`` when empty.
+
+    Args:
+        tensors: parameters or any tensors.
+
+    Returns:
+        The dtype with the most elements, or None.
+    """
     counts: Counter[torch.dtype] = Counter()
     for tensor in tensors:
         counts[tensor.dtype] += tensor.numel()
@@ -102,6 +109,20 @@ def find_dtype_islands(
     Only trainable parameters count by default, matching FSDP's rule (frozen
     ones may mix). Raises [`MixedDtypeError`][fsdp_core.dtype_units.MixedDtypeError] listing the
     offending parameters when a module holds odd-dtype parameters directly.
+
+    Args:
+        module: the module that becomes one unit.
+        prefix: its qualified name, for the islands' paths.
+        trainable_only: count only trainable parameters (FSDP's rule).
+        skip: submodules to leave out (already units, replicated, ...).
+        ignored_params: names of parameters FSDP ignores.
+
+    Returns:
+        The unit's dominant dtype and its islands.
+
+    Raises:
+        MixedDtypeError: a module holds parameters of another dtype directly, so no
+            submodule can take them out.
     """
     skip_fn = skip or _never
     ignored = frozenset(ignored_param_names)
@@ -151,7 +172,19 @@ def group_islands(
     islands: Iterable[DtypeIsland], *, grouped: bool | None = None
 ) -> list[tuple[torch.dtype, tuple[str, ...]]]:
     """Islands bundled into units: one per dtype when torch can cast per module in a
-    group, else one per island (each tiny unit costs an all-gather and a reduce-scatter)."""
+    group, else one per island (each tiny unit costs an all-gather and a reduce-scatter).
+
+    Args:
+        islands: the islands found.
+        grouped: whether several modules may share one unit (None: what this torch
+            supports).
+
+    Returns:
+        ``(dtype, island paths)`` per unit to make.
+
+    Raises:
+        ValueError: ``grouped=True`` where this torch cannot cast per module in a group.
+    """
     can_group = compat.GROUPED_PER_MODULE_CASTING if grouped is None else grouped
     if grouped and not compat.GROUPED_PER_MODULE_CASTING:
         raise ValueError(
@@ -179,7 +212,17 @@ def shard_groups_then_module(
 ) -> None:
     """Make each group of submodules (paths under ``module``) a unit with its own
     policy, then ``module`` itself a unit with ``mp_policy``: the order that keeps
-    the groups' parameters out of the parent unit."""
+    the groups' parameters out of the parent unit.
+
+    Args:
+        module: the module that becomes the outer unit.
+        groups: ``(submodule paths, policy)`` per inner unit.
+        mesh: the data-parallel mesh.
+        mp_policy: the outer unit's policy.
+        offload_policy: FSDP2's offload policy for every unit made.
+        reshard_after_forward: as ``fully_shard`` takes it.
+        ignored_params: parameters FSDP leaves alone.
+    """
     options = ShardOptions(
         mesh=mesh,
         mp_policy=mp_policy,
@@ -206,7 +249,18 @@ def dtype_island_groups(
     """The island units that make ``module`` one dtype-safe unit: its odd-dtype
     submodules (trainable parameters only, those already sharded and those ``skip``
     names left out), grouped as torch allows, each with
-    [`island_policy`][fsdp_core.precision.island_policy]."""
+    [`island_policy`][fsdp_core.precision.island_policy].
+
+    Args:
+        module: the module that becomes one unit.
+        mp_policy: the policy of the surrounding unit.
+        ignored_params: parameters FSDP leaves alone.
+        skip: submodules to leave out.
+        grouped: as for [`group_islands`][fsdp_core.dtype_units.group_islands].
+
+    Returns:
+        The island groups, each with its policy.
+    """
     wanted = set(ignored_params or ())
     ignored_names = {name for name, p in module.named_parameters() if p in wanted}
 
@@ -234,6 +288,18 @@ def fully_shard_dtype_safe(
 
     Islands get [`fsdp_core.precision.island_policy`][fsdp_core.precision.island_policy] (their own
     dtype for params and reduction, output cast to the surrounding compute dtype).
+
+    Args:
+        module: the module to shard.
+        mesh: the data-parallel mesh.
+        mp_policy: the module's policy.
+        offload_policy: FSDP2's offload policy.
+        reshard_after_forward: as ``fully_shard`` takes it.
+        ignored_params: parameters FSDP leaves alone.
+        grouped: as for [`group_islands`][fsdp_core.dtype_units.group_islands].
+
+    Returns:
+        ``module``, sharded.
     """
     options = ShardOptions(
         mesh=mesh,

@@ -22,7 +22,16 @@ __all__ = ["fake_process_group", "current_or_fake_group"]
 
 @contextlib.contextmanager
 def fake_process_group(world_size: int, *, rank: int = 0) -> Iterator[None]:
-    """Initialise the single-process ``fake`` backend for the duration of the block."""
+    """Initialise the single-process ``fake`` backend for the duration of the block.
+
+    Args:
+        world_size: how many ranks the group pretends to have.
+        rank: the rank this process plays.
+
+    Raises:
+        ValueError: ``rank`` is not within ``world_size``.
+        RuntimeError: a process group is already initialised.
+    """
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"invalid fake group: rank {rank} of world size {world_size}")
     if dist.is_initialized():
@@ -39,7 +48,14 @@ def fake_process_group(world_size: int, *, rank: int = 0) -> Iterator[None]:
 def current_or_fake_group(world_size: int) -> Iterator[None]:
     """The initialised process group when there is one (its size must be
     ``world_size``), else a fake group of that size: measurements run the same way
-    on real ranks and in one process."""
+    on real ranks and in one process.
+
+    Args:
+        world_size: the number of ranks measured.
+
+    Raises:
+        ValueError: an initialised group has another size.
+    """
     if dist.is_initialized():
         if dist.get_world_size() != world_size:
             raise ValueError(

@@ -37,7 +37,15 @@ logger = logging.getLogger(__name__)
 
 
 def copy_full_into_(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Write a full tensor into ``param``: only the local shard when it is a DTensor."""
+    """Write a full tensor into ``param``: only the local shard when it is a DTensor.
+
+    Args:
+        param: a parameter or buffer, plain or a DTensor shard.
+        full: its full (unsharded) value.
+
+    Raises:
+        ValueError: the shapes differ.
+    """
     if tuple(full.shape) != tuple(param.shape):
         raise ValueError(
             f"full tensor of shape {tuple(full.shape)} for a parameter of {tuple(param.shape)}"
@@ -70,6 +78,19 @@ def materialize_from_full(
     ones); the result is bit-identical to loading the same full tensors into an
     unsharded model. Collective (each rank fills its own shards): a failure on
     any rank is raised on every rank.
+
+    Args:
+        model: a sharded model on the meta device.
+        full_tensors: ``(name, full tensor)`` for every parameter (and buffer).
+        device: where the model is allocated.
+        buffers: values for buffers ``full_tensors`` does not give.
+        timeout: the arrival check's timeout (the process group's if None).
+
+    Returns:
+        ``model``, allocated and filled.
+
+    Raises:
+        ValueError: a parameter got no value (on every rank).
     """
     with enter_collective(
         "materialize_from_full", ranks=group_ranks(model=model), timeout=timeout
@@ -124,6 +145,16 @@ def load_full_state_dict(
     Collective: every rank must call it (arrival check, ``timeout`` default the
     process group's timeout); a state dict rank 0 lacks, or one that is not a
     mapping of tensors, fails on every rank before the broadcast.
+
+    Args:
+        model: the sharded model.
+        state_dict: full tensors by name (rank 0 only, with ``broadcast_from_rank0``).
+        broadcast_from_rank0: read from rank 0 and broadcast.
+        strict: refuse missing or unexpected keys.
+        timeout: the arrival check's timeout.
+
+    Raises:
+        ValueError: the state dict is missing on rank 0 or malformed (on every rank).
     """
     options = StateDictOptions(
         full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0, strict=strict

@@ -60,7 +60,21 @@ class MeshShape:
 
 
 def resolve_mesh_shape(*, world_size: int, dp_replicate: int = 1, dp_shard: int = -1) -> MeshShape:
-    """Fill in a ``-1`` size from ``world_size`` and check that the sizes multiply to it."""
+    """Fill in a ``-1`` size from ``world_size`` and check that the sizes multiply to it.
+
+    Args:
+        world_size: the number of ranks the mesh spans.
+        dp_replicate: replicate-group size, or ``-1`` to infer it.
+        dp_shard: shard-group size, or ``-1`` to infer it.
+
+    Returns:
+        Both sizes, resolved.
+
+    Raises:
+        TypeError: ``world_size`` is not an int.
+        ValueError: a size is invalid, both are ``-1``, or their product is not
+            ``world_size``.
+    """
     if isinstance(world_size, bool) or not isinstance(world_size, int):
         raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
     if world_size < 1:
@@ -97,6 +111,19 @@ def build_mesh(
     ``cpu`` for gloo and the fake backend); an explicit ``device_type`` that
     disagrees with the backend is refused instead of producing a mesh whose
     collectives cannot run.
+
+    Args:
+        dp_replicate: replicate-group size (``> 1`` makes an HSDP mesh), or ``-1``.
+        dp_shard: shard-group size, or ``-1`` to infer it from the world size.
+        device_type: ``"cuda"`` or ``"cpu"``; None follows the backend.
+
+    Returns:
+        A 1-D ``("dp_shard",)`` or 2-D ``("dp_replicate", "dp_shard")`` mesh.
+
+    Raises:
+        RuntimeError: no process group is initialised.
+        ValueError: the sizes do not fit the world, or ``device_type`` disagrees with
+            the backend.
     """
     if not dist.is_initialized():
         raise RuntimeError("build_mesh() needs a process group: call init_distributed() first")
@@ -113,14 +140,28 @@ def build_mesh(
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """The device a collective over ``mesh`` needs its tensors on."""
+    """The device a collective over ``mesh`` needs its tensors on.
+
+    Args:
+        mesh: a device mesh.
+
+    Returns:
+        This rank's device of the mesh's device type.
+    """
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
 
 
 def mesh_groups(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, ...]:
-    """One process group per mesh dimension (size-1 dimensions left out)."""
+    """One process group per mesh dimension (size-1 dimensions left out).
+
+    Args:
+        mesh: a device mesh.
+
+    Returns:
+        The process groups of its dimensions of size > 1.
+    """
     return tuple(mesh.get_group(dim) for dim in range(mesh.ndim) if mesh.size(dim) > 1)
 
 
@@ -131,6 +172,13 @@ def all_reduce_max_over_mesh(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Te
     collectives, which may be a part of a larger world: one all-reduce per mesh dimension
     larger than one (the maximum over the replicate groups of the maxima over the shard
     groups is the maximum over all), with public API only.
+
+    Args:
+        tensor: the values to agree on (on the mesh's device).
+        mesh: the ranks that must agree.
+
+    Returns:
+        ``tensor``, now holding the maximum over the mesh.
     """
     for group in mesh_groups(mesh):
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)

@@ -42,7 +42,18 @@ _FLOATING: Final[frozenset[torch.dtype]] = frozenset(DTYPE_ALIASES.values())
 
 
 def parse_dtype(value: str | torch.dtype) -> torch.dtype:
-    """Return the floating dtype named by ``value`` ("bf16", "torch.float32", a dtype, ...)."""
+    """Return the floating dtype named by ``value`` ("bf16", "torch.float32", a dtype, ...).
+
+    Args:
+        value: a dtype, or a name such as ``"bf16"``, ``"float32"``, ``"torch.float16"``.
+
+    Returns:
+        The floating ``torch.dtype``.
+
+    Raises:
+        TypeError: ``value`` is neither a string nor a dtype.
+        ValueError: the name is unknown or not a floating dtype.
+    """
     if isinstance(value, torch.dtype):
         if value not in _FLOATING:
             raise ValueError(
@@ -70,7 +81,20 @@ def mixed_precision_policy(
     output_dtype: str | torch.dtype | None = None,
     cast_forward_inputs: bool = True,
 ) -> MixedPrecisionPolicy:
-    """Build a ``MixedPrecisionPolicy`` from dtype names; ``None`` keeps FSDP's default."""
+    """Build a ``MixedPrecisionPolicy`` from dtype names; ``None`` keeps FSDP's default.
+
+    Args:
+        param_dtype: the compute dtype of the parameters.
+        reduce_dtype: the dtype gradients are reduced in.
+        output_dtype: the dtype of the unit's outputs (None: no cast).
+        cast_forward_inputs: whether inputs are cast to ``param_dtype``.
+
+    Returns:
+        FSDP2's policy.
+
+    Raises:
+        TypeError: ``cast_forward_inputs`` is not a bool.
+    """
     if not isinstance(cast_forward_inputs, bool):
         raise TypeError(f"cast_forward_inputs must be a bool, got {cast_forward_inputs!r}")
     return MixedPrecisionPolicy(
@@ -82,12 +106,24 @@ def mixed_precision_policy(
 
 
 def default_mp_policy() -> MixedPrecisionPolicy:
-    """bf16 compute with fp32 gradient reduction: the usual choice for VLM training."""
+    """bf16 compute with fp32 gradient reduction: the usual choice for VLM training.
+
+    Returns:
+        ``param_dtype=bf16``, ``reduce_dtype=fp32``.
+    """
     return mixed_precision_policy("bf16", "fp32")
 
 
 def compute_dtype(policy: MixedPrecisionPolicy, fallback: torch.dtype) -> torch.dtype:
-    """The dtype a unit under ``policy`` computes in (``fallback`` when params are not cast)."""
+    """The dtype a unit under ``policy`` computes in (``fallback`` when params are not cast).
+
+    Args:
+        policy: the unit's policy.
+        fallback: the parameters' own dtype.
+
+    Returns:
+        ``policy.param_dtype`` or ``fallback``.
+    """
     return policy.param_dtype if policy.param_dtype is not None else fallback
 
 
@@ -103,6 +139,15 @@ def island_policy(
     cast back to the surrounding compute dtype so the next layer receives what it
     expects (without that cast a bf16 Linear after an fp32 norm fails on a dtype
     mismatch).
+
+    Args:
+        island_dtype: the dtype the island's parameters compute in.
+        surrounding: the policy of the model around it.
+        surrounding_dtype: the surrounding compute dtype when ``surrounding`` casts
+            nothing (the model's parameter dtype).
+
+    Returns:
+        The island's policy.
     """
     dtype = parse_dtype(island_dtype)
     outer = surrounding.param_dtype if surrounding.param_dtype is not None else surrounding_dtype
@@ -124,7 +169,15 @@ def fp32_island_policy(
     *,
     surrounding_dtype: torch.dtype | None = None,
 ) -> MixedPrecisionPolicy:
-    """fp32 params and reduction, output in the surrounding compute dtype (bf16 by default)."""
+    """fp32 params and reduction, output in the surrounding compute dtype (bf16 by default).
+
+    Args:
+        surrounding: the policy of the model around the island (bf16 if None).
+        surrounding_dtype: as for ``island_policy``.
+
+    Returns:
+        The fp32 island's policy.
+    """
     return island_policy(
         torch.float32,
         surrounding if surrounding is not None else default_mp_policy(),

@@ -63,7 +63,11 @@ TORCHRUN_ENV: tuple[str, ...] = (
 
 
 def free_port() -> int:
-    """A TCP port on the loopback interface that is free right now."""
+    """A TCP port on the loopback interface that is free right now.
+
+    Returns:
+        The port number (another process may take it before it is used).
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -110,6 +114,15 @@ def run_on_gloo_ranks(
 
     ``fn`` must be importable (a module-level function). A rank that raises
     makes this raise; collectives time out after ``timeout_s`` instead of hanging.
+
+    Args:
+        fn: a module-level function taking ``(rank, world_size, *args)``.
+        world_size: how many ranks to spawn.
+        *args: picklable arguments passed to every rank.
+        timeout_s: the process group's timeout.
+
+    Raises:
+        ValueError: ``world_size`` is not positive.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
@@ -149,6 +162,19 @@ def run_torchrun(
 
     Raises ``AssertionError`` with the combined output when the job fails or
     runs past ``timeout_s`` (the whole process group is killed then).
+
+    Args:
+        script: the Python file to run.
+        nproc: ranks per node.
+        args: the script's command-line arguments.
+        timeout_s: the whole job's time limit.
+        env: extra environment variables.
+
+    Returns:
+        The finished process (its ``stdout`` holds every rank's output).
+
+    Raises:
+        AssertionError: the job failed or ran past ``timeout_s``.
     """
     command = [
         sys.executable,
@@ -187,7 +213,14 @@ def run_torchrun(
 
 
 def python_blocks(markdown: str) -> list[str]:
-    """The bodies of the fenced ```python blocks of a Markdown text, in order."""
+    """The bodies of the fenced ```python blocks of a Markdown text, in order.
+
+    Args:
+        markdown: the page's text.
+
+    Returns:
+        One string per block.
+    """
     return re.findall(
         r"^```python[ \t]*\n(.*?)^```[ \t]*$", markdown, flags=re.DOTALL | re.MULTILINE
     )
@@ -209,6 +242,18 @@ def run_markdown_example(
     The torchrun variables are hidden while it runs (so ``init_distributed`` starts
     a one-process group), and a process group the example leaves behind is
     destroyed (and reported). Raises ``LookupError`` when the file has no such block.
+
+    Args:
+        path: the Markdown file.
+        index: which ```python block (0 is the first).
+        module_name: the ``__name__`` the block runs under.
+
+    Returns:
+        Its globals, and whether it left a process group.
+
+    Raises:
+        LookupError: the file has no block ``index``.
+        RuntimeError: a process group is already initialised.
     """
     blocks = python_blocks(Path(path).read_text(encoding="utf-8"))
     if index >= len(blocks):
@@ -263,6 +308,19 @@ def emulate_data_parallel(
     The reference a multi-process run should be compared with. ``optimizer``
     builds the optimizer over the trainable master parameters (plain SGD with
     ``lr`` when omitted).
+
+    Args:
+        build: makes the model (called once, for the master copy).
+        batches: ``batches[step][rank]``, one batch or a list of micro-batches.
+        loss_fn: ``loss_fn(model, batch)`` -> a scalar loss.
+        compute_dtype: the ranks' compute dtype (None: the parameters' own).
+        lr: the SGD learning rate (when ``optimizer`` is None).
+        keep_fp32: which parameter names stay fp32 (fp32 islands).
+        optimizer: builds the optimizer from the trainable master parameters.
+
+    Returns:
+        The per-step mean losses, the final parameters and the first step's
+        averaged gradients.
     """
     master = build()
     trainable = [p for p in master.parameters() if p.requires_grad]

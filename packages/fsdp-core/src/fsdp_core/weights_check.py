@@ -95,7 +95,14 @@ def non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def meta_tensors(model: nn.Module) -> MetaTensors | None:
-    """What of ``model`` is on ``meta`` now; ``None`` when nothing is."""
+    """What of ``model`` is on ``meta`` now; ``None`` when nothing is.
+
+    Args:
+        model: any model.
+
+    Returns:
+        Its parameters and buffers on ``meta``, or None.
+    """
     params = tuple(n for n, p in model.named_parameters() if _local(p).is_meta)
     buffers = tuple(n for n, b in non_persistent_buffers(model).items() if b.is_meta)
     if not params and not buffers:
@@ -105,7 +112,14 @@ def meta_tensors(model: nn.Module) -> MetaTensors | None:
 
 def record_meta_tensors(model: nn.Module) -> MetaTensors | None:
     """Remember what of the just-sharded ``model`` is on ``meta`` (for
-    [check_weights_given][fsdp_core.weights_check.check_weights_given] and the loaders)."""
+    [check_weights_given][fsdp_core.weights_check.check_weights_given] and the loaders).
+
+    Args:
+        model: the model just sharded.
+
+    Returns:
+        What was recorded, or None when nothing is on ``meta``.
+    """
     record = meta_tensors(model)
     if record is not None:
         _RECORDS[model] = record
@@ -114,7 +128,14 @@ def record_meta_tensors(model: nn.Module) -> MetaTensors | None:
 
 def recorded(model: nn.Module) -> tuple[nn.Module, MetaTensors] | None:
     """The sharded model (``model``, or the one inside it, such as a ``PeftModel``'s) and
-    what of it was on ``meta`` when it was sharded."""
+    what of it was on ``meta`` when it was sharded.
+
+    Args:
+        model: a sharded model or a wrapper of one.
+
+    Returns:
+        ``(sharded model, record)``, or None when nothing was on ``meta``.
+    """
     for module in model.modules():
         record = _RECORDS.get(module)
         if record is not None:
@@ -123,7 +144,11 @@ def recorded(model: nn.Module) -> tuple[nn.Module, MetaTensors] | None:
 
 
 def mark_written(tensor: torch.Tensor) -> None:
-    """Tag ``tensor`` as given a value by a loader (which may write only its local shard)."""
+    """Tag ``tensor`` as given a value by a loader (which may write only its local shard).
+
+    Args:
+        tensor: a parameter or buffer a loader wrote.
+    """
     try:
         setattr(tensor, _WRITTEN, True)
     except (AttributeError, TypeError):  # a tensor type that takes no attributes
@@ -133,7 +158,11 @@ def mark_written(tensor: torch.Tensor) -> None:
 def mark_weights_loaded(model: nn.Module) -> None:
     """Declare that every parameter and buffer of ``model`` holds its value: for weights
     written in a way the first-forward check cannot see (into the local shards, or by
-    ``torch.distributed.checkpoint.load`` without ``set_model_state_dict``)."""
+    ``torch.distributed.checkpoint.load`` without ``set_model_state_dict``).
+
+    Args:
+        model: the model whose weights were written.
+    """
     for tensor in (*model.parameters(), *model.buffers()):
         mark_written(tensor)
 
@@ -144,7 +173,14 @@ def _written(tensor: torch.Tensor) -> bool:
 
 def unset_buffers(model: nn.Module) -> list[str]:
     """The non-persistent buffers of ``model`` that were on ``meta`` when it was sharded,
-    are allocated now and were never written since (undefined values)."""
+    are allocated now and were never written since (undefined values).
+
+    Args:
+        model: a sharded model.
+
+    Returns:
+        Their qualified names.
+    """
     found = recorded(model)
     if found is None:
         return []
@@ -160,7 +196,11 @@ def unset_buffers(model: nn.Module) -> list[str]:
 def sentinel_fill(buffer: torch.Tensor) -> None:
     """Fill ``buffer`` with a value no initialisation writes (NaN, the integer minimum),
     so that [still_sentinel][fsdp_core.weights_check.still_sentinel] tells whether
-    something gave it a value since."""
+    something gave it a value since.
+
+    Args:
+        buffer: a freshly allocated buffer.
+    """
     with torch.no_grad():
         if buffer.dtype.is_floating_point or buffer.dtype.is_complex:
             buffer.fill_(float("nan"))
@@ -170,7 +210,14 @@ def sentinel_fill(buffer: torch.Tensor) -> None:
 
 def still_sentinel(buffer: torch.Tensor) -> bool:
     """Whether ``buffer`` still holds what [sentinel_fill][fsdp_core.weights_check.sentinel_fill]
-    wrote (never for an empty or bool buffer)."""
+    wrote (never for an empty or bool buffer).
+
+    Args:
+        buffer: a buffer ``sentinel_fill`` filled.
+
+    Returns:
+        Whether nothing wrote it since.
+    """
     if buffer.numel() == 0 or buffer.dtype == torch.bool:
         return False
     if buffer.dtype.is_floating_point or buffer.dtype.is_complex:
@@ -182,7 +229,14 @@ def refill_unset_buffers(model: nn.Module) -> list[str]:
     """Recompute the [unset_buffers][fsdp_core.weights_check.unset_buffers] of a
     transformers model with its own buffer initialisation (as ``load_pretrained`` does);
     the names recomputed. For other models nothing is done: the first forward names what
-    is left."""
+    is left.
+
+    Args:
+        model: a sharded model.
+
+    Returns:
+        The names of the buffers recomputed.
+    """
     found = recorded(model)
     names = unset_buffers(model)
     if found is None or not names:
@@ -220,7 +274,16 @@ _LOADERS: Final = (
 def check_weights_given(model: nn.Module, record: MetaTensors, *, name: str) -> None:
     """Raise [UninitializedWeightsError][fsdp_core.weights_check.UninitializedWeightsError]
     if what ``record`` says was on ``meta`` has no values yet (see the module docstring);
-    ``name`` is the model's class name for the message."""
+    ``name`` is the model's class name for the message.
+
+    Args:
+        model: the sharded model.
+        record: what was on ``meta`` when it was sharded.
+        name: the model's class name, for the message.
+
+    Raises:
+        UninitializedWeightsError: a recorded tensor was never given a value.
+    """
     params = dict(model.named_parameters())
     buffers = non_persistent_buffers(model)
     still = [n for n in record.parameters if n in params and _local(params[n]).is_meta]

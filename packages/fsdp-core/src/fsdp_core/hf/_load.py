@@ -285,6 +285,21 @@ def load_pretrained(
     ``timeout`` (default: the process group's timeout) for the others, checks
     that every rank sees the same checkpoint layout and raises a failure of any
     rank on every rank.
+
+    Args:
+        model: the model (built on ``meta`` and sharded, or a plain one).
+        directory: a ``save_pretrained`` directory (or an adapter export).
+        key_mapping: module name -> checkpoint key, instead of the automatic naming.
+        buffers: values for non-persistent buffers the model cannot recompute.
+        device: where a ``meta`` model is allocated.
+        strict: fail on missing or unexpected keys (else report them).
+        timeout: the arrival check's timeout in seconds or a timedelta.
+
+    Returns:
+        How names were matched, and the keys missing, unexpected or ignored.
+
+    Raises:
+        CollectiveCallError: a rank did not arrive or failed (on every rank).
     """
     with enter_collective(
         "load_pretrained", ranks=group_ranks(model=model), timeout=timeout
