@@ -43,6 +43,8 @@ def test_data_parallel_only_dims_keep_their_mesh_as_the_lockstep_mesh() -> None:
         ({"names": ("dp", "tp"), "sizes": (2, 2), "dp_names": ("x",)}, r"\('dp', 'tp'\)"),
         ({"names": ("dp", "foo"), "sizes": (2, 2), "dp_names": ("dp",)}, "foo=2"),
         ({"names": ("a", "b", "c"), "sizes": (1, 1, 1), "dp_names": ("a", "b", "c")}, "one"),
+        # CP ranks hold the same batch; FSDP already shards over cp with dp.
+        ({"names": ("dp", "cp"), "sizes": (2, 2), "dp_names": ("dp", "cp")}, r"dp_dims='dp'"),
     ],
 )
 def test_invalid_dims_are_refused(kwargs: dict[str, object], match: str) -> None:

@@ -124,6 +124,14 @@ class ParallelDims:
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"dimension {name!r} has size {size!r}; sizes are positive ints")
         _check_dp_names(self.dp_names, self.names)
+        context = [n for n in self.dp_names if dimension_role(n) == "cp" and self.size(n) > 1]
+        if context:
+            rest = [n for n in self.dp_names if n not in context]
+            raise ValueError(
+                f"dp_dims names the context-parallel dimension(s) {context}: CP ranks hold the "
+                "same batch, and FSDP shards over CP with the data-parallel shard dimension by "
+                f"itself; pass dp_dims={rest[0] if len(rest) == 1 else tuple(rest)!r}"
+            )
         unknown = [
             f"{name}={size}"
             for name, size in zip(self.names, self.sizes, strict=True)
