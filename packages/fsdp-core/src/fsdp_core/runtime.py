@@ -100,13 +100,6 @@ class HookStep:
         all-reduce over the data-parallel mesh."""
         return sum(1 for size in self.mesh.sizes if size > 1)
 
-    @property
-    def lockstep_dims(self) -> int:
-        """Dimensions with more than one rank among those whose ranks run the model's
-        forward together (data-parallel, TP, CP, EP): each repeats an all-reduce over
-        them ([`lockstep_mesh`][fsdp_core.parallel_dims.ParallelDims.lockstep_mesh])."""
-        return self.dims if self.parallel is None else self.parallel.lockstep_dims
-
 
 class RuntimeHook(ABC):
     """A planned runtime hook: subclasses are frozen dataclasses whose fields are the
