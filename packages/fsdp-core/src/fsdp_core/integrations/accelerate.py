@@ -95,6 +95,10 @@ class ShardedState:
 
     Registered by ``prepare`` (``accelerator.register_for_checkpointing``) with a save
     and a load pre-hook of the accelerator; not meant to be built by hand.
+
+    Args:
+        model: the sharded model.
+        optimizer: its optimizer, checkpointed with it.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
@@ -105,10 +109,27 @@ class ShardedState:
 
     # --- the accelerator's pre-hooks: before accelerate writes or reads anything
     def before_save(self, models: list[nn.Module], weights: list[Any], output_dir: str) -> None:
+        """The accelerator's save pre-hook: the library's sharded checkpoint first.
+
+        Args:
+            models: accelerate's models (unused: the state holds its own).
+            weights: accelerate's weights (unused).
+            output_dir: the directory ``save_state`` writes.
+        """
         save_checkpoint(Path(output_dir) / CHECKPOINT_DIR, self.model, self.optimizer)
         self._saving = True  # accelerate's optimizer file gets the placeholder
 
     def before_load(self, models: list[nn.Module], input_dir: str) -> None:
+        """The accelerator's load pre-hook: find the library's checkpoint to load.
+
+        Args:
+            models: accelerate's models (unused).
+            input_dir: the directory ``load_state`` reads.
+
+        Raises:
+            IntegrationRequiredError: the directory was written by accelerate's own
+                ``save_state`` (its optimizer file holds one rank's shards).
+        """
         self._loading = None
         sharded = Path(input_dir) / CHECKPOINT_DIR
         if not sharded.is_dir():
@@ -125,6 +146,15 @@ class ShardedState:
     def optimizer_state_dict(
         self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
     ) -> dict[str, Any] | None:
+        """The optimizer's state-dict post-hook during a save: a placeholder instead of shards.
+
+        Args:
+            optimizer: the optimizer.
+            state_dict: what it would save.
+
+        Returns:
+            The placeholder while saving, else None (keep ``state_dict``).
+        """
         if not self._saving:
             return None
         return {_PLACEHOLDER: CHECKPOINT_DIR, "state": {}, "param_groups": []}
@@ -132,16 +162,38 @@ class ShardedState:
     def optimizer_load_state_dict(
         self, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]
     ) -> dict[str, Any] | None:
+        """The optimizer's load pre-hook: a placeholder loads nothing (the checkpoint does).
+
+        Args:
+            optimizer: the optimizer.
+            state_dict: what accelerate read.
+
+        Returns:
+            The optimizer's own state for a placeholder, else None.
+        """
         if _PLACEHOLDER in state_dict:
             return optimizer.state_dict()  # read from CHECKPOINT_DIR by load_state_dict below
         return None
 
     # --- a checkpointed object of the accelerator: after its optimizers, on every rank
     def state_dict(self) -> dict[str, str]:
+        """Where the state was written, for accelerate's file of this object.
+
+        Returns:
+            The checkpoint format and directory name.
+        """
         self._saving = False
         return {"format": "fsdp_core.checkpoint", "directory": CHECKPOINT_DIR}
 
     def load_state_dict(self, state: Mapping[str, str]) -> None:
+        """Load the checkpoint ``before_load`` found into the model and optimizer.
+
+        Args:
+            state: what ``state_dict`` returned at the save.
+
+        Raises:
+            RuntimeError: called outside ``accelerator.load_state``.
+        """
         if self._loading is None:
             raise RuntimeError("ShardedState.load_state_dict runs inside accelerator.load_state")
         directory, self._loading = self._loading, None
@@ -165,6 +217,19 @@ def prepare(accelerator: Accelerator, model: nn.Module, *objects: Any) -> tuple[
     ``save_state``/``load_state`` and its calls that read or write a sharded model's
     weights (``get_state_dict``, ``save_model``, ``save``, ``register_for_checkpointing``;
     see the module's description).
+
+    Args:
+        accelerator: the run's ``Accelerator``.
+        model: the sharded model.
+        *objects: what else ``accelerator.prepare`` takes (at most one optimizer).
+
+    Returns:
+        ``(model, *prepared objects)``.
+
+    Raises:
+        TypeError: ``accelerator`` is not an ``Accelerator``.
+        ValueError: ``model`` is not sharded by the library, or more than one optimizer
+            is given.
     """
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"accelerator must be an accelerate.Accelerator, got {accelerator!r}")

@@ -60,6 +60,12 @@ def data_parallel_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
     Raises:
         TypeError: ``device_mesh`` is not a ``DeviceMesh``.
         ValueError: a mesh of several dimensions has none named ``data_parallel``.
+
+    Args:
+        device_mesh: the strategy's mesh.
+
+    Returns:
+        The mesh FSDP shards over.
     """
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}")
@@ -94,6 +100,18 @@ def parallelize_fn(
     function shards in place, returns the module, and leaves a module whose root
     already is an FSDP unit as it is (``configure_model()`` runs once per
     ``fit``/``validate``/``test``).
+
+    Args:
+        parallelizer: plans and applies the sharding.
+        mp_policy: the mixed-precision policy (the parallelizer's default if None).
+        offload_policy: FSDP2's offload policy.
+        reshard_after_forward: as ``fully_shard`` takes it.
+
+    Returns:
+        The function Lightning calls.
+
+    Raises:
+        TypeError: ``parallelizer`` is not a ``ModelParallelizer``.
     """
     if not isinstance(parallelizer, ModelParallelizer):
         raise TypeError(

@@ -94,7 +94,19 @@ _check_release()
 
 
 def check_sharded_model(model: object, *, trainer: str = "ShardedTrainer") -> nn.Module:
-    """``model`` if it is a transformers or peft model with FSDP units; else a clear error."""
+    """``model`` if it is a transformers or peft model with FSDP units; else a clear error.
+
+    Args:
+        model: what the trainer was given.
+        trainer: the trainer's name, for the messages.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        TypeError: ``model`` is a name, not a module, or not a transformers/peft model.
+        ValueError: ``model`` has no FSDP unit (not sharded by the library).
+    """
     if isinstance(model, str):
         raise TypeError(
             f"{trainer} takes the sharded model, not a name ({model!r}): load it, add "
@@ -145,6 +157,14 @@ class ShardedTrainerMixin:
     Put it first among the bases: ``class MyTrainer(ShardedTrainerMixin, SomeTrainer)``.
     ``ShardedTrainer`` and ``fsdp_core.integrations.trl.ShardedSFTTrainer`` are such
     classes.
+
+    Args:
+        *args: the trainer's own arguments.
+        **kwargs: the trainer's own keyword arguments (``model`` is the sharded model).
+
+    Raises:
+        ValueError: ``model_init`` is given (it would build an unsharded model).
+        ImportError: this transformers' ``Trainer`` is not one the mixin supports.
     """
 
     #: Set by ``__init__``: every FSDP unit of the model, for gradient accumulation.
@@ -199,6 +219,13 @@ class ShardedTrainerMixin:
         FSDP2 keeps the parameters of units that do not reshard after forward (the root)
         gathered after a forward without backward; the model would then hold full
         tensors where its sharded parameters belong until the next training step.
+
+        Args:
+            *args: as ``Trainer.evaluation_loop`` takes them.
+            **kwargs: as ``Trainer.evaluation_loop`` takes them.
+
+        Returns:
+            What ``Trainer.evaluation_loop`` returns.
         """
         try:
             return super().evaluation_loop(*args, **kwargs)  # type: ignore[misc]
@@ -220,6 +247,15 @@ class ShardedTrainerMixin:
         would differ in structure and the gathers would not match (gloo aborts, NCCL
         hangs). Unless ``ignore_keys`` is given, outputs named ``image_*``, ``video_*``,
         ``audio_*`` or ``vision_*`` are left out, beside what Trainer leaves out.
+
+        Args:
+            model: the model.
+            inputs: the batch.
+            prediction_loss_only: as in ``Trainer.prediction_step``.
+            ignore_keys: output names to leave out (the media outputs if None).
+
+        Returns:
+            What ``Trainer.prediction_step`` returns.
         """
         if ignore_keys is None:
             config = getattr(self.model, "config", None)  # type: ignore[attr-defined]

@@ -41,7 +41,15 @@ _check_release()
 
 
 class ShardedSFTTrainer(ShardedTrainerMixin, SFTTrainer):  # type: ignore[misc,unused-ignore]
-    """``trl.SFTTrainer`` for a model the library sharded (same arguments, no ``peft_config``)."""
+    """``trl.SFTTrainer`` for a model the library sharded (same arguments, no ``peft_config``).
+
+    Args:
+        *args: ``SFTTrainer``'s arguments.
+        **kwargs: ``SFTTrainer``'s keyword arguments, without ``peft_config``.
+
+    Raises:
+        ValueError: ``peft_config`` is given (add adapters before sharding).
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("peft_config") is not None:
