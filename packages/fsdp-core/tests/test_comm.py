@@ -1,4 +1,5 @@
-"""fsdp_core.comm: counting c10d collectives (exact under the fake process group)."""
+"""fsdp_core.collective_count: counting c10d collectives (exact under the fake process group)
+and tallying them per phase and kind."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_core.collective_count import CollectiveRecord, CommCounter, collective_kind
+from fsdp_core.collective_count import CollectiveRecord, CommCounter, CommTally, collective_kind
 from fsdp_core.precision import default_mp_policy
 from fsdp_core.sharding import apply_fully_shard
 
@@ -151,3 +152,48 @@ def test_counter_list_all_gather_counts_the_whole_output(fake_pg2: None) -> None
         dist.all_gather([torch.empty(3), torch.empty(3)], torch.empty(3))
     assert counter.records == [CollectiveRecord("all_gather", "unspecified", 24, torch.float32)]
     assert counter.received_bytes() == {}
+
+
+def test_counter_tally_is_its_records_per_phase_and_kind(fake_pg2: None) -> None:
+    """``CommCounter.tally`` is the type the estimates predict: counts, bytes and, for an
+    all_to_all, the bytes received, per (phase, kind)."""
+    counter = CommCounter()
+    with counter:
+        with counter.phase("forward"):
+            dist.all_reduce(torch.ones(5))
+            dist.all_reduce(torch.ones(3))
+        with counter.phase("backward"):
+            dist.all_to_all_single(
+                torch.empty(7, dtype=torch.uint8),
+                torch.empty(5, dtype=torch.uint8),
+                output_split_sizes=[3, 4],
+                input_split_sizes=[2, 3],
+            )
+    expected = CommTally()
+    expected.add("forward", "all_reduce", 32, 2)
+    expected.add("backward", "all_to_all", 5, received=7)
+    tally = counter.tally()
+    assert tally == expected, tally.differences(expected)
+    assert (tally.count(phase="forward"), tally.bytes("all_reduce")) == (2, 32)
+    assert tally.received_bytes("all_to_all", "backward") == 7
+    other = CommTally()
+    other.add("backward", "all_to_all", 5, received=6)
+    assert tally != other
+    assert tally.differences(other) == [
+        "backward all_to_all: expected 7 B received, got 6 B",
+        "forward all_reduce: expected 2 (32 B), got 0 (0 B)",
+    ]
+
+
+def test_tally_merge_repeats_a_tally() -> None:
+    """A unit that runs ``times`` times in a step issues its collectives that often."""
+    unit = CommTally()
+    unit.add("forward", "all_gather", 10)
+    unit.add("backward", "all_to_all", 4, received=3)
+    total = CommTally()
+    total.merge(unit, 3)
+    total.merge(unit, 0)
+    assert total.as_dict() == {
+        "forward": {"all_gather": {"count": 3, "bytes": 30}},
+        "backward": {"all_to_all": {"count": 3, "bytes": 12, "received_bytes": 9}},
+    }
