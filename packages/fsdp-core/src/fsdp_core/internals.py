@@ -96,6 +96,11 @@ class Probe:
     created_by: str | None = None
 
     def describe(self) -> str:
+        """Where the attribute lives, for error messages.
+
+        Returns:
+            E.g. ``"FSDPState._post_forward_hook_handle"``.
+        """
         owner = {
             "state": "FSDPState",
             "group": "FSDPParamGroup",
@@ -144,7 +149,14 @@ def _state(unit: FSDPModule) -> Any:
 
 
 def distinct_units(model: nn.Module) -> list[FSDPModule]:
-    """One FSDP module per unit: the members of a grouped unit share one state."""
+    """One FSDP module per unit: the members of a grouped unit share one state.
+
+    Args:
+        model: a sharded model.
+
+    Returns:
+        The units, in module order.
+    """
     seen: set[int] = set()
     units: list[FSDPModule] = []
     for module in model.modules():
@@ -157,13 +169,27 @@ def distinct_units(model: nn.Module) -> list[FSDPModule]:
 
 
 def unit_modules(unit: FSDPModule) -> tuple[nn.Module, ...]:
-    """The member modules of ``unit``: one, or several for a grouped ``fully_shard([...])``."""
+    """The member modules of ``unit``: one, or several for a grouped ``fully_shard([...])``.
+
+    Args:
+        unit: an FSDP module (any member of a grouped unit).
+
+    Returns:
+        Its member modules.
+    """
     return tuple(_require(_state(unit), _STATE_MODULES))
 
 
 def applied_unit_paths(model: nn.Module) -> list[tuple[str, ...]]:
     """The units FSDP actually made in ``model``: each unit's member paths (``""`` is
-    ``model`` itself), in module order. Compared with a plan's units after applying it."""
+    ``model`` itself), in module order. Compared with a plan's units after applying it.
+
+    Args:
+        model: a sharded model.
+
+    Returns:
+        Each unit's member paths.
+    """
     names = {id(module): name for name, module in model.named_modules()}
     return [
         tuple(names.get(id(member), "<outside the model>") for member in unit_modules(unit))
@@ -179,31 +205,69 @@ def finishes_backward(unit: FSDPModule) -> bool:
 
 
 def param_groups(unit: FSDPModule) -> tuple[Any, ...]:
-    """The unit's parameter groups (several when parameters live on different meshes)."""
+    """The unit's parameter groups (several when parameters live on different meshes).
+
+    Args:
+        unit: an FSDP module (any member of a grouped unit).
+
+    Returns:
+        FSDP2's parameter groups of the unit.
+    """
     return tuple(_require(_state(unit), STATE_GROUPS))
 
 
 def fsdp_params(unit: FSDPModule) -> Iterator[Any]:
-    """Every FSDP-managed parameter record of the unit, over all its groups."""
+    """Every FSDP-managed parameter record of the unit, over all its groups.
+
+    Args:
+        unit: an FSDP module (any member of a grouped unit).
+
+    Yields:
+        FSDP2's parameter records.
+    """
     for group in param_groups(unit):
         yield from _require(group, GROUP_PARAMS)
 
 
 def reduces_gradients(unit: FSDPModule) -> bool:
-    """Whether this backward reduce-scatters the unit's gradients (not a no-sync step)."""
+    """Whether this backward reduce-scatters the unit's gradients (not a no-sync step).
+
+    Args:
+        unit: an FSDP module (any member of a grouped unit).
+
+    Returns:
+        Whether its gradients are reduced in this backward.
+    """
     return any(bool(_require(group, GROUP_REDUCE)) for group in param_groups(unit))
 
 
 def unsharded_parameter(fsdp_param: Any) -> nn.Parameter | None:
     """The unsharded parameter autograd accumulates into; ``None`` before the first gather
     ([`check_internals`][fsdp_core.internals.check_internals] has made sure the attribute exists on
-    this torch)."""
+    this torch).
+
+    Args:
+        fsdp_param: one of FSDP2's parameter records (``fsdp_params``).
+
+    Returns:
+        The unsharded parameter, or None.
+    """
     value = getattr(fsdp_param, PARAM_UNSHARDED.name, None)
     return value if isinstance(value, nn.Parameter) else None
 
 
 def sharded_parameter(fsdp_param: Any) -> nn.Parameter:
-    """The sharded (DTensor) parameter registered on the module between steps."""
+    """The sharded (DTensor) parameter registered on the module between steps.
+
+    Args:
+        fsdp_param: one of FSDP2's parameter records (``fsdp_params``).
+
+    Returns:
+        The sharded parameter.
+
+    Raises:
+        FSDPInternalsError: this torch's record has no sharded parameter.
+    """
     value = _require(fsdp_param, PARAM_SHARDED)
     if not isinstance(value, nn.Parameter):
         raise FSDPInternalsError(f"FSDPParam.sharded_param is a {type(value).__name__}")
@@ -212,30 +276,66 @@ def sharded_parameter(fsdp_param: Any) -> nn.Parameter:
 
 def never_unsharded(unit: FSDPModule) -> bool:
     """Whether some parameter of a non-syncing unit was never gathered (no unsharded
-    tensor yet): FSDP's no-sync backward would then fail on it."""
+    tensor yet): FSDP's no-sync backward would then fail on it.
+
+    Args:
+        unit: an FSDP module (any member of a grouped unit).
+
+    Returns:
+        Whether a parameter of it has no unsharded tensor yet.
+    """
     if reduces_gradients(unit):
         return False
     return any(unsharded_parameter(param) is None for param in fsdp_params(unit))
 
 
 def accumulated_gradient(fsdp_param: Any) -> torch.Tensor | None:
+    """The gradient FSDP2 holds for the record across no-sync steps (gradient accumulation).
+
+    Args:
+        fsdp_param: one of FSDP2's parameter records (``fsdp_params``).
+
+    Returns:
+        The accumulated unsharded gradient, or None.
+    """
     value = _require(fsdp_param, PARAM_ACCUMULATED)
     return value if isinstance(value, torch.Tensor) else None
 
 
 def set_accumulated_gradient(fsdp_param: Any, value: torch.Tensor) -> None:
+    """Replace the gradient FSDP2 holds for the record across no-sync steps.
+
+    Args:
+        fsdp_param: one of FSDP2's parameter records (``fsdp_params``).
+        value: the new accumulated gradient.
+    """
     _require(fsdp_param, PARAM_ACCUMULATED)
     fsdp_param.unsharded_accumulated_grad = value
 
 
 def reduce_dtype(fsdp_param: Any) -> torch.dtype | None:
+    """The dtype FSDP2 reduces the record's gradient in (its mixed-precision policy).
+
+    Args:
+        fsdp_param: one of FSDP2's parameter records (``fsdp_params``).
+
+    Returns:
+        The reduce dtype, or None when gradients keep the parameter's dtype.
+    """
     value = _require(fsdp_param, PARAM_REDUCE_DTYPE)
     return value if isinstance(value, torch.dtype) else None
 
 
 def in_backward() -> bool:
     """Whether autograd is running a backward right now (e.g. an activation-checkpoint
-    recomputation calls forward hooks from inside backward)."""
+    recomputation calls forward hooks from inside backward).
+
+    Returns:
+        Whether a backward is running.
+
+    Raises:
+        FSDPInternalsError: this torch's autograd engine hides it.
+    """
     task_id = getattr(torch._C, GRAPH_TASK.name, None)
     if task_id is None:
         raise FSDPInternalsError(f"this torch ({torch.__version__}) has no {GRAPH_TASK.describe()}")
@@ -243,14 +343,25 @@ def in_backward() -> bool:
 
 
 def is_gathered(unit: FSDPModule) -> bool:
-    """Whether every parameter group of ``unit`` holds its unsharded parameters now."""
+    """Whether every parameter group of ``unit`` holds its unsharded parameters now.
+
+    Args:
+        unit: an FSDP module (any member of a grouped unit).
+
+    Returns:
+        Whether its parameters are unsharded now.
+    """
     return all(bool(_require(group, GROUP_UNSHARDED)) for group in param_groups(unit))
 
 
 def initialize_root(root: FSDPModule) -> None:
     """Make ``root`` the FSDP root now, as its first forward would. FSDP2 picks as root
     whichever unit runs forward first; a tower block called before the model's first
-    forward would otherwise become one, and the model's forward would then fail."""
+    forward would otherwise become one, and the model's forward would then fail.
+
+    Args:
+        root: the model's root unit.
+    """
     state = _state(root)
     if _require(state, STATE_IS_ROOT) is None:
         _require(state, STATE_LAZY_INIT)()
@@ -258,7 +369,14 @@ def initialize_root(root: FSDPModule) -> None:
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
     """Run ``callback`` once the current backward has finished, after every callback
-    queued before it (FSDP2 queues its own post-backward work the same way)."""
+    queued before it (FSDP2 queues its own post-backward work the same way).
+
+    Args:
+        callback: what to run.
+
+    Raises:
+        FSDPInternalsError: this torch has no way to queue it.
+    """
     engine = torch.autograd.Variable._execution_engine
     queue = getattr(engine, QUEUE_CALLBACK.name, None)
     if queue is None:
@@ -322,7 +440,15 @@ def missing_internals(
 
 def check_internals(model: nn.Module, hooks: Mapping[str, Iterable[Probe]]) -> None:
     """Raise [`FSDPInternalsError`][fsdp_core.internals.FSDPInternalsError] if a hook in ``hooks``
-    (hook name to the probes it reads, as each hook declares them) cannot work on this torch."""
+    (hook name to the probes it reads, as each hook declares them) cannot work on this torch.
+
+    Args:
+        model: the sharded model (for attributes FSDP creates per instance).
+        hooks: each hook's name and the probes it reads.
+
+    Raises:
+        FSDPInternalsError: naming the hook, the attribute and this torch.
+    """
     missing = missing_internals(model, hooks)
     if missing:
         lines = "; ".join(f"{hook} needs {', '.join(names)}" for hook, names in missing.items())
@@ -337,7 +463,14 @@ def check_internals(model: nn.Module, hooks: Mapping[str, Iterable[Probe]]) -> N
 # ------------------------------------------------------------------- private modules
 def param_fqn(fsdp_param: Any) -> str | None:
     """The model path FSDP recorded for a parameter record, ``None`` when it has none
-    (used only to name parameters in messages, so it never raises)."""
+    (used only to name parameters in messages, so it never raises).
+
+    Args:
+        fsdp_param: one of FSDP2's parameter records (``fsdp_params``).
+
+    Returns:
+        The parameter's model path, or None.
+    """
     name = getattr(fsdp_param, "_param_fqn", None)
     return name if isinstance(name, str) else None
 
@@ -350,24 +483,40 @@ def _state_class_has(name: str) -> bool:
 
 def has_grouped_forward_hooks() -> bool:
     """Whether FSDP2's state module can hook a group of modules as one unit
-    (``fully_shard([m1, m2])``)."""
+    (``fully_shard([m1, m2])``).
+
+    Returns:
+        Whether grouped units are supported.
+    """
     return hasattr(fsdp_state_module(), "_register_group_forward_hooks")
 
 
 def casts_per_grouped_module() -> bool:
-    """Whether ``FSDPState`` casts inputs and outputs around each member of a grouped unit."""
+    """Whether ``FSDPState`` casts inputs and outputs around each member of a grouped unit.
+
+    Returns:
+        Whether grouped units cast per member.
+    """
     return _state_class_has("_cast_output_dtype")
 
 
 def tracks_grouped_passes() -> bool:
     """Whether ``FSDPState`` tracks which members of a grouped unit ran in this pass
-    (its per-pass bookkeeping), so a member may run again in the same iteration."""
+    (its per-pass bookkeeping), so a member may run again in the same iteration.
+
+    Returns:
+        Whether a member may run twice per iteration.
+    """
     return _state_class_has("_force_complete_incomplete_states")
 
 
 def fsdp_state_module() -> ModuleType | None:
     """FSDP2's private state module (``FSDPState`` and its group hooks), or ``None`` when
-    this torch has none; [`fsdp_core.compat`][fsdp_core.compat] reads its features from it."""
+    this torch has none; [`fsdp_core.compat`][fsdp_core.compat] reads its features from it.
+
+    Returns:
+        The module, or None.
+    """
     try:
         return importlib.import_module(_FSDP_STATE_MODULE)
     except ImportError:
@@ -375,7 +524,11 @@ def fsdp_state_module() -> ModuleType | None:
 
 
 def has_fake_store() -> bool:
-    """Whether this torch ships the store of the single-process ``fake`` backend."""
+    """Whether this torch ships the store of the single-process ``fake`` backend.
+
+    Returns:
+        Whether ``FakeStore`` can be imported.
+    """
     try:
         importlib.import_module(_FAKE_PG_MODULE)
     except ImportError:
@@ -386,7 +539,14 @@ def has_fake_store() -> bool:
 def fake_store() -> Any:
     """A new ``FakeStore`` for ``init_process_group("fake", store=...)``; torch keeps it
     in a testing module, so a torch without it raises
-    [`FSDPInternalsError`][fsdp_core.internals.FSDPInternalsError]."""
+    [`FSDPInternalsError`][fsdp_core.internals.FSDPInternalsError].
+
+    Returns:
+        A new ``FakeStore``.
+
+    Raises:
+        FSDPInternalsError: this torch has no ``FakeStore``.
+    """
     try:
         module = importlib.import_module(_FAKE_PG_MODULE)
     except ImportError as error:
@@ -407,14 +567,29 @@ _DDP_IGNORED: Final = "_ddp_params_and_buffers_to_ignore"
 
 def set_ddp_ignored(module: nn.Module, value: object) -> None:
     """Set the object ``DistributedDataParallel`` iterates for the names it ignores
-    (``fsdp_core.ddp_guard`` gives a sharded unit one that refuses the wrap)."""
+    (``fsdp_core.ddp_guard`` gives a sharded unit one that refuses the wrap).
+
+    Args:
+        module: a sharded unit.
+        value: what DDP will iterate (a guard that refuses the wrap).
+    """
     module.__dict__[_DDP_IGNORED] = value
 
 
 def require_attributes(obj: object, names: Sequence[str], *, owner: str, user: str) -> None:
     """Raise [`FSDPInternalsError`][fsdp_core.internals.FSDPInternalsError] unless ``obj`` (an
     instance of a private torch class, ``owner``) has every attribute in ``names`` that ``user``
-    reads: attributes set in ``__init__`` cannot be checked on the class."""
+    reads: attributes set in ``__init__`` cannot be checked on the class.
+
+    Args:
+        obj: the private torch object.
+        names: the attributes ``user`` reads.
+        owner: ``obj``'s class name, for the message.
+        user: the library feature that reads them, for the message.
+
+    Raises:
+        FSDPInternalsError: an attribute is missing.
+    """
     missing = [name for name in names if not hasattr(obj, name)]
     if missing:
         raise FSDPInternalsError(
@@ -426,7 +601,18 @@ def require_attributes(obj: object, names: Sequence[str], *, owner: str, user: s
 def fsdp_mem_tracker_class(needs: Sequence[str], *, user: str) -> type[Any]:
     """torch's ``FSDPMemTracker`` class, checked for the attributes ``user`` relies on
     beyond its public methods (``needs``);
-    [`FSDPInternalsError`][fsdp_core.internals.FSDPInternalsError] names what is missing."""
+    [`FSDPInternalsError`][fsdp_core.internals.FSDPInternalsError] names what is missing.
+
+    Args:
+        needs: private attributes the caller reads.
+        user: the library feature, for the message.
+
+    Returns:
+        ``FSDPMemTracker``.
+
+    Raises:
+        FSDPInternalsError: the class or an attribute is missing.
+    """
     try:
         module = importlib.import_module(_MEM_TRACKER_MODULE)
         tracker = module.FSDPMemTracker
@@ -464,7 +650,17 @@ def memory_timeline_tracker(
     ``on_change(phase, snapshot)`` whenever its byte counts change: ``phase`` is
     ``"forward"``, ``"backward"`` or ``"optimizer"``, ``snapshot`` the current bytes per
     device and category. The tracker has no public hook for this, so its per-operation
-    method and state are read here, checked up front for ``user``."""
+    method and state are read here, checked up front for ``user``.
+
+    Args:
+        model: the sharded model.
+        optimizer: its optimizer (its state is tracked too).
+        on_change: called with the phase and the bytes after each change.
+        user: the library feature, for the message.
+
+    Returns:
+        The tracker, a context manager.
+    """
     base = fsdp_mem_tracker_class(_TRACKER_NEEDS, user=user)
 
     class _Timeline(base):  # type: ignore[misc,valid-type]
@@ -485,7 +681,14 @@ def process_group_timeout(group: Any = None) -> timedelta:
     """The timeout the process group's collectives run under (the default group when
     ``group`` is ``None``). torch keeps it in the backend's private options; without
     them, the timeout of the group's store (which ``init_process_group`` gives the
-    same value), else torch's default."""
+    same value), else torch's default.
+
+    Args:
+        group: a process group (the default one if None).
+
+    Returns:
+        Its collective timeout.
+    """
     import torch.distributed as dist
 
     pg: Any = dist.group.WORLD if group is None else group
@@ -508,7 +711,17 @@ def process_group_timeout(group: Any = None) -> timedelta:
 def root_mesh(mesh: Any) -> Any:
     """The mesh ``mesh`` was sliced from (itself when it is no slice): torch keeps it in
     the private ``DeviceMesh._get_root_mesh``. A mesh made by ``_flatten`` or
-    ``_unflatten`` has the mesh it came from as its root."""
+    ``_unflatten`` has the mesh it came from as its root.
+
+    Args:
+        mesh: a device mesh.
+
+    Returns:
+        Its root mesh.
+
+    Raises:
+        FSDPInternalsError: this torch's ``DeviceMesh`` has no ``_get_root_mesh``.
+    """
     getter = getattr(mesh, "_get_root_mesh", None)
     if not callable(getter):
         raise FSDPInternalsError(
@@ -524,7 +737,19 @@ def flatten_mesh(mesh: Any, name: str, *, keep: int = 0) -> Any:
     """``mesh``'s dimensions after its first ``keep`` as one, named ``name`` (torch's
     private ``DeviceMesh._flatten``, then ``_unflatten`` to put the kept ones back in
     front; cached, so the process groups are made once); the data-parallel shard and
-    CP dimensions become FSDP's one shard dimension this way."""
+    CP dimensions become FSDP's one shard dimension this way.
+
+    Args:
+        mesh: a device mesh.
+        name: the flattened dimension's name.
+        keep: how many leading dimensions stay as they are.
+
+    Returns:
+        The mesh with its trailing dimensions flattened into one.
+
+    Raises:
+        FSDPInternalsError: this torch's ``DeviceMesh`` cannot flatten.
+    """
     if not callable(getattr(mesh, "_flatten", None)) or not callable(
         getattr(mesh, "_unflatten", None)
     ):
@@ -545,7 +770,14 @@ def flatten_mesh(mesh: Any, name: str, *, keep: int = 0) -> Any:
 def storage_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors that hold ``tensor``'s memory: itself, or for a wrapper
     subclass without storage of its own (a DTensor, funcol's ``AsyncCollectiveTensor``)
-    its inner tensors, found through the subclass protocol's ``__tensor_flatten__``."""
+    its inner tensors, found through the subclass protocol's ``__tensor_flatten__``.
+
+    Args:
+        tensor: any tensor.
+
+    Returns:
+        The tensors whose storage holds its memory.
+    """
     flatten = getattr(type(tensor), "__tensor_flatten__", None)
     if flatten is None:
         return [tensor]
