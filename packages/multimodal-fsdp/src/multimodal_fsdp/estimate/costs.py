@@ -23,13 +23,13 @@ and per step, FSDP2 (torch 2.13) then issues:
 - backward: one reduce-scatter per unit with trainable parameters (plus one
   all-reduce of the reduced shard per unit on an HSDP mesh);
 - nothing for parameters outside FSDP (``replicate``);
-- forward: one 16-byte all-reduce per checkpoint (per mesh dimension) of the
-  ``schedule_check`` hook, when media regions own units
-  ([`multimodal_fsdp.runtime.schedule_check`][multimodal_fsdp.runtime.schedule_check]);
 - backward: one all-reduce of one byte per trainable FSDP parameter (per mesh
   dimension) of the ``unused_params`` hook ([`fsdp_core.unused_params`][fsdp_core.unused_params]);
-- forward: one 80-byte all-reduce (per mesh dimension) of the step agreement that the
-  ``accumulation_warmup`` hook installs ([`fsdp_core.step_agreement`][fsdp_core.step_agreement]);
+  the divergence guards (step agreement, schedule check) agree through the store and
+  issue no collective;
+- backward: with experts an EP plan placed, one all-reduce per expert parameter (per
+  expert replica dimension) of the ``expert_grad_reduce`` hook
+  ([`fsdp_core.expert_parallel`][fsdp_core.expert_parallel]);
 - with ``balance_media=True``: the exchange of each balanced tower call (all-gathers of
   sizes, all-to-alls of inputs, outputs and, in backward, gradients) and the join
   barrier's last round per tower. They depend on the step's media, so they are counted
@@ -56,9 +56,9 @@ gradient), [`multimodal_fsdp.estimate.timeline`][multimodal_fsdp.estimate.timeli
 gathered parameters),
 [`multimodal_fsdp.estimate.render`][multimodal_fsdp.estimate.render] (the printed tree) and
 [`multimodal_fsdp.estimate.rewrite`][multimodal_fsdp.estimate.rewrite] (plan variants such as
-[`ungroup_units`][multimodal_fsdp.estimate.rewrite.ungroup_units]). Their public names stay
-importable from
-here.
+[`ungroup_units`][multimodal_fsdp.estimate.rewrite.ungroup_units]);
+[`inspect_model`][multimodal_fsdp.estimate.predict.inspect_model] adds the memory estimate
+(the one path the command line, the chooser and the measurements take).
 """
 
 from __future__ import annotations
