@@ -48,6 +48,8 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 #: (parallelizer options, whether the tower is frozen)
 VARIANTS: dict[str, tuple[dict[str, Any], bool]] = {
     "root": ({"frozen_multimodal_sharding": "root"}, True),
+    # Units gathered once per step instead of once per microbatch (apply option).
+    "root_gathered": ({"frozen_multimodal_sharding": "root", "reshard_after_forward": False}, True),
     "replicate": ({"frozen_multimodal_sharding": "replicate"}, True),
     "per_layer_balanced": (
         {"frozen_multimodal_sharding": "per_layer", "balance_media": True},
@@ -75,7 +77,8 @@ def _stage_meta(index: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
 def _case(ctx: DistributedContext, schedule: str, variant: str) -> dict[str, Any]:
     world = init_device_mesh(ctx.device.type, (2, 2), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = world["pp"].get_local_rank(), world["dp"].get_local_rank()
-    options, frozen = VARIANTS[variant]
+    options, frozen = dict(VARIANTS[variant][0]), VARIANTS[variant][1]
+    reshard = options.pop("reshard_after_forward", None)
     whole = build_deepseek_v41(CONFIG, device="meta")
     if frozen:
         whole.vision.requires_grad_(False)
@@ -89,7 +92,7 @@ def _case(ctx: DistributedContext, schedule: str, variant: str) -> dict[str, Any
     stage.to_empty(device=ctx.device)
     for name, param in stage.named_parameters():
         copy_full_into_(param, reference[name].detach())
-    parallelizer.parallelize(stage, mesh=world, dp_dims="dp")
+    parallelizer.parallelize(stage, mesh=world, dp_dims="dp", reshard_after_forward=reshard)
     inputs, outputs = _stage_meta(pp_rank)
     pipeline = PipelineStage(
         stage,
