@@ -73,6 +73,17 @@ def choose_frozen_policy(
 ) -> PolicyChoice:
     """[`multimodal_fsdp.estimate.choose.choose_frozen_policy`][multimodal_fsdp.estimate.choose.choose_frozen_policy]
     planning with ``parallelizer``, a default ``MultimodalParallelizer()`` when ``None``
-    (the chooser itself takes any planner and imports no parallelizer)."""
+    (the chooser itself takes any planner and imports no parallelizer).
+
+    Args:
+        model: the model (on ``meta`` is enough).
+        budget: the per-rank memory budget, bytes or e.g. ``"40GiB"``.
+        parallelizer: the planner of the alternatives.
+        **options: the chooser's other options.
+
+    Returns:
+        The chosen policies, the parallelizer and plan that apply them, and every
+        candidate considered.
+    """
     planner = MultimodalParallelizer() if parallelizer is None else parallelizer
     return _choose.choose_frozen_policy(model, budget, parallelizer=planner, **options)

@@ -18,7 +18,14 @@ __all__ = [
 
 
 def _is_module_container(module: nn.Module) -> bool:
-    """Whether ``module`` is an ``nn.ModuleList`` or ``nn.ModuleDict`` of layers."""
+    """Whether ``module`` is an ``nn.ModuleList`` or ``nn.ModuleDict`` of layers.
+
+    Args:
+        module: any module.
+
+    Returns:
+        Whether it is a layer container.
+    """
     return is_module_container(module)
 
 
@@ -28,6 +35,12 @@ def _container_items(module: nn.Module) -> list[tuple[object, nn.Module]]:
     An ``nn.ModuleDict`` gives its ``str`` keys; every other module is enumerated
     with ``int`` positions: a list or ``nn.Sequential`` in iteration order (an
     item registered twice appears twice), any other module over its children.
+
+    Args:
+        module: any module.
+
+    Returns:
+        Its ``(key, item)`` pairs.
     """
     if isinstance(module, nn.ModuleDict):
         return list(module.items())
@@ -48,6 +61,13 @@ def _shard_layer_containers_recursively(
     containers. Returns whether anything was sharded. The walk is
     [`fsdp_core.containers.iter_layer_items`][fsdp_core.containers.iter_layer_items], the one
     the planner uses.
+
+    Args:
+        module: where to search.
+        shard_module: called on each leaf item.
+
+    Returns:
+        Whether ``shard_module`` was called at all.
     """
     seen: set[int] = set()
     for _, item in iter_layer_items(module):
@@ -62,7 +82,15 @@ def multimodal_unit_paths(model: nn.Module, path: str = "") -> list[str]:
     the paths (as ``model.named_modules()`` names them) of the leaf items of its
     containers, each once, or ``[path]`` when it has none. What the planner makes units
     of, and what [`shard_multimodal_module`][multimodal_fsdp.layers.shard_multimodal_module]
-    shards."""
+    shards.
+
+    Args:
+        model: the model.
+        path: the module's qualified name (``""`` for ``model``).
+
+    Returns:
+        The unit paths.
+    """
     module = model.get_submodule(path) if path else model
     names = {id(sub): name for name, sub in model.named_modules()}
     seen: set[int] = set()
@@ -77,7 +105,15 @@ def multimodal_unit_paths(model: nn.Module, path: str = "") -> list[str]:
 def shard_multimodal_module(module: nn.Module, shard_module: Callable[[nn.Module], object]) -> None:
     """Shard ``module`` at layer-container granularity, or whole when it has no containers:
     ``shard_module`` is called on each unit
-    [`multimodal_unit_paths`][multimodal_fsdp.layers.multimodal_unit_paths] names, in order."""
+    [`multimodal_unit_paths`][multimodal_fsdp.layers.multimodal_unit_paths] names, in order.
+
+    Args:
+        module: a tower, projector or any module.
+        shard_module: shards one module (``fully_shard`` with the caller's options).
+
+    Raises:
+        TypeError: ``module`` is not a module or ``shard_module`` not callable.
+    """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     if not callable(shard_module):

@@ -40,7 +40,16 @@ class DiscoveryOptions:
         exclude: Iterable[str] = (),
     ) -> DiscoveryOptions:
         """The options from user input, each collection checked (a ``TypeError`` or
-        ``ValueError`` naming the bad entry)."""
+        ``ValueError`` naming the bad entry).
+
+        Args:
+            extra_tower_names: more attribute names of towers.
+            extra_projector_names: more attribute names of projectors.
+            exclude: qualified paths discovery skips.
+
+        Returns:
+            The checked options.
+        """
         return cls(
             extra_tower_names=check_attribute_names(extra_tower_names, "extra_tower_names"),
             extra_projector_names=check_attribute_names(
@@ -83,7 +92,15 @@ class Discovery:
 
     def matches(self, model: nn.Module, options: DiscoveryOptions) -> bool:
         """Whether this discovery is ``model``'s with ``options`` and the model's
-        parameters are still trainable exactly as they were when it was made."""
+        parameters are still trainable exactly as they were when it was made.
+
+        Args:
+            model: the model about to be planned.
+            options: the planner's discovery options.
+
+        Returns:
+            Whether the discovery may be reused for it.
+        """
         return (
             model is self.model and options == self.options and _trainable(model) == self.trainable
         )
@@ -101,7 +118,17 @@ def discover(
     decoder layers
     ([`multimodal_fsdp.discovery.conditional`][multimodal_fsdp.discovery.conditional]),
     once. The options mean what they mean for
-    [`MultimodalParallelizer`][multimodal_fsdp.parallelizer.MultimodalParallelizer]."""
+    [`MultimodalParallelizer`][multimodal_fsdp.parallelizer.MultimodalParallelizer].
+
+    Args:
+        model: the model.
+        extra_tower_names: more attribute names of towers.
+        extra_projector_names: more attribute names of projectors.
+        exclude: qualified paths discovery skips.
+
+    Returns:
+        What was found, to pass to ``plan(model, discovery=...)``.
+    """
     options = DiscoveryOptions.checked(
         extra_tower_names=extra_tower_names,
         extra_projector_names=extra_projector_names,

@@ -57,6 +57,12 @@ class PartOffload:
         (``"tower"``, ``"projector"``, ``"language_model"``) to policies, or a
         ``PartOffload``.
 
+        Args:
+            value: the ``offload=`` option.
+
+        Returns:
+            The offload of each part.
+
         Raises:
             ValueError: a mapping names an unknown part (the message lists the valid ones).
             TypeError: anything else, or a mapped value that is not an ``OffloadPolicy``.
@@ -81,7 +87,14 @@ class PartOffload:
         return cls(**{str(part): policy for part, policy in value.items()})
 
     def for_part(self, part: OffloadPart) -> OffloadPolicy | None:
-        """The policy of ``part`` (``None``: on the device)."""
+        """The policy of ``part`` (``None``: on the device).
+
+        Args:
+            part: ``"tower"``, ``"projector"`` or ``"language_model"``.
+
+        Returns:
+            Its offload policy.
+        """
         policy: OffloadPolicy | None = getattr(self, part)
         return policy
 
@@ -91,7 +104,11 @@ class PartOffload:
         return any(self.for_part(part) is not None for part in OFFLOAD_PARTS)
 
     def label(self) -> str:
-        """``tower=cpu, projector=-, language_model=-`` for plan notes and reports."""
+        """``tower=cpu, projector=-, language_model=-`` for plan notes and reports.
+
+        Returns:
+            The label.
+        """
         return ", ".join(
             f"{part}={'-' if policy is None else format_offload(policy)}"
             for part in OFFLOAD_PARTS

@@ -60,6 +60,13 @@ def split_frozen_parts(module: nn.Module, path: str) -> tuple[list[str], list[st
     """Maximal fully frozen and maximal fully trainable submodules of ``module``.
 
     Parameters held directly by a mixed module stay with the enclosing unit.
+
+    Args:
+        module: a discovered tower or projector.
+        path: its qualified name.
+
+    Returns:
+        ``(frozen paths, trainable paths)``.
     """
     if module_is_fully_frozen(module):
         return [path], []
@@ -78,6 +85,14 @@ LayerKind = Literal["frozen", "adapted", "trainable", "empty"]
 
 
 def layer_kind(module: nn.Module) -> LayerKind:
+    """Whether a layer's parameters are all frozen, all trainable, or both (adapted).
+
+    Args:
+        module: one layer.
+
+    Returns:
+        ``"frozen"``, ``"trainable"``, ``"adapted"``, or ``"empty"`` without parameters.
+    """
     flags = {p.requires_grad for p in module.parameters()}
     if not flags:
         return "empty"
@@ -88,14 +103,29 @@ def layer_kind(module: nn.Module) -> LayerKind:
 
 def classify_layers(part: MultimodalParts) -> list[tuple[str, LayerKind]]:
     """The layers of ``part`` (its layer-container items, or itself without any), each
-    fully frozen, fully trainable, or *adapted* (frozen weights with trainable ones)."""
+    fully frozen, fully trainable, or *adapted* (frozen weights with trainable ones).
+
+    Args:
+        part: a discovered module's parts.
+
+    Returns:
+        ``(path, kind)`` per layer.
+    """
     found = part.found
     items = list(iter_layer_items(found.module, found.path)) or [(found.path, found.module)]
     return [(path, layer_kind(item)) for path, item in items]
 
 
 def partly_trainable_note(part: MultimodalParts, policy: str) -> str:
-    """One short line: how many layers of each kind, and what ``policy`` does with them."""
+    """One short line: how many layers of each kind, and what ``policy`` does with them.
+
+    Args:
+        part: a partly trainable module's parts.
+        policy: its frozen-tower policy.
+
+    Returns:
+        The note.
+    """
     counts = Counter(kind for _, kind in classify_layers(part))
     layers = ", ".join(
         f"{counts[kind]} {kind}" for kind in ("frozen", "adapted", "trainable") if counts[kind]
@@ -110,7 +140,15 @@ def partly_trainable_note(part: MultimodalParts, policy: str) -> str:
 
 
 def summarise(paths: Iterable[str], limit: int = 3) -> str:
-    """A few paths and how many more, so notes and errors stay short."""
+    """A few paths and how many more, so notes and errors stay short.
+
+    Args:
+        paths: the paths.
+        limit: how many to name.
+
+    Returns:
+        E.g. ``"a, b, c and 4 more"``.
+    """
     items = list(paths)
     head = ", ".join(repr(p) for p in items[:limit])
     return head + (f" and {len(items) - limit} more" if len(items) > limit else "")

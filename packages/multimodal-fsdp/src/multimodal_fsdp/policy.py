@@ -53,13 +53,28 @@ class FrozenPolicy:
     partly_trainable_rule: str
 
     def replicated_paths(self, frozen: Sequence[str]) -> list[str]:
-        """The frozen paths kept whole on every rank."""
+        """The frozen paths kept whole on every rank.
+
+        Args:
+            frozen: the fully frozen paths of a discovered module.
+
+        Returns:
+            Those this policy replicates (none, or all of them).
+        """
         return list(frozen) if self.replicates else []
 
     def partly_trainable_units(self, layers: Iterable[tuple[str, str]]) -> list[str]:
         """Unit paths among the ``(path, kind)`` layers of a partly trainable module:
         trainable layers always, frozen and adapted ones where the policy makes layer
-        units (adapters stay in their layer's unit)."""
+        units (adapters stay in their layer's unit).
+
+        Args:
+            layers: ``(path, kind)`` per layer, kind ``"trainable"``, ``"frozen"`` or
+                ``"adapted"``.
+
+        Returns:
+            The layer paths that become units.
+        """
         return [
             path
             for path, kind in layers
@@ -96,7 +111,14 @@ FROZEN_POLICIES: Final[dict[FrozenMultimodalSharding, FrozenPolicy]] = {
 
 
 def frozen_policy(name: str) -> FrozenPolicy:
-    """The policy object of ``name`` (spelled as ``frozen_multimodal_sharding`` accepts)."""
+    """The policy object of ``name`` (spelled as ``frozen_multimodal_sharding`` accepts).
+
+    Args:
+        name: a policy name.
+
+    Returns:
+        Its ``FrozenPolicy``.
+    """
     return FROZEN_POLICIES[normalize_frozen_multimodal_sharding(name)]
 
 
@@ -115,6 +137,15 @@ def normalize_frozen_multimodal_sharding(value: str) -> FrozenMultimodalSharding
     Case, surrounding whitespace and ``-``/``_`` are not significant. Every bad
     value is a ``ValueError`` listing the valid choices; a non-string one is
     also a ``TypeError``.
+
+    Args:
+        value: the user's spelling of a policy.
+
+    Returns:
+        ``"root"``, ``"per_layer"`` or ``"replicate"``.
+
+    Raises:
+        ValueError: not a policy name (a non-string is a ``TypeError`` too).
     """
     if not isinstance(value, str):
         raise _NotAStrError(
@@ -159,6 +190,16 @@ class FrozenPolicies:
         gives policies per multimodal module path, ``"*"`` the default (``root`` when
         absent). Bad values are a ``ValueError`` (a non-string one also a ``TypeError``)
         naming the value and the valid choices.
+
+        Args:
+            value: one policy name, or ``{path or "*": policy name}``.
+
+        Returns:
+            The policies.
+
+        Raises:
+            TypeError: ``value`` is neither a string nor a mapping of strings.
+            ValueError: a policy name or path is invalid.
         """
         if not isinstance(value, Mapping):
             return cls(normalize_frozen_multimodal_sharding(value))
@@ -187,7 +228,11 @@ class FrozenPolicies:
         return cls(default, tuple(by_path.items()))
 
     def option(self) -> str | dict[str, str]:
-        """The ``frozen_multimodal_sharding`` value that parses to these policies."""
+        """The ``frozen_multimodal_sharding`` value that parses to these policies.
+
+        Returns:
+            One name, or ``{path or "*": name}``.
+        """
         if not self.by_path:
             return self.default
         return {**dict(self.by_path), self.REST: self.default}
@@ -202,7 +247,14 @@ class FrozenPolicies:
         return ", ".join([*entries, f"{self.REST}={self.default}"])
 
     def policy_of(self, path: str) -> FrozenMultimodalSharding:
-        """The policy of the multimodal module at ``path``."""
+        """The policy of the multimodal module at ``path``.
+
+        Args:
+            path: a discovered module's qualified name.
+
+        Returns:
+            Its policy (the default when no entry names it).
+        """
         return dict(self.by_path).get(path, self.default)
 
     def resolve(self, paths: Sequence[str], *, owner: str) -> dict[str, FrozenMultimodalSharding]:
@@ -211,6 +263,16 @@ class FrozenPolicies:
 
         Raises ``ValueError`` when ``by_path`` names a path that is not among ``paths``,
         listing the discovered ones.
+
+        Args:
+            paths: the discovered modules' paths.
+            owner: the model's class name, for the message.
+
+        Returns:
+            ``{path: policy}`` for every path.
+
+        Raises:
+            ValueError: an entry names a path that was not discovered.
         """
         unknown = [path for path, _ in self.by_path if path not in paths]
         if unknown:
@@ -242,7 +304,14 @@ class FrozenPolicies:
 
 
 def module_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """The module's parameters, recursively (shared parameters once)."""
+    """The module's parameters, recursively (shared parameters once).
+
+    Args:
+        module: any module.
+
+    Returns:
+        Its distinct parameters.
+    """
     return list(module.parameters())
 
 
@@ -250,6 +319,12 @@ def module_is_fully_frozen(module: nn.Module) -> bool:
     """Whether ``module`` owns parameters and none of them requires a gradient.
 
     A module without parameters is not "frozen": there is nothing to place.
+
+    Args:
+        module: any module.
+
+    Returns:
+        Whether it has parameters and none is trainable.
     """
     params = module_parameters(module)
     return bool(params) and not any(p.requires_grad for p in params)
@@ -263,5 +338,12 @@ def ignored_params_for_root(
     FSDP only accepts ignored parameters of the module being sharded, and each
     unit that owns a replicated parameter must list it, or that unit would
     shard it.
+
+    Args:
+        root: the module about to be sharded.
+        ignored_params: every replicated parameter of the model.
+
+    Returns:
+        Those ``root`` owns, or None.
     """
     return owned_ignored_params([root], ignored_params)

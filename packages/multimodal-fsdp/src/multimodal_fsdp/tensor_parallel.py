@@ -68,6 +68,12 @@ _SEQ = 1
 def check_divisible(what: str, count: int, tp_size: int, *, where: str) -> None:
     """Raise a ``ValueError`` naming the fix unless ``tp_size`` divides ``count``.
 
+    Args:
+        what: the dimension's name (``"attention heads"``).
+        count: its size.
+        tp_size: the TP degree.
+        where: the module, for the message.
+
     Raises:
         ValueError: ``count`` (``what`` of ``where``) is not a multiple of ``tp_size``.
     """

@@ -39,7 +39,14 @@ logger = logging.getLogger(__name__)
 
 
 def required_forward_arguments(module: nn.Module) -> frozenset[str]:
-    """Names of the forward parameters without a default (positional or keyword)."""
+    """Names of the forward parameters without a default (positional or keyword).
+
+    Args:
+        module: any module.
+
+    Returns:
+        The required argument names of its ``forward``.
+    """
     try:
         signature = inspect.signature(original_class(module).forward)
     except (TypeError, ValueError):
@@ -68,7 +75,14 @@ def _containers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 
 def find_media_conditional_layers(model: nn.Module) -> list[str]:
-    """Paths of layer-container items that the decoder runs only with media (see above)."""
+    """Paths of layer-container items that the decoder runs only with media (see above).
+
+    Args:
+        model: the model.
+
+    Returns:
+        The items' qualified names.
+    """
     found: list[str] = []
     for prefix, container in _containers(model):
         items = [

@@ -8,8 +8,8 @@ known names, the keyword
 rules that give a caller-supplied name its modality, and
 [`MultimodalModule`][multimodal_fsdp.discovery.names.MultimodalModule] (what both report) live
 here, so the
-long list of model families reads in one place and the matching code stays short.
-[`multimodal_fsdp.discovery.walk`][multimodal_fsdp.discovery.walk] re-exports every public name.
+long list of model families reads in one place and the matching code stays short; the walk
+([`multimodal_fsdp.discovery.walk`][multimodal_fsdp.discovery.walk]) applies them.
 """
 
 from __future__ import annotations
@@ -208,6 +208,15 @@ def is_multimodal_module_name(name: str) -> bool:
     [`iter_multimodal_modules`][multimodal_fsdp.discovery.walk.iter_multimodal_modules] need the
     module
     tree and are not applied here.
+
+    Args:
+        name: a qualified module name.
+
+    Returns:
+        Whether its last component is a tower or projector name.
+
+    Raises:
+        TypeError: ``name`` is not a string.
     """
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}: {name!r}")

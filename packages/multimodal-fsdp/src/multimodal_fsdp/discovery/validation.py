@@ -15,6 +15,17 @@ def check_attribute_names(names: Iterable[str], argument: str) -> tuple[str, ...
     """Attribute names (``"vision_tower"``): a collection of non-empty str without dots.
 
     ``argument`` names the option in the error message.
+
+    Args:
+        names: the user's names.
+        argument: the option's name, for the message.
+
+    Returns:
+        The names, as a tuple.
+
+    Raises:
+        TypeError: ``names`` is a bare string or holds a non-string.
+        ValueError: a name is empty or dotted.
     """
     checked = _check_str_collection(names, argument)
     for name in checked:
@@ -27,7 +38,19 @@ def check_attribute_names(names: Iterable[str], argument: str) -> tuple[str, ...
 
 def check_module_paths(paths: Iterable[str], argument: str = "exclude") -> tuple[str, ...]:
     """Qualified module paths (``"model.vision_tower"``): a collection of non-empty str
-    (the root cannot be named)."""
+    (the root cannot be named).
+
+    Args:
+        paths: the user's paths.
+        argument: the option's name, for the message.
+
+    Returns:
+        The paths, as a tuple.
+
+    Raises:
+        TypeError: ``paths`` is a bare string or holds a non-string.
+        ValueError: a path is empty.
+    """
     checked = _check_str_collection(paths, argument)
     for path in checked:
         if not path or path.startswith(".") or path.endswith(".") or ".." in path:

@@ -39,8 +39,7 @@ The root module is never reported: discovery is about parts of a model, not the 
 The name tables live in [`multimodal_fsdp.discovery.names`][multimodal_fsdp.discovery.names] and
 the structural rules in
 [`multimodal_fsdp.discovery.structure`][multimodal_fsdp.discovery.structure]; this module is the
-walk that applies them,
-and re-exports their public names.
+walk that applies them.
 """
 
 from __future__ import annotations
@@ -82,6 +81,12 @@ def iter_multimodal_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]
     [`resolve_multimodal_modules`][multimodal_fsdp.discovery.walk.resolve_multimodal_modules] with
     no
     extra names or excludes; results come in ``named_modules()`` pre-order.
+
+    Args:
+        model: the model to search.
+
+    Yields:
+        ``(qualified name, module)`` per tower or projector.
     """
     _check_model(model)
     found = _walk(model, _BUILTIN_RULES, frozenset(), structural=True)
@@ -105,6 +110,21 @@ def resolve_multimodal_modules(
     by ``named_modules()``), otherwise a ``ValueError`` names it, so a typo cannot silently
     disable the exclusion. ``structural=False`` turns off the rules that look past names
     (media inputs, sub-configs, forward signatures, bundles), leaving name matching only.
+
+    Args:
+        model: the model to search.
+        extra_tower_names: more attribute names of towers.
+        extra_projector_names: more attribute names of projectors.
+        exclude: qualified paths whose subtrees are skipped.
+        structural: whether the structural rules apply.
+
+    Returns:
+        Each match with its path, role, modality and the rule that found it.
+
+    Raises:
+        TypeError: ``structural`` is not a bool.
+        ValueError: a name is given twice or is already built in, or an ``exclude``
+            path names no module.
     """
     _check_model(model)
     if not isinstance(structural, bool):

@@ -57,7 +57,15 @@ def reduce_sum(tensor: Tensor, group: Any) -> None:
 
 def add_to_first_tensor(value: Any, zero_term: Tensor) -> tuple[Any, bool]:
     """``value`` with ``zero_term`` added to its first floating tensor (walking tuples,
-    lists and mappings); whether one was found."""
+    lists and mappings); whether one was found.
+
+    Args:
+        value: a tensor, or tuples, lists and mappings holding tensors.
+        zero_term: a zero-valued scalar tied to a backward that must run.
+
+    Returns:
+        The new value and whether a floating tensor took the term.
+    """
     if isinstance(value, Tensor):
         if value.is_floating_point():
             return value + zero_term.to(device=value.device, dtype=value.dtype), True
@@ -75,7 +83,15 @@ def add_to_first_tensor(value: Any, zero_term: Tensor) -> tuple[Any, bool]:
 
 def add_to_outputs(output: Any, zero_term: Tensor) -> Any:
     """``output`` with ``zero_term`` added to every floating tensor in it (whichever output
-    the loss reads carries it)."""
+    the loss reads carries it).
+
+    Args:
+        output: a module's output.
+        zero_term: a zero-valued scalar tied to a backward that must run.
+
+    Returns:
+        The output, with the same structure.
+    """
     if isinstance(output, Tensor):
         if output.is_floating_point():
             return output + zero_term.to(device=output.device, dtype=output.dtype)
@@ -123,7 +139,19 @@ class JoinedLayers:
     """The installed part of ``balance_media`` for media-dependent decoder layers (see
     the module docstring). ``active()``: whether the model's forward is running (the
     decisions are made in every forward of the model, training or not, never in a
-    backward's recomputation)."""
+    backward's recomputation).
+
+    Args:
+        model: the model whose decoder holds the layers.
+        paths: the media-dependent layers' qualified names.
+        group: the process group of the ranks that decide together.
+        active: whether the model's forward is running.
+        agree: how the ranks agree on a layer's decision (the all_reduce over
+            ``group`` when None; the data-group rounds pass their own).
+
+    Raises:
+        ValueError: a path is not an item of an ``nn.ModuleList``.
+    """
 
     def __init__(
         self,
@@ -310,6 +338,7 @@ class JoinedLayers:
         return zero_loss_term(output)
 
     def remove(self) -> None:
+        """Remove every hook this installed (the layers run as without balancing)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
