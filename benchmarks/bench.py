@@ -530,55 +530,38 @@ def format_gloo(rows: list[dict[str, Any]]) -> str:
 
 
 def format_hooks(rows: list[dict[str, Any]]) -> str:
-    """What the runtime hooks cost per step (from the same gloo runs as section 5)."""
+    """What the runtime hooks cost per step (from the same gloo runs as section 5): the
+    divergence guards meet at the c10d store (no collective), so the only hook collective
+    of a steady-state step is the usage-flags all-reduce of ``unused_params``."""
     header = [
         "policy",
         "hooks installed",
-        "schedule checkpoints / forward",
-        "one checkpoint ms",
+        "hook collectives / step",
+        "agreement meetings / forward",
+        "one meeting ms",
         "unused-params all-reduce ms",
-        "step agreement ms / forward",
-        "hook collectives ms / step",
+        "hook ms / step",
         "share of step",
-        "forward_arrival ms: training fwd / no-grad fwd",
-        "forward_arrival share: step / no-grad fwd",
     ]
     table = []
     for r in rows:
         hooks = r["hooks"]
-        agreement = hooks.get("agreement_ms", 0.0)
-        per_step = (
-            hooks["checkpoints_per_forward"] * hooks["checkpoint_ms"]
-            + hooks["unused_params_ms"]
-            + agreement
-        )
+        meeting = hooks.get("meeting_ms", 0.0)
+        per_step = hooks["meetings_per_forward"] * meeting + hooks["unused_params_ms"]
         step_ms = r["median_step_s"]["ours"] * 1e3
         table.append(
             [
                 r["policy"],
                 ", ".join(hooks["installed"]) or "none",
-                str(hooks["checkpoints_per_forward"]),
-                f"{hooks['checkpoint_ms']:.3f}",
+                str(hooks["all_reduces_per_step"]),
+                str(hooks["meetings_per_forward"]),
+                f"{meeting:.3f}",
                 f"{hooks['unused_params_ms']:.3f} ({hooks['unused_params_flags']} B)",
-                f"{agreement:.3f} (80 B)" if "agreement_ms" in hooks else "-",
                 f"{per_step:.2f}",
                 f"{per_step / step_ms:.1%}",
-                *_arrival_cells(hooks, step_ms),
             ]
         )
     return _table(header, table)
-
-
-def _arrival_cells(hooks: dict[str, Any], step_ms: float) -> list[str]:
-    """The ``forward_arrival`` check: what it adds to a training forward (one store write)
-    and to a forward without gradients (a wait at the store), and their shares."""
-    if "arrival_training_ms" not in hooks:
-        return ["-", "-"]
-    training, no_grad = hooks["arrival_training_ms"], hooks["arrival_no_grad_ms"]
-    return [
-        f"{training:.3f} / {no_grad:.3f}",
-        f"{training / step_ms:.2%} / {no_grad / hooks['no_grad_forward_ms']:.2%}",
-    ]
 
 
 # --------------------------------------------------------------------------- 7. measured memory

@@ -33,10 +33,9 @@ from torch.distributed.fsdp import fully_shard
 
 from fsdp_core import CommCounter, build_mesh, exit_rank, init_distributed, mixed_precision_policy
 from fsdp_core.collective_count import CommTally
-from fsdp_core.forward_arrival import TRAINING_FORWARD, ForwardArrivalHook
+from fsdp_core.forward_agreement import TRAINING_FORWARD, ForwardAgreement
 from fsdp_core.mesh import all_reduce_max_over_mesh
 from fsdp_core.runtime import installed_hooks
-from fsdp_core.step_agreement import RankStep, StepAgreement
 from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
 from multimodal_fsdp.estimate.costs import plan_costs
 
@@ -143,6 +142,9 @@ def main() -> None:
                 times[name].append(elapsed)
             losses[name].append(float(loss.detach()))
     hooks = hook_costs(ours, mesh, batches[0])
+    # The runtime hooks' own collectives in the counted step (FSDP issues no all-reduce on
+    # a 1-D mesh): the divergence guards meet at the store, so only unused_params' flags.
+    hooks["all_reduces_per_step"] = comm["ours"].count("all_reduce")
     if ctx.rank == 0:
         median = {k: statistics.median(v) for k, v in times.items()}
         result = {
@@ -186,8 +188,9 @@ def _median_ms(fn: Any, repeats: int = 60) -> float:
 
 def hook_costs(model: nn.Module, mesh: Any, batch: dict[str, Any]) -> dict[str, Any]:
     """What the runtime hooks of ``model`` cost per step: which are installed, how many
-    schedule checkpoints one forward runs, and the time of each kind of hook collective
-    (a tiny all-reduce over the mesh plus the host sync that reads it)."""
+    times one forward meets the other ranks at the agreement (the forward agreement and
+    each schedule checkpoint), the time of one meeting (c10d store round trips, no
+    collective) and of the usage-flags all-reduce (plus the host sync that reads it)."""
     hooks = installed_hooks(model)
     check = hooks.get("schedule_check")
     checkpoints = 0
@@ -197,39 +200,20 @@ def hook_costs(model: nn.Module, mesh: Any, batch: dict[str, Any]) -> dict[str, 
         checkpoints = int(getattr(check, "last_checkpoints", 0))
     flags = len(getattr(hooks.get("unused_params"), "_records", ()))
 
-    def checkpoint() -> None:
-        token = torch.tensor([1, -1], dtype=torch.int64)
-        all_reduce_max_over_mesh(token, mesh)
-        token.tolist()
-
     def unused() -> None:
         used = torch.ones(max(flags, 1), dtype=torch.uint8)
         all_reduce_max_over_mesh(used, mesh)
         used.tolist()
 
-    arrival = hooks.get("forward_arrival")
+    agreement = hooks.get("forward_agreement")
     costs: dict[str, Any] = {}
-    agreement = getattr(hooks.get("accumulation_warmup"), "agreement", None)
-    if isinstance(agreement, StepAgreement):
-        # The step agreement before every forward: one 80-byte all-reduce and a host sync,
-        # timed on the installed agreement with what every rank says in a plain step.
-        units = len(agreement._units)
-        same = RankStep(grad=1, sync=units, units=units, empty=0, forwards=1, micro=1, changed=0)
-        costs["agreement_ms"] = _median_ms(lambda: agreement.agree(same))
-    if isinstance(arrival, ForwardArrivalHook):
-        # What the check adds to one call of the model: a training forward records on the
-        # store; a forward without gradients waits there for every rank. Timed on the
-        # installed hook itself (every rank makes the same calls, in step).
-        costs |= {
-            "arrival_training_ms": _median_ms(lambda: arrival.arrive(TRAINING_FORWARD)),
-            "arrival_no_grad_ms": _median_ms(lambda: arrival.arrive("a forward under no_grad")),
-        }
-        with torch.no_grad():
-            costs["no_grad_forward_ms"] = _median_ms(lambda: model(**batch), repeats=20)
+    if isinstance(agreement, ForwardAgreement):
+        # One meeting before a training forward, timed on the installed hook itself (every
+        # rank makes the same calls, in step); a schedule checkpoint meets the same way.
+        costs["meeting_ms"] = _median_ms(lambda: agreement.arrive(TRAINING_FORWARD))
     return {
         "installed": sorted(hooks),
-        "checkpoints_per_forward": checkpoints,
-        "checkpoint_ms": _median_ms(checkpoint),
+        "meetings_per_forward": int(isinstance(agreement, ForwardAgreement)) + checkpoints,
         "unused_params_flags": flags,
         "unused_params_ms": _median_ms(unused) if flags else 0.0,
         **costs,

@@ -22,7 +22,7 @@ in the same step; otherwise every rank raises the same error:
 - [StepMismatchError][fsdp_core.step_agreement.StepMismatchError] or
   [EmptyBatchError][fsdp_core.step_agreement.EmptyBatchError] when their steps differ.
 
-Cost: no collective; five or six store round trips per call. Forwards inside backward
+Cost: no collective; four to six store round trips per call. Forwards inside backward
 (activation-checkpoint recomputation) and inside an agreed ``generate()`` meet nowhere:
 every rank runs them alike.
 """

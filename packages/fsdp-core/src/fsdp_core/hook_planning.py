@@ -83,5 +83,5 @@ def forward_agreement_hook() -> HookPlan:
         "ranks only or uneven steps fail on every rank with an error naming the ranks, "
         "instead of hanging",
         targets=["<root>"],
-        cost="no collective: five or six round trips to the c10d store per call",
+        cost="no collective: four to six round trips to the c10d store per call",
     )

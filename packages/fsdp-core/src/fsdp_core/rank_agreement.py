@@ -13,11 +13,12 @@ the point was issued: the process group stays usable.
 
 It goes through the process group's c10d store, never a collective: no extra collective
 and no device synchronisation per step. Per point, a rank writes its value and adds to
-the point's count (2 store round trips), the last to arrive reads every value (1) and
-records the decision (1), and each rank reads it (1 to 2, after the shared wait of
-[rank_wait][fsdp_core.rank_wait], which warns after a minute naming the ranks that have
-not arrived and gives up after the process group's timeout unless
-``FSDP_CORE_RANK_WAIT_TIMEOUT_S`` says otherwise). A rank that comes to a point the
+the point's count (2 store round trips); the last to arrive reads every value and
+records the decision (2 more), each other rank polls for it and reads it (2 or more, in
+the shared wait of [rank_wait][fsdp_core.rank_wait], which warns after a minute naming
+the ranks that have not arrived and gives up after the process group's timeout unless
+``FSDP_CORE_RANK_WAIT_TIMEOUT_S`` says otherwise), and the lowest rank deletes the
+previous point's two keys. A rank that comes to a point the
 others gave up on raises their error instead of running on alone. Under the ``fake``
 backend, without a process group or on one rank, a rank meets itself: the hooks still
 reject what one rank can see (an empty batch).
@@ -38,7 +39,7 @@ from torch import nn
 
 from fsdp_core.collective_entry import CollectiveCallError, exception_type
 from fsdp_core.internals import process_group_timeout
-from fsdp_core.rank_wait import wait_for_ranks, wait_limits
+from fsdp_core.rank_wait import WaitLimits, wait_for_ranks, wait_limits
 
 if TYPE_CHECKING:
     from fsdp_core.parallel_dims import ParallelDims
@@ -152,7 +153,23 @@ class RankAgreement:
         key = f"{self._base}/point/{point}"
         limits = wait_limits(self.timeout_s)
         if store.add(f"{key}/count", 1) == len(self.ranks):
-            self._decide(key, self._meeting(point))
+            # The last to come decides (2 round trips, no wait).
+            decision = self._decide(key, self._meeting(point, complete=True))
+        else:
+            decision = self._await(key, point, what, limits)
+        if decision != _GO:
+            raise _decode(decision)
+        if self.rank == self.ranks[0]:
+            # Every rank added to this point's count after reading the previous point's
+            # decision: the previous point's keys are not read again.
+            if self._passed:
+                store.delete_key(f"{self._passed}/count")
+                store.delete_key(f"{self._passed}/done")
+            self._passed = key
+
+    def _await(self, key: str, point: int, what: str, limits: WaitLimits) -> str:
+        """Wait for the decision of ``point``, deciding it when a rank parted or the
+        others did not come within ``limits``."""
 
         def look() -> None:
             meeting = self._meeting(point)
@@ -160,7 +177,7 @@ class RankAgreement:
                 self._decide(key, meeting)
 
         met = wait_for_ranks(
-            store,
+            self._store,
             f"{key}/done",
             what=what,
             rank=self.rank,
@@ -172,31 +189,21 @@ class RankAgreement:
             meeting = replace(self._meeting(point), timed_out_s=limits.timeout_s)
             if meeting.elsewhere:
                 self._decide(key, meeting)
-            store.wait([f"{key}/done"])  # every rank came: the last one is deciding
-        decision = store.get(f"{key}/done").decode()
-        if decision != _GO:
-            raise _decode(decision)
-        if self.rank == self.ranks[0]:
-            # Every rank added to this point's count after reading the previous point's
-            # decision: the previous point's keys are not read again.
-            if self._passed:
-                store.delete_key(f"{self._passed}/count")
-                store.delete_key(f"{self._passed}/done")
-            self._passed = key
+            self._store.wait([f"{key}/done"])  # every rank came: the last one is deciding
+        return str(self._store.get(f"{key}/done").decode())
 
     def _local(self, value: str) -> dict[int, str]:
         """The values of a meeting with no other process (a test plays other ranks here)."""
         return {self.rank: value}
 
-    def _decide(self, key: str, meeting: Meeting) -> None:
-        """Record the decision of ``meeting`` (unless it may still go well); the first
-        decision recorded wins."""
-        complete = not meeting.elsewhere
+    def _decide(self, key: str, meeting: Meeting) -> str:
+        """Record the decision of ``meeting`` (unless it may still go well: ``""``); the
+        first decision recorded wins and is returned."""
         error = self._explain(meeting)
-        if error is None and not complete:
-            return
+        if error is None and meeting.elsewhere:
+            return ""
         decision = _GO if error is None else _encode(error)
-        self._store.compare_set(f"{key}/done", "", decision)
+        return str(self._store.compare_set(f"{key}/done", "", decision).decode())
 
     def _explain(self, meeting: Meeting) -> Exception | None:
         """The error of ``meeting``: built by the first registered kind present; when the
@@ -225,11 +232,12 @@ class RankAgreement:
     def _status(self, rank: int) -> str:
         return f"{self._base}/status/{rank}"
 
-    def _statuses(self) -> dict[int, tuple[int, str]]:
+    def _statuses(self, *, complete: bool = False) -> dict[int, tuple[int, str]]:
         """Each rank's last point and value; ranks that have not sharded the model yet are
-        missing. One round trip once every rank has."""
+        missing. One round trip when every rank is known to have come (``complete``), two
+        once every rank has sharded it."""
         keys = [self._status(rank) for rank in self.ranks]
-        if self._store.check(keys):
+        if complete or self._store.check(keys):
             raw = list(zip(self.ranks, self._store.multi_get(keys), strict=True))
         else:
             raw = [
@@ -243,8 +251,8 @@ class RankAgreement:
             found[rank] = (int(number), value)
         return found
 
-    def _meeting(self, point: int) -> Meeting:
-        statuses = self._statuses()
+    def _meeting(self, point: int, *, complete: bool = False) -> Meeting:
+        statuses = self._statuses(complete=complete)
         values = {r: statuses[r][1] for r in self.ranks if statuses.get(r, (-1, ""))[0] == point}
         elsewhere = {r: statuses.get(r, (-1, "")) for r in self.ranks if r not in values}
         return Meeting(point, values, elsewhere)
