@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -154,14 +155,24 @@ def load_full_state_dict(
         timeout: the arrival check's timeout.
 
     Raises:
-        ValueError: the state dict is missing on rank 0 or malformed (on every rank).
+        ValueError: the state dict is missing on rank 0 or malformed (on every rank), or
+            ``broadcast_from_rank0`` for a model sharded over part of the world (a
+            pipeline stage: torch broadcasts over the whole world).
     """
+    ranks = group_ranks(model=model)
+    if broadcast_from_rank0 and dist.is_initialized() and len(ranks) < dist.get_world_size():
+        # torch broadcasts from global rank 0 over the world: another pipeline stage's
+        # ranks would receive rank 0's stage. The same on every rank (each holds part).
+        raise ValueError(
+            f"the model is sharded over ranks {list(ranks)} of a world of "
+            f"{dist.get_world_size()} (a pipeline stage): broadcast_from_rank0 sends from "
+            "global rank 0 to every rank; load with broadcast_from_rank0=False (the full "
+            "state dict, or this stage's part, on each rank) or with load_pretrained"
+        )
     options = StateDictOptions(
         full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0, strict=strict
     )
-    with enter_collective(
-        "load_full_state_dict", ranks=group_ranks(model=model), timeout=timeout
-    ) as call:
+    with enter_collective("load_full_state_dict", ranks=ranks, timeout=timeout) as call:
         main = call.rank == (call.ranks[0] if call.active else call.rank)
         call.run(
             lambda: _check_state_dict(state_dict, needed=main or not broadcast_from_rank0),
