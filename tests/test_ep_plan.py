@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_core.fake_group import fake_process_group
 from fsdp_core.mesh import MeshShape
 from fsdp_core.parallel_dims import ParallelDims
-from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41
+from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
 from model_deepseek_v41.moe import shard_experts
 from multimodal_fsdp.cli.main import main
 
@@ -206,3 +206,49 @@ def test_lightning_refuses_experts_its_mesh_does_not_show() -> None:
         with pytest.raises(ValueError, match="no expert-parallel dimension"):
             lightning.parallelize_fn(PARALLELIZER)(model, strategy_mesh)
         assert not is_sharded(model)
+
+
+def test_the_ep_plan_is_what_one_step_measures() -> None:
+    """Under the fake group: the collectives the plan predicts are those measured (the
+    expert_grad_reduce all-reduces included), apart from the model's own token exchange
+    (an all_to_all there and back per MoE layer, which depends on the routing), and the
+    per-rank memory figures match byte for byte, the experts counted by their EP shard."""
+    from multimodal_fsdp.measure.comm import measure_plan
+    from multimodal_fsdp.measure.memory import measure_plan_memory
+
+    batch = dict(make_batch(CONFIG, batch_size=2, seq_len=24, seed=0))
+
+    def loss(model: torch.nn.Module) -> torch.Tensor:
+        value: torch.Tensor = model(**batch)
+        return value
+
+    expert_bytes = sum(
+        build_deepseek_v41(CONFIG, device="meta").get_parameter(n).numel() * 4 for n in EXPERTS
+    )
+    with fake_process_group(4):
+        world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+        model = _sharded_model(world)
+        comm = measure_plan(
+            PARALLELIZER.plan(model), model, loss, world_size=4, mesh=world, dp_dims="dp"
+        )
+    differences = comm.comparison.differences()
+    assert differences, "the MoE's own all_to_all is not planned"
+    assert all(" all_to_all: expected 0 " in line for line in differences[1:]), differences
+    extra = comm.costs.extra
+    assert extra.nbytes[("backward", "all_reduce")] >= expert_bytes // 2  # one ep shard
+    assert (
+        comm.measured.comm.count("all_reduce", "backward")
+        == extra.counts[("backward", "all_reduce")]
+    )
+    with fake_process_group(4):
+        world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+        model = _sharded_model(world)
+        memory = measure_plan_memory(
+            PARALLELIZER.plan(model), model, loss, world_size=4, mesh=world, dp_dims="dp"
+        )
+    predicted, measured = memory.costs.memory, memory.measured
+    assert predicted is not None
+    assert predicted.replicated_param_bytes == measured.replicated_param_bytes
+    assert measured.replicated_param_bytes >= expert_bytes // 2
+    for name in ("sharded_param_bytes", "gradient_bytes", "optimizer_bytes"):
+        assert getattr(predicted, name) == getattr(measured, name), name

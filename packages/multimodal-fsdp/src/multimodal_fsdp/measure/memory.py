@@ -35,12 +35,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
-from fsdp_core import ShardingPlan, build_mesh
+from fsdp_core import ShardingPlan, build_mesh, internals
 from fsdp_core.collective_entry import enter_collective
 from fsdp_core.fake_group import current_or_fake_group
 from fsdp_core.internals import memory_timeline_tracker
+from fsdp_core.parallel_dims import local_shape
 from fsdp_core.parallelizer import apply_plan
 from multimodal_fsdp.estimate.costs import PlanCosts
 from multimodal_fsdp.estimate.exchange import StepMedia, step_media
@@ -218,12 +218,19 @@ def _step(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer | 
 
 
 def _replicated(model: nn.Module) -> list[nn.Parameter]:
-    """Parameters FSDP left as plain tensors (ignored: kept whole on every rank)."""
-    return [p for p in model.parameters() if not isinstance(p, DTensor)]
+    """Parameters no FSDP unit manages (ignored: kept whole on every rank, or experts an
+    EP plan placed, each rank holding its shard)."""
+    managed = {
+        id(internals.sharded_parameter(record))
+        for unit in internals.distinct_units(model)
+        for record in internals.fsdp_params(unit)
+    }
+    return [p for p in model.parameters() if id(p) not in managed]
 
 
 def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes this rank holds (a DTensor's local shard)."""
+    return sum(local_shape(t).numel() * t.element_size() for t in tensors)
 
 
 def measure_memory(
