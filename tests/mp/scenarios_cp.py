@@ -230,7 +230,12 @@ def _case(ctx: DistributedContext, case: str, variant: str) -> dict[str, Any]:
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / ctx.world_size)
+    model.eval()  # an eval forward runs a tower without units locally: its items too
+    with torch.no_grad():
+        eval_loss, _ = _cp_loss(model, samples(case, 0)[d], case, 0, world["cp"])
+    dist.all_reduce(eval_loss)
     return {
+        "eval_loss": eval_loss.item() / ctx.world_size,
         "losses": losses,
         "grads0": grads0,
         "params": {n: full(p) for n, p in model.named_parameters()},

@@ -27,9 +27,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from multimodal_fsdp.balance._data_group import select_items
 from multimodal_fsdp.balance.layouts import MediaCall, MediaItem, MediaLayout, PackedByGridLayout
 
 __all__ = ["context_parallel_media", "items_of_tokens"]
@@ -120,6 +122,20 @@ def split_frames(layout: MediaLayout, call: MediaCall) -> MediaCall:
             )
             items.append(MediaItem(fields=fields, cost=rows, sizes=(1, h, w)))
     return MediaCall(spec=call.spec, items=tuple(items))
+
+
+def own_items(
+    layout: MediaLayout, tower: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+) -> Any:
+    """``output`` of a call a rank ran locally (an eval or ``no_grad`` forward of a tower
+    without units: not balanced, each rank encodes its whole call) reduced to the items
+    named for it, as a balanced call would return them."""
+    needs = take_needs()
+    if needs is None:
+        return output
+    call = split_frames(layout, layout.split_call(tower, args, kwargs))
+    weights = [item.fields[0].shape[0] for item in call.items]
+    return select_items(layout, output, weights, needs)
 
 
 def items_of_tokens(

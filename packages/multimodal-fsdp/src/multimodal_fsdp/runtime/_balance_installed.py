@@ -25,6 +25,7 @@ from fsdp_core.internals import in_backward
 from multimodal_fsdp.balance import MediaLayout, media_layout_for
 from multimodal_fsdp.balance._data_group import DataGroup
 from multimodal_fsdp.balance._planned import BALANCE_MEDIA, BalancedTower, JoinedModule
+from multimodal_fsdp.balance.context_parallel import own_items
 from multimodal_fsdp.balance.exchange import EnteredCall, Member, Rounds
 from multimodal_fsdp.runtime.joined_layers import JoinedLayers, _add_to_first_input, add_to_outputs
 
@@ -246,7 +247,10 @@ class BalanceMedia:
             if self._bypass or not entered_calls:
                 if self._in_forward and self._joined and member.run_when_empty:
                     self._warn_late(path)
-                return original(*args, **kwargs)
+                output = original(*args, **kwargs)
+                if self._bypass or not self._in_forward or in_backward() or member.layout is None:
+                    return output
+                return own_items(member.layout, module, args, kwargs, output)  # CP: its needs
             self.last_calls += 1
             output, zero_term = self._rounds.finish(entered_calls.pop(), args, kwargs)
             if zero_term is not None:
