@@ -26,6 +26,13 @@ fingerprint of their structure, which must agree on every rank, else every rank 
 then one ``all_gather`` of the outputs' bytes, padded to the longest share's. Every rank
 derives each share's rows from the output structure and the whole call's item weights,
 so both sizes are known before the call (``gathered_bytes``).
+
+With CP in the data group (``DataGroup.indexed``) a rank needs only the items of its
+sequence shard (``multimodal_fsdp.balance.context_parallel``): the header also carries a
+bad-index flag and one word per item of the call (whether this rank needs it), and the
+outputs go by one ``all_to_all`` of each rank's needed items from the ranks that encoded
+them (still the ``all_gather`` when every rank needs every item); an unsplit call has
+the header only, each rank keeping its needed items of the call it encoded whole.
 """
 
 from __future__ import annotations
