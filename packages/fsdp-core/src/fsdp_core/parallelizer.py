@@ -424,8 +424,9 @@ class PlanMismatchError(RuntimeError):
 def check_applied_units(model: nn.Module, plan: ShardingPlan) -> None:
     """Raise [`PlanMismatchError`][fsdp_core.parallelizer.PlanMismatchError] unless the FSDP units
     in ``model`` are exactly ``plan.units`` (same member modules). A parallelizer whose
-    ``_fully_shard_module`` makes units of its own would otherwise print one plan and run another.
-    Skipped, with a warning, on a torch whose FSDP state cannot be read."""
+    ``_before_apply`` or ``_after_apply`` makes units of its own would otherwise print one
+    plan and run another. Skipped, with a warning, on a torch whose FSDP state cannot be
+    read."""
     try:
         applied = internals.applied_unit_paths(model)
     except internals.FSDPInternalsError as exc:

@@ -67,7 +67,8 @@ class UnitPlan:
 
 @dataclass(frozen=True)
 class ShardCall:
-    """One call of a parallelizer's ``_fully_shard_module`` and the units it creates."""
+    """One call of torch's ``fully_shard`` (one module, or a group in one unit) and the
+    units it creates."""
 
     paths: tuple[str, ...]
     mp_policy: MixedPrecisionPolicy
