@@ -252,3 +252,14 @@ def test_the_ep_plan_is_what_one_step_measures() -> None:
     assert measured.replicated_param_bytes >= expert_bytes // 2
     for name in ("sharded_param_bytes", "gradient_bytes", "optimizer_bytes"):
         assert getattr(predicted, name) == getattr(measured, name), name
+
+
+def test_the_tp_plan_of_a_moe_model_points_to_expert_parallelism() -> None:
+    from model_deepseek_v41.tensor_parallel import deepseek_v41_tp_plan
+
+    model = build_deepseek_v41(CONFIG, device="meta")
+    with pytest.raises(ValueError, match="routed experts, sharded by expert parallelism"):
+        deepseek_v41_tp_plan(model, tp_size=2)
+    assert all(
+        p.startswith("vision.") for p in deepseek_v41_tp_plan(model, tp_size=2, include_vision=True)
+    )

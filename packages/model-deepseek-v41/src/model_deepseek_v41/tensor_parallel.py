@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from model_deepseek_v41.modeling import SwiGLU
+from model_deepseek_v41.moe import MoE
 from multimodal_fsdp.tensor_parallel import check_divisible
 
 __all__ = ["deepseek_v41_tp_plan"]
@@ -62,9 +63,16 @@ def deepseek_v41_tp_plan(
         plan[f"{path}.gate_up"] = ColwiseParallel(use_local_output=False)
         plan[f"{path}.down"] = RowwiseParallel()
     if not plan:
+        moe = any(isinstance(m, MoE) for m in model.modules())
         raise ValueError(
             f"no trainable MLP of {type(model).__name__} to plan (model.layers.<i>.mlp"
             + (", vision.blocks.<i>.mlp" if include_vision else "")
-            + "); pass include_frozen=True to plan frozen ones"
+            + (
+                "): its language MLPs are routed experts, sharded by expert parallelism "
+                "(model_deepseek_v41.moe.shard_experts), not TP; pass include_vision=True "
+                "for the vision MLPs"
+                if moe
+                else "); pass include_frozen=True to plan frozen ones"
+            )
         )
     return plan
