@@ -71,7 +71,11 @@ class BalancedTower:
         (``"forward all_gather"``, ``"forward all_to_all"``, ``"backward all_to_all"``), as
         [`exchange_traffic`][multimodal_fsdp.balance.traffic.exchange_traffic] counts them
         (backward: the output gradients of a trainable tower; inputs that need a
-        gradient add one more)."""
+        gradient add one more).
+
+        Returns:
+            ``{"phase kind": count}``.
+        """
         moved = [[1, 1], []]  # two items on one rank: one of them moves
         rounds = exchange_traffic(
             moved,

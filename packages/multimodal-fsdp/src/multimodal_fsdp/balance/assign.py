@@ -22,6 +22,15 @@ def assign_items(costs_by_rank: Sequence[Sequence[int]]) -> list[list[int]]:
     most-loaded rank within 4/3 of the best possible. A second pass moves an item back
     to its owner wherever that raises no rank above the most-loaded one (fewer bytes
     exchanged, the same step time), keeping every rank non-empty.
+
+    Args:
+        costs_by_rank: each rank's items' costs (positive integers), in call order.
+
+    Returns:
+        ``owners``, shaped like ``costs_by_rank``.
+
+    Raises:
+        ValueError: no rank is given, or a cost is not a positive integer.
     """
     world = len(costs_by_rank)
     if world < 1:
@@ -67,7 +76,15 @@ def needs_exchange(owners: Sequence[Sequence[int]], run_when_empty: bool) -> boo
     """Whether a balanced call with this assignment exchanges anything: some item is
     encoded away from its owner, or the module owns FSDP units (``run_when_empty``) and
     some rank encodes nothing (it runs a placeholder, which the exchange links to the
-    others' gradients). Otherwise every caller runs its own call, as without balancing."""
+    others' gradients). Otherwise every caller runs its own call, as without balancing.
+
+    Args:
+        owners: what ``assign_items`` returned.
+        run_when_empty: whether the module owns FSDP units.
+
+    Returns:
+        Whether the call exchanges.
+    """
     encoding = [False] * len(owners)
     for rank, targets in enumerate(owners):
         for target in targets:

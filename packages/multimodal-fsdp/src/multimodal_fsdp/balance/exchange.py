@@ -128,14 +128,28 @@ class Member:
     joiner: Callable[..., Any] | None = None
 
     def run(self, own: bool) -> Callable[..., Any]:
-        """The runner of a rank that made the call (``own``) or joined it."""
+        """The runner of a rank that made the call (``own``) or joined it.
+
+        Args:
+            own: whether this rank made the call.
+
+        Returns:
+            ``runner`` for a caller, ``joiner`` (if any) for a rank that joined.
+        """
         return self.runner if own or self.joiner is None else self.joiner
 
 
 def zero_loss_term(output: Any) -> Tensor | None:
     """Every floating tensor of ``output`` summed, times 0: a scalar to add to the loss
     so that a placeholder run's backward (its units' collectives) runs; ``None`` when no
-    output needs a gradient."""
+    output needs a gradient.
+
+    Args:
+        output: a placeholder run's output.
+
+    Returns:
+        The zero scalar, or None.
+    """
     leaves: list[Tensor] = []
     _tensors(output, leaves)
     parts = [t.sum().float() * 0 for t in leaves if t.is_floating_point() and t.requires_grad]
@@ -183,7 +197,13 @@ def _device(members: Sequence[Member], call: MediaCall | None, group: Any) -> to
 class Rounds:
     """The round protocol over ``members`` on ``group`` (see the module docstring).
     ``data``: the ranks holding this rank's batch (``multimodal_fsdp.balance._data_group``),
-    ``group`` then spans their data groups; each brings its share of a balanced call."""
+    ``group`` then spans their data groups; each brings its share of a balanced call.
+
+    Args:
+        members: the protocol's modules, in round order (every rank the same).
+        group: the balance group.
+        data: this rank's data group, when ranks hold the same batch.
+    """
 
     def __init__(
         self, members: Sequence[Member], group: Any, *, data: DataGroup | None = None
@@ -202,7 +222,17 @@ class Rounds:
         its call again in the next round. Then ``finish`` runs the call: a hook calls
         ``enter`` before the module's own pre-forward hooks (FSDP's all-gather of a module
         that is a unit) and ``finish`` inside its forward, so every rank issues the
-        module's collectives at the same point of the round."""
+        module's collectives at the same point of the round.
+
+        Args:
+            index: the member this rank calls.
+            args: the call's positional arguments.
+            kwargs: the call's keyword arguments.
+
+        Returns:
+            The entered call (for ``finish``) and the zero loss terms of the rounds joined
+            on the way.
+        """
         member = self.members[index]
         named = dict(kwargs or {})
         error: BaseException | None = None
@@ -242,7 +272,21 @@ class Rounds:
         self, entered: EnteredCall, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None
     ) -> tuple[Any, Tensor | None]:
         """This rank's call of the member ``enter`` brought to its round: the output and,
-        for a balanced call that exchanged with gradients flowing back, its zero_term."""
+        for a balanced call that exchanged with gradients flowing back, its zero_term.
+
+        Args:
+            entered: what ``enter`` returned.
+            args: the call's positional arguments.
+            kwargs: the call's keyword arguments.
+
+        Returns:
+            The output of this rank's call, and its zero loss term (or None).
+
+        Raises:
+            Exception: what a joined member's own call raised, after the other ranks were
+                told (they raise in their next round).
+            RuntimeError: a balanced entered call without its layout or share (a bug).
+        """
         member = self.members[entered.index]
         original: Call = (tuple(args), dict(kwargs or {}))
         if member.layout is None:  # joined: the caller's own call, as without balancing
@@ -283,7 +327,17 @@ class Rounds:
 
         A direct caller has no pre-forward hook between ``enter`` and ``finish``, so a
         member that is an FSDP unit is gathered here, at the point where a rank joining
-        the call gathers it (``_join_module``); its own pre-forward then gathers nothing."""
+        the call gathers it (``_join_module``); its own pre-forward then gathers nothing.
+
+        Args:
+            index: the member this rank calls.
+            args: the call's positional arguments.
+            kwargs: the call's keyword arguments.
+            zero_terms: a list that receives the zero loss terms.
+
+        Returns:
+            The output of this rank's call.
+        """
         entered, made = self.enter(index, args, kwargs)
         self._gather_unit(self.members[index])
         output, zero_term = self.finish(entered, args, kwargs)
@@ -295,7 +349,11 @@ class Rounds:
 
     def join_one(self) -> tuple[list[Tensor], bool]:
         """One round without a call of this rank's own: the zero loss terms of what it joined
-        and whether any rank called."""
+        and whether any rank called.
+
+        Returns:
+            The zero loss terms of the call joined, and whether any rank called.
+        """
         device = _device(self.members, None, self.group)
         table = exchange_round(None, None, group=self.group, device=device)
         if not table.called():
@@ -305,7 +363,11 @@ class Rounds:
 
     def join(self) -> tuple[Tensor | None, int]:
         """Rounds without a call of this rank's own until one in which no rank calls:
-        the sum of their zero loss terms (``None`` if none) and the number of rounds joined."""
+        the sum of their zero loss terms (``None`` if none) and the number of rounds joined.
+
+        Returns:
+            The summed zero loss terms (or None) and the number of rounds joined.
+        """
         total: Tensor | None = None
         joined = 0
         while True:
@@ -457,6 +519,19 @@ def balanced_call(
     that gets the call's zero loss term when gradients flow back; add it to the loss (as
     ``join_without_call``'s) so this rank runs the exchange's backward collectives even
     when its loss reads none of the outputs, as the ranks that joined do.
+
+    Args:
+        tower: the tower (or encoder) called.
+        args: the call's positional arguments.
+        kwargs: the call's keyword arguments.
+        layout: the tower's layout (chosen for it when None).
+        group: the ranks that balance (the default group when None).
+        run_when_empty: run the tower on a placeholder when this rank gets no item.
+        runner: runs the tower on this rank's share (``tower`` when None).
+        zero_terms: a list that receives the call's zero loss term.
+
+    Returns:
+        The tower's output for this rank's call.
     """
     rounds = _single(tower, layout, group, run_when_empty, runner)
     return rounds.call(0, tuple(args), kwargs, zero_terms=zero_terms)
@@ -472,7 +547,18 @@ def join_without_call(
 ) -> Tensor:
     """Take part in a balanced call of ``tower`` on a rank whose forward has no call of
     it (a text-only batch): this rank may still encode others' items. Returns a zero
-    scalar; add it to the loss so this rank joins the exchange's backward collectives."""
+    scalar; add it to the loss so this rank joins the exchange's backward collectives.
+
+    Args:
+        tower: the tower other ranks call.
+        layout: the tower's layout (chosen for it when None).
+        group: the ranks that balance (the default group when None).
+        run_when_empty: run the tower on a placeholder when this rank gets no item.
+        runner: runs the tower on this rank's share (``tower`` when None).
+
+    Returns:
+        A zero scalar to add to the loss.
+    """
     rounds = _single(tower, layout, group, run_when_empty, runner)
     made, _ = rounds.join_one()
     total = torch.zeros(())
@@ -498,6 +584,16 @@ def join_remaining_calls(
     zero loss terms (add it to a tensor the loss depends on, before the decoder, so the
     backward collectives keep their order) and the number of calls joined. The last
     round costs one ``all_gather`` of the slot.
+
+    Args:
+        tower: the tower other ranks call.
+        layout: the tower's layout (chosen for it when None).
+        group: the ranks that balance (the default group when None).
+        run_when_empty: run the tower on a placeholder when this rank gets no item.
+        runner: runs the tower on this rank's share (``tower`` when None).
+
+    Returns:
+        The summed zero loss terms and the number of calls joined.
     """
     rounds = _single(tower, layout, group, run_when_empty, runner)
     total, joined = rounds.join()

@@ -95,7 +95,11 @@ class PackedBySizeLayout(MediaLayout):
     An item is one image as rows of whole patches (``(patches, C, p, p)``; the pixels the
     tower crops away never travel), its sizes the patch grid ``(h // p, w // p)``, its cost
     the patches; a call rebuilds the padded batch and ``image_sizes`` from them. The
-    output splits along dim 1, one token per patch. ``p`` is the tower's ``patch_size``."""
+    output splits along dim 1, one token per patch. ``p`` is the tower's ``patch_size``.
+
+    Args:
+        patch: the tower's patch size (``bind`` reads it from the tower when None).
+    """
 
     name: ClassVar[str] = "packed-by-size"
     pixel_argument: ClassVar[str] = "pixel_values"
@@ -234,7 +238,12 @@ class PackedByLengthLayout(MediaLayout):
     of frames (``(frames, mel)``) with its ``feature_lens`` and ``aftercnn_lens`` rows; its
     cost the frames. The encoder's convolutions and pooling give a clip of ``L`` frames
     ``((L - 1) // 2 + 1 - 2) // 2 + 1`` tokens: the output rows follow the tower's own
-    ``_get_feat_extract_output_lengths`` when it has one, else are proportional."""
+    ``_get_feat_extract_output_lengths`` when it has one, else are proportional.
+
+    Args:
+        lengths: a clip's output tokens from its frames (``bind`` takes the tower's own
+            rule when None).
+    """
 
     name: ClassVar[str] = "packed-by-length"
     lengths_argument: ClassVar[str] = "feature_lens"

@@ -158,7 +158,18 @@ class OutputSpec:
     axes: tuple[int, ...] = ()
 
     def rows(self, leaf: int, weight: int) -> int:
-        """Rows of leaf ``leaf`` that belong to an item of weight ``weight``."""
+        """Rows of leaf ``leaf`` that belong to an item of weight ``weight``.
+
+        Args:
+            leaf: the output tensor's index.
+            weight: the item's weight (its main field's rows).
+
+        Returns:
+            The item's rows of that tensor.
+
+        Raises:
+            ValueError: the tensor's rows are not a whole multiple of the weight.
+        """
         rule = self.rules[leaf] if self.rules else None
         if rule is not None:
             return rule(weight)
@@ -171,11 +182,25 @@ class OutputSpec:
         return int(value)
 
     def axis(self, leaf: int) -> int:
-        """The dimension of leaf ``leaf`` its items' rows run along."""
+        """The dimension of leaf ``leaf`` its items' rows run along.
+
+        Args:
+            leaf: the output tensor's index.
+
+        Returns:
+            The dimension.
+        """
         return self.axes[leaf] if self.axes else 0
 
     def describe(self, leaf: int) -> str:
-        """How leaf ``leaf`` splits, for plans: ``"16 rows per item row"`` and the like."""
+        """How leaf ``leaf`` splits, for plans: ``"16 rows per item row"`` and the like.
+
+        Args:
+            leaf: the output tensor's index.
+
+        Returns:
+            The description.
+        """
         rule = self.rules[leaf] if self.rules else None
         how = rule.name if rule is not None else f"{self.rows_per_weight[leaf]} per input row"
         where = " along dim 1 of (1, rows, ...)" if self.axis(leaf) == 1 else ""
@@ -202,19 +227,50 @@ class MediaLayout(ABC):
 
     @abstractmethod
     def applies_to(self, tower: nn.Module) -> bool:
-        """Whether this layout understands calls of ``tower`` (from its forward signature)."""
+        """Whether this layout understands calls of ``tower`` (from its forward signature).
+
+        Args:
+            tower: the tower (or encoder) whose calls are balanced.
+
+        Returns:
+            Whether the layout may be tried (the probe decides).
+        """
 
     @abstractmethod
     def split_call(
         self, tower: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> MediaCall:
-        """Split one call of ``tower`` into items; raise ValueError/TypeError if it cannot."""
+        """Split one call of ``tower`` into items; raise ValueError/TypeError if it cannot.
+
+        Args:
+            tower: the tower (or encoder) whose calls are balanced.
+            args: the call's positional arguments.
+            kwargs: the call's keyword arguments.
+
+        Returns:
+            The call's items and what rebuilds a call of them.
+
+        Raises:
+            ValueError: the call cannot be split (a subclass says why).
+            TypeError: an argument has a type the layout cannot cut.
+        """
 
     def build_call(
         self, spec: CallSpec, items: Sequence[MediaItem]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Call arguments for ``items`` (any number, from any rank): each field's rows are
-        concatenated along dim 0, the constants passed through."""
+        concatenated along dim 0, the constants passed through.
+
+        Args:
+            spec: what the split call recorded (fields, constants, positional names).
+            items: the items to call the tower on.
+
+        Returns:
+            ``(args, kwargs)`` of the call.
+
+        Raises:
+            ValueError: the items' fields do not match ``spec``.
+        """
         if not items:
             raise ValueError("build_call needs at least one item")
         fields = {
@@ -238,7 +294,16 @@ class MediaLayout(ABC):
         self, spec: CallSpec, fields: Sequence[FieldSpec], sizes: tuple[int, ...]
     ) -> MediaItem:
         """An item of the given shape whose values keep the tower finite: zeros for floating
-        fields, ones for the others (an all-valid mask). Its output is multiplied by 0."""
+        fields, ones for the others (an all-valid mask). Its output is multiplied by 0.
+
+        Args:
+            spec: the call's spec.
+            fields: the fields' dtypes and row shapes.
+            sizes: the rows of each field.
+
+        Returns:
+            The placeholder item.
+        """
         tensors = tuple(
             (torch.zeros if f.dtype.is_floating_point else torch.ones)(
                 (f.rows, *f.row_shape), dtype=f.dtype
@@ -253,7 +318,18 @@ class MediaLayout(ABC):
     ) -> tuple[OutputSpec, list[tuple[Tensor, ...]]]:
         """Cut ``output`` (of a call on items of the given weights, in call order) into one
         piece per item: each piece holds that item's rows of every output tensor, along
-        dim 0 (see ``OutputSpec.axes`` for packed ``(1, rows, ...)`` outputs)."""
+        dim 0 (see ``OutputSpec.axes`` for packed ``(1, rows, ...)`` outputs).
+
+        Args:
+            output: the tower's output for a call.
+            weights: the call's items' weights, in call order.
+
+        Returns:
+            How to rejoin pieces, and one piece per item.
+
+        Raises:
+            ValueError: an output tensor's rows do not split by the weights.
+        """
         if not weights:
             raise ValueError("split_output needs the weights of at least one item")
         leaves: list[Tensor] = []
@@ -312,7 +388,15 @@ class MediaLayout(ABC):
     def join_output(self, spec: OutputSpec, pieces: Sequence[Sequence[Tensor]]) -> Any:
         """The output a call on the pieces' items would give: each tensor's pieces are
         concatenated along dim 0 (a packed leaf gets its leading 1 back) and the structure
-        rebuilt with its own types."""
+        rebuilt with its own types.
+
+        Args:
+            spec: what ``split_output`` recorded.
+            pieces: one piece per item, in the order of the call to rebuild.
+
+        Returns:
+            The output, with the tower's own structure and types.
+        """
         leaves = []
         for i in range(len(spec.dtypes)):
             leaf = (
@@ -326,18 +410,37 @@ class MediaLayout(ABC):
     # ---------------------------------------------------------------- layout hooks
     def item_axis(self, leaf: Tensor, items: int) -> int:
         """The dimension of an output tensor the items' rows run along (0 here; a layout
-        of packed ``(1, rows, ...)`` outputs answers 1)."""
+        of packed ``(1, rows, ...)`` outputs answers 1).
+
+        Args:
+            leaf: one output tensor.
+            items: how many items the call had.
+
+        Returns:
+            The dimension.
+        """
         return 0
 
     def row_rules(self) -> Sequence[RowRule]:
         """Rules for output rows that are not proportional to an item's weight, tried in
-        order before the proportional split (none here)."""
+        order before the proportional split (none here).
+
+        Returns:
+            The rules, first match wins.
+        """
         return ()
 
     def bind(self, tower: nn.Module) -> MediaLayout:
         """This layout for calls of ``tower``: a layout that needs facts about the tower
         beyond its call (a patch size, its output-length rule) returns a copy that holds
-        them; the others return themselves."""
+        them; the others return themselves.
+
+        Args:
+            tower: the tower (or encoder) whose calls are balanced.
+
+        Returns:
+            The layout to use for its calls.
+        """
         return self
 
     def probe_calls(self, tower: nn.Module) -> Sequence[tuple[ProbeCall, ProbeCall]]:
@@ -345,13 +448,27 @@ class MediaLayout(ABC):
         ([`probe_layout`][multimodal_fsdp.balance.probe.probe_layout]), with one and two
         items, the one-item call's item being the two-item call's first; several pairs
         when the input shape is a guess (the probe keeps the first the tower runs on),
-        none when this layout cannot make them (it is then used unprobed if ``trusted``)."""
+        none when this layout cannot make them (it is then used unprobed if ``trusted``).
+
+        Args:
+            tower: the tower (or encoder) whose calls are balanced.
+
+        Returns:
+            ``(one-item call, two-item call)`` pairs.
+        """
         return ()
 
     def trusted(self, tower: nn.Module) -> bool:
         """Whether calls of ``tower`` use this layout when the probe cannot run (no probe
         calls, the tower cannot run on the meta device and its weights are not real): a
-        layout written for a tower family is, a generic one only on a telling signature."""
+        layout written for a tower family is, a generic one only on a telling signature.
+
+        Args:
+            tower: the tower (or encoder) whose calls are balanced.
+
+        Returns:
+            Whether the layout is used unprobed.
+        """
         return True
 
 
@@ -380,7 +497,14 @@ class BatchFirstLayout(MediaLayout):
     pixel_argument: ClassVar[str] = "pixel_values"
 
     def main_argument(self, tower: nn.Module) -> str | None:
-        """``pixel_values`` if the forward takes it, else its first named argument."""
+        """``pixel_values`` if the forward takes it, else its first named argument.
+
+        Args:
+            tower: the tower (or encoder) whose calls are balanced.
+
+        Returns:
+            The argument whose rows are the items, or None without named arguments.
+        """
         names = [
             name
             for name, p in forward_signature(tower).parameters.items()

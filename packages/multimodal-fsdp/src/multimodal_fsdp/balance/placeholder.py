@@ -47,7 +47,15 @@ def _describe(value: Any, depth: int = 0) -> Any:
 
 
 def describe_call(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bytes:
-    """The shapes of a call, pickled (what a rank without the call rebuilds it from)."""
+    """The shapes of a call, pickled (what a rank without the call rebuilds it from).
+
+    Args:
+        args: the call's positional arguments.
+        kwargs: the call's keyword arguments.
+
+    Returns:
+        The description, as bytes to send.
+    """
     tree = (
         tuple(_describe(value) for value in args),
         tuple((name, _describe(value)) for name, value in kwargs.items()),
@@ -84,7 +92,15 @@ def _build(node: Any, device: torch.device) -> Any:
 
 def placeholder_call(blob: bytes, device: torch.device) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Call arguments shaped like those ``describe_call`` described (see the module
-    docstring), on ``device``."""
+    docstring), on ``device``.
+
+    Args:
+        blob: what ``describe_call`` returned on the calling rank.
+        device: where the placeholder tensors go.
+
+    Returns:
+        ``(args, kwargs)`` of the placeholder call.
+    """
     args, kwargs = pickle.loads(blob)  # our own group's bytes
     return (
         tuple(_build(node, device) for node in args),

@@ -75,7 +75,11 @@ class ProbeReport:
         return self.status == FITS
 
     def summary(self) -> str:
-        """One line for the plan."""
+        """One line for the plan.
+
+        Returns:
+            The line.
+        """
         if self.status != FITS:
             detail = f": {self.error}" if self.error else ""
             return f"{self.layout}: {self.status} ({self.reason}{detail})"
@@ -324,7 +328,15 @@ def _fingerprint(tower: nn.Module, layout: MediaLayout) -> tuple[Any, ...]:
 def probe_layout(tower: nn.Module, layout: MediaLayout) -> ProbeReport:
     """Whether ``layout`` (bound to ``tower``) fits ``tower``, from its probe calls (see
     the module docstring); never raises for a layout that does not fit or a tower that
-    cannot run: the report says so."""
+    cannot run: the report says so.
+
+    Args:
+        tower: the tower to probe.
+        layout: the candidate layout.
+
+    Returns:
+        Whether it fits, what it cuts, or why it could not tell.
+    """
     key = _fingerprint(tower, layout)
     cached = _CACHE.setdefault(tower, {})
     if key not in cached:

@@ -58,7 +58,11 @@ class LayoutChoice:
     report: ProbeReport
 
     def describe(self) -> str:
-        """The plan's line for it: the probe's summary, or why it ran unprobed."""
+        """The plan's line for it: the probe's summary, or why it ran unprobed.
+
+        Returns:
+            The line.
+        """
         if self.report.fits:
             return self.report.summary()
         return (
@@ -69,7 +73,15 @@ class LayoutChoice:
 
 def register_media_layout(layout: MediaLayout) -> None:
     """Make ``layout`` available to ``media_layout_for``, before every built-in and
-    earlier-registered adapter; registering a layout of the same name replaces it."""
+    earlier-registered adapter; registering a layout of the same name replaces it.
+
+    Args:
+        layout: the adapter (its ``name`` identifies it).
+
+    Raises:
+        TypeError: ``layout`` is not a ``MediaLayout`` instance.
+        ValueError: its name is empty.
+    """
     if not isinstance(layout, MediaLayout):
         raise TypeError(
             f"register_media_layout takes a MediaLayout instance, got {type(layout).__name__}"
@@ -94,7 +106,17 @@ _REMEDY = (
 
 def choose_media_layout(tower: nn.Module) -> LayoutChoice:
     """The layout for calls of ``tower`` and its probe report (see the module docstring);
-    a ValueError when none fits."""
+    a ValueError when none fits.
+
+    Args:
+        tower: the tower (or encoder).
+
+    Returns:
+        The layout and how it was chosen.
+
+    Raises:
+        ValueError: no layout fits, naming the tower, its signature and the remedy.
+    """
     known = _known()
     tried: list[ProbeReport] = []
     fallback: LayoutChoice | None = None
@@ -129,7 +151,18 @@ def choose_media_layout(tower: nn.Module) -> LayoutChoice:
 
 def media_layout_for(tower: nn.Module, *, name: str | None = None) -> MediaLayout:
     """The adapter for calls of ``tower``, bound to it: the one called ``name``, else the
-    first that fits it (``choose_media_layout``: probed, once per tower and layout)."""
+    first that fits it (``choose_media_layout``: probed, once per tower and layout).
+
+    Args:
+        tower: the tower (or encoder).
+        name: a layout's name, to skip the choice.
+
+    Returns:
+        The bound layout.
+
+    Raises:
+        ValueError: ``name`` is unknown, or no layout fits.
+    """
     if name is not None:
         for layout in _known():
             if layout.name == name:

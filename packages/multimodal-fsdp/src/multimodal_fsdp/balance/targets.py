@@ -34,7 +34,15 @@ def _has_layer_stack(module: nn.Module) -> bool:
 
 def inner_encoders(tower: nn.Module, path: str) -> list[str]:
     """The outermost submodules of ``tower`` (at ``path``) that hold a layer stack (an
-    ``nn.ModuleList`` or ``nn.ModuleDict`` of layers): the encoders a wrapper calls."""
+    ``nn.ModuleList`` or ``nn.ModuleDict`` of layers): the encoders a wrapper calls.
+
+    Args:
+        tower: a discovered tower.
+        path: its qualified name.
+
+    Returns:
+        The encoders' qualified names.
+    """
     found: list[str] = []
 
     def walk(module: nn.Module, prefix: str) -> None:
@@ -56,7 +64,19 @@ def balance_targets(model: nn.Module, path: str, unit_paths: Sequence[str]) -> l
     when a layout fits it, else the encoders inside it (``inner_encoders``) when a layout
     fits each and every unit of ``unit_paths`` under the tower lies inside one; else the
     tower's own ValueError (naming it, its signature and the remedy), with the encoders
-    tried."""
+    tried.
+
+    Args:
+        model: the model.
+        path: the discovered tower's qualified name.
+        unit_paths: the plan's unit paths.
+
+    Returns:
+        The modules to balance, each with its layout.
+
+    Raises:
+        ValueError: neither the tower nor its encoders can be balanced.
+    """
     tower = model.get_submodule(path) if path else model
     try:
         return [(path, choose_media_layout(tower))]
