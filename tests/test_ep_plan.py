@@ -263,3 +263,23 @@ def test_the_tp_plan_of_a_moe_model_points_to_expert_parallelism() -> None:
     assert all(
         p.startswith("vision.") for p in deepseek_v41_tp_plan(model, tp_size=2, include_vision=True)
     )
+
+
+def test_ep_beside_hsdp_folds_ep_into_the_shard_dimension() -> None:
+    """(dp_replicate, dp_shard, ep) = 2x2x2: FSDP's mesh is (dp_replicate, dp_shard x ep),
+    an expert shard is replicated over dp_replicate x dp_shard."""
+    with fake_process_group(8, rank=5):
+        world = init_device_mesh(
+            "cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "ep")
+        )
+        dims = ParallelDims.from_mesh(world, dp_dims=("dp_replicate", "dp_shard"))
+        assert dims.dp_shape == MeshShape(dp_replicate=2, dp_shard=4)
+        assert dims.dp_mesh.ndim == 2
+        assert dims.expert_replicas == 4
+        assert _ranks(dims.expert_replica_mesh) == [1, 3, 5, 7]  # rank 5: ep coordinate 1
+        model = _sharded_model(world)
+        PARALLELIZER.parallelize(model, mesh=world, dp_dims=("dp_replicate", "dp_shard"))
+        router = model.get_parameter("model.layers.0.mlp.router.weight")
+        assert isinstance(router, DTensor)
+        assert router.device_mesh.ndim == 2  # HSDP over (dp_replicate, dp_shard x ep)
+        assert model.get_parameter(EXPERTS[0]).device_mesh.mesh_dim_names == ("ep",)
