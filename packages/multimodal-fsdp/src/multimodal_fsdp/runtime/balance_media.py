@@ -301,7 +301,9 @@ class BalanceMediaRuntimeHook(RuntimeHook):
                 "; on a mesh with TP or CP ranks the rounds span the balance group's data "
                 "groups, and after each call of at least as many items as a data group has "
                 f"ranks, 2 all_gathers on the data group ({HEADER_INTS} int64 per rank, "
-                "then the shares' outputs padded to the longest)"
+                "then the shares' outputs padded to the longest); with CP, after every call "
+                f"a header of {HEADER_INTS + 1} + items int64 per rank (each rank's item "
+                "mask) and, on a split call, an all_to_all of the items each rank needs"
             )
         )
 
