@@ -6,9 +6,10 @@ each entry's hook object what it costs
 ([`RuntimeHook.collectives`][fsdp_core.runtime.RuntimeHook.collectives]);
 ``planned_hooks`` gives them those objects: the one a plan made by ``plan()`` carries, else
 (an entry built by hand) one rebuilt here, above the hooks and below the estimates, so
-that no estimate imports a hook module: the core hooks without plan data from their name,
+that no estimate imports a hook module: ``unused_params`` (no plan data) from its name,
 the schedule check laid out from the plan's record of its media regions. Anything else
-stays without an object and costs nothing.
+stays without an object and costs nothing, as every other hook issues no collective in an
+ordinary step.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from collections.abc import Callable
 from torch import nn
 
 from fsdp_core import ShardingPlan
-from fsdp_core.accumulation import AccumulationWarmupRuntimeHook
 from fsdp_core.containers import is_under
 from fsdp_core.runtime import HookPlan, RuntimeHook
 from fsdp_core.unused_params import UnusedParamsRuntimeHook
@@ -149,7 +149,6 @@ def _schedule_check(plan: ShardingPlan, model: nn.Module) -> RuntimeHook | None:
 
 #: Per hook name, how a hand-built entry's object is rebuilt from the plan and model.
 _REBUILD: dict[str, Callable[[ShardingPlan, nn.Module], RuntimeHook | None]] = {
-    AccumulationWarmupRuntimeHook.name: lambda _plan, _model: AccumulationWarmupRuntimeHook(),
     UnusedParamsRuntimeHook.name: lambda _plan, _model: UnusedParamsRuntimeHook(),
     ScheduleCheckRuntimeHook.name: _schedule_check,
 }
