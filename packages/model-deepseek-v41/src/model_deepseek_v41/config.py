@@ -174,7 +174,11 @@ class DeepseekV41Config:
         return self.merged_grid * self.merged_grid
 
     def num_parameters(self) -> int:
-        """Analytic parameter count; lets benchmarks size a model without building it."""
+        """Analytic parameter count; lets benchmarks size a model without building it.
+
+        Returns:
+            The number of parameters the model built from this config has.
+        """
         v, vi, t, ti = (
             self.vision_hidden,
             self.vision_intermediate,
@@ -206,19 +210,40 @@ class DeepseekV41Config:
         return vision + aligner + text + lm_head
 
     def replace(self, **changes: Any) -> DeepseekV41Config:
-        """Validated copy with some fields changed (e.g. ``vision_layers=8``)."""
+        """Validated copy with some fields changed (e.g. ``vision_layers=8``).
+
+        Args:
+            **changes: the fields to change.
+
+        Returns:
+            The new config (checked like a new one).
+        """
         return dataclasses.replace(self, **changes)
 
     # Presets ---------------------------------------------------------------
 
     @classmethod
     def tiny(cls, **overrides: Any) -> DeepseekV41Config:
-        """~0.25M parameters, 4 image tokens per 32x32 image: fast CPU unit tests."""
+        """~0.25M parameters, 4 image tokens per 32x32 image: fast CPU unit tests.
+
+        Args:
+            **overrides: fields to change from the preset.
+
+        Returns:
+            The config.
+        """
         return cls(**overrides)
 
     @classmethod
     def small(cls, **overrides: Any) -> DeepseekV41Config:
-        """~30M parameters, 49 image tokens per 224x224 image: quick multi-GPU smoke runs."""
+        """~30M parameters, 49 image tokens per 224x224 image: quick multi-GPU smoke runs.
+
+        Args:
+            **overrides: fields to change from the preset.
+
+        Returns:
+            The config.
+        """
         sizes: dict[str, Any] = {
             "image_size": 224,
             "patch_size": 16,
@@ -237,7 +262,14 @@ class DeepseekV41Config:
 
     @classmethod
     def base(cls, **overrides: Any) -> DeepseekV41Config:
-        """~310M parameters, 144 image tokens per 384x384 image: benchmark size."""
+        """~310M parameters, 144 image tokens per 384x384 image: benchmark size.
+
+        Args:
+            **overrides: fields to change from the preset.
+
+        Returns:
+            The config.
+        """
         sizes: dict[str, Any] = {
             "image_size": 384,
             "patch_size": 16,
@@ -256,7 +288,18 @@ class DeepseekV41Config:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> DeepseekV41Config:
-        """Look a preset up by name (``"tiny"``, ``"small"`` or ``"base"``), e.g. from a CLI."""
+        """Look a preset up by name (``"tiny"``, ``"small"`` or ``"base"``), e.g. from a CLI.
+
+        Args:
+            name: the preset's name.
+            **overrides: fields to change from the preset.
+
+        Returns:
+            The config.
+
+        Raises:
+            ValueError: ``name`` is not a preset (the message lists them).
+        """
         factories = {"tiny": cls.tiny, "small": cls.small, "base": cls.base}
         if name not in factories:
             raise ValueError(

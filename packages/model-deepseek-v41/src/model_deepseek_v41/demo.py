@@ -78,6 +78,14 @@ def _policy(text: str) -> FrozenMultimodalSharding:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The demo's options, checked before anything is launched.
+
+    Args:
+        argv: the command line without the program name (``sys.argv[1:]`` if None).
+
+    Returns:
+        The parsed options.
+    """
     parser = argparse.ArgumentParser(
         prog="python -m model_deepseek_v41.demo",
         description="Train DeepSeek-V4.1 (reference model) with FSDP2 and a frozen vision tower.",
@@ -280,6 +288,14 @@ def _check_reference(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Launch the demo under torchrun, or, inside the launch, run one rank of it.
+
+    Args:
+        argv: the command line without the program name (``sys.argv[1:]`` if None).
+
+    Returns:
+        The exit status.
+    """
     if WORKER_ARGS_ENV in os.environ and "LOCAL_RANK" in os.environ:
         return worker(parse_args(json.loads(os.environ[WORKER_ARGS_ENV])))
     raw = list(sys.argv[1:] if argv is None else argv)

@@ -74,6 +74,10 @@ class RMSNorm(nn.Module):
     ``to_empty()``) is overridden so that a *floating dtype change* of an fp32
     tensor of this module is dropped while a device move or a meta ->
     empty materialisation still happens. Checkpoints therefore keep fp32 norms.
+
+    Args:
+        dim: the normalised dimension.
+        eps: added to the mean square.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
@@ -83,6 +87,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def reset_parameters(self) -> None:
+        """Weight to ones (what ``init_parameters_`` also writes)."""
         with torch.no_grad():
             self.weight.fill_(1.0)
 
@@ -111,7 +116,12 @@ class RMSNorm(nn.Module):
 
 
 class TextRMSNorm(nn.Module):
-    """RMSNorm for the text decoder: weight follows the model dtype, math still in fp32."""
+    """RMSNorm for the text decoder: weight follows the model dtype, math still in fp32.
+
+    Args:
+        dim: the normalised dimension.
+        eps: added to the mean square.
+    """
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -120,6 +130,7 @@ class TextRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def reset_parameters(self) -> None:
+        """Weight to ones (what ``init_parameters_`` also writes)."""
         with torch.no_grad():
             self.weight.fill_(1.0)
 
@@ -178,7 +189,13 @@ def _grid_rope_tables(
 
 
 class SwiGLU(nn.Module):
-    """``down(silu(gate) * up)`` with a fused gate/up Linear (one matmul, one shardable weight)."""
+    """``down(silu(gate) * up)`` with a fused gate/up Linear (one matmul, one shardable weight).
+
+    Args:
+        dim: input and output width.
+        intermediate: hidden width.
+        bias: whether the Linears have biases.
+    """
 
     def __init__(self, dim: int, intermediate: int, *, bias: bool) -> None:
         super().__init__()
@@ -195,7 +212,11 @@ class SwiGLU(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    """Patchify by reshaping (no conv) so the embedding is a plain, easily sharded Linear."""
+    """Patchify by reshaping (no conv) so the embedding is a plain, easily sharded Linear.
+
+    Args:
+        config: the model's configuration.
+    """
 
     def __init__(self, config: DeepseekV41Config) -> None:
         super().__init__()
@@ -215,7 +236,11 @@ class PatchEmbed(nn.Module):
 
 
 class VisionAttention(nn.Module):
-    """Bidirectional self-attention over the patch grid with 2-D rotary positions."""
+    """Bidirectional self-attention over the patch grid with 2-D rotary positions.
+
+    Args:
+        config: the model's configuration.
+    """
 
     def __init__(self, config: DeepseekV41Config) -> None:
         super().__init__()
@@ -241,7 +266,11 @@ class VisionAttention(nn.Module):
 
 class VisionBlock(nn.Module):
     """Pre-norm transformer block; norms are fp32-pinned
-    [`RMSNorm`][model_deepseek_v41.modeling.RMSNorm]."""
+    [`RMSNorm`][model_deepseek_v41.modeling.RMSNorm].
+
+    Args:
+        config: the model's configuration.
+    """
 
     def __init__(self, config: DeepseekV41Config) -> None:
         super().__init__()
@@ -257,7 +286,11 @@ class VisionBlock(nn.Module):
 
 
 class DeepseekV41VisionTower(nn.Module):
-    """Images -> per-patch features laid out on the grid ([N, H/p, W/p, vision_hidden])."""
+    """Images -> per-patch features laid out on the grid ([N, H/p, W/p, vision_hidden]).
+
+    Args:
+        config: the model's configuration.
+    """
 
     def __init__(self, config: DeepseekV41Config) -> None:
         super().__init__()
@@ -284,7 +317,11 @@ class DeepseekV41VisionTower(nn.Module):
 
 
 class DeepseekV41Aligner(nn.Module):
-    """Merge ``ratio x ratio`` neighbouring patches (4x fewer tokens at ratio 2), then an MLP."""
+    """Merge ``ratio x ratio`` neighbouring patches (4x fewer tokens at ratio 2), then an MLP.
+
+    Args:
+        config: the model's configuration.
+    """
 
     def __init__(self, config: DeepseekV41Config) -> None:
         super().__init__()
@@ -314,7 +351,11 @@ class DeepseekV41Aligner(nn.Module):
 
 
 class TextAttention(nn.Module):
-    """Causal self-attention with 1-D rotary positions."""
+    """Causal self-attention with 1-D rotary positions.
+
+    Args:
+        config: the model's configuration.
+    """
 
     def __init__(self, config: DeepseekV41Config) -> None:
         super().__init__()
@@ -336,6 +377,12 @@ class TextAttention(nn.Module):
 
 
 class TextDecoderLayer(nn.Module):
+    """Pre-norm decoder layer: attention, then the MLP (routed experts when the config has any).
+
+    Args:
+        config: the model's configuration.
+    """
+
     def __init__(self, config: DeepseekV41Config) -> None:
         super().__init__()
         self.input_layernorm = TextRMSNorm(config.text_hidden, config.norm_eps)
@@ -359,6 +406,9 @@ class DeepseekV41TextModel(nn.Module):
     The splice happens inside this forward (not in the parent) so that every
     parameter of this module is used within its own ``forward``: FSDP2 only
     unshards a module's parameters around that call.
+
+    Args:
+        config: the model's configuration.
     """
 
     def __init__(self, config: DeepseekV41Config) -> None:
@@ -399,7 +449,14 @@ class DeepseekV41TextModel(nn.Module):
 
 
 def num_image_tokens(config: DeepseekV41Config) -> int:
-    """Image-token positions one image occupies in ``input_ids`` (after the aligner merge)."""
+    """Image-token positions one image occupies in ``input_ids`` (after the aligner merge).
+
+    Args:
+        config: the model's configuration.
+
+    Returns:
+        The number of positions.
+    """
     return config.image_tokens_per_image
 
 
@@ -409,6 +466,9 @@ class DeepseekV41ForCausalLM(nn.Module):
     Built eagerly (not on meta) it is initialised with
     [`init_parameters_`][model_deepseek_v41.modeling.init_parameters_] at seed 0, i.e. identical to
     ``build_deepseek_v41(config, seed=0)``.
+
+    Args:
+        config: the model's configuration.
     """
 
     def __init__(self, config: DeepseekV41Config) -> None:
@@ -423,7 +483,11 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def init_weights(self, seed: int = 0) -> None:
         """Deterministic re-init of every parameter (see
-        [`init_parameters_`][model_deepseek_v41.modeling.init_parameters_])."""
+        [`init_parameters_`][model_deepseek_v41.modeling.init_parameters_]).
+
+        Args:
+            seed: the generator's seed.
+        """
         init_parameters_(self, seed)
 
     def forward(
@@ -487,6 +551,13 @@ def iter_initial_parameters(model: nn.Module, seed: int) -> Iterator[tuple[str, 
     at its full (global, for DTensor) shape, so values depend only on the
     seed and the layout -- never on the device, dtype or sharding. Norm weights
     are ones, biases zeros, every other weight ~ N(0, INIT_STD).
+
+    Args:
+        model: the reference model (plain or sharded).
+        seed: the generator's seed.
+
+    Yields:
+        ``(name, tensor)`` per parameter.
     """
     owners: dict[str, tuple[nn.Module, str]] = {}
     for module_name, module in model.named_modules():
@@ -516,6 +587,16 @@ def init_parameters_(model: nn.Module, seed: int) -> nn.Module:
     (cast) into the existing storage, so a CPU model, a meta-built model after ``to_empty``, a bf16
     model and a DTensor/FSDP2-sharded model all end up with the same values. Returns ``model`` for
     chaining.
+
+    Args:
+        model: the reference model, allocated (not on ``meta``).
+        seed: the generator's seed.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: a parameter is still on the meta device.
     """
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -543,6 +624,18 @@ def build_deepseek_v41(
     cast to ``dtype`` (vision norms stay fp32), materialised on ``device`` and
     filled by [`init_parameters_`][model_deepseek_v41.modeling.init_parameters_]. ``device="meta"``
     stops before allocating anything.
+
+    Args:
+        config: the model's configuration.
+        seed: the generator's seed.
+        dtype: the floating dtype of the model (vision norms stay fp32).
+        device: where the model is allocated (``"meta"``: nowhere).
+
+    Returns:
+        The model.
+
+    Raises:
+        TypeError: ``dtype`` is not a floating dtype.
     """
     if not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating dtype, got {dtype}")
@@ -584,6 +677,19 @@ def make_batch(
     image token; labels mask image positions with -100. ``pixel_values`` is
     fp32 ``[batch_size * num_images_per_sample, C, H, W]`` or ``None`` for a
     text-only batch.
+
+    Args:
+        config: the model's configuration.
+        batch_size: samples in the batch.
+        seq_len: tokens per sample.
+        num_images_per_sample: images per sample (0: a text-only batch).
+        seed: the generator's seed.
+
+    Returns:
+        ``input_ids``, ``pixel_values`` and ``labels``.
+
+    Raises:
+        ValueError: a size is out of range, or the images do not fit ``seq_len``.
     """
     if batch_size <= 0:
         raise ValueError(f"batch_size={batch_size} must be > 0")

@@ -61,7 +61,18 @@ def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group: A
 class RoutedExperts(nn.Module):
     """``num_experts`` SwiGLU experts as stacked weights: ``gate_up`` ``[E, hidden,
     2 * intermediate]`` and ``down`` ``[E, intermediate, hidden]`` (dimension 0: the
-    expert, the dimension expert parallelism shards)."""
+    expert, the dimension expert parallelism shards).
+
+    Args:
+        num_experts: how many experts.
+        hidden: the model width.
+        intermediate: each expert's hidden width.
+
+    Args:
+        num_experts: how many experts.
+        hidden: the model width.
+        intermediate: each expert's hidden width.
+    """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
@@ -110,7 +121,14 @@ def _run_experts(tokens: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor) -> 
 
 
 class MoE(nn.Module):
-    """Top-k routed SwiGLU experts in place of a dense MLP."""
+    """Top-k routed SwiGLU experts in place of a dense MLP.
+
+    Args:
+        config: the model's configuration (``num_experts`` > 0).
+
+    Args:
+        config: the model's configuration (``num_experts`` > 0).
+    """
 
     def __init__(self, config: DeepseekV41Config) -> None:
         super().__init__()

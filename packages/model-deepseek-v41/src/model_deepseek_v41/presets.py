@@ -77,7 +77,11 @@ def _batch_loss(
 
 
 def model_presets() -> list[ModelPreset]:
-    """The reference model at each preset size, on the meta device."""
+    """The reference model at each preset size, on the meta device.
+
+    Returns:
+        One ``ModelPreset`` per size (and the MoE variants).
+    """
     return [
         ModelPreset(
             name,
