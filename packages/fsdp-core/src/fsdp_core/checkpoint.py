@@ -50,6 +50,7 @@ from fsdp_core.collective_entry import (
     CollectiveCallError,
     enter_collective,
     group_ranks,
+    whole_world_ranks,
 )
 from fsdp_core.weights_check import refill_unset_buffers
 
@@ -66,6 +67,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PathLike = str | os.PathLike[str]
+
+
+#: What to do instead of the library's checkpoints on a pipeline stage.
+_STAGES = (
+    "save the stages into one DCP checkpoint from every rank (torch.distributed.checkpoint "
+    "with each stage's get_model_state_dict, as torchtitan's checkpointer does)"
+)
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -145,7 +153,9 @@ def save_checkpoint(
     """
     root = _export_swap.destination(path)
     with enter_collective(
-        "save_checkpoint", ranks=group_ranks(model=model), timeout=timeout
+        "save_checkpoint",
+        ranks=whole_world_ranks(model, "save_checkpoint", _STAGES),
+        timeout=timeout,
     ) as call:
         main = _is_main(call)
         work = _work_dir(root)
@@ -462,7 +472,8 @@ def _load(
     timeout: float | timedelta | None,
     name: str,
 ) -> StageLoadReport:
-    with enter_collective(name, ranks=group_ranks(model=model), timeout=timeout) as call:
+    ranks = whole_world_ranks(model, name, _STAGES)
+    with enter_collective(name, ranks=ranks, timeout=timeout) as call:
         model_state = call.run(lambda: get_model_state_dict(model), step="collecting the state")
         optim_state: dict[str, Any] | None = (
             None

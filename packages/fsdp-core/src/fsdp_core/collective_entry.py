@@ -50,7 +50,13 @@ from fsdp_core.rank_wait import (
     wait_limits,
 )
 
-__all__ = ["CollectiveCallError", "CollectiveCall", "enter_collective", "group_ranks"]
+__all__ = [
+    "CollectiveCallError",
+    "CollectiveCall",
+    "enter_collective",
+    "group_ranks",
+    "whole_world_ranks",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +98,25 @@ def group_ranks(
     for each in meshes.values():
         ranks.update(int(r) for r in each.mesh.flatten().tolist())
     return tuple(sorted(ranks))
+
+
+def whole_world_ranks(model: nn.Module, what: str, instead: str) -> tuple[int, ...]:
+    """``group_ranks(model=model)`` for a call whose torch collectives span the whole
+    world (DCP, ``broadcast_from_rank0``). A model sharded over part of it (a pipeline
+    stage) is refused: each stage's ranks would meet the others' different call. Every
+    stage holds a part, so every rank raises, before any collective.
+
+    Raises:
+        ValueError: the model's ranks are not the world (``instead`` says what to do).
+    """
+    ranks = group_ranks(model=model)
+    if dist.is_initialized() and len(ranks) < dist.get_world_size():
+        raise ValueError(
+            f"{what}: the model is sharded over ranks {list(ranks)} of a world of "
+            f"{dist.get_world_size()} (a pipeline stage), and {what} runs torch "
+            f"collectives over the whole world; {instead}"
+        )
+    return ranks
 
 
 def _seconds(timeout: float | timedelta | None, default: timedelta) -> float:

@@ -24,12 +24,11 @@ from collections.abc import Iterable, Mapping
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fsdp_core.collective_entry import enter_collective, group_ranks
+from fsdp_core.collective_entry import enter_collective, group_ranks, whole_world_ranks
 from fsdp_core.weights_check import mark_written, refill_unset_buffers
 
 __all__ = ["copy_full_into_", "load_full_state_dict", "materialize_from_full"]
@@ -159,16 +158,16 @@ def load_full_state_dict(
             ``broadcast_from_rank0`` for a model sharded over part of the world (a
             pipeline stage: torch broadcasts over the whole world).
     """
-    ranks = group_ranks(model=model)
-    if broadcast_from_rank0 and dist.is_initialized() and len(ranks) < dist.get_world_size():
-        # torch broadcasts from global rank 0 over the world: another pipeline stage's
-        # ranks would receive rank 0's stage. The same on every rank (each holds part).
-        raise ValueError(
-            f"the model is sharded over ranks {list(ranks)} of a world of "
-            f"{dist.get_world_size()} (a pipeline stage): broadcast_from_rank0 sends from "
-            "global rank 0 to every rank; load with broadcast_from_rank0=False (the full "
-            "state dict, or this stage's part, on each rank) or with load_pretrained"
+    ranks = (
+        whole_world_ranks(
+            model,
+            "load_full_state_dict(broadcast_from_rank0=True)",
+            "load with broadcast_from_rank0=False (the full state dict, or this stage's "
+            "part, on each rank) or with load_pretrained",
         )
+        if broadcast_from_rank0
+        else group_ranks(model=model)
+    )
     options = StateDictOptions(
         full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0, strict=strict
     )
