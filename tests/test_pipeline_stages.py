@@ -141,3 +141,31 @@ def test_a_tower_off_the_first_stage_is_refused_or_moved() -> None:
     moved = split_stages(_LateTower(), layers="layers", num_stages=2, first_stage=("vision_tower",))
     assert "vision_tower.weight" in _names(moved[0])
     assert len(check_stages(moved, parallelizer=parallelizer)) == 2
+
+
+def test_a_transformers_llava_splits_with_its_tower_on_stage_0() -> None:
+    """A real transformers VLM: the CLIP tower, the projector and the embeddings go to
+    stage 0, the final norm and the head to the last; the rotary table (no parameters)
+    stays on both; both stages plan with the default parallelizer."""
+    pytest.importorskip("transformers")
+    from hf_vlms import build_llava
+
+    from multimodal_fsdp import MultimodalParallelizer
+
+    model = build_llava(text_layers=4)
+    model.model.vision_tower.requires_grad_(False)
+    layers = "model.language_model.layers"
+    first, last = split_stages(model, layers=layers, num_stages=2)
+    assert _names(first) | _names(last) == _names(model)
+    assert not _names(first) & _names(last)
+    assert {n.split(".")[1] for n in _names(first)} == {
+        "vision_tower",
+        "multi_modal_projector",
+        "language_model",
+    }
+    assert {n for n in _names(last) if ".layers." not in n} == {
+        "model.language_model.norm.weight",
+        "lm_head.weight",
+    }
+    assert last.model.language_model.rotary_emb is not None
+    assert len(check_stages([first, last], parallelizer=MultimodalParallelizer())) == 2
