@@ -14,18 +14,21 @@ import pytest
 import torch
 from compare import TOL, check_against_reference
 from launches import MpResults
-from scenarios_ep import CASES, LR, build_ep_model, ep_batches
+from scenarios_ep import CASES, LR, build_ep_model, ep_batches, micro_batches
 
 pytestmark = pytest.mark.distributed
 
 
-def _reference(case: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _reference(
+    case: str, micro: int = 1
+) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     model = build_ep_model(case)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses: list[float] = []
     grads0: dict[str, torch.Tensor] = {}
     for step, per_rank in enumerate(ep_batches()):
-        loss = sum(model(**batch) for batch in per_rank) / len(per_rank)
+        parts = [part for batch in per_rank for part in micro_batches(batch, micro)]
+        loss = sum(model(**part) for part in parts) / len(parts)
         assert isinstance(loss, torch.Tensor)
         loss.backward()
         if step == 0:
@@ -50,6 +53,13 @@ def test_moe_with_ep_through_the_library_trains_like_one_process(case: str, mp4:
     assert result["expert_local_experts"] == 2
     assert "expert_grad_reduce" in result["planned_hooks"]
     assert "expert_grad_reduce" in result["hooks"]
+
+
+def test_moe_with_ep_accumulates_micro_batches_like_one_process(mp4: MpResults) -> None:
+    """Two micro-batches per step, the first without gradient sync: FSDP reduces the
+    dense gradients once, the expert hook after each backward; both sum the same."""
+    result = mp4("ep_deepseek_moe")["accumulate"]
+    check_against_reference(result, _reference("root", micro=2), TOL[torch.float32])
 
 
 def test_nemo_automodel_moe_calls_keep_working(mp4: MpResults) -> None:

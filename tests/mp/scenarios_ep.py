@@ -62,11 +62,15 @@ def build_ep_model(case: str) -> torch.nn.Module:
 
 @scenario("ep_deepseek_moe")
 def ep_deepseek_moe(ctx: DistributedContext, out: Path) -> dict[str, Any]:
-    """See the module docstring."""
-    return {case: _library_case(ctx, case) for case in CASES}
+    """See the module docstring; ``accumulate``: ``root`` with two micro-batches per step,
+    the first without gradient sync (FSDP reduces the rest once, the experts' hook after
+    each backward: the sums agree)."""
+    results = {case: _library_case(ctx, case) for case in CASES}
+    results["accumulate"] = _library_case(ctx, "root", micro=2)
+    return results
 
 
-def _library_case(ctx: DistributedContext, case: str) -> dict[str, Any]:
+def _library_case(ctx: DistributedContext, case: str, *, micro: int = 1) -> dict[str, Any]:
     world = init_device_mesh(ctx.device.type, (2, 2), mesh_dim_names=("dp", "ep"))
     model = build_ep_model(case).to(ctx.device)
     sharded = shard_experts(model, world["ep"])
@@ -76,7 +80,7 @@ def _library_case(ctx: DistributedContext, case: str) -> dict[str, Any]:
     parallelizer.apply_plan(model, plan, mesh=world, dp_dims="dp")
     expert = model.get_parameter(EXPERT)
     assert isinstance(expert, DTensor)
-    result = _train(model, ctx)
+    result = _train(model, ctx, micro=micro)
     managed = {
         id(p)
         for m in model.modules()
@@ -198,19 +202,29 @@ def torchtitan_dp_ep(ctx: DistributedContext, out: Path) -> dict[str, Any]:
     return result
 
 
-def _train(model: torch.nn.Module, ctx: DistributedContext) -> dict[str, Any]:
+def micro_batches(batch: dict[str, torch.Tensor], micro: int) -> list[dict[str, torch.Tensor]]:
+    """``batch`` split into ``micro`` equal micro-batches of samples (one image each)."""
+    size = batch["input_ids"].shape[0] // micro
+    return [{k: v[i * size : (i + 1) * size] for k, v in batch.items()} for i in range(micro)]
+
+
+def _train(model: torch.nn.Module, ctx: DistributedContext, *, micro: int = 1) -> dict[str, Any]:
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses: list[float] = []
     grads0: dict[str, torch.Tensor] = {}
     for step, per_rank in enumerate(ep_batches()):
         batch = {k: v.to(ctx.device) for k, v in per_rank[ctx.rank].items() if v is not None}
-        loss = model(**batch)
-        loss.backward()
+        total = torch.zeros(())
+        for index, part in enumerate(micro_batches(batch, micro)):
+            if micro > 1:
+                model.set_requires_gradient_sync(index == micro - 1)  # type: ignore[operator]
+            loss = model(**part) / micro
+            loss.backward()
+            total += loss.detach().cpu()
         if step == 0:
             grads0 = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
         opt.step()
         opt.zero_grad()
-        total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / ctx.world_size)
     return {
