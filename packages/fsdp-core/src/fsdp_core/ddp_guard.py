@@ -48,5 +48,9 @@ REFUSE_DDP = _RefuseDDP()
 
 
 def refuse_ddp(module: nn.Module) -> None:
-    """Make ``DistributedDataParallel(module)`` raise the error above."""
+    """Make ``DistributedDataParallel(module)`` raise the error above.
+
+    Args:
+        module: a sharded unit.
+    """
     internals.set_ddp_ignored(module, REFUSE_DDP)

@@ -82,6 +82,13 @@ class ModuleTreeFingerprint:
         (outside FSDP) or reshaped, and frozen ones made trainable (a replicated one
         would never have its gradient reduced). Removing parameters and freezing are
         harmless there.
+
+        Args:
+            current: the model's fingerprint now.
+            after_sharding: compare only what breaks a sharded model.
+
+        Returns:
+            One line per change, or ``""``.
         """
         old = {p.name: p for p in self.parameters}
         new = {p.name: p for p in current.parameters}
@@ -148,7 +155,14 @@ class ModuleTreeFingerprint:
 
 
 def module_tree_fingerprint(model: nn.Module) -> ModuleTreeFingerprint:
-    """The fingerprint of ``model`` as it is now (global shapes for sharded parameters)."""
+    """The fingerprint of ``model`` as it is now (global shapes for sharded parameters).
+
+    Args:
+        model: the model.
+
+    Returns:
+        Its fingerprint.
+    """
     modules = dict.fromkeys(_normal(name) for name, _ in model.named_modules())
     parameters = {}
     for name, param in model.named_parameters():
@@ -164,7 +178,15 @@ def module_tree_fingerprint(model: nn.Module) -> ModuleTreeFingerprint:
 
 
 def check_module_tree(model: nn.Module, expected: ModuleTreeFingerprint) -> None:
-    """Raise ``ModuleTreeChangedError`` if ``model`` is not the tree a plan was made for."""
+    """Raise ``ModuleTreeChangedError`` if ``model`` is not the tree a plan was made for.
+
+    Args:
+        model: the model about to be sharded.
+        expected: the plan's fingerprint.
+
+    Raises:
+        ModuleTreeChangedError: naming what changed.
+    """
     changes = expected.changes(module_tree_fingerprint(model))
     if changes:
         raise ModuleTreeChangedError(
@@ -180,7 +202,15 @@ def install_first_forward_check(
 ) -> RemovableHandle:
     """Check the tree once, at the first forward of the sharded ``model``; the hook
     removes itself once a forward found the tree unchanged. ``model`` is remembered
-    (weakly) for ``check_unchanged_since_sharding``."""
+    (weakly) for ``check_unchanged_since_sharding``.
+
+    Args:
+        model: the sharded model.
+        expected: its fingerprint when it was sharded.
+
+    Returns:
+        The hook's handle.
+    """
     handle: RemovableHandle | None = None
     _SHARDED[model] = expected
     # What is on meta now must have values by the first forward (fsdp_core.weights_check).
@@ -200,7 +230,15 @@ def install_first_forward_check(
 def check_unchanged_since_sharding(model: nn.Module, *, where: str) -> None:
     """Raise ``ModuleTreeChangedError`` if ``model``, or a sharded model inside it (a
     ``PeftModel`` wrapped around one), changed since it was sharded; ``where`` names the
-    call for the message (``load_pretrained``...). One walk over the modules."""
+    call for the message (``load_pretrained``...). One walk over the modules.
+
+    Args:
+        model: the model (or a wrapper of it).
+        where: the calling function, for the message.
+
+    Raises:
+        ModuleTreeChangedError: naming what changed.
+    """
     for module in model.modules():
         expected = _SHARDED.get(module)
         if expected is not None:

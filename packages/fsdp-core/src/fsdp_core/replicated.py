@@ -27,7 +27,13 @@ def place_replicated_params(model: nn.Module, plan: ShardingPlan, *, mesh: Devic
     (their own dtype where it recorded none), then, when ``plan.sync_replicated``,
     broadcast them over ``mesh`` (the ranks that hold this model: the lockstep mesh, so
     each pipeline stage among its own ranks) from its first rank. Meta parameters stay
-    on meta (materialised later)."""
+    on meta (materialised later).
+
+    Args:
+        model: the model about to be sharded.
+        plan: its plan (the replicated parameters, their dtypes, ``sync_replicated``).
+        mesh: the ranks that hold the model.
+    """
     if not plan.replicated_param_names:
         return
     named = dict(model.named_parameters())

@@ -34,6 +34,17 @@ def parse_size(value: int | str, *, argument: str = "size") -> int:
     ``argument`` names the option in error messages: a ``TypeError`` for other
     types, a ``ValueError`` listing the units for text that is not a size, and a
     ``ValueError`` for sizes that are not positive.
+
+    Args:
+        value: bytes, or text such as ``"5GB"`` or ``"512 MiB"``.
+        argument: the option's name, for the messages.
+
+    Returns:
+        The size in bytes.
+
+    Raises:
+        TypeError: ``value`` is neither an int nor a string.
+        ValueError: the text is no size, or the size is not positive.
     """
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise TypeError(f"{argument} must be an int or a str, got {type(value).__name__}")

@@ -56,7 +56,15 @@ def mark_replaced_parameters(
     model: nn.Module, before: Mapping[str, nn.Parameter]
 ) -> tuple[str, ...]:
     """Tag the parameters of ``before`` (name -> parameter, taken before sharding) that
-    ``model`` no longer holds, and install the optimizer check; returns their names."""
+    ``model`` no longer holds, and install the optimizer check; returns their names.
+
+    Args:
+        model: the sharded model.
+        before: its parameters by name, taken before sharding.
+
+    Returns:
+        The names of the parameters sharding replaced.
+    """
     now = {id(p) for p in model.parameters()}
     replaced = []
     for name, param in before.items():

@@ -44,6 +44,13 @@ def backward_free_paths(
     holding one directly) see only media inputs, so their backward never runs.
     ``parts`` are the discovered parts when the caller has them (the planner, which
     records the result in the plan); else discovery with default options finds them.
+
+    Args:
+        model: the model.
+        parts: the discovered towers' and projectors' parts, if known.
+
+    Returns:
+        The qualified names of those frozen modules.
     """
     if parts is not None:
         found = list(parts)

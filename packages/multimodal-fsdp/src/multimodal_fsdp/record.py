@@ -62,7 +62,14 @@ class MultimodalRecord:
 
 def plan_record(plan: ShardingPlan) -> MultimodalRecord | None:
     """The multimodal record of ``plan``; ``None`` for plans made otherwise (by hand,
-    by a plain ``ModelParallelizer``)."""
+    by a plain ``ModelParallelizer``).
+
+    Args:
+        plan: any plan.
+
+    Returns:
+        Its ``MultimodalRecord``, or None.
+    """
     return plan.record(MultimodalRecord)
 
 
@@ -76,7 +83,17 @@ def media_regions_of(
     """Modules that only run with media and own units of ``plan``: towers and projectors
     with units inside, then media-dependent decoder layers that are units themselves.
     ``balanced`` modules (towers, and the projectors and layers ``balance_media=True``
-    joins) are none: every rank takes part in each of their calls."""
+    joins) are none: every rank takes part in each of their calls.
+
+    Args:
+        parts: the planned towers' and projectors' parts.
+        conditional_layers: the media-dependent decoder layers' paths.
+        plan: the plan (its units).
+        balanced: the modules ``balance_media`` makes every rank call.
+
+    Returns:
+        The media regions, in that order.
+    """
     members = [path for unit in plan.units if not unit.is_root for path in unit.paths]
     skip = set(balanced)
     regions: list[MediaRegion] = []

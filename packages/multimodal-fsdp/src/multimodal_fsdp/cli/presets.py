@@ -67,6 +67,12 @@ def model_presets() -> dict[str, ModelPreset]:
     A registration that fails to load, or returns something other than presets, is
     logged and left out, so one broken plugin cannot break the command line; two
     presets of the same name are an error naming both packages.
+
+    Returns:
+        ``{name: preset}``.
+
+    Raises:
+        ValueError: two packages register a preset of the same name.
     """
     presets: dict[str, ModelPreset] = {}
     owners: dict[str, str] = {}
