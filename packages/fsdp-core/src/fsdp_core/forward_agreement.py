@@ -70,8 +70,14 @@ _SCOPED: ContextVar[bool] = ContextVar("fsdp_core_agreement_scoped", default=Fal
 
 
 def call_kind(model: nn.Module) -> str:
-    """What a root forward of ``model`` is, in words (``TRAINING_FORWARD`` when gradients
-    are on and the model is in training mode)."""
+    """What a root forward of ``model`` is, in words.
+
+    Args:
+        model: the model about to run its forward.
+
+    Returns:
+        ``TRAINING_FORWARD`` when gradients are on and the model is in training mode.
+    """
     if not torch.is_grad_enabled():
         return "a forward under torch.no_grad()"
     if not model.training:
@@ -99,7 +105,12 @@ def _last(point: int, value: str) -> str:
 
 class ForwardAgreement:
     """The installed hook (see the module docstring). ``calls`` counts this rank's
-    numbered calls of the model."""
+    numbered calls of the model; ``step`` is this rank's step state.
+
+    Args:
+        model: the sharded model.
+        agreement: the model's agreement ([agreement_of][fsdp_core.rank_agreement.agreement_of]).
+    """
 
     name: str = NAME
 
@@ -117,7 +128,17 @@ class ForwardAgreement:
         ]
 
     def arrive(self, kind: str, step: RankStep | None = None) -> None:
-        """Number one call of the model on this rank and meet the others there."""
+        """Number one call of the model on this rank and meet the others there.
+
+        Args:
+            kind: the call in words (``call_kind``, ``"generate()"``, ...).
+            step: this rank's step, for a forward that says one.
+
+        Raises:
+            CollectiveCallError: the ranks made different calls, or some did not come.
+            StepMismatchError: the ranks' steps differ.
+            EmptyBatchError: some rank's batch has no rows.
+        """
         self.calls += 1
         payload = f"{self.calls}|{kind}|{step.text() if step is not None else ''}"
         self.agreement.meet(CALL, payload, what=f"call #{self.calls} of the model ({kind})")
@@ -132,7 +153,14 @@ class ForwardAgreement:
         self._depth = max(0, self._depth - 1)
 
     def explain(self, meeting: Meeting) -> Exception | None:
-        """The error of a meeting of calls (``None`` while the ranks agree, or may)."""
+        """The error of a meeting of calls.
+
+        Args:
+            meeting: what the ranks said at one point.
+
+        Returns:
+            The error every rank raises, or ``None`` while the ranks agree (or may).
+        """
         calls = {r: _call(v) for r, v in meeting.values.items() if kind_of(v) == CALL}
         made = {(number, kind) for number, kind, _ in calls.values()}
         late = meeting.timed_out_s is not None and bool(meeting.elsewhere)
@@ -172,6 +200,7 @@ class ForwardAgreement:
         )
 
     def remove(self) -> None:
+        """Remove the hooks and the step state; the agreement forgets calls."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -186,7 +215,12 @@ def _hook_of(model: nn.Module) -> ForwardAgreement | None:
 
 def record_call(model: nn.Module, kind: str) -> None:
     """One numbered call of ``model`` made outside its forward (a tower called by hand):
-    every rank must make it. A no-op inside an agreed call or without the hook."""
+    every rank must make it. A no-op inside an agreed call or without the hook.
+
+    Args:
+        model: the sharded model.
+        kind: the call in words.
+    """
     hook = _hook_of(model)
     if hook is not None and not _SCOPED.get():
         hook.arrive(kind)
@@ -197,7 +231,12 @@ def agreement_scope(model: nn.Module, kind: str) -> Iterator[None]:
     """One numbered call of ``model`` (``kind`` says what, e.g. ``"generate()"``) that
     covers the forwards run inside it: they are in step on every rank when the scope's
     call is (transformers keeps ranks generating in step for FSDP models). A no-op when
-    ``model`` has no ``forward_agreement`` hook or a scope is open already."""
+    ``model`` has no ``forward_agreement`` hook or a scope is open already.
+
+    Args:
+        model: the sharded model.
+        kind: the call in words.
+    """
     hook = _hook_of(model)
     if hook is None or _SCOPED.get():
         yield

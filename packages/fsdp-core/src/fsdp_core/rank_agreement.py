@@ -98,7 +98,16 @@ def _decode(text: str) -> Exception:
 class RankAgreement:
     """The numbered meeting points of one sharded model's ``ranks`` (see the module
     docstring). Hooks register how they explain and describe their kind of value;
-    ``points`` counts this rank's points."""
+    ``points`` counts this rank's points.
+
+    Args:
+        ranks: the global ranks that meet (sorted; this rank among them).
+        timeout_s: how long a rank waits for the others unless
+            ``FSDP_CORE_RANK_WAIT_TIMEOUT_S`` says otherwise.
+
+    Raises:
+        ValueError: a wait setting of the environment is not positive seconds.
+    """
 
     def __init__(self, ranks: tuple[int, ...], *, timeout_s: float) -> None:
         self.ranks = ranks
@@ -123,18 +132,30 @@ class RankAgreement:
     def register(
         self, kind: str, explain: Explain, describe: Describe, *, first: bool = False
     ) -> None:
-        """How values of ``kind`` are explained and described; ``first``: this kind
-        explains a meeting where it is present before any kind registered earlier."""
+        """Say how values of ``kind`` are explained and described.
+
+        Args:
+            kind: the kind of value a hook says (``"call"``, ``"media"``).
+            explain: builds the error of a meeting (``None`` while the ranks agree).
+            describe: a value in words, for the warning of a waiting rank.
+            first: this kind explains a meeting where it is present before any kind
+                registered earlier (a position explains a rank at another call).
+        """
         entry = (explain, describe)
         self._kinds = {kind: entry, **self._kinds} if first else {**self._kinds, kind: entry}
 
     def unregister(self, kind: str) -> None:
+        """Forget ``kind`` (its hook was removed)."""
         self._kinds.pop(kind, None)
 
     # ----------------------------------------------------------------- meeting
     def meet(self, kind: str, payload: str, *, what: str) -> None:
-        """Meet the other ranks at the next point, saying ``kind|payload``; ``what`` names
-        the point in the warning of a long wait.
+        """Meet the other ranks at the next point.
+
+        Args:
+            kind: the kind of what this rank says (its hook's registered kind).
+            payload: what this rank says (no ``|`` in a kind; the payload may hold any).
+            what: the point in words, for the warning of a long wait.
 
         Raises:
             Exception: the error the registered hooks built from what the ranks said (the
@@ -257,11 +278,6 @@ class RankAgreement:
         elsewhere = {r: statuses.get(r, (-1, "")) for r in self.ranks if r not in values}
         return Meeting(point, values, elsewhere)
 
-    def behind(self) -> dict[int, str]:
-        """The ranks that have not come to this rank's last point, each with what it did
-        last (empty without other processes)."""
-        return self._behind(self.points) if self.active else {}
-
     def _behind(self, point: int) -> dict[int, str]:
         last = {}
         for rank, (number, value) in self._meeting(point).elsewhere.items():
@@ -279,7 +295,16 @@ _AGREEMENTS: weakref.WeakKeyDictionary[nn.Module, RankAgreement] = weakref.WeakK
 
 def agreement_of(model: nn.Module, dims: ParallelDims) -> RankAgreement:
     """The agreement of ``model``'s lockstep ranks, made by its first hook; every hook of
-    the model meets through it, so their points are numbered in one sequence."""
+    the model meets through it, so their points are numbered in one sequence.
+
+    Args:
+        model: the sharded model.
+        dims: its mesh dimensions; the agreement spans ``dims.lockstep_ranks()`` and
+            waits as long as the data-parallel group's timeout.
+
+    Returns:
+        The model's agreement (a new one when its lockstep ranks changed).
+    """
     agreement = _AGREEMENTS.get(model)
     ranks = dims.lockstep_ranks()
     if agreement is None or agreement.ranks != ranks:
