@@ -81,7 +81,16 @@ def entry_owners(
     module of theirs lies inside it, i.e. units whose forward does not run when the
     entry module is called on its own (usually the root unit). Paths whose parameters
     are all replicated or ignored are left out; paths whose parameters all sit in
-    units of their own map to ``()`` (the hook then only fixes which unit is root)."""
+    units of their own map to ``()`` (the hook then only fixes which unit is root).
+
+    Args:
+        model: the model (meta is enough).
+        plan: its plan.
+        paths: the entry modules' paths (towers and projectors called on their own).
+
+    Returns:
+        ``{entry path: unit indices}``.
+    """
     owned = unit_parameters(plan, model)
     result: dict[str, tuple[int, ...]] = {}
     for path in paths:
@@ -124,6 +133,8 @@ class EntryUnshardHook:
     _generators: list[nn.Module] = field(default_factory=list, repr=False)
 
     def watch_root(self) -> None:
+        """Count the model's own forwards, so entry calls inside one gather nothing extra."""
+
         def enter(*_: object) -> None:
             self._depth += 1
 
@@ -135,6 +146,13 @@ class EntryUnshardHook:
         self._handles.append(self.model.register_forward_hook(leave, always_call=True))
 
     def attach(self, module: nn.Module, entry: _Entry) -> None:
+        """Hook one entry module: its calls outside the model's forward gather its owners.
+
+        Args:
+            module: the entry module.
+            entry: its owner units and what the hook records of its calls.
+        """
+
         def before(
             mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -181,7 +199,12 @@ class EntryUnshardHook:
         calls ``generate`` once, while a rank without images skips the tower and would
         skip a gather made per tower call (uneven media, as in training). Ranks that
         generate different lengths stay in step through transformers' own
-        ``synced_gpus``, which it turns on for modules ``fully_shard`` manages."""
+        ``synced_gpus``, which it turns on for modules ``fully_shard`` manages.
+
+        Args:
+            module: a module with ``generate`` (the model or a wrapper of it).
+            owners: the units to hold gathered.
+        """
         original: Callable[..., Any] = module.generate  # type: ignore[assignment]
 
         @functools.wraps(original)
@@ -220,6 +243,7 @@ class EntryUnshardHook:
                 tensor.register_hook(refuse)  # type: ignore[no-untyped-call]
 
     def remove(self) -> None:
+        """Remove every hook and wrapper this installed."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -233,7 +257,15 @@ def install_entry_unshard(
 ) -> EntryUnshardHook:
     """Hook each entry module of ``owners`` (entry path to the plan's units that own its
     parameters, from [entry_owners][fsdp_core.entry_unshard.entry_owners]) on the sharded
-    ``model``; the units are looked up in ``model`` by their plan paths."""
+    ``model``; the units are looked up in ``model`` by their plan paths.
+
+    Args:
+        model: the sharded model.
+        owners: ``{entry path: units}`` from the plan.
+
+    Returns:
+        The installed hook.
+    """
     hook = EntryUnshardHook(model)
     hook.watch_root()
     entries: dict[str, tuple[FSDPModule, ...]] = {}
@@ -280,7 +312,15 @@ class EntryUnshardRuntimeHook(RuntimeHook):
     def from_plan(
         cls, plan: ShardingPlan, owners: Mapping[str, tuple[int, ...]]
     ) -> EntryUnshardRuntimeHook:
-        """The hook for ``owners`` (entry path to unit indices in ``plan.units``)."""
+        """The hook for ``owners`` (entry path to unit indices in ``plan.units``).
+
+        Args:
+            plan: the plan.
+            owners: what ``entry_owners`` returned.
+
+        Returns:
+            The hook with its plan data.
+        """
         units = plan.units
         return cls(tuple((path, tuple(units[i] for i in idx)) for path, idx in owners.items()))
 

@@ -64,7 +64,12 @@ class _Record:
 
 class UnusedParamsHook:
     """The installed hook (see the module docstring), put on the sharded ``model`` by its
-    constructor."""
+    constructor.
+
+    Args:
+        model: the sharded model.
+        mesh: the data-parallel ranks whose usage flags are combined.
+    """
 
     name: str = NAME
 
@@ -142,6 +147,7 @@ class UnusedParamsHook:
             logger.debug("no rank used %d parameters; their gradients stay None", len(dropped))
 
     def remove(self) -> None:
+        """Remove the hooks and turn the reduce-scatter of unused parameters off again."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -159,7 +165,15 @@ def _name(fsdp_param: Any, index: int) -> str:
 
 def install_unused_params_hook(model: nn.Module, *, mesh: DeviceMesh) -> UnusedParamsHook | None:
     """Install the hook on a sharded ``model``; ``None`` when this torch cannot
-    reduce-scatter unused parameters (a warning says what that risks)."""
+    reduce-scatter unused parameters (a warning says what that risks).
+
+    Args:
+        model: the sharded model.
+        mesh: the data-parallel ranks whose usage flags are combined.
+
+    Returns:
+        The hook, or None.
+    """
     if not compat.REDUCE_SCATTER_UNUSED_PARAMS:
         logger.warning(
             "this torch cannot reduce-scatter unused parameters; ranks that skip part of "

@@ -85,7 +85,12 @@ class BackwardPrefetchGuard:
     """The installed guard: which units it watches, and which ran a backward last step.
 
     Built on a sharded ``model`` from the frozen units to watch: (label, the unit's FSDP
-    module, its member module paths) each."""
+    module, its member module paths) each.
+
+    Args:
+        model: the sharded model.
+        watched: ``(label, FSDP module, member paths)`` per frozen unit.
+    """
 
     name: str = NAME
 
@@ -133,7 +138,11 @@ class BackwardPrefetchGuard:
             self._needed[index] = True
 
     def blocked_units(self) -> list[str]:
-        """Units that cannot be all-gathered in the current (or last) backward."""
+        """Units that cannot be all-gathered in the current (or last) backward.
+
+        Returns:
+            Their labels.
+        """
         return [label for label, needed in zip(self.units, self._needed, strict=True) if not needed]
 
     def remove(self) -> None:
@@ -151,7 +160,15 @@ class BackwardPrefetchGuard:
 
 def frozen_unit_labels(model: nn.Module, plan: ShardingPlan) -> list[str]:
     """Labels of the non-root units of ``plan`` whose parameters are all frozen (the
-    units the guard watches); needs no process group."""
+    units the guard watches); needs no process group.
+
+    Args:
+        model: the sharded model.
+        plan: the plan it was sharded by.
+
+    Returns:
+        The labels.
+    """
     return [label for label, _ in _frozen_plan_units(model, plan)]
 
 
@@ -183,6 +200,16 @@ def guard_backward_prefetch(model: nn.Module, plan: ShardingPlan) -> BackwardPre
     ``None`` when the plan has no frozen unit besides the root. Calling it again
     on the same model returns the guard already installed. (The parallelizers
     install it themselves when their plan lists the ``prefetch_guard`` hook.)
+
+    Args:
+        model: the sharded model.
+        plan: the plan it was sharded by.
+
+    Returns:
+        The guard, or None.
+
+    Raises:
+        TypeError: ``model`` or ``plan`` has the wrong type.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -204,6 +231,14 @@ def build_backward_prefetch_guard(
 
     ``units``: the labels of the frozen units to guard (default: every one). A unit
     that gradients reach on some ranks only must be left out (see the module doc).
+
+    Args:
+        model: the sharded model.
+        plan: the plan it was sharded by.
+        units: the labels to guard (every frozen unit when None).
+
+    Returns:
+        The guard, or None when no unit is guarded.
     """
     frozen = _frozen_units(model, plan)
     if units is not None:
@@ -238,7 +273,16 @@ class PrefetchGuardRuntimeHook(RuntimeHook):
     def from_plan(
         cls, model: nn.Module, plan: ShardingPlan, labels: Collection[str]
     ) -> PrefetchGuardRuntimeHook:
-        """The hook guarding the frozen units of ``plan`` named in ``labels``."""
+        """The hook guarding the frozen units of ``plan`` named in ``labels``.
+
+        Args:
+            model: the model (meta is enough).
+            plan: the plan it was sharded by.
+            labels: the frozen units to guard.
+
+        Returns:
+            The hook with its plan data.
+        """
         wanted = set(labels)
         return cls(
             tuple(
@@ -260,11 +304,25 @@ class PrefetchGuardRuntimeHook(RuntimeHook):
 
 
 def backward_prefetch_guard(model: nn.Module) -> BackwardPrefetchGuard | None:
-    """The guard installed on ``model``, if any."""
+    """The guard installed on ``model``, if any.
+
+    Args:
+        model: the sharded model.
+
+    Returns:
+        The guard, or None.
+    """
     guard = installed_hooks(model).get(NAME)
     return guard if isinstance(guard, BackwardPrefetchGuard) else None
 
 
 def remove_backward_prefetch_guard(model: nn.Module) -> bool:
-    """Undo ``guard_backward_prefetch`` on ``model``; returns whether there was one."""
+    """Undo ``guard_backward_prefetch`` on ``model``; returns whether there was one.
+
+    Args:
+        model: the sharded model.
+
+    Returns:
+        Whether a guard was removed.
+    """
     return bool(remove_runtime_hooks(model, [NAME]))
