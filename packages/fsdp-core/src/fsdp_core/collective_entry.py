@@ -106,6 +106,14 @@ def whole_world_ranks(model: nn.Module, what: str, instead: str) -> tuple[int, .
     stage) is refused: each stage's ranks would meet the others' different call. Every
     stage holds a part, so every rank raises, before any collective.
 
+    Args:
+        model: the sharded model the call is about.
+        what: the call, for the message.
+        instead: what to do instead, for the message.
+
+    Returns:
+        The global ranks the model is sharded over (the world).
+
     Raises:
         ValueError: the model's ranks are not the world (``instead`` says what to do).
     """

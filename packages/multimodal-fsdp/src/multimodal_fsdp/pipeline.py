@@ -44,6 +44,13 @@ def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
     """The decoder layers of each stage, as even as possible (earlier stages get the
     extra layer: the first stage also runs the towers, the last the head).
 
+    Args:
+        num_layers: decoder layers of the model.
+        num_stages: pipeline stages (at least two).
+
+    Returns:
+        One range of layer indices per stage, in order.
+
     Raises:
         ValueError: fewer layers than stages, or fewer than two stages.
     """
@@ -82,6 +89,17 @@ def split_stages(
     ``forwards[i]`` becomes stage ``i``'s ``forward`` (called as ``forward(stage,
     *inputs)``); without ``forwards`` the stages keep the model's, for planning and
     estimates only.
+
+    Args:
+        model: the whole model (on ``meta``: each stage starts as a copy of it).
+        layers: path of the decoder layer container, e.g. ``"model.layers"``.
+        num_stages: pipeline stages.
+        forwards: each stage's forward, as functions of ``(stage, *inputs)``.
+        first_stage: paths of more modules for stage 0 (a tower registered late).
+        boundaries: the first layer index of each stage after the first.
+
+    Returns:
+        The stage modules, stage 0 first.
 
     Raises:
         TypeError: ``layers`` is not an ``nn.ModuleList`` or ``nn.ModuleDict``.
@@ -187,6 +205,13 @@ def check_stages(
     middle of a pipeline step; returns the plans (stage ``i``'s for its ranks'
     ``parallelizer.apply_plan``, or for the estimates). Call it on every rank with all
     stages (on ``meta``): every rank raises the same error, before any stage runs.
+
+    Args:
+        stages: every stage module of the pipeline, stage 0 first.
+        parallelizer: the parallelizer that will shard each stage.
+
+    Returns:
+        Each stage's plan, in stage order.
 
     Raises:
         ValueError: a tower or projector on a stage other than the first (media enter
