@@ -200,8 +200,10 @@ def applied_unit_paths(model: nn.Module) -> list[tuple[str, ...]]:
 def finishes_backward(unit: FSDPModule) -> bool:
     """Whether FSDP ends the current backward itself; ``False`` after
     ``set_is_last_backward(False)``, when the caller reduces the gradients by hand
-    later (torch's pipeline schedules do, once per step)."""
-    return bool(getattr(_require(_state(unit), STATE_CTX), "is_last_backward", True))
+    later (torch's pipeline schedules do, once per step). ``True`` on a torch without
+    the flag: the caller's backwards are then checked as any others."""
+    context = getattr(_state(unit), STATE_CTX.name, None)
+    return bool(getattr(context, "is_last_backward", True))
 
 
 def param_groups(unit: FSDPModule) -> tuple[Any, ...]:
