@@ -73,7 +73,14 @@ def _unwrap(module: nn.Module) -> nn.Module:
 
 
 def is_norm_module(module: nn.Module) -> bool:
-    """A normalisation layer by shape: only 1-D parameters, ``weight`` among them."""
+    """A normalisation layer by shape: only 1-D parameters, ``weight`` among them.
+
+    Args:
+        module: any module.
+
+    Returns:
+        Whether it looks like a norm.
+    """
     own = dict(module.named_parameters(recurse=False))
     if "weight" not in own or not all(p.dim() == 1 for p in own.values()):
         return False
@@ -85,7 +92,14 @@ def _has_params(module: nn.Module) -> bool:
 
 
 def is_vision_block(module: nn.Module) -> bool:
-    """The V4 block layout: ``norm1`` and ``norm2`` norms beside other layers."""
+    """The V4 block layout: ``norm1`` and ``norm2`` norms beside other layers.
+
+    Args:
+        module: any module.
+
+    Returns:
+        Whether it is a vision block.
+    """
     inner = _unwrap(module)
     children = {name: _unwrap(child) for name, child in inner.named_children()}
     if not all(is_norm_module(children.get(name, nn.Identity())) for name in BLOCK_NORM_NAMES):
@@ -191,6 +205,20 @@ def plan_fp32_norm_groups(
     its own unit. Norms that are already units, already planned, or ignored
     (replicated) are left out. The surrounding compute dtype (the norms' output
     dtype) is the policy's ``param_dtype``, else the dtype of the other weights.
+
+    Args:
+        module: a vision tower or block.
+        mp_policy: the surrounding policy.
+        prefix: ``module``'s qualified name.
+        ignored_param_names: parameters left out (replicated).
+        planned: ids of modules already planned as units.
+        grouped: whether the norms may share a unit (None: what this torch supports).
+
+    Returns:
+        The norm groups, each with its fp32 policy.
+
+    Raises:
+        TypeError: ``mp_policy`` is not a ``MixedPrecisionPolicy``.
     """
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
@@ -269,6 +297,17 @@ def fully_shard_deepseek_v41(
     already is an FSDP unit is left as it is (no double wrapping). A list of modules is
     sharded as one grouped unit with ``mp_policy`` (used for norm groups). Everything is
     checked before the first unit is made, so a bad call shards nothing.
+
+    Args:
+        module: the module (or list of modules) to shard.
+        mesh: the data-parallel mesh.
+        mp_policy: the caller's policy.
+        offload_policy: FSDP2's offload policy.
+        reshard_after_forward: as ``fully_shard`` takes it.
+        ignored_params: parameters FSDP leaves alone.
+
+    Returns:
+        ``module``, sharded.
     """
     DeepseekV41ModelParallelizer()._fully_shard_module(
         module,

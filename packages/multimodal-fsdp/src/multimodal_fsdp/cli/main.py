@@ -129,7 +129,11 @@ def _reshard(value: str) -> bool | int | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``multimodal-fsdp`` argument parser (one sub-command: ``plan``)."""
+    """The ``multimodal-fsdp`` argument parser (one sub-command: ``plan``).
+
+    Returns:
+        The parser.
+    """
     parser = argparse.ArgumentParser(
         prog="multimodal-fsdp",
         description="Inspect FSDP2 sharding plans of multimodal models before launching a job.",
@@ -556,7 +560,14 @@ def _plan(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m multimodal_fsdp`` and the ``multimodal-fsdp`` script."""
+    """Entry point of ``python -m multimodal_fsdp`` and the ``multimodal-fsdp`` script.
+
+    Args:
+        argv: the arguments without the program name (``sys.argv[1:]`` if None).
+
+    Returns:
+        The exit status.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
