@@ -115,7 +115,7 @@ def find_dtype_islands(
         prefix: its qualified name, for the islands' paths.
         trainable_only: count only trainable parameters (FSDP's rule).
         skip: submodules to leave out (already units, replicated, ...).
-        ignored_params: names of parameters FSDP ignores.
+        ignored_param_names: names of parameters FSDP ignores.
 
     Returns:
         The unit's dominant dtype and its islands.
