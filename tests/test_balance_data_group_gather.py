@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from fsdp_core.testing import run_on_gloo_ranks
 from multimodal_fsdp.balance._data_group import DataGroup, gather_outputs
-from multimodal_fsdp.balance.layouts import BatchFirstLayout
+from multimodal_fsdp.balance.generic_layouts import BatchFirstLayout
 
 WEIGHTS = [2, 1, 3]
 

@@ -17,7 +17,7 @@ from multimodal_fsdp.balance.context_parallel import (
     context_parallel_media,
     split_frames,
 )
-from multimodal_fsdp.balance.layouts import PackedByGridLayout
+from multimodal_fsdp.balance.generic_layouts import PackedByGridLayout
 
 FRAMES = 3
 

@@ -18,15 +18,14 @@ from multimodal_fsdp.balance.family_layouts import (
     PackedBySizeLayout,
     TiledLayout,
 )
+from multimodal_fsdp.balance.generic_layouts import BatchFirstLayout, PackedByGridLayout
 from multimodal_fsdp.balance.layouts import (
-    BatchFirstLayout,
     CallSpec,
     FieldSpec,
     MediaCall,
     MediaItem,
     MediaLayout,
     OutputSpec,
-    PackedByGridLayout,
     ProbeCall,
     RowRule,
 )

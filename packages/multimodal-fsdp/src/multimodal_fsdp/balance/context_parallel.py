@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from multimodal_fsdp.balance._data_group import select_items
-from multimodal_fsdp.balance.layouts import MediaCall, MediaItem, MediaLayout, PackedByGridLayout
+from multimodal_fsdp.balance.generic_layouts import PackedByGridLayout
+from multimodal_fsdp.balance.layouts import MediaCall, MediaItem, MediaLayout
 
 __all__ = ["context_parallel_media", "items_of_tokens"]
 

@@ -26,11 +26,8 @@ from multimodal_fsdp.balance.family_layouts import (
     PackedBySizeLayout,
     TiledLayout,
 )
-from multimodal_fsdp.balance.layouts import (
-    BatchFirstLayout,
-    MediaLayout,
-    PackedByGridLayout,
-)
+from multimodal_fsdp.balance.generic_layouts import BatchFirstLayout, PackedByGridLayout
+from multimodal_fsdp.balance.layouts import MediaLayout
 from multimodal_fsdp.balance.probe import ProbeReport, probe_layout
 
 __all__ = ["register_media_layout", "media_layout_for", "choose_media_layout", "LayoutChoice"]
