@@ -26,7 +26,7 @@ pytestmark = pytest.mark.distributed
 Reference = tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]
 
 
-def _reference(frozen: bool) -> Reference:
+def _reference(frozen: bool, media: str) -> Reference:
     """One process, the whole model, every DP rank's microbatches of each step."""
     model = build_deepseek_v41(CONFIG, seed=0)
     if frozen:
@@ -35,7 +35,7 @@ def _reference(frozen: bool) -> Reference:
     losses: list[float] = []
     grads0: dict[str, torch.Tensor] = {}
     for step in range(STEPS):
-        batches = [b for dp in range(2) for b in microbatches(step, dp)]
+        batches = [b for dp in range(2) for b in microbatches(step, dp, media)]
         loss = torch.stack([model(**batch) for batch in batches]).mean()
         loss.backward()
         if step == 0:
@@ -48,17 +48,21 @@ def _reference(frozen: bool) -> Reference:
 
 
 @pytest.fixture(scope="module")
-def references() -> dict[bool, Reference]:
-    return {frozen: _reference(frozen) for frozen in (True, False)}
+def references() -> dict[tuple[bool, str], Reference]:
+    return {
+        (frozen, media): _reference(frozen, media)
+        for frozen in (True, False)
+        for media in ("mixed", "text_rank")
+    }
 
 
 @pytest.mark.parametrize("case", pp_cases())
 def test_pipeline_stages_train_like_one_process(
-    case: str, mp4: MpResults, references: dict[bool, Reference]
+    case: str, mp4: MpResults, references: dict[tuple[bool, str], Reference]
 ) -> None:
     result = mp4("pp_dp_stages")[case]
-    frozen = VARIANTS[case.split("/")[1]][1]
-    check_against_reference(result, references[frozen], TOL[torch.float32])
+    _, variant, media = case.split("/")
+    check_against_reference(result, references[VARIANTS[variant][1], media], TOL[torch.float32])
 
 
 @pytest.mark.parametrize("case", pp_cases())
@@ -73,7 +77,8 @@ def test_each_stage_agrees_over_its_own_ranks(case: str, mp4: MpResults) -> None
 def test_text_only_microbatches_are_in_the_data() -> None:
     """The data holds what the cases claim: a text-only microbatch on each DP rank."""
     for dp in range(2):
-        kinds = [b["pixel_values"] is None for b in microbatches(0, dp)]
+        kinds = [b["pixel_values"] is None for b in microbatches(0, dp, "mixed")]
         assert len(kinds) == MICROBATCHES
         assert any(kinds)
         assert not all(kinds)
+    assert all(b["pixel_values"] is None for b in microbatches(0, 1, "text_rank"))

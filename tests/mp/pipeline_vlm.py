@@ -21,9 +21,12 @@ from model_deepseek_v41.modeling import Batch
 #: Samples per microbatch and microbatches per step of each DP rank.
 MB_SAMPLES = 2
 MICROBATCHES = 2
-#: Images per sample in each (DP rank, microbatch): text-only microbatches on both ranks,
-#: at different places, and a microbatch with two images per sample.
-MEDIA = [[1, 0], [0, 2]]
+#: Images per sample in each (DP rank, microbatch), per media layout: ``mixed`` has a
+#: text-only microbatch on both ranks, at different places, and one with two images per
+#: sample; in ``text_rank`` DP rank 1's whole step is text-only.
+MEDIA = {"mixed": [[1, 0], [0, 2]], "text_rank": [[1, 0], [0, 0]]}
+#: Images per sample the stage-0 input holds (zeros where a sample has fewer).
+MAX_IMAGES = 2
 STEPS = 2
 LR = 0.05
 
@@ -64,14 +67,14 @@ def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
     )
 
 
-def microbatches(step: int, dp_rank: int) -> list[Batch]:
+def microbatches(step: int, dp_rank: int, media: str = "mixed") -> list[Batch]:
     """The microbatches of one DP rank in one step, as the model takes them."""
     return [
         make_batch(
             CONFIG,
             batch_size=MB_SAMPLES,
             seq_len=SEQ,
-            num_images_per_sample=MEDIA[dp_rank][mb],
+            num_images_per_sample=MEDIA[media][dp_rank][mb],
             seed=7000 + 31 * step + 7 * dp_rank + mb,
         )
         for mb in range(MICROBATCHES)
@@ -80,12 +83,11 @@ def microbatches(step: int, dp_rank: int) -> list[Batch]:
 
 def stage_inputs(batches: list[Batch]) -> tuple[Tensor, Tensor, Tensor]:
     """One rank's step batch as the schedule takes it: ``input_ids``, the per-sample
-    ``pixel_values`` (padded to the most images per sample) and the labels."""
-    most = max(MEDIA[0] + MEDIA[1])
+    ``pixel_values`` (``MAX_IMAGES`` per sample) and the labels."""
     c, size = CONFIG.in_channels, CONFIG.image_size
     pixels = []
     for batch in batches:
-        padded = torch.zeros(MB_SAMPLES, most, c, size, size)
+        padded = torch.zeros(MB_SAMPLES, MAX_IMAGES, c, size, size)
         if batch["pixel_values"] is not None:
             per_sample = batch["pixel_values"].reshape(MB_SAMPLES, -1, c, size, size)
             padded[:, : per_sample.shape[1]] = per_sample

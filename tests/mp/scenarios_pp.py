@@ -5,10 +5,11 @@ library over its data-parallel ranks.
 ``meta``) into stage 0 (vision tower, aligner, embeddings, decoder layer 0) and stage 1
 (decoder layer 1, final norm, head); each rank builds its stage's ``PipelineStage`` and
 the library shards the stage module over ``dp`` (``mesh=world, dp_dims='dp'``). Each DP
-rank's step batch is two microbatches, some of them text-only (``pipeline_vlm.MEDIA``):
-a stage-0 rank whose microbatch has no images skips the tower while its DP peer runs it.
-Torch's ``ScheduleGPipe`` and ``Schedule1F1B`` drive the steps under each frozen-tower
-policy and with a trainable tower. ``tests/test_pipeline_distributed.py`` compares the
+rank's step batch is two microbatches, some of them text-only (``pipeline_vlm.MEDIA``;
+in one layout a DP rank's whole step): a stage-0 rank whose microbatch has no images
+skips the tower while its DP peer runs it. Torch's ``ScheduleGPipe`` and
+``Schedule1F1B`` drive the steps under each frozen-tower policy and with a trainable
+tower. ``tests/test_pipeline_distributed.py`` compares the
 losses, first-step gradients and final parameters with one process on the same
 microbatches (the mean of the microbatch losses over microbatches and DP ranks).
 """
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from pipeline_vlm import (
     LR,
+    MAX_IMAGES,
     MB_SAMPLES,
     MICROBATCHES,
     STEPS,
@@ -60,7 +62,12 @@ VARIANTS: dict[str, tuple[dict[str, Any], bool]] = {
 
 
 def pp_cases() -> list[str]:
-    return [f"{schedule}/{variant}" for schedule in SCHEDULES for variant in VARIANTS]
+    """``schedule/variant/media``: every variant on mixed media; the root and the trainable
+    balanced variant also with a DP rank whose whole step is text-only."""
+    return [
+        *(f"{schedule}/{variant}/mixed" for schedule in SCHEDULES for variant in VARIANTS),
+        *(f"{s}/{v}/text_rank" for s in SCHEDULES for v in ("root", "trainable_balanced")),
+    ]
 
 
 def _stage_meta(index: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -69,12 +76,14 @@ def _stage_meta(index: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     hidden = torch.empty(MB_SAMPLES, SEQ, CONFIG.text_hidden, device="meta", requires_grad=True)
     if index == 0:
         ids = torch.empty(MB_SAMPLES, SEQ, dtype=torch.long, device="meta")
-        pixels = torch.empty(MB_SAMPLES, 2, 3, CONFIG.image_size, CONFIG.image_size, device="meta")
+        pixels = torch.empty(
+            MB_SAMPLES, MAX_IMAGES, 3, CONFIG.image_size, CONFIG.image_size, device="meta"
+        )
         return (ids, pixels), hidden
     return (hidden,), torch.empty(MB_SAMPLES, SEQ, CONFIG.vocab_size, device="meta")
 
 
-def _case(ctx: DistributedContext, schedule: str, variant: str) -> dict[str, Any]:
+def _case(ctx: DistributedContext, schedule: str, variant: str, media: str) -> dict[str, Any]:
     world = init_device_mesh(ctx.device.type, (2, 2), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = world["pp"].get_local_rank(), world["dp"].get_local_rank()
     options, frozen = dict(VARIANTS[variant][0]), VARIANTS[variant][1]
@@ -108,7 +117,7 @@ def _case(ctx: DistributedContext, schedule: str, variant: str) -> dict[str, Any
     losses: list[float] = []
     grads0: dict[str, torch.Tensor] = {}
     for step in range(STEPS):
-        input_ids, pixels, labels = stage_inputs(microbatches(step, dp_rank))
+        input_ids, pixels, labels = stage_inputs(microbatches(step, dp_rank, media))
         step_losses: list[torch.Tensor] = []
         if pp_rank == 0:
             runner.step(input_ids.to(ctx.device), pixels.to(ctx.device))
@@ -150,8 +159,7 @@ def pp_dp_stages(ctx: DistributedContext, out: Path) -> dict[str, Any]:
     parameters)."""
     results: dict[str, Any] = {}
     for name in pp_cases():
-        schedule, variant = name.split("/")
-        mine = _case(ctx, schedule, variant)
+        mine = _case(ctx, *name.split("/"))
         merged: dict[str, Any] = {"losses": mine["losses"], "grads0": {}, "params": {}}
         for other in _gather(mine):
             merged["grads0"].update(other["grads0"])
