@@ -1,5 +1,5 @@
-"""One tensor walker (``fsdp_core.runtime.nested_tensors``) for the collective counter, the
-runtime hooks' output watch and the activation replay."""
+"""One tensor walker (``fsdp_core.runtime.nested_tensors``) for the runtime hooks' output
+watch and the activation replay."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp_core import comm, runtime
 from fsdp_core.runtime import nested_tensors, output_tensors
 
 
@@ -27,6 +26,3 @@ def test_output_tensors_keep_those_that_need_a_gradient() -> None:
     grad = torch.zeros(1, requires_grad=True)
     assert output_tensors({"loss": grad, "ids": torch.zeros(1)}) == [grad]
 
-
-def test_the_walker_is_shared() -> None:
-    assert comm.nested_tensors is runtime.nested_tensors
