@@ -56,13 +56,14 @@ def _expected_runs(spec: dict[str, Any], rank: int) -> int:
     on its share (a placeholder when it has none and the tower owns units), or two for
     a tower without units that keeps items and receives others' (it encodes the kept
     ones while the others' arrive)."""
-    from multimodal_fsdp.balance.assign import assign_items, needs_exchange
+    from multimodal_fsdp.balance.assign import route_call
 
     counts = [n or 0 for n in spec["counts"]]
-    owners = assign_items([[1] * n for n in counts])
     empty = spec.get("run_when_empty", False)
-    if not needs_exchange(owners, empty):
+    route = route_call([[1] * n for n in counts], run_when_empty=empty)
+    if route is None:
         return 1 if spec["counts"][rank] is not None else 0
+    owners = route.owners
     kept = any(owners[rank][i] == rank for i in range(counts[rank]))
     received = any(
         owners[s][i] == rank for s in range(len(counts)) if s != rank for i in range(counts[s])

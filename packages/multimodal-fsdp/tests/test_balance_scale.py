@@ -19,6 +19,7 @@ from fsdp_core.fake_group import fake_process_group
 from fsdp_core.internals import TorchDispatchMode
 from multimodal_fsdp import MultimodalParallelizer
 from multimodal_fsdp.balance._planned import auto_group_size, group_size
+from multimodal_fsdp.balance.assign import CallRoute
 from multimodal_fsdp.balance.traffic import SLOT_INTS
 from multimodal_fsdp.runtime.balance_media import (
     AUTO_GROUP_RANKS,
@@ -95,13 +96,13 @@ class _Exchange(TorchDispatchMode):
 def assigned(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """(ranks, items) of every assignment the exchange computes."""
     calls: list[tuple[int, int]] = []
-    real = exchange_module.assign_items
+    real = exchange_module.route_call
 
-    def spy(costs: Any) -> list[list[int]]:
+    def spy(costs: Any, *, run_when_empty: bool) -> CallRoute | None:
         calls.append((len(costs), sum(len(c) for c in costs)))
-        return real(costs)
+        return real(costs, run_when_empty=run_when_empty)
 
-    monkeypatch.setattr(exchange_module, "assign_items", spy)
+    monkeypatch.setattr(exchange_module, "route_call", spy)
     return calls
 
 

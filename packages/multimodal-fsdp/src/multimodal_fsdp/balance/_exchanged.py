@@ -14,6 +14,7 @@ from torch import Tensor
 
 from multimodal_fsdp.balance._metadata import Table, gather
 from multimodal_fsdp.balance._route import Exchange, Route, start_forward
+from multimodal_fsdp.balance.assign import CallRoute
 from multimodal_fsdp.balance.layouts import FieldSpec, MediaCall, MediaItem, MediaLayout, OutputSpec
 
 if TYPE_CHECKING:
@@ -74,28 +75,17 @@ class Exchanged:
         member: Member,
         layout: MediaLayout,
         table: Table,
-        owners: list[list[int]],
+        route: CallRoute,
         call: MediaCall | None,
         device: torch.device,
         group: Any,
     ) -> None:
-        self.member, self.layout, self.t, self.owners = member, layout, table, owners
+        self.member, self.layout, self.t, self.route = member, layout, table, route
         self.call, self.device, self.group = call, device, group
         self.runner = member.run(own=call is not None)
-        rank = table.rank
-        local = len(table.costs[rank])
-        self.kept = [i for i in range(local) if owners[rank][i] == rank]
-        self.away = sorted(
-            (i for i in range(local) if owners[rank][i] != rank),
-            key=lambda i: (owners[rank][i], i),
-        )
-        self.assigned = [
-            (s, i)
-            for s in range(table.world)
-            if s != rank
-            for i in range(len(table.costs[s]))
-            if owners[s][i] == rank
-        ]
+        self.kept = route.kept(table.rank)
+        self.away = route.away(table.rank)
+        self.assigned = route.assigned(table.rank)
 
     def _items(self, indices: Sequence[int]) -> list[MediaItem]:
         if self.call is None:
@@ -139,7 +129,7 @@ class Exchanged:
         """The inputs of the items that change rank, one buffer per field, and the rows
         each rank sends and receives: one all_to_all then carries every field, and its
         inverse the input gradients; ``link`` ties those gradients into the graph."""
-        t, owners, rank, world = self.t, self.owners, self.t.rank, self.t.world
+        t = self.t
         nfields = len(t.fields)
         send_fields = []
         for f in range(nfields):
@@ -148,23 +138,14 @@ class Exchanged:
                 (0, *t.fields[f].row_shape), dtype=t.fields[f].dtype, device=self.device
             )
             send_fields.append(torch.cat(parts) if parts else empty)
-        send_rows = tuple(
-            tuple(
-                sum(t.rows[rank][i][f] for i in self.away if owners[rank][i] == d)
-                for d in range(world)
-            )
+        splits = [
+            self.route.per_peer(t.rank, [[item[f] for item in rows] for rows in t.rows])
             for f in range(nfields)
-        )
-        recv_rows = tuple(
-            tuple(
-                sum(t.rows[s][i][f] for (s2, i) in self.assigned if s2 == s) for s in range(world)
-            )
-            for f in range(nfields)
-        )
+        ]
         differentiable = t.grad_enabled
         in_route = Route(
-            send_rows=send_rows,
-            recv_rows=recv_rows,
+            send_rows=tuple(send for send, _ in splits),
+            recv_rows=tuple(recv for _, recv in splits),
             dtypes=tuple(f.dtype for f in t.fields),
             row_shapes=tuple(f.row_shape for f in t.fields),
             grads=t.input_grads,
@@ -297,7 +278,8 @@ class Exchanged:
         """The route of the outputs: rows to each owner and from each encoder (every rank
         derives both from the table alike), and which tensors carry gradients back along
         its inverse."""
-        t, owners, rank, world, out_spec = self.t, self.owners, self.t.rank, self.t.world, done.spec
+        t, owners, out_spec = self.t, self.route.owners, done.spec
+        rank, world = t.rank, t.world
         nleaves = len(out_spec.dtypes) if out_spec is not None else 0
         out_send_rows = tuple(
             tuple(

@@ -29,7 +29,6 @@ from multimodal_fsdp.balance._planned import (
     blob_words,
     group_size,
 )
-from multimodal_fsdp.balance.assign import assign_items
 from multimodal_fsdp.balance.layouts import CallSpec
 from multimodal_fsdp.balance.traffic import (
     ExchangeCollective,
@@ -251,34 +250,25 @@ def call_buffers(
     """Per call ``media.rank`` makes of ``tower``, in order, what it moves (``None``:
     every item stays home, nothing is exchanged)."""
     result: list[CallBuffers | None] = []
-    rounds = _rounds(media, members)
-    for parts, (calls, chosen) in zip(exchange_rounds(media, members), rounds, strict=True):
-        if chosen != tower.path:
-            continue
+    for calls, chosen in _rounds(media, members):
         own = calls[media.rank]
-        if own is None or own.tower != tower.path:
+        if chosen != tower.path or own is None or own.tower != tower.path:
             continue
-        traffic = dict(parts).get(tower.path, [])
+        traffic = _subcall_traffic(calls, rank=media.rank, tower=tower)
         a2a = [c for c in traffic if c.kind == "all_to_all"]
-        if len(a2a) < 2:
+        if not a2a:
             result.append(None)
             continue
-        costs = [
-            [i.cost for i in c.items] if c is not None and c.tower == tower.path else []
-            for c in calls
-        ]
-        owners = assign_items(costs)
-        kept = [i for i, o in enumerate(owners[media.rank]) if o == media.rank]
-        grads = next(((c.sent, c.received) for c in a2a if c.phase == "backward"), None)
+        inputs, outputs = a2a[0], a2a[1]  # what leaves of its own, what comes back
         result.append(
             CallBuffers(
-                inputs=(a2a[0].sent, a2a[0].received),
-                outputs=(a2a[1].sent, a2a[1].received),
+                inputs=(inputs.sent, inputs.received),
+                outputs=(outputs.sent, outputs.received),
                 kept=(
-                    sum(own.items[i].input_bytes for i in kept),
-                    sum(own.items[i].output_bytes for i in kept),
+                    sum(item.input_bytes for item in own.items) - inputs.sent,
+                    sum(item.output_bytes for item in own.items) - outputs.received,
                 ),
-                grads=grads,
+                grads=next(((c.sent, c.received) for c in a2a if c.phase == "backward"), None),
             )
         )
     return result

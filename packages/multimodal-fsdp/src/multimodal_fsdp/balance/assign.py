@@ -8,8 +8,9 @@ rank and position.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-__all__ = ["assign_items", "needs_exchange"]
+__all__ = ["CallRoute", "assign_items", "route_call"]
 
 
 def assign_items(costs_by_rank: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -72,23 +73,69 @@ def assign_items(costs_by_rank: Sequence[Sequence[int]]) -> list[list[int]]:
     return owners
 
 
-def needs_exchange(owners: Sequence[Sequence[int]], run_when_empty: bool) -> bool:
-    """Whether a balanced call with this assignment exchanges anything: some item is
-    encoded away from its owner, or the module owns FSDP units (``run_when_empty``) and
-    some rank encodes nothing (it runs a placeholder, which the exchange links to the
-    others' gradients). Otherwise every caller runs its own call, as without balancing.
+@dataclass(frozen=True)
+class CallRoute:
+    """Where one balanced call's items are encoded (``owners``, as ``assign_items``
+    returns it), and so what moves: the one decision the exchange runs and the cost
+    model counts, derived from the item costs alone."""
+
+    owners: tuple[tuple[int, ...], ...]
+
+    def kept(self, rank: int) -> list[int]:
+        """``rank``'s items it encodes itself, in call order."""
+        return [i for i, target in enumerate(self.owners[rank]) if target == rank]
+
+    def away(self, rank: int) -> list[int]:
+        """``rank``'s items encoded elsewhere, by encoding rank then position: the order
+        their inputs leave and their outputs come back in."""
+        mine = self.owners[rank]
+        return sorted((i for i, t in enumerate(mine) if t != rank), key=lambda i: (mine[i], i))
+
+    def assigned(self, rank: int) -> list[tuple[int, int]]:
+        """Other ranks' items ``rank`` encodes, ``(owner, position)`` by owner then
+        position: the order their inputs arrive and their outputs leave in."""
+        return [
+            (owner, i)
+            for owner, targets in enumerate(self.owners)
+            if owner != rank
+            for i, target in enumerate(targets)
+            if target == rank
+        ]
+
+    def per_peer(
+        self, rank: int, sizes: Sequence[Sequence[int]]
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """What ``rank``'s items encoded elsewhere weigh per encoding rank, and what the
+        items it encodes for others weigh per owner, for per-item ``sizes`` (rows of a
+        field, bytes): the inputs' send and receive splits (the outputs' in reverse)."""
+        world = len(self.owners)
+        out, back = [0] * world, [0] * world
+        for i in self.away(rank):
+            out[self.owners[rank][i]] += sizes[rank][i]
+        for owner, i in self.assigned(rank):
+            back[owner] += sizes[owner][i]
+        return tuple(out), tuple(back)
+
+
+def route_call(costs_by_rank: Sequence[Sequence[int]], *, run_when_empty: bool) -> CallRoute | None:
+    """The route of one balanced call, or ``None`` when it exchanges nothing and every
+    caller runs its own call, as without balancing: no rank has an item, or every item
+    stays on its rank and no rank must run the module on a placeholder (a module with
+    FSDP units, ``run_when_empty``, where some rank would encode nothing; the exchange
+    links the placeholder's run to the others' gradients).
 
     Args:
-        owners: what ``assign_items`` returned.
+        costs_by_rank: each rank's items' costs (positive integers), in call order.
         run_when_empty: whether the module owns FSDP units.
 
     Returns:
-        Whether the call exchanges.
+        The route, or ``None``.
     """
-    encoding = [False] * len(owners)
-    for rank, targets in enumerate(owners):
-        for target in targets:
-            encoding[target] = True
-            if target != rank:
-                return True
-    return run_when_empty and not all(encoding)
+    if not any(costs_by_rank):
+        return None
+    owners = assign_items(costs_by_rank)
+    moved = any(t != rank for rank, targets in enumerate(owners) for t in targets)
+    encoding = {t for targets in owners for t in targets}
+    if not moved and not (run_when_empty and len(encoding) < len(owners)):
+        return None
+    return CallRoute(owners=tuple(tuple(targets) for targets in owners))

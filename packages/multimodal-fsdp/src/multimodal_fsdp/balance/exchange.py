@@ -10,15 +10,15 @@ module runs after the module's pre-forward hooks (FSDP gathers a module that is 
 there), so a rank without the call gathers such a module right after the metadata. The
 module's call runs as follows:
 
-- a **balanced** module (a tower with a layout adapter): its items are assigned to
-  ranks by ``assign_items``. When every item stays on its rank and no rank that would
-  encode nothing must run the module (a tower without FSDP units, or every rank has an
-  item), each caller simply runs its own call: nothing more is exchanged. Otherwise the
-  items that change rank are exchanged (one ``all_to_all`` of their inputs, which a
-  rank overlaps with encoding the items it keeps when the tower owns no units), every
-  rank encodes its share (or a placeholder, for a tower with units), a status
-  ``all_gather`` makes an error on one rank an error on every rank, and one
-  ``all_to_all`` sends the outputs of moved items back;
+- a **balanced** module (a tower with a layout adapter): ``route_call`` assigns its
+  items to ranks (the one decision the cost model counts too). When every item stays on
+  its rank and no rank that would encode nothing must run the module (a tower without
+  FSDP units, or every rank has an item), each caller simply runs its own call: nothing
+  more is exchanged. Otherwise the items that change rank are exchanged (one
+  ``all_to_all`` of their inputs, which a rank overlaps with encoding the items it
+  keeps when the tower owns no units), every rank encodes its share (or a placeholder,
+  for a tower with units), a status ``all_gather`` makes an error on one rank an error
+  on every rank, and one ``all_to_all`` sends the outputs of moved items back;
 - a **joined** module (a projector with FSDP units of its own): its callers run it on
   their own inputs; every other rank runs it on a placeholder shaped like the first
   caller's inputs (``multimodal_fsdp.balance.placeholder``), whose output counts zero,
@@ -72,7 +72,7 @@ from torch.distributed.fsdp import FSDPModule
 from multimodal_fsdp.balance._data_group import DataGroup, gather_outputs, select_items, splits
 from multimodal_fsdp.balance._exchanged import Exchanged
 from multimodal_fsdp.balance._metadata import Entry, RoundTable, exchange_round
-from multimodal_fsdp.balance.assign import assign_items, needs_exchange
+from multimodal_fsdp.balance.assign import route_call
 from multimodal_fsdp.balance.context_parallel import split_frames, take_needs
 from multimodal_fsdp.balance.layouts import (
     CallSpec,
@@ -448,33 +448,29 @@ class Rounds:
                 "inputs' gradient for their share alone; detach the tower's inputs, or "
                 "parallelize without balance_media"
             )
-        if not any(t.costs):
+        route = route_call(t.costs, run_when_empty=member.run_when_empty)
+        if route is None:  # every item stays home: the caller's own call, nothing exchanged
             if original is None:
                 return None, None
-            return member.run(own=True)(*original[0], **original[1]), None  # as unbalanced
-        owners = assign_items(t.costs)
+            try:
+                return member.run(own=True)(*original[0], **original[1]), None
+            except Exception as raised:
+                self._fail(raised, device)
         if logger.isEnabledFor(logging.DEBUG):
             loads = [0] * t.world
             for r, costs in enumerate(t.costs):
                 for i, cost in enumerate(costs):
-                    loads[owners[r][i]] += cost
+                    loads[route.owners[r][i]] += cost
             logger.debug(
                 "balanced call of %s: cost per rank %s -> %s",
                 type(member.module).__name__,
                 [sum(costs) for costs in t.costs],
                 loads,
             )
-        if not needs_exchange(owners, member.run_when_empty):
-            if original is None:
-                return None, None
-            try:  # every item stays home: the caller's own call, nothing exchanged
-                return member.run(own=True)(*original[0], **original[1]), None
-            except Exception as raised:
-                self._fail(raised, device)
         layout = member.layout
         if layout is None:  # pragma: no cover - members with a layout only
             raise RuntimeError("balanced call of a joined module")
-        return Exchanged(member, layout, t, owners, call, device, self.group).run()
+        return Exchanged(member, layout, t, route, call, device, self.group).run()
 
 
 def _single(

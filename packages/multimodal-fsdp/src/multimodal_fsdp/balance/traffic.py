@@ -29,7 +29,7 @@ from multimodal_fsdp.balance._metadata import (
     STATUS_INTS,
     payload_ints,
 )
-from multimodal_fsdp.balance.assign import assign_items, needs_exchange
+from multimodal_fsdp.balance.assign import route_call
 from multimodal_fsdp.balance.layouts import CallSpec
 
 __all__ = [
@@ -113,25 +113,15 @@ def call_traffic(
             "output_grad_bytes needs output_tensors=, the number of tensors in the tower's "
             f"output (a positive int; one gradient flag byte each per rank), got {output_tensors!r}"
         )
-    if not any(costs_by_rank):
+    route = route_call(costs_by_rank, run_when_empty=run_when_empty)
+    if route is None:
         return []
-    owners = assign_items(costs_by_rank)
-    if not needs_exchange(owners, run_when_empty):
-        return []
-    away = [i for i in range(len(costs_by_rank[rank])) if owners[rank][i] != rank]
-    encoded = [
-        (r, i)
-        for r in range(world)
-        if r != rank
-        for i in range(len(costs_by_rank[r]))
-        if owners[r][i] == rank
-    ]
 
     def mine(sizes: Sequence[Sequence[int]]) -> int:
-        return sum(sizes[rank][i] for i in away)
+        return sum(route.per_peer(rank, sizes)[0])
 
     def theirs(sizes: Sequence[Sequence[int]]) -> int:
-        return sum(sizes[r][i] for r, i in encoded)
+        return sum(route.per_peer(rank, sizes)[1])
 
     result = [
         ExchangeCollective("all_to_all", "forward", mine(input_bytes), theirs(input_bytes)),
