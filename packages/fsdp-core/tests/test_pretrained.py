@@ -545,10 +545,10 @@ def test_one_default_shard_size_for_both_ways_to_export() -> None:
     not depend on which way the user called the export."""
     import inspect
 
-    from fsdp_core.hf import _hf_methods, pretrained
+    from fsdp_core.hf import _hf_methods, _save, pretrained
 
     def default(fn: object) -> object:
         return inspect.signature(fn).parameters["max_shard_size"].default  # type: ignore[arg-type]
 
     assert default(_hf_methods.save_hf_model) == default(pretrained.save_pretrained)
-    assert default(pretrained.save_pretrained) == pretrained.DEFAULT_MAX_SHARD_SIZE
+    assert default(pretrained.save_pretrained) == _save.DEFAULT_MAX_SHARD_SIZE

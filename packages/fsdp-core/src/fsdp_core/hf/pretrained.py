@@ -19,13 +19,9 @@ never imported: its models are recognised by their ``save_pretrained`` methods.
 from __future__ import annotations
 
 from fsdp_core.hf._load import PretrainedLoad, load_pretrained
-from fsdp_core.hf._save import DEFAULT_MAX_SHARD_SIZE as DEFAULT_MAX_SHARD_SIZE
-from fsdp_core.hf._save import export_adapter as export_adapter
 from fsdp_core.hf._save import save_pretrained
 from fsdp_core.hf._slots import KeyMapping
-from fsdp_core.hf._slots import PathLike as PathLike
 
 # The implementation lives in private modules: _load (load_pretrained), _save (the model
-# and adapter exports), _slots and _shard_read (what both read and write). The names
-# imported "as" themselves are reachable here as before without being public API.
+# and adapter exports), _slots and _shard_read (what both read and write).
 __all__ = ["KeyMapping", "PretrainedLoad", "load_pretrained", "save_pretrained"]

@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_core.checkpoint import export_full_state_dict, load_checkpoint, save_checkpoint
 from fsdp_core.hf import save_pretrained
-from fsdp_core.hf.pretrained import DEFAULT_MAX_SHARD_SIZE
+from fsdp_core.hf._save import DEFAULT_MAX_SHARD_SIZE
 from fsdp_core.integrations import IntegrationRequiredError
 
 try:
