@@ -27,6 +27,7 @@ from torch import nn
 
 from fsdp_core.hf import _hf_model, _lora, _trainer_guard
 from fsdp_core.hf._save import DEFAULT_MAX_SHARD_SIZE, export_adapter, save_pretrained
+from fsdp_core.sharding import original_class
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ def save_hf_model(
     ``save_peft_format`` only concerns adapters loaded through transformers, which the
     export refuses unless merged.
     """
-    name = f"{_hf_model.original_class(self).__name__}.{_ATTRIBUTE}"
+    name = f"{original_class(self).__name__}.{_ATTRIBUTE}"
     _check_save_function(kwargs)
     _unknown(
         name,
@@ -198,7 +199,7 @@ def save_peft_model(
     ``safe_serialization=False``, ``path_initial_model_for_weight_conversion``
     and ``state_dict`` are refused.
     """
-    name = f"{_hf_model.original_class(self).__name__}.{_ATTRIBUTE}"
+    name = f"{original_class(self).__name__}.{_ATTRIBUTE}"
     state_dict = kwargs.pop("state_dict", None)
     _check_save_function(kwargs)
     _unknown(

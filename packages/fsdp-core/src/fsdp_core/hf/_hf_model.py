@@ -36,7 +36,7 @@ from torch import nn
 
 from fsdp_core.hf import _transformers as tf
 from fsdp_core.hf._safetensors_dir import open_file, read_layout
-from fsdp_core.sharding import original_class as original_class  # _hf_methods reads it here
+from fsdp_core.sharding import original_class
 
 logger = logging.getLogger(__name__)
 
