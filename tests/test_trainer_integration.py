@@ -48,7 +48,7 @@ def test_transformers_declares_the_flag_the_guard_sets() -> None:
 
 def test_the_flag_reads_false_except_in_trainers_decision() -> None:
     model = build_llava()
-    assert _trainer_guard.install(model)
+    assert _trainer_guard.mark_sharded_by_library(model)
     assert _trainer_guard.is_guarded(model)
     flag = model.is_distributed_loading_by_transformers
     assert not flag  # any other reader: transformers' default
@@ -60,7 +60,7 @@ def test_the_flag_reads_false_except_in_trainers_decision() -> None:
 
 def test_a_peft_model_is_guarded_through_its_base() -> None:
     model = peft.get_peft_model(build_llava(), peft.LoraConfig(target_modules=["q_proj"]))
-    assert _trainer_guard.install(model)
+    assert _trainer_guard.mark_sharded_by_library(model)
     assert _trainer_guard.is_guarded(model)
     with pytest.raises(IntegrationRequiredError):
         _as_trainer(model.is_distributed_loading_by_transformers)
@@ -68,13 +68,13 @@ def test_a_peft_model_is_guarded_through_its_base() -> None:
 
 def test_the_flag_survives_copies() -> None:
     model = build_llava()
-    _trainer_guard.install(model)
+    _trainer_guard.mark_sharded_by_library(model)
     for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         assert _trainer_guard.is_guarded(copied)
 
 
 def test_a_model_of_no_transformers_class_is_not_touched() -> None:
-    assert not _trainer_guard.install(nn.Linear(2, 2))
+    assert not _trainer_guard.mark_sharded_by_library(nn.Linear(2, 2))
 
 
 # --------------------------------------------------------------------------- refusals

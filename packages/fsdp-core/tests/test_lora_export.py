@@ -159,7 +159,7 @@ def test_half_precision_adapters_are_multiplied_in_fp32() -> None:
     base = torch.randn(OUT, IN, dtype=torch.bfloat16)
     up = torch.randn(OUT, RANK, dtype=torch.bfloat16)
     down = torch.randn(RANK, IN, dtype=torch.bfloat16)
-    term = _lora.Term(up=up, down=down, scaling=0.5)
+    term = _lora.AdapterAddition(up=up, down=down, scaling=0.5)
     got = _lora.merged(base, [(up, down, term)])
     want = base.clone()
     want += ((up.float() @ down.float()) * 0.5).to(torch.bfloat16)

@@ -42,7 +42,7 @@ def install_collective_save(model: nn.Module) -> tuple[str, ...]:
     a peft model ``save_peft_model``. The transformers model also gets the flag
     that makes an unmodified ``Trainer`` refuse it (``fsdp_core.hf._trainer_guard``).
     """
-    _trainer_guard.install(model)
+    _trainer_guard.mark_sharded_by_library(model)
     targets: list[tuple[str, nn.Module, Callable[..., None]]] = []
     if _lora.is_peft_model(model):
         targets.append(("", model, save_peft_model))

@@ -138,7 +138,7 @@ def wrapped_load_error(model: nn.Module, paths: Sequence[str]) -> ValueError:
 
 
 @dataclass(frozen=True)
-class Term:
+class AdapterAddition:
     """One adapter's addition to a merged tensor: ``scaling * up @ down``.
 
     ``down`` is None for a bias (``scaling * up``); ``transpose`` for peft's
@@ -161,7 +161,7 @@ class ExportView:
     """
 
     names: Mapping[str, str]
-    terms: Mapping[str, tuple[Term, ...]]
+    terms: Mapping[str, tuple[AdapterAddition, ...]]
     wrapped: tuple[str, ...]
 
 
@@ -190,7 +190,7 @@ def _weight(module: object, what: str) -> torch.Tensor:
     return weight
 
 
-def _lora_terms(path: str, layer: nn.Module) -> dict[str, tuple[Term, ...]]:
+def _lora_terms(path: str, layer: nn.Module) -> dict[str, tuple[AdapterAddition, ...]]:
     """What merging ``layer``'s active adapters adds to its base weight (and bias)."""
     kind = type(layer).__name__
     lora_a, lora_b = layer._modules.get("lora_A"), layer._modules.get("lora_B")
@@ -210,8 +210,8 @@ def _lora_terms(path: str, layer: nn.Module) -> dict[str, tuple[Term, ...]]:
             f"{path!r} ({kind}) wraps another adapter layer; nested adapters are not merged"
         )
     merged = getattr(layer, "merged_adapters", None) or []
-    weight: list[Term] = []
-    bias: list[Term] = []
+    weight: list[AdapterAddition] = []
+    bias: list[AdapterAddition] = []
     for adapter in _active(layer):
         embedding = layer._modules.get("lora_embedding_A")
         if isinstance(embedding, (nn.ParameterDict, nn.ModuleDict)) and adapter in embedding:
@@ -241,7 +241,7 @@ def _lora_terms(path: str, layer: nn.Module) -> dict[str, tuple[Term, ...]]:
             )
         factor = float(scaling[adapter])
         transpose = bool(getattr(layer, "fan_in_fan_out", False))
-        weight.append(Term(up=up, down=down, scaling=factor, transpose=transpose))
+        weight.append(AdapterAddition(up=up, down=down, scaling=factor, transpose=transpose))
         if _flag(getattr(layer, "lora_bias", None), adapter):
             up_bias = getattr(up_module, "bias", None)
             if not isinstance(up_bias, torch.Tensor) or getattr(base, "bias", None) is None:
@@ -249,7 +249,7 @@ def _lora_terms(path: str, layer: nn.Module) -> dict[str, tuple[Term, ...]]:
                     f"{path!r} ({kind}) has lora_bias for adapter {adapter!r} but no base bias "
                     "to merge it into"
                 )
-            bias.append(Term(up=up_bias, down=None, scaling=factor))
+            bias.append(AdapterAddition(up=up_bias, down=None, scaling=factor))
     terms = {f"{path}.weight": tuple(weight)} if weight else {}
     if bias:
         terms[f"{path}.bias"] = tuple(bias)
@@ -278,7 +278,7 @@ def export_view(model: nn.Module) -> ExportView:
     nothing is gathered or written for an export it would get wrong.
     """
     layers: dict[str, str] = {}  # wrapped path -> the child prefix it exports
-    terms: dict[str, tuple[Term, ...]] = {}
+    terms: dict[str, tuple[AdapterAddition, ...]] = {}
     wrapped = wrapped_modules(model)
     for path in wrapped:
         module = model.get_submodule(path)
@@ -314,7 +314,8 @@ def _state_names(model: nn.Module) -> list[str]:
 
 
 def merged(
-    base: torch.Tensor, additions: Sequence[tuple[torch.Tensor, torch.Tensor | None, Term]]
+    base: torch.Tensor,
+    additions: Sequence[tuple[torch.Tensor, torch.Tensor | None, AdapterAddition]],
 ) -> torch.Tensor:
     """``base`` plus each term, on full tensors, computed as peft's merge computes it.
 

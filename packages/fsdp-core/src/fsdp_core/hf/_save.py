@@ -57,7 +57,9 @@ logger = logging.getLogger("fsdp_core.hf.pretrained")
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 
-def _gathered(slot: Slot, terms: Sequence[_lora.Term], *, keep: bool) -> torch.Tensor | None:
+def _gathered(
+    slot: Slot, terms: Sequence[_lora.AdapterAddition], *, keep: bool
+) -> torch.Tensor | None:
     """The slot's whole tensor with its LoRA ``terms`` merged in (collectives on every rank)."""
     value = _full(slot.tensor, keep=keep)
     parts = [
@@ -83,7 +85,7 @@ class _Export:
     """What a model export writes: checkpoint key -> tensor, what is merged in, whose config."""
 
     entries: list[tuple[str, Slot]]
-    terms: Mapping[str, tuple[_lora.Term, ...]]  # by checkpoint key: LoRA additions
+    terms: Mapping[str, tuple[_lora.AdapterAddition, ...]]  # by checkpoint key: LoRA additions
     config_model: nn.Module
 
 
@@ -129,7 +131,7 @@ def _export_keys(
         entries = [(table[s.names[0]], s) for s in slots if s.names[0] in table]
     else:
         entries = [(slot.names[0], slot) for slot in slots]
-    terms: dict[str, tuple[_lora.Term, ...]] = {}
+    terms: dict[str, tuple[_lora.AdapterAddition, ...]] = {}
     for key, slot in entries:
         found = [view.terms[n] for n in slot.names if n in view.terms]
         if found:

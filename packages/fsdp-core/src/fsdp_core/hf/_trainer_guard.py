@@ -65,7 +65,7 @@ class _ShardedByLibrary:
 SHARDED_BY_LIBRARY = _ShardedByLibrary()
 
 
-def install(model: nn.Module) -> bool:
+def mark_sharded_by_library(model: nn.Module) -> bool:
     """Set the flag on ``model`` (a peft model's base); False when no module declares it."""
     target = _lora.base_model(model)[0] if _lora.is_peft_model(model) else model
     if not _hf_model.is_hf_model(target) or not hasattr(type(target), tf.IS_DISTRIBUTED_LOADING):
