@@ -45,7 +45,6 @@ __all__ = [
     "StepMedia",
     "call_buffers",
     "data_group_media",
-    "exchange_rounds",
     "exchange_tally",
     "layer_runs",
     "module_runs",
@@ -212,25 +211,6 @@ def _subcall_traffic(
     )
 
 
-def exchange_rounds(
-    media: StepMedia, members: Sequence[Member]
-) -> list[list[tuple[str, list[ExchangeCollective]]]]:
-    """The collectives ``media.rank`` runs in each round (the barrier's last round not
-    included): per round, its metadata (module ``""``), then the call of the module the
-    round runs, as [`exchange_traffic`][multimodal_fsdp.balance.traffic.exchange_traffic]
-    lists them (a joined module's call exchanges nothing more)."""
-    by_path = {member.path: member for member in members}
-    result = []
-    for heads, chosen in _rounds(media, members):
-        payloads = [call.payload() if call is not None else 0 for call in heads]
-        member = by_path.get(chosen)
-        traffic: list[ExchangeCollective] = []
-        if isinstance(member, BalancedTower):
-            traffic = _subcall_traffic(heads, rank=media.rank, tower=member)
-        result.append([("", metadata_traffic(payloads)), (chosen, traffic)])
-    return result
-
-
 @dataclass(frozen=True)
 class CallBuffers:
     """What one of this rank's balanced calls moves, for the memory model: the input
@@ -340,10 +320,13 @@ def exchange_tally(
             f"{sorted(known)}"
         )
     tally = CommTally()
+    by_path = {member.path: member for member in members}
+    for heads, chosen in _rounds(media, members):  # per round its metadata, then its call
+        _tally(tally, metadata_traffic([c.payload() if c is not None else 0 for c in heads]))
+        member = by_path[chosen]
+        if isinstance(member, BalancedTower):  # a joined module's call exchanges nothing
+            _tally(tally, _subcall_traffic(heads, rank=media.rank, tower=member))
     if members:
-        for parts in exchange_rounds(media, members):
-            for _, traffic in parts:
-                _tally(tally, traffic)
         _tally(tally, metadata_traffic([0] * world_size))
     for index in range(layers):
         tally.add("forward", "all_reduce", DECISION_BYTES)

@@ -175,11 +175,17 @@ def exchange_traffic(
     those with items; every rank when none has one), whose item tables and specs travel
     in the metadata.
     """
+    traffic = call_traffic(  # checks the arguments, also for a round without a call
+        costs_by_rank,
+        rank=rank,
+        input_bytes=input_bytes,
+        output_bytes=output_bytes,
+        input_grad_bytes=input_grad_bytes,
+        output_grad_bytes=output_grad_bytes,
+        output_tensors=output_tensors,
+        run_when_empty=run_when_empty,
+    )
     world = len(costs_by_rank)
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is not in a group of {world} ranks")
-    for name, sizes in (("input_bytes", input_bytes), ("output_bytes", output_bytes)):
-        _check(name, sizes, costs_by_rank)
     if spec is None:  # no rank calls: the round ends after the slots
         return metadata_traffic([0] * world)
     blob = len(pickle.dumps(spec))
@@ -189,16 +195,4 @@ def exchange_traffic(
     payloads = [
         payload_ints(len(costs_by_rank[r]), blob) if r in callers else 0 for r in range(world)
     ]
-    return [
-        *metadata_traffic(payloads),
-        *call_traffic(
-            costs_by_rank,
-            rank=rank,
-            input_bytes=input_bytes,
-            output_bytes=output_bytes,
-            input_grad_bytes=input_grad_bytes,
-            output_grad_bytes=output_grad_bytes,
-            output_tensors=output_tensors,
-            run_when_empty=run_when_empty,
-        ),
-    ]
+    return [*metadata_traffic(payloads), *traffic]
