@@ -14,19 +14,28 @@ import pytest
 import torch
 from compare import TOL, check_against_reference
 from launches import MpResults
-from scenarios_ep import CASES, LR, build_ep_model, ep_batches, micro_batches
+from scenarios_ep import (
+    BALANCE_CASES,
+    CASES,
+    LR,
+    build_ep_model,
+    ep_balance_batches,
+    ep_batches,
+    micro_batches,
+)
 
 pytestmark = pytest.mark.distributed
 
 
 def _reference(
-    case: str, micro: int = 1
+    case: str, micro: int = 1, *, balanced: bool = False
 ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     model = build_ep_model(case)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses: list[float] = []
     grads0: dict[str, torch.Tensor] = {}
-    for step, per_rank in enumerate(ep_batches()):
+    batches = ep_balance_batches() if balanced else ep_batches()
+    for step, per_rank in enumerate(batches):
         parts = [part for batch in per_rank for part in micro_batches(batch, micro)]
         loss = sum(model(**part) for part in parts) / len(parts)
         assert isinstance(loss, torch.Tensor)
@@ -76,3 +85,17 @@ def test_torchtitan_adapter_with_ep_trains_like_one_process(mp4: MpResults) -> N
     check_against_reference(result, _reference("trainable"), TOL[torch.float32])
     assert (result["expert_mesh"], result["expert_placements"]) == (["ep"], ["S(0)"])
     assert "expert_grad_reduce" in result["hooks"]
+
+
+@pytest.mark.parametrize("case", BALANCE_CASES)
+def test_balance_media_with_ep_balances_over_every_rank_with_its_own_batch(
+    case: str, mp4: MpResults
+) -> None:
+    """EP ranks hold different batches: with uneven media (4, 2, 4, 2 images on ranks
+    0..3) the four ranks balance together, 3 images each, and train like one process.
+    Balanced over ``dp`` alone (each ``ep`` coordinate apart), ranks 0 and 2 would
+    encode 4 and ranks 1 and 3 would encode 2."""
+    result = mp4("ep_balance_media")[case]
+    assert result["rows"] == [3, 3, 3, 3], result["rows"]
+    assert "balance_media" in result["hooks"]
+    check_against_reference(result, _reference(case, balanced=True), TOL[torch.float32])

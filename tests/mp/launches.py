@@ -129,6 +129,7 @@ LAUNCHES: dict[int, list[str]] = {
         "torchtitan_dp_tp",
         "ep_deepseek_moe",
         "ep_nemo_calls",
+        "ep_balance_media",
         "torchtitan_dp_ep",
         # Last: Lightning takes over the launch's process group.
         "lightning_dp_tp",

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_core import DistributedContext
 from fsdp_core.runtime import installed_hooks
 from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
-from model_deepseek_v41.fsdp import fully_shard_deepseek_v41
+from model_deepseek_v41.fsdp import DeepseekV41ModelParallelizer, fully_shard_deepseek_v41
 from model_deepseek_v41.moe import MoE, shard_experts
 
 STEPS = 2
@@ -202,17 +202,85 @@ def torchtitan_dp_ep(ctx: DistributedContext, out: Path) -> dict[str, Any]:
     return result
 
 
+#: Images per sample on each rank of ``ep_balance_media``: ranks 0 and 2 (one ``ep``
+#: coordinate) hold twice the images of ranks 1 and 3, so balancing over ``dp`` alone
+#: leaves 4, 2, 4, 2 images per rank where balancing over all four gives 3 each.
+BALANCE_IMAGES = (2, 1, 2, 1)
+#: The cases of ``ep_balance_media``: the frozen-tower policy, or ``trainable``.
+BALANCE_CASES = ("root", "per_layer", "trainable")
+
+
+def ep_balance_batches() -> list[list[dict[str, torch.Tensor]]]:
+    """``batches[step][rank]`` of ``ep_balance_media``: uneven images (``BALANCE_IMAGES``)."""
+    return [
+        [
+            dict(
+                make_batch(
+                    CONFIG,
+                    batch_size=2,
+                    seq_len=24,
+                    num_images_per_sample=BALANCE_IMAGES[rank],
+                    seed=100 * step + rank,
+                )
+            )
+            for rank in range(WORLD)
+        ]
+        for step in range(STEPS)
+    ]
+
+
+@scenario("ep_balance_media")
+def ep_balance_media(ctx: DistributedContext, out: Path) -> dict[str, Any]:
+    """``balance_media=True`` on the ``('dp', 'ep')`` 2x2 mesh with uneven media
+    (``BALANCE_IMAGES``): every rank holds its own batch, so the four ranks balance their
+    images together. Per case: losses, first-step gradients, final parameters and the
+    images each rank's tower encoded in the first step (a forward pre-hook on
+    ``vision.patch_embed``), gathered."""
+    return {case: _balance_case(ctx, case) for case in BALANCE_CASES}
+
+
+def _balance_case(ctx: DistributedContext, case: str) -> dict[str, Any]:
+    world = init_device_mesh(ctx.device.type, (2, 2), mesh_dim_names=("dp", "ep"))
+    model = build_ep_model(case).to(ctx.device)
+    shard_experts(model, world["ep"])
+    policy = "root" if case == "trainable" else case
+    DeepseekV41ModelParallelizer(frozen_multimodal_sharding=policy, balance_media=True).parallelize(
+        model, mesh=world, dp_dims="dp"
+    )
+    rows = [0]
+
+    def count(_module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        rows[0] += int(args[0].shape[0])
+
+    handle = model.get_submodule("vision.patch_embed").register_forward_pre_hook(count)
+    result = _train(model, ctx, batches=ep_balance_batches(), after_first=handle.remove)
+    gathered: list[int] = [0] * ctx.world_size
+    dist.all_gather_object(gathered, rows[0])
+    result.update(rows=gathered, hooks=sorted(installed_hooks(model)))
+    return result
+
+
 def micro_batches(batch: dict[str, torch.Tensor], micro: int) -> list[dict[str, torch.Tensor]]:
-    """``batch`` split into ``micro`` equal micro-batches of samples (one image each)."""
+    """``batch`` split into ``micro`` equal micro-batches of samples (one image each);
+    the batch itself for one (whatever its images per sample)."""
+    if micro == 1:
+        return [batch]
     size = batch["input_ids"].shape[0] // micro
     return [{k: v[i * size : (i + 1) * size] for k, v in batch.items()} for i in range(micro)]
 
 
-def _train(model: torch.nn.Module, ctx: DistributedContext, *, micro: int = 1) -> dict[str, Any]:
+def _train(
+    model: torch.nn.Module,
+    ctx: DistributedContext,
+    *,
+    micro: int = 1,
+    batches: list[list[dict[str, torch.Tensor]]] | None = None,
+    after_first: Any = None,
+) -> dict[str, Any]:
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses: list[float] = []
     grads0: dict[str, torch.Tensor] = {}
-    for step, per_rank in enumerate(ep_batches()):
+    for step, per_rank in enumerate(ep_batches() if batches is None else batches):
         batch = {k: v.to(ctx.device) for k, v in per_rank[ctx.rank].items() if v is not None}
         total = torch.zeros(())
         for index, part in enumerate(micro_batches(batch, micro)):
@@ -222,6 +290,8 @@ def _train(model: torch.nn.Module, ctx: DistributedContext, *, micro: int = 1) -
             loss.backward()
             total += loss.detach().cpu()
         if step == 0:
+            if after_first is not None:
+                after_first()
             grads0 = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
         opt.step()
         opt.zero_grad()

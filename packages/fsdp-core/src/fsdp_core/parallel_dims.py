@@ -23,7 +23,8 @@ EP borrows its ranks from data parallelism, as torchtitan's does: the ranks alon
 ``ep`` dimension hold different batches, the experts are sharded over ``ep`` (by the
 caller's EP plan, applied first) and replicated over the data-parallel dimensions, and
 every other parameter is data-parallel over the data-parallel dimensions and ``ep``
-together: FSDP shards it over their flattened mesh.
+together: FSDP shards it over their flattened mesh, and balancing spreads media over
+them too (``batch_mesh``).
 
 CP ranks hold different tokens of the same samples, so their gradients are summed like
 the data-parallel ones: FSDP shards over the data-parallel shard dimension and CP
@@ -348,19 +349,25 @@ class ParallelDims:
         """The mesh FSDP shards over: the data-parallel mesh (the object the caller
         passed, when it passed that), its shard dimension flattened with CP when the job
         has CP (HSDP: ``(replicate, shard_cp)``)."""
-        if not self.folded_names:
-            return self.batch_mesh
-        root = self._need(self.mesh)
-        shard = tuple(n for n in self.names if n == self.dp_names[-1] or n in self.folded_names)
-        kept = self.dp_names[:-1]  # HSDP's replicate dimension stays in front
-        folded = root[(*kept, *shard)]
-        return internals.flatten_mesh(folded, "_".join(shard), keep=len(kept))  # type: ignore[no-any-return]
+        return self._folded(self.folded_names)
 
     @property
     def batch_mesh(self) -> DeviceMesh:
-        """The data-parallel mesh: ranks that hold different batches (what balancing
-        spreads media over)."""
-        return self._need(self.data_parallel_mesh)
+        """The ranks that hold different batches (what balancing spreads media over): the
+        data-parallel mesh, its shard dimension flattened with EP when the job has EP (EP
+        borrows data-parallel ranks; TP and CP ranks share their coordinate's batch)."""
+        return self._folded(self.ep_names)
+
+    def _folded(self, extra: tuple[str, ...]) -> DeviceMesh:
+        """The data-parallel mesh with ``extra`` flattened into its shard dimension (in
+        mesh order; HSDP's replicate dimension stays in front)."""
+        if not extra:
+            return self._need(self.data_parallel_mesh)
+        root = self._need(self.mesh)
+        shard = tuple(n for n in self.names if n == self.dp_names[-1] or n in extra)
+        kept = self.dp_names[:-1]
+        folded = root[(*kept, *shard)]
+        return internals.flatten_mesh(folded, "_".join(shard), keep=len(kept))  # type: ignore[no-any-return]
 
     @property
     def lockstep_mesh(self) -> DeviceMesh:

@@ -410,13 +410,14 @@ class BalanceMediaRuntimeHook(RuntimeHook):
             )
 
     def install(self, model: nn.Module, *, dims: ParallelDims) -> BalanceMedia:
-        """Balances within groups of ``dims.batch_mesh``: the data-parallel ranks hold
-        different batches. The ranks of a TP or CP group (a *data group*) hold the same
-        one: with frozen towers and joined modules each brings its share of every call
-        and the rounds run over the balance group's data groups together, so each image
-        is encoded once (``multimodal_fsdp.balance._data_group``); with a trainable one
-        (whose parameter gradients would then need summing over the data group) each
-        rank balances with its own data-parallel peers (same media, same route)."""
+        """Balances within groups of ``dims.batch_mesh``: the ranks that hold different
+        batches (the data-parallel ranks, and with EP the ``ep`` ranks too). The ranks of
+        a TP or CP group (a *data group*) hold the same one: with frozen towers and joined
+        modules each brings its share of every call and the rounds run over the balance
+        group's data groups together, so each image is encoded once
+        (``multimodal_fsdp.balance._data_group``); with a trainable one (whose parameter
+        gradients would then need summing over the data group) each rank balances with
+        its own data-parallel peers (same media, same route)."""
         mesh = dims.batch_mesh
         self.check_group(mesh)
         group, size = _group_of(mesh, self.group)
