@@ -1,16 +1,9 @@
-"""What a step's balanced media cost: the step's calls per rank, their rounds, their tally.
-
-A plan made with ``balance_media=True`` spreads every call of its balanced towers over
-the data-parallel ranks. The exchange's collectives are fixed per call (see
-[`multimodal_fsdp.balance.exchange`][multimodal_fsdp.balance.exchange]), but how many
-calls a step makes and what each moves depend on the step's images and videos, which a
-plan does not know: ``StepMedia`` says it, per rank of the balance group. The rounds the
-exchange runs for it, what each moves and the tally of one rank's collectives are
-computed here, below the ``balance_media`` hook that owns this cost model
-(``BalanceMediaRuntimeHook.collectives``) and the estimates that read it; the public
-names are published in [`multimodal_fsdp.estimate.exchange`][multimodal_fsdp.estimate.exchange].
-
-How calls pair into rounds: the module docstring of ``multimodal_fsdp.estimate.exchange``.
+"""What a step's balanced media cost: the step's calls per rank (``StepMedia``), the
+rounds the exchange runs for them, and one rank's tally, from the exchange's own decision
+(``multimodal_fsdp.balance.assign.route_call``) and byte rules
+(``multimodal_fsdp.balance.traffic``). The ``balance_media`` hook
+(``BalanceMediaRuntimeHook.collectives``) and the estimates read it; the public names and
+how calls pair into rounds are in ``multimodal_fsdp.estimate.exchange``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """The collectives of a round of balanced calls and their bytes, predicted from the items.
 
-Plan costs must predict the exchange exactly, so the rule lives beside the exchange and
-a test compares it with the bytes the exchange really moves. Sizes are per item, in
-call order, for every rank: what its fields weigh (``input_bytes``: rows times row
-elements times item size, summed over the fields) and what its output pieces weigh
-(``output_bytes``, summed over the output tensors). In backward the output gradients
-carry one has-gradient byte per output tensor to every rank (``output_tensors``), so an
-output no loss reads gets no gradient anywhere.
+Plan costs must predict the exchange exactly, so the rule lives beside the exchange, takes
+who encodes what from the exchange's own decision (``route_call``), and a test compares it
+with the bytes the exchange really moves. Sizes are per item, in call order, for every
+rank: what its fields weigh (``input_bytes``: rows times row elements times item size,
+summed over the fields) and what its output pieces weigh (``output_bytes``, summed over
+the output tensors). In backward the output gradients carry one has-gradient byte per
+output tensor to every rank (``output_tensors``), so an output no loss reads gets no
+gradient anywhere.
 
 A round is its metadata (``metadata_traffic``: one slot gather, and one more when some
 rank's item table and blob do not fit inline) and then, per balanced module called in
