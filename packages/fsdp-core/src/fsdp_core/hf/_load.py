@@ -18,6 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -281,6 +282,10 @@ def load_pretrained(
     whose base weights are loaded. ``key_mapping`` then receives the base
     model's (unwrapped) names.
 
+    On a pipeline stage (a model sharded over part of the world) each stage loads its
+    own tensors from the whole model's export; the keys of the other stages are
+    returned as ``unexpected`` and do not fail ``strict``.
+
     Collective: every rank of the model's mesh must call it; it waits at most
     ``timeout`` (default: the process group's timeout) for the others, checks
     that every rank sees the same checkpoint layout and raises a failure of any
@@ -301,16 +306,16 @@ def load_pretrained(
     Raises:
         CollectiveCallError: a rank did not arrive or failed (on every rank).
     """
-    with enter_collective(
-        "load_pretrained", ranks=group_ranks(model=model), timeout=timeout
-    ) as call:
+    ranks = group_ranks(model=model)
+    stage = dist.is_initialized() and len(ranks) < dist.get_world_size()
+    with enter_collective("load_pretrained", ranks=ranks, timeout=timeout) as call:
         layout = call.run(
             lambda: _read_load_layout(directory),
             step=f"reading the layout of {str(directory)!r}",
         )
         call.agree_on(_layout_fingerprint(layout), what=f"checkpoint layout of {str(directory)!r}")
         return call.run(
-            lambda: _load(model, directory, layout, key_mapping, buffers, device, strict),
+            lambda: _load(model, directory, layout, key_mapping, buffers, device, strict, stage),
             step=f"loading {str(directory)!r}",
         )
 
@@ -403,8 +408,10 @@ def _load(
     buffers: Mapping[str, torch.Tensor] | None,
     device: torch.device | str | None,
     strict: bool,
+    stage: bool,
 ) -> PretrainedLoad:
-    """The load on this rank (no collectives), once every rank holds the same layout."""
+    """The load on this rank (no collectives), once every rank holds the same layout;
+    ``stage``: the model is a pipeline stage (see ``_report_mismatch``)."""
     _check_options(model, key_mapping)
     if _is_adapter_layout(layout):
         if key_mapping is not None or buffers:
@@ -418,7 +425,7 @@ def _load(
     slots = persistent_slots(model)
     view = _lora_view(model, slots)
     match, ignored = _match_checkpoint(model, slots, view, layout, key_mapping)
-    _report_mismatch(model, directory, match, strict)
+    _report_mismatch(model, directory, match, strict, stage=stage)
     allocated, recomputed = _allocate(model, slots, given, device)
     fresh = persistent_slots(model)
     cast = _load_tensors(layout, fresh if view is None else _renamed(fresh, view), match)
@@ -496,9 +503,20 @@ def _match_checkpoint(
     return match, ignored
 
 
-def _report_mismatch(model: nn.Module, directory: PathLike, match: _Match, strict: bool) -> None:
+def _report_mismatch(
+    model: nn.Module, directory: PathLike, match: _Match, strict: bool, *, stage: bool = False
+) -> None:
     """Missing or unexpected tensors: an error under ``strict`` (before anything is
-    allocated or read), else a warning."""
+    allocated or read), else a warning. On a pipeline stage (``stage``) the checkpoint
+    is the whole model's: its keys the stage has no place for are the other stages'
+    (returned as ``unexpected``, logged), and only missing tensors are a mismatch."""
+    if stage and match.unexpected:
+        logger.info(
+            "pipeline stage: %d checkpoint keys of other stages not loaded here: %s",
+            len(match.unexpected),
+            listed(match.unexpected),
+        )
+        match = dataclasses.replace(match, unexpected=())
     if not match.problems:
         return
     message = (

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_core import _export_swap
-from fsdp_core.collective_entry import CollectiveCall, enter_collective, group_ranks
+from fsdp_core.collective_entry import CollectiveCall, enter_collective, whole_world_ranks
 from fsdp_core.dtype_units import dominant_dtype
 from fsdp_core.hf import _hf_model, _lora
 from fsdp_core.hf._safetensors_dir import (
@@ -55,6 +55,14 @@ logger = logging.getLogger("fsdp_core.hf.pretrained")
 #: one output file of full tensors at a time, so this bounds its host memory (smaller
 #: than transformers' own 50GB default, which assumes the model is already in memory).
 DEFAULT_MAX_SHARD_SIZE = "5GB"
+#: What to do instead of exporting a pipeline stage: one directory written by every
+#: stage's first rank would be a race whose last swap leaves one stage's tensors.
+_STAGES = (
+    "export from a model that holds every stage (save the stages' DCP checkpoint from "
+    "every rank and load it into the whole model), or write per stage: each stage's "
+    "get_model_state_dict(stage, options=StateDictOptions(full_state_dict=True)) into a "
+    "sub-directory of its own, from its first rank"
+)
 
 
 def _gathered(
@@ -211,8 +219,10 @@ def save_pretrained(
 
     Raises:
         CollectiveCallError: a rank did not arrive or failed (on every rank).
+        ValueError: the model is a pipeline stage (sharded over part of the world), on
+            every rank before anything is written; the message says what to do instead.
     """
-    ranks = group_ranks(model=model)
+    ranks = whole_world_ranks(model, "save_pretrained", _STAGES)
     with enter_collective("save_pretrained", ranks=ranks, timeout=timeout) as call:
         plan = call.run(
             lambda: _plan_export(model, max_shard_size, key_mapping, merge_adapters),
@@ -336,9 +346,9 @@ def export_adapter(
     temporary directory on every rank); only the tensors it names are gathered.
     Written beside the old files and swapped in as ``save_pretrained`` does; only
     adapter files of ``directory`` are replaced. peft's model card
-    (``README.md``) is not written.
+    (``README.md``) is not written. Refused on a pipeline stage, as ``save_pretrained``.
     """
-    ranks = group_ranks(model=model)
+    ranks = whole_world_ranks(model, "export_adapter", _STAGES)
     with enter_collective("save_pretrained", ranks=ranks, timeout=timeout) as call:
         return _export_adapter(model, directory, adapter, save_embedding_layers, call)
 
