@@ -68,7 +68,8 @@ class InstalledHook(Protocol):
     @property
     def name(self) -> str: ...
 
-    def remove(self) -> None: ...
+    def remove(self) -> None:
+        """Take the hook off the model (idempotent)."""
 
 
 @dataclass(frozen=True)
@@ -118,20 +119,51 @@ class RuntimeHook(ABC):
         says so in a warning). ``dims`` are the job's parallel dimensions: a hook's
         collectives run over the group its docstring names (``dims.dp_mesh`` for FSDP's
         own reductions, ``dims.lockstep_mesh`` for checks that keep the whole forward in
-        step)."""
+        step).
+
+        Args:
+            model: the sharded model.
+            dims: the job's parallel dimensions.
+
+        Returns:
+            The installed hook, or None.
+        """
 
     def collectives(self, step: HookStep) -> CommTally:
         """The collectives the hook issues in ``step`` (per rank; none by default): its
-        cost model, which the estimates add to the units' collectives."""
+        cost model, which the estimates add to the units' collectives.
+
+        Args:
+            step: the step costed (the plan, its model, the mesh shape, the step's media).
+
+        Returns:
+            The hook's collectives by phase and kind.
+        """
         return CommTally()
 
     def unit_runs(self, step: HookStep) -> Mapping[str, int]:
         """How often the units under each module path run in ``step`` when the hook
-        repeats them (units elsewhere run once; empty by default)."""
+        repeats them (units elsewhere run once; empty by default).
+
+        Args:
+            step: the step costed.
+
+        Returns:
+            ``{module path: runs}``.
+        """
         return {}
 
     def planned(self, *, reason: str, targets: Iterable[str] = (), cost: str) -> HookPlan:
-        """This hook as a plan entry: why it is there, what it acts on, what it costs."""
+        """This hook as a plan entry: why it is there, what it acts on, what it costs.
+
+        Args:
+            reason: why the plan has the hook.
+            targets: the module paths it acts on.
+            cost: what it costs per step, in words.
+
+        Returns:
+            The plan entry, holding this hook as its plan data.
+        """
         return HookPlan(name=self.name, reason=reason, targets=tuple(targets), cost=cost, hook=self)
 
 
@@ -155,7 +187,11 @@ class HookPlan:
             )
 
     def as_dict(self) -> dict[str, Any]:
-        """Name, reason, targets and cost (the hook's plan data stays out: JSON-ready)."""
+        """Name, reason, targets and cost (the hook's plan data stays out: JSON-ready).
+
+        Returns:
+            ``{"name", "reason", "targets", "cost"}``.
+        """
         return {
             "name": self.name,
             "reason": self.reason,
@@ -164,6 +200,11 @@ class HookPlan:
         }
 
     def format(self) -> str:
+        """One line for a printed plan: the hook, how many targets, why, and its cost.
+
+        Returns:
+            The line.
+        """
         where = f" on {len(self.targets)} targets" if self.targets else ""
         return f"{self.name}{where}: {self.reason} (cost: {self.cost})"
 
@@ -174,7 +215,15 @@ _INSTALLED: weakref.WeakKeyDictionary[nn.Module, dict[str, InstalledHook]] = (
 
 
 def register_installed_hook(model: nn.Module, hook: InstalledHook) -> None:
-    """Record ``hook`` as installed on ``model`` (one hook per name)."""
+    """Record ``hook`` as installed on ``model`` (one hook per name).
+
+    Args:
+        model: the sharded model.
+        hook: the installed hook.
+
+    Raises:
+        ValueError: a hook of that name is installed already.
+    """
     hooks = _INSTALLED.setdefault(model, {})
     if hook.name in hooks:
         raise ValueError(f"a {hook.name!r} hook is already installed on this model")
@@ -182,12 +231,27 @@ def register_installed_hook(model: nn.Module, hook: InstalledHook) -> None:
 
 
 def installed_hooks(model: nn.Module) -> Mapping[str, InstalledHook]:
-    """The runtime hooks installed on ``model``, by name."""
+    """The runtime hooks installed on ``model``, by name.
+
+    Args:
+        model: the sharded model.
+
+    Returns:
+        ``{name: installed hook}``.
+    """
     return dict(_INSTALLED.get(model, {}))
 
 
 def remove_runtime_hooks(model: nn.Module, names: Iterable[str] | None = None) -> list[str]:
-    """Take hooks off ``model`` (all when ``names`` is ``None``); returns the names removed."""
+    """Take hooks off ``model`` (all when ``names`` is ``None``); returns the names removed.
+
+    Args:
+        model: the sharded model.
+        names: the hooks to remove.
+
+    Returns:
+        The names of the hooks removed.
+    """
     hooks = _INSTALLED.get(model, {})
     wanted = list(hooks) if names is None else list(names)
     removed = []
@@ -217,7 +281,14 @@ def nested_tensors(value: Any, depth: int = 0) -> list[torch.Tensor]:
 
 
 def output_tensors(value: Any) -> list[torch.Tensor]:
-    """Tensors of a forward output that require a gradient (see ``nested_tensors``)."""
+    """Tensors of a forward output that require a gradient (see ``nested_tensors``).
+
+    Args:
+        value: a forward's output (tensors in tuples, lists, mappings, dataclasses).
+
+    Returns:
+        The tensors that require a gradient.
+    """
     return [tensor for tensor in nested_tensors(value) if tensor.requires_grad]
 
 
@@ -230,6 +301,10 @@ class BackwardWatch:
     forwards before one backward) and must be idempotent within one. Every rank
     that runs backward through the model's output calls it, so work queued from it
     happens on every rank.
+
+    Args:
+        model: the module whose outputs are watched.
+        on_backward: called when a backward reaches them.
     """
 
     def __init__(self, model: nn.Module, on_backward: Callable[[], None]) -> None:
@@ -248,6 +323,7 @@ class BackwardWatch:
             tensor.register_hook(grad_hook)  # type: ignore[no-untyped-call]
 
     def remove(self) -> None:
+        """Stop watching (the forward hook is removed)."""
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
