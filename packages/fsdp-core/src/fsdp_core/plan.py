@@ -121,14 +121,33 @@ class ShardingPlan:
     records: tuple[object, ...] = field(default=(), compare=False, repr=False)
 
     def record(self, kind: type[_Record]) -> _Record | None:
-        """The planner's record of type ``kind``, if the plan has one."""
+        """The planner's record of type ``kind``, if the plan has one.
+
+        Args:
+            kind: the record's class (``MultimodalRecord``, ...).
+
+        Returns:
+            The record, or None.
+        """
         return next((r for r in self.records if isinstance(r, kind)), None)
 
     def hook_names(self) -> tuple[str, ...]:
+        """The planned runtime hooks' names, in install order.
+
+        Returns:
+            The names.
+        """
         return tuple(hook.name for hook in self.hooks)
 
     def hook(self, name: str) -> HookPlan | None:
-        """The planned hook called ``name``, if any."""
+        """The planned hook called ``name``, if any.
+
+        Args:
+            name: a hook name (``"unused_params"``, ...).
+
+        Returns:
+            Its plan entry, or None.
+        """
         return next((hook for hook in self.hooks if hook.name == name), None)
 
     @property
@@ -136,13 +155,30 @@ class ShardingPlan:
         return tuple(unit for call in self.calls for unit in call.units)
 
     def unit_labels(self) -> list[str]:
+        """Each unit's label (its member paths), in plan order: what tests and notes compare.
+
+        Returns:
+            The labels.
+        """
         return [unit.label for unit in self.units]
 
     def role_counts(self) -> dict[str, int]:
+        """How many units of each role (``"layer"``, ``"root"``, ``"dtype-island"``, ...).
+
+        Returns:
+            ``{role: count}``.
+        """
         return dict(Counter(unit.role for unit in self.units))
 
     def format(self, model: nn.Module | None = None) -> str:
-        """A readable table of units; with ``model`` also parameter counts and dtypes."""
+        """A readable table of units; with ``model`` also parameter counts and dtypes.
+
+        Args:
+            model: the planned model, for parameter counts and dtypes.
+
+        Returns:
+            The table.
+        """
         owned = unit_parameters(self, model) if model is not None else None
         lines = [f"{len(self.units)} FSDP units"]
         for index, unit in enumerate(self.units):
@@ -175,7 +211,14 @@ def _short(dtype: torch.dtype | None) -> str:
 
 
 def format_policy(policy: MixedPrecisionPolicy) -> str:
-    """``param/reduce->output`` in short dtype names, e.g. ``fp32/fp32->bfloat16``."""
+    """``param/reduce->output`` in short dtype names, e.g. ``fp32/fp32->bfloat16``.
+
+    Args:
+        policy: a mixed-precision policy.
+
+    Returns:
+        The short text.
+    """
     text = f"param={_short(policy.param_dtype)} reduce={_short(policy.reduce_dtype)}"
     if policy.output_dtype is not None:
         text += f" out={_short(policy.output_dtype)}"
@@ -184,7 +227,14 @@ def format_policy(policy: MixedPrecisionPolicy) -> str:
 
 def format_offload(policy: OffloadPolicy) -> str:
     """``cpu`` for a ``CPUOffloadPolicy`` (``cpu(unpinned)`` without pinned memory), else
-    the policy's class name."""
+    the policy's class name.
+
+    Args:
+        policy: an offload policy.
+
+    Returns:
+        The short text.
+    """
     if isinstance(policy, CPUOffloadPolicy):
         return "cpu" if policy.pin_memory else "cpu(unpinned)"
     return type(policy).__name__
@@ -195,6 +245,13 @@ def unit_parameters(plan: ShardingPlan, model: nn.Module) -> list[list[tuple[str
 
     A unit manages the parameters of its members that no earlier unit took and
     that are not ignored, which is exactly how ``fully_shard`` assigns them.
+
+    Args:
+        plan: the plan.
+        model: the planned model.
+
+    Returns:
+        ``(name, parameter)`` per managed parameter, per unit.
     """
     ignored = set(plan.ignored_param_names)
     taken: set[int] = set()

@@ -46,17 +46,45 @@ class PlanContext(Generic[FoundT]):
     replicated_param_names: tuple[str, ...] = ()
 
     def is_planned(self, module: nn.Module) -> bool:
+        """Whether an earlier planning step made ``module`` (part of) a unit.
+
+        Args:
+            module: a submodule of the planned model.
+
+        Returns:
+            Whether it is planned.
+        """
         return id(module) in self.planned
 
     def mark(self, paths: Iterable[str]) -> None:
+        """Record the modules at ``paths`` as planned units, so later steps skip them.
+
+        Args:
+            paths: qualified module names.
+        """
         for path in paths:
             self.planned.add(id(self.module(path)))
 
     def module(self, path: str) -> nn.Module:
+        """The submodule at ``path`` (the model itself for ``""``).
+
+        Args:
+            path: a qualified module name.
+
+        Returns:
+            The module.
+        """
         return self.model.get_submodule(path) if path else self.model
 
     def ignored_under(self, paths: Iterable[str]) -> tuple[str, ...]:
-        """Ignored parameters of the modules at ``paths``."""
+        """Ignored parameters of the modules at ``paths``.
+
+        Args:
+            paths: qualified module names.
+
+        Returns:
+            The ignored parameters' names, sorted.
+        """
         roots = tuple(paths)
         return tuple(
             sorted(
@@ -67,7 +95,14 @@ class PlanContext(Generic[FoundT]):
         )
 
     def has_unplanned_params(self, path: str) -> bool:
-        """Whether a unit at ``path`` would own any parameter (not ignored, not taken)."""
+        """Whether a unit at ``path`` would own any parameter (not ignored, not taken).
+
+        Args:
+            path: a qualified module name.
+
+        Returns:
+            Whether some parameter under it is neither ignored nor in a unit yet.
+        """
 
         parts = path.split(".") if path else []
         for depth in range(len(parts)):

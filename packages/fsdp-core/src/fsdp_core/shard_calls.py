@@ -32,7 +32,16 @@ def group_calls(
 ) -> tuple[ShardCall, ...]:
     """The plan of ``module`` alone: a call per group (paths relative to ``module``, with
     the group's mixed precision), then ``module`` itself with ``options.mp_policy``; each
-    call ignores the parameters of ``options.ignored_params`` under its members."""
+    call ignores the parameters of ``options.ignored_params`` under its members.
+
+    Args:
+        module: the module planned alone.
+        groups: ``(member paths, policy)`` per inner unit.
+        options: the module's own sharding options.
+
+    Returns:
+        The calls, inner units first.
+    """
     ignored = options.ignored_params or frozenset()
     names = [name for name, param in module.named_parameters() if param in ignored]
     planned = [*((tuple(paths), policy) for paths, policy in groups), (("",), options.mp_policy)]
@@ -70,7 +79,17 @@ def call_units(
 
     Each call is offloaded as it says (``ShardCall.offload_policy``); ``offload_policy``
     offloads every unit of calls that say nothing. Both at once would leave it open which
-    units offload: a ``ValueError``."""
+    units offload: a ``ValueError``.
+
+    Args:
+        root: the module the calls' paths are relative to.
+        calls: the planned calls.
+        mesh: the data-parallel mesh.
+        offload_policy: offload for every unit of calls that say nothing.
+
+    Returns:
+        ``(target, options)`` per unit, in order.
+    """
     check_offload_given_once(calls, offload_policy)
     named = dict(root.named_parameters())
     units: list[tuple[ShardTarget, ShardOptions]] = []
@@ -88,7 +107,15 @@ def call_units(
 
 
 def check_offload_given_once(calls: Sequence[ShardCall], offload_policy: object) -> None:
-    """Refuse an ``offload_policy`` for every unit beside calls that offload on their own."""
+    """Refuse an ``offload_policy`` for every unit beside calls that offload on their own.
+
+    Args:
+        calls: the planned calls.
+        offload_policy: the caller's offload for every unit, if any.
+
+    Raises:
+        ValueError: both are given.
+    """
     if offload_policy is None:
         return
     own = [call for call in calls if call.offload_policy is not None]
@@ -109,6 +136,15 @@ def group_units(
     options: ShardOptions,
 ) -> list[tuple[ShardTarget, ShardOptions]]:
     """The units of ``module`` alone, planned by
-    [`group_calls`][fsdp_core.shard_calls.group_calls] (its groups, then itself)."""
+    [`group_calls`][fsdp_core.shard_calls.group_calls] (its groups, then itself).
+
+    Args:
+        module: the module planned alone.
+        groups: ``(member paths, policy)`` per inner unit.
+        options: the module's own sharding options.
+
+    Returns:
+        ``(target, options)`` per unit, in order.
+    """
     calls = group_calls(module, groups, options)
     return call_units(module, calls, mesh=options.mesh, offload_policy=options.offload_policy)

@@ -49,7 +49,14 @@ ShardTarget = nn.Module | Sequence[nn.Module]
 
 
 def is_sharded(module: nn.Module) -> bool:
-    """Whether ``module`` already is (or belongs to a group that is) an FSDP unit."""
+    """Whether ``module`` already is (or belongs to a group that is) an FSDP unit.
+
+    Args:
+        module: any module.
+
+    Returns:
+        Whether it is an FSDP unit.
+    """
     return isinstance(module, FSDPModule)
 
 
@@ -57,7 +64,14 @@ def original_class(module: nn.Module) -> type[nn.Module]:
     """The class ``fully_shard`` replaced by its ``FSDP<name>`` subclass (else the class).
 
     Read from the swap itself (the subclass's bases are ``FSDPModule`` and the original),
-    never from the ``FSDP`` name prefix, which a user's own class may carry too."""
+    never from the ``FSDP`` name prefix, which a user's own class may carry too.
+
+    Args:
+        module: any module.
+
+    Returns:
+        Its class before sharding.
+    """
     cls = type(module)
     bases = cls.__bases__
     if len(bases) == 2 and bases[0] is FSDPModule and issubclass(bases[1], nn.Module):
@@ -81,7 +95,17 @@ def _as_modules(target: object) -> list[nn.Module]:
 
 def shard_targets(target: object) -> list[nn.Module]:
     """The member modules of a sharding call's ``target`` (one module, or a list or
-    tuple of modules that share one unit), checked."""
+    tuple of modules that share one unit), checked.
+
+    Args:
+        target: a module, or a list or tuple of modules.
+
+    Returns:
+        The member modules.
+
+    Raises:
+        TypeError: ``target`` (or one of its members) is not a module.
+    """
     if isinstance(target, (list, tuple)):
         return _as_modules(target)
     if not isinstance(target, nn.Module):
@@ -129,7 +153,18 @@ class ShardOptions:
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, object], *, caller: str) -> ShardOptions:
         """The options of a ``**kwargs`` call: unknown or missing names are a
-        ``TypeError`` that names them and the valid ones."""
+        ``TypeError`` that names them and the valid ones.
+
+        Args:
+            kwargs: the call's keyword arguments.
+            caller: the function called, for the message.
+
+        Returns:
+            The options.
+
+        Raises:
+            TypeError: a name is unknown or a required one is missing.
+        """
         unknown = [name for name in kwargs if name not in SHARD_OPTION_NAMES]
         if unknown:
             listed = ", ".join(repr(name) for name in unknown)
@@ -156,7 +191,15 @@ SHARD_OPTION_NAMES: Final[tuple[str, ...]] = tuple(f.name for f in fields(ShardO
 def owned_ignored_params(
     modules: Iterable[nn.Module], ignored_params: Iterable[nn.Parameter] | None
 ) -> set[nn.Parameter] | None:
-    """The subset of ``ignored_params`` that ``modules`` own; ``None`` when empty."""
+    """The subset of ``ignored_params`` that ``modules`` own; ``None`` when empty.
+
+    Args:
+        modules: a unit's members.
+        ignored_params: every parameter FSDP leaves alone.
+
+    Returns:
+        Those the members own, or None.
+    """
     if not ignored_params:
         return None
     wanted = set(ignored_params)
@@ -165,13 +208,29 @@ def owned_ignored_params(
 
 
 def shard_group_size(mesh: DeviceMesh) -> int:
-    """Number of ranks a parameter is sharded over (the last mesh dimension)."""
+    """Number of ranks a parameter is sharded over (the last mesh dimension).
+
+    Args:
+        mesh: the data-parallel mesh.
+
+    Returns:
+        The size of its last dimension.
+    """
     return int(mesh.size(mesh.ndim - 1))
 
 
 def check_reshard_after_forward(value: object, shard_size: int | None) -> None:
     """Validate ``reshard_after_forward`` before FSDP sees it: an int must divide
-    ``shard_size`` (any positive int without a mesh, ``shard_size=None``: plans)."""
+    ``shard_size`` (any positive int without a mesh, ``shard_size=None``: plans).
+
+    Args:
+        value: the user's ``reshard_after_forward``.
+        shard_size: the shard group's size (None while planning).
+
+    Raises:
+        TypeError: ``value`` is neither a bool, an int nor None.
+        ValueError: an int that is not positive or does not divide ``shard_size``.
+    """
     if value is None or isinstance(value, bool):
         return
     if not isinstance(value, int):
@@ -209,6 +268,9 @@ def shard_units(units: Iterable[tuple[ShardTarget, ShardOptions]]) -> None:
     units and ignored parameters supported by this torch), so a refused call shards
     nothing. Each unit gets only the ignored parameters its members own (none when that
     set is empty), and CPU offload without an accelerator runs without pinned memory.
+
+    Args:
+        units: ``(target, options)`` per unit, in the order they are made.
     """
     checked = [_checked_unit(_as_modules(target), options) for target, options in units]
     for modules, options, owned in checked:
@@ -263,6 +325,14 @@ def apply_fully_shard(
     checking what FSDP would reject later ([`shard_units`][fsdp_core.sharding.shard_units]
     with these options).
 
+    Args:
+        target: a module, or the modules of one grouped unit.
+        mesh: the data-parallel mesh.
+        mp_policy: the unit's policy.
+        offload_policy: FSDP2's offload policy.
+        reshard_after_forward: as ``fully_shard`` takes it.
+        ignored_params: parameters FSDP leaves alone.
+
     Raises:
         TypeError: ``target``, ``mesh``, ``mp_policy``, ``offload_policy`` or
             ``ignored_params`` has the wrong type.
@@ -283,7 +353,15 @@ def check_ignored_params_supported(
     ignored_param_names: Sequence[str], replicated_param_names: Sequence[str]
 ) -> None:
     """Before a plan is applied: on a torch without ``fully_shard(ignored_params=...)``
-    no parameter can stay out of FSDP; say, for each cause, what to change."""
+    no parameter can stay out of FSDP; say, for each cause, what to change.
+
+    Args:
+        ignored_param_names: the plan's ignored parameters.
+        replicated_param_names: those of them the policy replicates.
+
+    Raises:
+        ValueError: this torch cannot ignore parameters, naming what to change.
+    """
     if not ignored_param_names or compat.FULLY_SHARD_IGNORED_PARAMS:
         return
     replicated = [n for n in ignored_param_names if n in set(replicated_param_names)]
