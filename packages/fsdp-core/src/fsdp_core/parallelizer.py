@@ -67,8 +67,6 @@ from fsdp_core.stale_optimizer import mark_replaced_parameters
 from fsdp_core.unused_params import UnusedParamsRuntimeHook
 
 __all__ = [
-    "PlanAdditions",
-    "PlanContext",
     "ModelParallelizer",
     "apply_plan",
     "PlanMismatchError",
@@ -80,7 +78,18 @@ logger = logging.getLogger(__name__)
 
 
 def parameter_names(model: nn.Module, params: Iterable[nn.Parameter] | None) -> tuple[str, ...]:
-    """Qualified names of ``params`` in ``model``; a parameter it does not own is an error."""
+    """Qualified names of ``params`` in ``model``; a parameter it does not own is an error.
+
+    Args:
+        model: the model.
+        params: parameters of it (None: none).
+
+    Returns:
+        Their qualified names, sorted.
+
+    Raises:
+        ValueError: a parameter is not ``model``'s.
+    """
     if not params:
         return ()
     wanted = set(params)
@@ -101,6 +110,15 @@ class ModelParallelizer(Generic[FoundT]):
     installed; ``disabled_hooks`` names hooks to leave out (see
     [`HOOKS`][fsdp_core.parallelizer.ModelParallelizer.HOOKS]). ``FoundT`` is what the
     parallelizer finds in a model before planning (``ctx.found``; ``None`` here).
+
+    Args:
+        dtype_safe: split odd-dtype islands into units of their own.
+        disabled_hooks: runtime hooks not to plan.
+
+    Raises:
+        TypeError: ``dtype_safe`` is not a bool, or ``disabled_hooks`` not a collection of
+            names.
+        ValueError: a hook name is unknown (the message lists the valid ones).
     """
 
     #: The runtime hook classes this parallelizer may plan (subclasses add theirs); their
@@ -139,6 +157,18 @@ class ModelParallelizer(Generic[FoundT]):
         data-parallel dimensions (``dp_dims="dp"``, ``dp_dims=("dp_replicate",
         "dp_shard")``). See [`ParallelDims`][fsdp_core.parallel_dims.ParallelDims].
 
+        Args:
+            model: the model (real, or on ``meta``).
+            mesh: the data-parallel mesh, or the whole mesh with ``dp_dims``.
+            mp_policy: the mixed-precision policy (bf16 compute, fp32 reduction if None).
+            offload_policy: FSDP2's offload policy for every unit.
+            reshard_after_forward: as ``fully_shard`` takes it.
+            ignored_params: parameters FSDP leaves alone.
+            dp_dims: the data-parallel dimensions of ``mesh``.
+
+        Returns:
+            ``model``, sharded.
+
         Raises:
             TypeError: ``mesh`` is not a ``DeviceMesh``.
             ValueError: ``dp_dims`` names no dimension of ``mesh``, or ``mesh`` alone is
@@ -162,7 +192,17 @@ class ModelParallelizer(Generic[FoundT]):
         reshard_after_forward: bool | int | None = None,
         ignored_params: set[nn.Parameter] | None = None,
     ) -> ShardingPlan:
-        """Decide the units without touching the model or needing a process group."""
+        """Decide the units without touching the model or needing a process group.
+
+        Args:
+            model: the model (on ``meta`` is enough).
+            mp_policy: the mixed-precision policy (bf16 compute, fp32 reduction if None).
+            reshard_after_forward: as ``fully_shard`` takes it.
+            ignored_params: parameters FSDP leaves alone.
+
+        Returns:
+            The plan.
+        """
         return self._plan(
             model,
             mp_policy=mp_policy,
@@ -244,7 +284,18 @@ class ModelParallelizer(Generic[FoundT]):
         A transformers or peft model then has its own collective
         ``save_pretrained`` (the instance's, bound to the library's export;
         the class's stays ``type(model).save_pretrained``): see
-        docs/meta-init-and-checkpoints.md."""
+        docs/meta-init-and-checkpoints.md.
+
+        Args:
+            model: the planned model.
+            plan: what ``plan`` returned.
+            mesh: the data-parallel mesh, or the whole mesh with ``dp_dims``.
+            offload_policy: FSDP2's offload policy for every unit.
+            dp_dims: the data-parallel dimensions of ``mesh``.
+
+        Returns:
+            ``model``, sharded.
+        """
         dims = ParallelDims.from_mesh(mesh, dp_dims=dp_dims)
         return _apply(model, plan, dims=dims, offload_policy=offload_policy, parallelizer=self)
 
@@ -260,6 +311,13 @@ class ModelParallelizer(Generic[FoundT]):
         first (dtype islands here), then ``module``. A list of modules is one grouped unit;
         a module that already is a unit is left as it is. Subclasses that wrap it call
         ``super()._fully_shard_module(module, **kwargs)``.
+
+        Args:
+            module: a module, or the modules of one grouped unit.
+            **kwargs: ``mesh``, ``mp_policy`` and the optional sharding options.
+
+        Returns:
+            ``module``.
 
         Raises:
             TypeError: an unknown or missing option, or one of the wrong type.
@@ -426,7 +484,15 @@ def check_applied_units(model: nn.Module, plan: ShardingPlan) -> None:
     in ``model`` are exactly ``plan.units`` (same member modules). A parallelizer whose
     ``_before_apply`` or ``_after_apply`` makes units of its own would otherwise print one
     plan and run another. Skipped, with a warning, on a torch whose FSDP state cannot be
-    read."""
+    read.
+
+    Args:
+        model: the sharded model.
+        plan: its plan.
+
+    Raises:
+        PlanMismatchError: naming the units missing and the units not planned.
+    """
     try:
         applied = internals.applied_unit_paths(model)
     except internals.FSDPInternalsError as exc:
@@ -461,6 +527,16 @@ def apply_plan(
     parallelizer's [`apply_plan`][fsdp_core.parallelizer.ModelParallelizer.apply_plan]
     does, without its overridable steps. ``mesh`` and ``dp_dims`` as in
     [`ModelParallelizer.parallelize`][fsdp_core.parallelizer.ModelParallelizer.parallelize].
+
+    Args:
+        model: the planned model.
+        plan: the plan.
+        mesh: the data-parallel mesh, or the whole mesh with ``dp_dims``.
+        offload_policy: FSDP2's offload policy for every unit.
+        dp_dims: the data-parallel dimensions of ``mesh``.
+
+    Returns:
+        ``model``, sharded.
 
     Raises:
         TypeError: ``plan`` is not a ``ShardingPlan``, or ``mesh`` not a ``DeviceMesh``.
