@@ -60,8 +60,8 @@ def test_moe_with_ep_through_the_library_trains_like_one_process(case: str, mp4:
     assert result["experts_in_units"] == []
     assert (result["expert_mesh"], result["expert_placements"]) == (["ep"], ["S(0)"])
     assert result["expert_local_experts"] == 2
-    assert "expert_grad_reduce" in result["planned_hooks"]
-    assert "expert_grad_reduce" in result["hooks"]
+    assert "replica_grad_reduce" in result["planned_hooks"]
+    assert "replica_grad_reduce" in result["hooks"]
 
 
 def test_moe_with_ep_accumulates_micro_batches_like_one_process(mp4: MpResults) -> None:
@@ -84,7 +84,7 @@ def test_torchtitan_adapter_with_ep_trains_like_one_process(mp4: MpResults) -> N
     result = mp4("torchtitan_dp_ep")
     check_against_reference(result, _reference("trainable"), TOL[torch.float32])
     assert (result["expert_mesh"], result["expert_placements"]) == (["ep"], ["S(0)"])
-    assert "expert_grad_reduce" in result["hooks"]
+    assert "replica_grad_reduce" in result["hooks"]
 
 
 @pytest.mark.parametrize("case", BALANCE_CASES)

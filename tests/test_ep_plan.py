@@ -68,8 +68,8 @@ def test_the_plan_keeps_ep_experts_out_of_fsdp_and_reduces_their_gradients() -> 
         model = _sharded_model(world)
         plan = PARALLELIZER.plan(model)
         assert set(EXPERTS) <= set(plan.ignored_param_names)
-        assert "expert_grad_reduce" in plan.hook_names()
-        (hook,) = [h for h in plan.hooks if h.name == "expert_grad_reduce"]
+        assert "replica_grad_reduce" in plan.hook_names()
+        (hook,) = [h for h in plan.hooks if h.name == "replica_grad_reduce"]
         assert set(hook.targets) == set(EXPERTS)
         PARALLELIZER.apply_plan(model, plan, mesh=world, dp_dims="dp")
         managed = {
@@ -189,7 +189,7 @@ def test_lightning_with_an_expert_parallel_dimension_beside_data_parallel() -> N
         expert = model.get_parameter(EXPERTS[0])
         assert isinstance(expert, DTensor)
         assert expert.device_mesh.mesh_dim_names == ("expert_parallel",)
-        assert "expert_grad_reduce" in installed_hooks(model)
+        assert "replica_grad_reduce" in installed_hooks(model)
 
 
 def test_lightning_refuses_experts_its_mesh_does_not_show() -> None:
@@ -210,7 +210,7 @@ def test_lightning_refuses_experts_its_mesh_does_not_show() -> None:
 
 def test_the_ep_plan_is_what_one_step_measures() -> None:
     """Under the fake group: the collectives the plan predicts are those measured (the
-    expert_grad_reduce all-reduces included), apart from the model's own token exchange
+    replica_grad_reduce all-reduces included), apart from the model's own token exchange
     (an all_to_all there and back per MoE layer, which depends on the routing), and the
     per-rank memory figures match byte for byte, the experts counted by their EP shard."""
     from multimodal_fsdp.measure.comm import measure_plan

@@ -4,7 +4,7 @@ A ``('dp', 'ep')`` 2x2 mesh. EP borrows data-parallel ranks (as torchtitan's doe
 four ranks hold different batches; ``model_deepseek_v41.moe.shard_experts`` places each
 layer's 4 experts ``Shard(0)`` over ``ep`` (2 per rank), and the library shards the rest
 over ``dp`` and ``ep`` flattened, keeping the experts out of its units and reducing their
-gradients over ``dp`` (``fsdp_core.expert_parallel``). ``ep_deepseek_moe`` runs the vision
+gradients over ``dp`` (``fsdp_core.replica_grad``). ``ep_deepseek_moe`` runs the vision
 tower frozen under each policy and trainable; ``ep_nemo_calls`` calls
 ``fully_shard_deepseek_v41`` and ``PARALLELIZER._fully_shard_module`` the way NeMo
 Automodel's MoE parallelizer does; ``torchtitan_dp_ep`` goes through the torchtitan

@@ -148,11 +148,11 @@ ENCODER_STEPS = 2
 
 def encoder_cases() -> list[str]:
     """``media/policy/variant``: every distribution balanced under each frozen-tower
-    policy, plain under ``root``, and a trainable tower balanced on uneven media."""
+    policy, plain under ``root``, and balanced with a trainable tower."""
     return [
         *(f"{name}/root/plain" for name in ENCODER_MEDIA),
         *(f"{name}/{policy}/balanced" for name in ENCODER_MEDIA for policy in POLICIES),
-        "uneven/per_layer/trainable",
+        *(f"{name}/per_layer/trainable" for name in ENCODER_MEDIA),
     ]
 
 
@@ -190,6 +190,7 @@ def _encoder_case(ctx: DistributedContext, name: str, policy: str, variant: str)
         dist.all_reduce(total)  # both ranks of a TP group hold their DP coordinate's loss
         losses.append(total.item() / ctx.world_size)
     return {
+        "hooks": sorted(installed_hooks(model)),
         "rows": [int(n) for n in _gather(rows[0])],
         "losses": losses,
         "grads0": grads0,

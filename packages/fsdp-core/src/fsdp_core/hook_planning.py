@@ -4,25 +4,31 @@ unshard of modules called outside the forward, and the forward agreement (last).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import nn
 
 from fsdp_core.accumulation import AccumulationWarmupRuntimeHook
 from fsdp_core.entry_unshard import EntryUnshardRuntimeHook, entry_owners
-from fsdp_core.expert_parallel import expert_grad_reduce_plans
 from fsdp_core.forward_agreement import ForwardAgreementRuntimeHook
 from fsdp_core.plan import ShardingPlan, unit_parameters
+from fsdp_core.replica_grad import replica_grad_reduce_plans
 from fsdp_core.runtime import HookPlan
 from fsdp_core.unused_params import UnusedParamsRuntimeHook
 
 __all__ = ["core_hook_plans", "forward_agreement_hook", "is_entry"]
 
 
-def core_hook_plans(model: nn.Module, plan: ShardingPlan, entry_paths: list[str]) -> list[HookPlan]:
+def core_hook_plans(
+    model: nn.Module, plan: ShardingPlan, entry_paths: list[str], shared: Sequence[str] = ()
+) -> list[HookPlan]:
     """``accumulation_warmup`` and ``unused_params`` when a unit holds trainable
-    parameters, then ``entry_unshard`` for the ``entry_paths`` that own units."""
+    parameters, then ``entry_unshard`` for the ``entry_paths`` that own units, then
+    ``replica_grad_reduce`` for ignored experts and the ``shared`` parameters (whose
+    items the ranks of a data group split)."""
     entries = [
         *_entry_hooks(entry_owners(model, plan, entry_paths), plan),
-        *expert_grad_reduce_plans(model, plan.ignored_param_names),
+        *replica_grad_reduce_plans(model, plan.ignored_param_names, shared),
     ]
     trainable = [
         unit.label

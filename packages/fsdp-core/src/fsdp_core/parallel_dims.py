@@ -17,7 +17,9 @@ every runtime hook read one answer instead of assuming the world is their mesh:
   ([`data_group_ranks`][fsdp_core.parallel_dims.ParallelDims.data_group_ranks]): the
   TP x CP ranks of one data-parallel coordinate;
 - with expert parallelism, the ranks that hold replicas of this rank's expert shard
-  ([`expert_replica_mesh`][fsdp_core.parallel_dims.ParallelDims.expert_replica_mesh]).
+  ([`expert_replica_mesh`][fsdp_core.parallel_dims.ParallelDims.expert_replica_mesh]);
+- the ranks of a data group that split a trainable tower's items and sum its gradients
+  ([`sharing_mesh`][fsdp_core.parallel_dims.ParallelDims.sharing_mesh]): TP's.
 
 EP borrows its ranks from data parallelism, as torchtitan's does: the ranks along an
 ``ep`` dimension hold different batches, the experts are sharded over ``ep`` (by the
@@ -327,6 +329,13 @@ class ParallelDims:
         )
 
     @property
+    def sharing_names(self) -> tuple[str, ...]:
+        """The data-group dimensions whose ranks may split a trainable encoder's items
+        and sum its parameters' gradients: TP's, whose ranks all get the whole gradient of
+        a replicated input; none with CP, whose ranks need other items' gradients."""
+        return () if self.cp_names else self.data_group_names
+
+    @property
     def dp_dims(self) -> int:
         """Data-parallel dimensions of more than one rank: each repeats an all-reduce over
         the data-parallel mesh."""
@@ -384,6 +393,13 @@ class ParallelDims:
         if not self.data_group_names:
             return None
         return _slice(self._need(self.mesh), self.data_group_names)
+
+    @property
+    def sharing_mesh(self) -> DeviceMesh | None:
+        """The mesh of ``sharing_names`` (``None`` when there are none)."""
+        if not self.sharing_names:
+            return None
+        return _slice(self._need(self.mesh), self.sharing_names)
 
     @property
     def expert_mesh(self) -> DeviceMesh:

@@ -38,7 +38,7 @@ from fsdp_core.dtype_units import (
     group_islands,
 )
 from fsdp_core.entry_unshard import EntryUnshardRuntimeHook
-from fsdp_core.expert_parallel import ExpertGradReduceRuntimeHook, expert_param_names
+from fsdp_core.expert_parallel import expert_param_names
 from fsdp_core.forward_agreement import ForwardAgreementRuntimeHook
 from fsdp_core.hook_planning import core_hook_plans, forward_agreement_hook, is_entry
 from fsdp_core.module_tree import (
@@ -50,6 +50,7 @@ from fsdp_core.parallel_dims import ParallelDims
 from fsdp_core.plan import ShardCall, ShardingPlan, UnitPlan
 from fsdp_core.plan_context import FoundT, PlanAdditions, PlanContext
 from fsdp_core.precision import island_policy
+from fsdp_core.replica_grad import ReplicaGradReduceRuntimeHook
 from fsdp_core.replicated import place_replicated_params
 from fsdp_core.runtime import HookPlan, RuntimeHook, register_installed_hook
 from fsdp_core.shard_calls import call_units, group_units
@@ -128,7 +129,7 @@ class ModelParallelizer(Generic[FoundT]):
         UnusedParamsRuntimeHook,
         EntryUnshardRuntimeHook,
         ForwardAgreementRuntimeHook,
-        ExpertGradReduceRuntimeHook,
+        ReplicaGradReduceRuntimeHook,
     )
 
     def __init__(self, *, dtype_safe: bool = True, disabled_hooks: Iterable[str] = ()) -> None:
@@ -394,7 +395,15 @@ class ModelParallelizer(Generic[FoundT]):
     def _plan_hooks(self, ctx: PlanContext[FoundT], plan: ShardingPlan) -> list[HookPlan]:
         """The runtime hooks ``plan`` needs (before ``disabled_hooks`` are taken out),
         planned from the finished plan."""
-        return core_hook_plans(ctx.model, plan, self._entry_paths(ctx))
+        return core_hook_plans(
+            ctx.model, plan, self._entry_paths(ctx), self._shared_params(ctx, plan)
+        )
+
+    def _shared_params(self, ctx: PlanContext[FoundT], plan: ShardingPlan) -> list[str]:
+        """Trainable parameters whose inputs the ranks of a data group split between them
+        (their gradients are summed over it, ``fsdp_core.replica_grad``): none here; the
+        multimodal parallelizer names its balanced towers' and joined modules'."""
+        return []
 
     def _before_apply(self, model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> None:
         """Runs once before the first unit is made, after the plan's replicated parameters

@@ -503,6 +503,28 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
             return []
         return [*found.projectors, *found.conditional]
 
+    def _shared_params(self, ctx: PlanContext[Discovery], plan: ShardingPlan) -> list[str]:
+        """The trainable parameters of the balanced towers and joined modules (projectors
+        that own units, as ``BalanceMediaRuntimeHook.from_plan`` joins them): on a mesh
+        with TP the ranks of a data group split their items (``balance._data_group``),
+        so their gradients are summed over it (``fsdp_core.replica_grad``)."""
+        record = plan_record(plan)
+        if record is None:
+            return []
+        conditional = set(ctx.found.conditional)
+        members = [path for unit in plan.units if not unit.is_root for path in unit.paths]
+        joined = [
+            path
+            for path in record.joined
+            if path not in conditional and any(is_under(m, path) for m in members)
+        ]
+        roots = [*record.balanced_towers, *joined]
+        return [
+            name
+            for name, param in ctx.model.named_parameters()
+            if param.requires_grad and any(is_under(name, root) for root in roots)
+        ]
+
     def _plan_hooks(self, ctx: PlanContext[Discovery], plan: ShardingPlan) -> list[HookPlan]:
         record = plan_record(plan)
         if record is None:

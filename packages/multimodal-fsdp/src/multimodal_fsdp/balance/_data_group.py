@@ -12,13 +12,16 @@ Gradients: the ranks of a data group run the same forward on the same batch, and
 torch's tensor parallelism gives every TP rank the whole gradient of a replicated
 input (the backward all-reduces the partial sums), the same on every rank. So the
 output of a rank's own share keeps its graph and the other shares arrive detached:
-each item's gradient flows back once, from the rank whose share it is. Only frozen
-towers are balanced this way (``BalanceMediaRuntimeHook.install``): a trainable one
-would also need its parameter gradients summed over the data group.
+each item's gradient flows back once, from the rank whose share it is. A trainable
+tower's (or joined module's) parameter gradients then hold, on each rank, the items it
+encoded: the ``replica_grad_reduce`` hook sums them over the data group
+(``ParallelDims.sharing_mesh``; TP only: a CP rank needs the gradients of the items it
+reads, so with CP only frozen ones share).
 
 A call of fewer items than the group has ranks is not split: every rank of the group
 brings the whole call and nothing is gathered (a share would be empty, and a rank without
-an output has no output structure to rebuild the others' bytes with).
+an output has no output structure to rebuild the others' bytes with); only the first
+rank's output carries gradients back, so each item's still counts once.
 
 Collectives per split call, on the data group (``T`` ranks): one ``all_gather`` of a
 fixed header (``HEADER_INTS`` int64 per rank: the bytes of its share's outputs and a
@@ -182,7 +185,7 @@ def gather_outputs(
     items = len(weights)
     split = splits(items, data.size)
     if not split and not data.indexed:
-        return output
+        return output if data.position == 0 else _without_gradient(layout, output, weights)
     start, stop = data.share(items)
     spec, mine = layout.split_output(output, list(weights[start:stop]))
     shares = [share_of_position(items, p, data.size) for p in range(data.size)]
@@ -235,6 +238,39 @@ def gather_outputs(
             offsets[source] += size
         pieces.append(tuple(piece))
     return layout.join_output(spec, pieces)
+
+
+class _ZeroGradient(torch.autograd.Function):
+    """The tensor itself, whose backward sends zeros (the graph, and the collectives in
+    its backward, still run)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor) -> Tensor:
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return torch.zeros_like(grad)
+
+
+def _zero_gradient(tensor: Tensor) -> Tensor:
+    return _ZeroGradient.apply(tensor)  # type: ignore[no-untyped-call,no-any-return]
+
+
+def _without_gradient(layout: MediaLayout, output: Any, weights: Sequence[int]) -> Any:
+    """``output`` of an unsplit call on a rank other than the group's first: every rank of
+    the group encoded the whole call, so only the first one's carries the items'
+    gradients back (a trainable tower's are summed over the group)."""
+    spec, pieces = layout.split_output(output, list(weights))
+    if not any(leaf.requires_grad for piece in pieces for leaf in piece):
+        return output
+    return layout.join_output(
+        spec,
+        [
+            tuple(_zero_gradient(leaf) if leaf.requires_grad else leaf for leaf in piece)
+            for piece in pieces
+        ],
+    )
 
 
 def _flat(pieces: Sequence[Sequence[Tensor]]) -> Tensor:

@@ -375,14 +375,13 @@ def data_group_tally(media: StepMedia, size: int, *, indexed: bool = False) -> C
     return tally
 
 
-def shares_encoding(planned: BalancePlanned, data_group: int) -> bool:
+def shares_encoding(planned: BalancePlanned, data_group: int, *, indexed: bool = False) -> bool:
     """Whether the data groups of ``data_group`` ranks share the encoding: more than one
-    rank and no trainable balanced tower or joined module (``BalanceMediaRuntimeHook``)."""
-    return (
-        data_group > 1
-        and not any(t.trainable for t in planned.towers)
-        and not any(m.trainable for m in planned.joined)
-    )
+    rank, and with CP (``indexed``) no trainable balanced tower or joined module (a CP
+    rank needs the gradients of the items it reads; TP ranks all get the whole gradient,
+    and ``ParallelDims.sharing_mesh`` sums the parameters' over the group)."""
+    trainable = any(t.trainable for t in planned.towers) or any(m.trainable for m in planned.joined)
+    return data_group > 1 and not (indexed and trainable)
 
 
 def planned_tally(
@@ -403,7 +402,7 @@ def planned_tally(
     if media is not None:
         size = group_size(planned.group, world_size, dp_replicate)
         layers = len(planned.layers) if world_size > 1 else 0
-        if not shares_encoding(planned, data_group):
+        if not shares_encoding(planned, data_group, indexed=indexed):
             return exchange_tally(
                 media, planned.towers, world_size=size, joined=planned.joined, layers=layers
             )

@@ -27,9 +27,10 @@ and per step, FSDP2 (torch 2.13) then issues:
   dimension) of the ``unused_params`` hook ([`fsdp_core.unused_params`][fsdp_core.unused_params]);
   the divergence guards (step agreement, schedule check) agree through the store and
   issue no collective;
-- backward: with experts an EP plan placed, one all-reduce per expert parameter (per
-  expert replica dimension) of the ``expert_grad_reduce`` hook
-  ([`fsdp_core.expert_parallel`][fsdp_core.expert_parallel]);
+- backward: one all-reduce per parameter (per dimension of its mesh) of the
+  ``replica_grad_reduce`` hook ([`fsdp_core.replica_grad`][fsdp_core.replica_grad]):
+  experts an EP plan placed (over their replicas), trainable balanced towers on TP
+  ranks (over the data group);
 - with ``balance_media=True``: the exchange of each balanced tower call (all-gathers of
   sizes, all-to-alls of inputs, outputs and, in backward, gradients) and the join
   barrier's last round per tower. They depend on the step's media, so they are counted

@@ -308,8 +308,8 @@ class BalanceMediaRuntimeHook(RuntimeHook):
         )
 
     def _data_group_clause(self, clause: str) -> str:
-        """``clause`` where the ranks of a data group would share the encoding (frozen
-        towers and joined modules), else nothing."""
+        """``clause`` where the ranks of a data group would share the encoding (on TP
+        always, on CP with frozen towers and joined modules), else nothing."""
         return clause if shares_encoding(self, 2) else ""
 
     def collectives(self, step: HookStep) -> CommTally:
@@ -412,12 +412,12 @@ class BalanceMediaRuntimeHook(RuntimeHook):
     def install(self, model: nn.Module, *, dims: ParallelDims) -> BalanceMedia:
         """Balances within groups of ``dims.batch_mesh``: the ranks that hold different
         batches (the data-parallel ranks, and with EP the ``ep`` ranks too). The ranks of
-        a TP or CP group (a *data group*) hold the same one: with frozen towers and joined
-        modules each brings its share of every call and the rounds run over the balance
-        group's data groups together, so each image is encoded once
-        (``multimodal_fsdp.balance._data_group``); with a trainable one (whose parameter
-        gradients would then need summing over the data group) each rank balances with
-        its own data-parallel peers (same media, same route)."""
+        a TP or CP group (a *data group*) hold the same one: each brings its share of
+        every call and the rounds run over the balance group's data groups together, so
+        each image is encoded once (``multimodal_fsdp.balance._data_group``; a trainable
+        tower's gradients are then summed over the group by ``replica_grad_reduce``).
+        With CP and a trainable tower or joined module each rank balances with its own
+        data-parallel peers instead (same media, same route)."""
         mesh = dims.batch_mesh
         self.check_group(mesh)
         group, size = _group_of(mesh, self.group)
@@ -451,12 +451,10 @@ def _data_group_size(dims: ParallelDims | None) -> int:
 
 
 def _data_group(dims: ParallelDims, hook: BalanceMediaRuntimeHook) -> DataGroup | None:
-    """This rank's data group, when its ranks share the encoding: more than one rank and
-    no trainable balanced tower or joined module (collective over the data group)."""
+    """This rank's data group, when its ranks share the encoding (``shares_encoding``;
+    collective over the data group)."""
     ranks = tuple(sorted(dims.data_group_ranks()))
-    if len(ranks) < 2:
-        return None
-    if any(t.trainable for t in hook.towers) or any(m.trainable for m in hook.joined):
+    if not shares_encoding(hook, len(ranks), indexed=bool(dims.cp_names)):
         return None
     group = dist.new_group(ranks=list(ranks), use_local_synchronization=True)
     position = ranks.index(dist.get_rank())
