@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_core.parallelizer import PlanContext
+from fsdp_core.plan_context import PlanContext
 from model_deepseek_v41 import DeepseekV41Config, build_deepseek_v41
 from model_deepseek_v41.fsdp import DeepseekV41ModelParallelizer
 from multimodal_fsdp import MultimodalParallelizer

@@ -24,8 +24,8 @@ from fsdp_core import (
 from fsdp_core.dtype_units import group_islands
 from fsdp_core.fake_group import fake_process_group
 from fsdp_core.hf import load_pretrained
-from fsdp_core.parallelizer import PlanContext
 from fsdp_core.plan import ShardCall, ShardingPlan
+from fsdp_core.plan_context import PlanContext
 from fsdp_core.sharding import apply_fully_shard
 from fsdp_core.testing import TORCHRUN_ENV
 

@@ -11,8 +11,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fsdp_core.sharding
-from fsdp_core.parallelizer import ModelParallelizer, PlanContext, parameter_names
+from fsdp_core.parallelizer import ModelParallelizer, parameter_names
 from fsdp_core.plan import ShardCall, ShardingPlan, UnitPlan, unit_parameters
+from fsdp_core.plan_context import PlanContext
 from fsdp_core.precision import default_mp_policy, fp32_island_policy
 
 BF16, FP32 = torch.bfloat16, torch.float32

@@ -44,8 +44,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from fsdp_core import compat, fp32_island_policy
 from fsdp_core.containers import is_module_container, is_under, join_path, unwrap_module
 from fsdp_core.dtype_units import UnitGroups, dominant_dtype, dtype_island_groups
-from fsdp_core.parallelizer import PlanContext
 from fsdp_core.plan import ShardCall
+from fsdp_core.plan_context import PlanContext
 from fsdp_core.sharding import ShardOptions, is_sharded
 from multimodal_fsdp import MultimodalParallelizer
 from multimodal_fsdp.discovery import resolve_multimodal_modules

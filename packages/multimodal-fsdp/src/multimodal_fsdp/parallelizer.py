@@ -65,8 +65,8 @@ from torch.distributed.fsdp import OffloadPolicy
 from fsdp_core import ModelParallelizer, ShardingPlan
 from fsdp_core.containers import is_under, iter_layer_items, join_path
 from fsdp_core.dtype_units import dominant_dtype
-from fsdp_core.parallelizer import PlanAdditions, PlanContext
 from fsdp_core.plan import ShardCall
+from fsdp_core.plan_context import PlanAdditions, PlanContext
 from fsdp_core.runtime import HookPlan
 from multimodal_fsdp._plan_checks import (
     _check_discovery,
