@@ -82,18 +82,39 @@ class CallRoute:
     owners: tuple[tuple[int, ...], ...]
 
     def kept(self, rank: int) -> list[int]:
-        """``rank``'s items it encodes itself, in call order."""
+        """``rank``'s items it encodes itself, in call order.
+
+        Args:
+            rank: a rank of the balance group.
+
+        Returns:
+            The positions of those items.
+        """
         return [i for i, target in enumerate(self.owners[rank]) if target == rank]
 
     def away(self, rank: int) -> list[int]:
         """``rank``'s items encoded elsewhere, by encoding rank then position: the order
-        their inputs leave and their outputs come back in."""
+        their inputs leave and their outputs come back in.
+
+        Args:
+            rank: a rank of the balance group.
+
+        Returns:
+            The positions of those items.
+        """
         mine = self.owners[rank]
         return sorted((i for i, t in enumerate(mine) if t != rank), key=lambda i: (mine[i], i))
 
     def assigned(self, rank: int) -> list[tuple[int, int]]:
         """Other ranks' items ``rank`` encodes, ``(owner, position)`` by owner then
-        position: the order their inputs arrive and their outputs leave in."""
+        position: the order their inputs arrive and their outputs leave in.
+
+        Args:
+            rank: a rank of the balance group.
+
+        Returns:
+            ``(owner, position)`` per item.
+        """
         return [
             (owner, i)
             for owner, targets in enumerate(self.owners)
@@ -107,7 +128,15 @@ class CallRoute:
     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """What ``rank``'s items encoded elsewhere weigh per encoding rank, and what the
         items it encodes for others weigh per owner, for per-item ``sizes`` (rows of a
-        field, bytes): the inputs' send and receive splits (the outputs' in reverse)."""
+        field, bytes): the inputs' send and receive splits (the outputs' in reverse).
+
+        Args:
+            rank: a rank of the balance group.
+            sizes: ``sizes[owner][position]`` of every item.
+
+        Returns:
+            ``(send splits, receive splits)``, one entry per rank.
+        """
         world = len(self.owners)
         out, back = [0] * world, [0] * world
         for i in self.away(rank):
