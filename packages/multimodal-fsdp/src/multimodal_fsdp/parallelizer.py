@@ -150,6 +150,23 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
     parameters shares the root unit. A frozen part under ``root`` (its parameters are in
     the root unit) or ``replicate`` (outside FSDP) cannot be offloaded unlike the language
     model: a ``ValueError`` at plan time names ``per_layer``.
+
+    Args:
+        frozen_multimodal_sharding: one policy, or ``{path or "*": policy}``.
+        extra_tower_names: more attribute names of towers.
+        extra_projector_names: more attribute names of projectors.
+        exclude: qualified paths discovery skips.
+        sync_replicated: broadcast replicated parameters from the first rank when applied.
+        dtype_safe: split odd-dtype islands into units of their own.
+        uneven_media: fold media regions into the root unit.
+        disabled_hooks: runtime hooks not to plan.
+        balance_media: balance every tower call over the data-parallel ranks.
+        balance_media_group: over which ranks each call is balanced.
+        offload: host offload for every unit, or per part.
+
+    Raises:
+        TypeError: an option has the wrong type.
+        ValueError: an option has an invalid value (the message lists the valid ones).
     """
 
     HOOKS = (
@@ -198,7 +215,14 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
         self, *, frozen_multimodal_sharding: str | Mapping[str, str]
     ) -> MultimodalParallelizer:
         """A copy of this parallelizer with another frozen-tower policy (a string: the
-        same for every module) or per-module policies (a mapping)."""
+        same for every module) or per-module policies (a mapping).
+
+        Args:
+            frozen_multimodal_sharding: the new policy option.
+
+        Returns:
+            The copy.
+        """
         clone = copy.copy(self)
         clone._set_frozen_sharding(frozen_multimodal_sharding)
         return clone
@@ -235,11 +259,25 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
     def discover(self, model: nn.Module) -> Discovery:
         """The multimodal discovery of ``model`` with this parallelizer's options
         ([`discover`][multimodal_fsdp.model_discovery.discover]); ``plan(model,
-        discovery=...)`` accepts it, so that planning one model many times discovers once."""
+        discovery=...)`` accepts it, so that planning one model many times discovers once.
+
+        Args:
+            model: the model.
+
+        Returns:
+            Its discovery.
+        """
         return discover_with(model, self.discovery_options)
 
     def multimodal_parts(self, model: nn.Module) -> list[MultimodalParts]:
-        """Discovered multimodal modules with their frozen and trainable parts."""
+        """Discovered multimodal modules with their frozen and trainable parts.
+
+        Args:
+            model: the model.
+
+        Returns:
+            One entry per discovered tower or projector.
+        """
         return list(self.discover(model).parts)
 
     def _find(self, model: nn.Module) -> Discovery:
@@ -403,7 +441,18 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
         """Decide the units (see the module doc) without touching the model or needing a
         process group. ``discovery``: the model's discovery made earlier with this
         parallelizer's options (its ``discover``), reused instead of discovering again;
-        ``None`` discovers once here."""
+        ``None`` discovers once here.
+
+        Args:
+            model: the model (on ``meta`` is enough).
+            mp_policy: the mixed-precision policy (bf16 compute, fp32 reduction if None).
+            reshard_after_forward: as ``fully_shard`` takes it.
+            ignored_params: parameters FSDP leaves alone (besides the replicated ones).
+            discovery: the model's discovery, to reuse.
+
+        Returns:
+            The plan.
+        """
         if discovery is not None:
             _check_discovery(discovery, model, self.discovery_options)
         return self._plan(
@@ -450,7 +499,15 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
         """Modules that only run with media and own units of ``plan`` (see the module doc),
         from the towers and media-dependent layers the plan recorded (no discovery; a plan
         made by hand, with no record, is read against this parallelizer's discovery).
-        Towers that ``balance_media=True`` balances, and the modules it joins, are none."""
+        Towers that ``balance_media=True`` balances, and the modules it joins, are none.
+
+        Args:
+            model: the planned model.
+            plan: its plan.
+
+        Returns:
+            The media regions.
+        """
         record = plan_record(plan)
         if record is not None:
             return media_regions_of(
@@ -468,7 +525,15 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
         )
 
     def modules_with_units(self, model: nn.Module, plan: ShardingPlan) -> list[str]:
-        """Paths of the media regions of ``plan``: only ranks with media would run them."""
+        """Paths of the media regions of ``plan``: only ranks with media would run them.
+
+        Args:
+            model: the planned model.
+            plan: its plan.
+
+        Returns:
+            The paths.
+        """
         return [region.path for region in self.media_regions(model, plan)]
 
     def _entry_paths(self, ctx: PlanContext[Discovery]) -> list[str]:
@@ -546,7 +611,15 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
     ) -> dict[str, torch.dtype]:
         """The dtype each replicated parameter has once the plan is applied: the plan's
         compute dtype, except odd-dtype islands (fp32 norms), which keep their own.
-        Read from the plan when ``plan()`` recorded them (no discovery)."""
+        Read from the plan when ``plan()`` recorded them (no discovery).
+
+        Args:
+            model: the planned model.
+            plan: its plan.
+
+        Returns:
+            ``{parameter name: dtype}``.
+        """
         recorded = dict(plan.replicated_param_dtypes)
         if set(recorded) == set(plan.replicated_param_names):
             return {name: recorded[name] for name in plan.replicated_param_names}
