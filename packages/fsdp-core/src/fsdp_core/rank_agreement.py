@@ -10,6 +10,8 @@ every rank goes on only when every lockstep rank
 dimensions but PP) said something the hook of that kind accepts. Otherwise every rank
 raises the same exception, built once from what the ranks said, before any collective of
 the point was issued: the process group stays usable.
+Each library collective call ([collective_entry][fsdp_core.collective_entry]: its
+arrival, then each step) meets the same way, in a namespace of its own.
 
 It goes through the process group's c10d store, never a collective: no extra collective
 and no device synchronisation per step. Per point, a rank writes its value and adds to
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -37,7 +40,6 @@ from typing import TYPE_CHECKING, Any, Final
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_core.collective_entry import CollectiveCallError, exception_type
 from fsdp_core.internals import process_group_timeout
 from fsdp_core.rank_wait import WaitLimits, wait_for_ranks, wait_limits
 
@@ -70,6 +72,11 @@ Explain = Callable[[Meeting], Exception | None]
 Describe = Callable[[str], str]
 
 
+def status_key(namespace: str, rank: int) -> str:
+    """The store key of ``rank``'s last point and value in ``namespace``."""
+    return f"{namespace}/status/{rank}"
+
+
 def kind_of(value: str) -> str:
     """The kind of a value (its text before the first ``|``)."""
     return value.partition("|")[0]
@@ -80,19 +87,47 @@ def payload_of(value: str) -> str:
     return value.partition("|")[2]
 
 
-def _encode(error: Exception) -> str:
+def _exception_type(module: str, qualname: str) -> type[Exception] | None:
+    """The class a rank raised, if this process has it loaded already."""
+    owner: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        owner = getattr(owner, part, None)
+    if isinstance(owner, type) and issubclass(owner, Exception):
+        return owner
+    return None
+
+
+def encode_error(error: BaseException) -> str:
+    """``error`` as text for the store: ``module:qualname:errno|message`` (an OSError's
+    message without the ``[Errno n]`` its rebuild adds back)."""
     kind = type(error)
-    return f"{kind.__module__}:{kind.__qualname__}|{error}"
+    number, message = "", str(error) or kind.__name__
+    if isinstance(error, OSError) and error.errno is not None and error.strerror:
+        number = str(error.errno)
+        message = error.strerror + (f": {error.filename!r}" if error.filename else "")
+    return f"{kind.__module__}:{kind.__qualname__}:{number}|{message}"
 
 
-def _decode(text: str) -> Exception:
-    """The exception a decision names, of its type where this process has it loaded."""
+def decode_error(text: str) -> Exception:
+    """The exception ``text`` (from [encode_error][fsdp_core.rank_agreement.encode_error])
+    names, of its type where this process has it loaded (an OSError with its errno); else
+    a ``CollectiveCallError`` that names the type."""
+    from fsdp_core.collective_entry import CollectiveCallError  # it imports this module
+
     name, _, message = text.partition("|")
-    kind = exception_type(*name.partition(":")[::2])
+    module, qualname, number = name.split(":")
+    kind = _exception_type(module, qualname)
     try:
-        return (kind or CollectiveCallError)(message)
-    except Exception:  # a type that needs other arguments
-        return CollectiveCallError(message)
+        if kind is not None:
+            return kind(int(number), message) if number else kind(message)
+    except Exception:  # a type that needs other arguments: say which it was
+        pass
+    return CollectiveCallError(f"{message} ({module}.{qualname})")
+
+
+def meets_others(ranks: tuple[int, ...]) -> bool:
+    """Whether ``ranks`` meet through the store (a process group, not ``fake``, not alone)."""
+    return dist.is_initialized() and len(ranks) > 1 and dist.get_backend() != "fake"
 
 
 class RankAgreement:
@@ -104,16 +139,20 @@ class RankAgreement:
         ranks: the global ranks that meet (sorted; this rank among them).
         timeout_s: how long a rank waits for the others unless
             ``FSDP_CORE_RANK_WAIT_TIMEOUT_S`` says otherwise.
+        namespace: the store keys' prefix of these points (one library collective call);
+            by default one per model of these ranks.
 
     Raises:
         ValueError: a wait setting of the environment is not positive seconds.
     """
 
-    def __init__(self, ranks: tuple[int, ...], *, timeout_s: float) -> None:
+    def __init__(
+        self, ranks: tuple[int, ...], *, timeout_s: float, namespace: str | None = None
+    ) -> None:
         self.ranks = ranks
         self.timeout_s = timeout_s
         self.points = 0
-        self.active = dist.is_initialized() and len(ranks) > 1 and dist.get_backend() != "fake"
+        self.active = meets_others(ranks)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         #: kind -> (explain, describe); the first registered kind present explains.
         self._kinds: dict[str, tuple[Explain, Describe]] = {}
@@ -123,6 +162,9 @@ class RankAgreement:
         if self.active:
             wait_limits(timeout_s)  # a bad setting fails here, not at the first point
             self._store = dist.group.WORLD.get_group_store()  # type: ignore[union-attr]
+            if namespace is not None:
+                self._base = namespace
+                return
             digest = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:12]
             # One namespace per model: two sharded models of one job count separately.
             count = self._store.add(f"{_PREFIX}/{digest}/models/{self.rank}", 1)
@@ -149,44 +191,63 @@ class RankAgreement:
         self._kinds.pop(kind, None)
 
     # ----------------------------------------------------------------- meeting
-    def meet(self, kind: str, payload: str, *, what: str) -> None:
+    def meet(self, kind: str, payload: str, *, what: str, limits: WaitLimits | None = None) -> None:
         """Meet the other ranks at the next point.
 
         Args:
             kind: the kind of what this rank says (its hook's registered kind).
             payload: what this rank says (no ``|`` in a kind; the payload may hold any).
             what: the point in words, for the warning of a long wait.
+            limits: how long to wait (default: ``timeout_s`` and the environment's).
 
         Raises:
             Exception: the error the registered hooks built from what the ranks said (the
                 same on every rank), or ``CollectiveCallError`` for ranks that did not come.
         """
-        self.points += 1
-        point = self.points
         value = f"{kind}|{payload}"
         if not self.active:
-            error = self._explain(Meeting(point, self._local(value), {}))
+            self.points += 1
+            error = self._explain(Meeting(self.points, self._local(value), {}))
             if error is not None:
                 raise error
             return
-        store = self._store
-        store.set(self._status(self.rank), f"{point}|{value}")
-        key = f"{self._base}/point/{point}"
-        limits = wait_limits(self.timeout_s)
-        if store.add(f"{key}/count", 1) == len(self.ranks):
-            # The last to come decides (2 round trips, no wait).
-            decision = self._decide(key, self._meeting(point, complete=True))
+        key, last = self._arrive(value)
+        limits = limits or wait_limits(self.timeout_s)
+        if last:  # the last to come decides (2 round trips, no wait)
+            decision = self._decide(key, self._meeting(self.points, complete=True))
         else:
-            decision = self._await(key, point, what, limits)
+            decision = self._await(key, self.points, what, limits)
         if decision != _GO:
-            raise _decode(decision)
+            raise decode_error(decision)
         if self.rank == self.ranks[0]:
             # Every rank added to this point's count after reading the previous point's
             # decision: the previous point's keys are not read again.
             if self._passed:
-                store.delete_key(f"{self._passed}/count")
-                store.delete_key(f"{self._passed}/done")
+                self._store.delete_key(f"{self._passed}/count")
+                self._store.delete_key(f"{self._passed}/done")
             self._passed = key
+
+    def leave(self, kind: str, payload: str) -> None:
+        """Say ``payload`` at the next point and go without waiting (this rank fails: the
+        others raise what the hooks build from it there)."""
+        if self.active:
+            key, last = self._arrive(f"{kind}|{payload}")
+            if last:
+                self._decide(key, self._meeting(self.points, complete=True))
+
+    def decided(self) -> bool:
+        """Whether the next point was decided already, without this rank."""
+        return self.active and bool(self._store.check([self._key(self.points + 1) + "/done"]))
+
+    def _key(self, point: int) -> str:
+        return f"{self._base}/point/{point}"
+
+    def _arrive(self, value: str) -> tuple[str, bool]:
+        """Write this rank's value at the next point: its key, and whether this rank came last."""
+        self.points += 1
+        self._store.set(self._status(self.rank), f"{self.points}|{value}")
+        key = self._key(self.points)
+        return key, self._store.add(f"{key}/count", 1) == len(self.ranks)
 
     def _await(self, key: str, point: int, what: str, limits: WaitLimits) -> str:
         """Wait for the decision of ``point``, deciding it when a rank parted or the
@@ -223,7 +284,7 @@ class RankAgreement:
         error = self._explain(meeting)
         if error is None and meeting.elsewhere:
             return ""
-        decision = _GO if error is None else _encode(error)
+        decision = _GO if error is None else encode_error(error)
         return str(self._store.compare_set(f"{key}/done", "", decision).decode())
 
     def _explain(self, meeting: Meeting) -> Exception | None:
@@ -238,6 +299,8 @@ class RankAgreement:
         error = explain(meeting) if explain is not None else None
         if error is not None or not parted:
             return error
+        from fsdp_core.collective_entry import CollectiveCallError  # it imports this module
+
         said = "; ".join(f"rank {r}: {self._describe(v)}" for r, v in values.items())
         missing = sorted(meeting.elsewhere)
         return CollectiveCallError(
@@ -251,7 +314,7 @@ class RankAgreement:
 
     # ------------------------------------------------------------------ store
     def _status(self, rank: int) -> str:
-        return f"{self._base}/status/{rank}"
+        return status_key(self._base, rank)
 
     def _statuses(self, *, complete: bool = False) -> dict[int, tuple[int, str]]:
         """Each rank's last point and value; ranks that have not sharded the model yet are
