@@ -11,7 +11,7 @@ ranks with media and none elsewhere: those ranks reduce that layer before the ro
 unit, the others after it, and the reduce-scatters of different units meet (a gloo
 size mismatch, an NCCL hang or silently mixed gradients).
 
-``anchor_unit_inputs`` makes the order independent of the inputs: before FSDP's
+``make_unit_inputs_require_grad`` makes the order independent of the inputs: before FSDP's
 own pre-forward hook, a unit with trainable parameters whose inputs require no
 gradient gets one input routed through a no-op autograd function tied to a leaf
 that requires one. That input is a ``hidden_states`` keyword, else the first
@@ -23,7 +23,7 @@ backward, as it already does on ranks whose input requires a gradient.
 
 The root unit is left as it is: it is reduced at the end of the backward on every
 rank, and its optional inputs (``pixel_values`` on some ranks only) must not move
-it. No gradient flows into the leaf; the only cost is the gradient of the anchored
+it. No gradient flows into the leaf; the only cost is the gradient of the routed
 input, which autograd now computes (for the first trainable unit whose inputs need
 none, typically the first decoder layer behind frozen embeddings).
 """
@@ -40,14 +40,14 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import internals
 
-__all__ = ["anchor_unit_inputs"]
+__all__ = ["make_unit_inputs_require_grad"]
 
 
 #: The keyword under which transformers' layers take their activations.
 HIDDEN_STATES = "hidden_states"
 
 
-class _Anchor(torch.autograd.Function):
+class _TiedToLeaf(torch.autograd.Function):
     """``x`` unchanged, but part of the graph through ``leaf`` (which gets no gradient)."""
 
     @staticmethod
@@ -64,7 +64,7 @@ def _floating(value: object) -> TypeGuard[torch.Tensor]:
     return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
-class _UnitAnchor:
+class _InputGradHook:
     """The forward pre-hook of one unit's modules (see the module docstring)."""
 
     def __init__(self) -> None:
@@ -75,25 +75,25 @@ class _UnitAnchor:
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if not torch.is_grad_enabled():
             return None  # no backward to order
-        # An activation-checkpoint recompute anchors too: it must save what the
+        # An activation-checkpoint recompute is routed too: it must save what the
         # forward saved, and FSDP treats it like a forward whose inputs need grad.
         if _any_requires_grad(args, kwargs):
             return None  # FSDP hooks these inputs itself
         hidden = kwargs.get(HIDDEN_STATES)
         if _floating(hidden):
-            return args, {**kwargs, HIDDEN_STATES: self._anchored(hidden)}
+            return args, {**kwargs, HIDDEN_STATES: self._requiring_grad(hidden)}
         for index, value in enumerate(args):
             if _floating(value):
-                return (*args[:index], self._anchored(value), *args[index + 1 :]), kwargs
+                return (*args[:index], self._requiring_grad(value), *args[index + 1 :]), kwargs
         return None
 
-    def _anchored(self, value: torch.Tensor) -> torch.Tensor:
+    def _requiring_grad(self, value: torch.Tensor) -> torch.Tensor:
         leaf = self._leaves.get(value.device)
         if leaf is None:
             leaf = torch.zeros((), device=value.device, requires_grad=True)
             self._leaves[value.device] = leaf
-        anchored: torch.Tensor = _Anchor.apply(leaf, value)  # type: ignore[no-untyped-call]
-        return anchored
+        routed: torch.Tensor = _TiedToLeaf.apply(leaf, value)  # type: ignore[no-untyped-call]
+        return routed
 
 
 def _any_requires_grad(*values: object) -> bool:
@@ -110,9 +110,11 @@ def _any_requires_grad(*values: object) -> bool:
     return False
 
 
-def anchor_unit_inputs(model: nn.Module, units: Iterable[FSDPModule]) -> list[RemovableHandle]:
-    """Anchor the inputs of every non-root unit of ``units`` with trainable parameters
-    (see the module docstring); the handles remove the hooks."""
+def make_unit_inputs_require_grad(
+    model: nn.Module, units: Iterable[FSDPModule]
+) -> list[RemovableHandle]:
+    """Make one input of every non-root unit of ``units`` with trainable parameters
+    require a gradient (see the module docstring); the handles remove the hooks."""
     handles: list[RemovableHandle] = []
     for unit in units:
         modules = internals.unit_modules(unit)
@@ -121,7 +123,7 @@ def anchor_unit_inputs(model: nn.Module, units: Iterable[FSDPModule]) -> list[Re
         )
         if not trainable or any(module is model for module in modules):
             continue
-        hook = _UnitAnchor()
+        hook = _InputGradHook()
         for module in modules:
             # prepend: run before FSDP's pre-forward, which hooks the inputs it is given.
             handles.append(module.register_forward_pre_hook(hook, prepend=True, with_kwargs=True))

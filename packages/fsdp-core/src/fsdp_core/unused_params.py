@@ -23,7 +23,8 @@ A unit is reduced early (from autograd) when its inputs require a gradient and l
 (at the end of the backward) otherwise, and a module that runs on some ranks only
 can make a unit's inputs require one on those ranks alone (LoRA in a tower feeding
 the first decoder layer while another rank is text-only). The hook therefore also
-anchors the inputs of every non-root trainable unit (``fsdp_core._backward_order``),
+makes an input of every non-root trainable unit require a gradient
+(``fsdp_core._backward_order``),
 so every rank reduces every unit at the same point of its backward.
 """
 
@@ -40,7 +41,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import compat, internals
-from fsdp_core._backward_order import anchor_unit_inputs
+from fsdp_core._backward_order import make_unit_inputs_require_grad
 from fsdp_core.collective_count import CommTally
 from fsdp_core.mesh import all_reduce_max_over_mesh, mesh_device
 from fsdp_core.runtime import BackwardWatch, HookStep, RuntimeHook
@@ -77,7 +78,7 @@ class UnusedParamsHook:
         self.model = model
         self.mesh = mesh
         units = internals.distinct_units(model)
-        self._handles: list[Any] = list(anchor_unit_inputs(model, units))
+        self._handles: list[Any] = list(make_unit_inputs_require_grad(model, units))
         self._records: list[_Record] = []
         for unit in units:
             unit.set_reduce_scatter_unused_params(True, recurse=False)
