@@ -60,7 +60,18 @@ def _balanced_modules(
 class BalanceMedia:
     """The installed hook: the balanced towers' and joined modules' forwards, the join
     site's pre-hook and the joined decoder layers (see the module docstring). ``remove``
-    restores the modules' own forwards."""
+    restores the modules' own forwards.
+
+    Args:
+        model: the sharded model.
+        towers: the balanced towers (plan data).
+        join_site: the path of the module whose pre-hook joins the remaining calls.
+        group: the balance group.
+        joined: the joined modules (projectors with units).
+        layers: the media-dependent decoder layers with units.
+        layer_group: the group the joined layers decide over (``group`` if None).
+        data: this rank's data group, when ranks hold the same batch.
+    """
 
     name: str = BALANCE_MEDIA
 
@@ -360,6 +371,7 @@ class BalanceMedia:
         return 0 if self._layers is None else self._layers.last_joined
 
     def remove(self) -> None:
+        """Take every hook off and give the modules their own forwards back."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
