@@ -72,7 +72,11 @@ def _align_accumulated_grads(unit: FSDPModule) -> bool:
 
 
 class AccumulationWarmup:
-    """The installed warm-up: a forward pre-hook on ``root``, registered on construction."""
+    """The installed warm-up: a forward pre-hook on ``root``, registered on construction.
+
+    Args:
+        root: the sharded model's root unit.
+    """
 
     name: str = NAME
 
@@ -98,6 +102,7 @@ class AccumulationWarmup:
             logger.debug("aligned accumulated gradients of %d units", self.last_aligned)
 
     def remove(self) -> None:
+        """Remove the forward pre-hook (idempotent)."""
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
@@ -110,6 +115,12 @@ def install_unshard_warmup(root: nn.Module) -> AccumulationWarmup:
     touched, so ordinary steps issue no extra collective; with gradient
     accumulation each such unit costs one all-gather, once per run. Every rank
     sees the same sync flags and history, so all ranks warm up the same units.
+
+    Args:
+        root: the sharded model's root unit.
+
+    Returns:
+        The installed warm-up.
     """
     return AccumulationWarmup(root)
 

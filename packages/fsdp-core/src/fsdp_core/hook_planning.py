@@ -25,7 +25,17 @@ def core_hook_plans(
     """``accumulation_warmup`` and ``unused_params`` when a unit holds trainable
     parameters, then ``entry_unshard`` for the ``entry_paths`` that own units, then
     ``replica_grad_reduce`` for ignored experts and the ``shared`` parameters (whose
-    items the ranks of a data group split)."""
+    items the ranks of a data group split).
+
+    Args:
+        model: the planned model.
+        plan: the finished plan.
+        entry_paths: modules users call on their own (towers, projectors).
+        shared: trainable parameters whose items a data group's ranks split.
+
+    Returns:
+        The hooks' plan entries, in install order.
+    """
     entries = [
         *_entry_hooks(entry_owners(model, plan, entry_paths), plan),
         *replica_grad_reduce_plans(model, plan.ignored_param_names, shared),
@@ -56,7 +66,14 @@ def core_hook_plans(
 
 
 def is_entry(module: nn.Module) -> bool:
-    """A module users call on its own: one that generates, or a transformers model."""
+    """A module users call on its own: one that generates, or a transformers model.
+
+    Args:
+        module: any module.
+
+    Returns:
+        Whether it is an entry module.
+    """
     cls = type(module)
     if callable(getattr(cls, "generate", None)):
         return True
@@ -82,7 +99,11 @@ def _entry_hooks(owners: dict[str, tuple[int, ...]], plan: ShardingPlan) -> list
 
 def forward_agreement_hook() -> HookPlan:
     """Planned last, so that its forward pre-hook runs before every other hook's (each
-    is put in front) and before any collective of the forward."""
+    is put in front) and before any collective of the forward.
+
+    Returns:
+        Its plan entry.
+    """
     return ForwardAgreementRuntimeHook().planned(
         reason="before each call of the model (forward, eval, generate()) the ranks agree "
         "on the call, the micro-batch, gradient sync and a non-empty batch: a call on some "

@@ -73,6 +73,13 @@ class WaitLimits:
 def seconds_setting(name: str, raw: str) -> float:
     """``raw``, the text of the setting ``name``, as positive finite seconds.
 
+    Args:
+        name: the environment variable, for the message.
+        raw: its text.
+
+    Returns:
+        The seconds.
+
     Raises:
         ValueError: ``raw`` is not a positive finite number; the message names the
             setting and its value.
@@ -93,6 +100,12 @@ def wait_limits(default_timeout_s: float) -> WaitLimits:
     """The limits of a wait now: the environment's settings, else ``default_timeout_s``
     (the process group's timeout, as the guard reads it) and ``DEFAULT_WARN_AFTER_S``.
 
+    Args:
+        default_timeout_s: the timeout when the environment sets none.
+
+    Returns:
+        When to warn and when to give up.
+
     Raises:
         ValueError: a setting is set to something else than positive seconds.
     """
@@ -109,7 +122,14 @@ def wait_limits(default_timeout_s: float) -> WaitLimits:
 
 def ranks_text(ranks: Iterable[int]) -> str:
     """``[0, 2]``, or the first ``LISTED`` ranks and how many more: how every guard's
-    message lists ranks."""
+    message lists ranks.
+
+    Args:
+        ranks: the ranks to list.
+
+    Returns:
+        The text.
+    """
     items = sorted(ranks)
     more = f" and {len(items) - LISTED} more" if len(items) > LISTED else ""
     return f"{items[:LISTED]}{more}"
