@@ -113,11 +113,23 @@ class RankStep:
     changed: int
 
     def text(self) -> str:
-        """The step as the agreement carries it."""
+        """The step as the agreement carries it.
+
+        Returns:
+            Its fields, comma-separated.
+        """
         return ",".join(map(str, astuple(self)))
 
     @classmethod
     def parse(cls, text: str) -> RankStep:
+        """The step ``text`` carried (the inverse of ``text``).
+
+        Args:
+            text: what another rank's ``text`` returned.
+
+        Returns:
+            The step.
+        """
         return cls(*(int(value) for value in text.split(",")))
 
 
@@ -137,7 +149,15 @@ def agrees(steps: Sequence[RankStep]) -> bool:
 def is_empty_batch(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
     """Whether a forward's arguments hold a batch with no rows: every tensor argument of
     two or more dimensions (of one dimension, when there is none) has no elements. Image
-    tensors of a text-only batch may be empty; the token ids then are not."""
+    tensors of a text-only batch may be empty; the token ids then are not.
+
+    Args:
+        args: the forward's positional arguments.
+        kwargs: the forward's keyword arguments.
+
+    Returns:
+        Whether the batch is empty.
+    """
     tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
     batched = [t for t in tensors if t.dim() >= 2] or [t for t in tensors if t.dim() == 1]
     return bool(batched) and all(t.numel() == 0 for t in batched)
@@ -163,7 +183,14 @@ def _ordinal(number: int) -> str:
 
 def mismatch_error(table: Mapping[int, RankStep]) -> Exception:
     """The error every rank raises for ``table`` (global rank -> what it said), built
-    from the table alone so that every rank raises the same words."""
+    from the table alone so that every rank raises the same words.
+
+    Args:
+        table: ``{global rank: its step}``.
+
+    Returns:
+        The error to raise.
+    """
     ranks = sorted(table)
     head = f"the ranks of the model's mesh ({ranks_text(ranks)}) "
     empty = [r for r in ranks if table[r].empty]
@@ -228,7 +255,11 @@ def mismatch_error(table: Mapping[int, RankStep]) -> Exception:
 
 class StepState:
     """This rank's step as the agreement before each forward of ``model`` sees it (see the
-    module docstring); ``forwards`` counts the forwards that said it."""
+    module docstring); ``forwards`` counts the forwards that said it.
+
+    Args:
+        model: the sharded model whose forwards are agreed on.
+    """
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -252,7 +283,15 @@ class StepState:
 
     def before_forward(self, args: Any, kwargs: Mapping[str, Any]) -> RankStep | None:
         """The step of the forward about to run, or ``None`` for a generation step (a
-        forward without gradients that carries a key-value cache), which says nothing."""
+        forward without gradients that carries a key-value cache), which says nothing.
+
+        Args:
+            args: the forward's positional arguments.
+            kwargs: the forward's keyword arguments.
+
+        Returns:
+            This rank's step, or None.
+        """
         grad = torch.is_grad_enabled()
         if not grad and any(kwargs.get(key) is not None for key in GENERATION_KEYS):
             return None
@@ -302,10 +341,19 @@ class StepState:
             self._micro = 0
 
     def holds_parameters_of(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` steps parameters of this model (its step is checked then).
+
+        Args:
+            optimizer: an optimizer about to step.
+
+        Returns:
+            Whether it holds one of the model's parameters.
+        """
         mine = {id(p) for p in self.model.parameters()}
         return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
 
     def remove(self) -> None:
+        """Stop watching the model's backwards and forget this state."""
         if self._watch is not None:
             self._watch.remove()
             self._watch = None
