@@ -37,6 +37,10 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank(protocol: list[dict[str, 
     assert [o["type"] for o in outcomes] == ["PermissionError", "PermissionError"]
     assert outcomes[0]["message"] == outcomes[1]["message"]
     assert "failed on rank 1 (writing)" in outcomes[0]["message"]
+    # The errno and the file name travel too: PermissionError(13, text) on every rank.
+    assert outcomes[0]["message"] == (
+        "[Errno 13] fails failed on rank 1 (writing): Permission denied: '/x'"
+    )
 
 
 def test_a_rank_that_never_arrives_is_named_and_the_group_recovers(

@@ -297,10 +297,10 @@ class CollectiveCall:
             if error is not None:
                 raise error
             return
-        if error is None:
-            self._meet("step", {"call": self.name, "step": step}, error)
-        else:
-            self._meet("fail", _failure_payload(error, self.name, self.rank, step), error)
+        said = {"call": self.name, "step": step}
+        if error is not None:
+            said = _failure_payload(error, self.name, self.rank, step)
+        self._meet("step" if error is None else "fail", said, error)
 
     def _meet(self, kind: str, payload: dict[str, Any], error: BaseException | None) -> None:
         try:

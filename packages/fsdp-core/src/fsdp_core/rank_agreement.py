@@ -109,9 +109,9 @@ def encode_error(error: BaseException) -> str:
 
 
 def decode_error(text: str) -> Exception:
-    """The exception ``text`` (from [encode_error][fsdp_core.rank_agreement.encode_error])
-    names, of its type where this process has it loaded (an OSError with its errno); else
-    a ``CollectiveCallError`` that names the type."""
+    """The exception ``text`` (from ``encode_error``) names, of its type where this
+    process has it loaded (an OSError with its errno); else a ``CollectiveCallError``
+    that names the type."""
     from fsdp_core.collective_entry import CollectiveCallError  # it imports this module
 
     name, _, message = text.partition("|")
