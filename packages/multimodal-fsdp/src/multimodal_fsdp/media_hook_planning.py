@@ -43,7 +43,18 @@ def media_hook_plans(
     gradient reaches, ``schedule_check`` for the media regions the record lists,
     ``balance_media`` for the towers it balances (with the projectors and layers it
     joins). ``per_layer``: where the option sets a policy unsafe under uneven media
-    ('' when nowhere); ``group``: the ``balance_media_group`` option."""
+    ('' when nowhere); ``group``: the ``balance_media_group`` option.
+
+    Args:
+        found: the model's discovery.
+        plan: the finished plan.
+        record: what the plan recorded of the discovery.
+        per_layer: where ``per_layer`` is set ('' when nowhere).
+        group: the ``balance_media_group`` option.
+
+    Returns:
+        The hooks' plan entries.
+    """
     hooks: list[HookPlan] = []
     model = found.model
     frozen = guarded_frozen_units(found, plan)
@@ -103,7 +114,15 @@ def guarded_frozen_units(found: Discovery, plan: ShardingPlan) -> list[str]:
     units outside towers and projectors (decoder layers) on the ranks with media only,
     and the guard, deciding per rank, would gather them in backward on those ranks
     alone; they are left to FSDP's prefetch, which gathers them on every rank. Tower
-    and projector units stay guarded: their inputs never need a gradient."""
+    and projector units stay guarded: their inputs never need a gradient.
+
+    Args:
+        found: the model's discovery.
+        plan: the finished plan.
+
+    Returns:
+        The labels of the units to guard.
+    """
     model = found.model
     labels = frozen_unit_labels(model, plan)
     towers = found.paths
@@ -127,7 +146,15 @@ def planned_hooks(
 ) -> tuple[tuple[HookPlan, RuntimeHook | None], ...]:
     """Each hook entry of ``plan``, in the plan's order, with its hook object: the one the
     plan carries, else the one rebuilt for a hand-built entry (see the module doc), else
-    ``None``."""
+    ``None``.
+
+    Args:
+        plan: a plan (possibly with hand-built hook entries).
+        model: the planned model.
+
+    Returns:
+        ``(entry, hook object or None)`` per entry.
+    """
     return tuple(
         (planned, planned.hook if planned.hook is not None else _rebuilt(planned, plan, model))
         for planned in plan.hooks

@@ -133,7 +133,11 @@ class ScheduleLayout:
         return (*(r.path for r in self.regions), *self.units, "<end of forward>")
 
     def checkpoints_per_forward(self) -> int:
-        """Checkpoints of one forward in which every module runs once, in order."""
+        """Checkpoints of one forward in which every module runs once, in order.
+
+        Returns:
+            The number of checkpoints.
+        """
         armed = True
         count = 0
         region_paths = {r.path for r in self.regions}
@@ -165,7 +169,17 @@ def plan_schedule_layout(
     model: nn.Module, plan: ShardingPlan, regions: Sequence[MediaRegion], *, per_layer: str = ""
 ) -> ScheduleLayout | None:
     """The checkpoints for ``regions`` of ``plan`` (``None`` when there is no region);
-    ``per_layer`` says where the parallelizer sets that policy (for the error's advice)."""
+    ``per_layer`` says where the parallelizer sets that policy (for the error's advice).
+
+    Args:
+        model: the planned model.
+        plan: its plan.
+        regions: the plan's media regions.
+        per_layer: where the parallelizer sets ``per_layer`` ('' when nowhere).
+
+    Returns:
+        The layout, or None.
+    """
     if not regions:
         return None
     index = _index_of(model)
@@ -242,6 +256,11 @@ class ScheduleCheck:
 
     The hooks run before FSDP's own (``prepend=True``), so a checkpoint comes before
     the all-gather of the unit it guards.
+
+    Args:
+        model: the sharded model.
+        layout: the planned checkpoints.
+        agreement: the ranks' store-based agreement the checkpoints use.
     """
 
     name: str = NAME
@@ -410,6 +429,7 @@ class ScheduleCheck:
             self._checkpoint(len(self.layout.sites) - 1)
 
     def remove(self) -> None:
+        """Remove the hooks and leave the agreement."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
