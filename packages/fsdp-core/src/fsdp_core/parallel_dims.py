@@ -77,7 +77,14 @@ _OTHER_STAGES: Final = ("pp",)
 
 def dimension_role(name: str) -> str | None:
     """The role (``"tp"``, ``"cp"``, ``"ep"``, ``"pp"``) a mesh dimension's name gives
-    it, or ``None`` for any other name."""
+    it, or ``None`` for any other name.
+
+    Args:
+        name: a mesh dimension's name.
+
+    Returns:
+        Its role, or None.
+    """
     for role, names in DIMENSION_ROLES.items():
         if name in names:
             return role
@@ -87,7 +94,14 @@ def dimension_role(name: str) -> str | None:
 def local_shape(tensor: torch.Tensor) -> torch.Size:
     """The shape of this rank's part of ``tensor``: the local shard of a DTensor (a
     parameter that TP or EP already sharded on another dimension, whose local tensor FSDP
-    then shards over the data-parallel ranks), else the tensor's own shape."""
+    then shards over the data-parallel ranks), else the tensor's own shape.
+
+    Args:
+        tensor: a parameter, plain or a DTensor.
+
+    Returns:
+        Its local shape.
+    """
     if isinstance(tensor, DTensor):
         return tensor.to_local().shape
     return tensor.shape
@@ -163,6 +177,13 @@ class ParallelDims:
         of one or two names), ``mesh`` is the whole mesh and those are its
         data-parallel dimensions.
 
+        Args:
+            mesh: the data-parallel mesh, or the whole mesh with ``dp_dims``.
+            dp_dims: the data-parallel dimensions of ``mesh``.
+
+        Returns:
+            The job's dimensions.
+
         Raises:
             TypeError: ``mesh`` is not a ``DeviceMesh`` or ``dp_dims`` not names.
             ValueError: ``dp_dims`` names no dimension of ``mesh`` (the message lists
@@ -226,7 +247,22 @@ class ParallelDims:
         pp: int = 1,
     ) -> ParallelDims:
         """A shape without meshes (for plans and estimates), torchtitan's dimension
-        order: ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``ep``, ``tp``."""
+        order: ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``ep``, ``tp``.
+
+        Args:
+            dp_replicate: replicate-group size.
+            dp_shard: shard-group size.
+            tp: tensor-parallel size.
+            cp: context-parallel size.
+            ep: expert-parallel size.
+            pp: pipeline-parallel size.
+
+        Returns:
+            The dimensions, without meshes.
+
+        Raises:
+            ValueError: a size is not a positive int.
+        """
         named = (
             ("pp", pp),
             (REPLICATE_DIM, dp_replicate),
@@ -244,11 +280,28 @@ class ParallelDims:
 
     # ------------------------------------------------------------------- shape
     def size(self, name: str) -> int:
-        """The size of the dimension ``name`` (1 when the mesh has none)."""
+        """The size of the dimension ``name`` (1 when the mesh has none).
+
+        Args:
+            name: a dimension's name.
+
+        Returns:
+            Its size.
+        """
         return self.sizes[self.names.index(name)] if name in self.names else 1
 
     def role_size(self, role: str) -> int:
-        """How many ranks the dimensions of ``role`` (``"tp"``, ...) span together."""
+        """How many ranks the dimensions of ``role`` (``"tp"``, ...) span together.
+
+        Args:
+            role: ``"tp"``, ``"cp"``, ``"ep"`` or ``"pp"``.
+
+        Returns:
+            The product of those dimensions' sizes (1 when there is none).
+
+        Raises:
+            ValueError: ``role`` is not a role.
+        """
         if role not in DIMENSION_ROLES:
             raise ValueError(f"unknown role {role!r}; roles: {', '.join(DIMENSION_ROLES)}")
         return math.prod(self.size(n) for n in self.names if dimension_role(n) == role)
@@ -414,21 +467,33 @@ class ParallelDims:
         return _slice(self._need(self.mesh), self.expert_replica_names)
 
     def lockstep_ranks(self) -> tuple[int, ...]:
-        """Global ranks of this rank's lockstep mesh, sorted (empty without a process group)."""
+        """Global ranks of this rank's lockstep mesh, sorted (empty without a process group).
+
+        Returns:
+            The ranks.
+        """
         if not dist.is_initialized():
             return ()
         return _ranks(self.lockstep_mesh)
 
     def data_group_ranks(self) -> tuple[int, ...]:
         """Global ranks that hold this rank's batch, sorted (this rank alone without TP or
-        CP; empty without a process group)."""
+        CP; empty without a process group).
+
+        Returns:
+            The ranks.
+        """
         if not dist.is_initialized():
             return ()
         group = self.data_group_mesh
         return (dist.get_rank(),) if group is None else _ranks(group)
 
     def describe(self) -> str:
-        """The dimensions in words, e.g. ``dp_shard=2 (data-parallel), tp=2``."""
+        """The dimensions in words, e.g. ``dp_shard=2 (data-parallel), tp=2``.
+
+        Returns:
+            The text.
+        """
         return ", ".join(
             f"{n}={s}" + (" (data-parallel)" if n in self.dp_names else "")
             for n, s in zip(self.names, self.sizes, strict=True)
