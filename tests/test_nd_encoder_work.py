@@ -20,9 +20,9 @@ import pytest
 import torch
 from compare import TOL, check_against_reference
 from launches import MpResults
-from scenarios_nd import ENCODER_MEDIA, ENCODER_STEPS, POLICIES, encoder_cases
+from scenarios_nd import ENCODER_MEDIA, POLICIES, SINGLE, encoder_batches, encoder_cases
 from toy import reference_run
-from vlm import LR, build_vlm, vlm_batches, vlm_loss
+from vlm import LR, build_vlm, vlm_loss
 
 pytestmark = pytest.mark.distributed
 
@@ -43,13 +43,14 @@ def references() -> dict[tuple[str, bool], tuple]:  # type: ignore[type-arg]
             lambda trainable=trainable: build_vlm(  # type: ignore[misc]
                 dtype=torch.float32, frozen_tower=not trainable
             ),
-            vlm_batches(ENCODER_STEPS, 2, images=media),
+            encoder_batches(name),
             vlm_loss,
             compute_dtype=None,
             lr=LR,
         )
-        for name, media in ENCODER_MEDIA.items()
+        for name in [*ENCODER_MEDIA, SINGLE]
         for trainable in (False, True)
+        if trainable or name != SINGLE
     }
 
 
@@ -85,6 +86,15 @@ def test_a_trainable_tower_encodes_each_image_once_in_the_world(name: str, mp4: 
     assert sum(rows) == sum(_images(name)), rows
     assert max(rows) - min(rows) <= 1, rows
     assert "replica_grad_reduce" in result["hooks"]
+
+
+def test_a_call_of_fewer_images_than_tp_ranks_is_encoded_by_each_and_counted_once(
+    mp4: MpResults,
+) -> None:
+    """One image per data group: not split, both TP ranks encode it; only the first
+    one's output carries gradients back, so the summed tower gradients count it once
+    (``test_trains_like_one_process[single/per_layer/trainable]``)."""
+    assert mp4("nd_encoder_work")[f"{SINGLE}/per_layer/trainable"]["rows"] == [1, 1, 1, 1]
 
 
 @pytest.mark.parametrize("case", encoder_cases())

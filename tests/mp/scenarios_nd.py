@@ -144,6 +144,19 @@ def nd_tp_peer_empty_batch(ctx: DistributedContext, out: Path) -> dict[str, Any]
 ENCODER_MEDIA = {"even": [1, 1], "uneven": [2, 1], "one": [2, 0]}
 #: Steps of each ``nd_encoder_work`` case (the images are counted in the first).
 ENCODER_STEPS = 2
+#: ``single``: one sample of one image per DP coordinate, a tower call of fewer items
+#: than a TP group has ranks (not split: both TP ranks encode it, one carries gradients).
+SINGLE = "single"
+
+
+def encoder_batches(name: str) -> list[list[dict[str, Any]]]:
+    """``batches[step][dp_rank]`` of the ``nd_encoder_work`` distribution ``name``."""
+    if name != SINGLE:
+        return vlm_batches(ENCODER_STEPS, 2, images=ENCODER_MEDIA[name])  # type: ignore[return-value]
+    return [
+        [{k: v[:1] for k, v in batch.items()} for batch in per_dp]
+        for per_dp in vlm_batches(ENCODER_STEPS, 2, images=[1, 1])
+    ]
 
 
 def encoder_cases() -> list[str]:
@@ -152,7 +165,7 @@ def encoder_cases() -> list[str]:
     return [
         *(f"{name}/root/plain" for name in ENCODER_MEDIA),
         *(f"{name}/{policy}/balanced" for name in ENCODER_MEDIA for policy in POLICIES),
-        *(f"{name}/per_layer/trainable" for name in ENCODER_MEDIA),
+        *(f"{name}/per_layer/trainable" for name in [*ENCODER_MEDIA, SINGLE]),
     ]
 
 
@@ -177,7 +190,7 @@ def _encoder_case(ctx: DistributedContext, name: str, policy: str, variant: str)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses: list[float] = []
     grads0: dict[str, torch.Tensor] = {}
-    batches = vlm_batches(ENCODER_STEPS, 2, images=ENCODER_MEDIA[name])
+    batches = encoder_batches(name)
     for step, per_dp in enumerate(batches):
         loss = vlm_loss(model, to_device(per_dp[dp_rank], ctx.device))  # type: ignore[arg-type]
         loss.backward()

@@ -298,14 +298,14 @@ class Rounds:
         if layout is None or share is None:  # pragma: no cover - a balanced call has both
             raise RuntimeError("balanced call of a joined module")
         data = self.data
-        if data is None or (entered.whole is None and not data.indexed):
+        if data is None:
             output, zero_term = self._balanced(
                 member, entered.table, entered.index, share, original, entered.device
             )
             if needs is not None:  # CP without a data group: this rank encoded every item
                 output = select_items(layout, output, _weights(share), needs)
             return output, zero_term
-        own: Call | None = original  # an unsplit call (CP): every rank encodes all of it
+        own: Call | None = original  # an unsplit call: every rank of the group encodes all of it
         if entered.whole is not None:
             own = layout.build_call(share.spec, share.items) if share.items else None
         output, zero_term = self._balanced(
