@@ -22,7 +22,14 @@ __all__ = ["expert_param_names"]
 
 
 def expert_param_names(model: nn.Module) -> tuple[str, ...]:
-    """The parameters an EP plan sharded: ``DTensor``s on a mesh with an EP dimension."""
+    """The parameters an EP plan sharded: ``DTensor``s on a mesh with an EP dimension.
+
+    Args:
+        model: the model, after its EP plan.
+
+    Returns:
+        Their qualified names.
+    """
     return tuple(
         name
         for name, param in model.named_parameters()

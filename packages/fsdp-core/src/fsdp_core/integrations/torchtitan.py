@@ -131,6 +131,12 @@ def data_parallel_mesh(parallel_dims: Any) -> DeviceMesh:
     [`sharding_mesh`][fsdp_core.integrations.torchtitan.sharding_mesh] to the library
     instead: this mesh alone does not show the ``tp`` dimension.
 
+    Args:
+        parallel_dims: torchtitan's ``ParallelDims`` (its meshes built).
+
+    Returns:
+        The data-parallel mesh.
+
     Raises:
         ValueError: context or expert parallelism is enabled (with context
             parallelism, shard over ``sharding_mesh``, which shows ``cp``).
@@ -155,6 +161,12 @@ def sharding_mesh(parallel_dims: Any) -> tuple[DeviceMesh, tuple[str, ...]]:
     ``cp`` and ``tp`` when they are above 1 (one sub-mesh of torchtitan's, so the
     library sees which ranks run the forward together and hold the same batch), and the
     data-parallel names among them.
+
+    Args:
+        parallel_dims: torchtitan's ``ParallelDims`` (its meshes built).
+
+    Returns:
+        The mesh and its data-parallel dimension names.
 
     Raises:
         ValueError: expert parallelism beside tensor or context parallelism.
@@ -203,6 +215,17 @@ def parallelize_fn(
     do; the library keeps its placements and shards over the data-parallel ranks.
     ``expert_parallel`` is required when ``parallel_dims.ep > 1``: ``fn(model, ep_mesh)``
     places the routed experts on the ``ep`` mesh (``Shard(0)``), before the rest.
+
+    Args:
+        parallelizer: plans and applies the sharding.
+        mp_policy: the mixed-precision policy (torchtitan's config if None).
+        offload_policy: FSDP2's offload policy (torchtitan's config if None).
+        reshard_after_forward: as ``fully_shard`` takes it (torchtitan's config if None).
+        tensor_parallel: ``fn(model, tp_mesh)``, the model's TP plan.
+        expert_parallel: ``fn(model, ep_mesh)``, the model's EP plan.
+
+    Returns:
+        The function torchtitan calls with ``(model, parallel_dims, job_config)``.
 
     Raises:
         TypeError: ``parallelizer`` is not a ``ModelParallelizer``, or
