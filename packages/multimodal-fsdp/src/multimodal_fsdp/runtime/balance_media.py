@@ -107,7 +107,18 @@ BALANCE_GROUPS = ("auto", "all", "shard", "replicate")
 
 def check_balance_group(value: object) -> str | int:
     """``value`` as a balance group: one of ``BALANCE_GROUPS`` or a positive int (blocks of
-    that many consecutive data-parallel ranks); a TypeError/ValueError otherwise."""
+    that many consecutive data-parallel ranks); a TypeError/ValueError otherwise.
+
+    Args:
+        value: the ``balance_media_group`` option.
+
+    Returns:
+        The checked value.
+
+    Raises:
+        TypeError: ``value`` is neither a string nor an int.
+        ValueError: an unknown name or a non-positive int.
+    """
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise TypeError(
             f"balance_media_group must be a str or an int, got {type(value).__name__}; valid "
@@ -143,7 +154,18 @@ def balance_group_ranks(mesh_ranks: Sequence[Sequence[int]], spec: str | int) ->
     ``"all"`` every rank; ``"shard"`` each row (the ranks that shard one replica);
     ``"replicate"`` each column (the ranks holding the same shard); an int ``k`` blocks
     of ``k`` consecutive ranks in row order (``k`` must divide the ranks); ``"auto"``
-    blocks of ``auto_group_size`` ranks (every rank up to ``AUTO_GROUP_RANKS``)."""
+    blocks of ``auto_group_size`` ranks (every rank up to ``AUTO_GROUP_RANKS``).
+
+    Args:
+        mesh_ranks: the data-parallel mesh's ranks, one row per replica.
+        spec: the checked ``balance_media_group``.
+
+    Returns:
+        The groups, each a list of global ranks.
+
+    Raises:
+        ValueError: a block size does not divide the ranks.
+    """
     flat = [int(r) for row in mesh_ranks for r in row]
     if spec == "auto":
         spec = auto_group_size(len(flat))
@@ -221,7 +243,23 @@ class BalanceMediaRuntimeHook(RuntimeHook):
         Of ``joined`` (projectors) those that own units of ``plan`` are joined modules,
         of ``layers`` (media-dependent decoder layers) those that are units. ``group``
         ``"auto"`` becomes ``"all"`` when a balanced tower or joined module owns units
-        (they gather over every rank, so every rank must join their calls)."""
+        (they gather over every rank, so every rank must join their calls).
+
+        Args:
+            model: the planned model.
+            plan: the finished plan.
+            towers: the discovered towers' paths.
+            media_only: the paths of modules that run only with media.
+            joined: the projectors' paths.
+            layers: the media-dependent decoder layers' paths.
+            group: the ``balance_media_group`` option.
+
+        Returns:
+            The hook with its plan data.
+
+        Raises:
+            ValueError: a tower has no layout that fits it.
+        """
         members = [path for unit in plan.units if not unit.is_root for path in unit.paths]
         planned = []
         for path in towers:
@@ -270,7 +308,11 @@ class BalanceMediaRuntimeHook(RuntimeHook):
     def cost(self) -> str:
         """The plan's cost line: the collectives of one call of each tower (from
         ``exchange_traffic``), the joined modules and layers, and the join barrier's last
-        round per forward."""
+        round per forward.
+
+        Returns:
+            The line.
+        """
         parts = []
         for tower in self.towers:
             counts = tower.collectives_per_call()
@@ -338,7 +380,15 @@ class BalanceMediaRuntimeHook(RuntimeHook):
         """The joined layers on ``model``, a one-process copy (the memory model's trace):
         where ``media`` says this rank skips a layer that another rank runs, it runs the
         layer on the same placeholder as the step, each decision read from ``media.layers``
-        instead of a collective; ``None`` without joined layers or layer media."""
+        instead of a collective; ``None`` without joined layers or layer media.
+
+        Args:
+            model: the one-process copy of the model.
+            media: the step's media per rank.
+
+        Returns:
+            The installed joined layers, or None.
+        """
         if not self.layers or not media.layers:
             return None
         rows = media.layers
@@ -353,7 +403,11 @@ class BalanceMediaRuntimeHook(RuntimeHook):
 
     def describe(self) -> str:
         """Which towers are balanced, with which layout, which modules and layers are
-        joined, and where ranks join."""
+        joined, and where ranks join.
+
+        Returns:
+            The text.
+        """
         towers = ", ".join(f"{t.path!r} ({t.layout})" for t in self.towers)
         where = f"before {self.join_site!r}" if self.join_site else "at the end of the forward"
         layouts = "; ".join(f"{t.path!r}: {t.probe}" for t in self.towers if t.probe)
@@ -383,7 +437,14 @@ class BalanceMediaRuntimeHook(RuntimeHook):
         and a balanced or joined module with units communicates beyond it: its units
         would gather on the ranks of a group with media and not on those of a group
         without (frozen units gather over the shard group, trainable ones also reduce
-        over every replica)."""
+        over every replica).
+
+        Args:
+            mesh: the data-parallel mesh the hook is installed on.
+
+        Raises:
+            ValueError: naming the module and the group to use.
+        """
         groups = balance_group_ranks(_mesh_rows(mesh), self.group)
         if len(groups) == 1:
             return
