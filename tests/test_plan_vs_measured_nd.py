@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from memory_check import check_memory, relative
+from memory_check import check_memory
 from tensor_parallel import tensor_parallel_mlps
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -195,11 +195,10 @@ def test_balanced_trainable_tower_on_tp_ranks_costs_what_is_measured() -> None:
 @pytest.mark.parametrize("policy", POLICIES)
 def test_balanced_tower_on_tp_ranks_memory_is_predicted(images: int, policy: str) -> None:
     """``balance_media`` on the ``('dp', 'tp')`` 2x2 mesh: each rank of a TP group encodes
-    its share of the call (half the images) and the data group gathers the shares'
-    outputs (send buffer, the gathered shares, the received items and the call's whole
-    output rebuilt from them). The memory model traces the share and those buffers: the
-    peak within 1% of FSDP's memory tracker (it fell 4% short with two images and 2%
-    over with eight when the trace encoded the whole call and counted no gather)."""
+    its share of the call and the data group gathers the shares' outputs. The memory
+    model traces the share and the gather's buffers (held byte for byte to the gather
+    in ``tests/test_data_group_memory.py``); here the whole step against FSDP's memory
+    tracker, within the tolerances data-parallel plans get."""
     batch = vlm_batches(1, 1, images=[images])[0][0]
     with fake_process_group(4):
         world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -211,9 +210,5 @@ def test_balanced_tower_on_tp_ranks_memory_is_predicted(images: int, policy: str
         result = measure_plan_memory(
             plan, model, lambda m: vlm_loss(m, batch), world_size=4, mesh=world["dp"]
         )
-    predicted, measured = result.costs.memory, result.measured
-    assert predicted is not None
     assert result.costs.exchange is not None  # the gathers were costed
     check_memory(result)
-    report = f"predicted {predicted.as_dict()}\nmeasured {measured.as_dict()}"
-    assert relative(predicted.peak_bytes, measured.peak_bytes) <= 0.01, report

@@ -30,6 +30,8 @@ from fsdp_core.internals import TorchDispatchMode
 from fsdp_core.plan import unit_parameters
 from fsdp_core.runtime import output_tensors
 from multimodal_fsdp.balance._planned import BalancedTower, JoinedModule, Removable
+from multimodal_fsdp.balance._step_media import data_group_media, shares_encoding
+from multimodal_fsdp.estimate._data_group_trace import trace_shares
 from multimodal_fsdp.estimate.compute_copy import add_cast_hooks, compute_copy
 from multimodal_fsdp.estimate.exchange import (
     CallBuffers,
@@ -144,6 +146,7 @@ def trace_activations(
     *,
     shard: int = 1,
     media: StepMedia | None = None,
+    data_group: int = 1,
 ) -> ActivationTrace:
     """What one training step of one batch needs beside parameters, per rank, under ``plan``.
 
@@ -166,7 +169,11 @@ def trace_activations(
     the exchange's buffers of ``media.rank`` for that call (``exchange_buffer_bytes``).
     The tower's own activations are traced on this rank's items, which the balanced
     step encodes elsewhere in exchange for others' items of about the same cost; calls
-    this rank only joins (a text-only batch) run no tower in the trace.
+    this rank only joins (a text-only batch) run no tower in the trace. ``data_group``:
+    the TP ranks holding this rank's batch; when they share the encoding
+    (``shares_encoding``), the tower is traced on this rank's share of each call, the
+    exchange's rounds on the shares (``data_group_media``), and the group's gather of
+    the shares' outputs adds its buffers (``multimodal_fsdp.estimate._data_group_trace``).
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
@@ -187,6 +194,10 @@ def trace_activations(
     handles += gathers.hooks
     handles += _GradStaging(plan, model, twin, live, shard, gathers).hooks
     joined = None
+    hook = balance_hook(plan)
+    if media is not None and hook is not None and shares_encoding(hook, data_group):
+        media = data_group_media(media, data_group)
+        handles += trace_shares(twin, hook.towers, live, data_group)
     if media is not None:
         handles += _ExchangeBuffers(plan, twin, live, media).hooks
         joined = _joined_layers(plan, twin, media)

@@ -12,6 +12,7 @@ imports the other.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -86,9 +87,25 @@ def inspect_model(
     traced = (
         None
         if loss_fn is None
-        else trace_activations(plan, model, loss_fn, shard=shape.dp_shard, media=media)
+        else trace_activations(
+            plan,
+            model,
+            loss_fn,
+            shard=shape.dp_shard,
+            media=media,
+            data_group=_sharing_ranks(mesh),
+        )
     )
     costs = with_memory(costs, plan, model, optimizer=optimizer, activations=traced)
     if activations is None or costs.memory is None:
         return costs
     return dataclasses.replace(costs, memory=costs.memory.with_activations(activations))
+
+
+def _sharing_ranks(mesh: MeshShape | ParallelDims | None) -> int:
+    """The TP ranks holding each batch, whose balanced towers share the encoding (the
+    trace follows one rank's share); 1 without them, and with CP, whose ranks encode for
+    a sequence shard the single-process trace does not run."""
+    if not isinstance(mesh, ParallelDims) or mesh.cp_names:
+        return 1
+    return math.prod(mesh.size(name) for name in mesh.data_group_names)

@@ -1,0 +1,66 @@
+"""The memory model of a data group's gather after a split balanced call, held to the
+gather itself.
+
+Under the fake process group (2 ranks, this one at position 0 of the data group), the
+same live-bytes tracker the activation trace uses follows ``gather_outputs`` (the
+runtime's gather: header, send buffer, the share flattened, one receive buffer per rank,
+the other shares' items copied out, the whole output joined) and the trace's stand-in
+for it (``estimate._data_group_trace``: the share's output in, the whole call's out, the
+buffers bumped); the peak and what stays after are the same, byte for byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fsdp_core.fake_group import fake_process_group
+from multimodal_fsdp.balance._data_group import DataGroup, gather_outputs, share_of_position
+from multimodal_fsdp.balance.generic_layouts import BatchFirstLayout
+from multimodal_fsdp.estimate._data_group_trace import _Share
+from multimodal_fsdp.estimate.activations import _LiveBytes
+
+
+def _tower(weights: list[int]) -> dict[str, torch.Tensor]:
+    """A call's output: 1 row of 3 floats per weight, 2 rows of 2 halves per weight."""
+    rows = sum(weights)
+    return {"a": torch.rand(rows, 3), "b": torch.rand(2 * rows, 2).half()}
+
+
+def _traced(run: Callable[[_LiveBytes], Any]) -> tuple[int, int]:
+    """Peak and final live bytes of ``run`` (given the tracker; its result kept)."""
+    live = _LiveBytes(set())
+    with live:
+        kept = run(live)
+    assert kept is not None
+    return live.peak, live.live
+
+
+@pytest.mark.parametrize("weights", [[2, 1, 3], [4, 4, 4, 4], [1, 5]])
+@pytest.mark.parametrize("size", [2, 4])
+def test_the_traced_gather_allocates_what_the_gather_does(weights: list[int], size: int) -> None:
+    """Split calls (as many items as ranks or more) and unsplit ones (every rank keeps
+    its whole call's output, nothing gathered)."""
+    layout = BatchFirstLayout()
+    start, stop = share_of_position(len(weights), 0, size)
+    with fake_process_group(size):
+        data = DataGroup(group=dist.group.WORLD, ranks=tuple(range(size)), position=0)
+
+        def gathered(_live: _LiveBytes) -> Any:
+            mine = _tower(weights[start:stop])
+            return gather_outputs(layout, data, mine, weights, torch.device("cpu"))
+
+        def stand_in(live: _LiveBytes) -> Any:
+            share = _Share(layout, live, size)
+            share.weights.append(list(weights))
+            mine = _tower(weights[start:stop])
+            whole = share.post(torch.nn.Identity(), (), {}, mine)
+            return mine if whole is None else whole
+
+        measured = _traced(gathered)
+        predicted = _traced(stand_in)
+    assert predicted == measured
