@@ -59,7 +59,14 @@ _RECEIVED = {"all_to_all": 0}
 
 def collective_kind(op_name: str) -> str:
     """``all_gather``, ``reduce_scatter``, ``all_reduce``, ``broadcast``, ``all_to_all``
-    or the raw name."""
+    or the raw name.
+
+    Args:
+        op_name: a ``c10d`` op's name.
+
+    Returns:
+        The kind.
+    """
     return _KINDS.get(op_name, op_name)
 
 
@@ -75,6 +82,15 @@ class CommTally:
     def add(
         self, phase: str, kind: str, nbytes: int, count: int = 1, *, received: int | None = None
     ) -> None:
+        """Count ``count`` collectives of ``kind`` in ``phase``, ``nbytes`` in all.
+
+        Args:
+            phase: ``"forward"``, ``"backward"``, ...
+            kind: ``"all_gather"``, ``"reduce_scatter"``, ...
+            nbytes: their bytes together (unsharded buffers).
+            count: how many (nothing is recorded for ``count <= 0``).
+            received: the bytes they receive, for kinds that record it.
+        """
         if count <= 0:
             return
         key = (phase, kind)
@@ -84,7 +100,12 @@ class CommTally:
             self.received[key] = self.received.get(key, 0) + received
 
     def merge(self, other: CommTally, times: int = 1) -> None:
-        """Add ``other`` ``times`` times (a unit that runs that often in the step)."""
+        """Add ``other`` ``times`` times (a unit that runs that often in the step).
+
+        Args:
+            other: the tally to add.
+            times: how often.
+        """
         for _ in range(times):
             for key, count in other.counts.items():
                 self.add(*key, other.nbytes.get(key, 0), count, received=other.received.get(key))
@@ -93,25 +114,57 @@ class CommTally:
         return sum(n for (p, k), n in table.items() if kind in (None, k) and phase in (None, p))
 
     def count(self, kind: str | None = None, phase: str | None = None) -> int:
-        """Number of collectives, optionally of one kind and/or phase."""
+        """Number of collectives, optionally of one kind and/or phase.
+
+        Args:
+            kind: ``"all_gather"``, ... (every kind if None).
+            phase: ``"forward"``, ``"backward"``, ... (every phase if None).
+
+        Returns:
+            The count.
+        """
         return self._sum(self.counts, kind, phase)
 
     def bytes(self, kind: str | None = None, phase: str | None = None) -> int:
-        """Bytes (unsharded buffers), optionally of one kind and/or phase."""
+        """Bytes (unsharded buffers), optionally of one kind and/or phase.
+
+        Args:
+            kind: ``"all_gather"``, ... (every kind if None).
+            phase: ``"forward"``, ``"backward"``, ... (every phase if None).
+
+        Returns:
+            The bytes.
+        """
         return self._sum(self.nbytes, kind, phase)
 
     def received_bytes(self, kind: str | None = None, phase: str | None = None) -> int:
         """Bytes received by the collectives that record them (``all_to_all``),
-        optionally of one kind and/or phase."""
+        optionally of one kind and/or phase.
+
+        Args:
+            kind: ``"all_gather"``, ... (every kind if None).
+            phase: ``"forward"``, ``"backward"``, ... (every phase if None).
+
+        Returns:
+            The bytes received.
+        """
         return self._sum(self.received, kind, phase)
 
     def pairs(self) -> list[tuple[str, str]]:
-        """(phase, kind) pairs present, phases and kinds in their natural order."""
+        """(phase, kind) pairs present, phases and kinds in their natural order.
+
+        Returns:
+            The pairs.
+        """
         order = {name: i for i, name in enumerate((*PHASES, *KINDS))}
         return sorted(self.counts, key=lambda k: (order.get(k[0], 99), order.get(k[1], 99), k))
 
     def as_dict(self) -> dict[str, dict[str, dict[str, int]]]:
-        """``{phase: {kind: {"count": n, "bytes": b}}}`` (JSON-ready)."""
+        """``{phase: {kind: {"count": n, "bytes": b}}}`` (JSON-ready).
+
+        Returns:
+            The nested dict.
+        """
         result: dict[str, dict[str, dict[str, int]]] = {}
         for phase, kind in self.pairs():
             entry = {
@@ -124,7 +177,14 @@ class CommTally:
         return result
 
     def differences(self, other: CommTally) -> list[str]:
-        """Readable lines where ``self`` (expected) and ``other`` (actual) differ."""
+        """Readable lines where ``self`` (expected) and ``other`` (actual) differ.
+
+        Args:
+            other: the measured tally.
+
+        Returns:
+            One line per difference (empty when equal).
+        """
         lines = []
         for key in sorted(set(self.counts) | set(other.counts)):
             mine = (self.counts.get(key, 0), self.nbytes.get(key, 0))
@@ -191,6 +251,11 @@ class CommCounter(TorchDispatchMode):
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        """Record the collectives issued inside the block under ``name``.
+
+        Args:
+            name: the phase (``"forward"``, ``"backward"``, ``"optimizer"``, ...).
+        """
         previous, self._phase = self._phase, name
         try:
             yield
@@ -217,18 +282,36 @@ class CommCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def tally(self) -> CommTally:
-        """Everything recorded, as a [`CommTally`][fsdp_core.collective_count.CommTally]."""
+        """Everything recorded, as a [`CommTally`][fsdp_core.collective_count.CommTally].
+
+        Returns:
+            The tally.
+        """
         tally = CommTally()
         for record in self.records:
             tally.add(record.phase, record.kind, record.nbytes, received=record.received)
         return tally
 
     def counts(self, phase: str | None = None) -> dict[str, int]:
-        """Number of collectives per kind (optionally of one phase)."""
+        """Number of collectives per kind (optionally of one phase).
+
+        Args:
+            phase: ``"forward"``, ``"backward"``, ... (every phase if None).
+
+        Returns:
+            ``{kind: count}``.
+        """
         return dict(Counter(r.kind for r in self.records if phase in (None, r.phase)))
 
     def bytes(self, phase: str | None = None) -> dict[str, int]:
-        """Full-buffer bytes per kind (optionally of one phase); ``all_to_all``: sent."""
+        """Full-buffer bytes per kind (optionally of one phase); ``all_to_all``: sent.
+
+        Args:
+            phase: ``"forward"``, ``"backward"``, ... (every phase if None).
+
+        Returns:
+            ``{kind: bytes}``.
+        """
         totals: Counter[str] = Counter()
         for record in self.records:
             if phase in (None, record.phase):
@@ -237,7 +320,14 @@ class CommCounter(TorchDispatchMode):
 
     def received_bytes(self, phase: str | None = None) -> dict[str, int]:
         """Bytes received per kind that records them (``all_to_all``), optionally of one
-        phase."""
+        phase.
+
+        Args:
+            phase: ``"forward"``, ``"backward"``, ... (every phase if None).
+
+        Returns:
+            ``{kind: bytes}``.
+        """
         totals: Counter[str] = Counter()
         for record in self.records:
             if record.received is not None and phase in (None, record.phase):
@@ -245,4 +335,5 @@ class CommCounter(TorchDispatchMode):
         return dict(totals)
 
     def clear(self) -> None:
+        """Forget everything recorded so far (the counter keeps counting)."""
         self.records.clear()
