@@ -41,16 +41,8 @@ _OURS = {monorepo.get_package(name).import_name for name in PACKAGE_NAMES}
 #: engineers working in them at the time). Only shrinks.
 PENDING: frozenset[str] = frozenset(
     {
-        "fsdp_core.accumulation",
-        "fsdp_core.collective_count",
         "fsdp_core.collective_entry",
-        "fsdp_core.expert_parallel",
-        "fsdp_core.hook_planning",
-        "fsdp_core.integrations.torchtitan",
-        "fsdp_core.parallel_dims",
         "fsdp_core.rank_agreement",
-        "fsdp_core.rank_wait",
-        "fsdp_core.step_agreement",
         "multimodal_fsdp.balance._metadata",
         "multimodal_fsdp.balance._step_media",
         "multimodal_fsdp.balance.traffic",
@@ -66,9 +58,6 @@ PENDING: frozenset[str] = frozenset(
         "multimodal_fsdp.estimate.units",
         "multimodal_fsdp.measure.comm",
         "multimodal_fsdp.measure.memory",
-        "multimodal_fsdp.media_hook_planning",
-        "multimodal_fsdp.runtime.balance_media",
-        "multimodal_fsdp.runtime.schedule_check",
     }
 )
 _NO_VALUE = {None, "None", "NoReturn", "typing.NoReturn", "Never", inspect.Signature.empty}
