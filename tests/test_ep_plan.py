@@ -283,3 +283,34 @@ def test_ep_beside_hsdp_folds_ep_into_the_shard_dimension() -> None:
         assert isinstance(router, DTensor)
         assert router.device_mesh.ndim == 2  # HSDP over (dp_replicate, dp_shard x ep)
         assert model.get_parameter(EXPERTS[0]).device_mesh.mesh_dim_names == ("ep",)
+
+
+def test_balance_media_with_ep_costs_rounds_over_every_rank_as_measured() -> None:
+    """``balance_media`` on ``('dp', 'ep')`` 2x2 under the fake group: the rounds run
+    over all four ranks (``ParallelDims.batch_mesh`` folds ``ep`` in, as the plan's
+    costs assume), so the exchange's all-gathers are predicted as measured (before,
+    the runtime balanced over ``dp`` alone: the gathers of half the ranks)."""
+    from model_deepseek_v41.fsdp import DeepseekV41ModelParallelizer
+    from multimodal_fsdp.measure.comm import measure_plan
+
+    batch = dict(make_batch(CONFIG, batch_size=2, seq_len=24, seed=0))
+
+    def loss(model: torch.nn.Module) -> torch.Tensor:
+        value: torch.Tensor = model(**batch)
+        return value
+
+    parallelizer = DeepseekV41ModelParallelizer(
+        frozen_multimodal_sharding="root", balance_media=True
+    )
+    with fake_process_group(4):
+        world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+        model = _sharded_model(world)
+        comm = measure_plan(
+            parallelizer.plan(model), model, loss, world_size=4, mesh=world, dp_dims="dp"
+        )
+    differences = comm.comparison.differences()
+    assert not [line for line in differences if "all_gather" in line], differences
+    assert comm.costs.exchange is not None
+    predicted = comm.costs.exchange.bytes("all_gather", "forward")
+    assert predicted > 0
+    assert comm.measured.comm.bytes("all_gather", "forward") >= predicted
