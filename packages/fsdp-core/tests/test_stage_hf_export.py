@@ -72,3 +72,32 @@ def test_a_stage_missing_its_own_tensors_still_fails_strict(tmp_path: Path) -> N
         stage = _stage(world["dp"])
         with pytest.raises(ValueError, match=r"2 model tensors missing"):
             load_pretrained(stage, tmp_path / "export")
+
+
+def test_an_adapter_export_loads_into_a_stage(tmp_path: Path) -> None:
+    """A peft adapter exported from the whole model loads into a stage's PeftModel: the
+    other stage's adapter keys are returned as unexpected, not a strict failure."""
+    peft = pytest.importorskip("peft")
+    config = {"r": 2, "lora_alpha": 2, "init_lora_weights": False}
+    torch.manual_seed(0)
+    whole = peft.get_peft_model(
+        nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)),
+        peft.LoraConfig(target_modules=["0", "1"], **config),
+    )
+    whole.save_pretrained(str(tmp_path / "adapter"))
+    with fake_process_group(4):
+        world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+        torch.manual_seed(1)
+        stage = peft.get_peft_model(
+            nn.Sequential(nn.Linear(4, 4)), peft.LoraConfig(target_modules=["0"], **config)
+        )
+        fully_shard(stage, mesh=world["dp"])
+        loaded = load_pretrained(stage, tmp_path / "adapter")
+        local = stage.get_parameter("base_model.model.0.lora_A.default.weight").to_local()
+    assert loaded.missing == ()
+    assert loaded.unexpected == (
+        "base_model.model.1.lora_A.weight",
+        "base_model.model.1.lora_B.weight",
+    )
+    expected = whole.get_parameter("base_model.model.0.lora_A.default.weight").detach()
+    torch.testing.assert_close(local, expected[: local.shape[0]])

@@ -349,9 +349,10 @@ def _renamed(slots: Sequence[Slot], view: _lora_load.LoadView) -> list[Slot]:
 
 
 def _load_adapter(
-    model: nn.Module, directory: PathLike, layout: CheckpointLayout, strict: bool
+    model: nn.Module, directory: PathLike, layout: CheckpointLayout, strict: bool, stage: bool
 ) -> PretrainedLoad:
-    """An adapter export (peft's files) into a loaded peft model: the adapter tensors only."""
+    """An adapter export (peft's files) into a loaded peft model: the adapter tensors only
+    (on a pipeline stage, ``stage``, the other stages' keys are not a mismatch)."""
     if not _lora.is_peft_model(model):
         raise ValueError(
             f"{str(directory)!r} holds an adapter export (adapter_config.json, "
@@ -370,7 +371,7 @@ def _load_adapter(
     table, _ = _hf_model.adapter_checkpoint(model, [slot.names for slot in slots], adapter=adapter)
     wanted = [slot for slot in slots if any(name in table for name in slot.names)]
     match = _match("adapter", wanted, layout.weight_map, lambda name: table.get(name, name))
-    if match.problems:
+    if match.missing or (match.unexpected and not stage):
         message = (
             f"adapter export {str(directory)!r} does not match adapter {adapter!r} of "
             f"{type(model).__name__}: {len(match.missing)} adapter tensors missing "
@@ -418,7 +419,7 @@ def _load(
             raise ValueError(
                 "key_mapping= and buffers= do not apply to an adapter export (peft names its keys)"
             )
-        return _load_adapter(model, directory, layout, strict)
+        return _load_adapter(model, directory, layout, strict, stage)
     given = dict(buffers or {})
     _check_buffer_names(model, given)
     reshard(model)
