@@ -13,7 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_core.collective_entry import CollectiveCallError, enter_collective
+from fsdp_core.collective_entry import enter_collective
+from fsdp_core.rank_agreement import CollectiveCallError
 from fsdp_core.rank_wait import WARN_ENV
 
 

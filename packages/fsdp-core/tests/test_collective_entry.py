@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 from fsdp_core.collective_count import CommCounter
-from fsdp_core.collective_entry import CollectiveCallError, enter_collective, group_ranks
+from fsdp_core.collective_entry import enter_collective, group_ranks
 from fsdp_core.fake_group import fake_process_group
+from fsdp_core.rank_agreement import CollectiveCallError
 from fsdp_core.testing import run_on_gloo_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from fsdp_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from fsdp_core.collective_entry import CollectiveCallError
+from fsdp_core.rank_agreement import CollectiveCallError
 from fsdp_core.testing import run_on_gloo_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -25,4 +25,3 @@ def test_every_nesting_is_walked_in_order() -> None:
 def test_output_tensors_keep_those_that_need_a_gradient() -> None:
     grad = torch.zeros(1, requires_grad=True)
     assert output_tensors({"loss": grad, "ids": torch.zeros(1)}) == [grad]
-

@@ -15,7 +15,6 @@ from fsdp_core.checkpoint import (
     save_checkpoint,
 )
 from fsdp_core.collective_count import CommCounter
-from fsdp_core.collective_entry import CollectiveCallError
 from fsdp_core.distributed import (
     DistributedContext,
     destroy_distributed,
@@ -30,6 +29,7 @@ from fsdp_core.module_tree import ModuleTreeChangedError
 from fsdp_core.parallelizer import ModelParallelizer, PlanMismatchError
 from fsdp_core.plan import ShardingPlan
 from fsdp_core.precision import fp32_island_policy, mixed_precision_policy
+from fsdp_core.rank_agreement import CollectiveCallError
 from fsdp_core.stale_optimizer import StaleOptimizerError
 
 __all__ = [

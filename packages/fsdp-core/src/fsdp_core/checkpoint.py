@@ -47,11 +47,11 @@ from fsdp_core import _export_swap
 from fsdp_core.checkpoint_contents import CheckpointContents, check_model_matches
 from fsdp_core.collective_entry import (
     CollectiveCall,
-    CollectiveCallError,
     enter_collective,
     group_ranks,
     whole_world_ranks,
 )
+from fsdp_core.rank_agreement import CollectiveCallError
 from fsdp_core.weights_check import refill_unset_buffers
 
 __all__ = [

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_core.internals import process_group_timeout
 from fsdp_core.rank_agreement import (
+    CollectiveCallError,
     Meeting,
     RankAgreement,
     decode_error,
@@ -51,7 +52,6 @@ from fsdp_core.rank_agreement import (
 from fsdp_core.rank_wait import LISTED, TIMEOUT_ENV, WaitLimits, ranks_text, wait_limits
 
 __all__ = [
-    "CollectiveCallError",
     "CollectiveCall",
     "enter_collective",
     "group_ranks",
@@ -67,11 +67,6 @@ _PREFIX: Final = "fsdp_core/collective"
 _SEQUENCE: dict[str, int] = {}
 #: Set on an exception that every rank already raises (not posted again on exit).
 _AGREED: Final = "_fsdp_core_agreed"
-
-
-class CollectiveCallError(RuntimeError):
-    """A collective function was not entered by every rank of its group, or the
-    ranks entered different ones, or a rank failed and the others raise it too."""
 
 
 def group_ranks(
@@ -291,7 +286,7 @@ class CollectiveCall:
     def agree(self, error: BaseException | None = None, *, step: str) -> None:
         """Exchange whether ``step`` went well on each rank; if it failed on any, raise
         on every rank the failure of the lowest failing rank (its type where this
-        process can build it, else [CollectiveCallError][fsdp_core.collective_entry.
+        process can build it, else [CollectiveCallError][fsdp_core.rank_agreement.
         CollectiveCallError]), naming that rank."""
         if not self.active:
             if error is not None:
@@ -365,7 +360,7 @@ def enter_collective(
     Waits at most ``timeout`` (seconds or a timedelta; default:
     ``FSDP_CORE_RANK_WAIT_TIMEOUT_S`` when set, else the process group's own timeout),
     warning after a minute (see [rank_wait][fsdp_core.rank_wait]), then raises
-    [CollectiveCallError][fsdp_core.collective_entry.CollectiveCallError] on every rank
+    [CollectiveCallError][fsdp_core.rank_agreement.CollectiveCallError] on every rank
     that arrived, naming the ranks that did not and those that entered another
     collective call. Agreement steps of the returned call wait as long as
     ``FSDP_CORE_RANK_WAIT_TIMEOUT_S`` or the process group's timeout (a step may write

@@ -13,7 +13,7 @@ the call is and, for a forward, this rank's
 [step][fsdp_core.step_agreement.RankStep]. It goes on when every rank made the same call
 in the same step; otherwise every rank raises the same error:
 
-- [CollectiveCallError][fsdp_core.collective_entry.CollectiveCallError] when the ranks
+- [CollectiveCallError][fsdp_core.rank_agreement.CollectiveCallError] when the ranks
   made different calls under one number (a forward without gradients beside a training
   forward, ``generate()`` with an empty batch beside one with rows) or some did not come
   within the wait (after a warning naming them and their last calls, see
@@ -40,8 +40,14 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import internals
-from fsdp_core.collective_entry import CollectiveCallError
-from fsdp_core.rank_agreement import Meeting, RankAgreement, agreement_of, kind_of, payload_of
+from fsdp_core.rank_agreement import (
+    CollectiveCallError,
+    Meeting,
+    RankAgreement,
+    agreement_of,
+    kind_of,
+    payload_of,
+)
 from fsdp_core.rank_wait import LISTED, ranks_text
 from fsdp_core.runtime import RuntimeHook, installed_hooks
 from fsdp_core.step_agreement import RankStep, StepState, agrees, mismatch_error

@@ -46,9 +46,15 @@ from fsdp_core.rank_wait import WaitLimits, wait_for_ranks, wait_limits
 if TYPE_CHECKING:
     from fsdp_core.parallel_dims import ParallelDims
 
-__all__ = ["Meeting", "RankAgreement", "agreement_of"]
+__all__ = ["CollectiveCallError", "Meeting", "RankAgreement", "agreement_of"]
 
 logger = logging.getLogger(__name__)
+
+
+class CollectiveCallError(RuntimeError):
+    """A collective function was not entered by every rank of its group, or the
+    ranks entered different ones, or a rank failed and the others raise it too."""
+
 
 _PREFIX: Final = "fsdp_core/agreement"
 _GO: Final = "go"
@@ -112,7 +118,6 @@ def decode_error(text: str) -> Exception:
     """The exception ``text`` (from ``encode_error``) names, of its type where this
     process has it loaded (an OSError with its errno); else a ``CollectiveCallError``
     that names the type."""
-    from fsdp_core.collective_entry import CollectiveCallError  # it imports this module
 
     name, _, message = text.partition("|")
     module, qualname, number = name.split(":")
@@ -299,7 +304,6 @@ class RankAgreement:
         error = explain(meeting) if explain is not None else None
         if error is not None or not parted:
             return error
-        from fsdp_core.collective_entry import CollectiveCallError  # it imports this module
 
         said = "; ".join(f"rank {r}: {self._describe(v)}" for r, v in values.items())
         missing = sorted(meeting.elsewhere)

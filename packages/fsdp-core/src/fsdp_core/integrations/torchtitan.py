@@ -29,7 +29,8 @@ ranks that run the forward together, those that hold the same batch).
 With ``context_parallel_degree > 1`` the mesh given to the library also has ``cp``:
 FSDP then shards over the data-parallel shard dimension and ``cp`` together (torchtitan
 folds them into ``fsdp`` too), and a model package's media balancing shares each tower
-call among the CP ranks ([`ParallelDims`][fsdp_core.parallel_dims.ParallelDims]). On torchtitan's legacy
+call among the CP ranks ([`ParallelDims`][fsdp_core.parallel_dims.ParallelDims]). On
+torchtitan's legacy
 mesh backend, whose ``fsdp`` dimension already folds ``cp``, the library shards over
 ``batch`` x ``cp`` (its ``dataloading`` mesh), which has no HSDP replicas.
 
