@@ -41,7 +41,7 @@ from torch.distributed.fsdp import FSDPModule
 from fsdp_core import CommCounter, build_mesh, compat, mixed_precision_policy
 from fsdp_core.fake_group import fake_process_group
 from model_deepseek_v41 import PARALLELIZER, DeepseekV41Config, build_deepseek_v41, make_batch
-from model_deepseek_v41.modeling import RMSNorm
+from model_deepseek_v41.layers import RMSNorm
 from multimodal_fsdp import MultimodalParallelizer
 
 WORLD_SIZE = 2

@@ -40,7 +40,7 @@ from model_deepseek_v41.fsdp import (
     plan_fp32_norm_groups,
     vision_norm_paths,
 )
-from model_deepseek_v41.modeling import RMSNorm, TextRMSNorm
+from model_deepseek_v41.layers import RMSNorm, TextRMSNorm
 
 TINY = DeepseekV41Config.tiny()
 L = TINY.vision_layers

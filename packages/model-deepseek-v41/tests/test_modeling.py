@@ -12,10 +12,9 @@ import torch
 from torch import Tensor, nn
 
 from model_deepseek_v41.config import DeepseekV41Config
+from model_deepseek_v41.layers import RMSNorm, TextRMSNorm
 from model_deepseek_v41.modeling import (
     DeepseekV41ForCausalLM,
-    RMSNorm,
-    TextRMSNorm,
     build_deepseek_v41,
     init_parameters_,
     iter_initial_parameters,

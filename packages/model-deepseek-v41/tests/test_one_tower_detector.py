@@ -25,7 +25,7 @@ from model_deepseek_v41 import (
     build_deepseek_v41,
     fully_shard_deepseek_v41,
 )
-from model_deepseek_v41.modeling import RMSNorm
+from model_deepseek_v41.layers import RMSNorm
 from multimodal_fsdp.discovery import resolve_multimodal_modules
 
 MP = mixed_precision_policy("bf16", "fp32")

@@ -20,7 +20,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from model_deepseek_v41.modeling import SwiGLU
+from model_deepseek_v41.layers import SwiGLU
 from model_deepseek_v41.moe import MoE
 from multimodal_fsdp.tensor_parallel import check_divisible
 
