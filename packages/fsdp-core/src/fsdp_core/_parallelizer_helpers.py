@@ -1,14 +1,18 @@
 """Small pure helpers of ``fsdp_core.parallelizer``: hook-name checks, the plan digest
-that ranks agree on and unit-path text for errors."""
+that ranks agree on, unit-path text for errors and a planned hook's object."""
 
 from __future__ import annotations
 
 import hashlib
 import re
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from fsdp_core.plan import ShardingPlan
-from fsdp_core.runtime import RuntimeHook
+from fsdp_core.runtime import HookPlan, RuntimeHook
+
+if TYPE_CHECKING:
+    from fsdp_core.parallelizer import ModelParallelizer
 
 
 def _paths_text(units: list[tuple[str, ...]], limit: int = 4) -> str:
@@ -56,3 +60,19 @@ def _plan_digest(plan: ShardingPlan) -> str:
         )
     )
     return hashlib.sha256(re.sub(r" at 0x[0-9a-f]+", "", text).encode()).hexdigest()
+
+
+def _hook_object(planned: HookPlan, parallelizer: ModelParallelizer[Any] | None) -> RuntimeHook:
+    """The hook object of a planned hook; with a parallelizer, one of its ``HOOKS``."""
+    hook = planned.hook
+    if hook is None:
+        raise ValueError(
+            f"the plan lists a runtime hook {planned.name!r} without its hook object; "
+            "plans made by a parallelizer's plan() carry it"
+        )
+    if parallelizer is not None and not isinstance(hook, parallelizer.HOOKS):
+        raise ValueError(
+            f"{type(parallelizer).__name__} cannot install a runtime hook named "
+            f"{planned.name!r}; it installs {', '.join(_names(parallelizer.HOOKS))}"
+        )
+    return hook

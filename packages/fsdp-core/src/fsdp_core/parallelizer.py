@@ -24,6 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from fsdp_core import internals
 from fsdp_core._parallelizer_helpers import (
     _check_hook_names,
+    _hook_object,
     _names,
     _paths_text,
     _plan_digest,
@@ -282,10 +283,8 @@ class ModelParallelizer(Generic[FoundT]):
         ``_before_apply`` and ``_after_apply``, installing only the runtime hooks of its
         ``HOOKS``. ``mesh`` and ``dp_dims`` as in ``parallelize``.
 
-        A transformers or peft model then has its own collective
-        ``save_pretrained`` (the instance's, bound to the library's export;
-        the class's stays ``type(model).save_pretrained``): see
-        docs/meta-init-and-checkpoints.md.
+        A transformers or peft model's instance then gets a collective ``save_pretrained``
+        (docs/meta-init-and-checkpoints.md).
 
         Args:
             model: the planned model.
@@ -347,12 +346,10 @@ class ModelParallelizer(Generic[FoundT]):
         return dtype_island_groups(module, options.mp_policy, ignored_params=options.ignored_params)
 
     def _units(self, ctx: PlanContext[FoundT]) -> list[str | ShardCall]:
-        """The units made before the root, in order: the one planning hook that names
-        them. A path becomes a unit with its dtype islands split off
-        ([`_plan_calls`][fsdp_core.parallelizer.ModelParallelizer._plan_calls]; skipped when
-        an earlier unit holds it or it would own no parameter); a call (``_make_call``:
-        groups, a policy of their own) is planned as it is. Here: the layer-container
-        items."""
+        """The units made before the root, in order. A path becomes a unit with its dtype
+        islands split off ([`_plan_calls`][fsdp_core.parallelizer.ModelParallelizer._plan_calls];
+        skipped when already planned or without parameters); a ``ShardCall`` is planned as
+        it is. Here: the layer-container items."""
         return [path for path, _ in iter_layer_items(ctx.model)]
 
     def _find(self, model: nn.Module) -> FoundT:
@@ -383,13 +380,10 @@ class ModelParallelizer(Generic[FoundT]):
         return []
 
     def _entry_paths(self, ctx: PlanContext[FoundT]) -> list[str]:
-        """Modules that code may call outside the model's forward: the ``entry_unshard``
-        hook gathers their parameters' units for such calls. Here: wrapped models that
-        generate (a ``PeftModel``'s ``generate`` runs the inner transformers model's,
-        never the wrapper's forward) and transformers submodels (``model.model``, a
-        language model, a vision model: duck-typed by ``config`` and
-        ``get_input_embeddings``); the multimodal parallelizer adds towers and
-        projectors (``generate()`` computes image features before the forward)."""
+        """Modules called outside the model's forward, whose units ``entry_unshard``
+        gathers: wrapped models that generate (``PeftModel.generate`` runs the inner
+        model's) and transformers submodels (duck-typed by ``config`` and
+        ``get_input_embeddings``); the multimodal parallelizer adds towers and projectors."""
         return [path for path, module in ctx.model.named_modules() if path and is_entry(module)]
 
     def _plan_hooks(self, ctx: PlanContext[FoundT], plan: ShardingPlan) -> list[HookPlan]:
@@ -490,10 +484,8 @@ class PlanMismatchError(RuntimeError):
 
 def check_applied_units(model: nn.Module, plan: ShardingPlan) -> None:
     """Raise [`PlanMismatchError`][fsdp_core.parallelizer.PlanMismatchError] unless the FSDP units
-    in ``model`` are exactly ``plan.units`` (same member modules). A parallelizer whose
-    ``_before_apply`` or ``_after_apply`` makes units of its own would otherwise print one
-    plan and run another. Skipped, with a warning, on a torch whose FSDP state cannot be
-    read.
+    in ``model`` are exactly ``plan.units``, so that what is printed is what runs (skipped,
+    with a warning, on a torch whose FSDP state cannot be read).
 
     Args:
         model: the sharded model.
@@ -605,19 +597,3 @@ def _apply(
         ", ".join(plan.hook_names()) or "none",
     )
     return model
-
-
-def _hook_object(planned: HookPlan, parallelizer: ModelParallelizer[Any] | None) -> RuntimeHook:
-    """The hook object of a planned hook; with a parallelizer, one of its ``HOOKS``."""
-    hook = planned.hook
-    if hook is None:
-        raise ValueError(
-            f"the plan lists a runtime hook {planned.name!r} without its hook object; "
-            "plans made by a parallelizer's plan() carry it"
-        )
-    if parallelizer is not None and not isinstance(hook, parallelizer.HOOKS):
-        raise ValueError(
-            f"{type(parallelizer).__name__} cannot install a runtime hook named "
-            f"{planned.name!r}; it installs {', '.join(_names(parallelizer.HOOKS))}"
-        )
-    return hook

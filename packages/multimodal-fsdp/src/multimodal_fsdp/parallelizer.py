@@ -37,19 +37,15 @@ How a multimodal module (tower or projector, see
    dicts never make units of their own
    ([`fsdp_core.containers.is_branch_dict`][fsdp_core.containers.is_branch_dict]).
 
-Code that only runs with media and owns units (towers and projectors with units,
-decoder layers that text-only batches skip, see
+Code that only runs with media and owns units (towers and projectors with units, decoder
+layers that text-only batches skip, see
 [`multimodal_fsdp.discovery.conditional`][multimodal_fsdp.discovery.conditional]) is a *media
-region*. By default
-regions keep their units and the ``schedule_check`` hook
-([`multimodal_fsdp.runtime.schedule_check`][multimodal_fsdp.runtime.schedule_check]) stops a step
-with uneven media on every rank
-before a mismatched collective. ``uneven_media=True`` instead folds every region into the root unit:
-any media on any rank trains, at the price of keeping those parameters gathered (and their gradients
-unreduced) for the whole step. ``balance_media=True`` instead makes every rank take part in every
-tower call (each call spread over the ranks) and join every call of a projector with units
-of its own and every media-dependent decoder layer that is a unit (running it on a
-placeholder where it has no media), so nothing is a media region.
+region*. By default regions keep their units and the ``schedule_check`` hook
+([`multimodal_fsdp.runtime.schedule_check`][multimodal_fsdp.runtime.schedule_check]) stops a
+step with uneven media on every rank before a mismatched collective. ``uneven_media=True``
+folds every region into the root unit (kept gathered, gradients unreduced, for the whole
+step); ``balance_media=True`` has every rank take part in every tower call and join the
+calls of projectors and media-dependent decoder layers with units, so nothing is a region.
 """
 
 from __future__ import annotations
@@ -72,8 +68,10 @@ from multimodal_fsdp._plan_checks import (
     _check_discovery,
     _check_folded,
     _check_offload,
-    _offload_kept_notes,
+    _compute_dtype,
+    _param_names_under,
     _part_of,
+    _plan_notes_of,
 )
 from multimodal_fsdp.discovery.validation import check_attribute_names, check_module_paths
 from multimodal_fsdp.layers import multimodal_unit_paths
@@ -83,8 +81,6 @@ from multimodal_fsdp.offload import OffloadPart, PartOffload
 from multimodal_fsdp.parts import (
     MultimodalParts,
     classify_layers,
-    partly_trainable_note,
-    summarise,
 )
 from multimodal_fsdp.policy import FrozenMultimodalSharding, FrozenPolicies, frozen_policy
 from multimodal_fsdp.reachability import backward_free_paths
@@ -105,32 +101,24 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
     """A [`ModelParallelizer`][fsdp_core.parallelizer.ModelParallelizer] that applies the
     frozen-tower policy.
 
-    ``frozen_multimodal_sharding`` is one policy for every frozen tower and
-    projector, or a mapping from discovered multimodal module paths to policies
-    with ``"*"`` for the rest (default ``root``), e.g.
-    ``{"model.vision_tower": "per_layer"}``: a big tower gathered block by block
-    while a small projector stays in the root unit. A path that is not a
-    discovered multimodal module fails when planning, listing the discovered ones.
-    ``frozen_policies`` holds the option as a
-    [`FrozenPolicies`][multimodal_fsdp.policy.FrozenPolicies] (the default policy, the
-    per-module ones, the label); the plan's record keeps it with each module's policy.
+    ``frozen_multimodal_sharding`` is one policy for every frozen tower and projector, or
+    a mapping from discovered multimodal module paths to policies with ``"*"`` for the
+    rest (default ``root``), e.g. ``{"model.vision_tower": "per_layer"}``; an unknown path
+    fails when planning, listing the discovered ones. ``frozen_policies`` holds it as a
+    [`FrozenPolicies`][multimodal_fsdp.policy.FrozenPolicies], which the plan records.
 
     ``uneven_media=True`` folds media regions into the root unit (see the module
     docstring); it cannot be combined with ``per_layer`` for any module, whose
     point is a unit per tower block, unless ``balance_media=True``.
 
-    ``balance_media=True`` spreads each call of every discovered tower over all
-    data-parallel ranks and makes ranks join the calls they do not make before the
-    decoder (the ``balance_media`` hook,
-    [`multimodal_fsdp.runtime.balance_media`][multimodal_fsdp.runtime.balance_media]):
-    balanced towers are no media regions, so ``per_layer`` and trainable towers train
-    under any media distribution. A tower whose call no layout adapter understands is a
-    ``ValueError`` at plan time. Projectors keep their units; a rank without media joins
-    their calls in the exchange's rounds, and joins media-dependent decoder layers that
-    are units (Mllama's cross-attention layers) where it skips them
+    ``balance_media=True`` spreads each call of every discovered tower over the
+    data-parallel ranks (the ``balance_media`` hook,
+    [`multimodal_fsdp.runtime.balance_media`][multimodal_fsdp.runtime.balance_media]), so
+    ``per_layer`` and trainable towers train under any media distribution; a tower no
+    layout adapter understands is a ``ValueError`` at plan time. A rank without media
+    joins the calls of projectors and media-dependent decoder layers with units
     ([`multimodal_fsdp.runtime.joined_layers`][multimodal_fsdp.runtime.joined_layers]);
-    with ``uneven_media=True`` as well, projectors and media-dependent decoder layers
-    fold into the root unit and balanced towers keep their units.
+    with ``uneven_media=True`` as well, those fold into the root unit instead.
     ``balance_media_group``: over which ranks each call is balanced: ``"auto"`` (the
     default: every data-parallel rank up to 64, above that blocks of 32 to 64 consecutive
     ranks, see [`balance_group_ranks`][multimodal_fsdp.runtime.balance_media.balance_group_ranks];
@@ -139,17 +127,13 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
     an HSDP mesh) or a block size ``k`` (``k`` consecutive ranks, e.g. a node), so the
     exchange per rank stays bounded as the world grows.
 
-    ``offload``: which parts keep their sharded parameters (and, when trainable, their
-    gradients and optimizer state) in host memory: one ``OffloadPolicy`` for every unit
-    (what ``apply_plan(offload_policy=...)`` does), or a mapping from the parts
-    ``"tower"``, ``"projector"`` and ``"language_model"`` (everything else: the root unit
-    and the decoder layers) to a policy, e.g. ``{"tower": CPUOffloadPolicy()}`` (see
-    [`PartOffload`][multimodal_fsdp.offload.PartOffload]). The plan gives each unit its
-    part's policy; a tower or projector offloaded unlike the language model gets a unit
-    for what its layer units leave (a patch embedding, a final norm), so none of its
-    parameters shares the root unit. A frozen part under ``root`` (its parameters are in
-    the root unit) or ``replicate`` (outside FSDP) cannot be offloaded unlike the language
-    model: a ``ValueError`` at plan time names ``per_layer``.
+    ``offload``: which parts keep their sharded parameters (gradients and optimizer
+    state) in host memory: one ``OffloadPolicy`` for every unit, or a mapping from
+    ``"tower"``, ``"projector"`` and ``"language_model"`` (the rest) to a policy, e.g.
+    ``{"tower": CPUOffloadPolicy()}`` ([`PartOffload`][multimodal_fsdp.offload.PartOffload]).
+    A tower or projector offloaded unlike the language model gets a unit for what its
+    layer units leave (a patch embedding, a final norm); a frozen part under ``root`` or
+    ``replicate`` cannot be (a ``ValueError`` at plan time names ``per_layer``).
 
     Args:
         frozen_multimodal_sharding: one policy, or ``{path or "*": policy}``.
@@ -307,8 +291,7 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
 
     # ------------------------------------------------------- planning hooks
     def _replicated_param_names(self, ctx: PlanContext[Discovery]) -> list[str]:
-        """Parameters kept whole on every rank: those of the frozen parts the policy
-        replicates (subclasses may add more)."""
+        """Parameters of the frozen parts the policy replicates (subclasses may add more)."""
         return _param_names_under(ctx.model, self._replicated_paths(ctx.found))
 
     def _units(self, ctx: PlanContext[Discovery]) -> list[str | ShardCall]:
@@ -349,10 +332,9 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
     def _offload_needs_own_unit(
         self, part: MultimodalParts, policy: FrozenMultimodalSharding
     ) -> bool:
-        """Whether ``part`` becomes a unit after its layer units, for what they leave: when
-        it is offloaded unlike the language model (whose root unit would hold the rest) and
-        it has units of its own anyway (trainable, or frozen under a policy with layer
-        units). Other frozen parts are refused by the offload check."""
+        """Whether ``part`` becomes a unit for what its layer units leave: offloaded unlike
+        the language model, with units of its own anyway (trainable, or frozen under a
+        policy with layer units)."""
         role: OffloadPart = part.found.role
         if self.offload.for_part(role) == self.offload.for_part("language_model"):
             return False
@@ -381,53 +363,19 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
     def _partly_trainable_unit_paths(
         self, part: MultimodalParts, policy: FrozenMultimodalSharding
     ) -> list[str]:
-        """Units of a partly trainable module, decided per layer (see the module doc):
-        trainable layers always, frozen and adapted layers where the policy makes layer
-        units (``per_layer``)."""
+        """Units of a partly trainable module, decided per layer (see the module doc)."""
         return frozen_policy(policy).partly_trainable_units(classify_layers(part))
 
     def _plan_notes(self, ctx: PlanContext[Discovery]) -> list[str]:
-        notes = []
-        found = ctx.found
-        conditional = found.conditional
-        if conditional:
-            where = (
-                "join the root unit"
-                if self.uneven_media
-                else "are joined by ranks that skip them"
-                if self._balanced_towers(found)
-                else "are media regions"
-            )
-            notes.append(
-                f"{len(conditional)} decoder layers run only with media "
-                f"({summarise(conditional)}) and {where}"
-            )
-        if self.uneven_media and self.balance_media:
-            notes.append(
-                "uneven_media=True with balance_media=True: projectors join the root unit, "
-                "balanced towers keep their units"
-            )
-        elif self._balanced_towers(found):
-            notes.append(
-                "balance_media=True: projectors with units and media-dependent decoder layers "
-                "are joined by ranks without media"
-            )
-        elif self.uneven_media:
-            notes.append("uneven_media=True: towers and projectors join the root unit")
-        if self.frozen_policies.by_path:
-            notes.append(f"frozen-tower policies per module: {self.frozen_policies.label}")
-        if self.offload.any:
-            notes.append(f"offload per part: {self.offload.label()}")
-            notes.extend(_offload_kept_notes(self.offload, ctx, found))
-        for part, policy in self._parts_with_policies(found):
-            head = f"{part.found.role} {part.found.path!r} ({part.found.modality})"
-            if not part.frozen:
-                notes.append(f"{head}: trainable, sharded like any other module")
-            elif not part.trainable:
-                notes.append(f"{head}: frozen, policy {policy!r}")
-            else:
-                notes.append(f"{head}: {partly_trainable_note(part, policy)}")
-        return notes
+        return _plan_notes_of(
+            ctx,
+            self._parts_with_policies(ctx.found),
+            balanced=bool(self._balanced_towers(ctx.found)),
+            uneven_media=self.uneven_media,
+            balance_media=self.balance_media,
+            policies=self.frozen_policies,
+            offload=self.offload,
+        )
 
     def plan(
         self,
@@ -439,9 +387,7 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
         discovery: Discovery | None = None,
     ) -> ShardingPlan:
         """Decide the units (see the module doc) without touching the model or needing a
-        process group. ``discovery``: the model's discovery made earlier with this
-        parallelizer's options (its ``discover``), reused instead of discovering again;
-        ``None`` discovers once here.
+        process group, reusing ``discovery`` (this parallelizer's ``discover``) if given.
 
         Args:
             model: the model (on ``meta`` is enough).
@@ -497,9 +443,7 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
 
     def media_regions(self, model: nn.Module, plan: ShardingPlan) -> list[MediaRegion]:
         """Modules that only run with media and own units of ``plan`` (see the module doc),
-        from the towers and media-dependent layers the plan recorded (no discovery; a plan
-        made by hand, with no record, is read against this parallelizer's discovery).
-        Towers that ``balance_media=True`` balances, and the modules it joins, are none.
+        from the plan's record (a plan without one: from this parallelizer's discovery).
 
         Args:
             model: the planned model.
@@ -537,10 +481,8 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
         return [region.path for region in self.media_regions(model, plan)]
 
     def _entry_paths(self, ctx: PlanContext[Discovery]) -> list[str]:
-        """Besides wrapped generating models and transformers submodels: models that
-        compute media features (``get_image_features`` and the like, called by
-        ``generate()`` or by hand, as is their forward), then towers and projectors
-        (called by those or by hand)."""
+        """Besides the base's: models that compute media features (``get_image_features``
+        and the like, called by ``generate()``), then towers and projectors."""
         paths = super()._entry_paths(ctx)
         paths += [
             path
@@ -560,19 +502,16 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
         return found.towers
 
     def _joined_paths(self, found: Discovery) -> list[str]:
-        """What ``balance_media=True`` joins (ranks without media run it on a placeholder):
-        the projectors and the media-dependent decoder layers (those with units of ``plan``
-        are joined by the hook); none with ``uneven_media=True``, which folds them into the
-        root unit, or without balanced towers."""
+        """What ``balance_media=True`` joins (run on a placeholder by ranks without media):
+        projectors and media-dependent decoder layers; none under ``uneven_media=True`` or
+        without balanced towers."""
         if self.uneven_media or not self._balanced_towers(found):
             return []
         return [*found.projectors, *found.conditional]
 
     def _shared_params(self, ctx: PlanContext[Discovery], plan: ShardingPlan) -> list[str]:
-        """The trainable parameters of the balanced towers and joined modules (projectors
-        that own units, as ``BalanceMediaRuntimeHook.from_plan`` joins them): on a mesh
-        with TP the ranks of a data group split their items (``balance._data_group``),
-        so their gradients are summed over it (``fsdp_core.replica_grad``)."""
+        """Trainable parameters of balanced towers and joined projectors with units: a TP
+        data group splits their items, so their gradients are summed over it."""
         record = plan_record(plan)
         if record is None:
             return []
@@ -609,9 +548,8 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
     def replicated_param_dtypes(
         self, model: nn.Module, plan: ShardingPlan
     ) -> dict[str, torch.dtype]:
-        """The dtype each replicated parameter has once the plan is applied: the plan's
-        compute dtype, except odd-dtype islands (fp32 norms), which keep their own.
-        Read from the plan when ``plan()`` recorded them (no discovery).
+        """The dtype each replicated parameter has once applied: the plan's compute dtype,
+        except odd-dtype islands (fp32 norms); read from the plan when it recorded them.
 
         Args:
             model: the planned model.
@@ -630,8 +568,7 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
     def _replicated_dtypes(
         self, found: Discovery, calls: Iterable[ShardCall], names: Iterable[str]
     ) -> dict[str, torch.dtype]:
-        """The compute dtype of the root call for each of ``names``, except the
-        parameters ``_replicated_keep_dtype`` names and non-floating ones."""
+        """The root call's compute dtype per name (non-floating and kept ones keep theirs)."""
         wanted = list(names)
         compute = _compute_dtype(calls)
         named = dict(found.model.named_parameters())
@@ -644,12 +581,9 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
         }
 
     def _replicated_keep_dtype(self, found: Discovery, names: Iterable[str]) -> Iterator[str]:
-        """Replicated parameters that keep their dtype: odd-dtype islands of each module.
-
-        Within each replicated module the dtype holding most elements is the
-        module's own; parameters of another floating dtype (fp32 norms in a bf16
-        tower) are islands and are not cast. Subclasses may add more.
-        """
+        """Replicated parameters that keep their dtype: those of another floating dtype
+        than the one holding most of their module's elements (fp32 norms in a bf16 tower).
+        Subclasses may add more."""
         wanted = set(names)
         for part in found.parts:
             # The module's own dtype is judged over all of it, trainable parts included,
@@ -663,18 +597,3 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
 
 #: Methods of transformers models that run towers and projectors outside the forward.
 _FEATURE_METHODS = ("get_image_features", "get_video_features", "get_audio_features")
-
-
-def _param_names_under(model: nn.Module, roots: Iterable[str]) -> list[str]:
-    prefixes = list(roots)
-    if not prefixes:
-        return []
-    return [
-        name for name, _ in model.named_parameters() if any(is_under(name, r) for r in prefixes)
-    ]
-
-
-def _compute_dtype(calls: Iterable[ShardCall]) -> torch.dtype | None:
-    """The parameter dtype of the root call (the last one, if several)."""
-    roots = [call for call in calls if call.paths == ("",)]
-    return roots[-1].mp_policy.param_dtype if roots else None
