@@ -1,25 +1,15 @@
-"""Every access to private FSDP2 and autograd internals, in one place, checked up front.
+"""Every access to private FSDP2, autograd and torch internals, in one place, checked up front.
 
-Some runtime hooks need state that FSDP2 (torch 2.13) keeps private: a unit's
-parameter groups, each parameter's unsharded tensor and accumulated gradient,
-whether a group reduces gradients in this backward, and autograd's end-of-backward
-callback queue. Reading them anywhere else would let a renamed attribute switch a
-fix off silently (or crash every forward, as ``FSDPState._fsdp_param_group`` does
-with several parameter groups). So:
-
-- only this module touches them, through small named accessors;
-- [`check_internals`][fsdp_core.internals.check_internals] probes a sharded model for everything a
-  set of hooks needs, once, when the hooks are installed, and raises
-  [`FSDPInternalsError`][fsdp_core.internals.FSDPInternalsError] naming the missing pieces and the
-  hook to switch off;
-- the accessors never guess: used on a torch that lacks the attribute, they raise
-  the same error instead of returning a default.
-
-Private torch *modules* go through here too: the ``FakeStore`` of the
-single-process ``fake`` backend ([`fsdp_core.fake_group`][fsdp_core.fake_group]), the
-``FSDPMemTracker`` that [`multimodal_fsdp.measure.memory`][multimodal_fsdp.measure.memory]
-subclasses, and FSDP2's state module that [`fsdp_core.compat`][fsdp_core.compat] probes for
-features.
+Runtime hooks read state FSDP2 (torch 2.13) keeps private (parameter groups, unsharded
+tensors, accumulated gradients, autograd's callback queue). Read anywhere else, a renamed
+attribute would switch a fix off silently. So only this module touches them, through
+named accessors that raise [`FSDPInternalsError`][fsdp_core.internals.FSDPInternalsError]
+rather than guess; [`check_internals`][fsdp_core.internals.check_internals] probes a sharded
+model once, when hooks are installed, naming what is missing and the hook to switch off.
+Private torch *modules* go through here too: the ``fake`` backend's ``FakeStore``
+([`fsdp_core.fake_group`][fsdp_core.fake_group]), ``FSDPMemTracker``
+([`multimodal_fsdp.measure.memory`][multimodal_fsdp.measure.memory]) and FSDP2's state
+module ([`fsdp_core.compat`][fsdp_core.compat]).
 """
 
 from __future__ import annotations
@@ -73,7 +63,6 @@ __all__ = [
     "set_ddp_ignored",
     "root_mesh",
     "flatten_mesh",
-    "storage_tensors",
 ]
 
 _FAKE_PG_MODULE: Final = "torch.testing._internal.distributed.fake_pg"
@@ -87,8 +76,7 @@ class FSDPInternalsError(RuntimeError):
 
 @dataclass(frozen=True)
 class Probe:
-    """One private attribute a runtime hook reads, and where to look for it (each hook
-    declares its probes: ``RuntimeHook.reads`` in [`fsdp_core.runtime`][fsdp_core.runtime])."""
+    """One private attribute a runtime hook reads (``RuntimeHook.reads``), and where."""
 
     where: str  # "state", "group", "param" or "autograd"
     name: str
@@ -181,8 +169,7 @@ def unit_modules(unit: FSDPModule) -> tuple[nn.Module, ...]:
 
 
 def applied_unit_paths(model: nn.Module) -> list[tuple[str, ...]]:
-    """The units FSDP actually made in ``model``: each unit's member paths (``""`` is
-    ``model`` itself), in module order. Compared with a plan's units after applying it.
+    """Each unit FSDP made in ``model`` as its member paths (``""``: ``model``), in order.
 
     Args:
         model: a sharded model.
@@ -198,10 +185,8 @@ def applied_unit_paths(model: nn.Module) -> list[tuple[str, ...]]:
 
 
 def finishes_backward(unit: FSDPModule) -> bool:
-    """Whether FSDP ends the current backward itself; ``False`` after
-    ``set_is_last_backward(False)``, when the caller reduces the gradients by hand
-    later (torch's pipeline schedules do, once per step). ``True`` on a torch without
-    the flag: the caller's backwards are then checked as any others."""
+    """Whether FSDP ends the current backward itself: not after
+    ``set_is_last_backward(False)`` (pipeline schedules reduce by hand); yes without the flag."""
     context = getattr(_state(unit), STATE_CTX.name, None)
     return bool(getattr(context, "is_last_backward", True))
 
@@ -244,9 +229,7 @@ def reduces_gradients(unit: FSDPModule) -> bool:
 
 
 def unsharded_parameter(fsdp_param: Any) -> nn.Parameter | None:
-    """The unsharded parameter autograd accumulates into; ``None`` before the first gather
-    ([`check_internals`][fsdp_core.internals.check_internals] has made sure the attribute exists on
-    this torch).
+    """The unsharded parameter autograd accumulates into; ``None`` before the first gather.
 
     Args:
         fsdp_param: one of FSDP2's parameter records (``fsdp_params``).
@@ -277,8 +260,7 @@ def sharded_parameter(fsdp_param: Any) -> nn.Parameter:
 
 
 def never_unsharded(unit: FSDPModule) -> bool:
-    """Whether some parameter of a non-syncing unit was never gathered (no unsharded
-    tensor yet): FSDP's no-sync backward would then fail on it.
+    """Whether a non-syncing unit has a never-gathered parameter (no-sync backward fails).
 
     Args:
         unit: an FSDP module (any member of a grouped unit).
@@ -329,8 +311,7 @@ def reduce_dtype(fsdp_param: Any) -> torch.dtype | None:
 
 
 def in_backward() -> bool:
-    """Whether autograd is running a backward right now (e.g. an activation-checkpoint
-    recomputation calls forward hooks from inside backward).
+    """Whether autograd runs a backward now (a checkpoint recomputation runs forwards in it).
 
     Returns:
         Whether a backward is running.
@@ -357,9 +338,7 @@ def is_gathered(unit: FSDPModule) -> bool:
 
 
 def initialize_root(root: FSDPModule) -> None:
-    """Make ``root`` the FSDP root now, as its first forward would. FSDP2 picks as root
-    whichever unit runs forward first; a tower block called before the model's first
-    forward would otherwise become one, and the model's forward would then fail.
+    """Make ``root`` the FSDP root now: else a tower block called first would become it.
 
     Args:
         root: the model's root unit.
@@ -370,8 +349,7 @@ def initialize_root(root: FSDPModule) -> None:
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
-    """Run ``callback`` once the current backward has finished, after every callback
-    queued before it (FSDP2 queues its own post-backward work the same way).
+    """Run ``callback`` after the current backward and the callbacks queued before it.
 
     Args:
         callback: what to run.
@@ -408,8 +386,7 @@ def _has(obj: object, probe: Probe) -> bool:
 def missing_internals(
     model: nn.Module, hooks: Mapping[str, Iterable[Probe]]
 ) -> dict[str, list[str]]:
-    """For each hook (its name and the probes it declares), the internals it reads that
-    this torch (and ``model``'s units) lack."""
+    """Per hook, the internals among its probes that this torch (and ``model``) lack."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     missing: dict[str, list[str]] = {}
     for hook, probes in hooks.items():
@@ -441,8 +418,7 @@ def missing_internals(
 
 
 def check_internals(model: nn.Module, hooks: Mapping[str, Iterable[Probe]]) -> None:
-    """Raise [`FSDPInternalsError`][fsdp_core.internals.FSDPInternalsError] if a hook in ``hooks``
-    (hook name to the probes it reads, as each hook declares them) cannot work on this torch.
+    """Raise [`FSDPInternalsError`][fsdp_core.internals.FSDPInternalsError] if a hook cannot work.
 
     Args:
         model: the sharded model (for attributes FSDP creates per instance).
@@ -464,8 +440,7 @@ def check_internals(model: nn.Module, hooks: Mapping[str, Iterable[Probe]]) -> N
 
 # ------------------------------------------------------------------- private modules
 def param_fqn(fsdp_param: Any) -> str | None:
-    """The model path FSDP recorded for a parameter record, ``None`` when it has none
-    (used only to name parameters in messages, so it never raises).
+    """The model path FSDP recorded for a record, or ``None`` (for messages: never raises).
 
     Args:
         fsdp_param: one of FSDP2's parameter records (``fsdp_params``).
@@ -484,8 +459,7 @@ def _state_class_has(name: str) -> bool:
 
 
 def has_grouped_forward_hooks() -> bool:
-    """Whether FSDP2's state module can hook a group of modules as one unit
-    (``fully_shard([m1, m2])``).
+    """Whether FSDP2 can hook a group of modules as one unit (``fully_shard([m1, m2])``).
 
     Returns:
         Whether grouped units are supported.
@@ -503,8 +477,7 @@ def casts_per_grouped_module() -> bool:
 
 
 def tracks_grouped_passes() -> bool:
-    """Whether ``FSDPState`` tracks which members of a grouped unit ran in this pass
-    (its per-pass bookkeeping), so a member may run again in the same iteration.
+    """Whether ``FSDPState`` tracks which grouped members ran, so one may run twice a pass.
 
     Returns:
         Whether a member may run twice per iteration.
@@ -513,8 +486,7 @@ def tracks_grouped_passes() -> bool:
 
 
 def fsdp_state_module() -> ModuleType | None:
-    """FSDP2's private state module (``FSDPState`` and its group hooks), or ``None`` when
-    this torch has none; [`fsdp_core.compat`][fsdp_core.compat] reads its features from it.
+    """FSDP2's private state module (``FSDPState``, group hooks), or ``None`` without one.
 
     Returns:
         The module, or None.
@@ -539,9 +511,7 @@ def has_fake_store() -> bool:
 
 
 def fake_store() -> Any:
-    """A new ``FakeStore`` for ``init_process_group("fake", store=...)``; torch keeps it
-    in a testing module, so a torch without it raises
-    [`FSDPInternalsError`][fsdp_core.internals.FSDPInternalsError].
+    """A new ``FakeStore`` (from a torch testing module) for ``init_process_group("fake")``.
 
     Returns:
         A new ``FakeStore``.
@@ -562,14 +532,12 @@ def fake_store() -> Any:
     return store()
 
 
-#: What ``DistributedDataParallel.__init__`` reads from the module it wraps (the names of
-#: parameters and buffers to leave alone): ``set(module._ddp_params_and_buffers_to_ignore)``.
+#: The names ``DistributedDataParallel.__init__`` ignores, read from the wrapped module.
 _DDP_IGNORED: Final = "_ddp_params_and_buffers_to_ignore"
 
 
 def set_ddp_ignored(module: nn.Module, value: object) -> None:
-    """Set the object ``DistributedDataParallel`` iterates for the names it ignores
-    (``fsdp_core.ddp_guard`` gives a sharded unit one that refuses the wrap).
+    """Set what ``DistributedDataParallel`` iterates for the names it ignores (``ddp_guard``).
 
     Args:
         module: a sharded unit.
@@ -579,9 +547,8 @@ def set_ddp_ignored(module: nn.Module, value: object) -> None:
 
 
 def require_attributes(obj: object, names: Sequence[str], *, owner: str, user: str) -> None:
-    """Raise [`FSDPInternalsError`][fsdp_core.internals.FSDPInternalsError] unless ``obj`` (an
-    instance of a private torch class, ``owner``) has every attribute in ``names`` that ``user``
-    reads: attributes set in ``__init__`` cannot be checked on the class.
+    """Raise [`FSDPInternalsError`][fsdp_core.internals.FSDPInternalsError] unless ``obj`` has
+    every attribute ``user`` reads (those set in ``__init__`` cannot be checked on the class).
 
     Args:
         obj: the private torch object.
@@ -601,9 +568,7 @@ def require_attributes(obj: object, names: Sequence[str], *, owner: str, user: s
 
 
 def fsdp_mem_tracker_class(needs: Sequence[str], *, user: str) -> type[Any]:
-    """torch's ``FSDPMemTracker`` class, checked for the attributes ``user`` relies on
-    beyond its public methods (``needs``);
-    [`FSDPInternalsError`][fsdp_core.internals.FSDPInternalsError] names what is missing.
+    """torch's ``FSDPMemTracker`` class, checked for the private attributes ``needs``.
 
     Args:
         needs: private attributes the caller reads.
@@ -634,9 +599,7 @@ def fsdp_mem_tracker_class(needs: Sequence[str], *, user: str) -> type[Any]:
     return tracker
 
 
-#: What [`memory_timeline_tracker`][fsdp_core.internals.memory_timeline_tracker] reads of
-#: the tracker beyond its public methods: on the class, and on an instance (attributes
-#: its ``__init__`` sets).
+#: What ``memory_timeline_tracker`` reads beyond public methods: on the class, on an instance.
 _TRACKER_NEEDS: Final = ("_update_peak_stats", "get_tracker_snapshot", "track_inputs")
 _TRACKER_STATE: Final = ("_curr_mem_snap", "_in_opt", "_mod_tracker")
 
@@ -649,10 +612,8 @@ def memory_timeline_tracker(
     user: str,
 ) -> Any:
     """A new ``FSDPMemTracker`` of ``model`` (and ``optimizer``) that also calls
-    ``on_change(phase, snapshot)`` whenever its byte counts change: ``phase`` is
-    ``"forward"``, ``"backward"`` or ``"optimizer"``, ``snapshot`` the current bytes per
-    device and category. The tracker has no public hook for this, so its per-operation
-    method and state are read here, checked up front for ``user``.
+    ``on_change(phase, snapshot)`` whenever its byte counts change (``phase``: ``"forward"``,
+    ``"backward"`` or ``"optimizer"``; ``snapshot``: bytes per device and category).
 
     Args:
         model: the sharded model.
@@ -680,10 +641,8 @@ def memory_timeline_tracker(
 
 
 def process_group_timeout(group: Any = None) -> timedelta:
-    """The timeout the process group's collectives run under (the default group when
-    ``group`` is ``None``). torch keeps it in the backend's private options; without
-    them, the timeout of the group's store (which ``init_process_group`` gives the
-    same value), else torch's default.
+    """The group's collective timeout: the backend's private option, else its store's
+    (``init_process_group`` gives both the same), else torch's default.
 
     Args:
         group: a process group (the default one if None).
@@ -711,9 +670,7 @@ def process_group_timeout(group: Any = None) -> timedelta:
 
 
 def root_mesh(mesh: Any) -> Any:
-    """The mesh ``mesh`` was sliced from (itself when it is no slice): torch keeps it in
-    the private ``DeviceMesh._get_root_mesh``. A mesh made by ``_flatten`` or
-    ``_unflatten`` has the mesh it came from as its root.
+    """The mesh ``mesh`` was sliced, flattened or unflattened from (itself if none).
 
     Args:
         mesh: a device mesh.
@@ -736,10 +693,8 @@ def root_mesh(mesh: Any) -> Any:
 
 @functools.cache
 def flatten_mesh(mesh: Any, name: str, *, keep: int = 0) -> Any:
-    """``mesh``'s dimensions after its first ``keep`` as one, named ``name`` (torch's
-    private ``DeviceMesh._flatten``, then ``_unflatten`` to put the kept ones back in
-    front; cached, so the process groups are made once); the data-parallel shard and
-    CP dimensions become FSDP's one shard dimension this way.
+    """``mesh``'s dimensions after its first ``keep`` as one, named ``name`` (cached: the
+    process groups are made once); how the dp shard and CP dimensions become FSDP's one.
 
     Args:
         mesh: a device mesh.
@@ -767,26 +722,3 @@ def flatten_mesh(mesh: Any, name: str, *, keep: int = 0) -> Any:
     sizes = tuple(int(s) for s in mesh.shape)
     folded = math.prod(sizes[keep:])
     return whole._unflatten(0, (*sizes[:keep], folded), (*names[:keep], name))
-
-
-def storage_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors that hold ``tensor``'s memory: itself, or for a wrapper
-    subclass without storage of its own (a DTensor, funcol's ``AsyncCollectiveTensor``)
-    its inner tensors, found through the subclass protocol's ``__tensor_flatten__``.
-
-    Args:
-        tensor: any tensor.
-
-    Returns:
-        The tensors whose storage holds its memory.
-    """
-    flatten = getattr(type(tensor), "__tensor_flatten__", None)
-    if flatten is None:
-        return [tensor]
-    names, _ = flatten(tensor)
-    inner: list[torch.Tensor] = []
-    for name in names:
-        value = getattr(tensor, name)
-        if isinstance(value, torch.Tensor):
-            inner.extend(storage_tensors(value))
-    return inner

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_core import ShardingPlan, internals
+from fsdp_core import ShardingPlan
 from fsdp_core.internals import TorchDispatchMode
 from fsdp_core.plan import unit_parameters
 from fsdp_core.runtime import output_tensors
@@ -92,7 +92,7 @@ class _LiveBytes(TorchDispatchMode):
         self.saved: set[int] = set()
 
     def add(self, tensor: torch.Tensor) -> None:
-        for held in internals.storage_tensors(tensor):
+        for held in _storage_tensors(tensor):
             storage = held.untyped_storage()
             key = storage.data_ptr()
             if key in self.skip or key in self.seen or storage.nbytes() == 0:
@@ -104,7 +104,7 @@ class _LiveBytes(TorchDispatchMode):
     def mark_saved(self, tensor: torch.Tensor) -> None:
         """Follow ``tensor`` and count it among the saved bytes."""
         self.add(tensor)
-        for held in internals.storage_tensors(tensor):
+        for held in _storage_tensors(tensor):
             self.saved.add(held.untyped_storage().data_ptr())
 
     def saved_bytes(self) -> int:
@@ -183,7 +183,7 @@ def trace_activations(
         {
             held.untyped_storage().data_ptr()
             for p in twin.parameters()
-            for held in internals.storage_tensors(p)
+            for held in _storage_tensors(p)
         }
     )
     handles = []
@@ -521,3 +521,25 @@ def _packer(live: _LiveBytes) -> Callable[[torch.Tensor], torch.Tensor]:
         return tensor
 
     return pack
+
+
+def _storage_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``tensor``'s memory: itself, or a wrapper subclass's
+    (DTensor, ``AsyncCollectiveTensor``) inner tensors, through ``__tensor_flatten__``.
+
+    Args:
+        tensor: any tensor.
+
+    Returns:
+        The tensors whose storage holds its memory.
+    """
+    flatten = getattr(type(tensor), "__tensor_flatten__", None)
+    if flatten is None:
+        return [tensor]
+    names, _ = flatten(tensor)
+    inner: list[torch.Tensor] = []
+    for name in names:
+        value = getattr(tensor, name)
+        if isinstance(value, torch.Tensor):
+            inner.extend(_storage_tensors(value))
+    return inner
