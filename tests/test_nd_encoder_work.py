@@ -20,7 +20,14 @@ import pytest
 import torch
 from compare import TOL, check_against_reference
 from launches import MpResults
-from scenarios_nd import ENCODER_MEDIA, POLICIES, SINGLE, encoder_batches, encoder_cases
+from scenarios_nd import (
+    ENCODER_MEDIA,
+    POLICIES,
+    SINGLE,
+    TP_TOWER_CASES,
+    encoder_batches,
+    encoder_cases,
+)
 from toy import reference_run
 from vlm import LR, build_vlm, vlm_loss
 
@@ -119,3 +126,26 @@ def test_inputs_that_require_a_gradient_stop_every_rank(mp4: MpResults) -> None:
     assert len(messages) == 1, messages
     assert "require a gradient" in messages.pop()
     assert result["alive"] == 4.0
+
+
+@pytest.mark.parametrize("case", TP_TOWER_CASES)
+def test_a_tensor_parallel_tower_runs_the_same_images_on_each_tp_rank(
+    case: str,
+    mp4: MpResults,
+    references: dict[tuple[str, bool], tuple],  # type: ignore[type-arg]
+) -> None:
+    """The vision tower's MLPs tensor-parallel over ``tp`` (``nd_tp_tower``): its TP
+    collectives pair the ranks of a TP group, so both run the same images (balanced over
+    the data-parallel ranks only, each image once per TP group rank, half the images per
+    data-parallel rank); its gradients are not summed over TP (no ``replica_grad_reduce``);
+    and the job trains like one process."""
+    name, _, variant = case.split("/")
+    result = mp4("nd_tp_tower")[case]
+    rows = result["rows"]
+    assert [rows[rank] for rank in range(0, 4, TP)] == [rows[rank + 1] for rank in range(0, 4, TP)]
+    assert sum(rows) == TP * sum(_images(name)), rows
+    assert max(rows) - min(rows) <= 1, rows
+    assert "replica_grad_reduce" not in result["hooks"]
+    check_against_reference(
+        result, references[(name, variant.endswith("trainable"))], TOL[torch.float32]
+    )

@@ -28,11 +28,13 @@ from fsdp_core.internals import applied_unit_paths
 from fsdp_core.parallel_dims import ParallelDims
 from model_deepseek_v41 import PARALLELIZER
 from model_deepseek_v41.fsdp import DeepseekV41ModelParallelizer
+from model_deepseek_v41.tensor_parallel import deepseek_v41_tp_plan
 from multimodal_fsdp.balance._data_group import HEADER_INTS
 from multimodal_fsdp.balance.traffic import SLOT_INTS
 from multimodal_fsdp.estimate.predict import inspect_model
 from multimodal_fsdp.measure.comm import measure_plan
 from multimodal_fsdp.measure.memory import measure_plan_memory
+from multimodal_fsdp.tensor_parallel import apply_tensor_parallel
 
 pytestmark = [pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor")]
 
@@ -189,6 +191,37 @@ def test_balanced_trainable_tower_on_tp_ranks_costs_what_is_measured() -> None:
     assert predicted.bytes("all_reduce", "backward") == sum(tower.values()) + flags
     assert measured.measured.comm.count("all_reduce", "backward") == len(tower) + 1
     assert measured.measured.comm.bytes("all_reduce", "backward") == sum(tower.values()) + flags
+
+
+@pytest.mark.parametrize("trainable", [False, True])
+def test_balanced_tensor_parallel_tower_costs_what_is_measured(trainable: bool) -> None:
+    """The vision tower's MLPs tensor-parallel over ``tp`` too
+    (``deepseek_v41_tp_plan(include_vision=True)``), frozen (``root``) or trainable: the
+    plan records it (``sharded_on_data_group``), so the ranks of a TP group run the same
+    items: the rounds span the data-parallel ranks only (2), no data-group gather, and no
+    ``replica_grad_reduce``; predicted as measured under the fake group."""
+    with fake_process_group(4):
+        world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = build_vlm(dtype=torch.float32, frozen_tower=not trainable)
+        tp_plan = deepseek_v41_tp_plan(model, tp_size=2, include_vision=True, include_frozen=True)
+        apply_tensor_parallel(model, world["tp"], tp_plan)
+        plan = DeepseekV41ModelParallelizer(
+            frozen_multimodal_sharding="per_layer" if trainable else "root", balance_media=True
+        ).plan(model)
+        (balance,) = [h for h in plan.hooks if h.name == "balance_media"]
+        assert balance.hook.sharded_on_data_group == ("vision",)  # type: ignore[union-attr]
+        assert "not shared with the TP or CP ranks" in balance.reason
+        assert "replica_grad_reduce" not in {h.name for h in plan.hooks}
+        measured = measure_plan(
+            plan, model, lambda m: vlm_loss(m, BATCH), world_size=4, mesh=world["dp"]
+        )
+    assert measured.matches, "\n".join(measured.comparison.differences())
+    # The batch's one tower call of 2 images, every item home: its round's slot gather
+    # and the barrier's, over the 2 data-parallel ranks; no data-group gather.
+    assert measured.costs.exchange is not None
+    assert measured.costs.exchange.as_dict() == {
+        "forward": {"all_gather": {"count": 2, "bytes": 2 * 2 * SLOT_INTS * 8}}
+    }
 
 
 @pytest.mark.parametrize("images", [1, 4])

@@ -122,6 +122,7 @@ LAUNCHES: dict[int, list[str]] = {
         "nd_dp_tp",
         "nd_tp_peer_empty_batch",
         "nd_encoder_work",
+        "nd_tp_tower",
         "nd_balanced_input_grads",
         "tp_helper_llava",
         "pp_dp_stages",

@@ -26,6 +26,8 @@ from vlm import LR, build_vlm, to_device, vlm_batches, vlm_loss
 from fsdp_core import DistributedContext
 from fsdp_core.runtime import installed_hooks
 from model_deepseek_v41.fsdp import DeepseekV41ModelParallelizer
+from model_deepseek_v41.tensor_parallel import deepseek_v41_tp_plan
+from multimodal_fsdp.tensor_parallel import apply_tensor_parallel
 
 STEPS = 3
 #: Images per sample on each DP coordinate: uneven, so balancing moves some.
@@ -169,15 +171,29 @@ def encoder_cases() -> list[str]:
     ]
 
 
+#: ``nd_tp_tower``: the vision tower's MLPs tensor-parallel too
+#: (``deepseek_v41_tp_plan(include_vision=True)``), the tower frozen (``root``) or
+#: trainable, balanced. Its TP collectives pair the ranks of a TP group, so they must
+#: run the same items: balanced over the data-parallel ranks only, each image encoded
+#: once per TP rank, and the tower's gradients not summed over TP.
+TP_TOWER_CASES = ("uneven/root/tp_tower", "uneven/per_layer/tp_tower_trainable")
+
+
 def _encoder_case(ctx: DistributedContext, name: str, policy: str, variant: str) -> dict[str, Any]:
-    """One case of ``encoder_cases`` on the ``('dp', 'tp')`` 2x2 mesh: losses, first-step
-    gradients, final parameters and the images each rank's tower encoded in the first
-    step (a forward pre-hook on the tower's first layer counts its rows), gathered."""
+    """One case of ``encoder_cases`` (or ``TP_TOWER_CASES``) on the ``('dp', 'tp')`` 2x2
+    mesh: losses, first-step gradients, final parameters and the images each rank's tower
+    encoded in the first step (a forward pre-hook on the tower's first layer counts its
+    rows), gathered."""
     world = init_device_mesh(ctx.device.type, (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank = world["dp"].get_local_rank()
-    trainable = variant == "trainable"
+    trainable = variant.endswith("trainable")
     model = build_vlm(dtype=torch.float32, frozen_tower=not trainable).to(ctx.device)
-    tensor_parallel_mlps(model, world["tp"])
+    if variant.startswith("tp_tower"):
+        plan = deepseek_v41_tp_plan(model, tp_size=2, include_vision=True, include_frozen=True)
+        assert any(path.startswith("vision.") for path in plan)
+        apply_tensor_parallel(model, world["tp"], plan)
+    else:
+        tensor_parallel_mlps(model, world["tp"])
     DeepseekV41ModelParallelizer(
         frozen_multimodal_sharding=policy, balance_media=variant != "plain"
     ).parallelize(model, mesh=world["dp"])
@@ -215,6 +231,12 @@ def _encoder_case(ctx: DistributedContext, name: str, policy: str, variant: str)
 def nd_encoder_work(ctx: DistributedContext, out: Path) -> dict[str, Any]:
     """Every case of ``encoder_cases`` (``tests/test_nd_encoder_work.py``)."""
     return {case: _encoder_case(ctx, *case.split("/")) for case in encoder_cases()}
+
+
+@scenario("nd_tp_tower")
+def nd_tp_tower(ctx: DistributedContext, out: Path) -> dict[str, Any]:
+    """Every case of ``TP_TOWER_CASES`` (``tests/test_nd_encoder_work.py``)."""
+    return {case: _encoder_case(ctx, *case.split("/")) for case in TP_TOWER_CASES}
 
 
 @scenario("nd_balanced_input_grads")

@@ -57,7 +57,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_core import internals
 from fsdp_core.mesh import REPLICATE_DIM, SHARD_DIM, MeshShape
 
-__all__ = ["DIMENSION_ROLES", "ParallelDims", "dimension_role", "local_shape"]
+__all__ = ["DIMENSION_ROLES", "ParallelDims", "dimension_role", "holds_same_batch", "local_shape"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,19 @@ def dimension_role(name: str) -> str | None:
         if name in names:
             return role
     return None
+
+
+def holds_same_batch(name: str) -> bool:
+    """Whether the ranks along the mesh dimension ``name`` hold the same batch (TP, CP):
+    the dimensions of a data group (``ParallelDims.data_group_names``).
+
+    Args:
+        name: a mesh dimension's name.
+
+    Returns:
+        Whether its ranks hold the same batch.
+    """
+    return dimension_role(name) in _SAME_BATCH
 
 
 def local_shape(tensor: torch.Tensor) -> torch.Size:
@@ -376,9 +389,7 @@ class ParallelDims:
     def data_group_names(self) -> tuple[str, ...]:
         """The dimensions of more than one rank whose ranks hold the same batch (TP, CP)."""
         return tuple(
-            n
-            for n, s in zip(self.names, self.sizes, strict=True)
-            if s > 1 and dimension_role(n) in _SAME_BATCH
+            n for n, s in zip(self.names, self.sizes, strict=True) if s > 1 and holds_same_batch(n)
         )
 
     @property

@@ -22,13 +22,14 @@ from fsdp_core import ShardingPlan
 from fsdp_core.containers import is_under
 from fsdp_core.runtime import HookPlan, RuntimeHook
 from fsdp_core.unused_params import UnusedParamsRuntimeHook
+from multimodal_fsdp.balance._planned import sharded_on_data_group
 from multimodal_fsdp.model_discovery import Discovery
 from multimodal_fsdp.record import MultimodalRecord, media_regions_of, plan_record
 from multimodal_fsdp.runtime.balance_media import BalanceMediaRuntimeHook
 from multimodal_fsdp.runtime.prefetch_guard import PrefetchGuardRuntimeHook, frozen_unit_labels
 from multimodal_fsdp.runtime.schedule_check import ScheduleCheckRuntimeHook, plan_schedule_layout
 
-__all__ = ["guarded_frozen_units", "media_hook_plans", "planned_hooks"]
+__all__ = ["guarded_frozen_units", "media_hook_plans", "planned_hooks", "shared_params"]
 
 
 def media_hook_plans(
@@ -105,6 +106,40 @@ def media_hook_plans(
             balance.planned(reason=balance.describe(), targets=towers, cost=balance.cost())
         )
     return hooks
+
+
+def shared_params(found: Discovery, plan: ShardingPlan) -> list[str]:
+    """The trainable parameters of balanced towers and joined projectors with units: a TP
+    data group splits their items, so their gradients are summed over it
+    (``fsdp_core.replica_grad``). None when one of them is sharded on a data-group
+    dimension (``sharded_on_data_group``, the ``balance_media`` hook's plan data): the
+    group's ranks then run the same items and each gets the whole gradient.
+
+    Args:
+        found: the model's discovery.
+        plan: the finished plan.
+
+    Returns:
+        The parameter names.
+    """
+    record = plan_record(plan)
+    if record is None:
+        return []
+    conditional = set(found.conditional)
+    members = [path for unit in plan.units if not unit.is_root for path in unit.paths]
+    joined = [
+        path
+        for path in record.joined
+        if path not in conditional and any(is_under(m, path) for m in members)
+    ]
+    roots = [*record.balanced_towers, *joined]
+    if sharded_on_data_group(found.model, roots):
+        return []
+    return [
+        name
+        for name, param in found.model.named_parameters()
+        if param.requires_grad and any(is_under(name, root) for root in roots)
+    ]
 
 
 def guarded_frozen_units(found: Discovery, plan: ShardingPlan) -> list[str]:

@@ -75,7 +75,7 @@ from multimodal_fsdp._plan_checks import (
 )
 from multimodal_fsdp.discovery.validation import check_attribute_names, check_module_paths
 from multimodal_fsdp.layers import multimodal_unit_paths
-from multimodal_fsdp.media_hook_planning import media_hook_plans
+from multimodal_fsdp.media_hook_planning import media_hook_plans, shared_params
 from multimodal_fsdp.model_discovery import Discovery, DiscoveryOptions, discover_with
 from multimodal_fsdp.offload import OffloadPart, PartOffload
 from multimodal_fsdp.parts import (
@@ -510,24 +510,9 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
         return [*found.projectors, *found.conditional]
 
     def _shared_params(self, ctx: PlanContext[Discovery], plan: ShardingPlan) -> list[str]:
-        """Trainable parameters of balanced towers and joined projectors with units: a TP
-        data group splits their items, so their gradients are summed over it."""
-        record = plan_record(plan)
-        if record is None:
-            return []
-        conditional = set(ctx.found.conditional)
-        members = [path for unit in plan.units if not unit.is_root for path in unit.paths]
-        joined = [
-            path
-            for path in record.joined
-            if path not in conditional and any(is_under(m, path) for m in members)
-        ]
-        roots = [*record.balanced_towers, *joined]
-        return [
-            name
-            for name, param in ctx.model.named_parameters()
-            if param.requires_grad and any(is_under(name, root) for root in roots)
-        ]
+        """The balanced modules' trainable parameters a TP data group sums
+        (``media_hook_planning.shared_params``)."""
+        return shared_params(ctx.found, plan)
 
     def _plan_hooks(self, ctx: PlanContext[Discovery], plan: ShardingPlan) -> list[HookPlan]:
         record = plan_record(plan)

@@ -12,11 +12,15 @@ The hook's plan data types are published with the hook, in
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol, runtime_checkable
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from fsdp_core.containers import is_under
+from fsdp_core.parallel_dims import holds_same_batch
 from multimodal_fsdp.balance.layouts import CallSpec
 from multimodal_fsdp.balance.traffic import exchange_traffic
 
@@ -34,6 +38,7 @@ __all__ = [
     "auto_group_size",
     "blob_words",
     "group_size",
+    "sharded_on_data_group",
 ]
 
 #: The hook's name in plans, ``disabled_hooks=`` and ``installed_hooks``.
@@ -140,6 +145,29 @@ def group_size(group: str | int, world_size: int, dp_replicate: int = 1) -> int:
     return group
 
 
+def sharded_on_data_group(model: nn.Module, paths: Sequence[str]) -> tuple[str, ...]:
+    """Of ``paths`` (the balanced towers and joined modules), those with a parameter that
+    is a DTensor on a mesh dimension whose ranks hold the same batch (the caller
+    tensor-parallelised the module over TP): their TP collectives pair the ranks of a data
+    group, which must then run the same items, so the group cannot share their encoding
+    (``multimodal_fsdp.balance._step_media.shares_encoding``) nor sum their gradients.
+
+    Args:
+        model: the planned model.
+        paths: module paths in ``model``.
+
+    Returns:
+        The paths sharded on a data-group dimension, in the given order.
+    """
+    sharded = [
+        name
+        for name, param in model.named_parameters()
+        if isinstance(param, DTensor)
+        and any(holds_same_batch(dim) for dim in param.device_mesh.mesh_dim_names or ())
+    ]
+    return tuple(path for path in paths if any(is_under(name, path) for name in sharded))
+
+
 class Removable(Protocol):
     """Something installed on a module that can be taken off again."""
 
@@ -162,6 +190,13 @@ class BalancePlanned(Protocol):
 
     @property
     def group(self) -> str | int: ...
+
+    @property
+    def sharded_on_data_group(self) -> tuple[str, ...]:
+        """The balanced towers and joined modules sharded on a data-group dimension
+        (``sharded_on_data_group``): non-empty, the data group does not share the
+        encoding."""
+        ...
 
     def replay_layers(self, model: nn.Module, media: StepMedia) -> Removable | None:
         """The joined layers on ``model`` (an unsharded copy), each decision read from

@@ -377,11 +377,16 @@ def data_group_tally(media: StepMedia, size: int, *, indexed: bool = False) -> C
 
 def shares_encoding(planned: BalancePlanned, data_group: int, *, indexed: bool = False) -> bool:
     """Whether the data groups of ``data_group`` ranks share the encoding: more than one
-    rank, and with CP (``indexed``) no trainable balanced tower or joined module (a CP
-    rank needs the gradients of the items it reads; TP ranks all get the whole gradient,
-    and ``ParallelDims.sharing_mesh`` sums the parameters' over the group)."""
+    rank, no balanced module sharded on a data-group dimension (its TP collectives pair
+    the group's ranks, which must run the same items: ``planned.sharded_on_data_group``,
+    decided at plan time), and with CP (``indexed``) no trainable balanced tower or joined
+    module (a CP rank needs the gradients of the items it reads; TP ranks all get the
+    whole gradient, and ``ParallelDims.sharing_mesh`` sums the parameters' over the
+    group)."""
     trainable = any(t.trainable for t in planned.towers) or any(m.trainable for m in planned.joined)
-    return data_group > 1 and not (indexed and trainable)
+    if data_group == 1 or planned.sharded_on_data_group:
+        return False
+    return not (indexed and trainable)
 
 
 def planned_tally(

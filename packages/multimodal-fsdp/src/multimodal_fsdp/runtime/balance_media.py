@@ -66,6 +66,7 @@ from multimodal_fsdp.balance._planned import (
     BalancedTower,
     JoinedModule,
     auto_group_size,
+    sharded_on_data_group,
 )
 from multimodal_fsdp.balance._step_media import (
     StepMedia,
@@ -210,8 +211,11 @@ class BalanceMediaRuntimeHook(RuntimeHook):
     whose forward pre-hook joins the calls a rank does not make; ``""``: the end of
     the model's forward), the joined modules (projectors with units of their own), the
     joined decoder layers (media-dependent layers that are units,
-    ``multimodal_fsdp.runtime.joined_layers``) and the balance group (``"auto"``,
-    ``"all"``, ``"shard"``, ``"replicate"`` or a block size: see ``balance_group_ranks``)."""
+    ``multimodal_fsdp.runtime.joined_layers``), the balance group (``"auto"``,
+    ``"all"``, ``"shard"``, ``"replicate"`` or a block size: see ``balance_group_ranks``)
+    and the balanced towers and joined modules whose parameters are sharded on a
+    data-group dimension (``sharded_on_data_group``: then the ranks of a data group run
+    the same items, the group does not share the encoding)."""
 
     name: ClassVar[str] = NAME
     reads: ClassVar[tuple[Probe, ...]] = (GRAPH_TASK,)
@@ -221,6 +225,7 @@ class BalanceMediaRuntimeHook(RuntimeHook):
     joined: tuple[JoinedModule, ...] = ()
     layers: tuple[str, ...] = ()
     group: str | int = "all"
+    sharded_on_data_group: tuple[str, ...] = ()
 
     @classmethod
     def from_plan(
@@ -243,7 +248,10 @@ class BalanceMediaRuntimeHook(RuntimeHook):
         Of ``joined`` (projectors) those that own units of ``plan`` are joined modules,
         of ``layers`` (media-dependent decoder layers) those that are units. ``group``
         ``"auto"`` becomes ``"all"`` when a balanced tower or joined module owns units
-        (they gather over every rank, so every rank must join their calls).
+        (they gather over every rank, so every rank must join their calls). A tower or
+        joined module whose parameters are DTensors on a TP or CP dimension (the caller
+        tensor-parallelised it) is recorded in ``sharded_on_data_group``: the ranks of a
+        data group then run the same items (``shares_encoding``).
 
         Args:
             model: the planned model.
@@ -303,6 +311,9 @@ class BalanceMediaRuntimeHook(RuntimeHook):
             joined=joined_modules,
             layers=tuple(path for path in layers if path in members),
             group=spec,
+            sharded_on_data_group=sharded_on_data_group(
+                model, [*towers, *(m.path for m in joined_modules)]
+            ),
         )
 
     def cost(self) -> str:
@@ -425,6 +436,13 @@ class BalanceMediaRuntimeHook(RuntimeHook):
             " (on a mesh with TP or CP ranks, with the ranks of their data groups, each "
             "bringing its share of every call: each item is encoded once)"
         )
+        if self.sharded_on_data_group:
+            shared = (
+                f" (not shared with the TP or CP ranks of a data group: "
+                f"{list(self.sharded_on_data_group)} have parameters sharded over it, whose "
+                "collectives pair its ranks, so each of them runs the same items and their "
+                "gradients are not summed over it)"
+            )
         return (
             f"tower calls balanced over {over}{shared}: {towers}; ranks join the "
             f"calls they do not make {where}"
