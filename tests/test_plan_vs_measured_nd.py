@@ -245,3 +245,24 @@ def test_balanced_tower_on_tp_ranks_memory_is_predicted(images: int, policy: str
         )
     assert result.costs.exchange is not None  # the gathers were costed
     check_memory(result)
+
+
+def test_balanced_tensor_parallel_tower_memory_is_predicted() -> None:
+    """The frozen tower's MLPs tensor-parallel over ``tp`` too: no data group shares its
+    encoding, so the memory model traces each rank encoding its data-parallel rank's
+    whole call (no share, no gather); against FSDP's memory tracker, within the
+    tolerances data-parallel plans get."""
+    batch = vlm_batches(1, 1, images=[4])[0][0]
+    with fake_process_group(4):
+        world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = build_vlm(dtype=torch.float32, frozen_tower=True)
+        tp_plan = deepseek_v41_tp_plan(model, tp_size=2, include_vision=True, include_frozen=True)
+        apply_tensor_parallel(model, world["tp"], tp_plan)
+        plan = DeepseekV41ModelParallelizer(
+            frozen_multimodal_sharding="root", balance_media=True
+        ).plan(model)
+        result = measure_plan_memory(
+            plan, model, lambda m: vlm_loss(m, batch), world_size=4, mesh=world["dp"]
+        )
+    assert result.costs.exchange is not None
+    check_memory(result)
