@@ -38,11 +38,28 @@ def test_cp_shards_over_the_data_parallel_ranks_times_cp(
     assert "3 + items int64" in note
 
 
+def test_cp_traces_a_rank_s_share_of_each_sequence(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--batch 2x64 --cp 2``: a CP rank's trace runs 2 sequences of 32 tokens, its
+    balanced frozen tower encodes its share of the call, and the exchange's header and
+    buffers are replayed beside it (``estimate._data_group_trace``): its saved
+    activations are those of 2x32 without CP, its peaks at least theirs, and less than
+    the whole sequences' (2x64 without CP)."""
+    common = ("--world-size", "8", "--balance-media", "--freeze", "vision")
+    cp = _run(capsys, *common, "--cp", "2", "--batch", "2x64")["memory"]
+    shard = _run(capsys, *common, "--batch", "2x32")["memory"]
+    whole = _run(capsys, *common, "--batch", "2x64")["memory"]
+    assert cp["activation_bytes"] == shard["activation_bytes"]
+    assert cp["step_peak_bytes"] >= shard["step_peak_bytes"]
+    assert cp["backward_activation_bytes"] >= shard["backward_activation_bytes"]
+    assert cp["activation_bytes"] < whole["activation_bytes"]
+    assert cp["step_peak_bytes"] < whole["step_peak_bytes"]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (("--world-size", "8", "--cp", "3"), "--cp 3 does not divide"),
-        (("--world-size", "8", "--cp", "2", "--batch", "1x32"), "with --cp give --activations"),
+        (("--world-size", "8", "--cp", "2", "--batch", "1x33"), "--cp 2 does not divide 33 tokens"),
     ],
 )
 def test_cp_refusals_name_the_fix(

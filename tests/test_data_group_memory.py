@@ -64,3 +64,46 @@ def test_the_traced_gather_allocates_what_the_gather_does(weights: list[int], si
         measured = _traced(gathered)
         predicted = _traced(stand_in)
     assert predicted == measured
+
+
+@pytest.mark.parametrize(
+    ("weights", "needs"),
+    [
+        ([2, 1, 3], (0, 2)),
+        ([2, 1, 3], None),
+        ([4, 4, 4, 4], (0, 1)),
+        ([4, 4, 4, 4], (0, 3)),
+        ([1, 5, 2], (0, 2)),
+        ([1, 5], (0,)),
+    ],
+)
+@pytest.mark.parametrize("size", [2, 4])
+def test_the_traced_cp_exchange_allocates_what_the_exchange_does(
+    weights: list[int], needs: tuple[int, ...] | None, size: int
+) -> None:
+    """A CP data group (``indexed``): the header with every rank's item mask, then the
+    all_to_all of the needed items another rank encoded (or the all_gather when every
+    rank needs every item), and this rank's needed items out. Under the fake group every
+    rank's mask is this rank's, so the stand-in is given that mask for every position;
+    each mask holds an item of this rank's share (the fake backend refuses an all_to_all
+    that sends nothing while it receives)."""
+    layout = BatchFirstLayout()
+    start, stop = share_of_position(len(weights), 0, size)
+    wanted = tuple(range(len(weights))) if needs is None else needs
+    with fake_process_group(size):
+        data = DataGroup(group=dist.group.WORLD, ranks=tuple(range(size)), position=0, indexed=True)
+
+        def exchanged(_live: _LiveBytes) -> Any:
+            mine = _tower(weights[start:stop])
+            return mine, gather_outputs(layout, data, mine, weights, torch.device("cpu"), needs)
+
+        def stand_in(live: _LiveBytes) -> Any:
+            share = _Share(layout, live, size, indexed=True)
+            share.weights.append(list(weights))
+            share.needs.append([wanted] * size)
+            mine = _tower(weights[start:stop])
+            return mine, share.post(torch.nn.Identity(), (), {}, mine)
+
+        measured = _traced(exchanged)
+        predicted = _traced(stand_in)
+    assert predicted == measured

@@ -144,10 +144,11 @@ def _parallel_dims(args: argparse.Namespace) -> ParallelDims:
             f"--cp {args.cp} does not divide --world-size {args.world_size} (with --tp "
             f"{args.tp}, --ep {args.ep}): the data-parallel ranks are world-size / (tp x ep x cp)"
         )
-    if args.cp > 1 and args.batch is not None:
+    if args.batch is not None and args.batch[1] % args.cp:
+        samples, tokens = args.batch
         raise CliError(
-            "--batch traces activations of whole sequences, not of a CP rank's share: with "
-            "--cp give --activations SIZE"
+            f"--batch {samples}x{tokens}: --cp {args.cp} does not divide {tokens} tokens (a CP "
+            f"rank holds 1/{args.cp} of each sequence): give a multiple of {args.cp} tokens"
         )
     try:
         mesh = resolve_mesh_shape(
@@ -223,10 +224,13 @@ def _context_parallel(args: argparse.Namespace) -> str | None:
     return (
         f"context parallel: {args.world_size} ranks as ('dp', 'cp') = ({dp}, {args.cp}) (beside "
         f"tp={args.tp}); FSDP shards over dp x cp = {dp * args.cp} ranks, a rank's activations "
-        f"are those of 1/{args.cp} of each sequence (give --activations for that share); with "
+        f"are those of 1/{args.cp} of each sequence (--batch SxT traces S sequences of "
+        f"T/{args.cp} tokens, each with its sample's media tokens); with "
         "--balance-media and frozen towers the CP ranks share each tower call and each gets "
         "its shard's items only: per call a header all_gather of 3 + items int64 per rank, "
-        "then an all_to_all of the needed items another CP rank encoded"
+        "then an all_to_all of the needed items another CP rank encoded (the trace, whose "
+        "shard holds every media token, needs every item: its memory counts the all_gather "
+        "of every share, an upper bound)"
     )
 
 

@@ -470,10 +470,11 @@ def _batch_loss(args: argparse.Namespace) -> Callable[[nn.Module], torch.Tensor]
     if args.activations is not None:
         raise CliError("give --batch (to trace activations) or --activations, not both")
     samples, tokens = args.batch
-    try:
-        return preset.batch_loss(samples, tokens)
+    try:  # a CP rank's share: 1/cp of each sequence's tokens (see ``inspect_model``)
+        return preset.batch_loss(samples, tokens // args.cp)
     except ValueError as error:
-        raise CliError(f"--batch {samples}x{tokens}: {error}") from None
+        shard = f" (1/{args.cp} of each sequence: --cp {args.cp})" if args.cp > 1 else ""
+        raise CliError(f"--batch {samples}x{tokens}{shard}: {error}") from None
 
 
 def _costs(

@@ -6,6 +6,14 @@ The trace calls the tower on the share the rank at position 0 brings (the rank t
 estimates predict), then rebuilds the whole call's output as ``gather_outputs`` does:
 the other shares' items as new tensors (there, copies out of the receive buffer) joined
 with its own, and bumps the gather's buffers no traced tensor holds while they live.
+
+With CP ranks in the group (``indexed``) the gather is the header with every rank's item
+mask, then the ``all_to_all`` of the items each rank needs (the ``all_gather`` when every
+rank needs every item), and a rank keeps the items it needs. The trace runs one CP
+rank's tokens as one sequence holding every sample's media tokens
+(``multimodal_fsdp.estimate.predict.inspect_model``), so it needs every item: its
+exchange is the ``all_gather`` after the larger header, an upper bound of a rank whose
+shard holds only some of the media tokens.
 """
 
 from __future__ import annotations
@@ -17,12 +25,12 @@ import torch
 from torch import nn
 
 from multimodal_fsdp.balance import media_layout_for
-from multimodal_fsdp.balance._data_group import share_of_position, splits
+from multimodal_fsdp.balance._data_group import HEADER_INTS, share_of_position, splits
 from multimodal_fsdp.balance._planned import BalancedTower, Removable
 from multimodal_fsdp.balance.context_parallel import split_frames
 from multimodal_fsdp.balance.layouts import MediaLayout, OutputSpec
 
-__all__ = ["gather_buffer_bytes", "trace_shares"]
+__all__ = ["all_to_all_buffer_bytes", "gather_buffer_bytes", "trace_shares"]
 
 
 class _Live(Protocol):
@@ -36,6 +44,20 @@ def gather_buffer_bytes(own: int, longest: int, size: int) -> tuple[int, int]:
     buffers (one per rank); after it, until the whole output is joined, the receive
     buffers alone."""
     return longest + own + size * longest, size * longest
+
+
+def all_to_all_buffer_bytes(
+    item_bytes: Sequence[int], needs: Sequence[Sequence[int]], shares: Sequence[tuple[int, int]]
+) -> tuple[int, int]:
+    """The all_to_all's buffers of a CP data group's rank at position 0 after a split call
+    whose items' outputs take ``item_bytes``, when the position ``p`` needs the items
+    ``needs[p]`` and encoded ``shares[p]``: during it the items of its share each other
+    rank needs, flattened per rank and joined, and the receive buffer of the items it
+    needs from the others; after it, until its needed output is joined, that buffer."""
+    start, stop = shares[0]
+    sent = sum(item_bytes[i] for wanted in needs[1:] for i in wanted if start <= i < stop)
+    received = sum(item_bytes[i] for i in needs[0] if not start <= i < stop)
+    return 2 * sent + received, received
 
 
 def _item_bytes(spec: OutputSpec, weight: int) -> list[int]:
@@ -54,16 +76,23 @@ def _others(spec: OutputSpec, weight: int) -> tuple[torch.Tensor, ...]:
 
 
 class _Share:
-    """One balanced tower's calls in the trace: its share in, the whole output out."""
+    """One balanced tower's calls in the trace: its share in, the output out (the whole
+    call's; on a CP data group, ``indexed``, the items position 0 needs)."""
 
-    def __init__(self, layout: MediaLayout, live: _Live, size: int) -> None:
-        self.layout, self.live, self.size = layout, live, size
+    def __init__(
+        self, layout: MediaLayout, live: _Live, size: int, *, indexed: bool = False
+    ) -> None:
+        self.layout, self.live, self.size, self.indexed = layout, live, size, indexed
         self.weights: list[list[int]] = []  # per call in flight: the whole call's weights
+        #: per call in flight (``indexed``): the items each position of the group needs
+        self.needs: list[list[Sequence[int]]] = []
 
     def pre(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         call = split_frames(self.layout, self.layout.split_call(module, tuple(args), kwargs))
         weights = [int(item.fields[0].shape[0]) for item in call.items]
         self.weights.append(weights)
+        if self.indexed:  # the traced tokens hold every item's media tokens: all needed
+            self.needs.append([range(len(weights))] * self.size)
         if not splits(len(call.items), self.size):
             return None  # every rank of the group encodes the whole call
         start, stop = share_of_position(len(call.items), 0, self.size)
@@ -71,20 +100,29 @@ class _Share:
 
     def post(self, _module: nn.Module, _args: Any, _kwargs: Any, output: Any) -> Any:
         weights = self.weights.pop()
-        if not splits(len(weights), self.size):
+        needs = self.needs.pop() if self.indexed else [range(len(weights))] * self.size
+        split = splits(len(weights), self.size)
+        if not split and not self.indexed:
             return None
         shares = [share_of_position(len(weights), p, self.size) for p in range(self.size)]
         start, stop = shares[0]
         spec, mine = self.layout.split_output(output, weights[start:stop])
-        totals = [
-            sum(sum(_item_bytes(spec, w)) for w in weights[slice(*share)]) for share in shares
-        ]
-        during, after = gather_buffer_bytes(totals[0], max(totals), self.size)
+        if self.indexed:  # the header: bytes, fingerprint, bad-index flag, item mask
+            header = (HEADER_INTS + 1 + len(weights)) * 8 * (1 + self.size)
+            self.live.bump(header)
+            self.live.bump(-header)
+        if not split:
+            return self.layout.join_output(spec, [mine[i] for i in needs[0]])
+        item_bytes = [sum(_item_bytes(spec, w)) for w in weights]
+        if all(len(n) == len(weights) for n in needs):
+            totals = [sum(item_bytes[slice(*share)]) for share in shares]
+            during, after = gather_buffer_bytes(totals[0], max(totals), self.size)
+        else:
+            during, after = all_to_all_buffer_bytes(item_bytes, needs, shares)
         self.live.bump(during)
         self.live.bump(after - during)
         pieces: Sequence[Sequence[torch.Tensor]] = [
-            *mine,
-            *(_others(spec, w) for w in weights[stop:]),
+            mine[i] if i < stop else _others(spec, weights[i]) for i in needs[0]
         ]
         whole = self.layout.join_output(spec, pieces)
         self.live.bump(-after)
@@ -92,14 +130,20 @@ class _Share:
 
 
 def trace_shares(
-    twin: nn.Module, towers: Sequence[BalancedTower], live: _Live, size: int
+    twin: nn.Module,
+    towers: Sequence[BalancedTower],
+    live: _Live,
+    size: int,
+    *,
+    indexed: bool = False,
 ) -> list[Removable]:
     """Hooks on ``twin``'s balanced ``towers`` that trace a data group of ``size`` ranks
-    sharing the encoding (see the module docstring); remove them after the step."""
+    sharing the encoding (see the module docstring), with CP ranks among them when
+    ``indexed``; remove them after the step."""
     handles: list[Removable] = []
     for tower in towers:
         module = twin.get_submodule(tower.path) if tower.path else twin
-        share = _Share(media_layout_for(module, name=tower.layout), live, size)
+        share = _Share(media_layout_for(module, name=tower.layout), live, size, indexed=indexed)
         pre: Callable[..., Any] = share.pre
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
         handles.append(module.register_forward_hook(share.post, with_kwargs=True, prepend=True))

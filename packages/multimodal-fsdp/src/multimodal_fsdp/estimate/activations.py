@@ -147,6 +147,7 @@ def trace_activations(
     shard: int = 1,
     media: StepMedia | None = None,
     data_group: int = 1,
+    indexed: bool = False,
 ) -> ActivationTrace:
     """What one training step of one batch needs beside parameters, per rank, under ``plan``.
 
@@ -195,9 +196,13 @@ def trace_activations(
     handles += _GradStaging(plan, model, twin, live, shard, gathers).hooks
     joined = None
     hook = balance_hook(plan)
-    if media is not None and hook is not None and shares_encoding(hook, data_group):
+    if (
+        media is not None
+        and hook is not None
+        and shares_encoding(hook, data_group, indexed=indexed)
+    ):
         media = data_group_media(media, data_group)
-        handles += trace_shares(twin, hook.towers, live, data_group)
+        handles += trace_shares(twin, hook.towers, live, data_group, indexed=indexed)
     if media is not None:
         handles += _ExchangeBuffers(plan, twin, live, media).hooks
         joined = _joined_layers(plan, twin, media)

@@ -16,7 +16,9 @@ keeps beside them, so that the plan predicts the whole per-rank peak:
   [`trace_activations`][multimodal_fsdp.estimate.activations.trace_activations] runs
   one step of the batch on an unsharded copy in one process, with the plan's
   compute dtypes and input casts, adds up the tensors autograd saves, and
-  follows the live bytes through backward.
+  follows the live bytes through backward. With context parallelism a rank holds
+  ``1/cp`` of each sequence: the traced batch is that share
+  ([`inspect_model`][multimodal_fsdp.estimate.predict.inspect_model]).
 
 **The peak total.** With a traced step, the trace also replays what FSDP2 holds
 beside the activations, unit by unit: gathered parameters (gathered at a

@@ -59,6 +59,11 @@ def inspect_model(
         no_backward: Module paths no gradient reaches (default: the plan's judgement).
         optimizer: The optimizer whose state the memory counts; ``None``: costs only.
         loss_fn: One batch's loss: its activations are traced and included in the peak.
+            With CP in ``mesh``, the batch of one CP rank: each sequence cut to its
+            ``1/cp`` share of the tokens, holding every sample's media tokens (the
+            trace cannot run a shard beside the others, so it runs the shard's tokens
+            as one sequence; the tower's exchange is then counted as if the rank needed
+            every item, an upper bound).
         activations: Activations given instead (a trace or bytes), applied after a trace.
         precision: A label for the report (e.g. ``"param=bf16 reduce=fp32"``).
         policy: A label for the report (default: the plan's policy).
@@ -71,7 +76,9 @@ def inspect_model(
         The costs, with their ``memory`` unless ``optimizer`` is ``None``.
     """
     shape = resolve_cost_mesh(mesh, world_size, dp_replicate)
-    media = step_media(plan, model, loss_fn, world_size=shape.world_size, media=media)
+    # FSDP's shard dimension holds CP's ranks; the balance group is the data-parallel one
+    cp = mesh.role_size("cp") if isinstance(mesh, ParallelDims) else 1
+    media = step_media(plan, model, loss_fn, world_size=shape.world_size // cp, media=media)
     costs = plan_costs(
         plan,
         model,
@@ -94,6 +101,7 @@ def inspect_model(
             shard=shape.dp_shard,
             media=media,
             data_group=_sharing_ranks(mesh),
+            indexed=isinstance(mesh, ParallelDims) and bool(mesh.cp_names),
         )
     )
     costs = with_memory(costs, plan, model, optimizer=optimizer, activations=traced)
@@ -103,9 +111,8 @@ def inspect_model(
 
 
 def _sharing_ranks(mesh: MeshShape | ParallelDims | None) -> int:
-    """The TP ranks holding each batch, whose balanced towers share the encoding (the
-    trace follows one rank's share); 1 without them, and with CP, whose ranks encode for
-    a sequence shard the single-process trace does not run."""
-    if not isinstance(mesh, ParallelDims) or mesh.cp_names:
+    """The TP and CP ranks holding each batch, whose balanced towers share the encoding
+    (the trace follows one rank's share); 1 without them."""
+    if not isinstance(mesh, ParallelDims):
         return 1
     return math.prod(mesh.size(name) for name in mesh.data_group_names)
