@@ -213,9 +213,12 @@ def measure_plan(
         if mesh is None:
             mesh = build_mesh(dp_replicate=shape.dp_replicate, dp_shard=shape.dp_shard)
 
+        # the balance group is the data-parallel one: FSDP's shard dimension holds CP's
+        cp = 1 if dims is None else dims.role_size("cp")
+
         def prepare() -> PlanCosts:
             costed_media = step_media(
-                plan, model, loss_fn, world_size=shape.world_size, rank=_rank(), media=media
+                plan, model, loss_fn, world_size=shape.world_size // cp, rank=_rank(), media=media
             )
             return inspect_model(
                 plan,

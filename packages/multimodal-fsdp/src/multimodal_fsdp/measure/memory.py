@@ -362,10 +362,13 @@ def measure_plan_memory(
         if mesh is None:
             mesh = build_mesh(dp_shard=shape.dp_shard)
 
+        # the balance group is the data-parallel one: FSDP's shard dimension holds CP's
+        cp = 1 if dims is None else dims.role_size("cp")
+
         def prepare() -> PlanCosts:
             rank = dist.get_rank() if dist.is_initialized() else 0
             costed_media = step_media(
-                plan, model, loss_fn, world_size=shape.world_size, rank=rank, media=media
+                plan, model, loss_fn, world_size=shape.world_size // cp, rank=rank, media=media
             )
             return inspect_model(
                 plan,
