@@ -2,7 +2,7 @@
 
 A renamed private attribute or module must fail in one place, with a message naming
 it, not silently switch a fix off somewhere else. So no module under
-``packages/*/src`` except ``fsdp_core/internals.py``:
+``packages/*/src`` outside the ``fsdp_core/internals`` package:
 
 - imports a private torch module: a dotted path with a component starting with
   ``_`` (``torch.utils._python_dispatch``, ``torch.distributed._tools``), or a
@@ -29,7 +29,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted(ROOT.glob("packages/*/src"))
-ALLOWED = ROOT / "packages" / "fsdp-core" / "src" / "fsdp_core" / "internals.py"
+ALLOWED = ROOT / "packages" / "fsdp-core" / "src" / "fsdp_core" / "internals"
 
 #: Private attributes of torch objects whose type the source cannot show (FSDP2's
 #: ``FSDPState`` / ``FSDPParamGroup`` / ``FSDPParam``, the ``FSDPMemTracker``, the
@@ -156,7 +156,7 @@ def offenders() -> dict[str, list[str]]:
     problems: dict[str, list[str]] = {}
     for source_root in SOURCES:
         for path in sorted(source_root.rglob("*.py")):
-            if path == ALLOWED:
+            if ALLOWED in path.parents:
                 continue
             uses = private_torch_uses(path.read_text(encoding="utf-8"))
             if uses:
@@ -166,7 +166,7 @@ def offenders() -> dict[str, list[str]]:
 
 def test_the_sources_are_found() -> None:
     assert len(SOURCES) >= 3
-    assert ALLOWED.is_file()
+    assert (ALLOWED / "__init__.py").is_file()
 
 
 def test_private_torch_is_reached_only_through_internals() -> None:

@@ -28,7 +28,7 @@ from fsdp_core import (
 from fsdp_core.accumulation import AccumulationWarmupRuntimeHook, install_unshard_warmup
 from fsdp_core.fake_group import fake_process_group
 from fsdp_core.forward_agreement import ForwardAgreementRuntimeHook
-from fsdp_core.internals import check_internals
+from fsdp_core.internals import check_internals, torch_modules
 from fsdp_core.unused_params import UnusedParamsRuntimeHook, install_unused_params_hook
 
 ALL_HOOKS = {hook.name: hook.reads for hook in ModelParallelizer.HOOKS}
@@ -157,23 +157,23 @@ def test_in_backward_and_the_end_of_backward_callback() -> None:
 
 
 def test_private_torch_modules_come_through_internals() -> None:
-    assert internals.has_fake_store()
+    assert torch_modules.has_fake_store()
     assert internals.fsdp_state_module() is not None
     assert internals.has_grouped_forward_hooks()
     assert internals.casts_per_grouped_module()
     assert internals.tracks_grouped_passes()
     assert issubclass(internals.TorchDispatchMode, object)
-    tracker = internals.fsdp_mem_tracker_class(("track_inputs",), user="this test")
+    tracker = torch_modules.fsdp_mem_tracker_class(("track_inputs",), user="this test")
     assert tracker.__name__ == "FSDPMemTracker"
     with pytest.raises(FSDPInternalsError, match=r"lacks \['no_such_hook'\], which this test"):
-        internals.fsdp_mem_tracker_class(("no_such_hook",), user="this test")
+        torch_modules.fsdp_mem_tracker_class(("no_such_hook",), user="this test")
 
 
 def test_a_torch_without_the_fake_store_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torch.testing._internal.distributed.fake_pg", None)
-    assert not internals.has_fake_store()
+    assert not torch_modules.has_fake_store()
     with pytest.raises(FSDPInternalsError, match="FakeStore"):
-        internals.fake_store()
+        torch_modules.fake_store()
     with pytest.raises(FSDPInternalsError, match="FakeStore"), fake_process_group(2):
         pass
     assert not dist.is_initialized()

@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from fsdp_core.internals import process_group_timeout
+from fsdp_core.internals.torch_modules import process_group_timeout
 from fsdp_core.rank_agreement import (
     CollectiveCallError,
     Meeting,

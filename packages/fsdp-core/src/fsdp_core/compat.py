@@ -16,6 +16,7 @@ from typing import Final
 import torch
 
 from fsdp_core import internals
+from fsdp_core.internals import torch_modules
 
 __all__ = [
     "FSDP2_AVAILABLE",
@@ -104,7 +105,7 @@ REDUCE_SCATTER_UNUSED_PARAMS: Final[bool] = _has_reduce_scatter_unused_params()
 
 
 #: The single-process ``"fake"`` backend used for layout and communication tests.
-FAKE_PROCESS_GROUP: Final[bool] = internals.has_fake_store()
+FAKE_PROCESS_GROUP: Final[bool] = torch_modules.has_fake_store()
 
 
 def capabilities() -> dict[str, bool]:

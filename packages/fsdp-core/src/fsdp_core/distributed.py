@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.rendezvous import rendezvous
 
-from fsdp_core.internals import fake_store
+from fsdp_core.internals.torch_modules import fake_store
 
 __all__ = [
     "VALID_BACKENDS",

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-from fsdp_core.internals import fake_store
+from fsdp_core.internals.torch_modules import fake_store
 
 __all__ = ["fake_process_group", "current_or_fake_group"]
 

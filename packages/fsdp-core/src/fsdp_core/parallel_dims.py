@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from fsdp_core import internals
+from fsdp_core.internals import torch_modules
 from fsdp_core.mesh import REPLICATE_DIM, SHARD_DIM, MeshShape
 
 __all__ = ["DIMENSION_ROLES", "ParallelDims", "dimension_role", "holds_same_batch", "local_shape"]
@@ -231,7 +231,7 @@ class ParallelDims:
                 f"pipeline parallelism, so {names} is not a data-parallel mesh: pass its "
                 f"data-parallel sub-mesh (mesh['dp']) or the whole mesh with dp_dims=..."
             )
-        root = internals.root_mesh(mesh)
+        root = torch_modules.root_mesh(mesh)
         root_names = tuple(root.mesh_dim_names or ())
         if root is mesh or not root_names:
             return cls(names, sizes, names, mesh=mesh, data_parallel_mesh=mesh)
@@ -440,7 +440,7 @@ class ParallelDims:
         shard = tuple(n for n in self.names if n == self.dp_names[-1] or n in extra)
         kept = self.dp_names[:-1]
         folded = root[(*kept, *shard)]
-        return internals.flatten_mesh(folded, "_".join(shard), keep=len(kept))  # type: ignore[no-any-return]
+        return torch_modules.flatten_mesh(folded, "_".join(shard), keep=len(kept))  # type: ignore[no-any-return]
 
     @property
     def lockstep_mesh(self) -> DeviceMesh:

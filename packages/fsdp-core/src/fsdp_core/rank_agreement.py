@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Final
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_core.internals import process_group_timeout
+from fsdp_core.internals.torch_modules import process_group_timeout
 from fsdp_core.rank_wait import WaitLimits, wait_for_ranks, wait_limits
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ real job.
 
 The tracker lives in a private torch module, and the timeline needs its per-operation
 method and state: only
-[`fsdp_core.internals.memory_timeline_tracker`][fsdp_core.internals.memory_timeline_tracker]
+[`memory_timeline_tracker`][fsdp_core.internals.torch_modules.memory_timeline_tracker]
 touches them, and checks them up front, so that a torch without them fails with a
 message naming what is missing.
 """
@@ -39,7 +39,7 @@ from torch.distributed.fsdp import FSDPModule
 from fsdp_core import ShardingPlan, build_mesh, internals
 from fsdp_core.collective_entry import enter_collective
 from fsdp_core.fake_group import current_or_fake_group
-from fsdp_core.internals import memory_timeline_tracker
+from fsdp_core.internals.torch_modules import memory_timeline_tracker
 from fsdp_core.parallel_dims import local_shape
 from fsdp_core.parallelizer import apply_plan
 from multimodal_fsdp.estimate.costs import PlanCosts
