@@ -1,13 +1,10 @@
 """Layer containers: the ``nn.ModuleList`` / ``nn.ModuleDict`` whose items become FSDP units.
 
-Not every dict of modules is a list of layers. An adapter library wraps one module
-(a ``Linear`` it adapts, a projector it copies) and keeps per-adapter modules beside
-it in ``nn.ModuleDict`` objects keyed by adapter name: PEFT's ``lora_A`` / ``lora_B`` /
-``lora_dropout`` / ``lora_magnitude_vector`` next to ``base_layer``, or
-``modules_to_save`` next to ``original_module``. Such a *branch dict* belongs to the
-module that holds it (see [`is_branch_dict`][fsdp_core.containers.is_branch_dict]); it is searched
-like any other child, and its items never become units. ``nn.ModuleList`` objects are always layer
-lists (stacked blocks, and MoE experts when a walk reaches them outside a layer).
+Not every dict of modules is a list of layers: adapter libraries keep per-adapter modules
+in ``nn.ModuleDict`` objects beside the module they wrap (PEFT's ``lora_A`` / ``lora_B``
+next to ``base_layer``, ``modules_to_save`` next to ``original_module``). Such a *branch
+dict* ([`is_branch_dict`][fsdp_core.containers.is_branch_dict]) belongs to its holder and
+its items never become units. ``nn.ModuleList`` objects are always layer lists.
 """
 
 from __future__ import annotations
@@ -43,17 +40,10 @@ def unwrap_module(module: nn.Module) -> nn.Module:
         The innermost wrapped module (``module`` itself when unwrapped).
     """
     for _ in range(16):
-        inner = next(
-            (
-                wrapped
-                for attr in _WRAPPED_ATTRS
-                if isinstance(wrapped := getattr(module, attr, None), nn.Module)
-            ),
-            None,
-        )
-        if inner is None:
+        inner = [w for a in _WRAPPED_ATTRS if isinstance(w := getattr(module, a, None), nn.Module)]
+        if not inner:
             break
-        module = inner
+        module = inner[0]
     return module
 
 
@@ -71,9 +61,8 @@ def join_path(prefix: str, name: str) -> str:
 
 
 def is_under(path: str, root: str) -> bool:
-    """Whether the module or parameter at ``path`` is ``root`` or lies inside it (every
-    path lies inside the model's own path ``""``). The one prefix rule of the packages:
-    ``"vision.blocks.1"`` is under ``"vision"``, ``"vision_proj"`` is not.
+    """Whether the module or parameter at ``path`` is ``root`` or inside it (everything is
+    inside ``""``): ``"vision.blocks.1"`` is under ``"vision"``, ``"vision_proj"`` is not.
 
     Args:
         path: a qualified module or parameter name.
@@ -100,10 +89,8 @@ def is_module_container(module: nn.Module) -> bool:
 def is_branch_dict(container: nn.Module, parent: nn.Module) -> bool:
     """Whether ``container`` holds per-name branches of the one module ``parent`` wraps.
 
-    True for an ``nn.ModuleDict`` when ``parent`` has exactly one child with
-    parameters besides its dicts (the wrapped module) and every item of the dict
-    is a leaf module or of the wrapped module's class (a copy of it). Structural,
-    so it covers any adapter library that keeps adapters this way.
+    True for an ``nn.ModuleDict`` when ``parent`` has exactly one child with parameters
+    besides its dicts (the wrapped module) and every item is a leaf or a copy of it.
 
     Args:
         container: the candidate ``nn.ModuleDict``.
@@ -135,9 +122,7 @@ def is_layer_container(module: nn.Module, parent: nn.Module | None = None) -> bo
     Returns:
         Whether its items become units.
     """
-    if not is_module_container(module):
-        return False
-    return parent is None or not is_branch_dict(module, parent)
+    return is_module_container(module) and (parent is None or not is_branch_dict(module, parent))
 
 
 def _is_leaf(module: nn.Module) -> bool:
@@ -177,12 +162,9 @@ def container_items(module: nn.Module) -> list[tuple[str, nn.Module]]:
 def iter_layer_items(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
     """Every item of every layer container below ``module``, by qualified name.
 
-    Containers are found at any depth outside items; an item is not searched
-    further (its inner lists belong to its unit), except that containers nested
-    directly in containers are flattened so every leaf item is yielded. A
-    container passed itself yields its own items. Branch dicts
-    ([`is_branch_dict`][fsdp_core.containers.is_branch_dict]) are searched like plain modules:
-    adapters stay in the unit of the layer they adapt.
+    Containers are found at any depth outside items (an item's inner lists belong to its
+    unit); containers nested directly in containers are flattened, and a container passed
+    itself yields its own items. Branch dicts are searched like plain modules.
 
     Args:
         module: where to search (a container itself, or any module).
@@ -191,28 +173,18 @@ def iter_layer_items(module: nn.Module, prefix: str = "") -> Iterator[tuple[str,
     Yields:
         ``(qualified name, item)`` for each leaf item.
     """
-    if is_module_container(module):
-        yield from _iter_container(module, prefix)
-        return
-    yield from _iter_children(module, prefix)
+    yield from _walk(module, prefix, container=is_module_container(module))
 
 
-def _iter_children(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
-    for name, child in module.named_children():
-        path = join_path(prefix, name)
-        if is_layer_container(child, module):
-            yield from _iter_container(child, path)
-        else:
-            yield from _iter_children(child, path)
-
-
-def _iter_container(container: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
-    for key, item in container_items(container):
+def _walk(module: nn.Module, prefix: str, *, container: bool) -> Iterator[tuple[str, nn.Module]]:
+    for key, child in container_items(module) if container else module.named_children():
         path = join_path(prefix, key)
-        if is_layer_container(item, container):
-            yield from _iter_container(item, path)
+        if is_layer_container(child, module):
+            yield from _walk(child, path, container=True)
+        elif container:
+            yield path, child
         else:
-            yield path, item
+            yield from _walk(child, path, container=False)
 
 
 def module_spans(model: nn.Module) -> dict[str, tuple[int, int]]:
@@ -228,20 +200,15 @@ def module_spans(model: nn.Module) -> dict[str, tuple[int, int]]:
     """
     spans: dict[str, tuple[int, int]] = {}
     seen: set[int] = set()
-    counter = 0
-    stack: list[tuple[str, nn.Module, bool]] = [("", model, False)]
-    starts: dict[str, int] = {}
-    while stack:
-        path, module, done = stack.pop()
-        if done:
-            spans[path] = (starts[path], counter)
-            continue
+
+    def visit(path: str, module: nn.Module) -> None:
         if id(module) in seen:
-            continue
+            return
         seen.add(id(module))
-        starts[path] = counter
-        counter += 1
-        stack.append((path, module, True))
-        children = [(join_path(path, name), child) for name, child in module.named_children()]
-        stack.extend((p, c, False) for p, c in reversed(children))
+        start = len(seen) - 1
+        for name, child in module.named_children():
+            visit(join_path(path, name), child)
+        spans[path] = (start, len(seen))
+
+    visit("", model)
     return spans

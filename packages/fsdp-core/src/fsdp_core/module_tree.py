@@ -1,32 +1,24 @@
 """What a plan was made for: the module tree, and the checks that it did not change.
 
-A plan names modules and parameters and decides units from their shapes, dtypes and
-trainability. Adapters added after planning (peft's ``get_peft_model`` renames and
-wraps modules, adds parameters and freezes the base) make the plan wrong, and
-adapters added after sharding leave their weights outside FSDP and crash deep in
-the adapter library. ``ShardingPlan.fingerprint`` records the tree the plan was
-made for; ``apply_plan`` compares it with the model before sharding anything, and
-a one-time forward pre-hook on the sharded model compares again at the first
-forward (then removes itself). Both raise ``ModuleTreeChangedError`` naming what
-changed; the checks are deterministic, so every rank raises the same error. The same
-first-forward hook checks that a model sharded on ``meta`` got its weights by then
-([fsdp_core.weights_check][]).
-
-Activation-checkpoint and ``torch.compile`` wrappers are looked through: wrapping a
-module changes no parameter the plan names.
+Adapters added after planning (peft's ``get_peft_model``) make a plan wrong; added after
+sharding, their weights stay outside FSDP. ``ShardingPlan.fingerprint`` records the tree;
+``apply_plan`` compares it with the model before sharding, and a one-time forward
+pre-hook compares again at the first forward, which also checks that a model sharded on
+``meta`` got its weights ([fsdp_core.weights_check][]). Both raise the same
+``ModuleTreeChangedError`` on every rank. Checkpoint and compile wrappers are looked through.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
+from fsdp_core.sharding import original_class
 from fsdp_core.weights_check import check_weights_given, record_meta_tensors
 
 __all__ = [
@@ -74,14 +66,11 @@ class ModuleTreeFingerprint:
     parameters: tuple[ParameterRecord, ...]
 
     def changes(self, current: ModuleTreeFingerprint, *, after_sharding: bool = False) -> str:
-        """What differs in ``current``, readably (empty when nothing that matters does).
+        """What differs in ``current``, readably (empty when nothing that matters does;
+        parameter-free modules added do not matter).
 
-        Parameter-free modules added (a dropout, an identity) do not matter.
-
-        ``after_sharding`` compares only what breaks a sharded model: parameters added
-        (outside FSDP) or reshaped, and frozen ones made trainable (a replicated one
-        would never have its gradient reduced). Removing parameters and freezing are
-        harmless there.
+        ``after_sharding`` compares only what breaks a sharded model: parameters added or
+        reshaped, and frozen ones made trainable; removing and freezing are harmless there.
 
         Args:
             current: the model's fingerprint now.
@@ -103,7 +92,7 @@ class ModuleTreeFingerprint:
         added = [n for n in new if n not in old]
         removed = [n for n in old if n not in new]
         both = [n for n in new if n in old]
-        wrapped = [n for n in removed if _adapted(n, set(added))]
+        wrapped = [n for n in removed if _base_layer_name(n) in set(added)]
         if wrapped:
             moved = {_base_layer_name(n) for n in wrapped}
             parts.append(
@@ -122,31 +111,18 @@ class ModuleTreeFingerprint:
             # does not manage.
             added = [n for n in added if _base_layer_name(n) not in old]
             removed = []
-        parts.append(_listed("added", added))
-        parts.append(_listed("removed", removed))
+        parts += [_listed("added", added), _listed("removed", removed)]
+        reshaped = [n for n in both if new[n].shape != old[n].shape]
         parts.append(
-            _listed(
-                "reshaped", [n for n in both if new[n].shape != old[n].shape], shapes=(old, new)
-            )
+            _listed("reshaped", reshaped, lambda n: f"{list(old[n].shape)} -> {list(new[n].shape)}")
         )
         if not after_sharding:
-            parts.append(
-                _listed(
-                    "retyped", [n for n in both if new[n].dtype != old[n].dtype], dtypes=(old, new)
-                )
-            )
-            parts.append(
-                _listed(
-                    "now frozen",
-                    [n for n in both if old[n].requires_grad and not new[n].requires_grad],
-                )
-            )
-        parts.append(
-            _listed(
-                "now trainable",
-                [n for n in both if new[n].requires_grad and not old[n].requires_grad],
-            )
-        )
+            retyped = [n for n in both if new[n].dtype != old[n].dtype]
+            parts.append(_listed("retyped", retyped, lambda n: f"{old[n].dtype} -> {new[n].dtype}"))
+            frozen = [n for n in both if old[n].requires_grad and not new[n].requires_grad]
+            parts.append(_listed("now frozen", frozen))
+        trainable = [n for n in both if new[n].requires_grad and not old[n].requires_grad]
+        parts.append(_listed("now trainable", trainable))
         if not after_sharding and not prefix:
             # A plan names modules too (units): one that is gone breaks applying it.
             gone = [m for m in self.modules if m not in set(current.modules)]
@@ -200,9 +176,8 @@ def check_module_tree(model: nn.Module, expected: ModuleTreeFingerprint) -> None
 def install_first_forward_check(
     model: nn.Module, expected: ModuleTreeFingerprint
 ) -> RemovableHandle:
-    """Check the tree once, at the first forward of the sharded ``model``; the hook
-    removes itself once a forward found the tree unchanged. ``model`` is remembered
-    (weakly) for ``check_unchanged_since_sharding``.
+    """Check the tree once, at the first forward of the sharded ``model`` (the hook then
+    removes itself); ``model`` is remembered weakly for ``check_unchanged_since_sharding``.
 
     Args:
         model: the sharded model.
@@ -219,7 +194,7 @@ def install_first_forward_check(
     def check(module: nn.Module, args: object) -> None:
         _raise_if_changed(module, expected, "")
         if on_meta is not None:
-            check_weights_given(module, on_meta, name=_class_name(module))
+            check_weights_given(module, on_meta, name=original_class(module).__name__)
         if handle is not None:
             handle.remove()
 
@@ -229,8 +204,7 @@ def install_first_forward_check(
 
 def check_unchanged_since_sharding(model: nn.Module, *, where: str) -> None:
     """Raise ``ModuleTreeChangedError`` if ``model``, or a sharded model inside it (a
-    ``PeftModel`` wrapped around one), changed since it was sharded; ``where`` names the
-    call for the message (``load_pretrained``...). One walk over the modules.
+    ``PeftModel`` around one), changed since it was sharded.
 
     Args:
         model: the model (or a wrapper of it).
@@ -250,20 +224,12 @@ def _raise_if_changed(module: nn.Module, expected: ModuleTreeFingerprint, where:
     if changes:
         at = f" ({where})" if where else ""
         raise ModuleTreeChangedError(
-            f"{_class_name(module)} changed since it was sharded{at}: {changes}. "
+            f"{original_class(module).__name__} changed since it was sharded{at}: {changes}. "
             "Parameters added after sharding are not managed by FSDP (their "
             "gradients are never reduced) and sharded weights break adapter layers. "
             "Add adapters (peft's get_peft_model) and set requires_grad before "
             f"planning and sharding. The order is: {_ORDER_OF_OPERATIONS}."
         )
-
-
-def _class_name(model: nn.Module) -> str:
-    """The model's own class name, not FSDP's ``FSDP<name>`` subclass."""
-    bases = type(model).__bases__
-    if isinstance(model, FSDPModule) and len(bases) == 2:
-        return bases[1].__name__
-    return type(model).__name__
 
 
 def _normal(name: str) -> str:
@@ -281,7 +247,7 @@ def _common_prefix(removed: list[str], added: list[str]) -> str:
             if n.endswith("." + _base_layer_name(first))
         }
         for prefix in sorted(candidates):
-            if all(prefix + n in added_set or _adapted(prefix + n, added_set) for n in removed):
+            if all({prefix + n, _base_layer_name(prefix + n)} & added_set for n in removed):
                 return prefix
         if candidates:
             break
@@ -293,29 +259,11 @@ def _base_layer_name(name: str) -> str:
     return f"{head}.base_layer.{leaf}" if head else f"base_layer.{leaf}"
 
 
-def _adapted(name: str, added: set[str]) -> bool:
-    """``a.b.weight`` became ``a.b.base_layer.weight`` (an adapter wrapped the layer)."""
-    return _base_layer_name(name) in added
-
-
-def _listed(
-    what: str,
-    names: Iterable[str],
-    *,
-    shapes: tuple[dict[str, ParameterRecord], dict[str, ParameterRecord]] | None = None,
-    dtypes: tuple[dict[str, ParameterRecord], dict[str, ParameterRecord]] | None = None,
-) -> str:
+def _listed(what: str, names: Iterable[str], change: Callable[[str], str] | None = None) -> str:
+    """``what: 'a', 'b' and 3 more``, each name followed by its ``change``; ``""`` for none."""
     items = list(names)
     if not items:
         return ""
-
-    def show(name: str) -> str:
-        if shapes is not None:
-            return f"{name!r} {list(shapes[0][name].shape)} -> {list(shapes[1][name].shape)}"
-        if dtypes is not None:
-            return f"{name!r} {dtypes[0][name].dtype} -> {dtypes[1][name].dtype}"
-        return repr(name)
-
-    shown = ", ".join(show(n) for n in items[:_LIMIT])
+    shown = ", ".join(repr(n) + (f" {change(n)}" if change else "") for n in items[:_LIMIT])
     more = f" and {len(items) - _LIMIT} more" if len(items) > _LIMIT else ""
     return f"{what}: {shown}{more}"

@@ -1,13 +1,9 @@
 """``ModelParallelizer``: decide the FSDP units of a model, then apply them.
 
-Planning walks the model and returns a [`ShardingPlan`][fsdp_core.plan.ShardingPlan]
-with no side effects; applying it checks the plan once and makes its units with
-[`shard_units`][fsdp_core.sharding.shard_units] (``parallelize`` -> ``_apply`` ->
-``shard_units`` -> torch's ``fully_shard``). Model packages subclass this and override
-the planning hooks. Applying needs nothing but the plan:
-[`apply_plan`][fsdp_core.parallelizer.apply_plan] does it without a parallelizer.
-[`_fully_shard_module`][fsdp_core.parallelizer.ModelParallelizer._fully_shard_module], the
-reference contract's entry for frameworks, plans one module and applies it.
+Planning returns a [`ShardingPlan`][fsdp_core.plan.ShardingPlan] without side effects;
+applying checks it once and makes its units with
+[`shard_units`][fsdp_core.sharding.shard_units]. Model packages override the planning
+hooks; [`apply_plan`][fsdp_core.parallelizer.apply_plan] needs nothing but the plan.
 """
 
 from __future__ import annotations
@@ -92,26 +88,22 @@ def parameter_names(model: nn.Module, params: Iterable[nn.Parameter] | None) -> 
     Raises:
         ValueError: a parameter is not ``model``'s.
     """
-    if not params:
-        return ()
-    wanted = set(params)
-    names = tuple(name for name, p in model.named_parameters() if p in wanted)
-    found = {p for _, p in model.named_parameters() if p in wanted}
-    missing = len(wanted - found)
+    wanted = set(params or ())
+    named = [(name, p) for name, p in model.named_parameters() if p in wanted]
+    missing = len(wanted - {p for _, p in named})
     if missing:
         raise ValueError(f"{missing} of the ignored_params are not parameters of the model")
-    return names
+    return tuple(name for name, _ in named)
 
 
 class ModelParallelizer(Generic[FoundT]):
     """Shard each layer-container item as an FSDP unit, then the root.
 
-    Every unit is made dtype-safe (odd-dtype islands split off, see
-    [`fsdp_core.dtype_units`][fsdp_core.dtype_units]) unless ``dtype_safe=False``. After sharding,
-    the runtime hooks the plan lists ([`ShardingPlan.hooks`][fsdp_core.plan.ShardingPlan.hooks]) are
-    installed; ``disabled_hooks`` names hooks to leave out (see
-    [`HOOKS`][fsdp_core.parallelizer.ModelParallelizer.HOOKS]). ``FoundT`` is what the
-    parallelizer finds in a model before planning (``ctx.found``; ``None`` here).
+    Units are dtype-safe ([`fsdp_core.dtype_units`][fsdp_core.dtype_units]) unless
+    ``dtype_safe=False``. After sharding, the plan's runtime hooks
+    ([`ShardingPlan.hooks`][fsdp_core.plan.ShardingPlan.hooks]) are installed, less
+    ``disabled_hooks`` (names of [`HOOKS`][fsdp_core.parallelizer.ModelParallelizer.HOOKS]).
+    ``FoundT`` is what the parallelizer finds in a model before planning (``ctx.found``).
 
     Args:
         dtype_safe: split odd-dtype islands into units of their own.
@@ -123,8 +115,7 @@ class ModelParallelizer(Generic[FoundT]):
         ValueError: a hook name is unknown (the message lists the valid ones).
     """
 
-    #: The runtime hook classes this parallelizer may plan (subclasses add theirs); their
-    #: names are what ``disabled_hooks`` accepts.
+    #: The runtime hook classes this parallelizer may plan; ``disabled_hooks`` takes their names.
     HOOKS: ClassVar[tuple[type[RuntimeHook], ...]] = (
         AccumulationWarmupRuntimeHook,
         UnusedParamsRuntimeHook,
@@ -151,13 +142,12 @@ class ModelParallelizer(Generic[FoundT]):
         ignored_params: set[nn.Parameter] | None = None,
         dp_dims: str | Sequence[str] | None = None,
     ) -> nn.Module:
-        """Plan and apply in one step; returns ``model`` (sharded in place).
+        """Plan and apply in one step, sharding ``model`` in place.
 
-        ``mesh`` is the data-parallel mesh (1-D, or HSDP 2-D), also when it is a
-        sub-mesh of a larger mesh whose other dimensions (TP, CP, EP, PP) were applied
-        first (``world_mesh["dp"]``); or the whole mesh, with ``dp_dims`` naming its
-        data-parallel dimensions (``dp_dims="dp"``, ``dp_dims=("dp_replicate",
-        "dp_shard")``). See [`ParallelDims`][fsdp_core.parallel_dims.ParallelDims].
+        ``mesh`` is the data-parallel mesh (1-D, or HSDP 2-D; ``world_mesh["dp"]`` after
+        TP, CP, EP or PP), or the whole mesh with ``dp_dims`` naming its data-parallel
+        dimensions (``"dp"``, ``("dp_replicate", "dp_shard")``; see
+        [`ParallelDims`][fsdp_core.parallel_dims.ParallelDims]).
 
         Args:
             model: the model (real, or on ``meta``).
@@ -222,10 +212,8 @@ class ModelParallelizer(Generic[FoundT]):
         ignored_params: set[nn.Parameter] | None,
         found: FoundT | None,
     ) -> ShardingPlan:
-        """The one planning pass: what the parallelizer finds in the model (``found``,
-        or [`_find`][fsdp_core.parallelizer.ModelParallelizer._find] when ``None``), then
-        the replicated and ignored parameters, the calls, what subclasses add beside
-        them, and last the runtime hooks, planned from the finished plan."""
+        """The one planning pass: what ``_find`` finds (unless ``found``), the replicated
+        and ignored parameters, the calls, the additions, then the runtime hooks."""
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         policy = MixedPrecisionPolicy() if mp_policy is None else mp_policy
@@ -280,11 +268,8 @@ class ModelParallelizer(Generic[FoundT]):
     ) -> nn.Module:
         """Shard ``model`` in place as ``plan`` says:
         [`apply_plan`][fsdp_core.parallelizer.apply_plan] with this parallelizer's
-        ``_before_apply`` and ``_after_apply``, installing only the runtime hooks of its
-        ``HOOKS``. ``mesh`` and ``dp_dims`` as in ``parallelize``.
-
-        A transformers or peft model's instance then gets a collective ``save_pretrained``
-        (docs/meta-init-and-checkpoints.md).
+        ``_before_apply`` and ``_after_apply``, installing only hooks of its ``HOOKS``. A
+        transformers or peft model then gets a collective ``save_pretrained``.
 
         Args:
             model: the planned model.
@@ -301,16 +286,13 @@ class ModelParallelizer(Generic[FoundT]):
 
     # ------------------------------------------------------------ hooks to override
     def _fully_shard_module(self, module: ShardTarget, **kwargs: object) -> ShardTarget:
-        """Plan ``module`` alone and apply that plan; returns ``module`` (the reference
-        contract's ``_fully_shard_module(module, **kwargs)``, for frameworks that decide
-        the units themselves; ``apply_plan`` does not call it).
+        """Plan ``module`` alone and apply that plan (the reference contract's entry for
+        frameworks that decide the units themselves; ``apply_plan`` does not call it).
 
-        ``mesh=`` and ``mp_policy=`` are required, ``offload_policy=``,
-        ``reshard_after_forward=`` and ``ignored_params=`` default to ``None``. The units
-        [`_unit_groups`][fsdp_core.parallelizer.ModelParallelizer._unit_groups] names come
-        first (dtype islands here), then ``module``. A list of modules is one grouped unit;
-        a module that already is a unit is left as it is. Subclasses that wrap it call
-        ``super()._fully_shard_module(module, **kwargs)``.
+        ``mesh=`` and ``mp_policy=`` are required; the other options default to ``None``.
+        The units [`_unit_groups`][fsdp_core.parallelizer.ModelParallelizer._unit_groups]
+        names come first, then ``module``. A list of modules is one grouped unit; a module
+        that already is a unit is left as it is.
 
         Args:
             module: a module, or the modules of one grouped unit.
@@ -337,71 +319,58 @@ class ModelParallelizer(Generic[FoundT]):
         return module
 
     def _unit_groups(self, module: nn.Module, options: ShardOptions) -> UnitGroups:
-        """The units made inside ``module`` before ``module`` itself when it is sharded
-        outside a plan: its dtype islands (none with ``dtype_safe=False``); model
-        packages add theirs. Paths are relative to ``module``; submodules that already
-        are units are left out."""
+        """The units made inside ``module`` before it, outside a plan (paths relative to
+        ``module``): its dtype islands unless ``dtype_safe=False``; model packages add theirs."""
         if not self.dtype_safe:
             return []
         return dtype_island_groups(module, options.mp_policy, ignored_params=options.ignored_params)
 
     def _units(self, ctx: PlanContext[FoundT]) -> list[str | ShardCall]:
-        """The units made before the root, in order. A path becomes a unit with its dtype
-        islands split off ([`_plan_calls`][fsdp_core.parallelizer.ModelParallelizer._plan_calls];
-        skipped when already planned or without parameters); a ``ShardCall`` is planned as
-        it is. Here: the layer-container items."""
+        """The units made before the root, in order: a path becomes a unit by
+        [`_plan_calls`][fsdp_core.parallelizer.ModelParallelizer._plan_calls] (unless planned
+        or without parameters), a ``ShardCall`` is kept as is. Here: the layer-container items."""
         return [path for path, _ in iter_layer_items(ctx.model)]
 
     def _find(self, model: nn.Module) -> FoundT:
-        """What planning needs to know about ``model`` beyond its layer containers, found
-        once per plan and read by the planning hooks as ``ctx.found`` (a multimodal
-        parallelizer's discovery); nothing (``None``) here."""
+        """What the planning hooks read as ``ctx.found``, found once per plan (a multimodal
+        parallelizer's discovery); ``None`` here."""
         return cast(FoundT, None)
 
     def _ignored_param_names(self, model: nn.Module, names: tuple[str, ...]) -> Iterable[str]:
-        """Parameters kept out of FSDP besides the replicated ones (``names``: those the
-        caller gave as ``ignored_params``)."""
+        """Parameters kept out of FSDP besides the replicated ones (``names``: the caller's)."""
         return names
 
     def _replicated_param_names(self, ctx: PlanContext[FoundT]) -> Iterable[str]:
-        """Parameters the parallelizer keeps whole on every rank itself (placed, cast and
-        synchronised before sharding, ignored by every unit); none here."""
+        """Parameters kept whole on every rank (placed before sharding, in no unit); none here."""
         return ()
 
     def _plan_additions(
         self, ctx: PlanContext[FoundT], calls: tuple[ShardCall, ...]
     ) -> PlanAdditions:
-        """What the plan holds beside its calls, decided from the same context: the
-        replicated parameters' dtypes, the paths no gradient reaches, the planner's
-        records; nothing here."""
+        """What the plan holds beside its calls (``PlanAdditions``); nothing here."""
         return PlanAdditions()
 
     def _plan_notes(self, ctx: PlanContext[FoundT]) -> list[str]:
         return []
 
     def _entry_paths(self, ctx: PlanContext[FoundT]) -> list[str]:
-        """Modules called outside the model's forward, whose units ``entry_unshard``
-        gathers: wrapped models that generate (``PeftModel.generate`` runs the inner
-        model's) and transformers submodels (duck-typed by ``config`` and
-        ``get_input_embeddings``); the multimodal parallelizer adds towers and projectors."""
+        """Modules called outside the model's forward, whose units ``entry_unshard`` gathers
+        (see ``hook_planning.is_entry``); the multimodal parallelizer adds towers and projectors."""
         return [path for path, module in ctx.model.named_modules() if path and is_entry(module)]
 
     def _plan_hooks(self, ctx: PlanContext[FoundT], plan: ShardingPlan) -> list[HookPlan]:
-        """The runtime hooks ``plan`` needs (before ``disabled_hooks`` are taken out),
-        planned from the finished plan."""
+        """The runtime hooks the finished ``plan`` needs, ``disabled_hooks`` included."""
         return core_hook_plans(
             ctx.model, plan, self._entry_paths(ctx), self._shared_params(ctx, plan)
         )
 
     def _shared_params(self, ctx: PlanContext[FoundT], plan: ShardingPlan) -> list[str]:
-        """Trainable parameters whose inputs the ranks of a data group split between them
-        (their gradients are summed over it, ``fsdp_core.replica_grad``): none here; the
-        multimodal parallelizer names its balanced towers' and joined modules'."""
+        """Trainable parameters whose inputs a data group's ranks split (gradients summed
+        over it, ``fsdp_core.replica_grad``); none here."""
         return []
 
     def _before_apply(self, model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> None:
-        """Runs once before the first unit is made, after the plan's replicated parameters
-        are placed (``fsdp_core.replicated``)."""
+        """Runs once before the first unit is made, after the replicated parameters are placed."""
 
     def _after_apply(self, model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> None:
         """Runs once after the last unit is made (e.g. to tune prefetching or add guards)."""
@@ -417,14 +386,9 @@ class ModelParallelizer(Generic[FoundT]):
                 skip=lambda _p, sub: ctx.is_planned(sub),
                 ignored_param_names=ctx.ignored_param_names,
             )
-            groups += [
-                (
-                    paths,
-                    island_policy(dtype, ctx.mp_policy, surrounding_dtype=dominant),
-                    "dtype_island",
-                )
-                for dtype, paths in group_islands(islands)
-            ]
+            for dtype, paths in group_islands(islands):
+                policy = island_policy(dtype, ctx.mp_policy, surrounding_dtype=dominant)
+                groups.append((paths, policy, "dtype_island"))
         groups.append(((path,), ctx.mp_policy, "root" if path == "" else "layer"))
         return [
             self._make_call(paths, ctx, mp_policy=policy, reshard_after_forward=reshard, role=role)
@@ -442,8 +406,7 @@ class ModelParallelizer(Generic[FoundT]):
         role: str,
         units: tuple[UnitPlan, ...] | None = None,
     ) -> ShardCall:
-        """A call with one unit (or the given expansion), marking its members as planned;
-        its offload is ``_unit_offload``'s."""
+        """A call with one unit (or the given ``units``), marking its members as planned."""
         ignored = ctx.ignored_under(paths)
         offload = self._unit_offload(paths, ctx)
         if units is None:
@@ -472,9 +435,8 @@ class ModelParallelizer(Generic[FoundT]):
     def _unit_offload(
         self, paths: tuple[str, ...], ctx: PlanContext[FoundT]
     ) -> OffloadPolicy | None:
-        """The offload policy the plan gives the unit of ``paths`` (``None``: the device,
-        or ``apply_plan(offload_policy=...)`` for every unit); none here, a multimodal
-        parallelizer decides it per part."""
+        """The offload policy the plan gives the unit of ``paths``; ``None`` here (the
+        device, or ``apply_plan(offload_policy=...)``)."""
         return None
 
 
@@ -484,8 +446,7 @@ class PlanMismatchError(RuntimeError):
 
 def check_applied_units(model: nn.Module, plan: ShardingPlan) -> None:
     """Raise [`PlanMismatchError`][fsdp_core.parallelizer.PlanMismatchError] unless the FSDP units
-    in ``model`` are exactly ``plan.units``, so that what is printed is what runs (skipped,
-    with a warning, on a torch whose FSDP state cannot be read).
+    in ``model`` are exactly ``plan.units`` (a warning where torch's FSDP state is unreadable).
 
     Args:
         model: the sharded model.
@@ -521,12 +482,9 @@ def apply_plan(
     offload_policy: OffloadPolicy | None = None,
     dp_dims: str | Sequence[str] | None = None,
 ) -> nn.Module:
-    """Shard ``model`` in place as ``plan`` says, from the plan alone: place the
-    replicated parameters as it recorded, make each planned unit with torch's
-    ``fully_shard``, check the units, and install the planned runtime hooks from their
-    plan data. Collective over the ranks that run the model's forward together; what a
-    parallelizer's [`apply_plan`][fsdp_core.parallelizer.ModelParallelizer.apply_plan]
-    does, without its overridable steps. ``mesh`` and ``dp_dims`` as in
+    """Shard ``model`` in place from the plan alone: place the replicated parameters,
+    make each planned unit, check them and install the planned runtime hooks. Collective
+    over the ranks that run the forward together; ``mesh`` and ``dp_dims`` as in
     [`ModelParallelizer.parallelize`][fsdp_core.parallelizer.ModelParallelizer.parallelize].
 
     Args:
@@ -557,12 +515,10 @@ def _apply(
     offload_policy: OffloadPolicy | None,
     parallelizer: ModelParallelizer[Any] | None,
 ) -> nn.Module:
-    """The one application of a plan: every check first (the ranks' plans, the module
-    tree, the options of each unit, the hooks), then the units, then the hooks."""
+    """The one application of a plan: every check first, then the units, then the hooks."""
     if not isinstance(plan, ShardingPlan):
         raise TypeError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
-    # Collective: every rank that runs the model's forward (the data-parallel ranks and
-    # those of TP, CP, EP) arrives and applies the same plan.
+    # Every rank that runs the model's forward (dp, TP, CP, EP) applies the same plan.
     entry = enter_collective("apply_plan", ranks=dims.lockstep_ranks())
     mesh = dims.dp_mesh
     entry.agree_on(_plan_digest(plan), what="sharding plan", error=PlanMismatchError)
