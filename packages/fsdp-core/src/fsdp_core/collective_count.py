@@ -2,20 +2,17 @@
 measures, in one type.
 
 [`CommCounter`][fsdp_core.collective_count.CommCounter] is a ``TorchDispatchMode``: every
-collective FSDP2 issues passes through the dispatcher as an op of the ``c10d`` namespace,
-so counting there is exact and works the same under the fake process group (one process,
-real layouts) and on real gloo/NCCL ranks. [`CommTally`][fsdp_core.collective_count.CommTally]
-adds them up per phase and kind; the estimates predict one, runtime hooks' cost models
+collective FSDP2 issues is a ``c10d`` op in the dispatcher, so counting there is exact, in
+one process under the fake process group as on real ranks.
+[`CommTally`][fsdp_core.collective_count.CommTally] adds them up per phase and kind: the
+estimates predict one, hooks' cost models
 ([`RuntimeHook.collectives`][fsdp_core.runtime.RuntimeHook.collectives]) return one and a
-counter gives one ([`CommCounter.tally`][fsdp_core.collective_count.CommCounter.tally]), so
-all three compare key by key. It lives below every package so that a hook's cost model can
-speak it without importing the estimates.
+counter gives one, so all three compare key by key. It lives below every package so that a
+hook's cost model can speak it without importing the estimates.
 
-Byte convention: the size of the *unsharded* buffer of a collective (the all-gather
-output, every slot of it, the reduce-scatter input, the all-reduce/broadcast tensor).
-What a rank actually sends on a ring is ``(world - 1) / world`` of that. An
-``all_to_all`` has no such buffer (each rank sends and receives its own amounts): its
-bytes are those this rank sends (its whole input buffer, the part for itself included),
+Bytes are those of the *unsharded* buffer (the all-gather output, the reduce-scatter input,
+the all-reduce/broadcast tensor; a ring sends ``(world - 1) / world`` of it). An
+``all_to_all`` has no such buffer: its bytes are what this rank sends (its whole input),
 and what it receives is recorded beside them (``received``).
 """
 
@@ -114,7 +111,7 @@ class CommTally:
         return sum(n for (p, k), n in table.items() if kind in (None, k) and phase in (None, p))
 
     def count(self, kind: str | None = None, phase: str | None = None) -> int:
-        """Number of collectives, optionally of one kind and/or phase.
+        """Number of collectives, of every kind and phase or of the ones given.
 
         Args:
             kind: ``"all_gather"``, ... (every kind if None).
@@ -126,7 +123,7 @@ class CommTally:
         return self._sum(self.counts, kind, phase)
 
     def bytes(self, kind: str | None = None, phase: str | None = None) -> int:
-        """Bytes (unsharded buffers), optionally of one kind and/or phase.
+        """Bytes (unsharded buffers), of every kind and phase or of the ones given.
 
         Args:
             kind: ``"all_gather"``, ... (every kind if None).
@@ -138,8 +135,7 @@ class CommTally:
         return self._sum(self.nbytes, kind, phase)
 
     def received_bytes(self, kind: str | None = None, phase: str | None = None) -> int:
-        """Bytes received by the collectives that record them (``all_to_all``),
-        optionally of one kind and/or phase.
+        """Bytes received (``all_to_all`` records them), of every kind and phase or those given.
 
         Args:
             kind: ``"all_gather"``, ... (every kind if None).
@@ -206,8 +202,6 @@ class CommTally:
             return NotImplemented
         return not self.differences(other)
 
-    __hash__ = None  # type: ignore[assignment]
-
 
 @dataclass(frozen=True)
 class CollectiveRecord:
@@ -223,18 +217,12 @@ class CollectiveRecord:
 
 
 def _buffer(value: Any) -> tuple[int, torch.dtype | None]:
-    """Bytes of every tensor in ``value`` (a ``c10d`` op argument: a tensor or nested
-    lists of them) and the dtype of the first."""
-    tensors: list[torch.Tensor] = []
-    pending = [value]
-    while pending:
-        item = pending.pop(0)
-        if isinstance(item, torch.Tensor):
-            tensors.append(item)
-        elif isinstance(item, (list, tuple)):
-            pending[:0] = list(item)
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    return nbytes, (tensors[0].dtype if tensors else None)
+    """Bytes of every tensor in a ``c10d`` op argument (a tensor or nested lists of them)
+    and the dtype of the first."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size(), value.dtype
+    parts = [_buffer(item) for item in value] if isinstance(value, (list, tuple)) else []
+    return sum(n for n, _ in parts), next((d for _, d in parts if d is not None), None)
 
 
 class CommCounter(TorchDispatchMode):
@@ -292,6 +280,13 @@ class CommCounter(TorchDispatchMode):
             tally.add(record.phase, record.kind, record.nbytes, received=record.received)
         return tally
 
+    def _per_kind(self, table: str, phase: str | None) -> dict[str, int]:
+        totals: Counter[str] = Counter()
+        for (p, kind), n in getattr(self.tally(), table).items():
+            if phase in (None, p):
+                totals[kind] += n
+        return dict(totals)
+
     def counts(self, phase: str | None = None) -> dict[str, int]:
         """Number of collectives per kind (optionally of one phase).
 
@@ -301,7 +296,7 @@ class CommCounter(TorchDispatchMode):
         Returns:
             ``{kind: count}``.
         """
-        return dict(Counter(r.kind for r in self.records if phase in (None, r.phase)))
+        return self._per_kind("counts", phase)
 
     def bytes(self, phase: str | None = None) -> dict[str, int]:
         """Full-buffer bytes per kind (optionally of one phase); ``all_to_all``: sent.
@@ -312,15 +307,10 @@ class CommCounter(TorchDispatchMode):
         Returns:
             ``{kind: bytes}``.
         """
-        totals: Counter[str] = Counter()
-        for record in self.records:
-            if phase in (None, record.phase):
-                totals[record.kind] += record.nbytes
-        return dict(totals)
+        return self._per_kind("nbytes", phase)
 
     def received_bytes(self, phase: str | None = None) -> dict[str, int]:
-        """Bytes received per kind that records them (``all_to_all``), optionally of one
-        phase.
+        """Bytes received per kind that records them (``all_to_all``), optionally of one phase.
 
         Args:
             phase: ``"forward"``, ``"backward"``, ... (every phase if None).
@@ -328,11 +318,7 @@ class CommCounter(TorchDispatchMode):
         Returns:
             ``{kind: bytes}``.
         """
-        totals: Counter[str] = Counter()
-        for record in self.records:
-            if record.received is not None and phase in (None, record.phase):
-                totals[record.kind] += record.received
-        return dict(totals)
+        return self._per_kind("received", phase)
 
     def clear(self) -> None:
         """Forget everything recorded so far (the counter keeps counting)."""

@@ -1,44 +1,25 @@
 """The parallel dimensions of a job: the one place they enter the library.
 
 FSDP shards over the data-parallel dimensions of a ``DeviceMesh`` (one, or two for
-HSDP). Large vision-language models run it beside tensor (TP), context (CP), expert
-(EP) and pipeline (PP) parallelism that the caller or a framework applied first, on
-other dimensions of the same mesh. [`ParallelDims`][fsdp_core.parallel_dims.ParallelDims]
-says which dimensions exist and which ranks share what, so that plans, estimates and
-every runtime hook read one answer instead of assuming the world is their mesh:
+HSDP), beside the TP, CP, EP and PP that the caller applied first on other dimensions
+of the same mesh. [`ParallelDims`][fsdp_core.parallel_dims.ParallelDims] says which
+ranks share what, so that plans, estimates and runtime hooks read one answer instead
+of assuming the world is their mesh:
 
-- the data-parallel mesh FSDP shards over
-  ([`dp_mesh`][fsdp_core.parallel_dims.ParallelDims.dp_mesh]);
-- the ranks that run this model's forward together
-  ([`lockstep_mesh`][fsdp_core.parallel_dims.ParallelDims.lockstep_mesh]): every
-  dimension but PP, because TP, CP and EP ranks issue collectives inside the forward
-  and hang when their forwards differ (PP stages run other parts of the model);
-- the ranks that hold the same batch, the *data group* for media
-  ([`data_group_ranks`][fsdp_core.parallel_dims.ParallelDims.data_group_ranks]): the
-  TP x CP ranks of one data-parallel coordinate;
-- with expert parallelism, the ranks that hold replicas of this rank's expert shard
-  ([`expert_replica_mesh`][fsdp_core.parallel_dims.ParallelDims.expert_replica_mesh]);
-- the ranks of a data group that split a trainable tower's items and sum its gradients
-  ([`sharing_mesh`][fsdp_core.parallel_dims.ParallelDims.sharing_mesh]): TP's.
-
-EP borrows its ranks from data parallelism, as torchtitan's does: the ranks along an
-``ep`` dimension hold different batches, the experts are sharded over ``ep`` (by the
-caller's EP plan, applied first) and replicated over the data-parallel dimensions, and
-every other parameter is data-parallel over the data-parallel dimensions and ``ep``
-together: FSDP shards it over their flattened mesh, and balancing spreads media over
-them too (``batch_mesh``).
-
-CP ranks hold different tokens of the same samples, so their gradients are summed like
-the data-parallel ones: FSDP shards over the data-parallel shard dimension and CP
-together (``dp_mesh``, flattened as torchtitan folds ``dp_shard`` and ``cp`` into
-``fsdp``), while balancing reads the ranks with different batches (``batch_mesh``).
+- ``dp_mesh``: what FSDP shards over, the data-parallel shard dimension flattened with
+  CP (whose ranks hold other tokens of the same samples) and EP (which borrows
+  data-parallel ranks, as torchtitan's does);
+- ``batch_mesh``: the ranks that hold different batches, which balancing spreads media
+  over (data-parallel and EP);
+- ``lockstep_mesh``: every dimension but PP, since TP, CP and EP ranks issue
+  collectives inside the forward and hang when their forwards differ;
+- ``data_group_ranks``: the TP x CP ranks that hold the same batch; ``sharing_mesh``:
+  those that split a trainable tower's items (TP's);
+- ``expert_replica_mesh``: the ranks that hold replicas of this rank's expert shard.
 
 A dimension's role comes from its name (``tp``, ``cp``, ``ep``, ``pp`` or their long
-forms ``tensor_parallel``, ...); a dimension of more than one rank with any other name
-is refused, because the library could not tell whether its ranks run the forward
-together. Built by [`ParallelDims.from_mesh`][fsdp_core.parallel_dims.ParallelDims.from_mesh]
-from what the caller passes to ``parallelize``: the data-parallel sub-mesh of a larger
-mesh, or the whole mesh with ``dp_dims`` naming its data-parallel dimensions.
+forms); a dimension of more than one rank with any other name is refused, because the
+library could not tell whether its ranks run the forward together.
 """
 
 from __future__ import annotations
@@ -69,10 +50,6 @@ DIMENSION_ROLES: Final[dict[str, tuple[str, ...]]] = {
     "ep": ("ep", "expert_parallel"),
     "pp": ("pp", "pipeline_parallel"),
 }
-#: Roles whose ranks hold the same batch (one data-parallel coordinate).
-_SAME_BATCH: Final = ("tp", "cp")
-#: Roles whose ranks do not run the same part of the model.
-_OTHER_STAGES: Final = ("pp",)
 
 
 def dimension_role(name: str) -> str | None:
@@ -92,8 +69,7 @@ def dimension_role(name: str) -> str | None:
 
 
 def holds_same_batch(name: str) -> bool:
-    """Whether the ranks along the mesh dimension ``name`` hold the same batch (TP, CP):
-    the dimensions of a data group (``ParallelDims.data_group_names``).
+    """Whether the ranks along the mesh dimension ``name`` hold the same batch (TP, CP).
 
     Args:
         name: a mesh dimension's name.
@@ -101,13 +77,12 @@ def holds_same_batch(name: str) -> bool:
     Returns:
         Whether its ranks hold the same batch.
     """
-    return dimension_role(name) in _SAME_BATCH
+    return dimension_role(name) in ("tp", "cp")
 
 
 def local_shape(tensor: torch.Tensor) -> torch.Size:
-    """The shape of this rank's part of ``tensor``: the local shard of a DTensor (a
-    parameter that TP or EP already sharded on another dimension, whose local tensor FSDP
-    then shards over the data-parallel ranks), else the tensor's own shape.
+    """The shape of this rank's part of ``tensor``: a DTensor's local shard (TP or EP
+    sharded it first; FSDP shards that further), else the tensor's own shape.
 
     Args:
         tensor: a parameter, plain or a DTensor.
@@ -118,10 +93,6 @@ def local_shape(tensor: torch.Tensor) -> torch.Size:
     if isinstance(tensor, DTensor):
         return tensor.to_local().shape
     return tensor.shape
-
-
-def _known_names() -> str:
-    return ", ".join(name for names in DIMENSION_ROLES.values() for name in names)
 
 
 @dataclass(frozen=True)
@@ -150,7 +121,7 @@ class ParallelDims:
             raise ValueError(f"{len(self.names)} dimension names for {len(self.sizes)} sizes")
         if len(set(self.names)) != len(self.names):
             raise ValueError(f"mesh dimension names repeat: {self.names}")
-        for name, size in zip(self.names, self.sizes, strict=True):
+        for name, size in self._dims():
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"dimension {name!r} has size {size!r}; sizes are positive ints")
         _check_dp_names(self.dp_names, self.names)
@@ -164,13 +135,14 @@ class ParallelDims:
             )
         unknown = [
             f"{name}={size}"
-            for name, size in zip(self.names, self.sizes, strict=True)
+            for name, size in self._dims()
             if name not in self.dp_names and size > 1 and dimension_role(name) is None
         ]
         if unknown:
+            known = ", ".join(name for names in DIMENSION_ROLES.values() for name in names)
             raise ValueError(
                 f"the mesh has dimensions {', '.join(unknown)} that are neither data-parallel "
-                f"({', '.join(self.dp_names)}) nor named for a known role ({_known_names()}); "
+                f"({', '.join(self.dp_names)}) nor named for a known role ({known}); "
                 "the library cannot tell whether their ranks run the model's forward together "
                 "and hold the same batch: name them for their role, or name them data-parallel "
                 "with dp_dims=..."
@@ -184,11 +156,9 @@ class ParallelDims:
         """The dimensions of ``mesh`` as ``parallelize(model, mesh=..., dp_dims=...)``
         receives it.
 
-        Without ``dp_dims``, ``mesh`` is the data-parallel mesh (1-D, or HSDP 2-D): when
-        it was sliced from a larger mesh (``world_mesh["dp"]``), that mesh's other
-        dimensions are the job's other dimensions. With ``dp_dims`` (a name or a tuple
-        of one or two names), ``mesh`` is the whole mesh and those are its
-        data-parallel dimensions.
+        Without ``dp_dims``, ``mesh`` is the data-parallel mesh (1-D, or HSDP 2-D), and
+        the mesh it was sliced from (``world_mesh["dp"]``) gives the job's other
+        dimensions. With ``dp_dims`` (one or two names), ``mesh`` is the whole mesh.
 
         Args:
             mesh: the data-parallel mesh, or the whole mesh with ``dp_dims``.
@@ -215,8 +185,7 @@ class ParallelDims:
                 )
             wanted = _dim_names_arg(dp_dims)
             _check_dp_names(wanted, names)
-            dp_mesh = mesh if wanted == names else mesh[wanted]
-            return cls(names, sizes, wanted, mesh=mesh, data_parallel_mesh=dp_mesh)
+            return cls(names, sizes, wanted, mesh=mesh, data_parallel_mesh=_slice(mesh, wanted))
         names = _names_of(mesh)
         if mesh.ndim > 2:
             raise ValueError(
@@ -233,9 +202,10 @@ class ParallelDims:
             )
         root = torch_modules.root_mesh(mesh)
         root_names = tuple(root.mesh_dim_names or ())
-        if root is mesh or not root_names:
-            return cls(names, sizes, names, mesh=mesh, data_parallel_mesh=mesh)
-        if not set(names) <= set(root_names):
+        if root is not mesh and root_names:
+            if set(names) <= set(root_names):
+                root_sizes = tuple(int(s) for s in root.shape)
+                return cls(root_names, root_sizes, names, mesh=root, data_parallel_mesh=mesh)
             # Flattened or unflattened meshes: the root's dimensions are not this mesh's.
             logger.info(
                 "the data-parallel mesh %s comes from a mesh with dimensions %s that do not "
@@ -244,9 +214,7 @@ class ParallelDims:
                 names,
                 root_names,
             )
-            return cls(names, sizes, names, mesh=mesh, data_parallel_mesh=mesh)
-        root_sizes = tuple(int(s) for s in root.shape)
-        return cls(root_names, root_sizes, names, mesh=root, data_parallel_mesh=mesh)
+        return cls(names, sizes, names, mesh=mesh, data_parallel_mesh=mesh)
 
     @classmethod
     def from_sizes(
@@ -292,6 +260,9 @@ class ParallelDims:
         return cls(tuple(n for n, _ in kept), tuple(s for _, s in kept), dp)
 
     # ------------------------------------------------------------------- shape
+    def _dims(self) -> zip[tuple[str, int]]:
+        return zip(self.names, self.sizes, strict=True)
+
     def size(self, name: str) -> int:
         """The size of the dimension ``name`` (1 when the mesh has none).
 
@@ -327,7 +298,7 @@ class ParallelDims:
     @property
     def dp_shape(self) -> MeshShape:
         """The sizes FSDP shards over (what the estimates cost): the data-parallel ones,
-        the shard dimension times CP."""
+        the shard dimension times CP and EP."""
         sizes = [self.size(n) for n in self.dp_names]
         return MeshShape(
             dp_replicate=sizes[0] if len(sizes) == 2 else 1,
@@ -336,11 +307,10 @@ class ParallelDims:
 
     @property
     def ep_names(self) -> tuple[str, ...]:
-        """The expert-parallel dimensions of more than one rank (EP borrows data-parallel
-        ranks: FSDP shards the non-expert parameters over them too)."""
+        """The expert-parallel dimensions of more than one rank."""
         return tuple(
             n
-            for n, s in zip(self.names, self.sizes, strict=True)
+            for n, s in self._dims()
             if s > 1 and n not in self.dp_names and dimension_role(n) == "ep"
         )
 
@@ -364,8 +334,7 @@ class ParallelDims:
 
     @property
     def cp_names(self) -> tuple[str, ...]:
-        """The context-parallel dimensions of more than one rank (FSDP shards over them
-        with the data-parallel shard dimension)."""
+        """The context-parallel dimensions of more than one rank."""
         return tuple(
             n for n in self.data_group_names if dimension_role(n) == "cp" and n not in self.dp_names
         )
@@ -373,7 +342,7 @@ class ParallelDims:
     @property
     def other_dims(self) -> dict[str, int]:
         """The dimensions that are not data-parallel, with their sizes."""
-        return {n: s for n, s in zip(self.names, self.sizes, strict=True) if n not in self.dp_names}
+        return {n: s for n, s in self._dims() if n not in self.dp_names}
 
     @property
     def lockstep_names(self) -> tuple[str, ...]:
@@ -381,16 +350,14 @@ class ParallelDims:
         ones and those of more than one rank other than PP."""
         return tuple(
             n
-            for n, s in zip(self.names, self.sizes, strict=True)
-            if n in self.dp_names or (s > 1 and dimension_role(n) not in _OTHER_STAGES)
+            for n, s in self._dims()
+            if n in self.dp_names or (s > 1 and dimension_role(n) != "pp")
         )
 
     @property
     def data_group_names(self) -> tuple[str, ...]:
         """The dimensions of more than one rank whose ranks hold the same batch (TP, CP)."""
-        return tuple(
-            n for n, s in zip(self.names, self.sizes, strict=True) if s > 1 and holds_same_batch(n)
-        )
+        return tuple(n for n, s in self._dims() if s > 1 and holds_same_batch(n))
 
     @property
     def sharing_names(self) -> tuple[str, ...]:
@@ -419,27 +386,24 @@ class ParallelDims:
     # ------------------------------------------------------------------ meshes
     @property
     def dp_mesh(self) -> DeviceMesh:
-        """The mesh FSDP shards over: the data-parallel mesh (the object the caller
-        passed, when it passed that), its shard dimension flattened with CP when the job
-        has CP (HSDP: ``(replicate, shard_cp)``)."""
+        """The mesh FSDP shards over: the data-parallel mesh (the caller's object when it
+        passed that), its shard dimension flattened with CP and EP when the job has them
+        (HSDP: ``(replicate, shard_cp)``)."""
         return self._folded(self.folded_names)
 
     @property
     def batch_mesh(self) -> DeviceMesh:
         """The ranks that hold different batches (what balancing spreads media over): the
-        data-parallel mesh, its shard dimension flattened with EP when the job has EP (EP
-        borrows data-parallel ranks; TP and CP ranks share their coordinate's batch)."""
+        data-parallel mesh, its shard dimension flattened with EP when the job has EP."""
         return self._folded(self.ep_names)
 
     def _folded(self, extra: tuple[str, ...]) -> DeviceMesh:
-        """The data-parallel mesh with ``extra`` flattened into its shard dimension (in
-        mesh order; HSDP's replicate dimension stays in front)."""
+        """The data-parallel mesh with ``extra`` flattened into its shard dimension."""
         if not extra:
             return self._need(self.data_parallel_mesh)
-        root = self._need(self.mesh)
         shard = tuple(n for n in self.names if n == self.dp_names[-1] or n in extra)
         kept = self.dp_names[:-1]
-        folded = root[(*kept, *shard)]
+        folded = self._need(self.mesh)[(*kept, *shard)]
         return torch_modules.flatten_mesh(folded, "_".join(shard), keep=len(kept))  # type: ignore[no-any-return]
 
     @property
@@ -448,34 +412,30 @@ class ParallelDims:
         data-parallel mesh itself when there is no other such dimension)."""
         if self.is_data_parallel_only:
             return self.dp_mesh
-        return _slice(self._need(self.mesh), self.lockstep_names)
+        return self._sub(self.lockstep_names)
 
     @property
     def data_group_mesh(self) -> DeviceMesh | None:
         """The mesh of the ranks holding this rank's batch (TP x CP); ``None`` when each
         rank holds its own."""
-        if not self.data_group_names:
-            return None
-        return _slice(self._need(self.mesh), self.data_group_names)
+        return self._sub(self.data_group_names) if self.data_group_names else None
 
     @property
     def sharing_mesh(self) -> DeviceMesh | None:
         """The mesh of ``sharing_names`` (``None`` when there are none)."""
-        if not self.sharing_names:
-            return None
-        return _slice(self._need(self.mesh), self.sharing_names)
+        return self._sub(self.sharing_names) if self.sharing_names else None
 
     @property
     def expert_mesh(self) -> DeviceMesh:
         """The mesh the caller shards experts over (its ``ep`` dimensions)."""
         if not self.ep_names:
             raise ValueError(f"these ParallelDims ({self.describe()}) have no ep dimension")
-        return _slice(self._need(self.mesh), self.ep_names)
+        return self._sub(self.ep_names)
 
     @property
     def expert_replica_mesh(self) -> DeviceMesh:
         """The ranks that hold this rank's expert shard (``expert_replica_names``)."""
-        return _slice(self._need(self.mesh), self.expert_replica_names)
+        return self._sub(self.expert_replica_names)
 
     def lockstep_ranks(self) -> tuple[int, ...]:
         """Global ranks of this rank's lockstep mesh, sorted (empty without a process group).
@@ -483,9 +443,7 @@ class ParallelDims:
         Returns:
             The ranks.
         """
-        if not dist.is_initialized():
-            return ()
-        return _ranks(self.lockstep_mesh)
+        return _ranks(self.lockstep_mesh) if dist.is_initialized() else ()
 
     def data_group_ranks(self) -> tuple[int, ...]:
         """Global ranks that hold this rank's batch, sorted (this rank alone without TP or
@@ -506,9 +464,11 @@ class ParallelDims:
             The text.
         """
         return ", ".join(
-            f"{n}={s}" + (" (data-parallel)" if n in self.dp_names else "")
-            for n, s in zip(self.names, self.sizes, strict=True)
+            f"{n}={s}" + (" (data-parallel)" if n in self.dp_names else "") for n, s in self._dims()
         )
+
+    def _sub(self, names: tuple[str, ...]) -> DeviceMesh:
+        return _slice(self._need(self.mesh), names)
 
     def _need(self, mesh: DeviceMesh | None) -> DeviceMesh:
         if mesh is None:
