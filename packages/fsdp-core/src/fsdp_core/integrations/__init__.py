@@ -3,30 +3,22 @@
 The library shards the model; the framework trains it; checkpoints and exports go
 through the library's collective, atomic functions
 ([`fsdp_core.checkpoint`][fsdp_core.checkpoint], [`fsdp_core.hf`][fsdp_core.hf]).
-Importing this package imports no framework; each module imports its own (the
-Lightning and torchtitan adapters import none), so install the extra of the same name:
-
-- [`fsdp_core.integrations.transformers`][fsdp_core.integrations.transformers]:
-  `ShardedTrainer` for transformers' `Trainer` (extra `transformers`);
-- [`fsdp_core.integrations.trl`][fsdp_core.integrations.trl]: `ShardedSFTTrainer`
-  for TRL's `SFTTrainer` (extra `trl`);
-- [`fsdp_core.integrations.accelerate`][fsdp_core.integrations.accelerate]:
-  `prepare` for an accelerate loop, with `save_state`/`load_state` routed through the
-  library's checkpoints (extra `accelerate`);
-- [`fsdp_core.integrations.lightning`][fsdp_core.integrations.lightning]: Lightning's
-  `ModelParallelStrategy` (extra `lightning`);
-- [`fsdp_core.integrations.torchtitan`][fsdp_core.integrations.torchtitan]:
-  torchtitan's `parallelize_fn` (extra `torchtitan`).
-
-The adapters are model-agnostic (any model a `ModelParallelizer` shards; what a
-higher layer adds, such as media balancing, works through the runtime hooks the plan
-installed), so they live in fsdp-core. A framework that would mishandle a sharded
-model on its own (wrap it in `DistributedDataParallel`) stops with
+Importing this package imports no framework; each module imports its own (install the
+extra of the same name):
+[`transformers`][fsdp_core.integrations.transformers] (`ShardedTrainer`),
+[`trl`][fsdp_core.integrations.trl] (`ShardedSFTTrainer`),
+[`accelerate`][fsdp_core.integrations.accelerate] (`prepare`),
+[`lightning`][fsdp_core.integrations.lightning] (`ModelParallelStrategy`) and
+[`torchtitan`][fsdp_core.integrations.torchtitan] (`parallelize_fn`; these last two
+import no framework). A framework that would mishandle a sharded model on its own (wrap
+it in `DistributedDataParallel`) stops with
 [`IntegrationRequiredError`][fsdp_core.integrations.IntegrationRequiredError], which
 names the adapter to use.
 """
 
 from __future__ import annotations
+
+import importlib
 
 __all__ = ["IntegrationRequiredError"]
 
@@ -34,3 +26,14 @@ __all__ = ["IntegrationRequiredError"]
 class IntegrationRequiredError(RuntimeError):
     """A framework is about to mishandle a model the library sharded (for example wrap it
     in ``DistributedDataParallel``); the message names the integration to use instead."""
+
+
+def _require_release(package: str, supported: str, low: tuple[int, int], high: int) -> None:
+    """An ImportError unless ``low <= package's (major, minor) < (high, 0)``."""
+    version = importlib.import_module(package).__version__
+    parts = version.split(".")
+    release = tuple(int(p) if p.isdigit() else 0 for p in [*parts, "0"][:2])
+    if not low <= release < (high, 0):
+        raise ImportError(
+            f"fsdp_core.integrations.{package} supports {package}{supported}, found {version}"
+        )

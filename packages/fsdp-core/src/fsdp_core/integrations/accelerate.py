@@ -1,36 +1,15 @@
 """An accelerate training loop on a model the library sharded: ``prepare``.
 
-``accelerator.prepare(model, ...)`` hands the model to accelerate, which decides by its
-distributed type:
-
-- with ``FullyShardedDataParallelPlugin(fsdp_version=2)`` (its FSDP2 path, on GPUs)
-  accelerate sees an ``FSDPModule`` and passes it through unchanged; its
-  ``save_state``/``load_state`` then write per-rank DCP checkpoints of their own;
-- otherwise (no plugin, or any CPU run, where accelerate ignores the plugin) it wraps
-  the model in ``DistributedDataParallel``, which cannot hold sharded parameters (the
-  library's units refuse it with an error naming this module).
-
-[`prepare`][fsdp_core.integrations.accelerate.prepare] does the right thing in both: on
-the FSDP2 path it calls ``accelerator.prepare`` with everything; otherwise it prepares
-everything but the model (optimizer, data loaders, schedulers: gradient accumulation,
-``accelerator.backward``, ``clip_grad_norm_`` work as usual) and routes
-``accelerator.save_state``/``load_state``: the model and the optimizer go through
-[`fsdp_core.checkpoint`][fsdp_core.checkpoint] into ``CHECKPOINT_DIR`` of the state
-directory (every rank writes its shards, atomically), accelerate saves the rest (its
-scheduler, data loader, RNG states and step). accelerate's own optimizer file, which
-would hold one rank's shards only (loaded on every rank, it silently corrupts the
-optimizer), gets a placeholder instead. ``load_state`` of a directory without
-``CHECKPOINT_DIR`` (written by accelerate alone) is refused on every rank before
-anything is read.
-
-Off the FSDP2 path ``prepare`` also routes accelerate's calls that read or write the
-weights of a sharded model (accelerate's own read the shards as if they were whole):
-``get_state_dict`` returns what it returns on the FSDP2 path (whole tensors on CPU on the
-main process, an empty dict elsewhere: ``fsdp_core.export_full_state_dict``),
-``save_model`` writes the library's export (``fsdp_core.hf.save_pretrained``, as
-``model.save_pretrained`` and ``ShardedTrainer.save_model`` do), and ``save`` and
-``register_for_checkpointing`` refuse sharded tensors, whose file would hold one rank's
-shards. Every other model and object goes to accelerate unchanged.
+On accelerate's FSDP2 path (``FullyShardedDataParallelPlugin(fsdp_version=2)``, GPUs)
+accelerate passes an ``FSDPModule`` through unchanged. Otherwise (no plugin, or any CPU
+run) it would wrap the model in ``DistributedDataParallel``, which cannot hold sharded
+parameters, and its own checkpoint and weight calls would read one rank's shards as
+if they were whole. There [`prepare`][fsdp_core.integrations.accelerate.prepare]
+prepares everything but the model and routes ``save_state``/``load_state`` (the model
+and optimizer through [`fsdp_core.checkpoint`][fsdp_core.checkpoint] into
+``CHECKPOINT_DIR``, accelerate's optimizer file a placeholder), ``get_state_dict``
+(whole tensors on the main process), ``save_model`` (``fsdp_core.hf.save_pretrained``),
+and refuses ``save`` and ``register_for_checkpointing`` of sharded tensors.
 """
 
 from __future__ import annotations
@@ -50,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_core.checkpoint import export_full_state_dict, load_checkpoint, save_checkpoint
 from fsdp_core.hf import save_pretrained
 from fsdp_core.hf._save import DEFAULT_MAX_SHARD_SIZE
-from fsdp_core.integrations import IntegrationRequiredError
+from fsdp_core.integrations import IntegrationRequiredError, _require_release
 
 try:
     from accelerate import Accelerator
@@ -72,29 +51,16 @@ _PLACEHOLDER = "fsdp_core_optimizer_state"
 
 
 def _check_release() -> None:
-    import accelerate
-
-    parts = accelerate.__version__.split(".")
-    release = tuple(int(p) if p.isdigit() else 0 for p in [*parts, "0"][:2])
-    if not (1, 16) <= release < (2, 0):
-        raise ImportError(
-            f"fsdp_core.integrations.accelerate supports accelerate{SUPPORTED_ACCELERATE}, found "
-            f"{accelerate.__version__}"
-        )
+    _require_release("accelerate", SUPPORTED_ACCELERATE, (1, 16), 2)
 
 
 _check_release()
 
 
-def _is_fsdp2(accelerator: Accelerator) -> bool:
-    return bool(getattr(accelerator, "is_fsdp2", False))
-
-
 class ShardedState:
     """The model and optimizer of an accelerate run, saved and loaded by the library.
 
-    Registered by ``prepare`` (``accelerator.register_for_checkpointing``) with a save
-    and a load pre-hook of the accelerator; not meant to be built by hand.
+    Registered by ``prepare`` with the accelerator's save and load pre-hooks.
 
     Args:
         model: the sharded model.
@@ -107,7 +73,6 @@ class ShardedState:
         self._saving = False
         self._loading: Path | None = None
 
-    # --- the accelerator's pre-hooks: before accelerate writes or reads anything
     def before_save(self, models: list[nn.Module], weights: list[Any], output_dir: str) -> None:
         """The accelerator's save pre-hook: the library's sharded checkpoint first.
 
@@ -142,11 +107,10 @@ class ShardedState:
             )
         self._loading = sharded
 
-    # --- the optimizer's own hooks: accelerate's optimizer file is a placeholder
     def optimizer_state_dict(
         self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
     ) -> dict[str, Any] | None:
-        """The optimizer's state-dict post-hook during a save: a placeholder instead of shards.
+        """The optimizer's state-dict post-hook: a placeholder instead of shards while saving.
 
         Args:
             optimizer: the optimizer.
@@ -175,9 +139,8 @@ class ShardedState:
             return optimizer.state_dict()  # read from CHECKPOINT_DIR by load_state_dict below
         return None
 
-    # --- a checkpointed object of the accelerator: after its optimizers, on every rank
     def state_dict(self) -> dict[str, str]:
-        """Where the state was written, for accelerate's file of this object.
+        """Where the state was written (accelerate saves it after the optimizers).
 
         Returns:
             The checkpoint format and directory name.
@@ -211,12 +174,8 @@ def _inner(optimizer: Any) -> torch.optim.Optimizer:
 def prepare(accelerator: Accelerator, model: nn.Module, *objects: Any) -> tuple[Any, ...]:
     """``accelerator.prepare(model, *objects)`` for a model the library sharded.
 
-    Returns ``(model, *prepared objects)`` in the order given. Collective, like
-    ``accelerator.prepare``. At most one optimizer may be given (it is checkpointed with
-    the model). Off accelerate's FSDP2 path it also routes the accelerator's
-    ``save_state``/``load_state`` and its calls that read or write a sharded model's
-    weights (``get_state_dict``, ``save_model``, ``save``, ``register_for_checkpointing``;
-    see the module's description).
+    Collective, like ``accelerator.prepare``. Off accelerate's FSDP2 path it also routes
+    the accelerator's checkpoint and weight calls (see the module's description).
 
     Args:
         accelerator: the run's ``Accelerator``.
@@ -241,7 +200,7 @@ def prepare(accelerator: Accelerator, model: nn.Module, *objects: Any) -> tuple[
             "(ModelParallelizer.parallelize or apply_plan); an unsharded model goes to "
             "accelerator.prepare"
         )
-    if _is_fsdp2(accelerator):
+    if getattr(accelerator, "is_fsdp2", False):
         return tuple(accelerator.prepare(model, *objects))
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
     if len(optimizers) > 1:
@@ -269,15 +228,12 @@ def prepare(accelerator: Accelerator, model: nn.Module, *objects: Any) -> tuple[
     return (model, *prepared)
 
 
-# --------------------------------------------------------------------------------------
-# accelerate's calls that read or write a sharded model's weights, off the FSDP2 path.
-# Bound to the accelerator instance by ``prepare`` (its class keeps accelerate's own);
-# anything that holds no sharded tensor goes to accelerate's method unchanged.
+# accelerate's weight calls, bound to a prepared accelerator off the FSDP2 path; anything
+# that holds no sharded tensor goes to accelerate's own method.
 
 
 def _sharded_module(accelerator: Accelerator, model: object) -> nn.Module | None:
-    """The module under accelerate's wrappers (``torch.compile`` included) if it has FSDP
-    units, else ``None``."""
+    """The module under accelerate's wrappers if it has FSDP units, else ``None``."""
     if not isinstance(model, nn.Module):
         return None
     inner = Accelerator.unwrap_model(accelerator, model, keep_torch_compile=False)
@@ -307,10 +263,7 @@ def _dtensor_keys(obj: object, path: str = "") -> Iterator[str]:
 
 
 def _get_state_dict(self: Accelerator, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
-    """accelerate's ``get_state_dict``; a sharded model's as on accelerate's FSDP2 path:
-    ``fsdp_core.export_full_state_dict`` (whole tensors on CPU on the main process, an
-    empty dict on the others; ``unwrap`` changes nothing, as there: no wrapper holds the
-    model). Collective for a sharded model: every rank calls it."""
+    """A sharded model's as on the FSDP2 path: ``export_full_state_dict`` (collective)."""
     sharded = _sharded_module(self, model)
     if sharded is not None:
         return export_full_state_dict(sharded)
@@ -331,9 +284,7 @@ def _save_model(
     max_shard_size: int | str | None = None,
     safe_serialization: bool = True,
 ) -> None:
-    """accelerate's ``save_model``; a sharded model goes to ``fsdp_core.hf.save_pretrained``
-    (collective: every rank calls it; rank 0 writes beside the old export and swaps it
-    in), with ``max_shard_size`` (default the library's) and safetensors only."""
+    """A sharded model goes to ``fsdp_core.hf.save_pretrained`` (collective)."""
     sharded = _sharded_module(self, model)
     if sharded is None:
         options: dict[str, Any] = {"safe_serialization": safe_serialization}
@@ -359,8 +310,7 @@ def _save_model(
 def _save(
     self: Accelerator, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False
 ) -> None:
-    """accelerate's ``save``; refused for an object holding DTensors, of which the main
-    process alone would write its own shards, in a file that looks whole."""
+    """Refused for DTensors: the main process would write its shards as if whole."""
     found = list(_dtensor_keys(obj))
     if found:
         shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
@@ -375,8 +325,7 @@ def _save(
 
 
 def _register_for_checkpointing(self: Accelerator, *objects: Any) -> None:
-    """accelerate's ``register_for_checkpointing``; refused for a sharded model or an
-    optimizer over one, which accelerate would save from rank 0 alone (its shards)."""
+    """Refused for a sharded model or its optimizer: accelerate would save rank 0's shards."""
     sharded = [
         type(obj).__name__
         for obj in objects
@@ -392,16 +341,8 @@ def _register_for_checkpointing(self: Accelerator, *objects: Any) -> None:
     Accelerator.register_for_checkpointing(self, *objects)
 
 
-#: accelerate method name -> the routed version bound to a prepared accelerator.
-_ROUTED: dict[str, Any] = {
-    "get_state_dict": _get_state_dict,
-    "save_model": _save_model,
-    "save": _save,
-    "register_for_checkpointing": _register_for_checkpointing,
-}
-
-
 def _route_weight_calls(accelerator: Accelerator) -> None:
-    """Bind the routed methods to ``accelerator`` (again on a second ``prepare``: same)."""
-    for name, function in _ROUTED.items():
+    """Bind ``_save`` as ``accelerator.save`` and so on (a second ``prepare``: the same)."""
+    for function in (_get_state_dict, _save_model, _save, _register_for_checkpointing):
+        name = function.__name__[1:]
         accelerator.__dict__[name] = types.MethodType(function, accelerator)

@@ -1,26 +1,14 @@
 """Lightning's ``ModelParallelStrategy``: the library as the model's parallelisation.
 
-Both of Lightning's entry points hand the user a 2-D ``DeviceMesh`` with the
-dimensions ``("data_parallel", "tensor_parallel")``: the Trainer's strategy as
-``self.device_mesh`` inside ``LightningModule.configure_model()``, Fabric's as the
-second argument of ``ModelParallelStrategy(parallelize_fn=...)``. The user applies
-tensor parallelism first, on ``device_mesh["tensor_parallel"]``; ``parallelize_fn``
-then runs a parallelizer on the ``data_parallel`` sub-mesh. That sub-mesh is sliced
-from Lightning's 2-D mesh, so the library's
-[`ParallelDims`][fsdp_core.parallel_dims.ParallelDims] finds the ``tensor_parallel``
-dimension beside it (the ranks that run the forward together and hold the same
-batch). The returned function does nothing on a
-model the library already sharded, because Lightning calls ``configure_model()``
-again for every ``fit``/``validate``/``test`` of the same module.
-
-Lightning's meshes have no expert-parallel dimension. A model whose experts the caller
-placed on an EP mesh (``fsdp_core.expert_parallel``) needs the job's mesh to show it:
-build it with an ``expert_parallel`` dimension beside ``data_parallel`` (EP borrows the
-data-parallel ranks), place the experts on that dimension, and pass that mesh to the
-returned function (in ``configure_model()``, instead of ``self.device_mesh``). Experts on
-a mesh the given one does not show are refused before anything is sharded.
-
-Lightning itself is not imported here: the adapter only reads the mesh.
+Lightning hands the user a ``("data_parallel", "tensor_parallel")`` mesh (the Trainer's
+``self.device_mesh`` in ``configure_model()``, Fabric's ``parallelize_fn`` argument).
+The user applies TP first; ``parallelize_fn`` then shards over the ``data_parallel``
+sub-mesh, sliced from that mesh so that
+[`ParallelDims`][fsdp_core.parallel_dims.ParallelDims] finds the TP ranks beside it. It
+leaves an already sharded model alone: Lightning calls ``configure_model()`` again for
+every ``fit``/``validate``/``test``. Lightning's meshes have no expert-parallel
+dimension: experts placed over EP need a mesh with one, passed instead. Lightning itself
+is not imported here.
 """
 
 from __future__ import annotations
@@ -49,13 +37,8 @@ ParallelizeFn = Callable[[nn.Module, DeviceMesh], nn.Module]
 
 
 def data_parallel_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
-    """The data-parallel ranks of a Lightning ``ModelParallelStrategy`` mesh.
-
-    A mesh with a ``data_parallel`` dimension gives that sub-mesh (the library reads
-    the mesh's other dimensions from it: ``tensor_parallel`` of any size, or others
-    named for their role, see ``ParallelDims``). A mesh without named dimensions or
-    without that name is taken as it is only when it is 1-D (a mesh the caller built
-    for data parallelism).
+    """The data-parallel ranks of a Lightning ``ModelParallelStrategy`` mesh: its
+    ``data_parallel`` sub-mesh, or a 1-D mesh without that name as it is.
 
     Raises:
         TypeError: ``device_mesh`` is not a ``DeviceMesh``.
@@ -92,14 +75,9 @@ def parallelize_fn(
 ) -> ParallelizeFn:
     """A ``(module, device_mesh) -> module`` function that shards with ``parallelizer``.
 
-    For Fabric, pass it as ``ModelParallelStrategy(parallelize_fn=...)``; in a
-    ``LightningModule``, call it in ``configure_model()`` on the module to train and
-    ``self.device_mesh``. ``parallelizer`` is any ``ModelParallelizer`` (for a
-    vision-language model ``multimodal_fsdp.MultimodalParallelizer(...)`` with its
-    frozen-tower policy); the keyword options are those of its ``parallelize``. The
-    function shards in place, returns the module, and leaves a module whose root
-    already is an FSDP unit as it is (``configure_model()`` runs once per
-    ``fit``/``validate``/``test``).
+    Fabric takes it as ``ModelParallelStrategy(parallelize_fn=...)``; a
+    ``LightningModule`` calls it in ``configure_model()`` with ``self.device_mesh``.
+    It shards in place and returns the module (an already sharded one as it is).
 
     Args:
         parallelizer: plans and applies the sharding.
@@ -140,8 +118,7 @@ def parallelize_fn(
 
 
 def _check_experts(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Experts placed over EP need a mesh that shows the EP dimension (refused up front,
-    on every rank alike: they were given the same mesh)."""
+    """Experts placed over EP need a mesh that shows the EP dimension (every rank alike)."""
     experts = expert_param_names(module)
     if experts and not ParallelDims.from_mesh(mesh).ep_names:
         raise ValueError(

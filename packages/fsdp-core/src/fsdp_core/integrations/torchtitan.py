@@ -1,61 +1,15 @@
 """torchtitan: the library as a ``ModelSpec.parallelize_fn``.
 
-torchtitan builds the model on the ``meta`` device, calls the spec's
-``parallelize_fn(model, *, parallel_dims, training, parallelism, compile_config,
-ac_config, dump_folder)``, then ``model.to_empty(...)`` and ``model.init_weights(...)``,
-and builds the optimizer from the returned model. ``parallelize_fn`` makes such a
-function from a parallelizer: it reads the data-parallel mesh from ``ParallelDims``
-(``dp_shard``, with ``dp_replicate`` as HSDP), the mixed precision, CPU offload and
-``fsdp_reshard_after_forward`` from torchtitan's configs, applies torchtitan's
-activation checkpointing when configured, plans and applies the library's units
-on the ``meta`` model (planning needs no values), and compiles each block when
-``compile.enable`` names the model, as torchtitan's ``apply_compile`` does
-(``fullgraph=True``, ``compile.backend``), but after sharding, so that FSDP's and the
-library's hooks stay outside the compiled code
-([`compile_blocks`][fsdp_core.regional_compile.compile_blocks]).
-
-With ``tensor_parallel_degree > 1`` the function is torchtitan's parallelize_fn in
-full: torchtitan's Trainer applies no parallelism itself, each model's parallelize
-function applies TP first (``model.parallelize(parallel_dims)`` in torchtitan's own
-models), then activation checkpointing, compile and FSDP. The library has no TP plan of
-its own for a vision-language model, so the caller passes one as
-``parallelize_fn(..., tensor_parallel=fn)``: ``fn(model, tp_mesh)`` runs first, on the
-``meta`` model, with ``ParallelDims``' ``tp`` mesh. The library then shards over the
-data-parallel dimensions of torchtitan's dense mesh, given as that mesh's
-``(dp..., tp)`` sub-mesh with ``dp_dims`` naming the data-parallel ones, so that
-[`ParallelDims`][fsdp_core.parallel_dims.ParallelDims] sees the TP dimension (the
-ranks that run the forward together, those that hold the same batch).
-
-With ``context_parallel_degree > 1`` the mesh given to the library also has ``cp``:
-FSDP then shards over the data-parallel shard dimension and ``cp`` together (torchtitan
-folds them into ``fsdp`` too), and a model package's media balancing shares each tower
-call among the CP ranks ([`ParallelDims`][fsdp_core.parallel_dims.ParallelDims]). On
-torchtitan's legacy
-mesh backend, whose ``fsdp`` dimension already folds ``cp``, the library shards over
-``batch`` x ``cp`` (its ``dataloading`` mesh), which has no HSDP replicas.
-
-With ``expert_parallel_degree > 1`` (EP borrowed from the data-parallel ranks, tp and
-cp 1) the caller's EP plan runs first, ``parallelize_fn(..., expert_parallel=fn)``:
-``fn(model, ep_mesh)`` places the routed experts on ``ParallelDims``' ``ep`` mesh. The
-library then gets torchtitan's sparse mesh (``efsdp``, ``ep``; HSDP: with
-``dp_replicate``) with the data-parallel names: FSDP shards everything but the experts
-over ``efsdp`` x ``ep`` (torchtitan's ``fsdp`` ranks), keeps the experts out of its
-units with their EP placements and reduces their gradients over ``efsdp``
-([`fsdp_core.expert_parallel`][fsdp_core.expert_parallel]).
-
-With ``pipeline_parallel_degree > 1`` torchtitan's ``pipelining_fn`` (``pipeline_llm``,
-``pipeline_vlm``) cuts the model into parts, one per local stage, and calls this
-``parallelize_fn`` once per part with the same ``ParallelDims``. Each part is sharded
-like a model of its own over the data-parallel ranks of this rank's ``pp`` coordinate
-(the sub-meshes above hold only those), and its runtime hooks meet over that stage's
-ranks; a part without the towers (every stage but the first) is planned as a plain
-language model. Pipeline schedules end each step's backwards by hand, which the step
-agreement leaves to them ([`fsdp_core.step_agreement`][fsdp_core.step_agreement]).
-
-EP beside TP or CP is refused, naming the option to change,
-rather than silently ignored. torchtitan is not
-imported here; its configs are read by attribute name, so any object with those
-attributes works.
+torchtitan builds the model on ``meta``, calls the spec's ``parallelize_fn``, then
+``to_empty`` and ``init_weights``. The function made here reads torchtitan's configs
+(mixed precision, CPU offload, resharding, activation checkpointing, compile) and meshes
+(``dp_shard``/``dp_replicate``; with TP, CP or EP the sub-mesh that shows those ranks),
+runs the caller's TP or EP plan first, then plans and applies the library's units on the
+``meta`` model and compiles each block after sharding, so that FSDP's and the library's
+hooks stay outside the compiled code
+([`compile_blocks`][fsdp_core.regional_compile.compile_blocks]). A pipeline stage's part
+is sharded like a model of its own. EP beside TP or CP is refused. torchtitan is not
+imported: its configs are read by attribute name. The torchtitan guide has the details.
 """
 
 from __future__ import annotations
@@ -105,9 +59,7 @@ def _check_supported(parallel_dims: Any) -> None:
 
 
 def _dp_names(parallel_dims: Any) -> tuple[str, ...]:
-    """torchtitan's data-parallel mesh dimensions: ``dp_shard`` (``fsdp`` in older
-    backends; ``batch`` there with CP, whose ``fsdp`` folds ``cp``), after
-    ``dp_replicate`` for HSDP."""
+    """``dp_shard`` (older backends: ``fsdp``, or ``batch`` with CP), after ``dp_replicate``."""
     if not _has_mesh(parallel_dims, "dp_shard") and getattr(parallel_dims, "cp_enabled", False):
         return ("batch",)
     shard = "dp_shard" if _has_mesh(parallel_dims, "dp_shard") else "fsdp"
@@ -124,13 +76,10 @@ def _get_mesh(parallel_dims: Any, dims: tuple[str, ...]) -> DeviceMesh:
 
 
 def data_parallel_mesh(parallel_dims: Any) -> DeviceMesh:
-    """The mesh to shard over from a torchtitan ``ParallelDims``: ``dp_shard`` (1-D), or
-    ``(dp_replicate, dp_shard)`` (HSDP) when ``dp_replicate > 1``.
-
-    Older torchtitan backends name the shard dimension ``fsdp``: that is used when
-    ``dp_shard`` is not a mesh of this ``ParallelDims``. With tensor parallelism, pass
+    """The mesh to shard over: ``dp_shard`` (``fsdp`` in older backends), with
+    ``dp_replicate`` (HSDP) when it is above 1. With TP, CP or EP pass
     [`sharding_mesh`][fsdp_core.integrations.torchtitan.sharding_mesh] to the library
-    instead: this mesh alone does not show the ``tp`` dimension.
+    instead: this mesh does not show those ranks.
 
     Args:
         parallel_dims: torchtitan's ``ParallelDims`` (its meshes built).
@@ -157,11 +106,9 @@ def data_parallel_mesh(parallel_dims: Any) -> DeviceMesh:
 
 
 def sharding_mesh(parallel_dims: Any) -> tuple[DeviceMesh, tuple[str, ...]]:
-    """What the library's ``parallelize(model, mesh=..., dp_dims=...)`` takes from a
-    torchtitan ``ParallelDims``: the data-parallel dimensions of its dense mesh plus
-    ``cp`` and ``tp`` when they are above 1 (one sub-mesh of torchtitan's, so the
-    library sees which ranks run the forward together and hold the same batch), and the
-    data-parallel names among them.
+    """The ``mesh=`` and ``dp_dims=`` of the library's ``parallelize``: the data-parallel
+    dimensions plus ``cp`` and ``tp`` when above 1 (EP: the sparse ``efsdp``/``ep`` mesh),
+    one sub-mesh of torchtitan's so that the library sees which ranks share a batch.
 
     Args:
         parallel_dims: torchtitan's ``ParallelDims`` (its meshes built).
@@ -198,24 +145,12 @@ def parallelize_fn(
     tensor_parallel: TensorParallelFn | None = None,
     expert_parallel: TensorParallelFn | None = None,
 ) -> ParallelizeFn:
-    """torchtitan's ``parallelize_fn`` sharding with ``parallelizer`` (any
-    ``ModelParallelizer``: ``multimodal_fsdp.MultimodalParallelizer(...)`` for a
-    vision-language model).
+    """torchtitan's ``parallelize_fn`` sharding with ``parallelizer``.
 
-    Options given here win over torchtitan's configs: ``mp_policy`` over
-    ``training.mixed_precision_param`` / ``mixed_precision_reduce``, ``offload_policy``
-    over ``training.enable_cpu_offload``, ``reshard_after_forward`` over
-    ``parallelism.fsdp_reshard_after_forward``. The function accepts the model on
-    ``meta`` or allocated, shards it in place and returns it; on ``meta``, fill the
-    shards afterwards as torchtitan does (``to_empty`` then ``init_weights``) or with
-    the library's ``materialize_from_full`` / ``load_pretrained``.
-
-    ``tensor_parallel`` is required when ``parallel_dims.tp > 1``: ``fn(model,
-    tp_mesh)`` applies the model's TP plan (torch's ``parallelize_module``) before
-    activation checkpointing and sharding, as torchtitan's own parallelize functions
-    do; the library keeps its placements and shards over the data-parallel ranks.
-    ``expert_parallel`` is required when ``parallel_dims.ep > 1``: ``fn(model, ep_mesh)``
-    places the routed experts on the ``ep`` mesh (``Shard(0)``), before the rest.
+    Options given here win over torchtitan's configs. The function shards the model
+    (on ``meta`` or allocated) in place and returns it. ``tensor_parallel`` (needed when
+    ``tp > 1``) and ``expert_parallel`` (when ``ep > 1``) run first, on the TP or EP mesh,
+    as torchtitan's own parallelize functions apply TP before the rest.
 
     Args:
         parallelizer: plans and applies the sharding.
@@ -259,15 +194,15 @@ def parallelize_fn(
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         mesh, dp_dims = sharding_mesh(parallel_dims)
         backend = _compile_backend(model, compile_config)
-        tp_enabled = bool(getattr(parallel_dims, "tp_enabled", False))
-        if tp_enabled and tensor_parallel is None:
-            raise ValueError(
-                f"tensor parallelism (parallelism.tensor_parallel_degree={parallel_dims.tp}) "
-                "is enabled and torchtitan's parallelize_fn applies it: pass the model's TP "
-                "plan as parallelize_fn(..., tensor_parallel=fn), fn(model, tp_mesh) "
-                "(torch's parallelize_module), or set tensor_parallel_degree to 1"
-            )
-        if tp_enabled and tensor_parallel is not None:
+        if getattr(parallel_dims, "tp_enabled", False):
+            if tensor_parallel is None:
+                raise ValueError(
+                    f"tensor parallelism (parallelism.tensor_parallel_degree="
+                    f"{parallel_dims.tp}) is enabled and torchtitan's parallelize_fn applies "
+                    "it: pass the model's TP plan as parallelize_fn(..., tensor_parallel=fn), "
+                    "fn(model, tp_mesh) (torch's parallelize_module), or set "
+                    "tensor_parallel_degree to 1"
+                )
             tensor_parallel(model, _get_mesh(parallel_dims, ("tp",)))
         if _ep_enabled(parallel_dims):
             if expert_parallel is None:
@@ -284,13 +219,11 @@ def parallelize_fn(
             model,
             mesh=mesh,
             dp_dims=dp_dims,
-            mp_policy=mp_policy if mp_policy is not None else _mp_policy(training),
-            offload_policy=offload_policy
-            if offload_policy is not None
-            else _offload_policy(training),
-            reshard_after_forward=reshard_after_forward
-            if reshard_after_forward is not None
-            else _reshard(parallelism),
+            mp_policy=_mp_policy(training) if mp_policy is None else mp_policy,
+            offload_policy=_offload_policy(training) if offload_policy is None else offload_policy,
+            reshard_after_forward=(
+                _reshard(parallelism) if reshard_after_forward is None else reshard_after_forward
+            ),
         )
         if backend is not None:
             names = compile_blocks(sharded, backend=backend, fullgraph=True)
@@ -328,8 +261,7 @@ def _reshard(parallelism: Any) -> bool | None:
 
 
 def _compile_backend(model: nn.Module, compile_config: Any) -> str | None:
-    """The backend to compile the blocks with (``None``: no compile of the model), checked
-    before anything is applied."""
+    """The backend to compile the blocks with (``None``: no compile), checked up front."""
     if compile_config is None or not getattr(compile_config, "enable", False):
         return None
     if "model" not in getattr(compile_config, "components", ("model",)):
@@ -347,8 +279,7 @@ def _compile_backend(model: nn.Module, compile_config: Any) -> str | None:
 
 
 def _apply_activation_checkpointing(model: nn.Module, ac_config: Any, dump_folder: str) -> None:
-    """torchtitan's activation checkpointing, as its own parallelize functions apply it:
-    every child of ``model.layers`` wrapped, before the units are planned."""
+    """torchtitan's activation checkpointing on ``model.layers``, before planning."""
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.Module):
         raise ValueError(

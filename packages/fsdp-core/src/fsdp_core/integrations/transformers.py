@@ -1,35 +1,15 @@
 """transformers' ``Trainer`` on a model the library sharded: ``ShardedTrainer``.
 
-Shard the model first (adapters added, trainable parameters chosen, ``parallelize``,
-weights loaded), then give it to ``ShardedTrainer`` with the arguments ``Trainer``
-takes. What changes against ``Trainer``:
-
-- the model is trained as it is: no ``DistributedDataParallel`` around it (it cannot
-  hold sharded parameters), no move to another device (FSDP2 placed it); the
-  optimizer is built from the sharded parameters, as ``Trainer`` does at ``train()``;
-- gradient accumulation defers the reduce-scatter to the last micro-batch of each step
-  (``set_requires_gradient_sync`` on every FSDP unit, as Trainer does for the models
-  transformers shards itself);
-- ``save_model`` writes the library's Hugging Face export, collective and atomic
-  (``fsdp_core.hf.save_pretrained``; a ``PeftModel`` writes its adapter);
-- each checkpoint (``save_steps``) also holds the model and the optimizer as one
-  sharded DCP checkpoint (``fsdp_core.checkpoint``, every rank writes its shards) in
-  its ``CHECKPOINT_DIR`` sub-directory, beside the scheduler, the RNG states and the
-  trainer state; ``train(resume_from_checkpoint=...)`` reads it back, so the run
-  continues as if never stopped (``save_only_model=True`` checkpoints resume the
-  weights from the export, the optimizer starts anew, as in ``Trainer``);
-- ``load_best_model_at_end`` reads the best checkpoint's DCP model state;
-- ``predict()`` leaves the outputs of media towers out of its gathers unless
-  ``ignore_keys`` is given (they exist only on ranks with media), and after
-  ``evaluate()``/``predict()`` every unit is resharded.
-
-Clipping (``max_grad_norm``), evaluation and prediction are otherwise ``Trainer``'s own:
-they work on the sharded parameters and through the runtime hooks the plan installed
-(uneven media included). Everything here that transformers keeps private (the
-``Trainer`` methods overridden, its ``is_distributed_loading_by_transformers``
-attribute) is checked when this module is imported or a trainer is built
-(``SUPPORTED_TRANSFORMERS``); a release outside that range, or one lacking one of them,
-is refused with an ``ImportError``.
+Shard the model first (adapters added, ``parallelize``, weights loaded), then give it to
+``ShardedTrainer`` with ``Trainer``'s arguments. Against ``Trainer``: no
+``DistributedDataParallel`` and no device move; gradient accumulation defers the
+reduce-scatter to a step's last micro-batch; ``save_model`` writes the library's export
+(``fsdp_core.hf.save_pretrained``); each checkpoint holds the model and optimizer as one
+sharded DCP checkpoint in ``CHECKPOINT_DIR``, which resuming and
+``load_best_model_at_end`` read back; ``predict()`` leaves media towers' outputs out of
+its gathers (they exist only on ranks with media) and every unit is resharded after an
+evaluation. The private ``Trainer`` members used are checked at import and construction
+(``SUPPORTED_TRANSFORMERS``).
 """
 
 from __future__ import annotations
@@ -49,6 +29,7 @@ from fsdp_core.checkpoint import load_checkpoint, save_checkpoint
 from fsdp_core.hf import _trainer_guard, load_pretrained
 from fsdp_core.hf._hf_model import is_hf_model
 from fsdp_core.hf._lora import base_model, is_peft_model
+from fsdp_core.integrations import _require_release
 
 try:
     import transformers
@@ -82,12 +63,7 @@ _OWNS_SHARDING = "is_distributed_loading_by_transformers"
 
 
 def _check_release() -> None:
-    major = transformers.__version__.split(".", 1)[0]
-    if not (major.isdigit() and 5 <= int(major) < 6):
-        raise ImportError(
-            f"fsdp_core.integrations.transformers supports transformers{SUPPORTED_TRANSFORMERS}, "
-            f"found {transformers.__version__}"
-        )
+    _require_release("transformers", SUPPORTED_TRANSFORMERS, (5, 0), 6)
 
 
 _check_release()
@@ -135,8 +111,7 @@ MEDIA_OUTPUT_PREFIXES = ("image_", "video_", "audio_", "vision_")
 
 
 class _WithoutMediaOutputs(list[str]):
-    """Trainer's ``ignore_keys`` that also holds every media output name (Trainer asks
-    ``key not in ignore_keys + ["loss"]``)."""
+    """Trainer's ``ignore_keys`` (``key not in ignore_keys + ["loss"]``) plus media outputs."""
 
     def __contains__(self, key: object) -> bool:
         return super().__contains__(key) or (
@@ -155,8 +130,6 @@ class ShardedTrainerMixin:
     """Makes a ``transformers.Trainer`` subclass train a model the library sharded.
 
     Put it first among the bases: ``class MyTrainer(ShardedTrainerMixin, SomeTrainer)``.
-    ``ShardedTrainer`` and ``fsdp_core.integrations.trl.ShardedSFTTrainer`` are such
-    classes.
 
     Args:
         *args: the trainer's own arguments.
@@ -186,24 +159,18 @@ class ShardedTrainerMixin:
                 f"this transformers ({transformers.__version__}) Trainer has no "
                 f"{_OWNS_SHARDING!r}; {name} supports transformers{SUPPORTED_TRANSFORMERS}"
             )
-        # Trainer's own path for a model that owns its sharding (no DDP, every rank
-        # joins save_pretrained), decided in its __init__ from the model.
+        # Trainer's own path for a model that owns its sharding (no DDP)
         setattr(self, _OWNS_SHARDING, True)
         trainer_model: nn.Module = self.model  # type: ignore[attr-defined]
         self._sharded_units = _units(trainer_model)
 
-    # ---------------------------------------------------------------- training
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         """FSDP2 placed the shards; ``.to()`` would fail on offloaded ones."""
 
     @contextmanager
     def _defer_fsdp_gradient_reduction(self) -> Iterator[None]:
-        """Trainer's context for a step's non-last micro-batches: no reduce-scatter.
-
-        Trainer's own version reads transformers' ``DistributedConfig`` from the model's
-        config, which a model the library sharded has not; every FSDP unit (an HSDP mesh
-        included) keeps its unreduced gradient until the last micro-batch instead.
-        """
+        """No reduce-scatter in a step's non-last micro-batches (Trainer's own reads a
+        ``DistributedConfig`` a model the library sharded has not)."""
         for unit in self._sharded_units:
             unit.set_requires_gradient_sync(False, recurse=False)
         try:
@@ -212,13 +179,10 @@ class ShardedTrainerMixin:
             for unit in self._sharded_units:
                 unit.set_requires_gradient_sync(True, recurse=False)
 
-    # -------------------------------------------------------------- prediction
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
         """Trainer's loop (``evaluate()``, ``predict()``), then every unit resharded.
 
-        FSDP2 keeps the parameters of units that do not reshard after forward (the root)
-        gathered after a forward without backward; the model would then hold full
-        tensors where its sharded parameters belong until the next training step.
+        Units that do not reshard after forward (the root) would stay gathered.
 
         Args:
             *args: as ``Trainer.evaluation_loop`` takes them.
@@ -242,11 +206,8 @@ class ShardedTrainerMixin:
     ) -> Any:
         """Trainer's step; by default without the outputs of media towers.
 
-        A VLM returns its tower's output (LLaVA's ``image_outputs``) only when the batch
-        has images; on ranks with different media the outputs ``predict()`` gathers
-        would differ in structure and the gathers would not match (gloo aborts, NCCL
-        hangs). Unless ``ignore_keys`` is given, outputs named ``image_*``, ``video_*``,
-        ``audio_*`` or ``vision_*`` are left out, beside what Trainer leaves out.
+        A tower's output (``image_*``, ``video_*``, ``audio_*``, ``vision_*``) exists only
+        on ranks with that media, so ``predict()``'s gathers would not match.
 
         Args:
             model: the model.
@@ -266,7 +227,6 @@ class ShardedTrainerMixin:
             model, inputs, prediction_loss_only, ignore_keys=ignore_keys
         )
 
-    # ------------------------------------------------------------- checkpoints
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Model and optimizer as one sharded DCP checkpoint; the scheduler as Trainer does."""
         state: Any = self.state  # type: ignore[attr-defined]
@@ -283,8 +243,7 @@ class ShardedTrainerMixin:
     def _load_from_checkpoint(
         self, resume_from_checkpoint: str, model: nn.Module | None = None
     ) -> None:
-        """The weights come with the optimizer from the DCP checkpoint; without one (a
-        ``save_only_model`` checkpoint) from the checkpoint's export."""
+        """Weights from the DCP checkpoint (with the optimizer), else from the export."""
         if (Path(resume_from_checkpoint) / CHECKPOINT_DIR).is_dir():
             return  # read with the optimizer, once it exists
         target = self.model if model is None else model  # type: ignore[attr-defined]

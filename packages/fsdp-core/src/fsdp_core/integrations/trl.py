@@ -1,18 +1,16 @@
 """TRL's ``SFTTrainer`` on a model the library sharded: ``ShardedSFTTrainer``.
 
 ``SFTTrainer`` with the behaviour of
-[`ShardedTrainer`][fsdp_core.integrations.transformers.ShardedTrainer] (no DDP, deferred
-reduce-scatters under gradient accumulation, the library's export and sharded
-checkpoints). The model arrives sharded, so it is a model object, not a name, and its
-adapters are already in it: add LoRA with ``peft.get_peft_model`` before sharding and
-pass ``peft_config=None`` (an adapter added after sharding would sit outside FSDP, and
-the library refuses the changed model at its first forward).
+[`ShardedTrainer`][fsdp_core.integrations.transformers.ShardedTrainer]. The model
+arrives sharded, its adapters already in it (``peft.get_peft_model`` before sharding):
+an adapter added after sharding would sit outside FSDP.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from fsdp_core.integrations import _require_release
 from fsdp_core.integrations.transformers import ShardedTrainerMixin
 
 try:
@@ -27,14 +25,7 @@ SUPPORTED_TRL = ">=1.16,<2"
 
 
 def _check_release() -> None:
-    import trl
-
-    parts = trl.__version__.split(".")
-    release = tuple(int(p) if p.isdigit() else 0 for p in [*parts, "0"][:2])
-    if not (1, 16) <= release < (2, 0):
-        raise ImportError(
-            f"fsdp_core.integrations.trl supports trl{SUPPORTED_TRL}, found {trl.__version__}"
-        )
+    _require_release("trl", SUPPORTED_TRL, (1, 16), 2)
 
 
 _check_release()
