@@ -25,24 +25,19 @@ from torch.distributed.tensor import DTensor
 from fsdp_core.collective_entry import enter_collective, group_ranks
 from fsdp_core.hf import _hf_model, _lora, _lora_load
 from fsdp_core.hf import _transformers as tf
-from fsdp_core.hf._safetensors_dir import (
-    CheckpointLayout,
-    open_file,
-    read_layout,
-    require_safetensors,
-)
+from fsdp_core.hf._safetensors_dir import CheckpointLayout, open_file, read_layout
 from fsdp_core.hf._shard_read import code_of, copy_full, read_into
 from fsdp_core.hf._slots import (
     KeyMapping,
     PathLike,
     Slot,
+    check_call,
     hf_names,
     is_meta,
     listed,
     persistent_slots,
     reshard,
 )
-from fsdp_core.module_tree import check_unchanged_since_sharding
 from fsdp_core.weights_check import (
     mark_weights_loaded,
     non_persistent_buffers,
@@ -89,9 +84,6 @@ def _default_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-# ------------------------------------------------------------------------- naming
-
-
 @dataclass(frozen=True)
 class _Match:
     """One way of naming the model's tensors, tried against the checkpoint's keys."""
@@ -129,12 +121,8 @@ def _match(naming: str, slots: Sequence[Slot], keys: Iterable[str], rename: KeyM
 
 
 def _declined(model: nn.Module, keys: Iterable[str]) -> set[str]:
-    """Checkpoint keys the model has no use for by design.
-
-    A key whose last part names a non-persistent buffer of the model (an
-    ``inv_freq`` older checkpoints saved) holds what the model computes itself;
-    transformers models also list patterns in ``_keys_to_ignore_on_load_unexpected``.
-    """
+    """Checkpoint keys the model has no use for by design: a non-persistent buffer's (an
+    old saved ``inv_freq``), and transformers' ``_keys_to_ignore_on_load_unexpected``."""
     leaves = {name.rpartition(".")[2] for name in non_persistent_buffers(model)}
     patterns = getattr(model, tf.KEYS_TO_IGNORE_ON_LOAD_UNEXPECTED, None) or []
     if not isinstance(patterns, (list, tuple, set)):
@@ -157,12 +145,8 @@ def _resolve(
     same = _match("module", slots, keys, lambda name: name)
     if same.problems == 0 or not _hf_model.is_hf_model(model):
         return same
-    table = hf_names(model, slots)
-    renamed = _match("save_pretrained", slots, keys, lambda name: table.get(name, name))
-    return renamed  # neither fits: report against the names transformers itself writes
-
-
-# ------------------------------------------------------------------------- reading
+    table = hf_names(model, slots)  # neither fits: report against the names transformers writes
+    return _match("save_pretrained", slots, keys, lambda name: table.get(name, name))
 
 
 def _load_tensors(layout: CheckpointLayout, slots: Sequence[Slot], match: _Match) -> list[str]:
@@ -195,9 +179,6 @@ def _retie(model: nn.Module, slots: Sequence[Slot]) -> None:
         for name in slot.names[1:]:
             path, _, attr = name.rpartition(".")
             getattr(model.get_submodule(path), table)[attr] = shared
-
-
-# ------------------------------------------------------------------------- buffers
 
 
 def _fill_buffers(
@@ -238,9 +219,6 @@ def _check_buffer_names(model: nn.Module, buffers: Mapping[str, torch.Tensor]) -
         raise ValueError(f"buffers= names {listed(unknown)}, which are not buffers of the model")
 
 
-# ------------------------------------------------------------------------- public API
-
-
 def load_pretrained(
     model: nn.Module,
     directory: PathLike,
@@ -253,43 +231,30 @@ def load_pretrained(
 ) -> PretrainedLoad:
     """Load a ``save_pretrained`` directory into ``model`` (sharded or not), in place.
 
-    Call it on every rank, after planning and sharding a model built on ``meta``:
-    it allocates the model (``to_empty``) on ``device`` (default: the mesh's
-    device, else the CPU), reads each rank's slices and casts every tensor to the
-    dtype the model holds (an fp32 island stays fp32 whatever the file holds).
+    Call it on every rank after sharding a model built on ``meta``: it allocates the
+    model (``to_empty``) on ``device`` (default: the mesh's device, else the CPU), reads
+    each rank's slices and casts every tensor to the dtype the model holds.
 
-    Checkpoint keys are matched to module names as they are, else (transformers
-    models) as the model's own ``save_pretrained`` writes them; ``key_mapping``
-    (module name -> checkpoint key) overrides both. Tied parameters are read
-    once. Non-persistent buffers, which no checkpoint holds, are recomputed by
-    transformers models' buffer initialisation; give others in ``buffers``.
-    With ``strict`` a checkpoint that lacks a model tensor or holds one the
-    model has no place for fails, naming them; otherwise they are returned and
-    missing tensors keep what they held (undefined after a ``meta`` build). Keys
-    the model declines on purpose (an old saved ``inv_freq``, transformers'
+    Checkpoint keys are matched to module names as they are, else (transformers models)
+    as the model's own ``save_pretrained`` writes them; ``key_mapping`` (module name ->
+    checkpoint key) overrides both. Tied parameters are read once. Non-persistent
+    buffers are recomputed by transformers models' buffer initialisation; give others
+    in ``buffers``. With ``strict`` missing or unexpected tensors fail, named; otherwise
+    they are returned. Keys the model declines on purpose (an old saved ``inv_freq``,
     ``_keys_to_ignore_on_load_unexpected``) are skipped and listed as ``ignored``.
 
-    LoRA (peft): into a ``PeftModel`` (or its base model) the base weights are
-    read under their unwrapped names (``q_proj.base_layer.weight`` from
-    ``q_proj.weight``; ``modules_to_save`` copies from the module they copy).
-    When the load allocates the model (a ``meta`` build), the adapters get
-    peft's initial values (``init_lora_weights=True`` or ``"gaussian"``), drawn
-    from the default CPU generator in peft's order as full tensors on every
-    rank, each rank keeping its shard: seed every rank alike right before the
-    load. Other initialisations are refused before anything is read. A
-    directory holding an adapter export (``adapter_config.json``,
-    ``adapter_model.safetensors``) loads the active adapter into a ``PeftModel``
-    whose base weights are loaded. ``key_mapping`` then receives the base
-    model's (unwrapped) names.
-
-    On a pipeline stage (a model sharded over part of the world) each stage loads its
-    own tensors from the whole model's export; the keys of the other stages are
-    returned as ``unexpected`` and do not fail ``strict``.
+    LoRA (peft): a ``PeftModel`` reads its base weights under their unwrapped names.
+    When the load allocates the model, the adapters get peft's initial values
+    (``init_lora_weights=True`` or ``"gaussian"``; others are refused before any read),
+    drawn from the default CPU generator: seed every rank alike right before the load.
+    A directory holding an adapter export (``adapter_config.json``,
+    ``adapter_model.safetensors``) loads the active adapter into a ``PeftModel`` whose
+    base weights are loaded. On a pipeline stage the other stages' keys are returned as
+    ``unexpected`` and do not fail ``strict``.
 
     Collective: every rank of the model's mesh must call it; it waits at most
-    ``timeout`` (default: the process group's timeout) for the others, checks
-    that every rank sees the same checkpoint layout and raises a failure of any
-    rank on every rank.
+    ``timeout`` for the others, checks that every rank sees the same checkpoint layout
+    and raises a failure of any rank on every rank.
 
     Args:
         model: the model (built on ``meta`` and sharded, or a plain one).
@@ -333,11 +298,6 @@ def _read_load_layout(directory: PathLike) -> CheckpointLayout:
         return CheckpointLayout(root, dict.fromkeys(handle.keys(), _hf_model.ADAPTER_WEIGHTS))
 
 
-def _is_adapter_layout(layout: CheckpointLayout) -> bool:
-    """Whether ``layout`` is peft's adapter export (its weights file alone)."""
-    return layout.files == (_hf_model.ADAPTER_WEIGHTS,)
-
-
 def _renamed(slots: Sequence[Slot], view: _lora_load.LoadView) -> list[Slot]:
     """The slots a base checkpoint holds, under the base model's names."""
     out: list[Slot] = []
@@ -351,8 +311,7 @@ def _renamed(slots: Sequence[Slot], view: _lora_load.LoadView) -> list[Slot]:
 def _load_adapter(
     model: nn.Module, directory: PathLike, layout: CheckpointLayout, strict: bool, stage: bool
 ) -> PretrainedLoad:
-    """An adapter export (peft's files) into a loaded peft model: the adapter tensors only
-    (on a pipeline stage, ``stage``, the other stages' keys are not a mismatch)."""
+    """An adapter export into a loaded peft model (``stage``: other stages' keys are fine)."""
     if not _lora.is_peft_model(model):
         raise ValueError(
             f"{str(directory)!r} holds an adapter export (adapter_config.json, "
@@ -383,15 +342,27 @@ def _load_adapter(
         logger.warning("%s", message)
     cast = _load_tensors(layout, wanted, match)
     logger.info("loaded adapter %r (%d tensors) from %s", adapter, match.matched, directory)
+    return _result(directory, layout, match, cast)
+
+
+def _result(
+    directory: PathLike,
+    layout: CheckpointLayout,
+    match: _Match,
+    cast: Sequence[str],
+    recomputed: Sequence[str] = (),
+    ignored: tuple[str, ...] = (),
+) -> PretrainedLoad:
     return PretrainedLoad(
         directory=str(directory),
-        naming="adapter",
+        naming=match.naming,
         files=layout.files,
         loaded=tuple(match.keys),
         cast=tuple(cast),
-        recomputed_buffers=(),
+        recomputed_buffers=tuple(recomputed),
         missing=match.missing,
         unexpected=match.unexpected,
+        ignored=ignored,
     )
 
 
@@ -411,10 +382,9 @@ def _load(
     strict: bool,
     stage: bool,
 ) -> PretrainedLoad:
-    """The load on this rank (no collectives), once every rank holds the same layout;
-    ``stage``: the model is a pipeline stage (see ``_report_mismatch``)."""
-    _check_options(model, key_mapping)
-    if _is_adapter_layout(layout):
+    """The load on this rank (no collectives), once every rank holds the same layout."""
+    check_call(model, "load_pretrained", key_mapping)
+    if layout.files == (_hf_model.ADAPTER_WEIGHTS,):  # peft's adapter export
         if key_mapping is not None or buffers:
             raise ValueError(
                 "key_mapping= and buffers= do not apply to an adapter export (peft names its keys)"
@@ -441,36 +411,12 @@ def _load(
         match.naming,
         len(cast),
     )
-    return PretrainedLoad(
-        directory=str(directory),
-        naming=match.naming,
-        files=layout.files,
-        loaded=tuple(match.keys),
-        cast=tuple(cast),
-        recomputed_buffers=tuple(recomputed),
-        missing=match.missing,
-        unexpected=match.unexpected,
-        ignored=ignored,
-    )
-
-
-def _check_options(model: nn.Module, key_mapping: KeyMapping | None) -> None:
-    """Refusals that need no checkpoint tensor, before the model is touched."""
-    require_safetensors()
-    check_unchanged_since_sharding(model, where="load_pretrained")
-    if key_mapping is not None and not callable(key_mapping):
-        raise TypeError(
-            f"key_mapping must be a function of a module name, got {type(key_mapping).__name__}"
-        )
+    return _result(directory, layout, match, cast, recomputed, ignored)
 
 
 def _lora_view(model: nn.Module, slots: Sequence[Slot]) -> _lora_load.LoadView | None:
-    """A LoRA model's base-model names (``None`` for other models).
-
-    With a tensor still on ``meta`` the load allocates the model and the adapters
-    need peft's first values: initialisations that cannot be computed are refused
-    here, before anything is read.
-    """
+    """A LoRA model's base-model names (``None`` for other models); with a tensor still on
+    ``meta`` the adapters need peft's first values: others are refused before any read."""
     if not _lora_load.is_lora_model(model):
         return None
     return _lora_load.load_view(
@@ -487,11 +433,7 @@ def _match_checkpoint(
     layout: CheckpointLayout,
     key_mapping: KeyMapping | None,
 ) -> tuple[_Match, tuple[str, ...]]:
-    """Checkpoint keys for the model's tensors, and the keys the model declines.
-
-    Declined keys (see ``_declined``) leave ``unexpected``, so they never fail a
-    strict load.
-    """
+    """Checkpoint keys for the model's tensors, and the declined keys (not ``unexpected``)."""
     if view is None:
         match = _resolve(model, slots, layout.weight_map, key_mapping)
     else:
@@ -507,10 +449,8 @@ def _match_checkpoint(
 def _report_mismatch(
     model: nn.Module, directory: PathLike, match: _Match, strict: bool, *, stage: bool = False
 ) -> None:
-    """Missing or unexpected tensors: an error under ``strict`` (before anything is
-    allocated or read), else a warning. On a pipeline stage (``stage``) the checkpoint
-    is the whole model's: its keys the stage has no place for are the other stages'
-    (returned as ``unexpected``, logged), and only missing tensors are a mismatch."""
+    """Missing or unexpected tensors: an error under ``strict`` (before anything is read),
+    else a warning. On a pipeline stage unexpected keys are the other stages' (logged)."""
     if stage and match.unexpected:
         logger.info(
             "pipeline stage: %d checkpoint keys of other stages not loaded here: %s",
@@ -546,12 +486,8 @@ def _allocate(
     given: Mapping[str, torch.Tensor],
     device: torch.device | str | None,
 ) -> tuple[bool, list[str]]:
-    """Allocate a model built on ``meta`` and give its non-persistent buffers values;
-    whether it allocated, and the buffers recomputed.
-
-    ``to_empty`` replaces every buffer, so the ones that held values are kept
-    aside and copied back; ties it split are restored.
-    """
+    """Allocate a ``meta`` model (buffers that held values kept, ties it split restored)
+    and fill non-persistent buffers; whether it allocated, and the buffers recomputed."""
     non_persistent = non_persistent_buffers(model)
     was_meta = {name for name, buf in non_persistent.items() if buf.is_meta}
     allocated = any(is_meta(s.tensor) for s in slots) or bool(was_meta)

@@ -111,7 +111,6 @@ def read_layout(directory: PathLike) -> CheckpointLayout:
         return CheckpointLayout(root, dict(weight_map))
     single = root / SINGLE_FILE
     if single.is_file():
-        require_safetensors()
         with open_file(single) as handle:
             return CheckpointLayout(root, dict.fromkeys(handle.keys(), SINGLE_FILE))
     raise FileNotFoundError(

@@ -15,7 +15,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -30,7 +29,6 @@ from fsdp_core.hf._safetensors_dir import (
     is_weight_file,
     open_file,
     plan_files,
-    require_safetensors,
     verify_export,
     write_file,
     write_index,
@@ -39,13 +37,13 @@ from fsdp_core.hf._slots import (
     KeyMapping,
     PathLike,
     Slot,
+    check_call,
     hf_names,
     is_meta,
     listed,
     persistent_slots,
     reshard,
 )
-from fsdp_core.module_tree import check_unchanged_since_sharding
 from fsdp_core.sizes import parse_size
 
 # The public module's logger: the split into private modules keeps the name users configure.
@@ -88,21 +86,11 @@ def _full(tensor: torch.Tensor, *, keep: bool) -> torch.Tensor | None:
         return tensor.detach().cpu().clone() if keep else None
 
 
-@dataclass(frozen=True)
-class _Export:
-    """What a model export writes: checkpoint key -> tensor, what is merged in, whose config."""
-
-    entries: list[tuple[str, Slot]]
-    terms: Mapping[str, tuple[_lora.AdapterAddition, ...]]  # by checkpoint key: LoRA additions
-    config_model: nn.Module
-
-
 def _unwrapped_slots(
     model: nn.Module, slots: Sequence[Slot], *, merge_adapters: bool
 ) -> tuple[nn.Module, list[Slot], _lora.ExportView]:
-    """The model whose names are exported (a peft model's base when merging) and the
-    slots under its unwrapped names; raises before any collective for wrapped
-    modules that are not merged, or adapters that cannot be."""
+    """The model whose names are exported (a peft model's base when merging) and the slots
+    under its unwrapped names; raises for wrapped modules not merged, or unmergeable."""
     target, prefix = _lora.base_model(model) if merge_adapters else (model, "")
     view = _lora.export_view(target)
     if view.wrapped and not merge_adapters:
@@ -127,10 +115,10 @@ def _export_keys(
     slots: Sequence[Slot],
     key_mapping: KeyMapping | None,
     *,
-    merge_adapters: bool = False,
-) -> _Export:
-    """Checkpoint keys of the exported tensors and the LoRA terms merged into them; raises
-    before any gather when a merged tensor would not be saved."""
+    merge_adapters: bool,
+) -> tuple[nn.Module, list[tuple[str, Slot]], dict[str, tuple[_lora.AdapterAddition, ...]]]:
+    """The model whose config is written, checkpoint key -> slot, and the LoRA terms
+    merged into each key; raises when a merged tensor would not be saved."""
     target, slots, view = _unwrapped_slots(model, slots, merge_adapters=merge_adapters)
     if key_mapping is not None:
         entries = [(key_mapping(slot.names[0]), slot) for slot in slots]
@@ -150,7 +138,7 @@ def _export_keys(
             f"the merged tensors {listed(lost)} would not be saved (the model's "
             "save_pretrained drops them); no export was written"
         )
-    return _Export(_unique(entries), terms, target)
+    return target, _unique(entries), terms
 
 
 def _unique(entries: list[tuple[str, Slot]]) -> list[tuple[str, Slot]]:
@@ -173,38 +161,28 @@ def save_pretrained(
 ) -> tuple[str, ...]:
     """Write ``model`` (sharded or not) as a directory ``from_pretrained`` loads; the files.
 
-    Call it on every rank. Sharded parameters are gathered tensor by tensor and
-    rank 0 writes them in the model's dtypes, in files of at most
-    ``max_shard_size`` (bytes, or e.g. ``"5GB"``; a bigger tensor gets a file of
-    its own) with an index when there are several, replacing an earlier export
-    in ``directory``. Names are those the model's own ``save_pretrained`` writes
-    for transformers models (tied aliases once), else the module names, unless
-    ``key_mapping`` (module name -> checkpoint key) says otherwise. A config with
-    ``save_pretrained`` is written too (with the class and the dtype holding most
-    parameters). Rank 0 holds one output file of full tensors at a time; every
-    rank briefly holds one full tensor while it is gathered.
+    Call it on every rank. Sharded parameters are gathered tensor by tensor and rank 0
+    writes them in the model's dtypes, in files of at most ``max_shard_size`` (a bigger
+    tensor gets its own) with an index when there are several, plus the config. Names
+    are those the model's own ``save_pretrained`` writes for transformers models (tied
+    aliases once), else the module names, unless ``key_mapping`` (module name ->
+    checkpoint key) says otherwise. Rank 0 holds one output file of full tensors at a time.
 
-    Collective, and safe for the export it replaces: every rank of the model's
-    mesh must call it (it waits at most ``timeout``, seconds or a timedelta,
-    default the process group's timeout, then raises ``CollectiveCallError``
-    naming the ranks that did not arrive); every precondition (options, meta
-    tensors, names, a writable destination with room) is agreed before the
-    first gather, and a failure on any rank is raised on every rank. Rank 0
-    writes the new export into a temporary sibling of ``directory``, reads it
-    back and swaps it in, so ``directory`` always holds the complete old export
-    or the complete new one; the user's other files there are kept.
+    Collective and atomic: every rank of the model's mesh must call it (it waits at most
+    ``timeout``); every precondition (options, meta tensors, names, a writable
+    destination with room) is agreed before the first gather, and a failure on any rank
+    is raised on every rank. Rank 0 writes into a temporary sibling of ``directory``,
+    reads it back and swaps it in, so ``directory`` holds the complete old export or the
+    complete new one; the user's other files there are kept.
 
-    LoRA (peft): a ``PeftModel`` is exported as its active adapter alone, in
-    peft's format (``adapter_config.json``, ``adapter_model.safetensors``), which
-    ``PeftModel.from_pretrained(base, directory)`` loads; only adapter tensors
-    are gathered. With ``merge_adapters=True`` a ``PeftModel`` (or its
-    ``get_base_model()``) is exported merged instead: each LoRA layer's base
-    weight plus ``scaling * B @ A``, under the base model's names and with its
-    config, computed on the gathered tensors (the model is not changed). A
-    model with adapter-wrapped modules is never saved under wrapped names: without
-    ``merge_adapters`` that fails on every rank before anything is written, as
-    do adapters the merge does not implement (DoRA and other variants, LoRA on
-    embeddings or convolutions).
+    LoRA (peft): a ``PeftModel`` is exported as its active adapter alone, in peft's
+    format, which ``PeftModel.from_pretrained(base, directory)`` loads. With
+    ``merge_adapters=True`` a ``PeftModel`` (or its base model) is exported merged: each
+    LoRA layer's base weight plus ``scaling * B @ A``, under the base model's names (the
+    model is not changed). A model with adapter-wrapped modules is never saved under
+    wrapped names: without ``merge_adapters`` that fails on every rank before anything
+    is written, as do adapters the merge does not implement (DoRA and other variants,
+    LoRA on embeddings or convolutions).
 
     Args:
         model: the model (sharded or not; a ``PeftModel`` writes its adapter).
@@ -240,8 +218,9 @@ def save_pretrained(
 class _ExportPlan:
     """What every rank gathers and rank 0 writes, decided before the first gather."""
 
-    export: Any
+    config_model: nn.Module
     entries: list[tuple[str, Slot]]
+    terms: Mapping[str, tuple[_lora.AdapterAddition, ...]]  # by checkpoint key: LoRA additions
     files: list[str]
     groups: list[list[str]]
     total_size: int
@@ -255,13 +234,8 @@ def _plan_export(
     merge_adapters: bool,
 ) -> _ExportPlan | None:
     """Every precondition of an export checked on this rank (``None``: a peft adapter)."""
-    require_safetensors()
-    check_unchanged_since_sharding(model, where="save_pretrained")
+    check_call(model, "save_pretrained", key_mapping)
     limit = parse_size(max_shard_size, argument="max_shard_size")
-    if key_mapping is not None and not callable(key_mapping):
-        raise TypeError(
-            f"key_mapping must be a function of a module name, got {type(key_mapping).__name__}"
-        )
     if not isinstance(merge_adapters, bool):
         raise TypeError(f"merge_adapters must be a bool, got {merge_adapters!r}")
     if _lora.is_peft_model(model) and not merge_adapters:
@@ -275,13 +249,13 @@ def _plan_export(
     slots = persistent_slots(model)
     if any(is_meta(slot.tensor) for slot in slots):
         raise ValueError("the model still has tensors on the meta device: load or fill it first")
-    export = _export_keys(model, slots, key_mapping, merge_adapters=merge_adapters)
-    entries = export.entries
+    target, entries, terms = _export_keys(model, slots, key_mapping, merge_adapters=merge_adapters)
     sizes = [(key, slot.tensor.numel() * slot.tensor.element_size()) for key, slot in entries]
     groups = plan_files(sizes, limit)
     return _ExportPlan(
-        export=export,
+        config_model=target,
         entries=entries,
+        terms=terms,
         files=file_names(len(groups)),
         groups=groups,
         total_size=sum(size for _, size in sizes),
@@ -299,7 +273,7 @@ def _write_export(
     for name, keys in zip(plan.files, plan.groups, strict=True):
         tensors: dict[str, torch.Tensor] = {}
         for key in keys:
-            value = _gathered(slot_of[key], plan.export.terms.get(key, ()), keep=work is not None)
+            value = _gathered(slot_of[key], plan.terms.get(key, ()), keep=work is not None)
             if value is not None:
                 tensors[key] = value.contiguous()
         if work is not None:
@@ -321,9 +295,7 @@ def _write_export(
         if len(plan.files) > 1:
             write_index(work, weight_map, plan.total_size)
         floating = (s.tensor for s in plan.slots if s.tensor.dtype.is_floating_point)
-        configs = _hf_model.write_configs(
-            plan.export.config_model, work, dtype=dominant_dtype(floating)
-        )
+        configs = _hf_model.write_configs(plan.config_model, work, dtype=dominant_dtype(floating))
         verify_export(work, weight_map)
         return configs
 
@@ -339,15 +311,9 @@ def export_adapter(
     save_embedding_layers: bool | str = "auto",
     timeout: float | timedelta | None = None,
 ) -> tuple[str, ...]:
-    """Write one adapter of a (sharded) peft model as peft does; the files. Collective.
-
-    ``adapter`` defaults to the active one. The keys and ``adapter_config.json``
-    are what peft's own ``save_pretrained`` writes for it (run on markers, in a
-    temporary directory on every rank); only the tensors it names are gathered.
-    Written beside the old files and swapped in as ``save_pretrained`` does; only
-    adapter files of ``directory`` are replaced. peft's model card
-    (``README.md``) is not written. Refused on a pipeline stage, as ``save_pretrained``.
-    """
+    """Write one adapter (default: the active one) of a (sharded) peft model as peft does;
+    the files. Collective and atomic as ``save_pretrained``; only adapter files of
+    ``directory`` are replaced, and peft's model card is not written."""
     ranks = whole_world_ranks(model, "export_adapter", _STAGES)
     with enter_collective("save_pretrained", ranks=ranks, timeout=timeout) as call:
         return _export_adapter(model, directory, adapter, save_embedding_layers, call)
@@ -367,8 +333,7 @@ def _plan_adapter(
     model: nn.Module, adapter: str | None, save_embedding_layers: bool | str
 ) -> _AdapterPlan:
     """The adapter's keys and config, checked on this rank before any gather."""
-    require_safetensors()
-    check_unchanged_since_sharding(model, where="save_pretrained")
+    check_call(model, "save_pretrained")
     name = _lora.active_adapter(model) if adapter is None else adapter
     if name not in _lora.adapter_names(model):
         raise ValueError(
@@ -409,9 +374,8 @@ def _verify_adapter(work: Path, keys: Sequence[str]) -> None:
 def _staging_directory(
     call: CollectiveCall, directory: PathLike, total_size: int, *, replaces: Callable[[str], bool]
 ) -> Iterator[Path | None]:
-    """A directory beside ``directory`` to write into (on the writing rank; ``None`` on the
-    others); when the block ends well it is swapped in (replacing only the files
-    ``replaces`` accepts), else discarded, so ``directory`` keeps its old export."""
+    """A directory beside ``directory`` for the writing rank (``None`` on the others),
+    swapped in when the block ends well (replacing the files ``replaces`` accepts)."""
     main = call.rank == (call.ranks[0] if call.active else call.rank)
     root = _export_swap.destination(directory)
     work = call.run(

@@ -16,6 +16,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fsdp_core.hf import _hf_model, _lora
+from fsdp_core.hf._safetensors_dir import require_safetensors
+from fsdp_core.module_tree import check_unchanged_since_sharding
 
 PathLike = str | os.PathLike[str]
 
@@ -50,6 +52,16 @@ def persistent_slots(model: nn.Module) -> list[Slot]:
             names.setdefault(id(tensor), []).append(dot + name)
             tensors[id(tensor)] = tensor
     return [Slot(tuple(dict.fromkeys(group)), tensors[key]) for key, group in names.items()]
+
+
+def check_call(model: nn.Module, where: str, key_mapping: object = None) -> None:
+    """Refusals that need no tensor, before the model is touched."""
+    require_safetensors()
+    check_unchanged_since_sharding(model, where=where)
+    if key_mapping is not None and not callable(key_mapping):
+        raise TypeError(
+            f"key_mapping must be a function of a module name, got {type(key_mapping).__name__}"
+        )
 
 
 def reshard(model: nn.Module) -> None:
