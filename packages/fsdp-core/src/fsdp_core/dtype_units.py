@@ -52,35 +52,8 @@ class DtypeIsland:
     dtype: torch.dtype
 
 
-def _never(path: str, module: nn.Module) -> bool:
-    return False
-
-
-def _considered(
-    module: nn.Module,
-    prefix: str,
-    *,
-    trainable_only: bool,
-    skip: SkipPredicate,
-    ignored: frozenset[str],
-) -> Iterable[tuple[str, nn.Parameter]]:
-    """Parameters that will land in ``module``'s unit (recursively, minus skipped subtrees)."""
-    for name, param in module.named_parameters(prefix=prefix, recurse=False):
-        if name in ignored or (trainable_only and not param.requires_grad):
-            continue
-        yield name, param
-    for child_name, child in module.named_children():
-        child_path = join_path(prefix, child_name)
-        if skip(child_path, child):
-            continue
-        yield from _considered(
-            child, child_path, trainable_only=trainable_only, skip=skip, ignored=ignored
-        )
-
-
 def dominant_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype | None:
-    """The dtype holding the most elements of ``tensors`` (parameters or any tensors;
-    first seen wins a tie); ``None`` when empty.
+    """The dtype holding the most elements of ``tensors`` (first seen wins a tie).
 
     Args:
         tensors: parameters or any tensors.
@@ -124,31 +97,39 @@ def find_dtype_islands(
         MixedDtypeError: a module holds parameters of another dtype directly, so no
             submodule can take them out.
     """
-    skip_fn = skip or _never
     ignored = frozenset(ignored_param_names)
 
-    def considered(sub: nn.Module, path: str) -> list[tuple[str, nn.Parameter]]:
-        return list(
-            _considered(sub, path, trainable_only=trainable_only, skip=skip_fn, ignored=ignored)
-        )
+    def children(sub: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
+        named = ((join_path(path, name), child) for name, child in sub.named_children())
+        return [(p, child) for p, child in named if skip is None or not skip(p, child)]
 
-    dominant = dominant_dtype(p for _, p in considered(module, prefix))
+    def own(sub: nn.Module, path: str) -> list[tuple[str, nn.Parameter]]:
+        params = sub.named_parameters(prefix=path, recurse=False)
+        return [
+            (n, p)
+            for n, p in params
+            if n not in ignored and (p.requires_grad or not trainable_only)
+        ]
+
+    def considered(sub: nn.Module, path: str) -> list[nn.Parameter]:
+        """The parameters that will land in ``sub``'s unit."""
+        found = [p for _, p in own(sub, path)]
+        for child_path, child in children(sub, path):
+            found += considered(child, child_path)
+        return found
+
+    dominant = dominant_dtype(considered(module, prefix))
     if dominant is None:
         return None, ()
     islands: list[DtypeIsland] = []
     offenders: list[str] = []
 
     def visit(sub: nn.Module, path: str) -> None:
-        for name, param in sub.named_parameters(prefix=path, recurse=False):
-            if name in ignored or (trainable_only and not param.requires_grad):
-                continue
-            if param.dtype != dominant:
-                offenders.append(f"{name or '<param>'} ({param.dtype})")
-        for child_name, child in sub.named_children():
-            child_path = join_path(path, child_name)
-            if skip_fn(child_path, child):
-                continue
-            dtypes = {p.dtype for _, p in considered(child, child_path)}
+        offenders.extend(
+            f"{n or '<param>'} ({p.dtype})" for n, p in own(sub, path) if p.dtype != dominant
+        )
+        for child_path, child in children(sub, path):
+            dtypes = {p.dtype for p in considered(child, child_path)}
             if not dtypes or dtypes == {dominant}:
                 continue
             if len(dtypes) == 1:
@@ -191,11 +172,10 @@ def group_islands(
             f"this torch ({torch.__version__}) cannot cast per module inside a grouped unit; "
             "pass grouped=False"
         )
-    items = list(islands)
     if not can_group:
-        return [(island.dtype, (island.path,)) for island in items]
+        return [(island.dtype, (island.path,)) for island in islands]
     by_dtype: dict[torch.dtype, list[str]] = {}
-    for island in items:
+    for island in islands:
         by_dtype.setdefault(island.dtype, []).append(island.path)
     return [(dtype, tuple(paths)) for dtype, paths in by_dtype.items()]
 
@@ -223,13 +203,8 @@ def shard_groups_then_module(
         reshard_after_forward: as ``fully_shard`` takes it.
         ignored_params: parameters FSDP leaves alone.
     """
-    options = ShardOptions(
-        mesh=mesh,
-        mp_policy=mp_policy,
-        offload_policy=offload_policy,
-        reshard_after_forward=reshard_after_forward,
-        ignored_params=None if ignored_params is None else frozenset(ignored_params),
-    )
+    ignored = frozenset(ignored_params or ())
+    options = ShardOptions(mesh, mp_policy, offload_policy, reshard_after_forward, ignored)
     shard_units(group_units(module, groups, options))
 
 
@@ -264,10 +239,11 @@ def dtype_island_groups(
     wanted = set(ignored_params or ())
     ignored_names = {name for name, p in module.named_parameters() if p in wanted}
 
-    def left_out(path: str, sub: nn.Module) -> bool:
-        return is_sharded(sub) or (skip is not None and skip(path, sub))
-
-    dominant, islands = find_dtype_islands(module, skip=left_out, ignored_param_names=ignored_names)
+    dominant, islands = find_dtype_islands(
+        module,
+        skip=lambda path, sub: is_sharded(sub) or (skip is not None and skip(path, sub)),
+        ignored_param_names=ignored_names,
+    )
     return [
         (paths, island_policy(dtype, mp_policy, surrounding_dtype=dominant))
         for dtype, paths in group_islands(islands, grouped=grouped)
@@ -301,13 +277,8 @@ def fully_shard_dtype_safe(
     Returns:
         ``module``, sharded.
     """
-    options = ShardOptions(
-        mesh=mesh,
-        mp_policy=mp_policy,
-        offload_policy=offload_policy,
-        reshard_after_forward=reshard_after_forward,
-        ignored_params=None if ignored_params is None else frozenset(ignored_params),
-    )
+    ignored = frozenset(ignored_params or ())
+    options = ShardOptions(mesh, mp_policy, offload_policy, reshard_after_forward, ignored)
     groups = dtype_island_groups(module, mp_policy, ignored_params=ignored_params, grouped=grouped)
     shard_units(group_units(module, groups, options))
     return module

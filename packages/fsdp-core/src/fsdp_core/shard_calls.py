@@ -1,13 +1,10 @@
 """Planned calls as units to shard.
 
-Every way of sharding (a parallelizer's plan, ``apply_plan`` without a parallelizer, a
-framework calling ``_fully_shard_module`` on a module of its choice, the free functions
-``fully_shard_dtype_safe``, ``shard_groups_then_module`` and model packages' own) plans
-the units of its module as [`ShardCall`][fsdp_core.plan.ShardCall]s
+Every way of sharding (a plan, ``_fully_shard_module``, the free functions) plans its
+units as [`ShardCall`][fsdp_core.plan.ShardCall]s
 ([`group_calls`][fsdp_core.shard_calls.group_calls] for one module alone), turns them into
-units with their options ([`call_units`][fsdp_core.shard_calls.call_units]) and hands
-those to [`shard_units`][fsdp_core.sharding.shard_units], the only call of torch's
-``fully_shard``.
+units with options ([`call_units`][fsdp_core.shard_calls.call_units]) and hands those to
+[`shard_units`][fsdp_core.sharding.shard_units].
 """
 
 from __future__ import annotations
@@ -45,25 +42,12 @@ def group_calls(
     ignored = options.ignored_params or frozenset()
     names = [name for name, param in module.named_parameters() if param in ignored]
     planned = [*((tuple(paths), policy) for paths, policy in groups), (("",), options.mp_policy)]
+    reshard = options.reshard_after_forward
     calls = []
     for paths, policy in planned:
         under = tuple(n for n in names if any(is_under(n, path) for path in paths))
-        unit = UnitPlan(
-            paths=paths,
-            mp_policy=policy,
-            reshard_after_forward=options.reshard_after_forward,
-            ignored_param_names=under,
-            role="root" if paths == ("",) else "group",
-        )
-        calls.append(
-            ShardCall(
-                paths=paths,
-                mp_policy=policy,
-                reshard_after_forward=options.reshard_after_forward,
-                ignored_param_names=under,
-                units=(unit,),
-            )
-        )
+        unit = UnitPlan(paths, policy, reshard, under, role="root" if paths == ("",) else "group")
+        calls.append(ShardCall(paths, policy, reshard, under, units=(unit,)))
     return tuple(calls)
 
 
@@ -74,12 +58,9 @@ def call_units(
     mesh: DeviceMesh,
     offload_policy: OffloadPolicy | None = None,
 ) -> list[tuple[ShardTarget, ShardOptions]]:
-    """The units ``calls`` make (paths relative to ``root``, ``""`` is ``root``), in
-    order, each with its own options, checked.
-
-    Each call is offloaded as it says (``ShardCall.offload_policy``); ``offload_policy``
-    offloads every unit of calls that say nothing. Both at once would leave it open which
-    units offload: a ``ValueError``.
+    """The units ``calls`` make (paths relative to ``root``), in order, each with its own
+    checked options. ``offload_policy`` offloads the calls without their own
+    ``ShardCall.offload_policy``; both at once is a ``ValueError``.
 
     Args:
         root: the module the calls' paths are relative to.

@@ -1,9 +1,8 @@
 """The one call site of ``torch.distributed.fsdp.fully_shard`` in the project.
 
-Everything that turns modules into FSDP units comes through
-[`shard_units`][fsdp_core.sharding.shard_units] with options checked once, where they
-entered the library ([`ShardOptions`][fsdp_core.sharding.ShardOptions]); what FSDP2 itself
-checks late (or not at all) is checked there for every unit before the first is made.
+Every FSDP unit is made by [`shard_units`][fsdp_core.sharding.shard_units], with options
+checked where they entered the library ([`ShardOptions`][fsdp_core.sharding.ShardOptions])
+and what FSDP2 checks late (or never) checked for every unit before the first is made.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import torch
 from torch import nn
@@ -61,10 +60,8 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def original_class(module: nn.Module) -> type[nn.Module]:
-    """The class ``fully_shard`` replaced by its ``FSDP<name>`` subclass (else the class).
-
-    Read from the swap itself (the subclass's bases are ``FSDPModule`` and the original),
-    never from the ``FSDP`` name prefix, which a user's own class may carry too.
+    """The class ``fully_shard`` replaced by its ``FSDP<name>`` subclass (else the class),
+    read from the subclass's bases, not from a name prefix a user's class may carry too.
 
     Args:
         module: any module.
@@ -106,20 +103,17 @@ def shard_targets(target: object) -> list[nn.Module]:
     Raises:
         TypeError: ``target`` (or one of its members) is not a module.
     """
-    if isinstance(target, (list, tuple)):
-        return _as_modules(target)
-    if not isinstance(target, nn.Module):
+    if not isinstance(target, (nn.Module, list, tuple)):
         raise TypeError(f"module must be an nn.Module, got {type(target).__name__}")
-    return [target]
+    return _as_modules(target)
 
 
 @dataclass(frozen=True)
 class ShardOptions:
-    """The options of one sharding call, checked once where they enter the library.
+    """The options of one sharding call, checked on construction (a bad call shards nothing).
 
     ``mesh`` and ``mp_policy`` have no default (as in the reference
-    ``fully_shard_deepseek_v41``); pass ``MixedPrecisionPolicy()`` for no mixed
-    precision. Checking happens on construction, so a bad call shards nothing.
+    ``fully_shard_deepseek_v41``); ``MixedPrecisionPolicy()`` is no mixed precision.
     """
 
     mesh: DeviceMesh
@@ -179,8 +173,7 @@ class ShardOptions:
                 "(a DeviceMesh and a MixedPrecisionPolicy; MixedPrecisionPolicy() for no "
                 "mixed precision)"
             )
-        values: dict[str, Any] = dict(kwargs)
-        return cls(**values)
+        return cls(**cast("Mapping[str, Any]", kwargs))
 
 
 #: The keyword options of a sharding call, as ``fully_shard`` and the reference
@@ -339,13 +332,8 @@ def apply_fully_shard(
         ValueError: a member already is a unit, ``reshard_after_forward`` does not divide
             the shard group, or this torch lacks grouped units or ``ignored_params``.
     """
-    options = ShardOptions(
-        mesh=mesh,
-        mp_policy=mp_policy,
-        offload_policy=offload_policy,
-        reshard_after_forward=reshard_after_forward,
-        ignored_params=None if ignored_params is None else frozenset(ignored_params),
-    )
+    ignored = frozenset(ignored_params or ())
+    options = ShardOptions(mesh, mp_policy, offload_policy, reshard_after_forward, ignored)
     shard_units([(target, options)])
 
 
@@ -364,8 +352,8 @@ def check_ignored_params_supported(
     """
     if not ignored_param_names or compat.FULLY_SHARD_IGNORED_PARAMS:
         return
-    replicated = [n for n in ignored_param_names if n in set(replicated_param_names)]
-    given = [n for n in ignored_param_names if n not in set(replicated_param_names)]
+    replicated = [n for n in ignored_param_names if n in replicated_param_names]
+    given = [n for n in ignored_param_names if n not in replicated_param_names]
     causes = []
     if given:
         causes.append(
