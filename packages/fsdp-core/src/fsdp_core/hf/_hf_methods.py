@@ -1,16 +1,10 @@
 """A sharded model's own ``save_pretrained``: collective, and the library's export.
 
-transformers' ``model.save_pretrained(d)`` and peft's ``peft_model.save_pretrained(d)``
-read the parameters as plain tensors and fail deep in torch on a sharded model;
-users call them out of habit. When a plan is applied, the instance (and a peft
-model's base model) gets its own ``save_pretrained``, bound to the library's
-export (a ``functools.partial`` in the instance's ``__dict__``, so it pickles
-and deep-copies with the model): every rank must call it, rank 0 writes, and the files are those of
-``fsdp_core.hf.save_pretrained`` (transformers models) or the adapter export
-(peft models). The class's method stays reachable as
-``type(model).save_pretrained`` and is what the library runs internally to learn
-checkpoint names. Keyword arguments of the original that the export cannot
-honour are refused, on every rank and before anything is written.
+transformers' and peft's ``save_pretrained`` fail deep in torch on a sharded model, and
+users call them out of habit. Applying a plan binds the instance (and a peft model's
+base) a ``functools.partial`` of the library's export (it pickles and deep-copies with
+the model); the class's method stays reachable as ``type(model).save_pretrained``.
+Arguments the export cannot honour are refused on every rank before anything is written.
 """
 
 from __future__ import annotations
@@ -18,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,12 +30,7 @@ _ATTRIBUTE = "save_pretrained"
 
 def install_collective_save(model: nn.Module) -> tuple[str, ...]:
     """Bind a collective ``save_pretrained`` to ``model`` (and a peft model's base); the paths.
-
-    Only instances whose class defines ``save_pretrained`` are touched: a
-    transformers model gets ``save_hf_model``,
-    a peft model ``save_peft_model``. The transformers model also gets the flag
-    that makes an unmodified ``Trainer`` refuse it (``fsdp_core.hf._trainer_guard``).
-    """
+    The transformers model also gets the flag an unmodified ``Trainer`` refuses."""
     _trainer_guard.mark_sharded_by_library(model)
     targets: list[tuple[str, nn.Module, Callable[..., None]]] = []
     if _lora.is_peft_model(model):
@@ -55,7 +44,6 @@ def install_collective_save(model: nn.Module) -> tuple[str, ...]:
     for path, module, method in targets:
         if not callable(getattr(type(module), _ATTRIBUTE, None)):
             continue
-        # A partial, not a bound method: it pickles and deep-copies with the model.
         module.__dict__[_ATTRIBUTE] = functools.partial(method, module)
         installed.append(path)
     if installed:
@@ -63,8 +51,9 @@ def install_collective_save(model: nn.Module) -> tuple[str, ...]:
     return tuple(installed)
 
 
-def _refuse(method: str, problems: Iterable[str]) -> None:
-    found = list(problems)
+def _refuse(method: str, problems: dict[str, bool]) -> None:
+    """Refuse every argument whose entry in ``problems`` is true."""
+    found = [text for text, bad in problems.items() if bad]
     if found:
         raise ValueError(
             f"{method} on a sharded model is the library's collective export "
@@ -74,26 +63,19 @@ def _refuse(method: str, problems: Iterable[str]) -> None:
         )
 
 
-def _unknown(method: str, kwargs: dict[str, Any], known: Iterable[str]) -> None:
-    if kwargs:
-        raise TypeError(
-            f"{method}() got unexpected keyword arguments {sorted(kwargs)}; it accepts "
-            f"{', '.join(known)}"
-        )
-
-
-def _check_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
-
-
-def _check_save_function(kwargs: dict[str, Any]) -> None:
-    """Take ``save_function`` out of ``kwargs``: accelerate's examples pass
-    ``save_function=accelerator.save``, which transformers 5 and peft accept and never
-    call; the export writes its own files, so it is not called either."""
+def _check_kwargs(method: str, kwargs: dict[str, Any], known: str, **flags: object) -> None:
+    """Unknown keywords and non-bool ``flags`` refused; ``save_function`` (accelerate's
+    examples pass ``accelerator.save``; transformers 5 and peft never call it) dropped."""
     save_function = kwargs.pop("save_function", None)
     if save_function is not None and not callable(save_function):
         raise TypeError(f"save_function must be callable, got {save_function!r}")
+    if kwargs:
+        raise TypeError(
+            f"{method}() got unexpected keyword arguments {sorted(kwargs)}; it accepts {known}"
+        )
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
 def save_hf_model(
@@ -116,53 +98,33 @@ def save_hf_model(
 ) -> None:
     """transformers' ``save_pretrained`` on a sharded model: ``fsdp_core.hf.save_pretrained``.
 
-    Collective: call it on every rank (``is_main_process`` is accepted and not
-    needed: rank 0 writes). ``max_shard_size`` is honoured (default: the
-    library's, 5GB, as for ``save_pretrained(model, d)``); ``save_function``
-    (accelerate's examples pass ``accelerator.save``) is accepted and not called,
-    as in transformers 5; ``merge_adapters=True`` merges LoRA-wrapped modules and
-    ``timeout`` bounds the wait for the other ranks, as in the library's export.
-    ``state_dict``, ``push_to_hub``, ``variant``, ``token``, ``safe_serialization=False``,
-    ``save_original_format=False`` and ``distributed_checkpoint=True`` are refused;
-    ``save_peft_format`` only concerns adapters loaded through transformers, which the
-    export refuses unless merged.
+    Collective (rank 0 writes; ``is_main_process`` is not needed). ``max_shard_size``
+    (default: the library's), ``merge_adapters`` and ``timeout`` are the export's;
+    ``save_peft_format`` only concerns adapters the export refuses unless merged.
     """
     name = f"{original_class(self).__name__}.{_ATTRIBUTE}"
-    _check_save_function(kwargs)
-    _unknown(
+    _check_kwargs(
         name,
         kwargs,
-        (
-            "save_directory, is_main_process, max_shard_size, save_peft_format, "
-            "merge_adapters, timeout, save_function (not called) (and, only at their "
-            "defaults, state_dict, push_to_hub, "
-            "variant, token, safe_serialization, save_original_format, distributed_checkpoint)",
-        ),
+        "save_directory, is_main_process, max_shard_size, save_peft_format, merge_adapters, "
+        "timeout, save_function (not called) (and, only at their defaults, state_dict, "
+        "push_to_hub, variant, token, safe_serialization, save_original_format, "
+        "distributed_checkpoint)",
+        is_main_process=is_main_process,
+        save_peft_format=save_peft_format,
+        merge_adapters=merge_adapters,
     )
-    for flag, value in (
-        ("is_main_process", is_main_process),
-        ("save_peft_format", save_peft_format),
-        ("merge_adapters", merge_adapters),
-    ):
-        _check_bool(flag, value)
     _refuse(
         name,
-        [
-            text
-            for text, bad in (
-                ("state_dict= (it gathers the model's own tensors)", state_dict is not None),
-                ("push_to_hub=True", push_to_hub is not False),
-                (f"variant={variant!r}", variant is not None),
-                ("token= (only used to push to the Hub)", token is not None),
-                (
-                    "safe_serialization=False (it writes safetensors)",
-                    safe_serialization is not True,
-                ),
-                ("save_original_format=False", save_original_format is not True),
-                ("distributed_checkpoint=True", distributed_checkpoint is not False),
-            )
-            if bad
-        ],
+        {
+            "state_dict= (it gathers the model's own tensors)": state_dict is not None,
+            "push_to_hub=True": push_to_hub is not False,
+            f"variant={variant!r}": variant is not None,
+            "token= (only used to push to the Hub)": token is not None,
+            "safe_serialization=False (it writes safetensors)": safe_serialization is not True,
+            "save_original_format=False": save_original_format is not True,
+            "distributed_checkpoint=True": distributed_checkpoint is not False,
+        },
     )
     save_pretrained(
         self,
@@ -188,42 +150,39 @@ def save_peft_model(
 ) -> None:
     """peft's ``save_pretrained`` on a sharded model: the library's adapter export.
 
-    Collective: call it on every rank (``is_main_process`` is accepted and not
-    needed: rank 0 writes). Writes what peft writes, for each adapter in
-    ``selected_adapters`` (default: all), ``"default"`` in ``save_directory``
-    and any other in a sub-directory of its name; only the adapter tensors
-    (and ``modules_to_save``) are gathered. ``save_embedding_layers`` is
-    honoured; ``save_function`` is accepted and not called, as in peft;
-    ``merge_adapters=True`` instead writes the merged model
-    (``fsdp_core.hf.save_pretrained(model, d, merge_adapters=True)``).
-    ``safe_serialization=False``, ``path_initial_model_for_weight_conversion``
-    and ``state_dict`` are refused.
+    Collective (rank 0 writes). Writes what peft writes for each adapter in
+    ``selected_adapters`` (default: all): ``"default"`` in ``save_directory``, any other
+    in a sub-directory of its name. ``merge_adapters=True`` writes the merged model
+    instead (``fsdp_core.hf.save_pretrained(model, d, merge_adapters=True)``).
     """
     name = f"{original_class(self).__name__}.{_ATTRIBUTE}"
     state_dict = kwargs.pop("state_dict", None)
-    _check_save_function(kwargs)
-    _unknown(
+    _check_kwargs(
         name,
         kwargs,
-        (
-            "save_directory, selected_adapters, save_embedding_layers, is_main_process, "
-            "merge_adapters, timeout, save_function (not called) (and, only at their "
-            "defaults, safe_serialization, "
-            "path_initial_model_for_weight_conversion, state_dict)",
-        ),
+        "save_directory, selected_adapters, save_embedding_layers, is_main_process, "
+        "merge_adapters, timeout, save_function (not called) (and, only at their defaults, "
+        "safe_serialization, path_initial_model_for_weight_conversion, state_dict)",
+        is_main_process=is_main_process,
+        merge_adapters=merge_adapters,
     )
-    _check_bool("is_main_process", is_main_process)
-    _check_bool("merge_adapters", merge_adapters)
     adapters = _selected_adapters(self, selected_adapters)
-    _check_embedding_layers(save_embedding_layers)
+    if save_embedding_layers != "auto" and not isinstance(save_embedding_layers, bool):
+        raise TypeError(
+            f"save_embedding_layers must be True, False or 'auto', got {save_embedding_layers!r}"
+        )
     _refuse(
         name,
-        _peft_refusals(
-            state_dict=state_dict,
-            safe_serialization=safe_serialization,
-            path_initial_model_for_weight_conversion=path_initial_model_for_weight_conversion,
-            selected_with_merge=merge_adapters and selected_adapters is not None,
-        ),
+        {
+            "state_dict= (it gathers the model's own tensors)": state_dict is not None,
+            "safe_serialization=False (it writes safetensors)": safe_serialization is not True,
+            "path_initial_model_for_weight_conversion=": (
+                path_initial_model_for_weight_conversion is not None
+            ),
+            "selected_adapters= with merge_adapters=True (the active adapters are merged)": (
+                merge_adapters and selected_adapters is not None
+            ),
+        },
     )
     if merge_adapters:
         save_pretrained(self, save_directory, merge_adapters=True, timeout=timeout)
@@ -254,43 +213,6 @@ def _selected_adapters(model: nn.Module, selected_adapters: object) -> list[str]
     return adapters
 
 
-def _check_embedding_layers(save_embedding_layers: object) -> None:
-    """peft's three values only (``True``, ``False``, ``"auto"``), refused before writing."""
-    if save_embedding_layers != "auto" and not isinstance(save_embedding_layers, bool):
-        raise TypeError(
-            f"save_embedding_layers must be True, False or 'auto', got {save_embedding_layers!r}"
-        )
-
-
-def _peft_refusals(
-    *,
-    state_dict: object,
-    safe_serialization: bool,
-    path_initial_model_for_weight_conversion: str | None,
-    selected_with_merge: bool,
-) -> list[str]:
-    """What peft's ``save_pretrained`` was asked that the library's export cannot honour."""
-    return [
-        text
-        for text, bad in (
-            ("state_dict= (it gathers the model's own tensors)", state_dict is not None),
-            (
-                "safe_serialization=False (it writes safetensors)",
-                safe_serialization is not True,
-            ),
-            (
-                "path_initial_model_for_weight_conversion=",
-                path_initial_model_for_weight_conversion is not None,
-            ),
-            (
-                "selected_adapters= with merge_adapters=True (the active adapters are merged)",
-                selected_with_merge,
-            ),
-        )
-        if bad
-    ]
-
-
 def _export_adapters(
     model: nn.Module,
     root: Path,
@@ -298,9 +220,8 @@ def _export_adapters(
     save_embedding_layers: bool | str,
     timeout: float | timedelta | None,
 ) -> None:
-    """One collective adapter export per adapter, as peft lays them out: ``"default"``
-    in ``root`` (written first), any other in a sub-directory of its name."""
-    for adapter in sorted(adapters, key=lambda a: a != "default"):  # "default" (the root) first
+    """One collective adapter export per adapter, ``"default"`` (in ``root``) first."""
+    for adapter in sorted(adapters, key=lambda a: a != "default"):
         export_adapter(
             model,
             root if adapter == "default" else root / adapter,

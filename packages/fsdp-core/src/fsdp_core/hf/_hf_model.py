@@ -1,24 +1,12 @@
 """What the checkpoint functions use of Hugging Face models, without importing transformers.
 
-Everything here is duck-typed on the model object the caller built:
-
-- *Checkpoint names.* transformers 5 renames keys between the module tree and
-  the files (``save_pretrained`` writes the original layout, e.g. LLaVA's
-  ``language_model.model.*`` for the module ``model.language_model.*``, and
-  drops tied aliases). Rather than re-implementing those rules, the model's own
-  ``save_pretrained`` is run once on a state dict of numbered 0-d markers; the
-  markers it writes tell which checkpoint key each module name becomes. The
-  class's method is run (not an instance's collective ``save_pretrained``
-  installed by ``apply_plan``), with transformers' progress bars off.
-- *Adapter names.* peft's ``PeftModel.save_pretrained`` is run the same way, on
-  one adapter: the markers in its ``adapter_model.safetensors`` tell which
-  tensors are the adapter's and under which keys; its ``adapter_config.json``
-  is kept as peft wrote it (its model card ``README.md`` is not: it would
-  replace a README of the user's).
-- *Non-persistent buffers* (rotary ``inv_freq``, ``position_ids``) are
-  recomputed by the owning sub-model's ``_init_weights``, with the module's
-  parameters marked initialised so that only buffers are written.
-- *The config* is written with its own ``save_pretrained``.
+Everything here is duck-typed on the caller's model. transformers renames keys between
+the module tree and the files (LLaVA's ``language_model.model.*`` for the module
+``model.language_model.*``, tied aliases dropped); rather than re-implementing those
+rules, the model class's own ``save_pretrained`` (peft's for an adapter) is run once on
+a state dict of numbered 0-d markers, and the markers it writes tell which key each
+module name becomes. Non-persistent buffers are recomputed by the owning sub-model's
+``_init_weights``; the config is written by its own ``save_pretrained``.
 """
 
 from __future__ import annotations
@@ -79,11 +67,8 @@ def _writes_on_this_rank(model: nn.Module) -> Iterator[None]:
 
 @contextmanager
 def _quiet(save: Any) -> Iterator[None]:
-    """No "Writing model shards" progress bar from a save run only to read names.
-
-    The switch is found in the saving function's own module (transformers'
-    ``logging`` helpers), so transformers is never imported here.
-    """
+    """No progress bar from a save run only to read names (the switch is found in the
+    saving function's own module, so transformers is never imported here)."""
     helpers = getattr(getattr(save, "__func__", save), "__globals__", {}).get(tf.LOGGING_GLOBAL)
     enabled = getattr(helpers, "is_progress_bar_enabled", None)
     disable = getattr(helpers, "disable_progress_bar", None)
@@ -131,28 +116,23 @@ def _config_kept(config: Any) -> Iterator[None]:
 def checkpoint_names(model: nn.Module, groups: Sequence[Sequence[str]]) -> dict[str, str]:
     """Module name -> checkpoint key, as the model's own ``save_pretrained`` writes them.
 
-    ``groups`` are the model's state names, aliases of one tensor together (a
-    tied ``lm_head.weight`` with ``embed_tokens.weight``). Names the model would
-    not save (a dropped tied alias) are absent from the result.
+    ``groups`` are the model's state names, aliases of one tensor together; names the
+    model would not save (a dropped tied alias) are absent from the result.
     """
-    save = own_save(model)
     name = original_class(model).__name__
     with (
         tempfile.TemporaryDirectory(prefix="fsdp-core-names-") as tmp,
-        _original_classes(model),
         _writes_on_this_rank(model),
         _base_names_only(model),
         _config_kept(getattr(model, "config", None)),
-        _quiet(save),
     ):
-        try:
-            save(tmp, state_dict=_markers(groups))
-        except Exception as exc:
-            raise ValueError(
-                f"could not derive the checkpoint key names of {name} from its "
-                f"save_pretrained ({type(exc).__name__}: {exc}); pass key_mapping= "
-                "(module name -> checkpoint key)"
-            ) from exc
+        _save_markers(
+            model,
+            groups,
+            tmp,
+            "the checkpoint key names",
+            "; pass key_mapping= (module name -> checkpoint key)",
+        )
         try:
             layout = read_layout(tmp)
         except FileNotFoundError:  # a wrapper whose save_pretrained writes something else
@@ -164,12 +144,28 @@ def checkpoint_names(model: nn.Module, groups: Sequence[Sequence[str]]) -> dict[
         return _read_markers(Path(tmp), groups, layout.keys_by_file(), remedy=": pass key_mapping=")
 
 
-def _markers(groups: Sequence[Sequence[str]]) -> dict[str, torch.Tensor]:
+def _save_markers(
+    model: nn.Module,
+    groups: Sequence[Sequence[str]],
+    tmp: str,
+    what: str,
+    remedy: str = "",
+    **options: Any,
+) -> None:
+    """The class's ``save_pretrained`` of one numbered 0-d marker per group into ``tmp``."""
+    save = own_save(model)
     markers: dict[str, torch.Tensor] = {}
     for index, group in enumerate(groups):
         marker = torch.tensor(index, dtype=torch.int64)  # one object per group: aliases share it
         markers.update(dict.fromkeys(group, marker))
-    return markers
+    with _original_classes(model), _quiet(save):
+        try:
+            save(tmp, state_dict=markers, **options)
+        except Exception as exc:
+            raise ValueError(
+                f"could not derive {what} of {original_class(model).__name__} from its "
+                f"save_pretrained ({type(exc).__name__}: {exc}){remedy}"
+            ) from exc
 
 
 #: The adapter files ``PeftModel.save_pretrained`` writes (safetensors serialisation).
@@ -186,32 +182,18 @@ def adapter_checkpoint(
     adapter: str,
     save_embedding_layers: bool | str = "auto",
 ) -> tuple[dict[str, str], dict[str, bytes]]:
-    """peft's export of one adapter: state name -> adapter key, and its other files.
-
-    ``groups`` are the peft model's state names (aliases together). The keys are
-    those peft writes (no adapter name); only the names it exports are in the
-    table. The second result holds ``adapter_config.json`` as peft wrote it,
-    by file name.
-    """
-    save = own_save(model)
+    """peft's export of one adapter: state name -> adapter key (only the names it exports),
+    and ``adapter_config.json`` as peft wrote it, by file name."""
     name = original_class(model).__name__
-    with (
-        tempfile.TemporaryDirectory(prefix="fsdp-core-adapter-") as tmp,
-        _original_classes(model),
-        _quiet(save),
-    ):
-        try:
-            save(
-                tmp,
-                state_dict=_markers(groups),
-                selected_adapters=[adapter],
-                save_embedding_layers=save_embedding_layers,
-            )
-        except Exception as exc:
-            raise ValueError(
-                f"could not derive the adapter export of {name} from its save_pretrained "
-                f"({type(exc).__name__}: {exc})"
-            ) from exc
+    with tempfile.TemporaryDirectory(prefix="fsdp-core-adapter-") as tmp:
+        _save_markers(
+            model,
+            groups,
+            tmp,
+            "the adapter export",
+            selected_adapters=[adapter],
+            save_embedding_layers=save_embedding_layers,
+        )
         folder = Path(tmp) if adapter == "default" else Path(tmp) / adapter
         weights = folder / ADAPTER_WEIGHTS
         if not weights.is_file():
@@ -267,12 +249,8 @@ def _initializer(model: nn.Module, path: str) -> Any:
 
 
 def recompute_buffers(model: nn.Module, names: Iterable[str]) -> list[str]:
-    """Run the owning sub-model's ``_init_weights`` on each module holding one of ``names``.
-
-    Parameters of those modules are marked initialised for the call (transformers'
-    init functions then skip them); a model that writes them anyway only touches
-    values that the checkpoint overwrites next. Returns the names it ran for.
-    """
+    """Run the owning sub-model's ``_init_weights`` on each module holding one of ``names``
+    (its parameters marked initialised, so only buffers are written); the names it ran for."""
     wanted = list(names)
     ran: list[str] = []
     for path in sorted({name.rpartition(".")[0] for name in wanted}):
@@ -299,12 +277,8 @@ def recompute_buffers(model: nn.Module, names: Iterable[str]) -> list[str]:
 
 
 def write_configs(model: nn.Module, directory: Path, *, dtype: torch.dtype | None) -> list[str]:
-    """Write the model's config (and generation config) next to exported weights.
-
-    The config written records the class (``architectures``) and ``dtype``, the
-    dtype holding most parameters, as ``save_pretrained`` does; the model's own
-    config object is left unchanged.
-    """
+    """Write the model's config (with its class and ``dtype``, as ``save_pretrained`` does,
+    on a copy) and generation config next to exported weights; the files."""
     written: list[str] = []
     config: Any = getattr(model, "config", None)
     if callable(getattr(config, "save_pretrained", None)):

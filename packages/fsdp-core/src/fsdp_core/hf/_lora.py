@@ -1,18 +1,11 @@
 """Adapter-wrapped models (peft's LoRA) seen as the base model they wrap, without importing peft.
 
-peft wraps each adapted module: ``q_proj`` becomes a tuner layer holding the
-original as ``q_proj.base_layer`` next to ``q_proj.lora_A.<adapter>`` and
-``q_proj.lora_B.<adapter>``; ``modules_to_save`` become a wrapper holding
-``original_module`` and one trained copy per adapter. A checkpoint written under
-those names loads into nothing but the same wrapped model, so the export either
-unwraps the names (and adds each adapter's ``scaling * B @ A`` to its base
-weight: a *merged* export) or refuses.
-
-Everything is duck-typed on the module tree: a tuner layer is a module with a
-``base_layer`` child; a LoRA layer also has ``lora_A``/``lora_B`` module dicts
-and a ``scaling`` dict; a saved-module wrapper has ``original_module`` and
-``modules_to_save`` children. A peft model is recognised by ``peft_config`` and
-``get_base_model``.
+peft wraps each adapted module (``q_proj.base_layer`` beside ``q_proj.lora_A.<adapter>``;
+``modules_to_save`` as ``original_module`` plus one copy per adapter). A checkpoint
+under those names loads into nothing but the same wrapped model, so the export unwraps
+the names (adding ``scaling * B @ A`` to each base weight: a *merged* export) or
+refuses. Everything is duck-typed on the module tree: a tuner layer has a
+``base_layer`` child, a peft model a ``peft_config`` and ``get_base_model``.
 """
 
 from __future__ import annotations
@@ -139,11 +132,8 @@ def wrapped_load_error(model: nn.Module, paths: Sequence[str]) -> ValueError:
 
 @dataclass(frozen=True)
 class AdapterAddition:
-    """One adapter's addition to a merged tensor: ``scaling * up @ down``.
-
-    ``down`` is None for a bias (``scaling * up``); ``transpose`` for peft's
-    ``fan_in_fan_out`` layers (weights stored as ``in x out``).
-    """
+    """One adapter's addition to a merged tensor: ``scaling * up @ down`` (``down`` None: a
+    bias, ``scaling * up``; ``transpose``: peft's ``fan_in_fan_out`` layers)."""
 
     up: torch.Tensor
     down: torch.Tensor | None
@@ -153,12 +143,8 @@ class AdapterAddition:
 
 @dataclass(frozen=True)
 class ExportView:
-    """A wrapped model's state under the names of the model it wraps.
-
-    ``names`` maps each state name of the wrapped model that is exported to its
-    unwrapped name (adapter tensors are absent: they are merged or left out);
-    ``terms`` lists, per unwrapped name, what is added to the base tensor.
-    """
+    """A wrapped model's exported state names -> unwrapped names (adapter tensors absent),
+    and per unwrapped name the LoRA terms added to the base tensor."""
 
     names: Mapping[str, str]
     terms: Mapping[str, tuple[AdapterAddition, ...]]
@@ -222,10 +208,9 @@ def _lora_terms(path: str, layer: nn.Module) -> dict[str, tuple[AdapterAddition,
         if adapter not in lora_a or adapter in merged:
             continue
         variant = getattr(layer, "lora_variant", None)
-        if _flag(getattr(layer, "use_dora", None), adapter) or (
-            isinstance(variant, Mapping) and adapter in variant
-        ):
-            name = "DoRA" if _flag(getattr(layer, "use_dora", None), adapter) else "a LoRA variant"
+        dora = _flag(getattr(layer, "use_dora", None), adapter)
+        if dora or (isinstance(variant, Mapping) and adapter in variant):
+            name = "DoRA" if dora else "a LoRA variant"
             raise ValueError(
                 f"{path!r} ({kind}) uses {name} for adapter {adapter!r}; the merged export "
                 "implements plain LoRA only (W + scaling * B @ A): export the adapter alone "
@@ -271,12 +256,8 @@ def _saved_copy(path: str, wrapper: nn.Module) -> str:
 
 
 def export_view(model: nn.Module) -> ExportView:
-    """``model``'s persistent state under unwrapped names, with the LoRA terms to merge.
-
-    Raises ValueError, naming the module, for adapters it cannot merge (DoRA and
-    other variants, LoRA on embeddings or convolutions, non-LoRA tuners), so that
-    nothing is gathered or written for an export it would get wrong.
-    """
+    """``model``'s persistent state under unwrapped names, with the LoRA terms to merge;
+    ValueError, naming the module, for adapters it cannot merge (before any gather)."""
     layers: dict[str, str] = {}  # wrapped path -> the child prefix it exports
     terms: dict[str, tuple[AdapterAddition, ...]] = {}
     wrapped = wrapped_modules(model)
@@ -317,13 +298,8 @@ def merged(
     base: torch.Tensor,
     additions: Sequence[tuple[torch.Tensor, torch.Tensor | None, AdapterAddition]],
 ) -> torch.Tensor:
-    """``base`` plus each term, on full tensors, computed as peft's merge computes it.
-
-    ``additions`` holds each term with its gathered ``up`` and ``down``. The
-    product runs in the adapter's dtype (fp32 for half-precision adapters on the
-    CPU, as peft does), is transposed for ``fan_in_fan_out`` layers, scaled, and
-    added in place into a copy of ``base`` (in ``base``'s dtype).
-    """
+    """A copy of ``base`` plus each term (with its gathered ``up`` and ``down``), computed
+    as peft's merge does: in the adapter's dtype (fp32 for half precision on the CPU)."""
     out = base.clone()
     for up, down, term in additions:
         if down is None:  # a bias: peft adds it in the adapter's dtype

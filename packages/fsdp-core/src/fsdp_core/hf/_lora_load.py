@@ -1,19 +1,12 @@
 """A base checkpoint into a LoRA model built on ``meta``: names, and the adapters' first values.
 
-With a ``meta`` build, adapters are added (``get_peft_model``) before any weight
-exists, so the base checkpoint is read into the wrapped model: each
+With a ``meta`` build the adapters exist before any weight, so each
 ``<module>.base_layer.<t>``, ``<module>.original_module.<t>`` and
-``<module>.modules_to_save.<adapter>.<t>`` (peft copies the original module)
-reads the checkpoint's ``<module>.<t>``. No base checkpoint holds the adapter
-tensors: they get the values peft's default initialisation gives, drawn here
-from the default CPU generator in peft's own order (per LoRA layer, in module
-order: the constructor's draws for ``lora_A`` and ``lora_B``, then ``lora_A``
-again), full tensors on every rank, of which each rank keeps its shard. So with
-the same ``torch.manual_seed`` on every rank right before the load, every rank
-holds the same adapters, equal to what ``get_peft_model`` gives a CPU model
-right after that seed. Only ``init_lora_weights=True`` and ``"gaussian"`` are
-computed without the base weights; other kinds are refused before anything is
-read. peft is never imported: the module tree is duck-typed as in ``_lora``.
+``<module>.modules_to_save.<adapter>.<t>`` reads the checkpoint's ``<module>.<t>``. The
+adapters get peft's default initial values, drawn from the default CPU generator in
+peft's own order as full tensors on every rank: with the same seed on every rank right
+before the load they equal what ``get_peft_model`` gives a CPU model. Only
+``init_lora_weights=True`` and ``"gaussian"`` need no base weight; others are refused.
 """
 
 from __future__ import annotations
@@ -45,14 +38,9 @@ class AdapterInit:
 
 @dataclass(frozen=True)
 class LoadView:
-    """A LoRA model seen by a base-checkpoint load.
-
-    ``names`` maps each state name of the loaded model that a base checkpoint
-    holds to its name in the base model (relative to ``target``, the model the
-    adapters wrap, whose names the checkpoint uses); ``adapters`` lists the
-    adapter tensors to initialise, in peft's order; ``skipped`` are the adapter
-    state names (not in any base checkpoint).
-    """
+    """A LoRA model seen by a base-checkpoint load: state name -> name in ``target`` (the
+    model the adapters wrap), the adapters to initialise in peft's order, and the adapter
+    state names no base checkpoint holds."""
 
     target: nn.Module
     names: Mapping[str, str]
@@ -134,9 +122,8 @@ def _layer_adapters(model: nn.Module, path: str, layer: nn.Module) -> list[Adapt
 
 
 def load_view(model: nn.Module, state_names: Sequence[str], *, initialise: bool) -> LoadView:
-    """How a base checkpoint loads into ``model``. With ``initialise`` (the adapters hold no
-    values yet) raises, before anything is read, for adapters whose first values cannot be
-    computed without the base weights; otherwise the adapters are left as they are."""
+    """How a base checkpoint loads into ``model``; with ``initialise`` refuses adapters whose
+    first values need the base weights."""
     target, prefix = _lora.base_model(model)
     cut = f"{prefix}." if prefix else ""
     wrapped = _lora.wrapped_modules(target)
@@ -195,10 +182,8 @@ CopyFull = Callable[[torch.Tensor, torch.Tensor], None]
 def initialise_adapters(
     model: nn.Module, adapters: Sequence[AdapterInit], copy_full_into_: CopyFull
 ) -> None:
-    """Give each adapter peft's initial values: full tensors from the default CPU
-    generator on every rank, each rank keeping its shard through ``copy_full_into_``
-    (the load's own slicing; never ``reset_parameters`` on sharded tensors, which
-    draws the same shard on every rank)."""
+    """Give each adapter peft's initial values: full tensors drawn alike on every rank,
+    each keeping its shard (``reset_parameters`` would draw the same shard everywhere)."""
     for item in adapters:
         layer = model.get_submodule(item.layer)
         down: Any = layer._modules["lora_A"]

@@ -26,11 +26,8 @@ def _coordinate(mesh: DeviceMesh) -> tuple[int, ...] | None:
 
 
 def _local_region(tensor: DTensor) -> tuple[slice, ...] | None:
-    """The box of the global tensor this rank holds, for ``Shard``/``Replicate`` layouts.
-
-    Follows ``torch.chunk`` (as FSDP2 and DTensor do); ``None`` for any other
-    placement or if the result disagrees with the local shard's shape.
-    """
+    """The box of the global tensor this rank holds (``torch.chunk``'s, as FSDP2's), for
+    ``Shard``/``Replicate`` layouts; ``None`` otherwise or if it disagrees with the shard."""
     mesh = tensor.device_mesh
     coordinate = _coordinate(mesh)
     if coordinate is None:

@@ -1,20 +1,13 @@
 """An unmodified transformers ``Trainer`` refuses a sharded model before any step.
 
-Handed a model the library sharded, transformers' ``Trainer`` prepares it through
-accelerate, which wraps it in ``DistributedDataParallel``: on CPU that crashes deep in
-DTensor (``Cannot flatten unevenly sharded tensor``), on GPUs accelerate refuses the
-DTensor parameters with advice about ``device_map``. Neither says what to do. Early in
-its ``__init__`` the trainer asks the model whether it was sharded when loaded
-(transformers' ``is_distributed_loading_by_transformers``, which reads a private
-instance flag). Applying a plan sets that flag on the transformers model to a value
-that reads ``False`` everywhere, as transformers' own default does, except in that
-decision of ``Trainer.__init__``, where it raises
+Given a model the library sharded, ``Trainer`` would wrap it in
+``DistributedDataParallel`` through accelerate and fail deep in DTensor. Applying a plan
+sets transformers' private "sharded when loaded" flag to a value that reads ``False``
+everywhere except in ``Trainer.__init__``'s decision, where it raises
 [`IntegrationRequiredError`][fsdp_core.integrations.IntegrationRequiredError] naming
-``ShardedTrainer``. Every rank builds its trainer alike, so every rank raises, before
-any collective. ``ShardedTrainer`` builds its base class inside
-[`accepting_trainer`][fsdp_core.hf._trainer_guard.accepting_trainer], where the flag
-reads ``False`` there too. Only transformers releases whose model classes have the flag
-get it (the value is set where the class declares it).
+``ShardedTrainer`` (on every rank alike, before any collective). ``ShardedTrainer``
+builds its base class inside
+[`accepting_trainer`][fsdp_core.hf._trainer_guard.accepting_trainer].
 """
 
 from __future__ import annotations
