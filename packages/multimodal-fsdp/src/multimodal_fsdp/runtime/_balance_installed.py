@@ -1,11 +1,8 @@
 """The installed ``balance_media`` hook: the members' forwards, the join site, ``generate``.
 
-[`BalanceMediaRuntimeHook`][multimodal_fsdp.runtime.balance_media.BalanceMediaRuntimeHook]
-is the plan data and the cost model; ``install`` builds the
-[`BalanceMedia`][multimodal_fsdp.runtime.balance_media.BalanceMedia] defined here, which
-runs the exchange's rounds during the steps (the module docstring of
-[`multimodal_fsdp.runtime.balance_media`][multimodal_fsdp.runtime.balance_media] says when a
-call is balanced and where ranks join). Its public name is published there.
+It runs the exchange's rounds during the steps; its public name and the rules of when a
+call is balanced live in
+[`multimodal_fsdp.runtime.balance_media`][multimodal_fsdp.runtime.balance_media].
 """
 
 from __future__ import annotations
@@ -27,7 +24,12 @@ from multimodal_fsdp.balance._data_group import DataGroup
 from multimodal_fsdp.balance._planned import BALANCE_MEDIA, BalancedTower, JoinedModule
 from multimodal_fsdp.balance.context_parallel import own_items
 from multimodal_fsdp.balance.exchange import EnteredCall, Member, Rounds
-from multimodal_fsdp.runtime.joined_layers import JoinedLayers, _add_to_first_input, add_to_outputs
+from multimodal_fsdp.runtime.joined_layers import (
+    JoinedLayers,
+    _add_to_first_input,
+    _sum_terms,
+    add_to_outputs,
+)
 
 __all__ = ["BalanceMedia"]
 
@@ -38,9 +40,8 @@ logger = logging.getLogger("multimodal_fsdp.runtime.balance_media")
 def _balanced_modules(
     model: nn.Module, towers: Sequence[BalancedTower], joined: Sequence[JoinedModule]
 ) -> list[tuple[nn.Module, str, MediaLayout | None, bool]]:
-    """Each balanced tower's and joined module's module, path, layout and whether it runs
-    on a placeholder, every one checked before any is changed: a module that cannot be
-    balanced leaves the model as it was."""
+    """Each balanced or joined module with its path, layout and ``run_when_empty``, all
+    checked before any is changed."""
     found: list[tuple[nn.Module, str, MediaLayout | None, bool]] = []
     for tower in towers:
         module = model.get_submodule(tower.path)
@@ -58,9 +59,8 @@ def _balanced_modules(
 
 
 class BalanceMedia:
-    """The installed hook: the balanced towers' and joined modules' forwards, the join
-    site's pre-hook and the joined decoder layers (see the module docstring). ``remove``
-    restores the modules' own forwards.
+    """The installed hook: the members' forwards, the join site's pre-hook and the joined
+    decoder layers. ``remove`` restores the modules' own forwards.
 
     Args:
         model: the sharded model.
@@ -87,9 +87,6 @@ class BalanceMedia:
         layer_group: Any = None,
         data: DataGroup | None = None,
     ) -> None:
-        """Check every module before changing any (a refusal leaves the model as it was),
-        then install the model's start and end hooks, the join site's pre-hook, each
-        member's round entry and forward, the joined layers and the ``generate`` scopes."""
         self.towers = towers
         self.joined = joined
         self.join_site = join_site
@@ -103,9 +100,8 @@ class BalanceMedia:
         #: Calls balanced and rounds joined in the last forward (for tests and benchmarks).
         self.last_calls = 0
         self.last_joined = 0
-        #: This forward's balanced calls' zero loss terms, added at the join site with the
-        #: joined calls' ones: every rank then runs every exchange's backward, even when
-        #: its loss reads none of a call's outputs.
+        #: This forward's zero loss terms, added at the join site so that every rank runs
+        #: every exchange's backward.
         self._zero_terms: list[Tensor] = []
         found = _balanced_modules(model, towers, joined)
         self._handles: list[RemovableHandle] = [
@@ -136,9 +132,8 @@ class BalanceMedia:
     def _install_member(
         self, index: int, module: nn.Module, path: str, layout: MediaLayout | None, empty: bool
     ) -> Member:
-        """Send one module's calls through the rounds: its round entry runs before its
-        own pre-forward hooks, so the round's metadata comes before FSDP's all-gather of
-        a module that is a unit on every rank; its instance forward finishes the call."""
+        """Send one module's calls through the rounds: a prepended pre-hook enters the
+        round (before FSDP's all-gather), its instance forward finishes the call."""
         original = module.forward
         kind = layout.name if layout is not None else "joined"
         member = Member(
@@ -159,20 +154,17 @@ class BalanceMedia:
         return member
 
     def _wrap_generators(self, model: nn.Module) -> None:
-        """Make every ``generate()`` of the model (the model's own, a wrapper's inside it)
-        one balanced scope: the tower calls it makes before its first forward would
-        otherwise run locally and issue their units' collectives on some ranks only."""
+        """Make every ``generate()`` in the model one balanced scope (its tower calls
+        before the first forward would otherwise gather on some ranks only)."""
         for module in model.modules():
             if callable(getattr(type(module), "generate", None)):
                 self._wrap_generate(module)
 
     # ------------------------------------------------------------- decisions
     def _live(self) -> bool:
-        """Whether the model's forward (or a ``generate()`` call) is running."""
         return bool(self._in_forward)
 
     def _active(self, member: Member) -> bool:
-        """Whether ``member``'s calls go through the rounds in this forward."""
         return member.run_when_empty or self._training
 
     def _balances(self, member: Member) -> bool:
@@ -181,14 +173,8 @@ class BalanceMedia:
         return self._active(member)
 
     def _place_join(self, model: nn.Module) -> None:
-        """Put the join on the outermost module at the join site: the site itself, or a
-        wrapper around it (torch's ``checkpoint_wrapper``, ``torch.compile``), also one
-        applied after this hook was installed (activation checkpointing applied after
-        sharding). A pre-hook of the wrapped module runs inside the wrapper's
-        checkpointed region: a non-reentrant checkpoint's recomputation, which joins
-        nothing, would then save fewer tensors than the forward (``CheckpointError`` on the
-        ranks that joined calls there), and a reentrant one joins under ``no_grad`` and
-        detaches the zero loss term, so those ranks skip the exchange's backward the callers run."""
+        """Put the join on the outermost wrapper of the join site (also one applied after
+        install): inside an activation checkpoint the join would break recomputation."""
         if not self.join_site:
             return
         path = self.join_site
@@ -271,8 +257,7 @@ class BalanceMedia:
         return forward
 
     def _warn_late(self, path: str) -> None:
-        """A module with units called after the join site (or in a recomputation): it
-        runs locally, so ranks that do not call it there would hang."""
+        """Warn once: a module with units called after the join site runs locally."""
         if self._bypass or in_backward() or path in self._warned:
             return
         self._warned.add(path)
@@ -284,9 +269,7 @@ class BalanceMedia:
         )
 
     def _runner(self, module: nn.Module) -> Callable[..., Any]:
-        """The module's call for a rank without a call of its own in a round: through its
-        ``__call__`` (its module hooks, FSDP's among them, run as on a calling rank), not
-        balanced again."""
+        """How a rank joins a call it does not make: ``module(...)``, not balanced again."""
 
         def run(*args: Any, **kwargs: Any) -> Any:
             self._bypass += 1
@@ -298,10 +281,8 @@ class BalanceMedia:
         return run
 
     def _wrap_generate(self, module: nn.Module) -> None:
-        """Make a ``module.generate(...)`` call one balanced scope (see the module
-        docstring): modules with units are balanced until the join site of its first
-        forward, or until it returns; a nested call (``PeftModel.generate`` calling the
-        wrapped model's) or one inside a forward runs as it is."""
+        """Make ``module.generate(...)`` one balanced scope, up to its first forward's join
+        site or its return; nested calls run as they are."""
         previous = vars(module).get("generate")
         original: Callable[..., Any] = module.generate  # type: ignore[assignment]
 
@@ -330,24 +311,20 @@ class BalanceMedia:
 
     # --------------------------------------------------------------- joining
     def _join_all(self) -> Tensor | None:
-        """Join every round other ranks still run; the summed zero loss term of the calls made and
-        joined (``None`` when there were none or no module is balanced in this forward)."""
+        """Join every round other ranks still run; the summed zero loss term of the calls
+        made and joined (``None`` when there were none)."""
         self._joined = True
         for entered_calls in self._entered:
             entered_calls.clear()  # a call whose forward raised after its round
-        made, self._zero_terms = self._zero_terms, []
+        terms, self._zero_terms = self._zero_terms, []
         if in_backward():
             return None
-        total: Tensor | None = None
-        for zero_term in made:  # the calls this rank made
-            total = zero_term if total is None else total + zero_term.to(total.device)
-        if not any(self._active(member) for _, member in self._modules):
-            return total
-        joined_term, joined = self._rounds.join()
-        self.last_joined += joined
-        if joined_term is not None:
-            total = joined_term if total is None else total + joined_term.to(total.device)
-        return total
+        if any(self._active(member) for _, member in self._modules):
+            joined_term, joined = self._rounds.join()
+            self.last_joined += joined
+            if joined_term is not None:
+                terms.append(joined_term)
+        return _sum_terms(terms)
 
     def _join_hook(
         self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -1,43 +1,21 @@
-"""Balanced media: each tower call of a training forward is spread over every
-data-parallel rank (``MultimodalParallelizer(balance_media=True)``).
+"""Balanced media (``MultimodalParallelizer(balance_media=True)``): each tower call of a
+training forward is spread over the data-parallel ranks.
 
-Without it, the rank with the most images sets the pace of every step, and a tower
-that owns FSDP units makes ranks with different media issue different collectives.
-This hook runs each call of a balanced tower through
-[`balanced_call`][multimodal_fsdp.balance.exchange.balanced_call] over all ranks of the
-mesh (both dimensions of an HSDP mesh, one flattened group made once at install), and
-makes every rank join the calls it does not make itself
+Without it the rank with the most images sets every step's pace, and a tower that owns
+FSDP units makes ranks with different media issue different collectives. Each call of
+a balanced tower runs through
+[`balanced_call`][multimodal_fsdp.balance.exchange.balanced_call] over the mesh's ranks,
+and every rank joins the calls it does not make
 ([`join_remaining_calls`][multimodal_fsdp.balance.exchange.join_remaining_calls]) at the
-*join site*: just before the first decoder unit runs (a forward pre-hook that runs
-before FSDP's own), with the zero anchors of the calls it joined and made added to
-that unit's hidden states, so every rank runs the exchange's backward collectives, in
-the same order, even where its loss reads none of a call's outputs. A model without
-such a unit joins at the end of its forward instead.
+*join site*: a forward pre-hook on the first decoder unit (or the end of the forward)
+that adds the joined calls' zero anchors to its hidden states, so every rank runs the
+exchange's backward collectives in the same order.
 
-When a call is balanced (the same decision on every rank):
-
-- inside the forward of the model the plan was applied to, not inside a backward
-  (activation-checkpoint recomputation runs the tower locally);
-- a tower that owns FSDP units (``per_layer``, a trainable tower): in every such
-  forward, training or not, since a local run under uneven media would issue
-  different collectives on different ranks; on a rank that gets nothing to encode it
-  runs on a placeholder whose output counts zero (``run_when_empty``);
-- any other tower: in training forwards only (``model.training`` and grad mode on).
-  Eval and ``generate()`` run it locally, as without balancing: nothing can hang there
-  and the exchange would only add latency.
-
-Tower calls outside the model's forward (a tower called by hand) run locally, with
-one exception: a ``generate()`` call of the model (or of the model inside it, as
-``PeftModel`` calls) is one balanced scope for towers that own units. The image
-features ``generate()`` computes before its first forward are balanced calls, which
-the other ranks join at the join site of that forward (or when ``generate`` returns):
-run locally under uneven media, such a tower would issue its units' collectives on
-some ranks only (a mismatched collective).
-
-The hook is the tower's instance ``forward`` (its class is never changed, so code that
-keys on it, such as transformers' output capture, keeps working): the tower's own
-``__call__`` and its module hooks run once per call on the calling rank, and a rank that
-joins runs the tower through ``__call__`` too.
+A call is balanced inside the planned model's forward (not in a backward's recomputation)
+and, for a tower that owns units, also in eval and in ``generate()`` (a rank with nothing
+to encode runs a placeholder: ``run_when_empty``); other towers only in training
+forwards. The hook is the tower's instance ``forward``, so its class and module hooks are
+untouched.
 """
 
 from __future__ import annotations
@@ -107,8 +85,7 @@ BALANCE_GROUPS = ("auto", "all", "shard", "replicate")
 
 
 def check_balance_group(value: object) -> str | int:
-    """``value`` as a balance group: one of ``BALANCE_GROUPS`` or a positive int (blocks of
-    that many consecutive data-parallel ranks); a TypeError/ValueError otherwise.
+    """``value`` as a balance group: one of ``BALANCE_GROUPS`` or a positive block size.
 
     Args:
         value: the ``balance_media_group`` option.
@@ -138,9 +115,7 @@ def check_balance_group(value: object) -> str | int:
 
 
 def _balanced_group(mesh: DeviceMesh) -> Any:
-    """One process group over every rank of ``mesh`` (collective over the mesh's ranks):
-    the mesh's own group when it has one dimension, the default group when the mesh
-    covers the world, else a new group of the mesh's ranks (public API)."""
+    """One process group over every rank of ``mesh`` (collective over the mesh's ranks)."""
     if mesh.ndim == 1:
         return mesh.get_group(0)
     ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
@@ -150,12 +125,9 @@ def _balanced_group(mesh: DeviceMesh) -> Any:
 
 
 def balance_group_ranks(mesh_ranks: Sequence[Sequence[int]], spec: str | int) -> list[list[int]]:
-    """The balance groups of a data-parallel mesh given as its rows of ranks (one row per
-    replica of an HSDP mesh, one row for a 1-D mesh), as lists of global ranks:
-    ``"all"`` every rank; ``"shard"`` each row (the ranks that shard one replica);
-    ``"replicate"`` each column (the ranks holding the same shard); an int ``k`` blocks
-    of ``k`` consecutive ranks in row order (``k`` must divide the ranks); ``"auto"``
-    blocks of ``auto_group_size`` ranks (every rank up to ``AUTO_GROUP_RANKS``).
+    """The balance groups of a data-parallel mesh: ``"all"`` every rank; ``"shard"`` each
+    row (one replica); ``"replicate"`` each column; an int ``k`` blocks of ``k``
+    consecutive ranks; ``"auto"`` blocks of ``auto_group_size`` ranks.
 
     Args:
         mesh_ranks: the data-parallel mesh's ranks, one row per replica.
@@ -184,16 +156,12 @@ def balance_group_ranks(mesh_ranks: Sequence[Sequence[int]], spec: str | int) ->
 
 
 def _mesh_rows(mesh: DeviceMesh) -> list[list[int]]:
-    ranks = mesh.mesh.tolist()
-    if mesh.ndim == 1:
-        return [[int(r) for r in ranks]]
-    return [[int(r) for r in row] for row in ranks]
+    rows: list[list[int]] = mesh.mesh.reshape(-1, mesh.mesh.shape[-1]).tolist()
+    return rows
 
 
 def _group_of(mesh: DeviceMesh, spec: str | int) -> tuple[Any, int]:
-    """This rank's balance group on ``mesh`` (collective over the group's ranks) and its
-    size: the mesh's flattened group for ``"all"``, the mesh dimension's group for
-    ``"shard"``/``"replicate"`` of an HSDP mesh, else a new group of this rank's block."""
+    """This rank's balance group on ``mesh`` (collective over its ranks) and its size."""
     groups = balance_group_ranks(_mesh_rows(mesh), spec)
     if len(groups) == 1:
         return _balanced_group(mesh), len(groups[0])
@@ -206,16 +174,10 @@ def _group_of(mesh: DeviceMesh, spec: str | int) -> tuple[Any, int]:
 
 @dataclass(frozen=True)
 class BalanceMediaRuntimeHook(RuntimeHook):
-    """The ``balance_media`` runtime hook; its plan data: the balanced towers (path,
-    layout, whether each owns units and is trainable), the join site (the module
-    whose forward pre-hook joins the calls a rank does not make; ``""``: the end of
-    the model's forward), the joined modules (projectors with units of their own), the
-    joined decoder layers (media-dependent layers that are units,
-    ``multimodal_fsdp.runtime.joined_layers``), the balance group (``"auto"``,
-    ``"all"``, ``"shard"``, ``"replicate"`` or a block size: see ``balance_group_ranks``)
-    and the balanced towers and joined modules whose parameters are sharded on a
-    data-group dimension (``sharded_on_data_group``: then the ranks of a data group run
-    the same items, the group does not share the encoding)."""
+    """The ``balance_media`` runtime hook. Plan data: the balanced towers, the join site
+    (``""``: the end of the forward), the joined projectors and decoder layers, the
+    balance group, and the modules sharded on a data-group dimension (whose data group
+    then runs the same items instead of sharing the encoding)."""
 
     name: ClassVar[str] = NAME
     reads: ClassVar[tuple[Probe, ...]] = (GRAPH_TASK,)
@@ -239,19 +201,10 @@ class BalanceMediaRuntimeHook(RuntimeHook):
         layers: Sequence[str] = (),
         group: str | int = "auto",
     ) -> BalanceMediaRuntimeHook:
-        """The hook balancing ``towers`` of ``plan``: each tower's layout, chosen by the
-        plan-time probe (a tower no layout fits, itself or through the encoders it
-        calls, is a ValueError naming it and how to register an adapter),
-        whether it owns units of ``plan`` and has trainable parameters, and the join site:
-        the first non-root unit, in the model's registration order, outside
-        ``media_only`` (towers, projectors, decoder layers that run only with media).
-        Of ``joined`` (projectors) those that own units of ``plan`` are joined modules,
-        of ``layers`` (media-dependent decoder layers) those that are units. ``group``
-        ``"auto"`` becomes ``"all"`` when a balanced tower or joined module owns units
-        (they gather over every rank, so every rank must join their calls). A tower or
-        joined module whose parameters are DTensors on a TP or CP dimension (the caller
-        tensor-parallelised it) is recorded in ``sharded_on_data_group``: the ranks of a
-        data group then run the same items (``shares_encoding``).
+        """The hook balancing ``towers`` of ``plan``, each with the layout the plan-time
+        probe chose. The join site is the first non-root unit outside ``media_only``;
+        ``"auto"`` becomes ``"all"`` when a balanced module owns units (every rank must
+        join their gathers).
 
         Args:
             model: the planned model.
@@ -278,13 +231,12 @@ class BalanceMediaRuntimeHook(RuntimeHook):
                     f"balance_media=True cannot balance tower {path!r}: {error}"
                 ) from None
             for target, choice in targets:
-                module = model.get_submodule(target) if target else model
                 planned.append(
                     BalancedTower(
                         path=target,
                         layout=choice.layout.name,
                         run_when_empty=any(is_under(member, target) for member in members),
-                        trainable=any(p.requires_grad for p in module.parameters()),
+                        trainable=_trainable(model, target),
                         probe=choice.describe(),
                     )
                 )
@@ -292,13 +244,7 @@ class BalanceMediaRuntimeHook(RuntimeHook):
         candidates = [p for p in members if not any(is_under(p, m) for m in media_only)]
         join_site = min(candidates, key=index.__getitem__, default="")
         joined_modules = tuple(
-            JoinedModule(
-                path=path,
-                trainable=any(
-                    p.requires_grad
-                    for p in (model.get_submodule(path) if path else model).parameters()
-                ),
-            )
+            JoinedModule(path=path, trainable=_trainable(model, path))
             for path in joined
             if any(is_under(member, path) for member in members)
         )
@@ -317,9 +263,8 @@ class BalanceMediaRuntimeHook(RuntimeHook):
         )
 
     def cost(self) -> str:
-        """The plan's cost line: the collectives of one call of each tower (from
-        ``exchange_traffic``), the joined modules and layers, and the join barrier's last
-        round per forward.
+        """The plan's cost line: collectives per tower call, joined module and layer, and
+        the join barrier's last round.
 
         Returns:
             The line.
@@ -361,16 +306,12 @@ class BalanceMediaRuntimeHook(RuntimeHook):
         )
 
     def _data_group_clause(self, clause: str) -> str:
-        """``clause`` where the ranks of a data group would share the encoding (on TP
-        always, on CP with frozen towers and joined modules), else nothing."""
+        """``clause`` where the ranks of a data group share the encoding, else nothing."""
         return clause if shares_encoding(self, 2) else ""
 
     def collectives(self, step: HookStep) -> CommTally:
-        """The hook's cost model: with the step's media (a
-        [`StepMedia`][multimodal_fsdp.estimate.exchange.StepMedia]), the exchange of every
-        round, the join barrier's last round and the joined layers' decisions, for
-        ``media.rank``; without, the joined layers' decisions alone (the rest depends on
-        the media)."""
+        """The exchange's rounds, the join barrier and the joined layers' decisions for
+        the step's media; without media, the joined layers' decisions alone."""
         cp = 1 if step.parallel is None else step.parallel.role_size("cp")
         return planned_tally(
             self,
@@ -382,16 +323,12 @@ class BalanceMediaRuntimeHook(RuntimeHook):
         )
 
     def unit_runs(self, step: HookStep) -> Mapping[str, int]:
-        """How often each balanced tower with units, joined module and joined layer runs
-        in the step's media (its units' collectives repeat that often); empty without
-        media."""
+        """How often each balanced or joined module with units runs in the step's media."""
         return planned_runs(self, _media(step))
 
     def replay_layers(self, model: nn.Module, media: StepMedia) -> JoinedLayers | None:
-        """The joined layers on ``model``, a one-process copy (the memory model's trace):
-        where ``media`` says this rank skips a layer that another rank runs, it runs the
-        layer on the same placeholder as the step, each decision read from ``media.layers``
-        instead of a collective; ``None`` without joined layers or layer media.
+        """The joined layers on a one-process copy of the model (the memory trace), each
+        decision read from ``media.layers`` instead of a collective.
 
         Args:
             model: the one-process copy of the model.
@@ -413,8 +350,7 @@ class BalanceMediaRuntimeHook(RuntimeHook):
         return JoinedLayers(model, self.layers, None, lambda: True, agree=agree)
 
     def describe(self) -> str:
-        """Which towers are balanced, with which layout, which modules and layers are
-        joined, and where ranks join.
+        """Which towers are balanced (layouts), what is joined, and where.
 
         Returns:
             The text.
@@ -451,11 +387,8 @@ class BalanceMediaRuntimeHook(RuntimeHook):
         )
 
     def check_group(self, mesh: DeviceMesh) -> None:
-        """A ValueError when the balance group is smaller than the data-parallel ranks
-        and a balanced or joined module with units communicates beyond it: its units
-        would gather on the ranks of a group with media and not on those of a group
-        without (frozen units gather over the shard group, trainable ones also reduce
-        over every replica).
+        """Refuse a balance group smaller than the data-parallel ranks when a balanced or
+        joined module's units communicate beyond it.
 
         Args:
             mesh: the data-parallel mesh the hook is installed on.
@@ -463,11 +396,12 @@ class BalanceMediaRuntimeHook(RuntimeHook):
         Raises:
             ValueError: naming the module and the group to use.
         """
-        groups = balance_group_ranks(_mesh_rows(mesh), self.group)
+        rows = _mesh_rows(mesh)
+        groups = balance_group_ranks(rows, self.group)
         if len(groups) == 1:
             return
-        rows = _mesh_rows(mesh)
         bad = []
+
         for path, trainable, units in [
             *((t.path, t.trainable, t.run_when_empty) for t in self.towers),
             *((m.path, m.trainable, True) for m in self.joined),
@@ -489,14 +423,8 @@ class BalanceMediaRuntimeHook(RuntimeHook):
             )
 
     def install(self, model: nn.Module, *, dims: ParallelDims) -> BalanceMedia:
-        """Balances within groups of ``dims.batch_mesh``: the ranks that hold different
-        batches (the data-parallel ranks, and with EP the ``ep`` ranks too). The ranks of
-        a TP or CP group (a *data group*) hold the same one: each brings its share of
-        every call and the rounds run over the balance group's data groups together, so
-        each image is encoded once (``multimodal_fsdp.balance._data_group``; a trainable
-        tower's gradients are then summed over the group by ``replica_grad_reduce``).
-        With CP and a trainable tower or joined module each rank balances with its own
-        data-parallel peers instead (same media, same route)."""
+        """Balances within groups of ``dims.batch_mesh``; the ranks of a TP/CP data group
+        each bring a share of every call, so each image is encoded once."""
         mesh = dims.batch_mesh
         self.check_group(mesh)
         group, size = _group_of(mesh, self.group)
@@ -522,6 +450,10 @@ class BalanceMediaRuntimeHook(RuntimeHook):
         return hook
 
 
+def _trainable(model: nn.Module, path: str) -> bool:
+    return any(p.requires_grad for p in model.get_submodule(path).parameters())
+
+
 def _data_group_size(dims: ParallelDims | None) -> int:
     """The ranks of a data group (TP x CP) of ``dims``; 1 on a data-parallel mesh."""
     if dims is None:
@@ -530,8 +462,7 @@ def _data_group_size(dims: ParallelDims | None) -> int:
 
 
 def _data_group(dims: ParallelDims, hook: BalanceMediaRuntimeHook) -> DataGroup | None:
-    """This rank's data group, when its ranks share the encoding (``shares_encoding``;
-    collective over the data group)."""
+    """This rank's data group when its ranks share the encoding (collective over it)."""
     ranks = tuple(sorted(dims.data_group_ranks()))
     if not shares_encoding(hook, len(ranks), indexed=bool(dims.cp_names)):
         return None
@@ -541,8 +472,7 @@ def _data_group(dims: ParallelDims, hook: BalanceMediaRuntimeHook) -> DataGroup 
 
 
 def _data_groups(dims: ParallelDims) -> list[list[int]]:
-    """Every data group of the job's mesh (global ranks, sorted): the ranks along its
-    TP and CP dimensions at each coordinate of the others."""
+    """Every data group (TP x CP ranks) of the job's mesh, as sorted global ranks."""
     mesh = dims.mesh
     if mesh is None:  # pragma: no cover - a data group needs the job's mesh
         raise RuntimeError("balance_media: a data group without the job's mesh")
@@ -555,8 +485,8 @@ def _data_groups(dims: ParallelDims) -> list[list[int]]:
 
 
 def _spanning(dims: ParallelDims, mesh: DeviceMesh, spec: str | int) -> tuple[Any, int]:
-    """The process group of this rank's balance group together with the data groups of
-    its members (collective over those ranks) and its size."""
+    """The group of this rank's balance group plus its members' data groups, and its size."""
+
     me = dist.get_rank()
     mine = next(g for g in balance_group_ranks(_mesh_rows(mesh), spec) if me in g)
     spanned = sorted(r for group in _data_groups(dims) if set(group) & set(mine) for r in group)

@@ -1,32 +1,22 @@
 """Media-dependent decoder layers joined by every rank (part of ``balance_media=True``).
 
-Some decoders skip layers when a batch has no media: Mllama's cross-attention layers
-run only when the batch has images (or cached image states). When such a layer is an
-FSDP unit, a rank with a text-only batch skips its all-gathers and reduce-scatters
-while the ranks with images run them, and the ranks' collectives no longer match.
+Some decoders skip layers without media (Mllama's cross-attention layers); when such a
+layer is an FSDP unit, a text-only rank would skip its collectives. At each such
+layer's place in its ``nn.ModuleList`` the ranks agree in one small ``all_reduce``
+whether any of them runs it. When only some do, a second ``all_reduce`` brings the
+lowest such rank's call description, and each rank that skipped the layer runs it on a
+placeholder of those shapes, its output times 0 added to the next layer's input (or the
+decoder's output), so the layer's units gather and reduce on every rank.
 
-Here every rank reaches each such layer's place in its container (the ``nn.ModuleList``
-the decoder runs in order) and the ranks agree, in one small ``all_reduce``
-(``DECISION_BYTES``) over all data-parallel ranks, whether any of them runs it:
-
-- nobody runs it: nobody does (its parameters keep no gradient, as in one process);
-- everybody runs it: nothing more;
-- some run it: one more ``all_reduce`` brings the description of the lowest such rank's
-  call (``multimodal_fsdp.balance.placeholder``) to every rank, and each rank that
-  skipped it runs the layer there on a placeholder of those shapes, its output times 0
-  added to the next layer's input (or to the decoder's output after the last layer).
-  The layer's units then gather, and in backward gather and reduce, at the same place on
-  every rank, and its gradients are the calling ranks' alone.
-
-A rank that runs the layer decides at its own forward pre-hook; a rank that skipped it
-decides at the pre-hook of the next layer of the container it runs (or after the
-container's owner returns), before that layer's all-gather, so the decisions pair up.
+A rank that runs the layer decides at its pre-hook; one that skipped it at the next
+layer's pre-hook (or after the container's owner returns).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +45,14 @@ def reduce_sum(tensor: Tensor, group: Any) -> None:
     dist.all_reduce(tensor, group=group)
 
 
+def _sum_terms(terms: Iterable[Tensor]) -> Tensor | None:
+    """The sum of zero loss terms (on the first one's device); ``None`` for none."""
+    total: Tensor | None = None
+    for term in terms:
+        total = term if total is None else total + term.to(total.device)
+    return total
+
+
 def add_to_first_tensor(value: Any, zero_term: Tensor) -> tuple[Any, bool]:
     """``value`` with ``zero_term`` added to its first floating tensor (walking tuples,
     lists and mappings); whether one was found.
@@ -77,7 +75,6 @@ def add_to_first_tensor(value: Any, zero_term: Tensor) -> tuple[Any, bool]:
             if done:
                 rebuilt = type(value)(items) if type(value) in (tuple, list) else items
                 return rebuilt, True
-        return value, False
     return value, False
 
 
@@ -111,8 +108,7 @@ def add_to_outputs(output: Any, zero_term: Tensor) -> Any:
 def _add_to_first_input(
     args: tuple[Any, ...], kwargs: dict[str, Any], zero_term: Tensor
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """A forward's arguments with ``zero_term`` added to their first floating tensor (the
-    positional ones first); ``None`` when they hold none."""
+    """The arguments with ``zero_term`` added to their first floating tensor, or None."""
     new_args, done = add_to_first_tensor(args, zero_term)
     if done:
         return tuple(new_args), kwargs
@@ -124,22 +120,19 @@ def _add_to_first_input(
 
 
 class _Container:
-    """One layer container with joined layers: their indices, the items whose pre-hooks
-    decide (``hooks``, one per item), the owner that runs it."""
+    """One layer container: its joined layers' indices and each item's pre-hook."""
 
-    def __init__(self, container: nn.ModuleList, joined: set[int]) -> None:
+    def __init__(self, container: nn.ModuleList) -> None:
         self.container = container
         self.items: list[nn.Module] = list(container)
         self.hooks: list[RemovableHandle] = []
-        self.joined = sorted(joined)
+        self.joined: list[int] = []
         self.last = -1  # the last index run (or passed) in this run of the owner
 
 
 class JoinedLayers:
-    """The installed part of ``balance_media`` for media-dependent decoder layers (see
-    the module docstring). ``active()``: whether the model's forward is running (the
-    decisions are made in every forward of the model, training or not, never in a
-    backward's recomputation).
+    """The installed part of ``balance_media`` for media-dependent decoder layers; it
+    decides in every forward of the model, never in a backward's recomputation.
 
     Args:
         model: the model whose decoder holds the layers.
@@ -163,8 +156,7 @@ class JoinedLayers:
     ) -> None:
         self._group = group
         self._active = active
-        #: The decision: the collective by default; the memory model's trace passes the
-        #: step's media instead (``multimodal_fsdp.estimate.activations``).
+        #: The memory model's trace passes the step's media instead of the collective.
         self._agreement = agree if agree is not None else self._agree
         self._index: dict[int, int] = {}
         self._bypass = 0
@@ -172,7 +164,7 @@ class JoinedLayers:
         self.last_joined = 0
         self.last_decisions = 0
         handles: list[RemovableHandle] = []
-        containers: dict[int, tuple[nn.Module, str, _Container]] = {}
+        containers: dict[int, tuple[nn.Module, _Container]] = {}
         for position, path in enumerate(paths):
             self._index[id(unwrap_module(model.get_submodule(path)))] = position
             parent_path, _, name = path.rpartition(".")
@@ -185,10 +177,9 @@ class JoinedLayers:
             owner_path = parent_path.rpartition(".")[0]
             key = id(container)
             if key not in containers:
-                owner = model.get_submodule(owner_path) if owner_path else model
-                containers[key] = (owner, parent_path, _Container(container, set()))
-            containers[key][2].joined.append(int(name))
-        for owner, _, state in containers.values():
+                containers[key] = (model.get_submodule(owner_path), _Container(container))
+            containers[key][1].joined.append(int(name))
+        for owner, state in containers.values():
             state.joined = sorted(set(state.joined))
             handles.append(owner.register_forward_pre_hook(self._reset(state), prepend=True))
             handles.append(owner.register_forward_hook(self._after(state), always_call=True))
@@ -196,7 +187,7 @@ class JoinedLayers:
                 self._hook_item(state, index, item) for index, item in enumerate(state.items)
             ]
         self._handles = handles
-        self._containers = [state for _, _, state in containers.values()]
+        self._containers = [state for _, state in containers.values()]
 
     def _hook_item(self, state: _Container, index: int, item: nn.Module) -> RemovableHandle:
         return item.register_forward_pre_hook(
@@ -204,11 +195,8 @@ class JoinedLayers:
         )
 
     def _rehook(self, state: _Container) -> None:
-        """Move each item's pre-hook to the module now in the container: a wrapper put
-        around a layer after this was installed (torch's ``checkpoint_wrapper`` applied
-        after sharding) runs the layer's own pre-hooks inside its checkpointed region, whose
-        recomputation decides nothing (a placeholder run there breaks the recomputation, or
-        under a reentrant checkpoint runs without gradients); the wrapper's run outside."""
+        """Move each item's pre-hook to a wrapper put around it since (the layer's own
+        pre-hooks would run inside an activation checkpoint's recomputation)."""
         for index, item in enumerate(state.container):
             if index < len(state.items) and item is not state.items[index]:
                 state.hooks[index].remove()
@@ -253,8 +241,6 @@ class JoinedLayers:
         def hook(_module: nn.Module, _args: Any, output: Any) -> Any:
             if not self._on():
                 return None
-            import sys
-
             if sys.exc_info()[0] is not None:  # the forward raised: no collective after it
                 return None
             zero_term = self._skipped(state, len(state.items), (), {})
@@ -268,15 +254,11 @@ class JoinedLayers:
     def _skipped(
         self, state: _Container, upto: int, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Tensor | None:
-        """Decide every joined layer this rank passed without running (between the last
-        one run and ``upto``); the sum of the placeholder runs' zero loss terms."""
-        total: Tensor | None = None
-        for index in state.joined:
-            if state.last < index < upto:
-                zero_term = self._decide(state.items[index], ran=None)
-                if zero_term is not None:
-                    total = zero_term if total is None else total + zero_term.to(total.device)
-        return total
+        """Decide the joined layers this rank passed without running, up to ``upto``; the
+        sum of the placeholder runs' zero loss terms."""
+        passed = [i for i in state.joined if state.last < i < upto]
+        terms = [self._decide(state.items[i], ran=None) for i in passed]
+        return _sum_terms(t for t in terms if t is not None)
 
     # ----------------------------------------------------------------- decisions
     def _device(self, layer: nn.Module) -> torch.device:
@@ -288,10 +270,8 @@ class JoinedLayers:
         return torch.device("cpu")
 
     def _agree(self, index: int, blob: bytes | None, device: torch.device) -> bytes | None:
-        """The decision collective for the ``index``-th joined layer (``blob``: this
-        rank's call's description, ``None`` if it skipped the layer): the description of
-        the lowest rank that ran it when some ranks ran it and others skipped it, else
-        ``None``."""
+        """The description of the lowest rank that ran the ``index``-th joined layer when
+        others skipped it, else ``None`` (``blob``: this rank's call, None if skipped)."""
         world, rank = dist.get_world_size(self._group), dist.get_rank(self._group)
         mine = blob or b""
         # MAX of: someone ran it, someone skipped it, the longest description, and -(the
@@ -320,8 +300,8 @@ class JoinedLayers:
     def _decide(
         self, layer: nn.Module, *, ran: tuple[tuple[Any, ...], dict[str, Any]] | None
     ) -> Tensor | None:
-        """The decision for one joined layer; on a rank that skipped it while another ran
-        it, the placeholder run's zero loss term."""
+        """Decide one joined layer; the placeholder run's zero loss term where it ran."""
+
         device = self._device(layer)
         blob = describe_call(*ran) if ran is not None else None
         source = self._agreement(self._index[id(unwrap_module(layer))], blob, device)

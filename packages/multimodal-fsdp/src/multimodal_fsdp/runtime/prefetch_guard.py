@@ -1,48 +1,23 @@
 """Keep FSDP2's implicit backward prefetch off frozen units that run no backward.
 
-In its pre-backward, every FSDP2 unit prefetches the unit that finished its
-forward just before it. After a frozen vision tower that unit is the tower's
-last unit (a block, or a group of norms): its inputs are pixels and its
-parameters need no gradient, so its backward never runs, yet the prefetch
-all-gathers it anyway, and the gathered parameters are only dropped at the end
-of backward. One wasted all-gather (and the memory of one tower unit) per step.
+FSDP2 prefetches, in each unit's pre-backward, the unit that finished its forward just
+before it: after a frozen tower that is the tower's last unit, whose backward never
+runs, so one all-gather (and one unit's memory) per step is wasted.
+[`guard_backward_prefetch`][multimodal_fsdp.runtime.prefetch_guard.guard_backward_prefetch]
+marks every frozen non-root unit ``set_unshard_in_backward(False)`` and marks it back
+as soon as one of its forward outputs requires a gradient, so the decision follows what
+autograd sees. Marks are only added until a backward has run (a no-grad pass or
+``generate()`` between forward and backward never takes one away a backward needs).
 
-[`guard_backward_prefetch`][multimodal_fsdp.runtime.prefetch_guard.guard_backward_prefetch] closes
-that gap with
-public FSDP2 API. Every non-root unit whose parameters are all frozen is marked
-``set_unshard_in_backward(False)`` and is marked back as soon as one of its
-forward outputs requires a gradient (then its own backward runs and needs its
-parameters). A unit that no gradient reaches thus cannot be all-gathered in
-backward, by prefetch or otherwise; any other unit behaves exactly as before.
-The decision is made from what autograd sees, so it stays correct for frozen
-units that gradients do pass through (frozen text layers, a frozen projector
-behind a trainable tower).
-
-Marks are only ever *added* until a backward has run: they are cleared at the
-first grad-enabled forward after a backward. A no-grad forward between forward
-and backward (a metric or reference pass), ``eval()`` and ``generate()`` between
-steps, or two forwards before one backward therefore never take away a mark that
-a pending backward still needs (allowing a gather is always safe; forbidding one
-that a backward needs is not).
-
-The decision is each rank's own, so it must not differ between ranks: a unit that
-one rank all-gathers in backward and another does not desynchronises every later
-collective. It differs when gradients reach a frozen unit on some ranks only: a
-frozen decoder layer behind trainable code that runs only with media (LoRA in a
-tower, a trainable projector or cross-attention layer) while another rank is
-text-only. ``MultimodalParallelizer`` leaves such units out (the ``units`` of
-``build_backward_prefetch_guard``); FSDP2's own prefetch then gathers them on
-every rank.
-
-[`MultimodalParallelizer`][multimodal_fsdp.parallelizer.MultimodalParallelizer] installs it after
-sharding;
-``remove_backward_prefetch_guard`` undoes it (used to show the difference).
+The decision must not differ between ranks: units that gradients reach on some ranks
+only (behind trainable code that runs only with media) are left out by
+``MultimodalParallelizer`` (the ``units`` of ``build_backward_prefetch_guard``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -84,9 +59,6 @@ NAME = "prefetch_guard"
 class BackwardPrefetchGuard:
     """The installed guard: which units it watches, and which ran a backward last step.
 
-    Built on a sharded ``model`` from the frozen units to watch: (label, the unit's FSDP
-    module, its member module paths) each.
-
     Args:
         model: the sharded model.
         watched: ``(label, FSDP module, member paths)`` per frozen unit.
@@ -103,7 +75,7 @@ class BackwardPrefetchGuard:
         self._handles: list[RemovableHandle] = []
         for index, (_, _, paths) in enumerate(watched):
             for path in paths:
-                member = model.get_submodule(path) if path else model
+                member = model.get_submodule(path)
                 self._handles.append(member.register_forward_hook(self._mark_hook(index)))
         self._handles.append(model.register_forward_pre_hook(self._before_forward))
         self._watch: BackwardWatch | None = BackwardWatch(model, self._saw_backward)
@@ -181,32 +153,17 @@ def _frozen_plan_units(model: nn.Module, plan: ShardingPlan) -> list[tuple[str, 
     return found
 
 
-def _frozen_units(model: nn.Module, plan: ShardingPlan) -> list[tuple[str, FSDPModule, list[str]]]:
-    """(label, FSDP module, member paths) of every non-root unit whose parameters are all frozen."""
-    found: list[tuple[str, FSDPModule, list[str]]] = []
-    for label, paths in _frozen_plan_units(model, plan):
-        first = model.get_submodule(paths[0]) if paths[0] else model
-        if not isinstance(first, FSDPModule):
-            logger.warning("unit %s is not an FSDP module; not guarded", label)
-            continue
-        found.append((label, first, paths))
-    return found
-
-
 def guard_backward_prefetch(model: nn.Module, plan: ShardingPlan) -> BackwardPrefetchGuard | None:
     """Stop backward all-gathers of frozen units that no gradient reaches (see module doc).
 
-    ``model`` must already be sharded as ``plan`` says. Returns the guard, or
-    ``None`` when the plan has no frozen unit besides the root. Calling it again
-    on the same model returns the guard already installed. (The parallelizers
-    install it themselves when their plan lists the ``prefetch_guard`` hook.)
+    Calling it again on the same model returns the guard already installed.
 
     Args:
         model: the sharded model.
         plan: the plan it was sharded by.
 
     Returns:
-        The guard, or None.
+        The guard, or None when the plan has no frozen non-root unit.
 
     Raises:
         TypeError: ``model`` or ``plan`` has the wrong type.
@@ -229,18 +186,16 @@ def build_backward_prefetch_guard(
 ) -> BackwardPrefetchGuard | None:
     """Install the guard's hooks and return it, without recording it on the model.
 
-    ``units``: the labels of the frozen units to guard (default: every one). A unit
-    that gradients reach on some ranks only must be left out (see the module doc).
-
     Args:
         model: the sharded model.
         plan: the plan it was sharded by.
-        units: the labels to guard (every frozen unit when None).
+        units: the labels to guard (every frozen unit when None); leave out units that
+            gradients reach on some ranks only.
 
     Returns:
         The guard, or None when no unit is guarded.
     """
-    frozen = _frozen_units(model, plan)
+    frozen = _frozen_plan_units(model, plan)
     if units is not None:
         wanted = set(units)
         frozen = [entry for entry in frozen if entry[0] in wanted]
@@ -248,11 +203,19 @@ def build_backward_prefetch_guard(
 
 
 def _install_guard(
-    model: nn.Module, frozen: Sequence[tuple[str, FSDPModule, Sequence[str]]]
+    model: nn.Module, units: Iterable[tuple[str, Sequence[str]]]
 ) -> BackwardPrefetchGuard | None:
-    if not frozen:
+    """The guard on the units' FSDP modules (a unit that is none is warned about)."""
+    watched = []
+    for label, paths in units:
+        first = model.get_submodule(paths[0])
+        if not isinstance(first, FSDPModule):
+            logger.warning("unit %s is not an FSDP module; not guarded", label)
+            continue
+        watched.append((label, first, paths))
+    if not watched:
         return None
-    guard = BackwardPrefetchGuard(model, frozen)
+    guard = BackwardPrefetchGuard(model, watched)
     logger.info(
         "backward prefetch guarded for %d frozen units: %s", len(guard.units), list(guard.units)
     )
@@ -261,8 +224,7 @@ def _install_guard(
 
 @dataclass(frozen=True)
 class PrefetchGuardRuntimeHook(RuntimeHook):
-    """The ``prefetch_guard`` runtime hook; its plan data: the frozen units to guard, as
-    (label, member module paths), decided at plan time."""
+    """The ``prefetch_guard`` runtime hook; plan data: (label, member paths) per unit."""
 
     name: ClassVar[str] = NAME
     reads: ClassVar[tuple[Probe, ...]] = ()
@@ -293,14 +255,7 @@ class PrefetchGuardRuntimeHook(RuntimeHook):
         )
 
     def install(self, model: nn.Module, *, dims: ParallelDims) -> BackwardPrefetchGuard | None:
-        watched = []
-        for label, paths in self.units:
-            first = model.get_submodule(paths[0]) if paths[0] else model
-            if not isinstance(first, FSDPModule):
-                logger.warning("unit %s is not an FSDP module; not guarded", label)
-                continue
-            watched.append((label, first, paths))
-        return _install_guard(model, watched)
+        return _install_guard(model, self.units)
 
 
 def backward_prefetch_guard(model: nn.Module) -> BackwardPrefetchGuard | None:

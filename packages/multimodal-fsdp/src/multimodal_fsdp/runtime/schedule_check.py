@@ -1,51 +1,20 @@
 """Fail fast, instead of hanging, when ranks would run different FSDP collectives.
 
-Every FSDP unit all-gathers when it runs, so all ranks must run the same units, the
-same number of times, in the same order. Code whose execution depends on the batch
-breaks that: a tower that only ranks with images run, a tower that runs once for
-images and once more for videos, or once per image, a cross-attention decoder layer
-that text-only batches skip. When such code owns units (a *media region*), ranks
-with different media issue different collectives, and the job hangs, crashes deep
-in the collective library, or (NCCL, equal sizes) silently mixes up data.
+All ranks must run the same FSDP units in the same order. Code that runs only with
+some media and owns units (a *media region*: a tower only ranks with images run, a
+cross-attention layer text-only batches skip) breaks that, and the job hangs or mixes
+up data.
 
-A region's own forward decides which of its encoders run, and may run none: every
-rank enters Phi-4-multimodal's feature embedding, which calls its image encoder only
-with images. So entering a region issues no collective and proves nothing; the first
-all-gather of each *part* of a region call does. A part is an encoder of the region (a
-child that holds a layer stack, looked through activation-checkpoint and compile
-wrappers; the named items of a module dict count as children), or the region's trunk
-(everything else: its embeddings, norms, projections), which runs with whatever the
-call runs. The items of a layer stack run as one, and so does what lies inside a unit.
-
-[`ScheduleCheck`][multimodal_fsdp.runtime.schedule_check.ScheduleCheck] makes every rank agree on
-*where it is* at the few points where the ranks' schedules can part:
-
-- a region's entry, when the region is a unit itself (its all-gather comes first);
-- in every call of a region, the first all-gather of each encoder it runs (the first
-  unit of a tower's layer stack, of each encoder a feature embedding holds), and of
-  its trunk when that comes first;
-- the first unit to run after the root's forward starts, and after each region
-  call ends;
-- the unit that follows a region in the model (a rank that skipped the region
-  reaches it directly);
-- the end of the root's forward, when a region is the last thing that runs.
-
-A tower with one layer stack still costs one checkpoint per call (at its stack's first
-unit instead of its entry); a region call that runs no unit costs none (it issued no
-collective).
-
-At each such checkpoint the ranks meet at the model's
-[agreement][fsdp_core.rank_agreement] (the c10d store, no collective), each saying its
-position (which module, which call of it in this forward), in the same numbered sequence
-as the forward agreement before each call. If the positions differ, every rank raises
-the same [`UnevenMediaError`][multimodal_fsdp.runtime.schedule_check.UnevenMediaError],
-naming where each rank is and what to change; no mismatched collective has been issued.
-Between checkpoints the ranks run the same units. Forwards inside backward
-(activation-checkpoint recomputation) are not checked: they repeat a forward that was.
-
-The schedule plan ([`ScheduleLayout`][multimodal_fsdp.runtime.schedule_check.ScheduleLayout])
-is data: the plan says how many checkpoints (store meetings) one forward costs
-([`checkpoints_per_forward`][multimodal_fsdp.runtime.schedule_check.ScheduleLayout.checkpoints_per_forward]).
+[`ScheduleCheck`][multimodal_fsdp.runtime.schedule_check.ScheduleCheck] has the ranks
+agree on *where they are* at the few points where schedules can part: a region's entry
+when it is a unit, the first all-gather of each *part* of a region call (an encoder
+holding a layer stack, or the region's trunk when it comes first), the first unit after
+the forward starts and after each region call, the unit that follows a region, and the
+forward's end when a region runs last. There the ranks meet at the model's
+[agreement][fsdp_core.rank_agreement] (the c10d store, no collective); differing
+positions raise the same
+[`UnevenMediaError`][multimodal_fsdp.runtime.schedule_check.UnevenMediaError] on every
+rank before any mismatched collective. Recomputation inside backward is not checked.
 """
 
 from __future__ import annotations
@@ -106,14 +75,9 @@ class MediaRegion:
 class ScheduleLayout:
     """Where the checkpoints sit, in the model's registration (forward) order.
 
-    ``sites`` names every checkpoint position: regions first, then units, then
-    ``"<end of forward>"``; tokens index into it. ``successors`` are units that
-    follow a region; ``end_check`` says a region has no unit after it. ``parts``
-    maps each module inside a region where a unit all-gathers (a unit's first module)
-    to the part of the region it belongs to: the encoder's path, or the region's own
-    path for its trunk (the region itself included, when it is a unit). A checkpoint
-    sits where a region call enters an encoder, and at the trunk's all-gather when it
-    is the call's first.
+    ``successors`` are units that follow a region; ``end_check`` says a region has no
+    unit after it. ``parts`` maps each module inside a region where a unit all-gathers
+    to its part: an encoder's path, or the region's own path for its trunk.
     """
 
     regions: tuple[MediaRegion, ...]
@@ -130,6 +94,7 @@ class ScheduleLayout:
 
     @property
     def sites(self) -> tuple[str, ...]:
+        """Every checkpoint position (regions, units, the end); tokens index into it."""
         return (*(r.path for r in self.regions), *self.units, "<end of forward>")
 
     def checkpoints_per_forward(self) -> int:
@@ -161,15 +126,10 @@ class ScheduleLayout:
         return count + int(self.end_check)
 
 
-def _index_of(model: nn.Module) -> dict[str, int]:
-    return {name: index for index, (name, _) in enumerate(model.named_modules())}
-
-
 def plan_schedule_layout(
     model: nn.Module, plan: ShardingPlan, regions: Sequence[MediaRegion], *, per_layer: str = ""
 ) -> ScheduleLayout | None:
-    """The checkpoints for ``regions`` of ``plan`` (``None`` when there is no region);
-    ``per_layer`` says where the parallelizer sets that policy (for the error's advice).
+    """The checkpoints for ``regions`` of ``plan``.
 
     Args:
         model: the planned model.
@@ -182,13 +142,14 @@ def plan_schedule_layout(
     """
     if not regions:
         return None
-    index = _index_of(model)
+    index = {name: position for position, (name, _) in enumerate(model.named_modules())}
     member_paths = sorted(
         {path for unit in plan.units if not unit.is_root for path in unit.paths},
         key=lambda p: index[p],
     )
     successors: set[str] = set()
     end_check = False
+    events: list[tuple[int, int, str, str]] = []
     for region in regions:
         last = max(index[name] for name in index if is_under(name, region.path))
         after = [p for p in member_paths if index[p] > last and not is_under(p, region.path)]
@@ -196,9 +157,6 @@ def plan_schedule_layout(
             successors.add(after[0])
         else:
             end_check = True
-    events: list[tuple[int, int, str, str]] = []
-    for region in regions:
-        last = max(index[name] for name in index if is_under(name, region.path))
         events.append((index[region.path], 0, "enter", region.path))
         events.append((last, 2, "exit", region.path))
     for path in member_paths:
@@ -228,9 +186,8 @@ def plan_schedule_layout(
 
 
 def _part(model: nn.Module, region: str, path: str) -> str:
-    """The part of ``region`` that ``path`` lies in: the region's child on the way
-    (looked through wrappers; with its item, for a named item of a module dict) when that
-    child holds a layer stack, an encoder of its own; else the region itself (its trunk)."""
+    """The part of ``region`` that ``path`` lies in: the child on the way (through
+    wrappers and module dicts) when it holds a layer stack, else the region (its trunk)."""
     current = model.get_submodule(region)
     part = region
     names = path[len(region) + 1 :].split(".") if path != region else []
@@ -251,10 +208,7 @@ def _part(model: nn.Module, region: str, path: str) -> str:
 
 
 class ScheduleCheck:
-    """The installed check (see the module docstring), put on the sharded ``model`` by
-    its constructor.
-
-    The hooks run before FSDP's own (``prepend=True``), so a checkpoint comes before
+    """The installed check; its hooks run before FSDP's own, so a checkpoint comes before
     the all-gather of the unit it guards.
 
     Args:
@@ -438,11 +392,8 @@ class ScheduleCheck:
 
 def _covered(path: str, layout: ScheduleLayout) -> bool:
     """Whether the unit at ``path`` lies inside another hooked unit whose hook always runs
-    first in the same state, so that its own hook could never checkpoint (the fp32 norm
-    units inside a vision block): the outer unit holds no region (whose exit would re-arm
-    the check), ``path`` follows no region, and both lie in the same part of a region (or
-    in none). Leaving it unhooked keeps the check out of the block's ``forward``, where
-    a regionally compiled block would trace it."""
+    first in the same state (fp32 norm units in a vision block), so it needs no hook of
+    its own (which a regionally compiled block would trace)."""
     if path in layout.successors:
         return False
     parts = dict(layout.parts)
@@ -458,11 +409,8 @@ def _covered(path: str, layout: ScheduleLayout) -> bool:
 
 
 def _enters_part(part: str | None, call: list[str | None]) -> bool:
-    """Whether a module of ``part`` all-gathering in a region ``call`` ([region, part
-    entered last]) starts a part there (and becomes the part entered last): a module
-    that gathers nothing (``None``) never does; the region's trunk does as the call's
-    first all-gather only (it runs with whatever the call runs); an encoder does on
-    entry."""
+    """Whether a module of ``part`` gathering in a region ``call`` ([region, part entered
+    last]) starts a part there (and records it): the trunk only as the call's first."""
     region, current = call
     if part is None or part == current or (part == region and current is not None):
         return False
@@ -480,8 +428,7 @@ def _ranks(ranks: list[int], shown: int = 8) -> str:
 
 @dataclass(frozen=True)
 class ScheduleCheckRuntimeHook(RuntimeHook):
-    """The ``schedule_check`` runtime hook; its plan data: the schedule layout, computed
-    once when the plan is made. It issues no collective."""
+    """The ``schedule_check`` runtime hook; plan data: the layout. No collective."""
 
     name: ClassVar[str] = NAME
     reads: ClassVar[tuple[Probe, ...]] = (GRAPH_TASK,)
@@ -489,9 +436,8 @@ class ScheduleCheckRuntimeHook(RuntimeHook):
     layout: ScheduleLayout
 
     def install(self, model: nn.Module, *, dims: ParallelDims) -> ScheduleCheck:
-        """The checkpoints agree over ``dims.lockstep_ranks()``: every rank that runs the
-        model's forward, whose collectives in a media region (FSDP's, and TP's, CP's or
-        EP's in the modules there) hang when some rank's media differ."""
+        """The checkpoints agree over every rank that runs the model's forward."""
+
         logger.info(
             "schedule check on %d media regions: %s",
             len(self.layout.regions),
