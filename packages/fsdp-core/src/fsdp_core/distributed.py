@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -32,25 +33,19 @@ logger = logging.getLogger(__name__)
 
 #: Backends this library sets up itself; "fake" is the single-process test backend.
 VALID_BACKENDS: Final[tuple[str, ...]] = ("nccl", "gloo", "fake")
-#: Store keys of the handshake that gives each start of the default group its own key
-#: prefix (``_fresh_group_prefix``), and the prefix those groups' keys go under.
+#: Store keys of ``_fresh_group_prefix``'s handshake, and the prefix the groups' keys go under.
 _JOIN_PREFIX: Final = "fsdp_core/join"
 _GROUP_PREFIX: Final = "fsdp_core/default_pg"
 #: How long rank 0 sleeps at most between two looks at the other ranks' join keys.
 _JOIN_POLL_S: Final[float] = 0.05
-#: Threads torch starts that take the GIL from C++ after a collective or a backward:
-#: gloo's workers release a finished collective's tensors there (a tensor whose Python
-#: object is gone needs the GIL to drop it) and run its future's Python callbacks; the
-#: autograd device threads run Python hooks. Linux names them (``/proc``) with these
-#: prefixes (at most 15 characters).
+#: Name prefixes (``/proc``, at most 15 characters) of the torch threads that take the GIL
+#: from C++ after a collective or a backward: gloo's workers (dropping a finished
+#: collective's tensors, running its future's callbacks) and autograd's device threads.
 _GIL_TAKING_THREADS: Final[tuple[str, ...]] = ("pt_gloo_runloop", "pt_autograd_")
-#: How long the exit path waits for those threads to go idle before it gives up (a
-#: thread still busy then is running work nobody waited for).
+#: How long the exit path waits for those threads to go idle before it gives up.
 _SETTLE_TIMEOUT_S: Final[float] = 5.0
-#: Consecutive looks, the GIL released in between, that must find every such thread
-#: blocked (idle, or waiting on its peers) before the exit path continues.
+#: Consecutive looks (the GIL released in between) that must find them all blocked.
 _SETTLED_LOOKS: Final[int] = 3
-_EXIT_HOOK_REGISTERED = False
 _DEVICE_FOR_BACKEND: Final[dict[str, str]] = {
     "nccl": "cuda",
     "gloo": "cpu",
@@ -119,8 +114,6 @@ def _env_int(name: str, default: int) -> int:
 
 def _choose_backend(backend: str | None, local_world_size: int) -> str:
     if backend is not None:
-        if not isinstance(backend, str):
-            raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
         name = backend.strip().lower()
         if name not in VALID_BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; valid backends: {VALID_BACKENDS}")
@@ -139,9 +132,8 @@ def _choose_backend(backend: str | None, local_world_size: int) -> str:
 
 
 def _group_backend() -> str:
-    """The default group's backend; for a group started without one (accelerate on CPU
-    calls ``init_process_group()`` bare: ``get_backend()`` reads ``'undefined'``) the
-    device-qualified form torch chose for it (``'cpu:gloo'``)."""
+    """The default group's backend, or for one started without (accelerate on CPU:
+    ``get_backend()`` reads ``'undefined'``) the form torch chose for it (``'cpu:gloo'``)."""
     backend = str(dist.get_backend())
     try:
         device_type_for_backend(backend)
@@ -177,12 +169,9 @@ def init_distributed(
     Picks NCCL on CUDA when every local rank has a GPU, otherwise gloo on CPU;
     ``backend`` overrides the choice. Without torchrun variables it starts a
     one-process group, so the same script runs under ``python``. Calling it again
-    returns the existing context (and refuses a different explicit backend).
-
-    Each start of the group keys its store entries under a prefix no earlier start
-    used (see ``_fresh_group_prefix``), so a job that torchrun restarts
-    (``--max-restarts``) on the store of its failed attempt, or a group started again
-    after ``destroy_distributed``, never reads the old entries.
+    returns the existing context (and refuses a different explicit backend). Each start
+    keys its store entries under a fresh prefix, so a job torchrun restarts on its failed
+    attempt's store never reads the old entries.
 
     Args:
         backend: ``"nccl"``, ``"gloo"``, ... instead of the automatic choice.
@@ -255,19 +244,15 @@ def _fresh_group_prefix(store: Any, rank: int, world_size: int, timeout: timedel
     """A store key prefix that no earlier start of a group on ``store`` used, the same on
     every rank.
 
-    Why: torchrun restarts a failed job on the rendezvous store of the failed attempt,
-    whose keys (the gloo addresses of processes that are gone, the library's own
-    agreement keys) are still there; a group keyed like the one before reads them and
-    connects to a dead address ("Gloo connectFullMesh failed ... Connection refused") or
-    waits forever. ``TORCHELASTIC_RESTART_COUNT`` cannot name the attempt: it counts the
-    failures of each node's own workers, and a node that restarts because another one
-    failed does not count, so after a failure the nodes disagree.
+    Why: torchrun restarts a failed job on the failed attempt's store, whose keys (dead
+    gloo addresses, agreement keys) a group keyed as before would read ("Gloo
+    connectFullMesh failed ... Connection refused", or a hang). The restart count cannot
+    name the attempt: the nodes count their own workers' failures and disagree.
 
-    So the ranks make a name: rank 0 draws a random token; every other rank writes a
-    random nonce under its key ``join/<rank>`` and waits for the key ``ack/<nonce>``,
-    which no earlier attempt can have written. Rank 0 answers every nonce it reads with
-    the token (a stale nonce of a dead attempt is answered in vain) until every rank
-    has confirmed under a key named by the token.
+    So rank 0 draws a random token; every other rank writes a random nonce under
+    ``rank/<rank>`` and waits for ``ack/<nonce>``, which no earlier attempt can have
+    written. Rank 0 answers each nonce it reads with the token (a dead attempt's in
+    vain) until every rank has confirmed under a key named by the token.
     """
     join = dist.PrefixStore(_JOIN_PREFIX, store)  # type: ignore[attr-defined]
     if rank != 0:
@@ -312,10 +297,9 @@ def _fresh_group_prefix(store: Any, rank: int, world_size: int, timeout: timedel
 def destroy_distributed() -> None:
     """Tear down the default process group if one exists (safe to call twice).
 
-    First lets torch's collective threads finish what they still do with Python
-    objects (``_settle_collective_threads``), so that the interpreter's
-    teardown after it cannot abort the process. Local: no rank waits for another,
-    so it is safe in ``finally`` blocks and after a failure.
+    First lets torch's collective threads finish their Python work, so that the
+    interpreter's teardown cannot abort the process. Local (no rank waits for another),
+    so safe in ``finally`` blocks and after a failure.
     """
     _settle_collective_threads()
     if dist.is_initialized():
@@ -325,19 +309,12 @@ def destroy_distributed() -> None:
 def _settle_collective_threads(timeout_s: float = _SETTLE_TIMEOUT_S) -> bool:
     """Release the GIL until torch's gloo worker (and autograd device) threads are idle.
 
-    Why: a gloo worker drops a finished collective's tensors after the caller has
-    moved on; when a tensor's Python object is already gone, that needs the GIL. If
-    the main thread holds the GIL until the interpreter starts shutting down, Python
-    3.11 ends the waiting thread in the middle of C++ code and the process aborts
-    ("terminate called without an active exception", SIGABRT) although all work is
-    done. Waiting here, while the interpreter is fully alive, lets those threads
-    finish first. ``destroy_distributed`` and the exit hook of ``init_distributed``
-    call it.
-
-    Returns ``True`` once every such thread was seen blocked ``_SETTLED_LOOKS`` times
-    in a row (idle, or waiting on a peer: nothing left for Python), ``False`` if one
-    was still running after ``timeout_s`` seconds. Without ``/proc`` (not Linux) it
-    releases the GIL for 50 ms and returns ``True``.
+    Why: a gloo worker drops a finished collective's tensors after the caller moved on,
+    which may need the GIL; if the main thread holds it into interpreter shutdown,
+    Python 3.11 ends that thread inside C++ and the process aborts ("terminate called
+    without an active exception"). ``True`` once every such thread was seen blocked
+    ``_SETTLED_LOOKS`` times in a row, ``False`` if one still runs after ``timeout_s``;
+    without ``/proc`` it sleeps 50 ms and returns ``True``.
     """
     tasks = "/proc/self/task"
     if not os.path.isdir(tasks):
@@ -377,14 +354,11 @@ def _running_gil_threads(tasks: str) -> list[str]:
     return running
 
 
+@functools.cache
 def _register_exit_hook() -> None:
-    """Settle the collective threads at interpreter exit, also when the script just
-    returns (``atexit`` runs before the teardown that kills late threads). It only
-    waits for local threads, so a rank that raised still exits 1 with its traceback."""
-    global _EXIT_HOOK_REGISTERED
-    if not _EXIT_HOOK_REGISTERED:
-        atexit.register(_settle_at_exit)
-        _EXIT_HOOK_REGISTERED = True
+    """Settle the collective threads at exit, also when the script just returns
+    (``atexit`` runs before the teardown that kills late threads); local only."""
+    atexit.register(_settle_at_exit)
 
 
 def _settle_at_exit() -> None:
@@ -396,12 +370,10 @@ def exit_rank(code: int = 0) -> NoReturn:
     """End a torchrun worker: wait for the others, tear down, exit without interpreter
     teardown.
 
-    ``destroy_distributed()`` (or returning) already ends a finished rank cleanly; this
-    is for a worker whose exit status is its own result (a test or benchmark driver):
-    after the barrier and the tear-down it leaves with ``os._exit(code)``, so nothing of
-    the interpreter's teardown runs, ``atexit`` handlers included. Logging handlers,
-    standard output and error are flushed first. Not for a failure path: the barrier
-    waits for every rank.
+    For a worker whose exit status is its own result (a test or benchmark driver):
+    after the barrier and ``destroy_distributed()`` it flushes logging and the standard
+    streams and leaves with ``os._exit(code)`` (no ``atexit`` handlers). Not for a
+    failure path: the barrier waits for every rank.
 
     Args:
         code: the process's exit status.

@@ -1,11 +1,10 @@
 """The single-process ``fake`` process group, as a product feature.
 
-Under the ``fake`` backend FSDP2 shards exactly as on a real job and issues the
-same collectives with the same byte counts, in one process (the numbers it
-computes are meaningless). The product uses it to count the collectives and the
-memory of a plan without a cluster ([`multimodal_fsdp.measure.comm`][multimodal_fsdp.measure.comm],
-[`multimodal_fsdp.measure.memory`][multimodal_fsdp.measure.memory]); tests use it for layouts. Its
-store lives in a private torch module, reached through [`fsdp_core.internals`][fsdp_core.internals].
+Under it FSDP2 shards as on a real job and issues the same collectives with the same
+bytes, in one process (the numbers it computes are meaningless): the product measures a
+plan's collectives and memory without a cluster
+([`multimodal_fsdp.measure.comm`][multimodal_fsdp.measure.comm],
+[`multimodal_fsdp.measure.memory`][multimodal_fsdp.measure.memory]); tests check layouts.
 """
 
 from __future__ import annotations
@@ -46,9 +45,8 @@ def fake_process_group(world_size: int, *, rank: int = 0) -> Iterator[None]:
 
 @contextlib.contextmanager
 def current_or_fake_group(world_size: int) -> Iterator[None]:
-    """The initialised process group when there is one (its size must be
-    ``world_size``), else a fake group of that size: measurements run the same way
-    on real ranks and in one process.
+    """The initialised process group (of ``world_size`` ranks) when there is one, else a
+    fake group of that size: measurements run the same on real ranks and in one process.
 
     Args:
         world_size: the number of ranks measured.
@@ -56,13 +54,10 @@ def current_or_fake_group(world_size: int) -> Iterator[None]:
     Raises:
         ValueError: an initialised group has another size.
     """
-    if dist.is_initialized():
-        if dist.get_world_size() != world_size:
-            raise ValueError(
-                f"world_size={world_size} does not match the initialised process group "
-                f"({dist.get_world_size()} ranks)"
-            )
-        yield
-        return
-    with fake_process_group(world_size):
+    if dist.is_initialized() and dist.get_world_size() != world_size:
+        raise ValueError(
+            f"world_size={world_size} does not match the initialised process group "
+            f"({dist.get_world_size()} ranks)"
+        )
+    with contextlib.nullcontext() if dist.is_initialized() else fake_process_group(world_size):
         yield

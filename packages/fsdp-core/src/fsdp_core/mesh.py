@@ -107,10 +107,8 @@ def build_mesh(
 ) -> DeviceMesh:
     """Build the data-parallel mesh over the default process group.
 
-    The device type follows the process group's backend (``cuda`` for NCCL,
-    ``cpu`` for gloo and the fake backend); an explicit ``device_type`` that
-    disagrees with the backend is refused instead of producing a mesh whose
-    collectives cannot run.
+    The device type follows the backend (``cuda`` for NCCL, ``cpu`` for gloo and fake): a
+    ``device_type`` that disagrees is refused rather than give collectives that cannot run.
 
     Args:
         dp_replicate: replicate-group size (``> 1`` makes an HSDP mesh), or ``-1``.
@@ -168,10 +166,8 @@ def mesh_groups(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, ...]:
 def all_reduce_max_over_mesh(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """Element-wise maximum of ``tensor`` over every rank of ``mesh``, in place.
 
-    Runtime hooks agree on tiny flags over exactly the ranks that share the model's
-    collectives, which may be a part of a larger world: one all-reduce per mesh dimension
-    larger than one (the maximum over the replicate groups of the maxima over the shard
-    groups is the maximum over all), with public API only.
+    How runtime hooks agree on flags over exactly the ranks that share the model's
+    collectives: one all-reduce per mesh dimension larger than one (a maximum of maxima).
 
     Args:
         tensor: the values to agree on (on the mesh's device).

@@ -1,19 +1,11 @@
 """Helpers for tests that need process groups, for this project and downstream ones.
 
-- [`fake_process_group`][fsdp_core.fake_group.fake_process_group], imported from
-  [`fsdp_core.fake_group`][fsdp_core.fake_group] (the product's measurements run under it
-  too): FSDP2 in one process with exact collective counts and bytes (numbers computed
-  under it are meaningless).
-- [`run_on_gloo_ranks`][fsdp_core.testing.run_on_gloo_ranks]: run a picklable function on N CPU
-  ranks.
-- [`run_torchrun`][fsdp_core.testing.run_torchrun]: launch a script under torchrun with a hard
-  timeout, so a hang fails the test instead of stalling CI.
-- [`emulate_data_parallel`][fsdp_core.testing.emulate_data_parallel]: a single-process reference for
-  data-parallel training. Comparing a sharded run with "the same model on one GPU" only works to
-  within the rounding of the compute dtype; emulating each rank's arithmetic
-  (parameters cast to the compute dtype, gradients upcast and averaged in fp32)
-  removes that slack, so a real bug (a wrong shard, a lost reduction) stands out by
-  orders of magnitude.
+[`run_torchrun`][fsdp_core.testing.run_torchrun] has a hard timeout, so a hang fails the
+test instead of stalling CI. [`emulate_data_parallel`][fsdp_core.testing.emulate_data_parallel]
+emulates each rank's arithmetic (compute-dtype parameters, fp32-averaged gradients) in one
+process: compared with "the same model on one GPU", which only agrees to the compute
+dtype's rounding, a real bug (a wrong shard, a lost reduction) stands out by orders of
+magnitude. The fake process group is in [`fsdp_core.fake_group`][fsdp_core.fake_group].
 """
 
 from __future__ import annotations
@@ -110,10 +102,8 @@ def run_on_gloo_ranks(
     *args: Any,
     timeout_s: float = 120.0,
 ) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
-
-    ``fn`` must be importable (a module-level function). A rank that raises
-    makes this raise; collectives time out after ``timeout_s`` instead of hanging.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; a rank
+    that raises makes this raise, and collectives time out after ``timeout_s``.
 
     Args:
         fn: a module-level function taking ``(rank, world_size, *args)``.
@@ -160,9 +150,6 @@ def run_torchrun(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``script`` under ``torchrun --standalone`` and return the finished process.
 
-    Raises ``AssertionError`` with the combined output when the job fails or
-    runs past ``timeout_s`` (the whole process group is killed then).
-
     Args:
         script: the Python file to run.
         nproc: ranks per node.
@@ -174,7 +161,8 @@ def run_torchrun(
         The finished process (its ``stdout`` holds every rank's output).
 
     Raises:
-        AssertionError: the job failed or ran past ``timeout_s``.
+        AssertionError: the job failed or ran past ``timeout_s`` (then killed), with
+            its output.
     """
     command = [
         sys.executable,
@@ -185,13 +173,12 @@ def run_torchrun(
         script,
         *args,
     ]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     process = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=full_env,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
         start_new_session=True,
     )
     try:
@@ -240,8 +227,7 @@ def run_markdown_example(
     """Execute the ``index``-th ```python block of ``path`` as a one-rank program.
 
     The torchrun variables are hidden while it runs (so ``init_distributed`` starts
-    a one-process group), and a process group the example leaves behind is
-    destroyed (and reported). Raises ``LookupError`` when the file has no such block.
+    a one-process group); a process group it leaves behind is destroyed and reported.
 
     Args:
         path: the Markdown file.
@@ -299,15 +285,10 @@ def emulate_data_parallel(
     """Emulate data-parallel FSDP training in one process.
 
     Each "rank" computes its loss and gradients with parameters cast to
-    ``compute_dtype`` (except those ``keep_fp32`` selects), gradients are
-    upcast to fp32 and averaged over ranks, and SGD updates the master copy
-    in its storage dtype: the same arithmetic FSDP2 with a
-    ``MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=fp32)`` does,
-    up to the order of the fp32 additions. ``batches[step][rank]`` is one batch
-    (or a list of micro-batches, accumulated as FSDP does without syncing).
-    The reference a multi-process run should be compared with. ``optimizer``
-    builds the optimizer over the trainable master parameters (plain SGD with
-    ``lr`` when omitted).
+    ``compute_dtype`` (except those ``keep_fp32`` selects), gradients are upcast to
+    fp32 and averaged over ranks, and the optimizer updates the master copy in its
+    storage dtype: FSDP2's arithmetic under ``MixedPrecisionPolicy(param_dtype=
+    compute_dtype, reduce_dtype=fp32)``, up to the order of the fp32 additions.
 
     Args:
         build: makes the model (called once, for the master copy).

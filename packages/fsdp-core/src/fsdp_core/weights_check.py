@@ -1,30 +1,19 @@
 """A model sharded on ``meta`` must get its weights before its first forward.
 
-Building on ``meta``, sharding, then ``to_empty()`` allocates every shard without a
-value. Forgetting the load that should follow trains on whatever the memory held: a
-transformers model then fails deep inside (CLIP's ``position_ids`` buffer indexes its
-embedding: ``IndexError: index out of range in self``) or, worse, computes garbage
-without a word (a rotary ``inv_freq``). Non-persistent buffers are a trap of their own:
-no checkpoint holds them, so a model resumed with ``load_checkpoint`` after ``to_empty()``
-has every parameter right and those buffers undefined.
+Sharding on ``meta`` then ``to_empty()`` allocates every shard without a value; a
+forgotten load trains on whatever the memory held, failing deep inside (CLIP's
+``position_ids``: ``IndexError: index out of range in self``) or computing garbage without
+a word (a rotary ``inv_freq``). Non-persistent buffers are in no checkpoint, so a model
+resumed with ``load_checkpoint`` after ``to_empty()`` still has them undefined.
 
-Applying a plan records which parameters and non-persistent buffers were on ``meta``
-([record_meta_tensors][fsdp_core.weights_check.record_meta_tensors]); the first forward of
-the sharded model checks them
-([check_weights_given][fsdp_core.weights_check.check_weights_given]) and raises
-[UninitializedWeightsError][fsdp_core.weights_check.UninitializedWeightsError], naming
-them and the loader to call, when
-
-- some of them are still on ``meta``;
-- none of the parameters was given a value since (written in place: their version
-  counter moved, or a loader of this library wrote them: those write the local shards,
-  which a DTensor's version counter does not see, and tag the parameter);
-- a non-persistent buffer was never written since ``to_empty()`` (version counter 0).
-
-Every rank runs the same loads, so every rank raises the same error. A parameter written
-in a way the check cannot see (into ``param.to_local()``, or by
-``torch.distributed.checkpoint.load`` without ``set_model_state_dict``) can be declared
-with [mark_weights_loaded][fsdp_core.weights_check.mark_weights_loaded].
+Applying a plan records what was on ``meta``
+([record_meta_tensors][fsdp_core.weights_check.record_meta_tensors]); the first forward
+raises [UninitializedWeightsError][fsdp_core.weights_check.UninitializedWeightsError] (on
+every rank alike), naming them and the loader to call, when some are still on ``meta``,
+when no parameter was written since (version counter, or the tag this library's loaders
+set: they write local shards, which a DTensor's counter does not see), or when a
+non-persistent buffer was never written. Writes the check cannot see are declared with
+[mark_weights_loaded][fsdp_core.weights_check.mark_weights_loaded].
 """
 
 from __future__ import annotations
@@ -228,8 +217,7 @@ def still_sentinel(buffer: torch.Tensor) -> bool:
 def refill_unset_buffers(model: nn.Module) -> list[str]:
     """Recompute the [unset_buffers][fsdp_core.weights_check.unset_buffers] of a
     transformers model with its own buffer initialisation (as ``load_pretrained`` does);
-    the names recomputed. For other models nothing is done: the first forward names what
-    is left.
+    other models are left to the first forward's check.
 
     Args:
         model: a sharded model.
@@ -273,8 +261,7 @@ _LOADERS: Final = (
 
 def check_weights_given(model: nn.Module, record: MetaTensors, *, name: str) -> None:
     """Raise [UninitializedWeightsError][fsdp_core.weights_check.UninitializedWeightsError]
-    if what ``record`` says was on ``meta`` has no values yet (see the module docstring);
-    ``name`` is the model's class name for the message.
+    if what ``record`` says was on ``meta`` has no values yet (see the module docstring).
 
     Args:
         model: the sharded model.

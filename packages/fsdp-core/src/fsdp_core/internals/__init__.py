@@ -1,14 +1,12 @@
 """Every access to private FSDP2, autograd and torch internals, in one place, checked up front.
 
 Runtime hooks read state FSDP2 (torch 2.13) keeps private (parameter groups, unsharded
-tensors, accumulated gradients, autograd's callback queue). Read anywhere else, a renamed
-attribute would switch a fix off silently. So only this module touches them, through
-named accessors that raise [`FSDPInternalsError`][fsdp_core.internals.FSDPInternalsError]
-rather than guess; [`check_internals`][fsdp_core.internals.check_internals] probes a sharded
-model once, when hooks are installed, naming what is missing and the hook to switch off.
-FSDP2's private state module is reached here ([`fsdp_core.compat`][fsdp_core.compat]);
-the other private torch modules and objects (the ``fake`` backend's store,
-``FSDPMemTracker``, ``DeviceMesh`` flattening, process-group timeouts) in
+tensors, accumulated gradients, autograd's callback queue); read anywhere else, a renamed
+attribute would switch a fix off silently. So only this package touches them, through
+accessors that raise [`FSDPInternalsError`][fsdp_core.internals.FSDPInternalsError] rather
+than guess; [`check_internals`][fsdp_core.internals.check_internals] probes a sharded model
+once, when hooks are installed, naming what is missing and the hook to switch off. Private
+torch modules outside FSDP2's unit state live in
 [`fsdp_core.internals.torch_modules`][fsdp_core.internals.torch_modules].
 """
 
@@ -114,6 +112,12 @@ def _require(obj: object, probe: Probe) -> Any:
         ) from None
 
 
+def _autograd(probe: Probe) -> Any:
+    """The autograd attribute ``probe`` names, or None."""
+    owner = torch._C if probe is GRAPH_TASK else torch.autograd.Variable._execution_engine
+    return getattr(owner, probe.name, None)
+
+
 def _state(unit: FSDPModule) -> Any:
     getter = getattr(unit, "_get_fsdp_state", None)
     if getter is None:
@@ -172,8 +176,8 @@ def applied_unit_paths(model: nn.Module) -> list[tuple[str, ...]]:
 
 
 def finishes_backward(unit: FSDPModule) -> bool:
-    """Whether FSDP ends the current backward itself: not after
-    ``set_is_last_backward(False)`` (pipeline schedules reduce by hand); yes without the flag."""
+    """Whether FSDP ends the current backward itself (not after ``set_is_last_backward(False)``:
+    pipeline schedules reduce by hand)."""
     context = getattr(_state(unit), STATE_CTX.name, None)
     return bool(getattr(context, "is_last_backward", True))
 
@@ -306,7 +310,7 @@ def in_backward() -> bool:
     Raises:
         FSDPInternalsError: this torch's autograd engine hides it.
     """
-    task_id = getattr(torch._C, GRAPH_TASK.name, None)
+    task_id = _autograd(GRAPH_TASK)
     if task_id is None:
         raise FSDPInternalsError(f"this torch ({torch.__version__}) has no {GRAPH_TASK.describe()}")
     return bool(task_id() != -1)
@@ -344,8 +348,7 @@ def queue_end_of_backward(callback: Callable[[], None]) -> None:
     Raises:
         FSDPInternalsError: this torch has no way to queue it.
     """
-    engine = torch.autograd.Variable._execution_engine
-    queue = getattr(engine, QUEUE_CALLBACK.name, None)
+    queue = _autograd(QUEUE_CALLBACK)
     if queue is None:
         raise FSDPInternalsError(
             f"this torch ({torch.__version__}) has no {QUEUE_CALLBACK.describe()}"
@@ -360,8 +363,7 @@ def _probe_object(unit: FSDPModule, where: str) -> list[object]:
     groups = list(getattr(_state(unit), STATE_GROUPS.name, ()))
     if where == "group":
         return groups
-    params = [p for g in groups for p in getattr(g, GROUP_PARAMS.name, ())]
-    return params
+    return [p for g in groups for p in getattr(g, GROUP_PARAMS.name, ())]
 
 
 def _has(obj: object, probe: Probe) -> bool:
@@ -380,12 +382,7 @@ def missing_internals(
         gaps: list[str] = []
         for probe in probes:
             if probe.where == "autograd":
-                if probe is GRAPH_TASK:
-                    present = hasattr(torch._C, probe.name)
-                else:
-                    engine = torch.autograd.Variable._execution_engine
-                    present = hasattr(engine, probe.name)
-                if not present:
+                if _autograd(probe) is None:
                     gaps.append(probe.describe())
                 continue
             for unit in units:
@@ -484,9 +481,6 @@ def fsdp_state_module() -> ModuleType | None:
         return None
 
 
-_DDP_IGNORED: Final = "_ddp_params_and_buffers_to_ignore"
-
-
 def set_ddp_ignored(module: nn.Module, value: object) -> None:
     """Set what ``DistributedDataParallel`` iterates for the names it ignores (``ddp_guard``).
 
@@ -494,4 +488,4 @@ def set_ddp_ignored(module: nn.Module, value: object) -> None:
         module: a sharded unit.
         value: what DDP will iterate (a guard that refuses the wrap).
     """
-    module.__dict__[_DDP_IGNORED] = value
+    module.__dict__["_ddp_params_and_buffers_to_ignore"] = value

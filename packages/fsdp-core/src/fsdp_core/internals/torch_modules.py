@@ -1,8 +1,6 @@
 """Private torch modules and objects outside FSDP2's unit state, checked where they are
-reached: the ``fake`` backend's ``FakeStore`` ([`fsdp_core.fake_group`][fsdp_core.fake_group]),
-``FSDPMemTracker`` ([`multimodal_fsdp.measure.memory`][multimodal_fsdp.measure.memory]),
-``DeviceMesh``'s root and flattening ([`fsdp_core.parallel_dims`][fsdp_core.parallel_dims])
-and a process group's timeout. Each raises
+reached: the ``fake`` backend's ``FakeStore``, ``FSDPMemTracker``, ``DeviceMesh``'s root
+and flattening, a process group's timeout. Each raises
 [`FSDPInternalsError`][fsdp_core.internals.FSDPInternalsError] naming what this torch lacks.
 """
 
@@ -58,19 +56,15 @@ def fake_store() -> Any:
         FSDPInternalsError: this torch has no ``FakeStore``.
     """
     try:
-        module = importlib.import_module(_FAKE_PG_MODULE)
-    except ImportError as error:
+        store = importlib.import_module(_FAKE_PG_MODULE).FakeStore
+    except (ImportError, AttributeError) as error:
         raise FSDPInternalsError(
             f"the fake process group needs {_FAKE_PG_MODULE}.FakeStore (a private torch "
             f"module; torch {torch.__version__} lacks it: {error})"
         ) from None
-    store = getattr(module, "FakeStore", None)
-    if store is None:
-        raise FSDPInternalsError(f"torch {torch.__version__} has no {_FAKE_PG_MODULE}.FakeStore")
     return store()
 
 
-#: The names ``DistributedDataParallel.__init__`` ignores, read from the wrapped module.
 def require_attributes(obj: object, names: Sequence[str], *, owner: str, user: str) -> None:
     """Raise [`FSDPInternalsError`][fsdp_core.internals.FSDPInternalsError] unless ``obj`` has
     every attribute ``user`` reads (those set in ``__init__`` cannot be checked on the class).
@@ -113,12 +107,7 @@ def fsdp_mem_tracker_class(needs: Sequence[str], *, user: str) -> type[Any]:
             f"measuring memory needs {_MEM_TRACKER_MODULE}.FSDPMemTracker (a private torch "
             f"module; torch {torch.__version__} lacks it: {error})"
         ) from None
-    missing = [name for name in needs if not hasattr(tracker, name)]
-    if missing:
-        raise FSDPInternalsError(
-            f"torch {torch.__version__}'s FSDPMemTracker lacks {missing}, which "
-            f"{user} reads; measure with a torch it was tested with (2.13)"
-        )
+    require_attributes(tracker, needs, owner="FSDPMemTracker", user=user)
     if not isinstance(tracker, type):
         raise FSDPInternalsError(f"{_MEM_TRACKER_MODULE}.FSDPMemTracker is not a class")
     return tracker
@@ -232,9 +221,7 @@ def flatten_mesh(mesh: Any, name: str, *, keep: int = 0) -> Any:
     Raises:
         FSDPInternalsError: this torch's ``DeviceMesh`` cannot flatten.
     """
-    if not callable(getattr(mesh, "_flatten", None)) or not callable(
-        getattr(mesh, "_unflatten", None)
-    ):
+    if not all(callable(getattr(mesh, method, None)) for method in ("_flatten", "_unflatten")):
         raise FSDPInternalsError(
             "this torch's DeviceMesh has no _flatten()/_unflatten(): the library cannot shard "
             "over the data-parallel and context-parallel ranks together; flatten them yourself "
