@@ -1,18 +1,10 @@
 """A new export is written beside the old one, checked, then swapped in.
 
-So that at every moment the destination ``d`` holds either the complete old
-export or the complete new one: the new files go into a temporary sibling of
-``d`` (same parent, so the same filesystem), the user's own files of ``d``
-(tokenizer, README, sub-directories: anything that is not a weight file of an
-export) are hard-linked into it (copied where links fail), and the two
-directories are exchanged with one atomic ``renameat2(RENAME_EXCHANGE)`` on
-Linux. Without it (another OS, a filesystem that refuses), ``d`` is renamed to a
-second sibling and the new directory renamed to ``d``: between those two renames
-``d`` is absent, but both complete exports exist as siblings. The old export is
-deleted only after the swap.
-
-A crash at any step leaves ``d`` complete; at worst a ``.<name>.saving-*``
-sibling remains, holding an unfinished export (and links to the user's files).
+The new files go into a temporary sibling of the destination ``d`` (same filesystem),
+the user's own files of ``d`` are hard-linked into it, and the two directories are
+exchanged with one atomic ``renameat2(RENAME_EXCHANGE)`` (elsewhere: two renames,
+between which both complete exports exist as siblings). A crash at any step leaves
+``d`` complete; at worst a ``.<name>.saving-*`` sibling remains.
 """
 
 from __future__ import annotations
@@ -39,11 +31,8 @@ def destination(directory: str | os.PathLike[str]) -> Path:
 
 
 def prepare(root: Path, needed_bytes: int) -> Path:
-    """Check that ``root`` can be replaced and make the temporary sibling; its path.
-
-    Raises the OSError a later write would raise (not a directory, permission,
-    no space), before anything is gathered.
-    """
+    """Make the temporary sibling of ``root``; first the OSError a later write would raise
+    (not a directory, permission, no space)."""
     if root.exists() and not root.is_dir():
         raise NotADirectoryError(
             errno.ENOTDIR, "the export destination is not a directory", str(root)
@@ -109,13 +98,8 @@ def _exchange(first: Path, second: Path) -> bool:
 
 
 def swap_in(work: Path, root: Path, *, replaces: Callable[[str], bool]) -> None:
-    """Make the finished export in ``work`` the directory ``root``; the old one goes.
-
-    The user's files of ``root`` (every entry the new export does not replace and
-    that ``replaces`` does not name: the weight files of an earlier model
-    export; an adapter export replaces only adapter files) are linked into
-    ``work`` first.
-    """
+    """Make the finished export in ``work`` the directory ``root``; the old one goes. The
+    entries of ``root`` neither written anew nor named by ``replaces`` are linked in first."""
     if not root.exists():
         os.rename(work, root)
         return

@@ -1,19 +1,11 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP), resharding on load.
 
-A checkpoint saved on N ranks loads on M ranks, or into an unsharded model in
-one process, with every tensor in the dtype it was saved in (fp32 norm
-islands stay fp32) and with replicated (FSDP-ignored) parameters included.
-
-Every function here is collective: it first checks that every rank of the
-model's mesh arrived (``fsdp_core.collective_entry``; ``timeout=``, default the
-process group's timeout), agrees on its preconditions (the directory readable
-for a load, writable for a save) and raises a failure of any rank on every
-rank. DCP's own save writes into the directory in place (a failure midway
-leaves new shard files next to the old ``.metadata``), so ``save_checkpoint``
-writes into a sibling directory that every rank sees and swaps it in, as
-``save_pretrained`` does: the directory holds the old checkpoint or the new one.
-``latest_checkpoint`` finds the newest complete one in a directory of checkpoints, the
-one a restarted job resumes from.
+A checkpoint saved on N ranks loads on M ranks, or into an unsharded model in one
+process, every tensor in the dtype it was saved in. Every function here is collective:
+it checks that every rank of the model's mesh arrived, agrees on its preconditions and
+raises a failure of any rank on every rank. DCP's own save writes in place (a failure
+midway mixes new shards with the old ``.metadata``), so ``save_checkpoint`` writes into
+a sibling directory and swaps it in: the directory holds the old checkpoint or the new.
 """
 
 from __future__ import annotations
@@ -24,7 +16,7 @@ import os
 import re
 import shutil
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -99,8 +91,7 @@ def _work_dir(root: Path) -> Path:
 
 
 def _prepare_save(root: Path, main: bool) -> None:
-    """Fail, on the rank that cannot, before anything is written; rank ``main`` makes
-    the empty sibling (a stale one from a crashed save is removed)."""
+    """Fail before anything is written; rank ``main`` makes the empty sibling (anew)."""
     if root.exists() and not root.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, "the checkpoint path is not a directory", str(root))
     if main:
@@ -133,13 +124,10 @@ def save_checkpoint(
 ) -> None:
     """Save model (and optimizer) shards of every rank into the directory ``path``.
 
-    Collective: call it on every rank (it waits at most ``timeout``, default the
-    process group's timeout, and names the ranks that did not arrive). The new
-    checkpoint is written into a sibling of ``path`` and swapped in only when
-    every rank wrote its part, so a failed save leaves the previous checkpoint
-    in ``path`` loadable; other files in ``path`` are kept. A job killed during the
-    save leaves that sibling (``.<name>.saving-checkpoint``) behind: the next save of
-    ``path`` removes it, and ``latest_checkpoint`` never returns it.
+    Collective: call it on every rank (it waits at most ``timeout``). The checkpoint is
+    written into the sibling ``.<name>.saving-checkpoint`` and swapped in once every
+    rank wrote its part, so a failed save leaves the previous checkpoint loadable; other
+    files in ``path`` are kept. The next save removes a sibling a killed job left.
 
     Args:
         path: the checkpoint directory (created or replaced).
@@ -188,21 +176,14 @@ def _is_main(call: CollectiveCall) -> bool:
 def latest_checkpoint(root: PathLike, *, timeout: float | timedelta | None = None) -> Path | None:
     """The newest complete checkpoint in ``root``: the one a restarted job resumes from.
 
-    ``root`` holds one directory per checkpoint, each written by ``save_checkpoint``
-    under a name that ends in its step (``root / f"step-{step}"``; ``checkpoint-000012``
-    works too); the newest is the one whose name ends in the largest number. A
-    checkpoint is complete when it holds its ``.metadata``: ``save_checkpoint`` writes
-    into the hidden sibling ``.<name>.saving-checkpoint`` and moves it into place only
-    once every rank has written its part, so a job killed in the middle of a save leaves
-    that sibling and no directory under the checkpoint's name. Such leftovers (every
-    entry whose name starts with ``.``) are skipped and logged, never deleted here: the
-    next ``save_checkpoint`` of that name removes its own, and another job might be
-    saving into ``root`` right now. Files, and directories without a number at the end
-    of the name or without ``.metadata``, are skipped too.
+    ``root`` holds one directory per checkpoint, its name ending in its step
+    (``step-12``, ``checkpoint-000012``); the newest ends in the largest number. Only
+    directories holding their ``.metadata`` count; a killed save's hidden
+    ``.<name>.saving-checkpoint`` (every entry starting with ``.``) is skipped and
+    logged, never deleted: another job might be saving into ``root`` right now.
 
-    Collective when a process group is initialised: every rank looks, and the ranks
-    must find the same checkpoint (``root`` on a filesystem every rank sees), so that
-    no rank resumes from another step than the others.
+    Collective when a process group is initialised: the ranks must find the same
+    checkpoint, so that no rank resumes from another step than the others.
 
     Args:
         root: The directory holding the checkpoint directories. It need not exist yet
@@ -286,8 +267,6 @@ def _check_readable(path: PathLike) -> None:
 
 
 def _contents(path: PathLike) -> CheckpointContents:
-    """What the checkpoint holds, from its metadata; fails as ``_check_readable`` does on
-    a directory without one."""
     _check_readable(path)
     return CheckpointContents.read(path)
 
@@ -318,17 +297,12 @@ def load_checkpoint(
 ) -> int | None:
     """Load ``path`` into a (sharded) model and optimizer in place; returns the saved step.
 
-    A resume of the run that saved it: the optimizer must train the parameters the
-    saved one trained, in as many parameter groups (its hyperparameters are loaded
-    too); a run with another freeze set starts from it with ``load_stage_checkpoint``.
-    A parameter that had no optimizer state when it was saved (no gradient yet) has
-    none after the load either. Collective, with the arrival check and agreement of
-    ``save_checkpoint``: a checkpoint missing or unreadable on any rank, a tensor
-    whose shape changed (``ValueError`` naming it) or another freeze set fails on
-    every rank before anything is read. Non-persistent buffers are in no
-    checkpoint: those that ``to_empty()`` left undefined after a ``meta`` build are
-    recomputed for transformers models (as ``load_pretrained`` does); others must be
-    set by hand.
+    A resume of the run that saved it: the optimizer must train the same parameters in
+    as many groups (its hyperparameters are loaded too); another freeze set starts from
+    it with ``load_stage_checkpoint``. Collective: a checkpoint missing on any rank, a
+    tensor whose shape changed or another freeze set fails on every rank before anything
+    is read. Non-persistent buffers ``to_empty()`` left undefined are recomputed for
+    transformers models (as ``load_pretrained`` does); others must be set by hand.
 
     Args:
         path: a directory ``save_checkpoint`` wrote.
@@ -354,14 +328,10 @@ def load_stage_checkpoint(
 ) -> StageLoadReport:
     """Start a new training stage (another freeze set) from an earlier stage's checkpoint.
 
-    The usual vision-language recipe trains the projector, then the language model,
-    then the tower, each stage a new run. This loads every model tensor, and the
-    optimizer state of the parameters trainable in both runs; the newly trainable ones
-    start fresh (no state, as in a new optimizer) and the optimizer keeps this run's
-    hyperparameters (learning rate, weight decay, parameter groups). The returned
-    report (also logged) names the parameters restored, fresh, and dropped (state saved
-    for parameters frozen now). A model tensor whose shape changed, or that the
-    checkpoint lacks, is a ``ValueError`` naming it. Collective, like ``load_checkpoint``.
+    Loads every model tensor and the optimizer state of the parameters trainable in both
+    runs; newly trainable ones start fresh and the optimizer keeps this run's
+    hyperparameters. The report (also logged) names the parameters restored, fresh and
+    dropped (frozen now). Collective, like ``load_checkpoint``.
 
     Args:
         path: a directory ``save_checkpoint`` wrote in an earlier stage.
@@ -398,20 +368,12 @@ def _names_text(names: tuple[str, ...], limit: int = 8) -> str:
     return ", ".join(names[:limit]) + more if names else "none"
 
 
-@dataclass(frozen=True)
-class _Selection:
-    """Which saved optimizer states a load reads (decided from the metadata alone)."""
-
-    restored: tuple[str, ...]
-    fresh: tuple[str, ...]
-    dropped: tuple[str, ...]
-
-
 def _select(
     contents: CheckpointContents, optim_state: dict[str, Any] | None, path: PathLike
-) -> _Selection:
+) -> StageLoadReport:
+    """Which saved optimizer states a load reads (decided from the metadata alone)."""
     if optim_state is None:
-        return _Selection((), (), ())
+        return StageLoadReport(None, (), (), ())
     state: dict[str, dict[str, Any]] = optim_state["state"]
     restored, fresh = [], []
     for name, fields in state.items():
@@ -427,7 +389,7 @@ def _select(
         else:
             restored.append(name)
     dropped = tuple(name for name in contents.optimizer_state if name not in state)
-    return _Selection(tuple(restored), tuple(fresh), dropped)
+    return StageLoadReport(None, tuple(restored), tuple(fresh), dropped)
 
 
 def _check_same_run(
@@ -525,21 +487,14 @@ def _load(
         # No checkpoint holds non-persistent buffers: after to_empty() they are undefined.
         call.run(lambda: refill_unset_buffers(model), step="recomputing buffers")
     step = int(request["step"].item()) if "step" in request else -1
-    return StageLoadReport(
-        step=None if step < 0 else step,
-        restored=selection.restored,
-        fresh=selection.fresh,
-        dropped=selection.dropped,
-    )
+    return replace(selection, step=None if step < 0 else step)
 
 
 def load_checkpoint_unsharded(
     path: PathLike, model: nn.Module, *, timeout: float | timedelta | None = None
 ) -> None:
-    """Load the model part of a sharded checkpoint into a plain model in one process.
-
-    Under a process group DCP reads collectively: then every rank must call it
-    (arrival check and agreement as ``load_checkpoint``).
+    """Load the model part of a sharded checkpoint into a plain model in one process
+    (under a process group DCP reads collectively: every rank must call it).
 
     Args:
         path: a directory ``save_checkpoint`` wrote.
@@ -567,9 +522,7 @@ def export_full_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Full tensors with the original parameter names, on CPU, on rank 0 (empty elsewhere).
 
-    For export (``torch.save``, safetensors, a Hugging Face checkpoint): dtypes
-    are the stored ones, so fp32 islands stay fp32. Collective (every rank
-    gathers): call it on every rank, not under ``if rank == 0``.
+    In the stored dtypes. Collective: call it on every rank, not under ``if rank == 0``.
 
     Args:
         model: the sharded model.

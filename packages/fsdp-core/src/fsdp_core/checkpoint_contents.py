@@ -1,12 +1,8 @@
 """What a DCP checkpoint holds, read from its metadata, compared with a model and optimizer.
 
-``save_checkpoint`` writes ``model.<name>`` for every model tensor, ``optim.state.<name>.
-<field>`` for each parameter the optimizer holds state for (a parameter that never got
-a gradient has none), ``optim.param_groups.<i>.<option>`` and ``step``. Reading only the
-``.metadata`` file (no tensor data) is enough to decide, on every rank alike and before
-anything is read, which optimizer states to load and whether a shape changed: DCP's own
-errors for those come late, buried in a ``CheckpointException`` (which derives from
-``BaseException``) and name a missing key rather than the cause.
+Reading only ``.metadata`` decides, on every rank alike and before any tensor is read,
+which optimizer states to load and whether a shape changed: DCP's own errors for those
+come late, inside a ``CheckpointException``, and name a missing key, not the cause.
 """
 
 from __future__ import annotations
@@ -70,8 +66,7 @@ class CheckpointContents:
 
 
 def _split_state_key(key: str, names: Iterable[str]) -> tuple[str, str]:
-    """``"a.b.weight.exp_avg"`` -> ``("a.b.weight", "exp_avg")``: the longest saved model
-    name that the key starts with (parameter names contain dots, fields do not)."""
+    """``"a.b.weight.exp_avg"`` -> ``("a.b.weight", "exp_avg")``: by the longest model name."""
     best = ""
     for name in names:
         if key.startswith(name + ".") and len(name) > len(best):
