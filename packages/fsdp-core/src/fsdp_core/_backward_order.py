@@ -1,31 +1,16 @@
 """The same reduce-scatter order on every rank, whatever each rank's inputs need.
 
-FSDP2 starts a unit's reduce-scatter from a hook on the unit's forward *inputs*
-that require a gradient: autograd fires it once the unit's backward is done. When
-no input requires a gradient, the unit is reduced only at the end of the backward,
-in a fixed order over all units (the root first). So whether a unit's reduce-scatter
-comes early or late depends on *this rank's* inputs. A partly trainable module that
-runs on some ranks only (LoRA in a tower, a trainable projector, with one rank
-text-only) feeds the first decoder layer an input that requires a gradient on the
-ranks with media and none elsewhere: those ranks reduce that layer before the root
-unit, the others after it, and the reduce-scatters of different units meet (a gloo
-size mismatch, an NCCL hang or silently mixed gradients).
-
-``make_unit_inputs_require_grad`` makes the order independent of the inputs: before FSDP's
-own pre-forward hook, a unit with trainable parameters whose inputs require no
-gradient gets one input routed through a no-op autograd function tied to a leaf
-that requires one. That input is a ``hidden_states`` keyword, else the first
-floating-point positional one: the activations the unit's computation starts from,
-never an attention mask or a rotary table, whose gradient is ready before the
-unit's backward is done. (A unit that takes neither is left as it is.) FSDP then
-hooks its post-backward into autograd on every rank, right after the unit's
-backward, as it already does on ranks whose input requires a gradient.
-
-The root unit is left as it is: it is reduced at the end of the backward on every
-rank, and its optional inputs (``pixel_values`` on some ranks only) must not move
-it. No gradient flows into the leaf; the only cost is the gradient of the routed
-input, which autograd now computes (for the first trainable unit whose inputs need
-none, typically the first decoder layer behind frozen embeddings).
+FSDP2 reduces a unit early (from a hook on its forward inputs that require a gradient)
+or, when none does, late (at the end of the backward, root first). A partly trainable
+module that runs on some ranks only (LoRA in a tower, with one rank text-only) makes the
+first decoder layer's input require a gradient on some ranks alone: their
+reduce-scatters then meet other units' (a gloo size mismatch, an NCCL hang or mixed
+gradients). ``make_unit_inputs_require_grad`` routes one input of every non-root
+trainable unit whose inputs need no gradient (``hidden_states``, else the first floating
+positional one: never a mask or rotary table) through a no-op autograd function tied to
+a leaf, before FSDP's pre-forward hook, so every rank reduces the unit right after its
+backward. The root stays as it is (its optional ``pixel_values`` must not move it); the
+cost is the routed input's gradient.
 """
 
 from __future__ import annotations
@@ -65,7 +50,7 @@ def _floating(value: object) -> TypeGuard[torch.Tensor]:
 
 
 class _InputGradHook:
-    """The forward pre-hook of one unit's modules (see the module docstring)."""
+    """The forward pre-hook of one unit's modules."""
 
     def __init__(self) -> None:
         self._leaves: dict[torch.device, torch.Tensor] = {}
@@ -113,8 +98,8 @@ def _any_requires_grad(*values: object) -> bool:
 def make_unit_inputs_require_grad(
     model: nn.Module, units: Iterable[FSDPModule]
 ) -> list[RemovableHandle]:
-    """Make one input of every non-root unit of ``units`` with trainable parameters
-    require a gradient (see the module docstring); the handles remove the hooks."""
+    """Make one input of every non-root trainable unit of ``units`` require a gradient;
+    the handles remove the hooks."""
     handles: list[RemovableHandle] = []
     for unit in units:
         modules = internals.unit_modules(unit)

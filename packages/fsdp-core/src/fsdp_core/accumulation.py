@@ -1,26 +1,16 @@
 """Make gradient accumulation safe when some units have not run yet.
 
-Two FSDP2 behaviours (torch 2.13) break gradient accumulation in VLM training
-(the third, ranks skipping parameters, is [`fsdp_core.unused_params`][fsdp_core.unused_params]):
+Two FSDP2 behaviours (torch 2.13) break accumulation in VLM training (ranks skipping
+parameters is [`fsdp_core.unused_params`][fsdp_core.unused_params]); one pre-forward hook
+on the root, [`install_unshard_warmup`][fsdp_core.accumulation.install_unshard_warmup],
+fixes both on every rank:
 
-- A unit whose parameters were never unsharded (say, a vision tower that has
-  not yet seen an image) crashes the first non-syncing backward with
-  ``'FSDPParam' object has no attribute '_unsharded_param'`` when FSDP's
-  final callback tries to stash its gradient.
-  [`install_unshard_warmup`][fsdp_core.accumulation.install_unshard_warmup] unshards and reshards
-  such units once, before that forward, on every rank.
-- With a reduce dtype (bf16 compute, fp32 reduction), a non-syncing backward
-  stores fp32 "accumulated" gradients only for the parameters it reached. A
-  parameter first reached later (the projector in the root unit, first used
-  by the image micro-batch after a text-only one) then reaches the
-  reduce-scatter with a bf16 gradient beside fp32 ones, and FSDP stops with
-  ``reduce-scatter expects uniform gradient dtype``. The same pre-forward hook
-  gives such parameters a zero fp32 accumulated gradient, so every gradient of
-  the unit is accumulated in the reduce dtype.
-
-Both read FSDP2 internals, through [`fsdp_core.internals`][fsdp_core.internals] only. That
-the ranks run the same micro-batch with the same gradient sync is agreed before, by the
-[forward agreement][fsdp_core.forward_agreement], whose pre-hook runs first.
+- a unit never unsharded (a tower that saw no image yet) crashes the first non-syncing
+  backward (``'FSDPParam' object has no attribute '_unsharded_param'``): it is unsharded
+  and resharded once;
+- with a reduce dtype, a non-syncing backward accumulates fp32 gradients only for the
+  parameters it reached, and one reached later meets the reduce-scatter in bf16
+  (``reduce-scatter expects uniform gradient dtype``): it gets a zero fp32 one.
 """
 
 from __future__ import annotations
@@ -48,8 +38,8 @@ NAME = "accumulation_warmup"
 
 
 def _align_accumulated_grads(unit: FSDPModule) -> bool:
-    """Give trainable parameters without an accumulated gradient a zero one, in units
-    where a non-syncing backward already accumulated some. Returns whether it did."""
+    """Give trainable parameters without an accumulated gradient a zero one (or their
+    gradient) where a non-syncing backward accumulated some; whether it did."""
     gathered = [
         (param, unsharded)
         for param in internals.fsdp_params(unit)
@@ -109,12 +99,8 @@ class AccumulationWarmup:
 
 
 def install_unshard_warmup(root: nn.Module) -> AccumulationWarmup:
-    """Before each forward of ``root``, warm up units a non-syncing backward would trip on.
-
-    Only units that are not syncing gradients and were never unsharded are
-    touched, so ordinary steps issue no extra collective; with gradient
-    accumulation each such unit costs one all-gather, once per run. Every rank
-    sees the same sync flags and history, so all ranks warm up the same units.
+    """Before each forward of ``root``, warm up units a non-syncing backward would trip on
+    (one all-gather per never-unsharded unit, once per run).
 
     Args:
         root: the sharded model's root unit.
@@ -127,8 +113,7 @@ def install_unshard_warmup(root: nn.Module) -> AccumulationWarmup:
 
 @dataclass(frozen=True)
 class AccumulationWarmupRuntimeHook(RuntimeHook):
-    """The ``accumulation_warmup`` runtime hook (no plan data beyond its targets); it
-    issues no collective in an ordinary step."""
+    """The ``accumulation_warmup`` runtime hook (no plan data)."""
 
     name: ClassVar[str] = NAME
     reads: ClassVar[tuple[internals.Probe, ...]] = (

@@ -1,30 +1,21 @@
 """How every rank enters and leaves a collective library call.
 
-A function that all ranks must call (``save_pretrained``, ``load_pretrained``,
-``apply_plan``, the measurements) first checks that every rank of its group
-arrived in the same function, with a bounded wait, and then lets the ranks agree
-after each step that may fail on some of them. So a misuse (``if rank == 0:
-save_pretrained(...)``) or a failure on one rank (an unwritable directory, a full
-disk) is raised on every rank, with the same exception type and message, instead
-of one rank raising while the others block in the next collective.
+A function that all ranks must call (``save_pretrained``, ``apply_plan``, the
+measurements) first checks, with a bounded wait, that every rank of its group arrived
+in the same function, then lets the ranks agree after each step that may fail on some.
+So ``if rank == 0: save_pretrained(...)`` or an unwritable directory on one rank raises
+the same exception on every rank instead of leaving the others blocked in a collective.
 
-Both are points of a [RankAgreement][fsdp_core.rank_agreement.RankAgreement] on the
-process group's store (c10d ``Store``), never collectives: a rank that never arrives
-leaves no collective half done, so the process group stays usable, and the collectives
-a measurement counts are unchanged. Under the single-process ``fake`` backend, without
-a process group or in a group of one rank, every check is a no-op and a local error is
-raised as is.
-
-Per group of ranks, each call has its own store namespace (a sequence number each rank
-counts): point 1 is the arrival (each rank says the call's name), each step one point
-more. A rank that comes to a call the others gave up on without it skips that call, so
-the ranks' sequence numbers meet again at the next call.
+Arrival and steps are points of a [RankAgreement][fsdp_core.rank_agreement.RankAgreement]
+on the c10d store, never collectives (the group stays usable, measured collectives are
+unchanged); each call has its own namespace, numbered per group of ranks. A rank that
+comes to a call the others gave up on skips it, so the numbers meet again. Without a
+process group, under ``fake`` or alone, every check is a no-op.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 from collections.abc import Callable, Iterable, Sequence
@@ -47,6 +38,7 @@ from fsdp_core.rank_agreement import (
     kind_of,
     meets_others,
     payload_of,
+    ranks_digest,
     status_key,
 )
 from fsdp_core.rank_wait import LISTED, TIMEOUT_ENV, WaitLimits, ranks_text, wait_limits
@@ -72,10 +64,16 @@ _AGREED: Final = "_fsdp_core_agreed"
 def group_ranks(
     *, model: nn.Module | None = None, mesh: DeviceMesh | None = None
 ) -> tuple[int, ...]:
-    """The global ranks that take part in a collective call on ``model`` or ``mesh``:
-    those of ``mesh``, else of every mesh ``model``'s tensors are sharded over (an
-    HSDP mesh counts whole; a mesh that is part of the world counts only its ranks),
-    else the world. Empty without a process group."""
+    """The global ranks that take part in a collective call on ``model`` or ``mesh``.
+
+    Args:
+        model: a model whose tensors' meshes count (an HSDP mesh counts whole).
+        mesh: the mesh of the call (``model`` then does not count).
+
+    Returns:
+        Those ranks, sorted; the world when neither gives any; empty without a process
+        group.
+    """
     if not dist.is_initialized():
         return ()
     meshes: dict[int, DeviceMesh] = {}
@@ -95,9 +93,7 @@ def group_ranks(
 
 def whole_world_ranks(model: nn.Module, what: str, instead: str) -> tuple[int, ...]:
     """``group_ranks(model=model)`` for a call whose torch collectives span the whole
-    world (DCP, ``broadcast_from_rank0``). A model sharded over part of it (a pipeline
-    stage) is refused: each stage's ranks would meet the others' different call. Every
-    stage holds a part, so every rank raises, before any collective.
+    world (DCP, ``broadcast_from_rank0``); a pipeline stage is refused on every rank.
 
     Args:
         model: the sharded model the call is about.
@@ -120,9 +116,9 @@ def whole_world_ranks(model: nn.Module, what: str, instead: str) -> tuple[int, .
     return ranks
 
 
-def _seconds(timeout: float | timedelta | None, default: timedelta) -> float:
+def _seconds(timeout: float | timedelta | None, default: float) -> float:
     if timeout is None:
-        return default.total_seconds()
+        return default
     if isinstance(timeout, timedelta):
         value = timeout.total_seconds()
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
@@ -135,11 +131,6 @@ def _seconds(timeout: float | timedelta | None, default: timedelta) -> float:
     if not value > 0:
         raise ValueError(f"timeout must be positive, got {timeout!r}")
     return value
-
-
-def _group_key(ranks: Sequence[int]) -> str:
-    text = ",".join(map(str, ranks))
-    return f"{len(ranks)}-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
 
 
 def _failure_payload(error: BaseException, call: str, rank: int, step: str) -> dict[str, Any]:
@@ -216,38 +207,36 @@ class _CallPoints(RankAgreement):
             f"{ranks_text(self.ranks)}), not on some of them; " + "; ".join(problems)
         )
 
-    def _behind(self, point: int) -> dict[int, str]:
-        """What each rank that has not come did last: its last step of this call, or at
-        the arrival its last of the few collective calls of these ranks before."""
-        last = {}
-        for rank, (number, value) in self._meeting(point).elsewhere.items():
-            if number == 1:
-                last[rank] = f"has not reached a step of {self.call.name} after its entry"
-            elif number > 1:
-                last[rank] = f"last reached the step {json.loads(payload_of(value))['step']!r}"
-            else:
-                last[rank] = "entered none of the last collective calls of these ranks"
-                for earlier in range(self.number - 1, max(self.number - 1 - LISTED, -1), -1):
-                    key = status_key(f"{_PREFIX}/{self.group}/{earlier}", rank)
-                    if self._store.check([key]):
-                        status = self._store.get(key).decode()  # point|kind|payload
-                        entered = json.loads(status.split("|", 2)[2])["call"]
-                        last[rank] = f"last entered {entered} (collective call #{earlier})"
-                        break
-        return last
+    def _last(self, rank: int, point: int, value: str) -> str:
+        """A rank's last step of this call, or before its arrival its last of the few
+        collective calls of these ranks before."""
+        if point == 1:
+            return f"has not reached a step of {self.call.name} after its entry"
+        if point > 1:
+            return f"last reached the step {json.loads(payload_of(value))['step']!r}"
+        for earlier in range(self.number - 1, max(self.number - 1 - LISTED, -1), -1):
+            key = status_key(f"{_PREFIX}/{self.group}/{earlier}", rank)
+            if self._store.check([key]):
+                status = self._store.get(key).decode()  # point|kind|payload
+                entered = json.loads(status.split("|", 2)[2])["call"]
+                return f"last entered {entered} (collective call #{earlier})"
+        return "entered none of the last collective calls of these ranks"
 
 
 class CollectiveCall:
-    """One collective call that every rank of ``ranks`` entered (see
-    [enter_collective][fsdp_core.collective_entry.enter_collective]); its arrival and
-    steps are points of a [RankAgreement][fsdp_core.rank_agreement.RankAgreement].
+    """One collective call that every rank of ``ranks`` entered (made by
+    [enter_collective][fsdp_core.collective_entry.enter_collective]). Used as a context
+    manager, an exception that leaves the block on one rank is posted so that the others
+    raise it at their next agreement instead of waiting out the timeout.
 
-    [agree][fsdp_core.collective_entry.CollectiveCall.agree] after a step that may fail
-    on some ranks; [run][fsdp_core.collective_entry.CollectiveCall.run] runs the step
-    and agrees; [agree_on][fsdp_core.collective_entry.CollectiveCall.agree_on] checks
-    that every rank holds the same value. Used as a context manager, an exception that
-    leaves the block on one rank is posted so that the others raise it at their next
-    agreement instead of waiting out the timeout.
+    Args:
+        name: the call, for the messages.
+        ranks: the global ranks that make it (sorted).
+        timeout_s: how long a rank waits for the others' arrival.
+        step_timeout_s: how long a rank waits for the others at a step.
+
+    Raises:
+        ValueError: this rank is not one of ``ranks``.
     """
 
     def __init__(
@@ -265,7 +254,7 @@ class CollectiveCall:
     def _enter(self) -> None:
         """Meet at this call's arrival, skipping the calls the others gave up on without
         this rank (so the ranks' call numbers meet again)."""
-        group = _group_key(self.ranks)
+        group = ranks_digest(self.ranks)
         number = _SEQUENCE.get(group, 0)
         while (points := _CallPoints(self, group, number)).decided():
             logger.warning(
@@ -284,10 +273,16 @@ class CollectiveCall:
         )
 
     def agree(self, error: BaseException | None = None, *, step: str) -> None:
-        """Exchange whether ``step`` went well on each rank; if it failed on any, raise
-        on every rank the failure of the lowest failing rank (its type where this
-        process can build it, else [CollectiveCallError][fsdp_core.rank_agreement.
-        CollectiveCallError]), naming that rank."""
+        """Exchange whether ``step`` went well on each rank.
+
+        Args:
+            error: what this rank's step raised, if anything.
+            step: the step, for the messages.
+
+        Raises:
+            Exception: on every rank, the failure of the lowest failing rank, naming it (of
+                its type where this process can build it, else ``CollectiveCallError``).
+        """
         if not self.active:
             if error is not None:
                 raise error
@@ -308,7 +303,15 @@ class CollectiveCall:
             raise shared from error
 
     def run(self, fn: Callable[[], T], *, step: str) -> T:
-        """``fn()`` on this rank, then [agree][fsdp_core.collective_entry.CollectiveCall.agree]."""
+        """``fn()`` on this rank, then [agree][fsdp_core.collective_entry.CollectiveCall.agree].
+
+        Args:
+            fn: the step.
+            step: the step, for the messages.
+
+        Returns:
+            What ``fn`` returned.
+        """
         try:
             value = fn()
         except Exception as exc:
@@ -320,8 +323,13 @@ class CollectiveCall:
     def agree_on(
         self, value: str, *, what: str, error: Callable[[str], Exception] = CollectiveCallError
     ) -> None:
-        """Raise on every rank unless every rank holds the same ``value`` (e.g. a hash)
-        as the lowest rank; the message names the ranks whose ``what`` differs."""
+        """Raise on every rank unless every rank holds the lowest rank's ``value``.
+
+        Args:
+            value: this rank's value (e.g. a hash).
+            what: the value in words; the message names the ranks whose ``what`` differs.
+            error: the type of the error raised.
+        """
         if self.active:
             self._points.value_error = error
             step = f"agreeing on {what}"
@@ -355,19 +363,22 @@ def enter_collective(
     ranks: Iterable[int] | None = None,
     timeout: float | timedelta | None = None,
 ) -> CollectiveCall:
-    """Wait until every rank of ``ranks`` (default: the world) entered ``name``.
+    """Wait until every rank of ``ranks`` entered ``name``, warning after a minute (see
+    [rank_wait][fsdp_core.rank_wait]).
 
-    Waits at most ``timeout`` (seconds or a timedelta; default:
-    ``FSDP_CORE_RANK_WAIT_TIMEOUT_S`` when set, else the process group's own timeout),
-    warning after a minute (see [rank_wait][fsdp_core.rank_wait]), then raises
-    [CollectiveCallError][fsdp_core.rank_agreement.CollectiveCallError] on every rank
-    that arrived, naming the ranks that did not and those that entered another
-    collective call. Agreement steps of the returned call wait as long as
-    ``FSDP_CORE_RANK_WAIT_TIMEOUT_S`` or the process group's timeout (a step may write
-    a large file).
+    Args:
+        name: the call.
+        ranks: the ranks that make it (default: the world).
+        timeout: the longest wait for the others' arrival, seconds or a timedelta
+            (default: ``FSDP_CORE_RANK_WAIT_TIMEOUT_S``, else the process group's
+            timeout, which also bounds each step: a step may write a large file).
+
+    Returns:
+        The call, to agree after its steps.
 
     Raises:
-        CollectiveCallError: the ranks did not all enter ``name``.
+        CollectiveCallError: the ranks did not all enter ``name`` (on every rank that
+            arrived, naming those that did not and those that entered another call).
         TypeError: ``name`` or ``timeout`` has the wrong type.
         ValueError: ``timeout``, or ``FSDP_CORE_RANK_WAIT_TIMEOUT_S`` or
             ``FSDP_CORE_RANK_WAIT_WARN_S``, is not positive seconds.
@@ -380,7 +391,7 @@ def enter_collective(
     call = CollectiveCall(
         name,
         members,
-        timeout_s=_seconds(timeout, timedelta(seconds=limits.timeout_s)),
+        timeout_s=_seconds(timeout, limits.timeout_s),
         step_timeout_s=group_timeout.total_seconds(),
     )
     if call.active:

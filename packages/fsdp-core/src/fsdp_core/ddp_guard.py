@@ -1,13 +1,11 @@
 """A sharded unit refuses ``DistributedDataParallel`` with an error that says what to use.
 
-Frameworks wrap the model they are given in ``DistributedDataParallel`` (accelerate's
-``prepare`` on CPU, Lightning's DDP strategy, a user's own ``DDP(model)``). DDP cannot
-hold FSDP2's sharded parameters: it fails deep in DTensor (``Cannot flatten unevenly
-sharded tensor``) while broadcasting them. The first thing ``DistributedDataParallel``
-does with a module is to read the names of the parameters to leave alone from it; every
-FSDP unit the library makes answers with an object that raises
-[`IntegrationRequiredError`][fsdp_core.integrations.IntegrationRequiredError] naming the
-integrations instead, on every rank (each wraps the same model), before any collective.
+Frameworks wrap the model they get in DDP (accelerate's ``prepare`` on CPU, Lightning's
+DDP strategy), which fails deep in DTensor on FSDP2's sharded parameters. DDP first reads
+the names of the parameters to leave alone from the module; every unit the library makes
+answers with an object that raises
+[`IntegrationRequiredError`][fsdp_core.integrations.IntegrationRequiredError] instead,
+on every rank, before any collective.
 """
 
 from __future__ import annotations

@@ -1,40 +1,19 @@
 """Modules called outside the model's forward: gather the units that own their parameters.
 
-FSDP2 gathers a unit's parameters in the forward of the unit's own module. A
-vision tower or projector usually has no unit of its own: its parameters belong
-to the root unit (or part of them, its embeddings and norms, when its blocks are
-units), and the root unit is gathered only while the root forward runs. Yet
-transformers' ``generate()`` computes image features before the first forward
-(``base_model.get_image_features``), and users call towers by hand; the tower
-then meets sharded DTensor parameters and fails (``got mixed torch.Tensor and
-DTensor``). A tower block called before the model's first forward would
-moreover become FSDP's root (FSDP2 makes the first unit to run the root), and the
-model's own forward would fail afterwards.
+A tower or projector usually has no unit of its own: its parameters belong to the root
+unit, which is gathered only during the root forward. Yet ``generate()`` computes image
+features before the first forward and users call towers by hand; the tower then meets
+sharded DTensors (``got mixed torch.Tensor and DTensor``), and a tower block run before
+the first forward would become FSDP's root.
 
-[EntryUnshardHook][fsdp_core.entry_unshard.EntryUnshardHook] puts a forward
-pre-hook and an always-called forward hook on each *entry module* (the modules a
-parallelizer names, e.g. towers and projectors), and a counter of running root
-forwards on the model. Inside the root forward, the common path, the pre-hook
-reads that counter and returns: no collective. Outside it, the pre-hook makes the
-model's unit the FSDP root (as its first forward would), all-gathers each owning
-unit that is not gathered yet (the root unit stays gathered after a no-grad
-forward, as FSDP leaves it) and casts floating inputs as the unit's
-mixed-precision policy would; the forward hook reshards the units it gathered, so
-an optimizer step after the call is never hidden behind stale gathered copies.
-Cost: one all-gather of each owning unit per such call.
-
-Every module that defines ``generate`` (the model, or the model inside a
-``PeftModel``) also gets its ``generate`` wrapped (an instance attribute): the
-owning units of all entries inside it are gathered once, on every rank, for the
-whole call. Entries then find them gathered, so a rank without images, which
-never calls the tower, still runs the same collectives as a rank with images
-(uneven media in ``generate()``, safe exactly where it is in training).
-
-A call with gradients enabled runs too, but its backward cannot: FSDP never
-reduces the gradients of parameters gathered outside their unit's forward, and
-the gathered copies are freed after the call. Outputs that require a gradient
-therefore get a hook that raises, when a backward reaches them, a
-``RuntimeError`` that says to use ``torch.no_grad()`` or the model's forward.
+[EntryUnshardHook][fsdp_core.entry_unshard.EntryUnshardHook] hooks each *entry module*
+a parallelizer names: inside the root forward it does nothing; outside, it makes the
+model FSDP's root, all-gathers each owning unit not gathered yet, casts floating inputs
+as the unit's mixed-precision policy would, and reshards afterwards (one all-gather per
+owning unit per call). ``generate`` is wrapped to hold the owners gathered for the whole
+call, so a rank without images runs the same collectives as one with them. A backward
+through such a call raises: FSDP cannot reduce gradients of parameters gathered outside
+their unit's forward.
 """
 
 from __future__ import annotations
@@ -76,12 +55,10 @@ NAME = "entry_unshard"
 def entry_owners(
     model: nn.Module, plan: ShardingPlan, paths: Iterable[str]
 ) -> dict[str, tuple[int, ...]]:
-    """For each entry path that holds parameters of some unit of ``plan``: the indices
-    (in ``plan.units``) of the units that own some of its parameters while no member
-    module of theirs lies inside it, i.e. units whose forward does not run when the
-    entry module is called on its own (usually the root unit). Paths whose parameters
-    are all replicated or ignored are left out; paths whose parameters all sit in
-    units of their own map to ``()`` (the hook then only fixes which unit is root).
+    """For each entry path holding parameters of ``plan``'s units: the indices of the
+    units that own some of them but whose forward does not run when the entry is called
+    on its own (no member module inside it; usually the root unit). ``()`` when its units
+    are its own (the hook then only fixes the root); left out when it holds none.
 
     Args:
         model: the model (meta is enough).
@@ -94,16 +71,12 @@ def entry_owners(
     owned = unit_parameters(plan, model)
     result: dict[str, tuple[int, ...]] = {}
     for path in paths:
-        holds = False
-        owners: list[int] = []
-        for index, (unit, params) in enumerate(zip(plan.units, owned, strict=True)):
-            if not any(is_under(name, path) for name, _ in params):
-                continue
-            holds = True
-            if not any(is_under(member, path) for member in unit.paths):
-                owners.append(index)
-        if holds:
-            result[path] = tuple(owners)
+        holding = [i for i, params in enumerate(owned) if any(is_under(n, path) for n, _ in params)]
+        if holding:
+            units = plan.units
+            result[path] = tuple(
+                i for i in holding if not any(is_under(m, path) for m in units[i].paths)
+            )
     return result
 
 
@@ -117,8 +90,7 @@ class _Entry:
 
 @dataclass
 class EntryUnshardHook:
-    """The installed hook (see the module docstring); ``calls`` counts the entry calls
-    that had to gather (outside the model's forward)."""
+    """The installed hook; ``calls`` counts the entry calls that had to gather."""
 
     model: nn.Module
     name: str = NAME
@@ -183,8 +155,8 @@ class EntryUnshardHook:
         return _cast(args, dtype), {key: _cast(value, dtype) for key, value in kwargs.items()}
 
     def _gather(self, units: Iterable[FSDPModule], gathered: list[FSDPModule]) -> None:
-        """All-gather each of ``units`` not gathered yet (appending it to ``gathered``),
-        after making the model FSDP's root as its first forward would."""
+        """All-gather each of ``units`` not gathered yet into ``gathered``, after making
+        the model FSDP's root as its first forward would."""
         if not self._root_ready:
             if isinstance(self.model, FSDPModule):
                 internals.initialize_root(self.model)
@@ -195,11 +167,9 @@ class EntryUnshardHook:
                 gathered.append(unit)
 
     def wrap_generate(self, module: nn.Module, owners: tuple[FSDPModule, ...]) -> None:
-        """Hold ``owners`` gathered for a whole ``module.generate(...)`` call: every rank
-        calls ``generate`` once, while a rank without images skips the tower and would
-        skip a gather made per tower call (uneven media, as in training). Ranks that
-        generate different lengths stay in step through transformers' own
-        ``synced_gpus``, which it turns on for modules ``fully_shard`` manages.
+        """Hold ``owners`` gathered for a whole ``module.generate(...)`` call, which every
+        rank makes, with images or not (transformers' ``synced_gpus`` keeps ranks that
+        generate different lengths in step).
 
         Args:
             module: a module with ``generate`` (the model or a wrapper of it).
@@ -234,7 +204,14 @@ class EntryUnshardHook:
         for unit in gathered:
             unit.reshard()
         if entry.owners and torch.is_grad_enabled():
-            message = _backward_message(entry)
+            message = (
+                f"backward through {entry.path!r}, which ran outside the model's forward with "
+                f"gradients enabled: its parameters belong to the FSDP unit(s) "
+                f"{', '.join(entry.labels)}, gathered only for that call, so FSDP cannot "
+                "compute or reduce their gradients. Call it under torch.no_grad() for "
+                "inference (generate() does), or pass the inputs to the model's forward (e.g. "
+                "model(input_ids=..., pixel_values=...)) to train through it."
+            )
 
             def refuse(_grad: torch.Tensor) -> torch.Tensor:
                 raise RuntimeError(message)
@@ -255,13 +232,12 @@ class EntryUnshardHook:
 def install_entry_unshard(
     model: nn.Module, owners: Mapping[str, Sequence[UnitPlan]]
 ) -> EntryUnshardHook:
-    """Hook each entry module of ``owners`` (entry path to the plan's units that own its
-    parameters, from [entry_owners][fsdp_core.entry_unshard.entry_owners]) on the sharded
-    ``model``; the units are looked up in ``model`` by their plan paths.
+    """Hook each entry module of ``owners`` on the sharded ``model``.
 
     Args:
         model: the sharded model.
-        owners: ``{entry path: units}`` from the plan.
+        owners: ``{entry path: the plan's units that own its parameters}``
+            ([entry_owners][fsdp_core.entry_unshard.entry_owners]).
 
     Returns:
         The installed hook.
@@ -293,9 +269,8 @@ def install_entry_unshard(
 
 @dataclass(frozen=True)
 class EntryUnshardRuntimeHook(RuntimeHook):
-    """The ``entry_unshard`` runtime hook; its plan data: each entry path with the units
-    of the plan that own its parameters (from
-    [entry_owners][fsdp_core.entry_unshard.entry_owners], computed once at plan time)."""
+    """The ``entry_unshard`` runtime hook; plan data: each entry path with the units that
+    own its parameters ([entry_owners][fsdp_core.entry_unshard.entry_owners])."""
 
     name: ClassVar[str] = NAME
     reads: ClassVar[tuple[internals.Probe, ...]] = (
@@ -340,10 +315,8 @@ def _unit_module(model: nn.Module, path: str) -> FSDPModule:
 
 def _cast(value: Any, dtype: torch.dtype | None) -> Any:
     """Floating tensors (in tuples, lists and dicts) cast to ``dtype``, as FSDP's
-    ``cast_forward_inputs`` does for a unit's own forward. A dict subclass keeps its
-    type (a shallow copy with the values replaced): transformers' ``generate()`` passes
-    ``ModelOutput`` objects (``mm_encoder_outputs``) that the forward reads by attribute;
-    so does a namedtuple."""
+    ``cast_forward_inputs`` does; dict subclasses (``ModelOutput``, read by attribute) and
+    namedtuples keep their type."""
     if dtype is None:
         return value
     if isinstance(value, torch.Tensor):
@@ -362,14 +335,3 @@ def _cast(value: Any, dtype: torch.dtype | None) -> Any:
             kept[key] = item
         return kept
     return value
-
-
-def _backward_message(entry: _Entry) -> str:
-    return (
-        f"backward through {entry.path!r}, which ran outside the model's forward with "
-        f"gradients enabled: its parameters belong to the FSDP unit(s) "
-        f"{', '.join(entry.labels)}, gathered only for that call, so FSDP cannot compute "
-        "or reduce their gradients. Call it under torch.no_grad() for inference "
-        "(generate() does), or pass the inputs to the model's forward (e.g. "
-        "model(input_ids=..., pixel_values=...)) to train through it."
-    )

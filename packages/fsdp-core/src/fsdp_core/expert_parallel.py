@@ -1,14 +1,10 @@
 """Expert parallelism: experts the caller's EP plan sharded, kept out of FSDP.
 
-The caller's EP plan (e.g. ``model_deepseek_v41.moe.shard_experts``, or torchtitan's
-and NeMo Automodel's ``ExpertParallel``) runs first and makes each expert weight a
-``DTensor`` placed on a mesh dimension named for EP (``ep``, ``expert_parallel``). A plan
-keeps those parameters out of every FSDP unit (the
-[`expert_param_names`][fsdp_core.expert_parallel.expert_param_names] become ignored
-parameters: FSDP leaves them, "retaining their existing DTensor placements"), so FSDP
-neither gathers nor reduces them; the ``replica_grad_reduce`` hook
-([`fsdp_core.replica_grad`][fsdp_core.replica_grad]) reduces their gradients over the
-ranks holding the same expert shard, with FSDP's divisor.
+The caller's EP plan (``model_deepseek_v41.moe.shard_experts``, torchtitan's
+``ExpertParallel``) makes each expert weight a ``DTensor`` on a mesh dimension named for
+EP. A plan makes these [`expert_param_names`][fsdp_core.expert_parallel.expert_param_names]
+ignored parameters, which FSDP leaves as they are; the ``replica_grad_reduce`` hook
+([`fsdp_core.replica_grad`][fsdp_core.replica_grad]) reduces their gradients.
 """
 
 from __future__ import annotations

@@ -1,30 +1,18 @@
 """Before each call of the model, every rank agrees on it: a call on some ranks only, or a
 step that differs, fails on every rank instead of hanging.
 
-Under FSDP the model's forward is collective: every unit all-gathers its parameters from
-all ranks of the mesh. The most common mistake, ``if rank == 0: model.eval();
-model(**batch)``, leaves rank 0 waiting in an all-gather that the other ranks never join,
-and the job hangs without a word; uneven micro-batch counts or an empty batch on one rank
-make the ranks' reduce-scatters differ. This hook numbers the *calls* of the model (root
-forwards, ``generate()`` calls, which run their forwards in step on every rank, and a
-tower called outside the forward) and, before each, meets the other lockstep ranks at the
-model's [agreement][fsdp_core.rank_agreement] (the c10d store, no collective) saying what
-the call is and, for a forward, this rank's
-[step][fsdp_core.step_agreement.RankStep]. It goes on when every rank made the same call
-in the same step; otherwise every rank raises the same error:
-
-- [CollectiveCallError][fsdp_core.rank_agreement.CollectiveCallError] when the ranks
-  made different calls under one number (a forward without gradients beside a training
-  forward, ``generate()`` with an empty batch beside one with rows) or some did not come
-  within the wait (after a warning naming them and their last calls, see
-  [rank_wait][fsdp_core.rank_wait]); a rank that comes to a call the others gave up on
-  raises their error instead of running the forward alone;
-- [StepMismatchError][fsdp_core.step_agreement.StepMismatchError] or
-  [EmptyBatchError][fsdp_core.step_agreement.EmptyBatchError] when their steps differ.
-
-Cost: no collective; four to six store round trips per call. Forwards inside backward
-(activation-checkpoint recomputation) and inside an agreed ``generate()`` meet nowhere:
-every rank runs them alike.
+Under FSDP the model's forward is collective, so ``if rank == 0: model.eval();
+model(**batch)`` leaves rank 0 in an all-gather nobody joins, and uneven micro-batch
+counts or an empty batch make the ranks' reduce-scatters differ. This hook numbers the
+model's *calls* (root forwards, ``generate()``, a tower called outside the forward) and
+before each meets the lockstep ranks at the model's
+[agreement][fsdp_core.rank_agreement] (the c10d store, no collective), saying the call
+and, for a forward, this rank's [step][fsdp_core.step_agreement.RankStep]. Different
+calls under one number, or ranks that do not come, raise
+[CollectiveCallError][fsdp_core.rank_agreement.CollectiveCallError] on every rank;
+different steps raise [StepMismatchError][fsdp_core.step_agreement.StepMismatchError]
+or [EmptyBatchError][fsdp_core.step_agreement.EmptyBatchError]. Forwards inside backward
+(recomputation) or inside an agreed ``generate()`` meet nowhere.
 """
 
 from __future__ import annotations
@@ -110,8 +98,7 @@ def _last(point: int, value: str) -> str:
 
 
 class ForwardAgreement:
-    """The installed hook (see the module docstring). ``calls`` counts this rank's
-    numbered calls of the model; ``step`` is this rank's step state.
+    """The installed hook; ``calls`` counts this rank's numbered calls of the model.
 
     Args:
         model: the sharded model.
@@ -171,10 +158,10 @@ class ForwardAgreement:
         made = {(number, kind) for number, kind, _ in calls.values()}
         late = meeting.timed_out_s is not None and bool(meeting.elsewhere)
         if len(made) == 1 and not late:
-            steps = [step for _, _, step in calls.values() if step is not None]
-            if len(steps) < len(calls) or agrees(steps):
+            steps = {r: step for r, (_, _, step) in calls.items() if step is not None}
+            if len(steps) < len(calls) or agrees(list(steps.values())):
                 return None
-            return mismatch_error({r: s for r, (_, _, s) in calls.items() if s is not None})
+            return mismatch_error(steps)
         groups: dict[tuple[int, str], list[int]] = {}
         for rank, (number, kind, _) in calls.items():
             groups.setdefault((number, kind), []).append(rank)
@@ -220,8 +207,8 @@ def _hook_of(model: nn.Module) -> ForwardAgreement | None:
 
 
 def record_call(model: nn.Module, kind: str) -> None:
-    """One numbered call of ``model`` made outside its forward (a tower called by hand):
-    every rank must make it. A no-op inside an agreed call or without the hook.
+    """One numbered call of ``model`` made outside its forward (a tower called by hand);
+    a no-op inside an agreed call or without the hook.
 
     Args:
         model: the sharded model.
@@ -234,10 +221,9 @@ def record_call(model: nn.Module, kind: str) -> None:
 
 @contextlib.contextmanager
 def agreement_scope(model: nn.Module, kind: str) -> Iterator[None]:
-    """One numbered call of ``model`` (``kind`` says what, e.g. ``"generate()"``) that
-    covers the forwards run inside it: they are in step on every rank when the scope's
-    call is (transformers keeps ranks generating in step for FSDP models). A no-op when
-    ``model`` has no ``forward_agreement`` hook or a scope is open already.
+    """One numbered call of ``model`` (e.g. ``"generate()"``) that covers the forwards
+    inside it (transformers keeps ranks generating in step for FSDP models); a no-op
+    without the hook or inside a scope already.
 
     Args:
         model: the sharded model.
@@ -257,7 +243,7 @@ def agreement_scope(model: nn.Module, kind: str) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class ForwardAgreementRuntimeHook(RuntimeHook):
-    """The ``forward_agreement`` runtime hook (see the module docstring); no plan data."""
+    """The ``forward_agreement`` runtime hook; no plan data."""
 
     name: ClassVar[str] = NAME
     reads: ClassVar[tuple[internals.Probe, ...]] = (
@@ -269,8 +255,6 @@ class ForwardAgreementRuntimeHook(RuntimeHook):
     )
 
     def install(self, model: nn.Module, *, dims: ParallelDims) -> ForwardAgreement:
-        """The calls are agreed over ``dims.lockstep_ranks()``: every rank that runs the
-        model's forward (data-parallel, TP, CP and EP ranks, whose collectives inside the
-        forward hang when some of them skip a call or run another step); not over other
-        PP stages."""
+        """Agreed over ``dims.lockstep_ranks()``: every rank whose collectives run inside
+        the model's forward (not other PP stages)."""
         return ForwardAgreement(model, agreement_of(model, dims))

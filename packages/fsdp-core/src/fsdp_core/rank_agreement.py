@@ -1,35 +1,25 @@
 """The one agreement of the ranks that run a model's forward together: the divergence guard.
 
-Under FSDP every call of a sharded model is collective, and so is every point where the
-ranks' schedules may part (a tower that runs only with images). The runtime hooks that
-guard those points (the forward agreement before each call of the model, the schedule
-check at media checkpoints) all *meet* here: each rank says what it is about to do (a
-short text: a kind, then what the hook needs) at the model's next numbered point, and
-every rank goes on only when every lockstep rank
-([ParallelDims.lockstep_ranks][fsdp_core.parallel_dims.ParallelDims.lockstep_ranks]: all
-dimensions but PP) said something the hook of that kind accepts. Otherwise every rank
-raises the same exception, built once from what the ranks said, before any collective of
-the point was issued: the process group stays usable.
-Each library collective call ([collective_entry][fsdp_core.collective_entry]: its
-arrival, then each step) meets the same way, in a namespace of its own.
+Every call of a sharded model is collective, and so is every point where the ranks'
+schedules may part (a tower that runs only with images). The hooks that guard those
+points (the forward agreement, the schedule check) and each library collective call
+([collective_entry][fsdp_core.collective_entry]) *meet* here: each rank says what it is
+about to do (a kind, then what the hook needs) at the next numbered point, and goes on
+only when every lockstep rank
+([ParallelDims.lockstep_ranks][fsdp_core.parallel_dims.ParallelDims.lockstep_ranks])
+said something the hooks accept. Otherwise every rank raises the same exception before
+any collective of the point: the process group stays usable.
 
-It goes through the process group's c10d store, never a collective: no extra collective
-and no device synchronisation per step. Per point, a rank writes its value and adds to
-the point's count (2 store round trips); the last to arrive reads every value and
-records the decision (2 more), each other rank polls for it and reads it (2 or more, in
-the shared wait of [rank_wait][fsdp_core.rank_wait], which warns after a minute naming
-the ranks that have not arrived and gives up after the process group's timeout unless
-``FSDP_CORE_RANK_WAIT_TIMEOUT_S`` says otherwise), and the lowest rank deletes the
-previous point's two keys. A rank that comes to a point the
-others gave up on raises their error instead of running on alone. Under the ``fake``
-backend, without a process group or on one rank, a rank meets itself: the hooks still
-reject what one rank can see (an empty batch).
+Meetings go through the c10d store, never a collective (no device synchronisation): per
+point a rank writes its value and counts itself in, the last to come records the
+decision and the others wait for it ([rank_wait][fsdp_core.rank_wait]), four to six
+round trips in all. A rank that comes to a point the others gave up on raises their
+error. Under ``fake``, without a process group or on one rank, a rank meets itself.
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import sys
 import weakref
 from collections.abc import Callable, Mapping
@@ -47,8 +37,6 @@ if TYPE_CHECKING:
     from fsdp_core.parallel_dims import ParallelDims
 
 __all__ = ["CollectiveCallError", "Meeting", "RankAgreement", "agreement_of"]
-
-logger = logging.getLogger(__name__)
 
 
 class CollectiveCallError(RuntimeError):
@@ -78,6 +66,11 @@ Explain = Callable[[Meeting], Exception | None]
 Describe = Callable[[str], str]
 
 
+def ranks_digest(ranks: tuple[int, ...]) -> str:
+    """A short name of a group of ranks, for store keys."""
+    return hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:12]
+
+
 def status_key(namespace: str, rank: int) -> str:
     """The store key of ``rank``'s last point and value in ``namespace``."""
     return f"{namespace}/status/{rank}"
@@ -93,16 +86,6 @@ def payload_of(value: str) -> str:
     return value.partition("|")[2]
 
 
-def _exception_type(module: str, qualname: str) -> type[Exception] | None:
-    """The class a rank raised, if this process has it loaded already."""
-    owner: Any = sys.modules.get(module)
-    for part in qualname.split("."):
-        owner = getattr(owner, part, None)
-    if isinstance(owner, type) and issubclass(owner, Exception):
-        return owner
-    return None
-
-
 def encode_error(error: BaseException) -> str:
     """``error`` as text for the store: ``module:qualname:errno|message`` (an OSError's
     message without the ``[Errno n]`` its rebuild adds back)."""
@@ -116,14 +99,14 @@ def encode_error(error: BaseException) -> str:
 
 def decode_error(text: str) -> Exception:
     """The exception ``text`` (from ``encode_error``) names, of its type where this
-    process has it loaded (an OSError with its errno); else a ``CollectiveCallError``
-    that names the type."""
-
+    process has it loaded; else a ``CollectiveCallError`` that names the type."""
     name, _, message = text.partition("|")
     module, qualname, number = name.split(":")
-    kind = _exception_type(module, qualname)
+    kind: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        kind = getattr(kind, part, None)
     try:
-        if kind is not None:
+        if isinstance(kind, type) and issubclass(kind, Exception):
             return kind(int(number), message) if number else kind(message)
     except Exception:  # a type that needs other arguments: say which it was
         pass
@@ -137,8 +120,7 @@ def meets_others(ranks: tuple[int, ...]) -> bool:
 
 class RankAgreement:
     """The numbered meeting points of one sharded model's ``ranks`` (see the module
-    docstring). Hooks register how they explain and describe their kind of value;
-    ``points`` counts this rank's points.
+    docstring); ``points`` counts this rank's points.
 
     Args:
         ranks: the global ranks that meet (sorted; this rank among them).
@@ -162,19 +144,18 @@ class RankAgreement:
         #: kind -> (explain, describe); the first registered kind present explains.
         self._kinds: dict[str, tuple[Explain, Describe]] = {}
         self._store: Any = None
-        self._base = ""
+        self._base = namespace or ""
         self._passed = ""
-        if self.active:
-            wait_limits(timeout_s)  # a bad setting fails here, not at the first point
-            self._store = dist.group.WORLD.get_group_store()  # type: ignore[union-attr]
-            if namespace is not None:
-                self._base = namespace
-                return
-            digest = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:12]
+        if not self.active:
+            return
+        wait_limits(timeout_s)  # a bad setting fails here, not at the first point
+        self._store = dist.group.WORLD.get_group_store()  # type: ignore[union-attr]
+        if namespace is None:
             # One namespace per model: two sharded models of one job count separately.
+            digest = ranks_digest(ranks)
             count = self._store.add(f"{_PREFIX}/{digest}/models/{self.rank}", 1)
             self._base = f"{_PREFIX}/{digest}/{count}"
-            self._store.set(self._status(self.rank), "0|")
+            self._store.set(status_key(self._base, self.rank), "0|")
 
     def register(
         self, kind: str, explain: Explain, describe: Describe, *, first: bool = False
@@ -192,10 +173,13 @@ class RankAgreement:
         self._kinds = {kind: entry, **self._kinds} if first else {**self._kinds, kind: entry}
 
     def unregister(self, kind: str) -> None:
-        """Forget ``kind`` (its hook was removed)."""
+        """Forget ``kind`` (its hook was removed).
+
+        Args:
+            kind: a kind given to ``register``.
+        """
         self._kinds.pop(kind, None)
 
-    # ----------------------------------------------------------------- meeting
     def meet(self, kind: str, payload: str, *, what: str, limits: WaitLimits | None = None) -> None:
         """Meet the other ranks at the next point.
 
@@ -217,11 +201,10 @@ class RankAgreement:
                 raise error
             return
         key, last = self._arrive(value)
-        limits = limits or wait_limits(self.timeout_s)
         if last:  # the last to come decides (2 round trips, no wait)
             decision = self._decide(key, self._meeting(self.points, complete=True))
         else:
-            decision = self._await(key, self.points, what, limits)
+            decision = self._await(key, what, limits or wait_limits(self.timeout_s))
         if decision != _GO:
             raise decode_error(decision)
         if self.rank == self.ranks[0]:
@@ -234,14 +217,23 @@ class RankAgreement:
 
     def leave(self, kind: str, payload: str) -> None:
         """Say ``payload`` at the next point and go without waiting (this rank fails: the
-        others raise what the hooks build from it there)."""
+        others raise what the hooks build from it there).
+
+        Args:
+            kind: the kind of what this rank says.
+            payload: what it says.
+        """
         if self.active:
             key, last = self._arrive(f"{kind}|{payload}")
             if last:
                 self._decide(key, self._meeting(self.points, complete=True))
 
     def decided(self) -> bool:
-        """Whether the next point was decided already, without this rank."""
+        """Whether the next point was decided already, without this rank.
+
+        Returns:
+            Whether its decision is on the store.
+        """
         return self.active and bool(self._store.check([self._key(self.points + 1) + "/done"]))
 
     def _key(self, point: int) -> str:
@@ -250,13 +242,14 @@ class RankAgreement:
     def _arrive(self, value: str) -> tuple[str, bool]:
         """Write this rank's value at the next point: its key, and whether this rank came last."""
         self.points += 1
-        self._store.set(self._status(self.rank), f"{self.points}|{value}")
+        self._store.set(status_key(self._base, self.rank), f"{self.points}|{value}")
         key = self._key(self.points)
         return key, self._store.add(f"{key}/count", 1) == len(self.ranks)
 
-    def _await(self, key: str, point: int, what: str, limits: WaitLimits) -> str:
-        """Wait for the decision of ``point``, deciding it when a rank parted or the
-        others did not come within ``limits``."""
+    def _await(self, key: str, what: str, limits: WaitLimits) -> str:
+        """Wait for the decision of this rank's point, deciding it when a rank parted or
+        the others did not come within ``limits``."""
+        point = self.points
 
         def look() -> None:
             meeting = self._meeting(point)
@@ -304,7 +297,6 @@ class RankAgreement:
         error = explain(meeting) if explain is not None else None
         if error is not None or not parted:
             return error
-
         said = "; ".join(f"rank {r}: {self._describe(v)}" for r, v in values.items())
         missing = sorted(meeting.elsewhere)
         return CollectiveCallError(
@@ -316,45 +308,27 @@ class RankAgreement:
         entry = self._kinds.get(kind_of(value))
         return entry[1](value) if entry is not None else value
 
-    # ------------------------------------------------------------------ store
-    def _status(self, rank: int) -> str:
-        return status_key(self._base, rank)
-
-    def _statuses(self, *, complete: bool = False) -> dict[int, tuple[int, str]]:
-        """Each rank's last point and value; ranks that have not sharded the model yet are
-        missing. One round trip when every rank is known to have come (``complete``), two
-        once every rank has sharded it."""
-        keys = [self._status(rank) for rank in self.ranks]
-        if complete or self._store.check(keys):
-            raw = list(zip(self.ranks, self._store.multi_get(keys), strict=True))
-        else:
-            raw = [
-                (r, self._store.get(k))
-                for r, k in zip(self.ranks, keys, strict=True)
-                if self._store.check([k])
-            ]
-        found = {}
-        for rank, text in raw:
-            number, _, value = text.decode().partition("|")
-            found[rank] = (int(number), value)
-        return found
-
     def _meeting(self, point: int, *, complete: bool = False) -> Meeting:
-        statuses = self._statuses(complete=complete)
-        values = {r: statuses[r][1] for r in self.ranks if statuses.get(r, (-1, ""))[0] == point}
-        elsewhere = {r: statuses.get(r, (-1, "")) for r in self.ranks if r not in values}
-        return Meeting(point, values, elsewhere)
+        """Each rank's last point and value, read from the store (one round trip when
+        every rank is known to have come, two once every rank has sharded the model)."""
+        keys = {rank: status_key(self._base, rank) for rank in self.ranks}
+        if complete or self._store.check(list(keys.values())):
+            raw = dict(zip(keys, self._store.multi_get(list(keys.values())), strict=True))
+        else:
+            raw = {r: self._store.get(k) for r, k in keys.items() if self._store.check([k])}
+        said = {rank: text.decode().split("|", 1) for rank, text in raw.items()}
+        status = {r: (int(said[r][0]), said[r][1]) if r in said else (-1, "") for r in self.ranks}
+        values = {r: value for r, (number, value) in status.items() if number == point}
+        return Meeting(point, values, {r: s for r, s in status.items() if r not in values})
 
     def _behind(self, point: int) -> dict[int, str]:
-        last = {}
-        for rank, (number, value) in self._meeting(point).elsewhere.items():
-            if number < 0:
-                last[rank] = "has not sharded this model yet"
-            elif number == 0:
-                last[rank] = "made no call of the model yet"
-            else:
-                last[rank] = f"last made {self._describe(value)}"
-        return last
+        """What each rank that has not come to ``point`` did last, for the warning."""
+        return {r: self._last(r, *status) for r, status in self._meeting(point).elsewhere.items()}
+
+    def _last(self, rank: int, point: int, value: str) -> str:
+        if point < 0:
+            return "has not sharded this model yet"
+        return f"last made {self._describe(value)}" if point else "made no call of the model yet"
 
 
 _AGREEMENTS: weakref.WeakKeyDictionary[nn.Module, RankAgreement] = weakref.WeakKeyDictionary()

@@ -1,27 +1,18 @@
 """How a rank waits on the c10d store for the other ranks: the one wait of every guard.
 
-The divergence guards ([rank_agreement][fsdp_core.rank_agreement], where the forward
-agreement and the schedule check meet, and [collective_entry][fsdp_core.collective_entry])
-make a rank wait, through the process group's store, until the other ranks reach the same
-call or step. A rank that never comes (``if rank == 0: model.eval(); model(**batch)``)
-would leave the waiting rank silent for the whole wait, so this wait:
-
-- logs a warning after ``warn_after_s`` (default 60 s) naming the ranks that have not
-  arrived, what each last did (as the guard knows it from the store), and when this
-  rank gives up; again after twice, four times, ... that delay;
-- gives up after ``timeout_s`` (default: the process group's timeout) and lets the
-  guard raise its error; a rank that arrives before then is merely slow, and the
-  ranks go on as if nothing happened.
-
-Both are set once per job through environment variables (read at each wait, so a
-launcher's, a script's or a test's setting applies):
+The divergence guards ([rank_agreement][fsdp_core.rank_agreement],
+[collective_entry][fsdp_core.collective_entry]) make a rank wait until the others reach
+the same call or step. So that a rank that never comes does not leave it silent, the
+wait warns after ``warn_after_s`` (then after twice, four times, ... that delay), naming
+the missing ranks and what each last did, and gives up after ``timeout_s`` (default: the
+process group's timeout), letting the guard raise. Both are set per job, read at each
+wait:
 
 - ``FSDP_CORE_RANK_WAIT_TIMEOUT_S``: seconds before a waiting rank gives up;
-- ``FSDP_CORE_RANK_WAIT_WARN_S``: seconds before its first warning.
+- ``FSDP_CORE_RANK_WAIT_WARN_S``: seconds before its first warning (default 60).
 
-The wait polls ``store.check`` (a ``store.wait`` that times out logs a warning of
-its own each time): quickly at first, where ranks in step meet, then every
-``POLL_S``. It adds no store operation to a rank that does not wait.
+It polls ``store.check`` (a timed-out ``store.wait`` logs a warning of its own), quickly
+at first, then every ``POLL_S``; a rank that does not wait pays no store operation.
 """
 
 from __future__ import annotations
@@ -30,7 +21,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final
@@ -98,7 +89,7 @@ def seconds_setting(name: str, raw: str) -> float:
 
 def wait_limits(default_timeout_s: float) -> WaitLimits:
     """The limits of a wait now: the environment's settings, else ``default_timeout_s``
-    (the process group's timeout, as the guard reads it) and ``DEFAULT_WARN_AFTER_S``.
+    and ``DEFAULT_WARN_AFTER_S``.
 
     Args:
         default_timeout_s: the timeout when the environment sets none.
@@ -121,8 +112,7 @@ def wait_limits(default_timeout_s: float) -> WaitLimits:
 
 
 def ranks_text(ranks: Iterable[int]) -> str:
-    """``[0, 2]``, or the first ``LISTED`` ranks and how many more: how every guard's
-    message lists ranks.
+    """``[0, 2]``, or the first ``LISTED`` ranks and how many more (every guard's lists).
 
     Args:
         ranks: the ranks to list.
@@ -133,41 +123,6 @@ def ranks_text(ranks: Iterable[int]) -> str:
     items = sorted(ranks)
     more = f" and {len(items) - LISTED} more" if len(items) > LISTED else ""
     return f"{items[:LISTED]}{more}"
-
-
-def _clock(epoch_s: float) -> str:
-    return datetime.fromtimestamp(epoch_s, tz=UTC).strftime("%H:%M:%S UTC")
-
-
-def _warn(
-    what: str,
-    rank: int,
-    waited_s: float,
-    limits: WaitLimits,
-    gives_up_at: float,
-    last: Any,
-) -> None:
-    missing: Mapping[int, str] = last()
-    if not missing:
-        return  # every rank arrived since the last look: the wait ends at once
-    ranks: Sequence[int] = sorted(missing)
-    listed = "; ".join(f"rank {r}: {missing[r]}" for r in ranks[:LISTED])
-    who = (
-        f"for ranks {ranks_text(ranks)}, which have not made it yet (what each last did: {listed})"
-    )
-    end = (
-        f"It gives up at {_clock(gives_up_at)} ({limits.timeout_s:g} s after it arrived; "
-        f"set {TIMEOUT_ENV} to change that) and then raises an error"
-    )
-    logger.warning(
-        "rank %d has waited %.3g s in %s %s. %s; a rank that is merely slow arrives before "
-        "then and the job goes on.",
-        rank,
-        waited_s,
-        what,
-        who,
-        end,
-    )
 
 
 def wait_for_ranks(
@@ -198,7 +153,7 @@ def wait_for_ranks(
         Whether ``key`` exists; ``False`` when ``limits.timeout_s`` passed without it.
     """
     start = time.monotonic()
-    gives_up_at = time.time() + limits.timeout_s
+    gives_up_at = datetime.fromtimestamp(time.time() + limits.timeout_s, tz=UTC)
     deadline = start + limits.timeout_s
     warn_in = limits.warn_after_s
     looked = start
@@ -208,8 +163,17 @@ def wait_for_ranks(
         if now >= deadline:
             return bool(store.check([key]))
         if now - start >= warn_in:
-            _warn(what, rank, now - start, limits, gives_up_at, last)
             warn_in *= 2
+            if missing := last():  # none: every rank arrived since, the wait ends at once
+                listed = "; ".join(f"rank {r}: {missing[r]}" for r in sorted(missing)[:LISTED])
+                logger.warning(
+                    f"rank {rank} has waited {now - start:.3g} s in {what} for ranks "
+                    f"{ranks_text(missing)}, which have not made it yet (what each last did: "
+                    f"{listed}). It gives up at {gives_up_at:%H:%M:%S} UTC "
+                    f"({limits.timeout_s:g} s after it arrived; set {TIMEOUT_ENV} to change "
+                    "that) and then raises an error; a rank that is merely slow arrives before "
+                    "then and the job goes on."
+                )
         if look is not None and now - looked >= POLL_S:
             looked = now
             look()

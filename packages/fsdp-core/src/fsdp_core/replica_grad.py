@@ -1,26 +1,17 @@
 """Gradient reductions over ranks FSDP does not reduce over: the ``replica_grad_reduce`` hook.
 
-FSDP sums each gradient it manages over the mesh it shards over. Two kinds of trainable
-parameters need a sum over other ranks too, each over a mesh that
-[`ParallelDims`][fsdp_core.parallel_dims.ParallelDims] names (``REPLICA_MESHES``):
+Two kinds of trainable parameters need a gradient sum beyond FSDP's, each over a mesh of
+[`ParallelDims`][fsdp_core.parallel_dims.ParallelDims] (``REPLICA_MESHES``):
 
 - ``expert_replicas``: experts an EP plan sharded, kept out of FSDP
-  (``fsdp_core.expert_parallel``). A rank's expert gradient holds the tokens its EP group
-  sent it; the ranks with other batches that hold the same expert shard
-  (``ParallelDims.expert_replica_mesh``) hold the rest. Summed there and divided by
-  FSDP's own divisor (``ParallelDims.dp_shape``'s size), so experts and the rest see the
-  same loss normalisation.
-- ``data_group``: the trainable parameters of balanced towers and joined modules whose
-  items the ranks of a TP data group split (``multimodal_fsdp.balance._data_group``):
-  each TP rank's gradient holds the items it encoded, so it is summed over the group
-  (``ParallelDims.sharing_mesh``) before FSDP averages it over the data-parallel ranks.
+  ([`fsdp_core.expert_parallel`][fsdp_core.expert_parallel]): summed over the ranks
+  holding the same expert shard and divided by FSDP's divisor, so experts and the rest
+  see the same loss normalisation.
+- ``data_group``: trainable balanced towers and joined modules whose items the ranks of a
+  TP data group split: summed over that group before FSDP averages them.
 
-The reduction is per parameter, a gradient hook on the parameter object its module holds
-when the module runs (FSDP's unsharded parameter for a managed one; ``to_empty`` and
-checkpoint loading may replace the objects after the plan is applied, as torchtitan's
-flow does): a tower's parameters need not share a unit (DeepSeek-V4.1 keeps the tower's
-``patch_embed`` in the root unit). The library owns these reductions, planned and costed
-like every hook.
+A gradient hook per parameter, put on the object its module holds when it runs
+(``to_empty`` and checkpoint loading may replace it after the plan is applied).
 """
 
 from __future__ import annotations
@@ -52,6 +43,7 @@ __all__ = [
 ]
 
 NAME = "replica_grad_reduce"
+_Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 #: The meshes a parameter set's gradients are summed over, by name: what each reads from
 #: ``ParallelDims`` (its dimension names, its mesh) and whether the sum is divided by
@@ -104,11 +96,11 @@ def replica_grad_reduce_plans(
     """
     named = dict(model.named_parameters())
     experts = set(expert_param_names(model))
+    candidates = {"expert_replicas": [n for n in ignored if n in experts], "data_group": shared}
     sets = [
-        ReplicaSet("expert_replicas", tuple(n for n in ignored if n in experts)),
-        ReplicaSet("data_group", tuple(shared)),
+        ReplicaSet(over, tuple(n for n in names if named[n].requires_grad))
+        for over, names in candidates.items()
     ]
-    sets = [ReplicaSet(s.over, tuple(n for n in s.params if named[n].requires_grad)) for s in sets]
     sets = [s for s in sets if s.params]
     if not sets:
         return []
@@ -143,8 +135,7 @@ class ReplicaGradReduceRuntimeHook(RuntimeHook):
     sets: tuple[ReplicaSet, ...] = ()
 
     def install(self, model: nn.Module, *, dims: ParallelDims) -> ReplicaGradReduceHook:
-        """Hooks each parameter with the reduction of its set's mesh (none where that
-        mesh has no dimension of more than one rank).
+        """Hooks each parameter with the reduction over its set's mesh (none on one rank).
 
         Args:
             model: the model the plan was applied to.
@@ -157,7 +148,7 @@ class ReplicaGradReduceRuntimeHook(RuntimeHook):
             ValueError: expert parameters but the mesh given to ``parallelize`` has no EP
                 dimension (every rank raises: they were given the same kind of mesh).
         """
-        reducers: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+        reducers: dict[str, _Reduce] = {}
         for replica in self.sets:
             if replica.over == "expert_replicas" and not dims.ep_names:
                 raise ValueError(
@@ -177,8 +168,7 @@ class ReplicaGradReduceRuntimeHook(RuntimeHook):
         return ReplicaGradReduceHook(model, reducers)
 
     def collectives(self, step: HookStep) -> CommTally:
-        """One all-reduce per parameter and dimension of more than one rank of its set's
-        mesh, of the parameter's local bytes.
+        """One all-reduce of each parameter's local bytes per dimension of its set's mesh.
 
         Args:
             step: the step the estimate costs.
@@ -192,17 +182,13 @@ class ReplicaGradReduceRuntimeHook(RuntimeHook):
         named = dict(step.model.named_parameters())
         for replica in self.sets:
             for name in replica.params:
-                param = named[name]
+                size = local_shape(named[name]).numel() * named[name].element_size()
                 for _ in range(replica.dims(step.parallel)):
-                    tally.add(
-                        "backward", "all_reduce", local_shape(param).numel() * param.element_size()
-                    )
+                    tally.add("backward", "all_reduce", size)
         return tally
 
 
-def _reducer(
-    groups: list[dist.ProcessGroup], divisor: int
-) -> Callable[[torch.Tensor], torch.Tensor]:
+def _reducer(groups: list[dist.ProcessGroup], divisor: int) -> _Reduce:
     def reduce(grad: torch.Tensor) -> torch.Tensor:
         local = (grad.to_local() if isinstance(grad, DTensor) else grad).clone()
         for group in groups:
@@ -219,16 +205,14 @@ def _reducer(
 
 
 class ReplicaGradReduceHook:
-    """The installed hook: a gradient hook on each parameter, put on the parameter object
-    its module holds when the module runs."""
+    """The installed hook: a gradient hook on the parameter object each module holds when
+    it runs."""
 
     name = NAME
 
-    def __init__(
-        self, model: nn.Module, reducers: Mapping[str, Callable[[torch.Tensor], torch.Tensor]]
-    ) -> None:
+    def __init__(self, model: nn.Module, reducers: Mapping[str, _Reduce]) -> None:
         self._hooked: dict[tuple[int, str], tuple[nn.Parameter, RemovableHandle]] = {}
-        owners: dict[str, dict[str, Callable[[torch.Tensor], torch.Tensor]]] = {}
+        owners: dict[str, dict[str, _Reduce]] = {}
         for name, reduce in reducers.items():
             path, _, local = name.rpartition(".")
             owners.setdefault(path, {})[local] = reduce
@@ -237,9 +221,7 @@ class ReplicaGradReduceHook:
             for path, locals_ in owners.items()
         ]
 
-    def _hook_params(
-        self, reducers: dict[str, Callable[[torch.Tensor], torch.Tensor]]
-    ) -> Callable[[nn.Module, Any], None]:
+    def _hook_params(self, reducers: dict[str, _Reduce]) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
             for name, reduce in reducers.items():
                 param = module.get_parameter(name)

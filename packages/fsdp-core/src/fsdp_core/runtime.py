@@ -1,34 +1,16 @@
 """Runtime hooks: what a parallelizer installs around FSDP2 after sharding, as data.
 
-FSDP2 alone is not correct in every training loop a user writes (gradient
-accumulation with text-only micro-batches, ranks that skip part of a unit, ...),
-so the parallelizers add small hooks after sharding. Each hook is planned like a
-unit: a [`HookPlan`][fsdp_core.runtime.HookPlan] in
-[`fsdp_core.ShardingPlan.hooks`][fsdp_core.plan.ShardingPlan.hooks] says which hook, why, and what
-it costs per step; ``disabled_hooks=`` on the parallelizer opts out of any of them.
-[`installed_hooks`][fsdp_core.runtime.installed_hooks] tells what a sharded model carries, and
-[`remove_runtime_hooks`][fsdp_core.runtime.remove_runtime_hooks] takes hooks off again.
-
-Each hook is an object ([`RuntimeHook`][fsdp_core.runtime.RuntimeHook]): its class says its
-name and the private FSDP internals it reads (checked before it is installed), its fields
-are its plan data (computed once, by ``plan()``, and kept in the
-[`HookPlan`][fsdp_core.runtime.HookPlan]), and ``install`` puts it on a sharded model. Each
-package defines its own hooks; a parallelizer lists the hook classes it may plan.
-
-Each hook also owns its cost model:
-[`RuntimeHook.collectives`][fsdp_core.runtime.RuntimeHook.collectives] says what it issues in
-one step, read from a [`HookStep`][fsdp_core.runtime.HookStep] (the plan,
-its model, the mesh shape, the step's media), and
-[`unit_runs`][fsdp_core.runtime.RuntimeHook.unit_runs] how often it makes units run; the
-estimates add these up without knowing any hook.
-
-[`BackwardWatch`][fsdp_core.runtime.BackwardWatch] is the shared piece several hooks need: a
-callback when a backward through the model's outputs starts.
+FSDP2 alone is not correct in every training loop (gradient accumulation with text-only
+micro-batches, ranks that skip part of a unit, ...), so parallelizers add small hooks.
+Each is a [`RuntimeHook`][fsdp_core.runtime.RuntimeHook] planned like a unit: a
+[`HookPlan`][fsdp_core.runtime.HookPlan] in
+[`ShardingPlan.hooks`][fsdp_core.plan.ShardingPlan.hooks] says which hook, why, and its
+cost per step (its own cost model, read from a [`HookStep`][fsdp_core.runtime.HookStep],
+so the estimates add hooks up without knowing any); ``disabled_hooks=`` opts out.
 """
 
 from __future__ import annotations
 
-import logging
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -59,8 +41,6 @@ __all__ = [
     "output_tensors",
 ]
 
-logger = logging.getLogger(__name__)
-
 
 class InstalledHook(Protocol):
     """What an installed hook must offer: its plan name and a way to take it off."""
@@ -74,21 +54,17 @@ class InstalledHook(Protocol):
 
 @dataclass(frozen=True)
 class HookStep:
-    """One training step as a hook's cost model reads it: every module runs once, on a
-    mesh of ``mesh``'s shape, with ``media`` when given. Resolved once by the estimates,
-    so each hook's tally is a function of the step alone."""
+    """One training step as a hook's cost model reads it (every module runs once)."""
 
     plan: ShardingPlan
-    #: The model the plan was made for (the meta device is enough: shapes and flags).
+    #: The model the plan was made for (meta is enough).
     model: nn.Module
     mesh: MeshShape
-    #: Per unit of the plan, its ``(name, parameter)`` pairs (``fsdp_core.plan.unit_parameters``).
+    #: Per unit, its ``(name, parameter)`` pairs (``fsdp_core.plan.unit_parameters``).
     owned: Sequence[Sequence[tuple[str, nn.Parameter]]] = ()
-    #: The step's media, as the package whose hooks depend on it describes them
-    #: (``multimodal_fsdp.estimate.exchange.StepMedia``); ``None``: not given.
+    #: The step's media (``multimodal_fsdp.estimate.exchange.StepMedia``), or ``None``.
     media: object = None
-    #: The job's parallel dimensions when the mesh has more than the data-parallel ones
-    #: (``mesh`` is their data-parallel shape); ``None``: data-parallel only.
+    #: The job's dimensions beyond data parallelism (``mesh`` is their DP shape), or ``None``.
     parallel: ParallelDims | None = None
 
     @property
@@ -97,44 +73,38 @@ class HookStep:
 
     @property
     def dims(self) -> int:
-        """Data-parallel mesh dimensions with more than one rank: each repeats an
-        all-reduce over the data-parallel mesh."""
+        """Data-parallel mesh dimensions of more than one rank (each repeats an all-reduce)."""
         return sum(1 for size in self.mesh.sizes if size > 1)
 
 
 class RuntimeHook(ABC):
-    """A planned runtime hook: subclasses are frozen dataclasses whose fields are the
-    hook's plan data, computed once when the plan is made, so installing it derives
-    nothing again."""
+    """A planned runtime hook: subclasses are frozen dataclasses whose fields are its plan
+    data, computed once at plan time."""
 
     #: The hook's name in plans, ``disabled_hooks=`` and ``installed_hooks``.
     name: ClassVar[str]
-    #: The private FSDP internals ``install`` and the installed hook read; applying a
-    #: plan checks them first (``fsdp_core.internals.check_internals``).
+    #: The private FSDP internals it reads; applying a plan checks them first.
     reads: ClassVar[tuple[Probe, ...]] = ()
 
     @abstractmethod
     def install(self, model: nn.Module, *, dims: ParallelDims) -> InstalledHook | None:
-        """Put the hook on the sharded ``model``; ``None`` when this torch cannot (it
-        says so in a warning). ``dims`` are the job's parallel dimensions: a hook's
-        collectives run over the group its docstring names (``dims.dp_mesh`` for FSDP's
-        own reductions, ``dims.lockstep_mesh`` for checks that keep the whole forward in
-        step).
+        """Put the hook on the sharded ``model``; ``None`` (with a warning) when this torch
+        cannot.
 
         Args:
             model: the sharded model.
-            dims: the job's parallel dimensions.
+            dims: the job's parallel dimensions (``dp_mesh`` for FSDP's own reductions,
+                ``lockstep_mesh`` for checks that keep the forward in step).
 
         Returns:
             The installed hook, or None.
         """
 
     def collectives(self, step: HookStep) -> CommTally:
-        """The collectives the hook issues in ``step`` (per rank; none by default): its
-        cost model, which the estimates add to the units' collectives.
+        """The collectives the hook issues per rank in ``step`` (none by default).
 
         Args:
-            step: the step costed (the plan, its model, the mesh shape, the step's media).
+            step: the step costed.
 
         Returns:
             The hook's collectives by phase and kind.
@@ -142,8 +112,7 @@ class RuntimeHook(ABC):
         return CommTally()
 
     def unit_runs(self, step: HookStep) -> Mapping[str, int]:
-        """How often the units under each module path run in ``step`` when the hook
-        repeats them (units elsewhere run once; empty by default).
+        """How often the units under each module path run in ``step`` (default: once).
 
         Args:
             step: the step costed.
@@ -192,15 +161,10 @@ class HookPlan:
         Returns:
             ``{"name", "reason", "targets", "cost"}``.
         """
-        return {
-            "name": self.name,
-            "reason": self.reason,
-            "targets": self.targets,
-            "cost": self.cost,
-        }
+        return {key: getattr(self, key) for key in ("name", "reason", "targets", "cost")}
 
     def format(self) -> str:
-        """One line for a printed plan: the hook, how many targets, why, and its cost.
+        """One line for a printed plan.
 
         Returns:
             The line.
@@ -253,19 +217,14 @@ def remove_runtime_hooks(model: nn.Module, names: Iterable[str] | None = None) -
         The names of the hooks removed.
     """
     hooks = _INSTALLED.get(model, {})
-    wanted = list(hooks) if names is None else list(names)
-    removed = []
-    for name in wanted:
-        hook = hooks.pop(name, None)
-        if hook is not None:
-            hook.remove()
-            removed.append(name)
+    removed = [name for name in dict.fromkeys(hooks if names is None else names) if name in hooks]
+    for name in removed:
+        hooks.pop(name).remove()
     return removed
 
 
 def nested_tensors(value: Any, depth: int = 0) -> list[torch.Tensor]:
-    """Every tensor in ``value``: nested lists, tuples, mappings (``ModelOutput``) and
-    dataclasses, eight levels deep (the one tensor walker of the project)."""
+    """Every tensor in ``value``'s lists, tuples, mappings and dataclasses, 8 levels deep."""
     if depth > 8:
         return []
     if isinstance(value, torch.Tensor):
@@ -293,14 +252,9 @@ def output_tensors(value: Any) -> list[torch.Tensor]:
 
 
 class BackwardWatch:
-    """Calls ``on_backward`` once for every backward that starts from ``model``'s outputs.
-
-    A forward hook on ``model`` puts a gradient hook on every grad-requiring output
-    tensor; each of them calls ``on_backward`` when a backward reaches it, so
-    ``on_backward`` may run several times per backward (several outputs, several
-    forwards before one backward) and must be idempotent within one. Every rank
-    that runs backward through the model's output calls it, so work queued from it
-    happens on every rank.
+    """Calls ``on_backward`` when a backward reaches a grad-requiring output of ``model``:
+    possibly several times per backward (several outputs or forwards), so it must be
+    idempotent within one.
 
     Args:
         model: the module whose outputs are watched.

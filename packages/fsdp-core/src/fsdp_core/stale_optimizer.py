@@ -1,22 +1,17 @@
 """Stop an optimizer that was built before sharding at its first step.
 
-``fully_shard`` replaces every parameter it manages with a new ``nn.Parameter`` (a
-DTensor). An optimizer built before that holds the old tensors: its steps update
-nothing the model computes with, and training silently does nothing. Applying a
-plan tags each replaced parameter, and one global optimizer step pre-hook raises
-``StaleOptimizerError`` when an optimizer holds a tagged one. Every rank built the
-same optimizer, so every rank raises.
-
-Each optimizer is scanned once; it is scanned again only when its parameter groups
-change or more parameters were replaced since, so a step costs one look-up.
-Optimizers that do not derive from ``torch.optim.Optimizer`` are not covered.
+``fully_shard`` replaces every parameter it manages, so an optimizer built before holds
+tensors the model no longer uses and training silently does nothing. Applying a plan
+tags each replaced parameter, and a global optimizer step pre-hook raises
+``StaleOptimizerError`` (on every rank: each built the same optimizer) when an optimizer
+holds one. Each optimizer is scanned again only when its parameter groups change or
+more parameters were replaced since.
 """
 
 from __future__ import annotations
 
-import logging
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,8 +21,6 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 __all__ = ["StaleOptimizerError", "mark_replaced_parameters"]
-
-logger = logging.getLogger(__name__)
 
 #: Attribute set on a parameter that sharding replaced: its qualified name.
 _TAG = "_fsdp_core_replaced_by_sharding"
@@ -73,21 +66,21 @@ def mark_replaced_parameters(
             replaced.append(name)
     if replaced:
         _STATE.generation += 1
-        _install_optimizer_check()
+        if _STATE.handle is None:  # one global optimizer step pre-hook per process
+            _STATE.handle = register_optimizer_step_pre_hook(_before_step)
     return tuple(replaced)
 
 
-def _install_optimizer_check() -> None:
-    """Register the global optimizer step pre-hook once per process."""
-    if _STATE.handle is None:
-        _STATE.handle = register_optimizer_step_pre_hook(_before_step)
-
-
-def _check_optimizer_parameters(optimizer: torch.optim.Optimizer) -> None:
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Raise ``StaleOptimizerError`` if ``optimizer`` holds a parameter sharding replaced."""
+    key = (_STATE.generation, len(optimizer.param_groups))
+    if _STATE.checked.get(optimizer) == key:
+        return
     _STATE.scans += 1
-    stale = _stale_names(p for group in optimizer.param_groups for p in group["params"])
+    params = (p for group in optimizer.param_groups for p in group["params"])
+    stale = [tag for p in params if isinstance(tag := getattr(p, _TAG, None), str)]
     if not stale:
+        _STATE.checked[optimizer] = key
         return
     shown = ", ".join(repr(name) for name in stale[:_LIMIT])
     more = f" and {len(stale) - _LIMIT} more" if len(stale) > _LIMIT else ""
@@ -98,20 +91,3 @@ def _check_optimizer_parameters(optimizer: torch.optim.Optimizer) -> None:
         "nothing; build the optimizer after parallelize (or apply_plan) and after "
         "loading weights: optimizer = torch.optim.AdamW(model.parameters(), ...)."
     )
-
-
-def _stale_names(params: Iterable[object]) -> list[str]:
-    names = []
-    for param in params:
-        tag = getattr(param, _TAG, None)
-        if isinstance(tag, str):
-            names.append(tag)
-    return names
-
-
-def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    key = (_STATE.generation, len(optimizer.param_groups))
-    if _STATE.checked.get(optimizer) == key:
-        return
-    _check_optimizer_parameters(optimizer)
-    _STATE.checked[optimizer] = key

@@ -1,39 +1,18 @@
 """What a rank brings to the agreement before each forward: its step.
 
-FSDP2 turns each forward and backward of a sharded model into collectives that every
-rank must issue alike. Some mistakes make the ranks' collectives differ with nothing
-noticing in time:
+Some mistakes make the ranks' FSDP collectives differ unnoticed: uneven micro-batch
+counts (one rank reduce-scatters while another accumulates: gloo aborts, NCCL hangs),
+an empty batch on one rank, a forward with gradients on some ranks only. So the
+[forward agreement][fsdp_core.forward_agreement] says this rank's
+[RankStep][fsdp_core.step_agreement.RankStep] at the ranks' meeting point, and every
+rank raises the same [StepMismatchError][fsdp_core.step_agreement.StepMismatchError]
+(or [EmptyBatchError][fsdp_core.step_agreement.EmptyBatchError]) when they differ. The
+gradient sync flag therefore counts at the forward: one changed before the backward is
+set back for it (with a warning) and the next forward raises.
 
-- gradient accumulation with a different number of micro-batches per rank: one rank
-  reduce-scatters while another accumulates (gloo aborts the process with
-  ``EnforceNotMet``, NCCL hangs);
-- a rank whose batch is empty: the model fails inside (transformers' attention cannot
-  reshape zero rows) while the other ranks wait in the next all-gather;
-- a forward that some ranks run with gradients and others without.
-
-So before each forward of the model, the
-[forward agreement][fsdp_core.forward_agreement] hook says this rank's
-[RankStep][fsdp_core.step_agreement.RankStep] (whether gradients are on, how many units
-will reduce their gradients in this micro-batch's backward, whether the batch is empty,
-which forward and which micro-batch of its step this is) at the ranks' meeting point
-([rank_agreement][fsdp_core.rank_agreement]: through the c10d store, no collective).
-When the ranks differ, every rank raises the same
-[StepMismatchError][fsdp_core.step_agreement.StepMismatchError] (or
-[EmptyBatchError][fsdp_core.step_agreement.EmptyBatchError]), built from their steps by
-[mismatch_error][fsdp_core.step_agreement.mismatch_error], before any collective of the
-forward.
-
-The gradient sync flag therefore counts at the forward
-([StepState][fsdp_core.step_agreement.StepState]). A flag changed between a forward and
-its backward is set back for that backward (so the ranks' backwards match what they
-agreed), with a warning, and the next forward raises ``StepMismatchError`` on every rank.
-
-One more mistake is silent: backwards with gradient sync off and no backward with it on
-before ``optimizer.step()``. The sharded gradients were never reduced, so the step
-changes nothing (or applies the previous step's gradients). A global optimizer step
-pre-hook raises [UnreducedGradientsError][fsdp_core.step_agreement.UnreducedGradientsError]
-for an optimizer that holds the model's parameters; every rank runs the same steps, so
-every rank raises.
+A global optimizer step pre-hook raises
+[UnreducedGradientsError][fsdp_core.step_agreement.UnreducedGradientsError] when no
+backward since the last step reduced the gradients (the step would change nothing).
 """
 
 from __future__ import annotations
@@ -68,18 +47,10 @@ logger = logging.getLogger(__name__)
 
 #: Keywords of a forward inside transformers' ``generate()`` (5.x passes ``cache``).
 GENERATION_KEYS: Final = ("cache", "past_key_values", "cache_position")
-#: What the ranks should do about uneven micro-batch counts (quoted by the errors).
-_EVEN_COUNTS: Final = (
-    "Give every rank the same number of micro-batches per optimizer step (for example "
-    "the smallest count over the ranks: dist.all_reduce(count, op=dist.ReduceOp.MIN)), "
-    "or pad the short ranks with micro-batches of their own, and call "
-    "set_requires_gradient_sync(is_last_micro_batch) before each micro-batch's forward"
-)
 
 
 class StepMismatchError(RuntimeError):
-    """The ranks are not running the same forward or micro-batch of the model (their
-    collectives would differ); raised on every rank, before any collective."""
+    """The ranks are not running the same forward or micro-batch of the model."""
 
 
 class EmptyBatchError(ValueError):
@@ -87,8 +58,7 @@ class EmptyBatchError(ValueError):
 
 
 class UnreducedGradientsError(RuntimeError):
-    """``optimizer.step()`` after backwards with gradient sync off that no backward with
-    sync on followed: the step would change nothing."""
+    """``optimizer.step()`` after backwards that all had gradient sync off."""
 
 
 @dataclass(frozen=True)
@@ -97,17 +67,15 @@ class RankStep:
 
     #: 1 when gradients are on for this forward.
     grad: int
-    #: Units that will reduce-scatter their gradients in this micro-batch's backward
-    #: (0 when gradients are off).
+    #: Units that will reduce-scatter their gradients in this backward (0 without gradients).
     sync: int
     #: Units with parameters (the same on every rank).
     units: int
-    #: 1 when every tensor argument of the forward is empty.
+    #: 1 when the batch is empty (``is_empty_batch``).
     empty: int
-    #: Forwards of the model this rank ran since the hook was installed, this one included.
+    #: Forwards of the model since the hook was installed, this one included.
     forwards: int
-    #: Micro-batch of this optimizer step: forwards with gradients since the last backward
-    #: that reduced gradients, this one included (0 when gradients are off).
+    #: Forwards with gradients since the last reducing backward (0 without gradients).
     micro: int
     #: 1 when gradient sync changed between the last forward and its backward.
     changed: int
@@ -134,8 +102,7 @@ class RankStep:
 
 
 def agrees(steps: Sequence[RankStep]) -> bool:
-    """Whether ranks that said ``steps`` run the same forward, none with an empty batch
-    and none with gradient sync changed since its last forward."""
+    """Whether ``steps`` are the same forward, none empty or with gradient sync changed."""
     first = steps[0]
     return all(
         (s.grad, s.sync, s.forwards, s.micro)
@@ -147,9 +114,8 @@ def agrees(steps: Sequence[RankStep]) -> bool:
 
 
 def is_empty_batch(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
-    """Whether a forward's arguments hold a batch with no rows: every tensor argument of
-    two or more dimensions (of one dimension, when there is none) has no elements. Image
-    tensors of a text-only batch may be empty; the token ids then are not.
+    """Whether the batch has no rows: every tensor argument of two or more dimensions (else
+    of one) is empty (a text-only batch's image tensors may be; its token ids are not).
 
     Args:
         args: the forward's positional arguments.
@@ -182,8 +148,7 @@ def _ordinal(number: int) -> str:
 
 
 def mismatch_error(table: Mapping[int, RankStep]) -> Exception:
-    """The error every rank raises for ``table`` (global rank -> what it said), built
-    from the table alone so that every rank raises the same words.
+    """The error every rank raises for ``table``, built from it alone (the same words).
 
     Args:
         table: ``{global rank: its step}``.
@@ -249,13 +214,16 @@ def mismatch_error(table: Mapping[int, RankStep]) -> Exception:
     return StepMismatchError(
         head + f"are not in the same gradient-accumulation step: at this forward {said}. "
         "Ranks that reduce gradients while others accumulate would run different "
-        "collectives in backward (gloo aborts, NCCL hangs). " + _EVEN_COUNTS
+        "collectives in backward (gloo aborts, NCCL hangs). Give every rank the same number "
+        "of micro-batches per optimizer step (for example the smallest count over the ranks: "
+        "dist.all_reduce(count, op=dist.ReduceOp.MIN)), or pad the short ranks with "
+        "micro-batches of their own, and call set_requires_gradient_sync(is_last_micro_batch) "
+        "before each micro-batch's forward"
     )
 
 
 class StepState:
-    """This rank's step as the agreement before each forward of ``model`` sees it (see the
-    module docstring); ``forwards`` counts the forwards that said it.
+    """This rank's step at each forward of ``model``; ``forwards`` counts them.
 
     Args:
         model: the sharded model whose forwards are agreed on.
@@ -276,14 +244,15 @@ class StepState:
         self.unreduced = False
         self._watch: BackwardWatch | None = BackwardWatch(model, self._on_backward)
         _STATES.add(self)
-        _install_step_check()
+        if not _STEP_HOOK:  # one global optimizer step pre-hook per process
+            _STEP_HOOK.append(register_optimizer_step_pre_hook(_before_step))
 
     def _flags(self) -> tuple[bool, ...]:
         return tuple(internals.reduces_gradients(unit) for unit in self._units)
 
     def before_forward(self, args: Any, kwargs: Mapping[str, Any]) -> RankStep | None:
-        """The step of the forward about to run, or ``None`` for a generation step (a
-        forward without gradients that carries a key-value cache), which says nothing.
+        """The step of the forward about to run; ``None`` for a generation step (no
+        gradients, a key-value cache), which says nothing.
 
         Args:
             args: the forward's positional arguments.
@@ -314,9 +283,8 @@ class StepState:
 
     def _on_backward(self) -> None:
         if self._in_backward or not internals.finishes_backward(self.model):  # type: ignore[arg-type]
-            # A caller that ends the backwards by hand (torch's pipeline schedules turn
-            # gradient sync off before each backward, then reduce every unit once per
-            # step) owns the flag: the same on every rank of the stage, nothing unreduced.
+            # A caller that ends the backwards by hand (torch's pipeline schedules) owns
+            # the flag: the same on every rank of the stage, nothing unreduced.
             return
         self._in_backward = True
         flags = self._flags()
@@ -341,7 +309,7 @@ class StepState:
             self._micro = 0
 
     def holds_parameters_of(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``optimizer`` steps parameters of this model (its step is checked then).
+        """Whether ``optimizer`` steps parameters of this model.
 
         Args:
             optimizer: an optimizer about to step.
@@ -362,12 +330,6 @@ class StepState:
 
 _STATES: weakref.WeakSet[StepState] = weakref.WeakSet()
 _STEP_HOOK: list[RemovableHandle] = []
-
-
-def _install_step_check() -> None:
-    """Register the global optimizer step pre-hook once per process."""
-    if not _STEP_HOOK:
-        _STEP_HOOK.append(register_optimizer_step_pre_hook(_before_step))
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

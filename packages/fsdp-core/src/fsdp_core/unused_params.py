@@ -1,31 +1,16 @@
 """Parameters some ranks skip: equal reduce-scatters, and no gradient where no rank used one.
 
-FSDP2 reduce-scatters, per unit, only the parameters that received a gradient on
-this rank. When ranks skip different parts of a unit (a text-only batch and the
-projector in the root unit, unrouted MoE experts) their reduce-scatters differ in
-size and the job crashes or hangs. ``set_reduce_scatter_unused_params(True)``
-makes every rank send zeros for what it did not use, which keeps the collectives
-equal and gives a parameter used on some ranks the correct average. But it also
-turns "no rank used this parameter" into a zero gradient, which AdamW then moves
-by weight decay and momentum, unlike one process or plain FSDP.
-
-[`UnusedParamsHook`][fsdp_core.unused_params.UnusedParamsHook] does both halves: it sets the flag on
-every unit and records, per FSDP parameter, whether autograd accumulated a gradient into it on
-this rank (a post-accumulate hook on the unsharded parameter that finds a gradient there;
-autograd calls it without one when the parameter's backward ran with none). When a backward
-that reduces gradients ends, one all-reduce (MAX, one byte per trainable
-parameter tensor) over the data-parallel mesh tells every rank which parameters
-no rank used; their sharded gradients are set back to ``None``. Micro-batches of
-gradient accumulation OR their usage together until the syncing backward.
-
-Equal sizes are not enough: the reduce-scatters must also come in the same order.
-A unit is reduced early (from autograd) when its inputs require a gradient and late
-(at the end of the backward) otherwise, and a module that runs on some ranks only
-can make a unit's inputs require one on those ranks alone (LoRA in a tower feeding
-the first decoder layer while another rank is text-only). The hook therefore also
-makes an input of every non-root trainable unit require a gradient
-(``fsdp_core._backward_order``),
-so every rank reduces every unit at the same point of its backward.
+FSDP2 reduce-scatters only the parameters that got a gradient on this rank, so ranks
+that skip different parts of a unit (a text-only batch and the projector, unrouted MoE
+experts) send different sizes and crash or hang. ``set_reduce_scatter_unused_params``
+makes every rank send zeros instead, but then a parameter no rank used gets a zero
+gradient that AdamW still moves. [`UnusedParamsHook`][fsdp_core.unused_params.UnusedParamsHook]
+sets that flag and records, per parameter, whether autograd accumulated a gradient into
+it here; after each syncing backward one all-reduce (MAX, a byte per parameter tensor)
+over the data-parallel mesh finds the parameters no rank used, whose gradients go back
+to ``None`` (micro-batches OR their usage until then). It also makes an input of every
+non-root trainable unit require a gradient (``fsdp_core._backward_order``), so every
+rank reduces the units in the same order.
 """
 
 from __future__ import annotations
@@ -38,7 +23,6 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import compat, internals
 from fsdp_core._backward_order import make_unit_inputs_require_grad
@@ -64,8 +48,7 @@ class _Record:
 
 
 class UnusedParamsHook:
-    """The installed hook (see the module docstring), put on the sharded ``model`` by its
-    constructor.
+    """The installed hook, put on the sharded ``model`` by its constructor.
 
     Args:
         model: the sharded model.
@@ -89,34 +72,26 @@ class UnusedParamsHook:
         self._queued = False
         #: Parameter tensors whose gradient the last syncing backward set back to ``None``.
         self.last_unused: tuple[str, ...] = ()
-        handle: RemovableHandle = model.register_forward_hook(self._after_forward)
-        self._handles.append(handle)
+        self._handles.append(model.register_forward_hook(self._attach))
         self._watch: BackwardWatch | None = BackwardWatch(model, self._on_backward)
         self._attach()
 
-    def _attach(self) -> None:
+    def _attach(self, *_: object) -> None:
         """Hook every unsharded parameter that exists by now (they appear at a unit's
-        first all-gather, so this runs after each forward until all are hooked)."""
+        first all-gather: this runs after each forward)."""
         for index, record in enumerate(self._records):
-            if record.hooked:
-                continue
-            unsharded = internals.unsharded_parameter(record.fsdp_param)
+            unsharded = None if record.hooked else internals.unsharded_parameter(record.fsdp_param)
             if unsharded is None:
                 continue
 
             def mark(param: torch.Tensor, index: int = index) -> None:
-                # Autograd also calls this when the parameter's backward ran with no
-                # gradient (an output given None, as the balanced media exchange gives
-                # an unread tower output): that is no use.
+                # Autograd also calls this when the parameter's backward got no gradient
+                # (an unread tower output of the balanced media exchange): no use.
                 if param.grad is not None:
                     self._used[index] = True
 
             self._handles.append(unsharded.register_post_accumulate_grad_hook(mark))  # type: ignore[no-untyped-call]
             record.hooked = True
-
-    def _after_forward(self, _module: nn.Module, _args: Any, _output: Any) -> None:
-        if not all(r.hooked for r in self._records):
-            self._attach()
 
     def _on_backward(self) -> None:
         if self._queued:
@@ -139,9 +114,8 @@ class UnusedParamsHook:
             if not reducing[index]:
                 continue
             if not used[index]:
-                param = internals.sharded_parameter(record.fsdp_param)
-                param.grad = None
-                dropped.append(_name(record.fsdp_param, index))
+                internals.sharded_parameter(record.fsdp_param).grad = None
+                dropped.append(internals.param_fqn(record.fsdp_param) or f"<parameter {index}>")
             self._used[index] = False
         self.last_unused = tuple(dropped)
         if dropped:
@@ -157,11 +131,6 @@ class UnusedParamsHook:
             self._watch = None
         for unit in {id(r.unit): r.unit for r in self._records}.values():
             unit.set_reduce_scatter_unused_params(False, recurse=False)
-
-
-def _name(fsdp_param: Any, index: int) -> str:
-    name = internals.param_fqn(fsdp_param)
-    return name if name is not None else f"<parameter {index}>"
 
 
 def install_unused_params_hook(model: nn.Module, *, mesh: DeviceMesh) -> UnusedParamsHook | None:
@@ -199,10 +168,8 @@ class UnusedParamsRuntimeHook(RuntimeHook):
     )
 
     def install(self, model: nn.Module, *, dims: ParallelDims) -> UnusedParamsHook | None:
-        """The usage flags are reduced over ``dims.dp_mesh``: they decide what FSDP's
-        reduce-scatter and all-reduce send, which run over the data-parallel ranks only
-        (the ranks of a TP or CP group hold the same batch and use the same parameters;
-        where they do not, their collectives in the forward already differ)."""
+        """The usage flags are reduced over ``dims.dp_mesh``, the ranks of FSDP's own
+        reductions (a TP or CP group's ranks use the same parameters)."""
         return install_unused_params_hook(model, mesh=dims.dp_mesh)
 
     def collectives(self, step: HookStep) -> CommTally:
