@@ -1,7 +1,5 @@
-"""Checks the multimodal planner runs while planning: every part's parameters sit in a
-unit offloaded as the part is, a discovery given to ``plan()`` is the model's, and no
-media region keeps units of its own under ``uneven_media=True``; with the plan's notes
-and the small lookups the planner shares (parameters under paths, the root's dtype)."""
+"""Checks the multimodal planner runs while planning (offload, a given discovery,
+``uneven_media`` folding), its plan notes and the small lookups it shares."""
 
 from __future__ import annotations
 
@@ -33,8 +31,7 @@ def _part_of(name: str, found: Discovery) -> tuple[OffloadPart, str]:
 def _offload_kept_notes(
     offload: PartOffload, ctx: PlanContext[Discovery], found: Discovery
 ) -> list[str]:
-    """Offloaded parts whose parameters the parallelizer replicates (kept whole on every
-    device outside FSDP, such as frozen fp32 norms): those stay on the device."""
+    """Notes for offloaded parts whose replicated parameters stay on the device."""
     notes = []
     for part in found.parts:
         if offload.for_part(part.found.role) is None:
@@ -56,8 +53,7 @@ def _check_offload(
     ctx: PlanContext[Discovery],
     calls: tuple[ShardCall, ...],
 ) -> None:
-    """Every parameter of a part sits in a unit offloaded as its part is (refusing
-    frozen parts under ``replicate`` or ``root`` offloaded unlike the root unit)."""
+    """Every parameter of a part sits in a unit offloaded as its part is."""
     for part, policy in parts:
         role: OffloadPart = part.found.role
         offloaded = offload.for_part(role)
@@ -97,8 +93,7 @@ def _offload_text(policy: OffloadPolicy | None) -> str:
 
 
 def _check_discovery(discovery: object, model: nn.Module, options: DiscoveryOptions) -> None:
-    """A discovery given to ``plan()`` must be ``model``'s, made with the parallelizer's
-    options and the model's current trainable parameters."""
+    """A discovery given to ``plan()`` must be ``model``'s as it is now."""
     if not isinstance(discovery, Discovery):
         raise TypeError(
             f"discovery must be a multimodal_fsdp Discovery, got {type(discovery).__name__}"
@@ -136,8 +131,7 @@ def _plan_notes_of(
     policies: FrozenPolicies,
     offload: PartOffload,
 ) -> list[str]:
-    """The multimodal parallelizer's plan notes: media-dependent layers, the media options,
-    per-module policies and offload, and each discovered part with its policy."""
+    """The multimodal parallelizer's plan notes."""
     notes = []
     found = ctx.found
     conditional = found.conditional
@@ -183,8 +177,6 @@ def _plan_notes_of(
 
 def _param_names_under(model: nn.Module, roots: Iterable[str]) -> list[str]:
     prefixes = list(roots)
-    if not prefixes:
-        return []
     return [
         name for name, _ in model.named_parameters() if any(is_under(name, r) for r in prefixes)
     ]

@@ -1,15 +1,8 @@
 """Which multimodal runtime hooks a plan gets, and the hook object of each plan entry.
 
-``media_hook_plans`` plans them from the finished plan, its record and the discovery it
-was made from (after the core hooks, see ``fsdp_core.hook_planning``). The estimates ask
-each entry's hook object what it costs
-([`RuntimeHook.collectives`][fsdp_core.runtime.RuntimeHook.collectives]);
-``planned_hooks`` gives them those objects: the one a plan made by ``plan()`` carries, else
-(an entry built by hand) one rebuilt here, above the hooks and below the estimates, so
-that no estimate imports a hook module: ``unused_params`` (no plan data) from its name,
-the schedule check laid out from the plan's record of its media regions. Anything else
-stays without an object and costs nothing, as every other hook issues no collective in an
-ordinary step.
+``planned_hooks`` gives the estimates each entry's hook object (to ask
+[`collectives`][fsdp_core.runtime.RuntimeHook.collectives]): the one the plan carries,
+else, for a hand-built entry, one rebuilt here so that no estimate imports a hook module.
 """
 
 from __future__ import annotations
@@ -40,11 +33,8 @@ def media_hook_plans(
     per_layer: str,
     group: str | int,
 ) -> list[HookPlan]:
-    """The multimodal runtime hooks of ``plan``: ``prefetch_guard`` for frozen units no
-    gradient reaches, ``schedule_check`` for the media regions the record lists,
-    ``balance_media`` for the towers it balances (with the projectors and layers it
-    joins). ``per_layer``: where the option sets a policy unsafe under uneven media
-    ('' when nowhere); ``group``: the ``balance_media_group`` option.
+    """The multimodal runtime hooks of ``plan``: ``prefetch_guard``, ``schedule_check``
+    for the recorded media regions, ``balance_media`` for the balanced towers.
 
     Args:
         found: the model's discovery.
@@ -68,12 +58,7 @@ def media_hook_plans(
                 cost="no collective (saves one all-gather per step)",
             )
         )
-    layout = plan_schedule_layout(
-        model,
-        plan,
-        list(record.media_regions),
-        per_layer=per_layer,
-    )
+    layout = plan_schedule_layout(model, plan, list(record.media_regions), per_layer=per_layer)
     if layout is not None:
         hooks.append(
             ScheduleCheckRuntimeHook(layout).planned(
@@ -90,16 +75,14 @@ def media_hook_plans(
         )
     towers = list(record.balanced_towers)
     if towers:
-        media_only = [*found.paths, *found.conditional]
         conditional = set(found.conditional)
-        joined = record.joined
         balance = BalanceMediaRuntimeHook.from_plan(
             model,
             plan,
             towers=towers,
-            media_only=media_only,
-            joined=[path for path in joined if path not in conditional],
-            layers=[path for path in joined if path in conditional],
+            media_only=[*found.paths, *found.conditional],
+            joined=[path for path in record.joined if path not in conditional],
+            layers=[path for path in record.joined if path in conditional],
             group=group,
         )
         hooks.append(
@@ -109,11 +92,8 @@ def media_hook_plans(
 
 
 def shared_params(found: Discovery, plan: ShardingPlan) -> list[str]:
-    """The trainable parameters of balanced towers and joined projectors with units: a TP
-    data group splits their items, so their gradients are summed over it
-    (``fsdp_core.replica_grad``). None when one of them is sharded on a data-group
-    dimension (``sharded_on_data_group``, the ``balance_media`` hook's plan data): the
-    group's ranks then run the same items and each gets the whole gradient.
+    """The trainable parameters of balanced towers and joined projectors with units, whose
+    gradients a TP data group sums (none when one is sharded on a data-group dimension).
 
     Args:
         found: the model's discovery.
@@ -143,13 +123,9 @@ def shared_params(found: Discovery, plan: ShardingPlan) -> list[str]:
 
 
 def guarded_frozen_units(found: Discovery, plan: ShardingPlan) -> list[str]:
-    """Frozen non-root units the prefetch guard watches: all of them, unless trainable
-    code runs only with media (a tower or projector with trainable parameters, a
-    trainable media-dependent decoder layer). Then gradients pass through the frozen
-    units outside towers and projectors (decoder layers) on the ranks with media only,
-    and the guard, deciding per rank, would gather them in backward on those ranks
-    alone; they are left to FSDP's prefetch, which gathers them on every rank. Tower
-    and projector units stay guarded: their inputs never need a gradient.
+    """Frozen non-root units the prefetch guard watches: with trainable code that runs
+    only with media, only tower and projector units (gradients reach the others on the
+    ranks with media alone, so the guard's per-rank decision would differ).
 
     Args:
         found: the model's discovery.
@@ -179,9 +155,7 @@ def guarded_frozen_units(found: Discovery, plan: ShardingPlan) -> list[str]:
 def planned_hooks(
     plan: ShardingPlan, model: nn.Module
 ) -> tuple[tuple[HookPlan, RuntimeHook | None], ...]:
-    """Each hook entry of ``plan``, in the plan's order, with its hook object: the one the
-    plan carries, else the one rebuilt for a hand-built entry (see the module doc), else
-    ``None``.
+    """Each hook entry of ``plan`` with its hook object (carried, rebuilt, or ``None``).
 
     Args:
         plan: a plan (possibly with hand-built hook entries).
@@ -197,8 +171,7 @@ def planned_hooks(
 
 
 def _schedule_check(plan: ShardingPlan, model: nn.Module) -> RuntimeHook | None:
-    """The schedule check laid out from the media regions the plan's record names (none
-    without a record or a region)."""
+    """The schedule check laid out from the plan's record (none without regions)."""
     record = plan_record(plan)
     if record is None:
         return None

@@ -1,51 +1,24 @@
 """``MultimodalParallelizer``: the frozen-tower policy on top of layer-container sharding.
 
-How a multimodal module (tower or projector, see
-[`multimodal_fsdp.discovery.walk`][multimodal_fsdp.discovery.walk]) is planned:
+How a discovered tower or projector is planned:
 
-1. Its *frozen parts* are its maximal fully frozen submodules (the module itself
-   when all of it is frozen). Each frozen part follows the module's policy (one
-   policy for all modules, or one per module path: see
-   [`MultimodalParallelizer`][multimodal_fsdp.parallelizer.MultimodalParallelizer]):
-   ``root`` - no unit, its parameters fall to the root unit;
-   ``per_layer`` - [`shard_multimodal_module`][multimodal_fsdp.layers.shard_multimodal_module] (one
-   unit per layer item, or the part as one unit when it has no layer container);
-   ``replicate`` - not sharded: its parameters are ignored by every unit that
-   owns them, placed on the mesh device and cast to the compute dtype (odd-dtype
-   islands such as fp32 norms keep their dtype), and made equal on every rank.
-2. Its *trainable parts* (maximal submodules without any frozen parameter) are
-   sharded normally, as any other module: the items of their layer containers
-   become units, and what is left (a projector MLP, ``visual.merger``, a patch
-   embedding) stays in the enclosing unit - the root - which every rank runs,
-   so a text-only batch on one rank cannot make the ranks' collectives diverge.
-3. A *partly trainable* module (frozen and trainable parameters, e.g. LoRA on a
-   frozen tower, or a trainable merger) is decided per layer: its layer-container
-   items (the module itself when it has none) are *frozen*, *trainable* or
-   *adapted* (frozen weights with trainable ones inside, such as a block with
-   LoRA in its ``q_proj``). Trainable layers are units under every policy.
-   Frozen and adapted layers follow the policy as one piece, so adapters stay
-   with the layer they adapt and the units are those of the fully frozen module:
-   ``root`` - no unit, root unit; ``per_layer`` - one unit per layer, frozen
-   weights and adapters together (FSDP reduces only the adapters' gradients);
-   ``replicate`` - the frozen parameters (those of maximal frozen submodules) are
-   replicated, the adapters join the root unit. Anything outside layers joins the
-   root unit (replicated when frozen under ``replicate``).
-4. Everything outside multimodal modules follows
-[`fsdp_core.ModelParallelizer`][fsdp_core.parallelizer.ModelParallelizer]:
-   one unit per layer-container item, then the root. Adapters there (LoRA on
-   decoder projections) sit inside decoder layers and so in their units; adapter
-   dicts never make units of their own
-   ([`fsdp_core.containers.is_branch_dict`][fsdp_core.containers.is_branch_dict]).
+1. Its *frozen parts* (maximal fully frozen submodules) follow its policy: ``root`` (no
+   unit: the root unit holds them), ``per_layer``
+   ([`shard_multimodal_module`][multimodal_fsdp.layers.shard_multimodal_module]: a unit
+   per layer item) or ``replicate`` (ignored by FSDP, cast to the compute dtype except
+   odd-dtype islands, made equal on every rank).
+2. Its *trainable parts* are sharded as any module: layer items become units, the rest
+   stays in the root unit, which every rank runs.
+3. A *partly trainable* module (LoRA on a frozen tower) is decided per layer: trainable
+   layers are units; frozen and *adapted* layers follow the policy as one piece, so
+   adapters stay in their layer's unit.
+4. Everything else follows
+   [`fsdp_core.ModelParallelizer`][fsdp_core.parallelizer.ModelParallelizer].
 
-Code that only runs with media and owns units (towers and projectors with units, decoder
-layers that text-only batches skip, see
-[`multimodal_fsdp.discovery.conditional`][multimodal_fsdp.discovery.conditional]) is a *media
-region*. By default regions keep their units and the ``schedule_check`` hook
-([`multimodal_fsdp.runtime.schedule_check`][multimodal_fsdp.runtime.schedule_check]) stops a
-step with uneven media on every rank before a mismatched collective. ``uneven_media=True``
-folds every region into the root unit (kept gathered, gradients unreduced, for the whole
-step); ``balance_media=True`` has every rank take part in every tower call and join the
-calls of projectors and media-dependent decoder layers with units, so nothing is a region.
+Code that only runs with media and owns units is a *media region*; the
+[`schedule_check`][multimodal_fsdp.runtime.schedule_check] hook stops a step with uneven
+media before a mismatched collective. ``uneven_media=True`` folds regions into the root
+unit; ``balance_media=True`` has every rank take part in every media call instead.
 """
 
 from __future__ import annotations
@@ -99,54 +72,29 @@ logger = logging.getLogger(__name__)
 
 class MultimodalParallelizer(ModelParallelizer[Discovery]):
     """A [`ModelParallelizer`][fsdp_core.parallelizer.ModelParallelizer] that applies the
-    frozen-tower policy.
-
-    ``frozen_multimodal_sharding`` is one policy for every frozen tower and projector, or
-    a mapping from discovered multimodal module paths to policies with ``"*"`` for the
-    rest (default ``root``), e.g. ``{"model.vision_tower": "per_layer"}``; an unknown path
-    fails when planning, listing the discovered ones. ``frozen_policies`` holds it as a
-    [`FrozenPolicies`][multimodal_fsdp.policy.FrozenPolicies], which the plan records.
-
-    ``uneven_media=True`` folds media regions into the root unit (see the module
-    docstring); it cannot be combined with ``per_layer`` for any module, whose
-    point is a unit per tower block, unless ``balance_media=True``.
-
-    ``balance_media=True`` spreads each call of every discovered tower over the
-    data-parallel ranks (the ``balance_media`` hook,
-    [`multimodal_fsdp.runtime.balance_media`][multimodal_fsdp.runtime.balance_media]), so
-    ``per_layer`` and trainable towers train under any media distribution; a tower no
-    layout adapter understands is a ``ValueError`` at plan time. A rank without media
-    joins the calls of projectors and media-dependent decoder layers with units
-    ([`multimodal_fsdp.runtime.joined_layers`][multimodal_fsdp.runtime.joined_layers]);
-    with ``uneven_media=True`` as well, those fold into the root unit instead.
-    ``balance_media_group``: over which ranks each call is balanced: ``"auto"`` (the
-    default: every data-parallel rank up to 64, above that blocks of 32 to 64 consecutive
-    ranks, see [`balance_group_ranks`][multimodal_fsdp.runtime.balance_media.balance_group_ranks];
-    every rank when a balanced tower or joined module owns units), ``"all"`` (every
-    data-parallel rank), ``"shard"`` / ``"replicate"`` (the groups of one dimension of
-    an HSDP mesh) or a block size ``k`` (``k`` consecutive ranks, e.g. a node), so the
-    exchange per rank stays bounded as the world grows.
-
-    ``offload``: which parts keep their sharded parameters (gradients and optimizer
-    state) in host memory: one ``OffloadPolicy`` for every unit, or a mapping from
-    ``"tower"``, ``"projector"`` and ``"language_model"`` (the rest) to a policy, e.g.
-    ``{"tower": CPUOffloadPolicy()}`` ([`PartOffload`][multimodal_fsdp.offload.PartOffload]).
-    A tower or projector offloaded unlike the language model gets a unit for what its
-    layer units leave (a patch embedding, a final norm); a frozen part under ``root`` or
-    ``replicate`` cannot be (a ``ValueError`` at plan time names ``per_layer``).
+    frozen-tower policy (see the module docstring).
 
     Args:
-        frozen_multimodal_sharding: one policy, or ``{path or "*": policy}``.
+        frozen_multimodal_sharding: one policy, or ``{path or "*": policy}`` over the
+            discovered module paths (``"*"``: the rest, default ``root``), recorded as
+            [`FrozenPolicies`][multimodal_fsdp.policy.FrozenPolicies].
         extra_tower_names: more attribute names of towers.
         extra_projector_names: more attribute names of projectors.
         exclude: qualified paths discovery skips.
         sync_replicated: broadcast replicated parameters from the first rank when applied.
         dtype_safe: split odd-dtype islands into units of their own.
-        uneven_media: fold media regions into the root unit.
+        uneven_media: fold media regions into the root unit (not with ``per_layer``
+            unless ``balance_media``).
         disabled_hooks: runtime hooks not to plan.
-        balance_media: balance every tower call over the data-parallel ranks.
-        balance_media_group: over which ranks each call is balanced.
-        offload: host offload for every unit, or per part.
+        balance_media: spread each tower call over the data-parallel ranks
+            ([`balance_media`][multimodal_fsdp.runtime.balance_media]); ranks without
+            media join projectors and media-dependent layers with units.
+        balance_media_group: over which ranks each call is balanced: ``"auto"``,
+            ``"all"``, ``"shard"``, ``"replicate"`` or a block size
+            ([`balance_group_ranks`][multimodal_fsdp.runtime.balance_media.balance_group_ranks]).
+        offload: one ``OffloadPolicy`` for every unit, or one per ``"tower"``,
+            ``"projector"`` and ``"language_model"``
+            ([`PartOffload`][multimodal_fsdp.offload.PartOffload]).
 
     Raises:
         TypeError: an option has the wrong type.
@@ -198,8 +146,7 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
     def with_options(
         self, *, frozen_multimodal_sharding: str | Mapping[str, str]
     ) -> MultimodalParallelizer:
-        """A copy of this parallelizer with another frozen-tower policy (a string: the
-        same for every module) or per-module policies (a mapping).
+        """A copy of this parallelizer with another frozen-tower policy.
 
         Args:
             frozen_multimodal_sharding: the new policy option.
@@ -213,8 +160,6 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
 
     def _set_frozen_sharding(self, value: str | Mapping[str, str]) -> None:
         policies = FrozenPolicies.parse(value)
-        # per_layer and uneven_media exclude each other, for every module, unless the
-        # towers are balanced (balanced towers keep their units under uneven_media).
         where = policies.per_layer_where
         if where and self.uneven_media and not self.balance_media:
             raise ValueError(
@@ -241,9 +186,8 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
         )
 
     def discover(self, model: nn.Module) -> Discovery:
-        """The multimodal discovery of ``model`` with this parallelizer's options
-        ([`discover`][multimodal_fsdp.model_discovery.discover]); ``plan(model,
-        discovery=...)`` accepts it, so that planning one model many times discovers once.
+        """The multimodal discovery of ``model`` with this parallelizer's options, for
+        ``plan(model, discovery=...)``.
 
         Args:
             model: the model.
@@ -315,7 +259,8 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
             parts = [(part, policy) for part, policy in parts if part.found.role == "tower"]
         for part, policy in parts:
             if part.frozen and part.trainable:
-                paths.extend(self._partly_trainable_unit_paths(part, policy))
+                layers = classify_layers(part)
+                paths.extend(frozen_policy(policy).partly_trainable_units(layers))
                 continue
             for trainable in part.trainable:
                 module = model.get_submodule(trainable) if trainable else model
@@ -332,9 +277,8 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
     def _offload_needs_own_unit(
         self, part: MultimodalParts, policy: FrozenMultimodalSharding
     ) -> bool:
-        """Whether ``part`` becomes a unit for what its layer units leave: offloaded unlike
-        the language model, with units of its own anyway (trainable, or frozen under a
-        policy with layer units)."""
+        """Whether ``part``, offloaded unlike the language model and with units of its own
+        anyway, becomes a unit for what its layer units leave."""
         role: OffloadPart = part.found.role
         if self.offload.for_part(role) == self.offload.for_part("language_model"):
             return False
@@ -360,12 +304,6 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
             )
         return chosen[0]
 
-    def _partly_trainable_unit_paths(
-        self, part: MultimodalParts, policy: FrozenMultimodalSharding
-    ) -> list[str]:
-        """Units of a partly trainable module, decided per layer (see the module doc)."""
-        return frozen_policy(policy).partly_trainable_units(classify_layers(part))
-
     def _plan_notes(self, ctx: PlanContext[Discovery]) -> list[str]:
         return _plan_notes_of(
             ctx,
@@ -386,15 +324,14 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
         ignored_params: set[nn.Parameter] | None = None,
         discovery: Discovery | None = None,
     ) -> ShardingPlan:
-        """Decide the units (see the module doc) without touching the model or needing a
-        process group, reusing ``discovery`` (this parallelizer's ``discover``) if given.
+        """Decide the units without touching the model or needing a process group.
 
         Args:
             model: the model (on ``meta`` is enough).
             mp_policy: the mixed-precision policy (bf16 compute, fp32 reduction if None).
             reshard_after_forward: as ``fully_shard`` takes it.
             ignored_params: parameters FSDP leaves alone (besides the replicated ones).
-            discovery: the model's discovery, to reuse.
+            discovery: the model's discovery (this parallelizer's ``discover``), to reuse.
 
         Returns:
             The plan.
@@ -412,8 +349,7 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
     def _plan_additions(
         self, ctx: PlanContext[Discovery], calls: tuple[ShardCall, ...]
     ) -> PlanAdditions:
-        """The replicated parameters' dtypes, the paths no gradient reaches and the
-        record of what was found and decided, from the plan's one discovery."""
+        """The replicated dtypes, backward-free paths and the plan's record."""
         found = ctx.found
         if self.offload.any:
             _check_offload(self.offload, found, self._parts_with_policies(found), ctx, calls)
@@ -442,8 +378,7 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
         )
 
     def media_regions(self, model: nn.Module, plan: ShardingPlan) -> list[MediaRegion]:
-        """Modules that only run with media and own units of ``plan`` (see the module doc),
-        from the plan's record (a plan without one: from this parallelizer's discovery).
+        """Modules that only run with media and own units of ``plan``.
 
         Args:
             model: the planned model.
@@ -481,8 +416,8 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
         return [region.path for region in self.media_regions(model, plan)]
 
     def _entry_paths(self, ctx: PlanContext[Discovery]) -> list[str]:
-        """Besides the base's: models that compute media features (``get_image_features``
-        and the like, called by ``generate()``), then towers and projectors."""
+        """Besides the base's: models with ``get_image_features`` and the like, then the
+        towers and projectors."""
         paths = super()._entry_paths(ctx)
         paths += [
             path
@@ -495,23 +430,19 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
         return paths + [path for path in towers if path not in paths]
 
     def _balanced_towers(self, found: Discovery) -> list[str]:
-        """The towers ``balance_media=True`` balances: every discovered tower (none when
-        the ``balance_media`` hook is disabled: they stay media regions then)."""
+        """Every discovered tower under ``balance_media`` (none when its hook is disabled)."""
         if not self.balance_media or BalanceMediaRuntimeHook.name in self.disabled_hooks:
             return []
         return found.towers
 
     def _joined_paths(self, found: Discovery) -> list[str]:
-        """What ``balance_media=True`` joins (run on a placeholder by ranks without media):
-        projectors and media-dependent decoder layers; none under ``uneven_media=True`` or
-        without balanced towers."""
+        """Projectors and media-dependent layers ``balance_media`` joins (none under
+        ``uneven_media`` or without balanced towers)."""
         if self.uneven_media or not self._balanced_towers(found):
             return []
         return [*found.projectors, *found.conditional]
 
     def _shared_params(self, ctx: PlanContext[Discovery], plan: ShardingPlan) -> list[str]:
-        """The balanced modules' trainable parameters a TP data group sums
-        (``media_hook_planning.shared_params``)."""
         return shared_params(ctx.found, plan)
 
     def _plan_hooks(self, ctx: PlanContext[Discovery], plan: ShardingPlan) -> list[HookPlan]:
@@ -534,7 +465,7 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
         self, model: nn.Module, plan: ShardingPlan
     ) -> dict[str, torch.dtype]:
         """The dtype each replicated parameter has once applied: the plan's compute dtype,
-        except odd-dtype islands (fp32 norms); read from the plan when it recorded them.
+        except odd-dtype islands (fp32 norms).
 
         Args:
             model: the planned model.
@@ -566,13 +497,10 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
         }
 
     def _replicated_keep_dtype(self, found: Discovery, names: Iterable[str]) -> Iterator[str]:
-        """Replicated parameters that keep their dtype: those of another floating dtype
-        than the one holding most of their module's elements (fp32 norms in a bf16 tower).
-        Subclasses may add more."""
+        """Replicated parameters of another dtype than most of their module (fp32 norms in
+        a bf16 tower, judged over the whole module). Subclasses may add more."""
         wanted = set(names)
         for part in found.parts:
-            # The module's own dtype is judged over all of it, trainable parts included,
-            # so a LoRA-split tower still sees its fp32 norms as islands.
             params = list(part.found.module.named_parameters(prefix=part.found.path))
             dominant = dominant_dtype(param for _, param in params)
             if dominant is None:

@@ -1,23 +1,12 @@
 """Pipeline stages of a vision-language model, for torch's ``pipelining``.
 
-Pipeline parallelism (PP) runs consecutive parts of the model on different ranks. For a
-VLM the natural cut keeps the towers and projectors with the first decoder layers on
-stage 0 (a stage's media never leave it; only hidden states travel) and the last
-layers with the final norm and the head on the last stage. ``split_stages`` makes one
-module per stage from the whole model (build it on ``meta``: the copies cost nothing),
-each keeping the model's qualified names (``model.layers.3`` stays ``model.layers.3``:
-checkpoints, plans and per-module policies read the same names), and checks the cut
-before any rank builds a ``PipelineStage``. What a stage *computes* is model code: the
-caller gives each stage its ``forward``. Each stage module is then sharded by the
-library over the stage's data-parallel ranks, like any model
-(``parallelize(stage, mesh=world, dp_dims="dp")`` on a ``('pp', 'dp')`` mesh), and
-driven by torch's schedules (``ScheduleGPipe``, ``Schedule1F1B``).
-
-An error raised inside one stage's step stops that stage's ranks while the others wait
-in the pipeline's send and receive, so what the library would stop at run time is
-refused before: ``check_stages`` plans every stage on every rank (the same answer
-everywhere, no communication) and refuses towers off the first stage and media regions
-(units that run only with media, whose uneven steps the ``schedule_check`` hook stops).
+The towers and projectors stay with the first decoder layers on stage 0 (media never
+leave it), the final norm and head on the last stage. ``split_stages`` makes one module
+per stage from the whole model (on ``meta``), keeping the model's qualified names; the
+caller gives each stage its ``forward`` and shards it over the stage's data-parallel
+ranks. An error inside one stage's step would leave the others waiting in send/recv, so
+``check_stages`` plans every stage on every rank first and refuses towers off stage 0
+and media regions.
 """
 
 from __future__ import annotations
@@ -62,9 +51,8 @@ def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
             f"most {num_layers} stages (pp <= the number of decoder layers)"
         )
     base, extra = divmod(num_layers, num_stages)
-    sizes = [base + (1 if i < extra else 0) for i in range(num_stages)]
-    starts = [sum(sizes[:i]) for i in range(num_stages)]
-    return [range(s, s + n) for s, n in zip(starts, sizes, strict=True)]
+    cuts = [i * base + min(i, extra) for i in range(num_stages + 1)]
+    return [range(a, b) for a, b in itertools.pairwise(cuts)]
 
 
 def split_stages(
@@ -78,25 +66,20 @@ def split_stages(
 ) -> list[nn.Module]:
     """One module per pipeline stage, cut along the decoder layer container ``layers``.
 
-    Stage ``i`` holds the items of ``layers`` in its range (``boundaries``: the first
-    layer index of stages 1..n-1; default even, see ``stage_layer_ranges``), the
-    container kept as an ``nn.ModuleDict`` keyed by the items' original indices. The
-    other modules with parameters go by where they are registered: before ``layers``
-    (embeddings, towers, projectors) to stage 0, after it (final norm, head) to the last
-    stage; ``first_stage`` names more paths for stage 0. Modules without parameters
-    (rotary tables) stay on every stage. A module that leaves a stage is set to ``None``.
-
-    ``forwards[i]`` becomes stage ``i``'s ``forward`` (called as ``forward(stage,
-    *inputs)``); without ``forwards`` the stages keep the model's, for planning and
-    estimates only.
+    Stage ``i`` keeps its layer items in an ``nn.ModuleDict`` keyed by their original
+    indices; modules registered before ``layers`` go to stage 0, those after it to the
+    last stage, modules without parameters stay on every stage, and a module that leaves
+    a stage is set to ``None``.
 
     Args:
         model: the whole model (on ``meta``: each stage starts as a copy of it).
         layers: path of the decoder layer container, e.g. ``"model.layers"``.
         num_stages: pipeline stages.
-        forwards: each stage's forward, as functions of ``(stage, *inputs)``.
+        forwards: each stage's forward, as functions of ``(stage, *inputs)`` (without:
+            the model's, for planning and estimates only).
         first_stage: paths of more modules for stage 0 (a tower registered late).
-        boundaries: the first layer index of each stage after the first.
+        boundaries: the first layer index of each stage after the first (default:
+            ``stage_layer_ranges``).
 
     Returns:
         The stage modules, stage 0 first.
@@ -155,8 +138,7 @@ def _ranges(count: int, num_stages: int, boundaries: Sequence[int] | None) -> li
 def _place(
     model: nn.Module, layers: str, keys: list[str], ranges: list[range], first: tuple[str, ...]
 ) -> dict[str, int]:
-    """The stage of each maximal module with parameters: layer items by range, ``first``
-    on stage 0, the rest by registration order around the layer container."""
+    """The stage of each maximal module with parameters."""
     for path in first:
         model.get_submodule(path)  # AttributeError names the bad path
     placed = {f"{layers}.{key}": i for i, r in enumerate(ranges) for key in (keys[j] for j in r)}
@@ -201,10 +183,8 @@ def _check_shared(model: nn.Module, placed: dict[str, int]) -> None:
 def check_stages(
     stages: Sequence[nn.Module], *, parallelizer: MultimodalParallelizer
 ) -> list[ShardingPlan]:
-    """Plan every stage with ``parallelizer`` and refuse what would stop one stage in the
-    middle of a pipeline step; returns the plans (stage ``i``'s for its ranks'
-    ``parallelizer.apply_plan``, or for the estimates). Call it on every rank with all
-    stages (on ``meta``): every rank raises the same error, before any stage runs.
+    """Plan every stage and refuse what would stop one stage in the middle of a pipeline
+    step. Call it on every rank with all stages: every rank raises the same error.
 
     Args:
         stages: every stage module of the pipeline, stage 0 first.
@@ -214,11 +194,8 @@ def check_stages(
         Each stage's plan, in stage order.
 
     Raises:
-        ValueError: a tower or projector on a stage other than the first (media enter
-            at stage 0), or a stage whose plan has media regions (a step where some
-            ranks' microbatches have media and others' not would raise
-            ``UnevenMediaError`` on that stage only): use ``balance_media=True``,
-            ``uneven_media=True`` or the ``root`` / ``replicate`` policy.
+        ValueError: a tower or projector off the first stage, or a stage whose plan has
+            media regions.
     """
     plans = []
     for index, stage in enumerate(stages):

@@ -35,11 +35,8 @@ VALID_FROZEN_MULTIMODAL_SHARDING: Final[tuple[FrozenMultimodalSharding, ...]] = 
 
 @dataclass(frozen=True)
 class FrozenPolicy:
-    """What one frozen-tower policy does with a fully frozen tower or projector.
-
-    The planner, the plan notes and the chooser ask this object instead of comparing
-    the policy's name, so a new policy is one more entry of ``FROZEN_POLICIES``.
-    """
+    """What one frozen-tower policy does with a fully frozen tower or projector (asked
+    instead of comparing names, so a new policy is one more ``FROZEN_POLICIES`` entry)."""
 
     name: FrozenMultimodalSharding
     #: Its frozen layers (layer-container items) become FSDP units of their own.
@@ -64,9 +61,8 @@ class FrozenPolicy:
         return list(frozen) if self.replicates else []
 
     def partly_trainable_units(self, layers: Iterable[tuple[str, str]]) -> list[str]:
-        """Unit paths among the ``(path, kind)`` layers of a partly trainable module:
-        trainable layers always, frozen and adapted ones where the policy makes layer
-        units (adapters stay in their layer's unit).
+        """Unit paths among the layers of a partly trainable module: trainable ones, and
+        frozen and adapted ones where the policy makes layer units.
 
         Args:
             layers: ``(path, kind)`` per layer, kind ``"trainable"``, ``"frozen"`` or
@@ -123,20 +119,11 @@ def frozen_policy(name: str) -> FrozenPolicy:
 
 
 class _NotAStrError(ValueError, TypeError):
-    """A non-string policy value.
-
-    The reference implementation raises ``ValueError`` for every bad value and
-    downstream code catches that; it is also a ``TypeError`` because the value
-    has the wrong type, so callers catching either see it.
-    """
+    """A non-string policy value: a ``ValueError`` like every bad value, and a ``TypeError``."""
 
 
 def normalize_frozen_multimodal_sharding(value: str) -> FrozenMultimodalSharding:
     """Accept ``"Per-Layer"``, ``" replicate "`` and the like; reject anything else.
-
-    Case, surrounding whitespace and ``-``/``_`` are not significant. Every bad
-    value is a ``ValueError`` listing the valid choices; a non-string one is
-    also a ``TypeError``.
 
     Args:
         value: the user's spelling of a policy.
@@ -145,7 +132,8 @@ def normalize_frozen_multimodal_sharding(value: str) -> FrozenMultimodalSharding
         ``"root"``, ``"per_layer"`` or ``"replicate"``.
 
     Raises:
-        ValueError: not a policy name (a non-string is a ``TypeError`` too).
+        ValueError: not a policy name, listing the valid choices (a non-string is a
+            ``TypeError`` too).
     """
     if not isinstance(value, str):
         raise _NotAStrError(
@@ -165,14 +153,8 @@ def normalize_frozen_multimodal_sharding(value: str) -> FrozenMultimodalSharding
 @dataclass(frozen=True)
 class FrozenPolicies:
     """Which frozen-tower policy each discovered multimodal module follows: ``default``
-    for every module that ``by_path`` does not name.
-
-    One value carries the option from the user (see
-    [`parse`][multimodal_fsdp.policy.FrozenPolicies.parse]) through the parallelizer to
-    the plan's record, so planning, the chooser and the costs read the same policies.
-    Whether each path of ``by_path`` is a discovered multimodal module depends on the
-    model: [`resolve`][multimodal_fsdp.policy.FrozenPolicies.resolve] checks it when
-    planning.
+    for every module that ``by_path`` does not name. The plan records it, so planning,
+    the chooser and the costs read the same policies.
     """
 
     default: FrozenMultimodalSharding = "root"
@@ -185,11 +167,6 @@ class FrozenPolicies:
     @classmethod
     def parse(cls, value: str | Mapping[str, str]) -> FrozenPolicies:
         """The policies of ``frozen_multimodal_sharding`` as the user gives it.
-
-        A string is one policy for every frozen part (no per-path entries). A mapping
-        gives policies per multimodal module path, ``"*"`` the default (``root`` when
-        absent). Bad values are a ``ValueError`` (a non-string one also a ``TypeError``)
-        naming the value and the valid choices.
 
         Args:
             value: one policy name, or ``{path or "*": policy name}``.
@@ -258,11 +235,7 @@ class FrozenPolicies:
         return dict(self.by_path).get(path, self.default)
 
     def resolve(self, paths: Sequence[str], *, owner: str) -> dict[str, FrozenMultimodalSharding]:
-        """The policy of each discovered multimodal module path of the model ``owner``
-        (its class name, for the error).
-
-        Raises ``ValueError`` when ``by_path`` names a path that is not among ``paths``,
-        listing the discovered ones.
+        """The policy of each discovered multimodal module path.
 
         Args:
             paths: the discovered modules' paths.
@@ -318,8 +291,6 @@ def module_parameters(module: nn.Module) -> list[nn.Parameter]:
 def module_is_fully_frozen(module: nn.Module) -> bool:
     """Whether ``module`` owns parameters and none of them requires a gradient.
 
-    A module without parameters is not "frozen": there is nothing to place.
-
     Args:
         module: any module.
 
@@ -333,11 +304,7 @@ def module_is_fully_frozen(module: nn.Module) -> bool:
 def ignored_params_for_root(
     root: nn.Module, ignored_params: Iterable[nn.Parameter] | None
 ) -> set[nn.Parameter] | None:
-    """The subset of ``ignored_params`` that ``root`` owns; ``None`` when empty.
-
-    FSDP only accepts ignored parameters of the module being sharded, and each
-    unit that owns a replicated parameter must list it, or that unit would
-    shard it.
+    """The subset of ``ignored_params`` that ``root`` owns (FSDP accepts only those).
 
     Args:
         root: the module about to be sharded.

@@ -1,27 +1,15 @@
 """Tensor-parallel plans for language models, applied before the library shards.
 
-The library does not apply tensor parallelism (TP): the caller does, with torch's
-``parallelize_module``, on the ``tp`` dimension of its mesh, and then hands the
-data-parallel dimensions to ``parallelize`` (see ``docs/n-d-parallelism.md``). FSDP
-then shards each TP-local shard over the data-parallel ranks. These helpers write the
-usual plan for Llama/Qwen2-style decoder layers, so that a user need not, and check it
-at the boundary; a plan is an ordinary ``dict[str, ParallelStyle]`` that a user may
-edit or replace with their own, because the library shards whatever TP was applied.
+The caller applies tensor parallelism (TP) with torch's ``parallelize_module`` on the
+``tp`` mesh dimension before handing the data-parallel dimensions to ``parallelize``
+(``docs/n-d-parallelism.md``). These helpers write and check the usual plan for
+Llama/Qwen2-style layers: q/k/v and gate/up column-wise, o/down row-wise; frozen modules
+are left out unless asked (the library shards them already). A plan is a plain
+``dict[str, ParallelStyle]`` the user may edit.
 
-A plan holds the decoder layers' attention and MLP projections: q/k/v and gate/up
-column-wise (each rank holds whole heads and a slice of the intermediate features),
-o/down row-wise (one all-reduce per block, the output replicated). Frozen modules are
-left out unless asked (a frozen tower gains nothing from TP: it has no gradients or
-optimizer state, and the library shards it already).
-
-With ``sequence_parallel=True`` each decoder layer (a module with ``input_layernorm``,
-``self_attn``, ``post_attention_layernorm`` and ``mlp``) also runs its norms and residual
-adds on 1/tp of the sequence: the layer's input is split along the sequence (no
-communication), each block's input is all-gathered before its column-wise projections,
-its row-wise output reduce-scattered along the sequence, and the layer's output
-all-gathered again. The layer stays self-contained (it takes and returns the whole
-sequence), so the embeddings, the merge of image features and the final norm need no
-plan; the sequence length must be a multiple of tp.
+With ``sequence_parallel=True`` each decoder layer also runs its norms and residual adds
+on 1/tp of the sequence; the layer still takes and returns the whole sequence, so
+nothing outside it needs a plan (the sequence length must be a multiple of tp).
 """
 
 from __future__ import annotations
@@ -96,14 +84,23 @@ def _linear(module: nn.Module, name: str) -> nn.Linear | None:
     return child if isinstance(child, nn.Linear) else None
 
 
-def _is_trainable(module: nn.Module) -> bool:
-    return any(p.requires_grad for p in module.parameters())
+def _projection_plan(
+    path: str, projections: tuple[tuple[str, ...], str], sequence_parallel: bool
+) -> dict[str, ParallelStyle]:
+    """Column-wise, then row-wise (its output reduce-scattered along the sequence with
+    sequence parallelism instead of all-reduced)."""
+    columns, row = projections
+    plan: dict[str, ParallelStyle] = {f"{path}.{name}": ColwiseParallel() for name in columns}
+    plan[f"{path}.{row}"] = (
+        RowwiseParallel(output_layouts=Shard(_SEQ)) if sequence_parallel else RowwiseParallel()
+    )
+    return plan
 
 
 def _attention_plan(
     path: str, attn: nn.Module, tp_size: int, *, sequence_parallel: bool = False
 ) -> dict[str, ParallelStyle]:
-    columns, row = ATTENTION_PROJECTIONS
+    columns, _ = ATTENTION_PROJECTIONS
     head_dim = getattr(attn, "head_dim", None)
     if not isinstance(head_dim, int) or head_dim < 1:
         raise ValueError(
@@ -112,23 +109,15 @@ def _attention_plan(
         )
     for name in columns:
         linear = _linear(attn, name)
-        assert linear is not None  # _is_llama_attention checked it
+        assert linear is not None  # _has_linears checked it
         heads = linear.out_features // head_dim
         kind = "query heads" if name == "q_proj" else "key/value heads"
         check_divisible(kind, heads, tp_size, where=f"{path}.{name}")
-    plan: dict[str, ParallelStyle] = {f"{path}.{name}": ColwiseParallel() for name in columns}
-    plan[f"{path}.{row}"] = _row(sequence_parallel)
-    return plan
-
-
-def _row(sequence_parallel: bool) -> RowwiseParallel:
-    """Row-wise; with sequence parallelism its output is reduce-scattered along the
-    sequence instead of all-reduced."""
-    return RowwiseParallel(output_layouts=Shard(_SEQ)) if sequence_parallel else RowwiseParallel()
+    return _projection_plan(path, ATTENTION_PROJECTIONS, sequence_parallel)
 
 
 def _decoder_layer_plan(path: str) -> dict[str, ParallelStyle]:
-    """Sequence parallelism around one decoder layer (see the module docstring)."""
+    """Sequence parallelism around one decoder layer: each block's input is gathered."""
     return {
         path: _SequenceSplitLayer(),
         f"{path}.input_layernorm": SequenceParallel(),
@@ -167,29 +156,23 @@ class _SequenceSplitLayer(ParallelStyle):
 def _mlp_plan(
     path: str, mlp: nn.Module, tp_size: int, *, sequence_parallel: bool = False
 ) -> dict[str, ParallelStyle]:
-    columns, row = MLP_PROJECTIONS
+    _, row = MLP_PROJECTIONS
     down = _linear(mlp, row)
-    assert down is not None  # _is_llama_mlp checked it
+    assert down is not None  # _has_linears checked it
     check_divisible("intermediate features", down.in_features, tp_size, where=f"{path}.{row}")
-    plan: dict[str, ParallelStyle] = {f"{path}.{name}": ColwiseParallel() for name in columns}
-    plan[f"{path}.{row}"] = _row(sequence_parallel)
-    return plan
+    return _projection_plan(path, MLP_PROJECTIONS, sequence_parallel)
 
 
 def _is_decoder_layer(module: nn.Module) -> bool:
-    parts = [getattr(module, name, None) for name in DECODER_LAYER_PARTS]
-    if not all(isinstance(part, nn.Module) for part in parts):
+    if not all(isinstance(getattr(module, name, None), nn.Module) for name in DECODER_LAYER_PARTS):
         return False
-    columns, row = ATTENTION_PROJECTIONS
-    mlp_columns, mlp_row = MLP_PROJECTIONS
-    return _has_linears(parts[1], (*columns, row)) and _has_linears(  # type: ignore[arg-type]
-        parts[3],  # type: ignore[arg-type]
-        (*mlp_columns, mlp_row),
-    )
+    attn, mlp = module.get_submodule("self_attn"), module.get_submodule("mlp")
+    return _has_linears(attn, ATTENTION_PROJECTIONS) and _has_linears(mlp, MLP_PROJECTIONS)
 
 
-def _has_linears(module: nn.Module, names: tuple[str, ...]) -> bool:
-    return all(_linear(module, name) is not None for name in names)
+def _has_linears(module: nn.Module, projections: tuple[tuple[str, ...], str]) -> bool:
+    columns, row = projections
+    return all(_linear(module, name) is not None for name in (*columns, row))
 
 
 def llama_style_plan(
@@ -201,11 +184,8 @@ def llama_style_plan(
 ) -> dict[str, ParallelStyle]:
     """The TP plan of every Llama/Qwen2-style attention and MLP in ``model``.
 
-    An attention is a module with ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` Linears
-    and an int ``head_dim`` (transformers' Llama, Qwen2, Mistral, ... layers, whose
-    forward reshapes to ``(-1, head_dim)`` and so runs on each rank's heads); an MLP is
-    one with ``gate_proj``, ``up_proj``, ``down_proj`` Linears. Other modules (e.g. a
-    CLIP tower's ``out_proj``/``fc1`` layers) are not matched.
+    An attention has ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` Linears and an int
+    ``head_dim``; an MLP has ``gate_proj``, ``up_proj``, ``down_proj`` Linears.
 
     Args:
         model: the model, on any device (``meta`` included).
@@ -228,10 +208,8 @@ def llama_style_plan(
     """
     tp_size = _check_tp_size(tp_size)
     plan: dict[str, ParallelStyle] = {}
-    columns, row = ATTENTION_PROJECTIONS
-    mlp_columns, mlp_row = MLP_PROJECTIONS
     for path, module in model.named_modules():
-        if not include_frozen and not _is_trainable(module):
+        if not include_frozen and not any(p.requires_grad for p in module.parameters()):
             continue
         if sequence_parallel:
             if _is_decoder_layer(module):
@@ -242,9 +220,9 @@ def llama_style_plan(
                 )
                 plan.update(_mlp_plan(f"{path}.mlp", mlp, tp_size, sequence_parallel=True))
             continue
-        if _has_linears(module, (*columns, row)):
+        if _has_linears(module, ATTENTION_PROJECTIONS):
             plan.update(_attention_plan(path, module, tp_size))
-        if _has_linears(module, (*mlp_columns, mlp_row)):
+        if _has_linears(module, MLP_PROJECTIONS):
             plan.update(_mlp_plan(path, module, tp_size))
     if not plan:
         frozen = "" if include_frozen else " trainable"

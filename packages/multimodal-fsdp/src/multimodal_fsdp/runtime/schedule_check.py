@@ -437,7 +437,6 @@ class ScheduleCheckRuntimeHook(RuntimeHook):
 
     def install(self, model: nn.Module, *, dims: ParallelDims) -> ScheduleCheck:
         """The checkpoints agree over every rank that runs the model's forward."""
-
         logger.info(
             "schedule check on %d media regions: %s",
             len(self.layout.regions),
