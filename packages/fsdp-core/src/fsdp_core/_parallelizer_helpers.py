@@ -34,21 +34,18 @@ def _check_hook_names(names: Iterable[str], known: tuple[str, ...]) -> frozenset
             f"disabled_hooks must be a collection of hook names, got {type(names).__name__} "
             f"({names!r}); valid names: {', '.join(known)}"
         )
-    checked = []
+    names = list(names)
     for name in names:
         if not isinstance(name, str):
             raise TypeError(f"disabled_hooks entries must be str, got {type(name).__name__}")
         if name not in known:
             raise ValueError(f"unknown runtime hook {name!r}; valid names: {', '.join(known)}")
-        checked.append(name)
-    return frozenset(checked)
+    return frozenset(names)
 
 
 def _plan_digest(plan: ShardingPlan) -> str:
-    """A hash of what applying ``plan`` does (its calls, units, ignored parameters,
-    replicated parameters with their dtypes and broadcast, and hooks), the same on every
-    rank that holds the same plan: ranks that differ in any of these would meet in
-    different collectives."""
+    """A hash of what applying ``plan`` does, the same on every rank that holds the same
+    plan: ranks that differ in any of it would meet in different collectives."""
     text = repr(
         (
             plan.calls,

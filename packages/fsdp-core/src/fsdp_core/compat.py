@@ -1,15 +1,12 @@
 """Which FSDP2 features the installed torch provides.
 
-Every feature test of the project lives here, so no other module compares
-version numbers or probes torch features; private torch modules are reached
-through [`fsdp_core.internals`][fsdp_core.internals]. Each flag is computed once at
-import time by introspection, never from the version string alone, so a
-backport or a nightly build is judged by what it actually has.
+Every feature test of the project lives here (private torch modules are reached through
+[`fsdp_core.internals`][fsdp_core.internals]). Each flag is computed once at import by
+introspection, not from the version string, so a backport or a nightly is judged by what it has.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Final
 
@@ -41,7 +38,6 @@ TORCH_VERSION: Final[tuple[int, int]] = _torch_version()
 
 def _has_fully_shard() -> bool:
     try:
-        importlib.import_module("torch.distributed.fsdp")
         from torch.distributed.fsdp import fully_shard  # noqa: F401
     except ImportError:
         return False
@@ -63,12 +59,8 @@ def _fully_shard_parameters() -> frozenset[str]:
 FULLY_SHARD_IGNORED_PARAMS: Final[bool] = "ignored_params" in _fully_shard_parameters()
 
 
-def _has_grouped_modules() -> bool:
-    """``fully_shard([m1, m2])``: several modules share one unit (one all-gather)."""
-    return FSDP2_AVAILABLE and internals.has_grouped_forward_hooks()
-
-
-FULLY_SHARD_GROUPED_MODULES: Final[bool] = _has_grouped_modules()
+#: ``fully_shard([m1, m2])``: several modules share one unit (one all-gather).
+FULLY_SHARD_GROUPED_MODULES: Final[bool] = FSDP2_AVAILABLE and internals.has_grouped_forward_hooks()
 
 #: Grouped units cast inputs and outputs around *each* member module. Without it,
 #: a group of fp32 islands would only cast at the group's first and last call.
@@ -77,18 +69,10 @@ GROUPED_PER_MODULE_CASTING: Final[bool] = (
 )
 
 
-def _has_grouped_unit_reuse() -> bool:
-    """Grouped units track which members ran in the current pass, so a member called
-    again later in the same iteration (a tower run once per image) starts a new pass
-    instead of corrupting the unit (pytorch issue 183702). torch 2.13 has the
-    per-pass bookkeeping; the multi-process tests run exactly that reuse against a
-    reference, so a torch where the flag and the behaviour disagree fails them."""
-    return FULLY_SHARD_GROUPED_MODULES and internals.tracks_grouped_passes()
-
-
-#: A grouped unit stays correct when one of its modules runs again in the same
-#: iteration; without it, groups whose modules may run twice are split.
-GROUPED_UNIT_REUSE: Final[bool] = _has_grouped_unit_reuse()
+#: A grouped unit stays correct when one of its modules runs again in the same iteration
+#: (a tower run once per image starts a new pass, pytorch issue 183702; the multi-process
+#: tests run that reuse); without it, groups whose modules may run twice are split.
+GROUPED_UNIT_REUSE: Final[bool] = FULLY_SHARD_GROUPED_MODULES and internals.tracks_grouped_passes()
 
 
 def _has_reduce_scatter_unused_params() -> bool:
@@ -114,12 +98,5 @@ def capabilities() -> dict[str, bool]:
     Returns:
         ``{flag name: value}``.
     """
-    return {
-        "FSDP2_AVAILABLE": FSDP2_AVAILABLE,
-        "FULLY_SHARD_IGNORED_PARAMS": FULLY_SHARD_IGNORED_PARAMS,
-        "FULLY_SHARD_GROUPED_MODULES": FULLY_SHARD_GROUPED_MODULES,
-        "GROUPED_PER_MODULE_CASTING": GROUPED_PER_MODULE_CASTING,
-        "GROUPED_UNIT_REUSE": GROUPED_UNIT_REUSE,
-        "REDUCE_SCATTER_UNUSED_PARAMS": REDUCE_SCATTER_UNUSED_PARAMS,
-        "FAKE_PROCESS_GROUP": FAKE_PROCESS_GROUP,
-    }
+    flags = globals()
+    return {name: flags[name] for name in __all__ if isinstance(flags[name], bool)}

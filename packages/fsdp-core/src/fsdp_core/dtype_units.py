@@ -79,9 +79,7 @@ def find_dtype_islands(
 ) -> tuple[torch.dtype | None, tuple[DtypeIsland, ...]]:
     """The dominant dtype of ``module``'s unit and the islands to split off.
 
-    Only trainable parameters count by default, matching FSDP's rule (frozen
-    ones may mix). Raises [`MixedDtypeError`][fsdp_core.dtype_units.MixedDtypeError] listing the
-    offending parameters when a module holds odd-dtype parameters directly.
+    Only trainable parameters count by default, as in FSDP's rule (frozen ones may mix).
 
     Args:
         module: the module that becomes one unit.
@@ -221,9 +219,8 @@ def dtype_island_groups(
     skip: SkipPredicate | None = None,
     grouped: bool | None = None,
 ) -> UnitGroups:
-    """The island units that make ``module`` one dtype-safe unit: its odd-dtype
-    submodules (trainable parameters only, those already sharded and those ``skip``
-    names left out), grouped as torch allows, each with
+    """The island units that make ``module`` one dtype-safe unit: its odd-dtype submodules
+    (not already sharded, not ``skip``ped), grouped as torch allows, each with
     [`island_policy`][fsdp_core.precision.island_policy].
 
     Args:

@@ -1,20 +1,13 @@
 """Materialise a model built on the meta device and sharded, with the right values.
 
-Building on ``meta`` and sharding before allocating is how large models fit,
-but the usual next step, ``reset_parameters()`` on the sharded DTensors, draws
-random numbers per shard: on a CPU mesh every rank draws the *same* shard, so
-the full parameter is wrong. Two correct ways:
+``reset_parameters()`` on sharded DTensors draws random numbers per shard (on a CPU mesh
+every rank draws the *same* shard). Two correct ways, both collective (every rank must
+arrive within ``timeout=``; a failure on any rank is raised on every rank):
 
-- [`materialize_from_full`][fsdp_core.materialize.materialize_from_full] - every rank computes the
-  full initial tensors deterministically (same seed, CPU generator) and keeps only its own shard.
-  No communication; each full tensor exists once at a time on each rank.
-- [`load_full_state_dict`][fsdp_core.materialize.load_full_state_dict] - rank 0 holds a full state
-  dict (a checkpoint or an unsharded init) and broadcasts it into the shards.
-
-Both are collective (every rank fills its own shards; the broadcast needs every
-rank): they check that every rank of the model's mesh arrived (``timeout=``,
-default the process group's timeout) and raise a failure of any rank on every
-rank.
+- [`materialize_from_full`][fsdp_core.materialize.materialize_from_full]: every rank
+  computes the full initial tensors deterministically and keeps its own shard.
+- [`load_full_state_dict`][fsdp_core.materialize.load_full_state_dict]: rank 0 holds a
+  full state dict and broadcasts it into the shards.
 """
 
 from __future__ import annotations
@@ -74,10 +67,8 @@ def materialize_from_full(
 ) -> nn.Module:
     """Allocate ``model`` on ``device`` and fill it from ``(name, full tensor)`` pairs.
 
-    Every parameter must receive a value (a ``ValueError`` names the missing
-    ones); the result is bit-identical to loading the same full tensors into an
-    unsharded model. Collective (each rank fills its own shards): a failure on
-    any rank is raised on every rank.
+    Every parameter must receive a value; the result is bit-identical to loading the
+    same full tensors into an unsharded model. Collective.
 
     Args:
         model: a sharded model on the meta device.
@@ -110,7 +101,7 @@ def _materialize(
     *,
     device: torch.device | str,
     buffers: Mapping[str, torch.Tensor] | None,
-) -> nn.Module:
+) -> None:
     model.to_empty(device=device)
     named = dict(model.named_parameters())
     seen: set[str] = set()
@@ -127,7 +118,6 @@ def _materialize(
         with torch.no_grad():
             buffer.copy_(value.to(device=buffer.device, dtype=buffer.dtype))
     logger.info("materialised %d parameters on %s", len(named), device)
-    return model
 
 
 def load_full_state_dict(
@@ -140,11 +130,8 @@ def load_full_state_dict(
 ) -> None:
     """Load an unsharded state dict into a sharded ``model``.
 
-    With ``broadcast_from_rank0`` only rank 0 needs the tensors (others may pass
-    ``None`` or ``{}``), which keeps host memory at one copy per node.
-    Collective: every rank must call it (arrival check, ``timeout`` default the
-    process group's timeout); a state dict rank 0 lacks, or one that is not a
-    mapping of tensors, fails on every rank before the broadcast.
+    With ``broadcast_from_rank0`` only rank 0 needs the tensors (others may pass ``None``
+    or ``{}``). Collective: a bad state dict fails on every rank before the broadcast.
 
     Args:
         model: the sharded model.

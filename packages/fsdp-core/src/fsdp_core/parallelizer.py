@@ -241,17 +241,14 @@ class ModelParallelizer(Generic[FoundT]):
             elif not ctx.is_planned(ctx.module(unit)) and ctx.has_unplanned_params(unit):
                 calls.extend(self._plan_calls(unit, ctx))
         calls.extend(self._plan_calls("", ctx))
-        added = self._plan_additions(ctx, tuple(calls))
+        added = self._plan_additions(ctx, tuple(calls))  # fields named as the plan's
         plan = ShardingPlan(
             calls=tuple(calls),
             ignored_param_names=tuple(sorted(ctx.ignored_param_names)),
             notes=tuple(self._plan_notes(ctx)),
             replicated_param_names=ctx.replicated_param_names,
             fingerprint=module_tree_fingerprint(model),
-            replicated_param_dtypes=added.replicated_param_dtypes,
-            backward_free_paths=added.backward_free_paths,
-            sync_replicated=added.sync_replicated,
-            records=added.records,
+            **vars(added),
         )
         planned = [*self._plan_hooks(ctx, plan), forward_agreement_hook()]
         hooks = [h for h in planned if h.name not in self.disabled_hooks]
@@ -410,27 +407,11 @@ class ModelParallelizer(Generic[FoundT]):
         ignored = ctx.ignored_under(paths)
         offload = self._unit_offload(paths, ctx)
         if units is None:
-            units = (
-                UnitPlan(
-                    paths=paths,
-                    mp_policy=mp_policy,
-                    reshard_after_forward=reshard_after_forward,
-                    ignored_param_names=ignored,
-                    role=role,
-                    offload_policy=offload,
-                ),
-            )
+            units = (UnitPlan(paths, mp_policy, reshard_after_forward, ignored, role, offload),)
         for unit in units:
             ctx.mark(unit.paths)
         ctx.mark(paths)
-        return ShardCall(
-            paths=paths,
-            mp_policy=mp_policy,
-            reshard_after_forward=reshard_after_forward,
-            ignored_param_names=ignored,
-            units=units,
-            offload_policy=offload,
-        )
+        return ShardCall(paths, mp_policy, reshard_after_forward, ignored, units, offload)
 
     def _unit_offload(
         self, paths: tuple[str, ...], ctx: PlanContext[FoundT]
@@ -464,13 +445,11 @@ def check_applied_units(model: nn.Module, plan: ShardingPlan) -> None:
     made = {tuple(sorted(paths)) for paths in applied}
     if planned == made:
         return
-    extra = sorted(made - planned)
-    missing = sorted(planned - made)
     raise PlanMismatchError(
-        f"applying the plan made {len(made)} FSDP units where the plan lists "
-        f"{len(planned)}: made but not planned {_paths_text(extra)}; planned but not made "
-        f"{_paths_text(missing)}. Plan every unit (override the planning hooks, e.g. "
-        "_units or _plan_calls), so that applying the plan makes only those."
+        f"applying the plan made {len(made)} FSDP units where the plan lists {len(planned)}: "
+        f"made but not planned {_paths_text(sorted(made - planned))}; planned but not made "
+        f"{_paths_text(sorted(planned - made))}. Plan every unit (override the planning "
+        "hooks, e.g. _units or _plan_calls), so that applying the plan makes only those."
     )
 
 

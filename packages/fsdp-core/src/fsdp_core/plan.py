@@ -1,9 +1,8 @@
 """Sharding plans as data: which modules become FSDP units, with which settings.
 
-A plan is built without a process group and without touching the model, so
-it can be printed, compared in tests and costed before a job starts. Applying
-it is a separate step
-([`fsdp_core.ModelParallelizer.apply_plan`][fsdp_core.parallelizer.ModelParallelizer.apply_plan]).
+A plan is built without a process group or touching the model, so it can be printed,
+compared and costed before a job starts; applying it is a separate step
+([`apply_plan`][fsdp_core.parallelizer.ModelParallelizer.apply_plan]).
 """
 
 from __future__ import annotations
@@ -42,10 +41,8 @@ class UnitPlan:
     reshard_after_forward: bool | int | None = None
     ignored_param_names: tuple[str, ...] = ()
     role: str = "layer"
-    #: Where the unit's sharded parameters (and gradients and optimizer state, when
-    #: trainable) live between uses: an FSDP2 ``OffloadPolicy`` the plan decided for
-    #: this unit (``CPUOffloadPolicy``: host memory), or ``None`` (the device, unless
-    #: ``apply_plan(offload_policy=...)`` offloads every unit).
+    #: Where the unit's sharded state lives between uses (``CPUOffloadPolicy``: host
+    #: memory); ``None``: the device, unless ``apply_plan(offload_policy=...)`` says otherwise.
     offload_policy: OffloadPolicy | None = None
 
     def __post_init__(self) -> None:
@@ -89,35 +86,25 @@ class ShardingPlan:
 
     calls: tuple[ShardCall, ...]
     ignored_param_names: tuple[str, ...] = ()
-    notes: tuple[str, ...] = field(default=())
-    #: Ignored parameters that the parallelizer keeps whole on every rank itself
-    #: (placed, cast and synchronised before sharding); a subset of the ignored ones.
+    notes: tuple[str, ...] = ()
+    #: Ignored parameters the parallelizer keeps whole on every rank itself.
     replicated_param_names: tuple[str, ...] = ()
     #: The runtime hooks applying the plan installs after sharding (see fsdp_core.runtime).
     hooks: tuple[HookPlan, ...] = ()
-    #: The module tree the plan was made for; ``apply_plan`` refuses a model that
-    #: differs (adapters added, parameters frozen), and the first forward checks again.
-    #: ``None`` for plans built by hand (no check). Not part of plan equality.
+    # The fields below are not part of plan equality; plans built by hand leave them out.
+    #: The module tree the plan was made for (``apply_plan`` refuses a model that differs).
     fingerprint: ModuleTreeFingerprint | None = field(default=None, compare=False, repr=False)
-    #: The dtype of each replicated parameter once the plan is applied, as the planner
-    #: decided it, so that applying the plan and the estimates need not re-derive it.
-    #: Empty for plans built by hand (derived when applied). Not part of plan equality.
+    #: Each replicated parameter's dtype once applied, as the planner decided it.
     replicated_param_dtypes: tuple[tuple[str, torch.dtype], ...] = field(
         default=(), compare=False, repr=False
     )
-    #: Module paths no gradient reaches in a step (frozen parts that see only media
-    #: inputs), as the planner judged them for the estimates; ``None`` when the planner
-    #: made no such judgement (plans built by hand). Not part of plan equality.
+    #: Module paths no gradient reaches in a step, as the planner judged them (estimates).
     backward_free_paths: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
-    #: Whether applying the plan broadcasts the replicated parameters from rank 0, so
-    #: that every rank holds the same values (the planner's ``sync_replicated``). Not
-    #: part of plan equality.
+    #: Whether applying broadcasts the replicated parameters from rank 0.
     sync_replicated: bool = field(default=True, compare=False, repr=False)
-    #: What the planner found and decided that later stages read instead of asking it
-    #: again: frozen dataclasses of the planner's own package (a multimodal planner
-    #: records its discovered towers and media regions), found with
-    #: [`record`][fsdp_core.plan.ShardingPlan.record]. Core does not read them. Not part
-    #: of plan equality.
+    #: Frozen dataclasses of the planner's own package that later stages read (a multimodal
+    #: planner's towers and media regions), found with
+    #: [`record`][fsdp_core.plan.ShardingPlan.record]; core does not read them.
     records: tuple[object, ...] = field(default=(), compare=False, repr=False)
 
     def record(self, kind: type[_Record]) -> _Record | None:
@@ -211,7 +198,7 @@ def _short(dtype: torch.dtype | None) -> str:
 
 
 def format_policy(policy: MixedPrecisionPolicy) -> str:
-    """``param/reduce->output`` in short dtype names, e.g. ``fp32/fp32->bfloat16``.
+    """The policy in short dtype names, e.g. ``param=float32 reduce=float32 out=bfloat16``.
 
     Args:
         policy: a mixed-precision policy.
@@ -243,8 +230,8 @@ def format_offload(policy: OffloadPolicy) -> str:
 def unit_parameters(plan: ShardingPlan, model: nn.Module) -> list[list[tuple[str, nn.Parameter]]]:
     """For each unit (in plan order), the parameters it manages.
 
-    A unit manages the parameters of its members that no earlier unit took and
-    that are not ignored, which is exactly how ``fully_shard`` assigns them.
+    A unit manages its members' parameters that no earlier unit took and that are not
+    ignored, as ``fully_shard`` assigns them.
 
     Args:
         plan: the plan.

@@ -1,11 +1,7 @@
-"""What planning hooks read and return: the plan context and the plan's additions.
-
-A [`ModelParallelizer`][fsdp_core.parallelizer.ModelParallelizer] plans in one pass;
-each planning hook gets the [`PlanContext`][fsdp_core.plan_context.PlanContext] of that
-pass (the model, the options, what the parallelizer found in the model, the modules
-already given to a unit), and ``_plan_additions`` returns
-[`PlanAdditions`][fsdp_core.plan_context.PlanAdditions], what a subclass decides beside
-the calls. Both are re-exported by ``fsdp_core.parallelizer``.
+"""What planning hooks read and return in a
+[`ModelParallelizer`][fsdp_core.parallelizer.ModelParallelizer]'s one planning pass: the
+[`PlanContext`][fsdp_core.plan_context.PlanContext] and, from ``_plan_additions``, the
+[`PlanAdditions`][fsdp_core.plan_context.PlanAdditions] a subclass decides beside the calls.
 """
 
 from __future__ import annotations
@@ -19,7 +15,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from typing_extensions import TypeVar
 
-from fsdp_core.containers import is_under
+from fsdp_core.containers import is_under, join_path
 
 __all__ = ["FoundT", "PlanAdditions", "PlanContext"]
 
@@ -36,13 +32,10 @@ class PlanContext(Generic[FoundT]):
     mp_policy: MixedPrecisionPolicy
     reshard_after_forward: bool | int | None
     ignored_param_names: frozenset[str]
-    #: What the parallelizer found in the model before planning, for its planning hooks
-    #: (a multimodal parallelizer's ``Discovery``; ``None`` for a plain
-    #: ``ModelParallelizer``, which finds nothing beyond the layer containers).
+    #: What the parallelizer found in the model before planning (see ``FoundT``).
     found: FoundT
     planned: set[int] = field(default_factory=set)
-    #: Parameters the parallelizer keeps whole on every rank (a subset of the ignored
-    #: ones), as the parallelizer's ``_replicated_param_names`` named them.
+    #: Parameters kept whole on every rank (``_replicated_param_names``; all ignored).
     replicated_param_names: tuple[str, ...] = ()
 
     def is_planned(self, module: nn.Module) -> bool:
@@ -86,13 +79,8 @@ class PlanContext(Generic[FoundT]):
             The ignored parameters' names, sorted.
         """
         roots = tuple(paths)
-        return tuple(
-            sorted(
-                name
-                for name in self.ignored_param_names
-                if any(is_under(name, root) for root in roots)
-            )
-        )
+        names = (n for n in self.ignored_param_names if any(is_under(n, root) for root in roots))
+        return tuple(sorted(names))
 
     def has_unplanned_params(self, path: str) -> bool:
         """Whether a unit at ``path`` would own any parameter (not ignored, not taken).
@@ -103,7 +91,6 @@ class PlanContext(Generic[FoundT]):
         Returns:
             Whether some parameter under it is neither ignored nor in a unit yet.
         """
-
         parts = path.split(".") if path else []
         for depth in range(len(parts)):
             if self.is_planned(self.module(".".join(parts[:depth]))):
@@ -112,12 +99,9 @@ class PlanContext(Generic[FoundT]):
         def visit(module: nn.Module, prefix: str) -> bool:
             if self.is_planned(module):
                 return False
-            for name, _ in module.named_parameters(prefix=prefix, recurse=False):
-                if name not in self.ignored_param_names:
-                    return True
-            return any(
-                visit(child, f"{prefix}.{key}" if prefix else key)
-                for key, child in module.named_children()
+            own = module.named_parameters(prefix=prefix, recurse=False)
+            return any(name not in self.ignored_param_names for name, _ in own) or any(
+                visit(child, join_path(prefix, key)) for key, child in module.named_children()
             )
 
         return visit(self.module(path), path)
@@ -125,9 +109,8 @@ class PlanContext(Generic[FoundT]):
 
 @dataclass(frozen=True)
 class PlanAdditions:
-    """What a subclass decides beside the units, in the same pass, from the plan
-    context and the calls (each field is the [`ShardingPlan`][fsdp_core.plan.ShardingPlan]
-    field of the same name; the defaults are a plain ``ModelParallelizer``'s)."""
+    """What a subclass decides beside the units, in the same pass: each field is the
+    [`ShardingPlan`][fsdp_core.plan.ShardingPlan] field of the same name."""
 
     replicated_param_dtypes: tuple[tuple[str, torch.dtype], ...] = ()
     backward_free_paths: tuple[str, ...] | None = None

@@ -1,9 +1,5 @@
-"""Mixed-precision policies from dtype names, and the fp32 island policy.
-
-Users configure precision with short strings ("bf16", "fp32"); FSDP2 wants a
-``MixedPrecisionPolicy``. This module is the one place that translates, and
-the place that knows how an fp32 island (a unit that must compute in fp32
-inside a lower-precision model) is configured.
+"""Mixed-precision policies from dtype names ("bf16", "fp32"), and the policy of an
+island (a unit that computes in its own dtype, e.g. fp32, inside a lower-precision model).
 """
 
 from __future__ import annotations
@@ -135,10 +131,8 @@ def island_policy(
 ) -> MixedPrecisionPolicy:
     """Policy for a unit that computes in ``island_dtype`` inside a model run by ``surrounding``.
 
-    Parameters and gradient reduction stay in the island's dtype; the output is
-    cast back to the surrounding compute dtype so the next layer receives what it
-    expects (without that cast a bf16 Linear after an fp32 norm fails on a dtype
-    mismatch).
+    Parameters and gradient reduction stay in the island's dtype; the output is cast
+    back to the surrounding compute dtype, which the next layer expects.
 
     Args:
         island_dtype: the dtype the island's parameters compute in.
@@ -178,8 +172,5 @@ def fp32_island_policy(
     Returns:
         The fp32 island's policy.
     """
-    return island_policy(
-        torch.float32,
-        surrounding if surrounding is not None else default_mp_policy(),
-        surrounding_dtype=surrounding_dtype,
-    )
+    surrounding = surrounding or default_mp_policy()
+    return island_policy(torch.float32, surrounding, surrounding_dtype=surrounding_dtype)

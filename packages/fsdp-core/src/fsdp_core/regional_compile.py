@@ -1,14 +1,9 @@
 """Per-block (regional) ``torch.compile`` of a sharded model, around the FSDP units.
 
-Compiling each block of a layer stack, not the model, is how torchtitan compiles: the
-blocks share one compiled graph and compile once. After sharding, a block's own hooks
-(FSDP's all-gather and reshard, the library's runtime hooks) sit in its ``__call__``, so
-compiling its ``forward`` keeps them out of the traced code. A unit *inside* a block
-(the fp32 norm units of DeepSeek-V4.1's trainable vision blocks) is different: its
-hooks run inside the block's ``forward``, and FSDP2 marks its own hooks
-``torch._dynamo.disable``, so such a block cannot compile without a graph break. There
-the compiled regions are the block's pieces between the nested units (each child that
-holds no unit, and each nested unit's own ``forward``); the block's ``forward`` itself
+Each block of a layer stack is compiled, as torchtitan does; a block's FSDP and runtime
+hooks sit in its ``__call__``, outside its compiled ``forward``. A block with a unit
+*inside* it (DeepSeek-V4.1's fp32 norm units) would break the graph at that unit's hooks,
+so its pieces between the nested units are compiled instead and its own ``forward``
 (residual additions) runs eagerly.
 """
 
@@ -38,12 +33,9 @@ def compile_blocks(
     """Compile the ``forward`` of every layer-stack item of ``model`` (its blocks), after
     the model is sharded, with the FSDP hooks left outside the compiled code.
 
-    A block with an FSDP unit nested inside is compiled piecewise around it (see the
-    module docstring), so no FSDP hook, and no hook of the library's on a unit, runs
-    inside compiled code. Call it once, after ``parallelize`` (and after activation
-    checkpointing, which it looks through: the wrapped module's ``forward`` is compiled,
-    and a recomputation runs the compiled code again). Modules whose ``forward`` is
-    already replaced on the instance are left as they are.
+    A block with a nested unit is compiled piecewise around it (see the module docstring).
+    Call it once, after ``parallelize`` and activation checkpointing (looked through).
+    Modules whose ``forward`` is already replaced on the instance are left as they are.
 
     Args:
         model: The sharded model.

@@ -1,8 +1,7 @@
 """Byte sizes written by people: ``"40GiB"``, ``"1.5 GB"``, ``"512MiB"``, ``1000``.
 
-Memory budgets, checkpoint shard limits and the like take the same spelling
-everywhere, with decimal (``kb``, ``MB``, ...) and binary (``KiB``, ``GiB``, ...)
-units, case-insensitive.
+Memory budgets, checkpoint shard limits and the like take decimal (``kb``, ``MB``, ...)
+and binary (``KiB``, ``GiB``, ...) units, case-insensitive.
 """
 
 from __future__ import annotations
@@ -30,10 +29,6 @@ _SIZE: Final = re.compile(r"^\s*(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[a-zA-Z]*)\
 
 def parse_size(value: int | str, *, argument: str = "size") -> int:
     """Positive bytes from an int or a string with an optional unit.
-
-    ``argument`` names the option in error messages: a ``TypeError`` for other
-    types, a ``ValueError`` listing the units for text that is not a size, and a
-    ``ValueError`` for sizes that are not positive.
 
     Args:
         value: bytes, or text such as ``"5GB"`` or ``"512 MiB"``.
