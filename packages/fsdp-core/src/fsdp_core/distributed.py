@@ -76,11 +76,9 @@ class DistributedContext:
 def device_type_for_backend(backend: str) -> str:
     """The mesh device type that matches ``backend`` (a ``cuda`` mesh never sits on gloo).
 
-    Accepts plain names ("gloo", "nccl", "fake") and torch's device-qualified
-    form ("cpu:gloo", "cpu:gloo,cuda:nccl"); the accelerator wins when present.
-
     Args:
-        backend: a backend name as ``dist.get_backend()`` reports it.
+        backend: a backend name as ``dist.get_backend()`` reports it, plain (``"gloo"``)
+            or device-qualified (``"cpu:gloo,cuda:nccl"``: the accelerator wins).
 
     Returns:
         ``"cuda"`` or ``"cpu"`` (or the accelerator the backend names).

@@ -304,27 +304,21 @@ def emulate_data_parallel(
         averaged gradients.
     """
     master = build()
-    trainable = [p for p in master.parameters() if p.requires_grad]
-    opt = optimizer(trainable) if optimizer is not None else None
+    masters = dict(master.named_parameters())
+    trainable = {name: p for name, p in masters.items() if p.requires_grad}
+    opt = optimizer(list(trainable.values())) if optimizer is not None else None
     losses: list[float] = []
     first_grads: dict[str, torch.Tensor] = {}
     for step, per_rank in enumerate(batches):
-        grads = {
-            name: torch.zeros_like(p, dtype=torch.float32)
-            for name, p in master.named_parameters()
-            if p.requires_grad
-        }
+        grads = {name: torch.zeros_like(p, dtype=torch.float32) for name, p in trainable.items()}
         step_losses = []
         for batch in per_rank:
             worker = build()
-            masters = dict(master.named_parameters())
             with torch.no_grad():
                 for name, p in worker.named_parameters():
                     src = masters[name]
-                    target = (
-                        src.dtype if compute_dtype is None or keep_fp32(name) else compute_dtype
-                    )
-                    p.data = src.detach().to(target)
+                    dtype = src.dtype if compute_dtype is None or keep_fp32(name) else compute_dtype
+                    p.data = src.detach().to(dtype)
                     p.requires_grad_(name in grads)
             # A list of micro-batches: one backward each, gradients accumulated in fp32
             # (as FSDP does with an fp32 reduce dtype when it does not sync).
@@ -341,16 +335,14 @@ def emulate_data_parallel(
             step_losses.append(total)
         losses.append(sum(step_losses) / len(step_losses))
         with torch.no_grad():
-            for name, p in master.named_parameters():
-                if name not in grads:
-                    continue
-                g = grads[name] / len(per_rank)
+            for name, p in trainable.items():
+                g = (grads[name] / len(per_rank)).to(p.dtype)
                 if step == 0:
-                    first_grads[name] = g.to(p.dtype)
+                    first_grads[name] = g
                 if opt is None:
-                    p.add_(g.to(p.dtype), alpha=-lr)
+                    p.add_(g, alpha=-lr)
                 else:
-                    p.grad = g.to(p.dtype)
+                    p.grad = g
         if opt is not None:
             opt.step()
             opt.zero_grad()

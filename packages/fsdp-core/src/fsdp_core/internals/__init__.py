@@ -113,9 +113,11 @@ def _require(obj: object, probe: Probe) -> Any:
 
 
 def _autograd(probe: Probe) -> Any:
-    """The autograd attribute ``probe`` names, or None."""
     owner = torch._C if probe is GRAPH_TASK else torch.autograd.Variable._execution_engine
-    return getattr(owner, probe.name, None)
+    value = getattr(owner, probe.name, None)
+    if value is None:
+        raise FSDPInternalsError(f"this torch ({torch.__version__}) has no {probe.describe()}")
+    return value
 
 
 def _state(unit: FSDPModule) -> Any:
@@ -136,15 +138,11 @@ def distinct_units(model: nn.Module) -> list[FSDPModule]:
     Returns:
         The units, in module order.
     """
-    seen: set[int] = set()
-    units: list[FSDPModule] = []
+    units: dict[int, FSDPModule] = {}
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            key = id(_state(module))
-            if key not in seen:
-                seen.add(key)
-                units.append(module)
-    return units
+            units.setdefault(id(_state(module)), module)
+    return list(units.values())
 
 
 def unit_modules(unit: FSDPModule) -> tuple[nn.Module, ...]:
@@ -310,10 +308,7 @@ def in_backward() -> bool:
     Raises:
         FSDPInternalsError: this torch's autograd engine hides it.
     """
-    task_id = _autograd(GRAPH_TASK)
-    if task_id is None:
-        raise FSDPInternalsError(f"this torch ({torch.__version__}) has no {GRAPH_TASK.describe()}")
-    return bool(task_id() != -1)
+    return bool(_autograd(GRAPH_TASK)() != -1)
 
 
 def is_gathered(unit: FSDPModule) -> bool:
@@ -348,12 +343,7 @@ def queue_end_of_backward(callback: Callable[[], None]) -> None:
     Raises:
         FSDPInternalsError: this torch has no way to queue it.
     """
-    queue = _autograd(QUEUE_CALLBACK)
-    if queue is None:
-        raise FSDPInternalsError(
-            f"this torch ({torch.__version__}) has no {QUEUE_CALLBACK.describe()}"
-        )
-    queue(callback)
+    _autograd(QUEUE_CALLBACK)(callback)
 
 
 # ------------------------------------------------------------------------- checking
@@ -382,7 +372,9 @@ def missing_internals(
         gaps: list[str] = []
         for probe in probes:
             if probe.where == "autograd":
-                if _autograd(probe) is None:
+                try:
+                    _autograd(probe)
+                except FSDPInternalsError:
                     gaps.append(probe.describe())
                 continue
             for unit in units:
@@ -391,8 +383,6 @@ def missing_internals(
                 except FSDPInternalsError:
                     objects = []
                     gaps.append("FSDPModule._get_fsdp_state")
-                if probe.where == "state" and not objects:
-                    continue
                 if any(not _has(obj, probe) for obj in objects):
                     gaps.append(probe.describe())
                     break
@@ -437,8 +427,7 @@ def param_fqn(fsdp_param: Any) -> str | None:
 
 
 def _state_class_has(name: str) -> bool:
-    module = fsdp_state_module()
-    state = getattr(module, "FSDPState", None)
+    state = getattr(fsdp_state_module(), "FSDPState", None)
     return isinstance(state, type) and hasattr(state, name)
 
 
