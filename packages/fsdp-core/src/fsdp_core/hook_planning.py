@@ -23,9 +23,8 @@ def core_hook_plans(
     model: nn.Module, plan: ShardingPlan, entry_paths: list[str], shared: Sequence[str] = ()
 ) -> list[HookPlan]:
     """``accumulation_warmup`` and ``unused_params`` when a unit holds trainable
-    parameters, then ``entry_unshard`` for the ``entry_paths`` that own units, then
-    ``replica_grad_reduce`` for ignored experts and the ``shared`` parameters (whose
-    items the ranks of a data group split).
+    parameters, ``entry_unshard`` for the ``entry_paths`` that own units, then
+    ``replica_grad_reduce`` for ignored experts and the ``shared`` parameters.
 
     Args:
         model: the planned model.

@@ -83,7 +83,7 @@ def parameter_names(model: nn.Module, params: Iterable[nn.Parameter] | None) -> 
         params: parameters of it (None: none).
 
     Returns:
-        Their qualified names, sorted.
+        Their qualified names, in the model's order.
 
     Raises:
         ValueError: a parameter is not ``model``'s.
@@ -152,7 +152,7 @@ class ModelParallelizer(Generic[FoundT]):
         Args:
             model: the model (real, or on ``meta``).
             mesh: the data-parallel mesh, or the whole mesh with ``dp_dims``.
-            mp_policy: the mixed-precision policy (bf16 compute, fp32 reduction if None).
+            mp_policy: the mixed-precision policy (None: ``MixedPrecisionPolicy()``, no casts).
             offload_policy: FSDP2's offload policy for every unit.
             reshard_after_forward: as ``fully_shard`` takes it.
             ignored_params: parameters FSDP leaves alone.
@@ -188,7 +188,7 @@ class ModelParallelizer(Generic[FoundT]):
 
         Args:
             model: the model (on ``meta`` is enough).
-            mp_policy: the mixed-precision policy (bf16 compute, fp32 reduction if None).
+            mp_policy: the mixed-precision policy (None: ``MixedPrecisionPolicy()``, no casts).
             reshard_after_forward: as ``fully_shard`` takes it.
             ignored_params: parameters FSDP leaves alone.
 
