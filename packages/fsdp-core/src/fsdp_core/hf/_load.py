@@ -36,6 +36,7 @@ from fsdp_core.hf._slots import (
     is_meta,
     listed,
     persistent_slots,
+    renamed,
     reshard,
 )
 from fsdp_core.weights_check import (
@@ -298,16 +299,6 @@ def _read_load_layout(directory: PathLike) -> CheckpointLayout:
         return CheckpointLayout(root, dict.fromkeys(handle.keys(), _hf_model.ADAPTER_WEIGHTS))
 
 
-def _renamed(slots: Sequence[Slot], view: _lora_load.LoadView) -> list[Slot]:
-    """The slots a base checkpoint holds, under the base model's names."""
-    out: list[Slot] = []
-    for slot in slots:
-        names = tuple(dict.fromkeys(view.names[n] for n in slot.names if n in view.names))
-        if names:
-            out.append(Slot(names, slot.tensor))
-    return out
-
-
 def _load_adapter(
     model: nn.Module, directory: PathLike, layout: CheckpointLayout, strict: bool, stage: bool
 ) -> PretrainedLoad:
@@ -399,7 +390,7 @@ def _load(
     _report_mismatch(model, directory, match, strict, stage=stage)
     allocated, recomputed = _allocate(model, slots, given, device)
     fresh = persistent_slots(model)
-    cast = _load_tensors(layout, fresh if view is None else _renamed(fresh, view), match)
+    cast = _load_tensors(layout, fresh if view is None else renamed(fresh, view.names), match)
     if view is not None and allocated:  # adapters that held no values: peft's first ones
         _lora_load.initialise_adapters(model, view.adapters, copy_full)
     mark_weights_loaded(model)  # the reads wrote local shards only (fsdp_core.weights_check)
@@ -437,7 +428,7 @@ def _match_checkpoint(
     if view is None:
         match = _resolve(model, slots, layout.weight_map, key_mapping)
     else:
-        match = _resolve(view.target, _renamed(slots, view), layout.weight_map, key_mapping)
+        match = _resolve(view.target, renamed(slots, view.names), layout.weight_map, key_mapping)
     ignored = tuple(sorted(_declined(model, match.unexpected)))
     if ignored:
         unexpected = tuple(k for k in match.unexpected if k not in ignored)

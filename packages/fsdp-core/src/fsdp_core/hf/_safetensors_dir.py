@@ -26,8 +26,6 @@ import torch
 SINGLE_FILE: Final = "model.safetensors"
 INDEX_FILE: Final = "model.safetensors.index.json"
 _SHARD_FILE: Final = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-#: safetensors dtype codes of floating types (the rest are integers, bool or complex).
-_FLOATING_CODES: Final = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
 
 PathLike = str | os.PathLike[str]
 
@@ -70,10 +68,6 @@ def open_file(path: Path) -> AbstractContextManager[SafeFile]:
         str(path), framework="pt", device="cpu"
     )
     return cast("AbstractContextManager[SafeFile]", opened)
-
-
-def is_floating_code(code: str) -> bool:
-    return code in _FLOATING_CODES
 
 
 @dataclass(frozen=True)

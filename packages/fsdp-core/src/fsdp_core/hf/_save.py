@@ -42,6 +42,7 @@ from fsdp_core.hf._slots import (
     is_meta,
     listed,
     persistent_slots,
+    renamed,
     reshard,
 )
 from fsdp_core.sizes import parse_size
@@ -100,14 +101,7 @@ def _unwrapped_slots(
             f"merge_adapters=True, but {type(target).__name__} has no adapter-wrapped modules "
             "to merge; leave the option out"
         )
-    cut = f"{prefix}." if prefix else ""
-    renamed: list[Slot] = []
-    for slot in slots:
-        inner = [n[len(cut) :] for n in slot.names if n.startswith(cut)]
-        names = tuple(dict.fromkeys(view.names[n] for n in inner if n in view.names))
-        if names:
-            renamed.append(Slot(names, slot.tensor))
-    return target, renamed, view
+    return target, renamed(slots, view.names, f"{prefix}." if prefix else ""), view
 
 
 def _export_keys(

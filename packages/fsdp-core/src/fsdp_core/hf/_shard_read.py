@@ -7,14 +7,20 @@ fall back to reading the tensor whole and keeping the local part.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, Final
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_core.hf._safetensors_dir import SafeFile, is_floating_code
+from fsdp_core.hf._safetensors_dir import SafeFile
 from fsdp_core.hf._slots import Slot
 from fsdp_core.materialize import copy_full_into_
+
+#: safetensors dtype codes of floating types (the rest are integers, bool or complex).
+_FLOATING_CODES: Final = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
 
 
 def _coordinate(mesh: DeviceMesh) -> tuple[int, ...] | None:
@@ -50,13 +56,17 @@ def _local_region(tensor: DTensor) -> tuple[slice, ...] | None:
     return tuple(slice(low, high) for low, high in bounds)
 
 
-def _check_kinds(key: str, code: str, name: str, target: torch.Tensor) -> None:
-    """Casts are allowed within floating or within integer dtypes, never across."""
-    if is_floating_code(code) != target.dtype.is_floating_point:
-        raise TypeError(
-            f"checkpoint key {key!r} holds {code} values but {name!r} is {target.dtype}: "
-            "floating and integer tensors do not convert into each other"
-        )
+def _copy_into(target: torch.Tensor, whole: Callable[[], torch.Tensor], part: Any) -> None:
+    """``target``'s box of a full tensor: indexed out of ``part`` where the layout has one,
+    else taken from ``whole()`` (read whole, the local part kept)."""
+    region = _local_region(target) if isinstance(target, DTensor) else None
+    if region is None or not isinstance(target, DTensor):
+        copy_full_into_(target, whole())
+        return
+    local = target.to_local()
+    with torch.no_grad():
+        if local.numel():
+            local.copy_(part[region].to(device=local.device, dtype=local.dtype))
 
 
 def read_into(handle: SafeFile, key: str, slot: Slot) -> str:
@@ -69,18 +79,12 @@ def read_into(handle: SafeFile, key: str, slot: Slot) -> str:
             f"checkpoint key {key!r} has shape {shape}, the model's {slot.names[0]!r} "
             f"{tuple(target.shape)}"
         )
-    _check_kinds(key, code, slot.names[0], target)
-    with torch.no_grad():
-        if not isinstance(target, DTensor):
-            target.copy_(handle.get_tensor(key).to(device=target.device, dtype=target.dtype))
-            return code
-        region = _local_region(target)
-        if region is None:  # an unusual layout: read it whole, keep the local part
-            copy_full_into_(target, handle.get_tensor(key))
-            return code
-        local = target.to_local()
-        if local.numel():
-            local.copy_(lazy[region].to(device=local.device, dtype=local.dtype))
+    if (code in _FLOATING_CODES) != target.dtype.is_floating_point:  # casts stay in a kind
+        raise TypeError(
+            f"checkpoint key {key!r} holds {code} values but {slot.names[0]!r} is "
+            f"{target.dtype}: floating and integer tensors do not convert into each other"
+        )
+    _copy_into(target, lambda: handle.get_tensor(key), lazy)
     return code
 
 
@@ -88,14 +92,7 @@ def copy_full(target: torch.Tensor, value: torch.Tensor) -> None:
     """A full tensor into ``target``: this rank's box of it, as the checkpoint reads cut it."""
     if tuple(value.shape) != tuple(target.shape):
         raise ValueError(f"a full tensor of {tuple(value.shape)} for one of {tuple(target.shape)}")
-    region = _local_region(target) if isinstance(target, DTensor) else None
-    if region is None or not isinstance(target, DTensor):
-        copy_full_into_(target, value)
-        return
-    local = target.to_local()
-    with torch.no_grad():
-        if local.numel():
-            local.copy_(value[region].to(device=local.device, dtype=local.dtype))
+    _copy_into(target, lambda: value, value)
 
 
 def code_of(dtype: torch.dtype) -> str:

@@ -7,7 +7,7 @@ written once, under whichever name the checkpoint uses.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +52,17 @@ def persistent_slots(model: nn.Module) -> list[Slot]:
             names.setdefault(id(tensor), []).append(dot + name)
             tensors[id(tensor)] = tensor
     return [Slot(tuple(dict.fromkeys(group)), tensors[key]) for key, group in names.items()]
+
+
+def renamed(slots: Sequence[Slot], table: Mapping[str, str], cut: str = "") -> list[Slot]:
+    """The slots with a name in ``table`` (once the prefix ``cut`` is cut), under its names."""
+    out: list[Slot] = []
+    for slot in slots:
+        inner = [n[len(cut) :] for n in slot.names if n.startswith(cut)]
+        names = tuple(dict.fromkeys(table[n] for n in inner if n in table))
+        if names:
+            out.append(Slot(names, slot.tensor))
+    return out
 
 
 def check_call(model: nn.Module, where: str, key_mapping: object = None) -> None:

@@ -60,7 +60,7 @@ SHARDED_BY_LIBRARY = _ShardedByLibrary()
 
 def mark_sharded_by_library(model: nn.Module) -> bool:
     """Set the flag on ``model`` (a peft model's base); False when no module declares it."""
-    target = _lora.base_model(model)[0] if _lora.is_peft_model(model) else model
+    target = _lora.base_model(model)[0]
     if not _hf_model.is_hf_model(target) or not hasattr(type(target), tf.IS_DISTRIBUTED_LOADING):
         return False
     setattr(target, tf.IS_DISTRIBUTED_LOADING, SHARDED_BY_LIBRARY)
@@ -70,8 +70,7 @@ def mark_sharded_by_library(model: nn.Module) -> bool:
 
 def is_guarded(model: nn.Module) -> bool:
     """Whether applying a plan set the flag on ``model`` (or a peft model's base)."""
-    target = _lora.base_model(model)[0] if _lora.is_peft_model(model) else model
-    return vars(target).get(tf.IS_DISTRIBUTED_LOADING) is SHARDED_BY_LIBRARY
+    return vars(_lora.base_model(model)[0]).get(tf.IS_DISTRIBUTED_LOADING) is SHARDED_BY_LIBRARY
 
 
 @contextmanager

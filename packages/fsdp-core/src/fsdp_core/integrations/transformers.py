@@ -28,7 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from fsdp_core.checkpoint import load_checkpoint, save_checkpoint
 from fsdp_core.hf import _trainer_guard, load_pretrained
 from fsdp_core.hf._hf_model import is_hf_model
-from fsdp_core.hf._lora import base_model, is_peft_model
+from fsdp_core.hf._lora import base_model
 from fsdp_core.integrations import _require_release
 
 try:
@@ -90,8 +90,7 @@ def check_sharded_model(model: object, *, trainer: str = "ShardedTrainer") -> nn
         )
     if not isinstance(model, nn.Module):
         raise TypeError(f"{trainer} needs model=, a sharded nn.Module; got {type(model).__name__}")
-    hf = base_model(model)[0] if is_peft_model(model) else model
-    if not is_hf_model(hf):
+    if not is_hf_model(base_model(model)[0]):
         raise TypeError(
             f"{trainer} trains transformers and peft models (it exports them with "
             f"save_pretrained); got {type(model).__name__}. Train other models with your own "
