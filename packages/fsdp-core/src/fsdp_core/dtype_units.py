@@ -92,8 +92,7 @@ def find_dtype_islands(
         The unit's dominant dtype and its islands.
 
     Raises:
-        MixedDtypeError: a module holds parameters of another dtype directly, so no
-            submodule can take them out.
+        MixedDtypeError: a module holds parameters of another dtype directly (no split helps).
     """
     ignored = frozenset(ignored_param_names)
 
@@ -155,8 +154,7 @@ def group_islands(
 
     Args:
         islands: the islands found.
-        grouped: whether several modules may share one unit (None: what this torch
-            supports).
+        grouped: whether modules may share one unit (None: what this torch supports).
 
     Returns:
         ``(dtype, island paths)`` per unit to make.

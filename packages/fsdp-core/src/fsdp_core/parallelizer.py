@@ -110,8 +110,7 @@ class ModelParallelizer(Generic[FoundT]):
         disabled_hooks: runtime hooks not to plan.
 
     Raises:
-        TypeError: ``dtype_safe`` is not a bool, or ``disabled_hooks`` not a collection of
-            names.
+        TypeError: ``dtype_safe`` is not a bool, or ``disabled_hooks`` not a list of names.
         ValueError: a hook name is unknown (the message lists the valid ones).
     """
 
