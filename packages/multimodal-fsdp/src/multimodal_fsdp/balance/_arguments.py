@@ -26,6 +26,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from multimodal_fsdp.balance._tree import take_tensors_out
+from multimodal_fsdp.balance.layouts import CallSpec
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,12 @@ _LOGGED: set[tuple[str, tuple[str, ...]]] = set()
 def forward_signature(tower: nn.Module) -> inspect.Signature:
     """The signature a call of ``tower`` is bound against (its ``forward``)."""
     return inspect.signature(tower.forward)
+
+
+def named_parameters(tower: nn.Module) -> dict[str, inspect.Parameter]:
+    """The forward's parameters a call can name (not ``*args`` or ``**kwargs``)."""
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return {n: p for n, p in forward_signature(tower).parameters.items() if p.kind not in variadic}
 
 
 def _forwarded(value: Any) -> bool:
@@ -90,20 +97,18 @@ def _log_left_out(tower: nn.Module, names: list[str]) -> None:
         )
 
 
-def positional_only_names(tower: nn.Module) -> tuple[str, ...]:
-    """The names a rebuilt call must pass by position."""
-    return tuple(
-        name
-        for name, p in forward_signature(tower).parameters.items()
-        if p.kind is inspect.Parameter.POSITIONAL_ONLY
-    )
-
-
-def check_constants_hold_no_tensor(
-    tower: nn.Module, constants: Mapping[str, Any], layout: str
-) -> None:
-    """Arguments passed through unchanged hold no tensor: a tensor there spans items the
-    layout cannot cut, so balancing it would be wrong."""
+def call_spec(
+    tower: nn.Module,
+    layout: str,
+    named: Mapping[str, Any],
+    fields: Sequence[str],
+    scalars: Sequence[str],
+    rebuilt: Sequence[str] = (),
+) -> CallSpec:
+    """The spec of a call cut into ``fields`` and ``scalars`` (``rebuilt``: arguments the
+    layout rebuilds from the items). The other arguments pass through and must hold no
+    tensor: a tensor there spans items the layout cannot cut."""
+    constants = {n: v for n, v in named.items() if n not in (*fields, *scalars, *rebuilt)}
     for name, value in constants.items():
         leaves: list[Tensor] = []
         take_tensors_out(value, leaves)
@@ -113,6 +118,13 @@ def check_constants_hold_no_tensor(
                 f"{type(tower).__name__}.forward (it holds tensors that are not one row per "
                 "item); register a layout adapter that knows it (register_media_layout)"
             )
+    parameters = forward_signature(tower).parameters.items()
+    return CallSpec(
+        fields=(*fields, *scalars),
+        constants=tuple(constants.items()),
+        positional=tuple(n for n, p in parameters if p.kind is inspect.Parameter.POSITIONAL_ONLY),
+        scalars=tuple(scalars),
+    )
 
 
 def scalar_arguments(named: Mapping[str, Any]) -> list[str]:

@@ -1,41 +1,27 @@
 """Balanced calls on ranks that hold the same batch: a *data group* (TP x CP).
 
-Every rank of a data group makes the same tower calls. Balanced as they are, each rank
-would encode every image of its data group (once per TP rank). Instead each rank brings
-only its *share* of a call's items (``share``: consecutive items, split evenly by
-position in the group) to the rounds, which run over the data-parallel balance group
-times the data groups, and after the call's round the ranks of the data group gather
-each other's outputs (``gather_outputs``): every image is encoded once in the world and
-every rank of the data group gets the whole call's output, as it would have encoded it.
+Every rank of a data group makes the same tower calls. Rather than each encoding every
+image, each rank brings its *share* of a call's items (consecutive, split evenly by
+position) to the rounds, which span the balance group times the data groups, and the
+data group then gathers the shares' outputs (``gather_outputs``): every image is encoded
+once in the world and every rank gets the whole call's output.
 
-Gradients: the ranks of a data group run the same forward on the same batch, and
-torch's tensor parallelism gives every TP rank the whole gradient of a replicated
-input (the backward all-reduces the partial sums), the same on every rank. So the
-output of a rank's own share keeps its graph and the other shares arrive detached:
-each item's gradient flows back once, from the rank whose share it is. A trainable
-tower's (or joined module's) parameter gradients then hold, on each rank, the items it
-encoded: the ``replica_grad_reduce`` hook sums them over the data group
+Gradients: TP gives every rank of the group the whole gradient of a replicated input,
+so a rank's own share keeps its graph and the others arrive detached: each item's
+gradient flows back once. A trainable module's parameter gradients then hold the items
+each rank encoded, summed over the group by ``replica_grad_reduce``
 (``ParallelDims.sharing_mesh``; TP only: a CP rank needs the gradients of the items it
-reads, so with CP only frozen ones share).
+reads). A call of fewer items than ranks is not split: every rank encodes it whole and
+only the first one's output carries gradients back.
 
-A call of fewer items than the group has ranks is not split: every rank of the group
-brings the whole call and nothing is gathered (a share would be empty, and a rank without
-an output has no output structure to rebuild the others' bytes with); only the first
-rank's output carries gradients back, so each item's still counts once.
-
-Collectives per split call, on the data group (``T`` ranks): one ``all_gather`` of a
-fixed header (``HEADER_INTS`` int64 per rank: the bytes of its share's outputs and a
-fingerprint of their structure, which must agree on every rank, else every rank raises),
-then one ``all_gather`` of the outputs' bytes, padded to the longest share's. Every rank
-derives each share's rows from the output structure and the whole call's item weights,
-so both sizes are known before the call (``gathered_bytes``).
-
-With CP in the data group (``DataGroup.indexed``) a rank needs only the items of its
-sequence shard (``multimodal_fsdp.balance.context_parallel``): the header also carries a
-bad-index flag and one word per item of the call (whether this rank needs it), and the
-outputs go by one ``all_to_all`` of each rank's needed items from the ranks that encoded
-them (still the ``all_gather`` when every rank needs every item); an unsplit call has
-the header only, each rank keeping its needed items of the call it encoded whole.
+Collectives per split call on the data group: one ``all_gather`` of a fixed header
+(``HEADER_INTS`` int64 per rank: its share's output bytes and a fingerprint of their
+structure, which must agree), then one of the outputs' bytes, padded to the longest
+share's; both sizes are known before the call (``gathered_bytes``). With CP
+(``DataGroup.indexed``) a rank needs only its sequence shard's items
+(``multimodal_fsdp.balance.context_parallel``): the header also carries a bad-index flag
+and an item mask, and the outputs go by one ``all_to_all`` of the needed items (the
+``all_gather`` when every rank needs every item; an unsplit call has the header only).
 """
 
 from __future__ import annotations
@@ -50,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from multimodal_fsdp.balance._metadata import gather
+from multimodal_fsdp.balance._route import bytes_of
 from multimodal_fsdp.balance.layouts import MediaCall, MediaLayout, OutputSpec
 
 __all__ = ["HEADER_INTS", "DataGroup", "gather_outputs", "gathered_bytes", "select_items"]
@@ -62,7 +49,7 @@ HEADER_INTS = 2
 @dataclass(frozen=True)
 class DataGroup:
     """The ranks holding this rank's batch (global ranks, sorted), their process group
-    (whose group ranks follow that order) and this rank's position among them."""
+    and this rank's position among them."""
 
     group: Any
     ranks: tuple[int, ...]
@@ -75,9 +62,7 @@ class DataGroup:
         return len(self.ranks)
 
     def share(self, items: int) -> tuple[int, int]:
-        """This rank's items of a call of ``items`` items: ``[start, stop)``, consecutive,
-        the same split on every rank of the group (sizes differ by at most one); the whole
-        call when it has fewer items than the group has ranks (see the module docstring)."""
+        """This rank's items ``[start, stop)`` of a call of ``items`` items."""
         return share_of_position(items, self.position, self.size)
 
     def share_of(self, call: MediaCall) -> MediaCall:
@@ -92,7 +77,8 @@ def splits(items: int, size: int) -> bool:
 
 def share_of_position(items: int, position: int, size: int) -> tuple[int, int]:
     """The items ``[start, stop)`` the rank at ``position`` of a data group of ``size``
-    ranks brings of a call of ``items`` items (``DataGroup.share``)."""
+    ranks brings of a call of ``items`` items (sizes differ by at most one; the whole
+    call when it is not split)."""
     if not splits(items, size):
         return 0, items
     return position * items // size, (position + 1) * items // size
@@ -100,11 +86,9 @@ def share_of_position(items: int, position: int, size: int) -> tuple[int, int]:
 
 def gathered_bytes(output_bytes: Sequence[int], size: int, *, indexed: bool = False) -> list[int]:
     """Bytes each rank receives in the gathers after a call whose items' outputs take
-    ``output_bytes`` (every output tensor, in call order) on a data group of ``size``
-    ranks: the header's, then the padded outputs'; none when the call is not split.
-    ``indexed`` (CP): the header carries an item mask, and a rank is assumed to need
-    the items of its own share (a sequence whose media spread evenly over its shards),
-    so the all_to_all after it moves nothing (``[header, 0]``)."""
+    ``output_bytes`` on a data group of ``size`` ranks: the header's, then the padded
+    outputs' (none for an unsplit call). ``indexed`` (CP): a rank is assumed to need its
+    own share's items, so the all_to_all after the header moves nothing."""
     if indexed and size > 1:
         header = size * (HEADER_INTS + 1 + len(output_bytes)) * 8
         return [header, 0] if splits(len(output_bytes), size) else [header]
@@ -120,11 +104,8 @@ def gathered_bytes(output_bytes: Sequence[int], size: int, *, indexed: bool = Fa
 def select_items(
     layout: MediaLayout, output: Any, weights: Sequence[int], needs: Sequence[int]
 ) -> Any:
-    """The output of a call's items ``needs`` from ``output``, the whole call's (a rank
-    that encoded or received every item).
-
-    Raises:
-        ValueError: ``needs`` are not increasing item indices of the call."""
+    """The output of items ``needs`` from ``output``, the whole call's; a ValueError when
+    ``needs`` are not increasing item indices of the call."""
     if list(needs) != sorted(set(needs)) or any(not 0 <= i < len(weights) for i in needs):
         raise ValueError(
             f"context_parallel_media: items {list(needs)} are not increasing indices of this "
@@ -132,10 +113,6 @@ def select_items(
         )
     spec, pieces = layout.split_output(output, list(weights))
     return layout.join_output(spec, [pieces[i] for i in needs])
-
-
-def _bytes_of(tensor: Tensor) -> Tensor:
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _fingerprint(spec: OutputSpec) -> int:
@@ -171,17 +148,12 @@ def gather_outputs(
     device: torch.device,
     needs: Sequence[int] | None = None,
 ) -> Any:
-    """The call's output on every rank of ``data`` (collective over the group), from
-    each rank's ``output`` for its share of a call whose items have the given
-    ``weights`` (the whole call's, in call order; on an unsplit call every rank's
-    ``output`` is the whole call's): this rank's pieces keep their graph, the others'
-    are received copies. On an indexed group (CP) the header carries each rank's
-    ``needs`` (the items it wants, ``None``: all) and a rank gets those items only.
-
-    Raises:
-        RuntimeError: on every rank, when the ranks' output structures differ.
-        ValueError: on every rank, when a rank's ``needs`` are not increasing item
-            indices of the call."""
+    """The call's output on every rank of ``data`` (collective), from each rank's
+    ``output`` for its share of a call of items of ``weights`` (the whole call's): this
+    rank's pieces keep their graph, the others' are received copies. On an indexed group
+    (CP) a rank gets the items of its ``needs`` only (``None``: all). Raises on every
+    rank a RuntimeError when the output structures differ, a ValueError when a rank's
+    ``needs`` are not increasing item indices."""
     items = len(weights)
     split = splits(items, data.size)
     if not split and not data.indexed:
@@ -258,9 +230,8 @@ def _zero_gradient(tensor: Tensor) -> Tensor:
 
 
 def _without_gradient(layout: MediaLayout, output: Any, weights: Sequence[int]) -> Any:
-    """``output`` of an unsplit call on a rank other than the group's first: every rank of
-    the group encoded the whole call, so only the first one's carries the items'
-    gradients back (a trainable tower's are summed over the group)."""
+    """``output`` of an unsplit call on a rank other than the group's first, which alone
+    carries the items' gradients back."""
     spec, pieces = layout.split_output(output, list(weights))
     if not any(leaf.requires_grad for piece in pieces for leaf in piece):
         return output
@@ -274,7 +245,7 @@ def _without_gradient(layout: MediaLayout, output: Any, weights: Sequence[int]) 
 
 
 def _flat(pieces: Sequence[Sequence[Tensor]]) -> Tensor:
-    leaves = [_bytes_of(leaf) for piece in pieces for leaf in piece]
+    leaves = [bytes_of(leaf) for piece in pieces for leaf in piece]
     return torch.cat(leaves) if leaves else torch.empty(0, dtype=torch.uint8)
 
 

@@ -25,22 +25,11 @@ if TYPE_CHECKING:
 _FAILED, _NEEDS_GRAD = 1, 2
 
 
-def _status(bits: int, leaves: int, group: Any, device: torch.device) -> list[Tensor]:
-    return [
-        t.cpu()
-        for t in gather(torch.tensor([bits, leaves], dtype=torch.int64, device=device), group)
-    ]
-
-
-def _needs_grad(pieces: Sequence[Sequence[Tensor]]) -> bool:
-    return any(t.requires_grad for piece in pieces for t in piece)
-
-
 @dataclass
 class _Encoded:
-    """What this rank encoded in a balanced call, the kept items' pieces apart from the
-    received ones, or why it failed: a failure is held until the status gather, so that
-    every rank learns of it at the same collective."""
+    """What this rank encoded in a balanced call (the kept items' pieces apart from the
+    received ones), or why it failed: held until the status gather, where every rank
+    learns of it."""
 
     spec: OutputSpec | None = None
     kept: list[tuple[Tensor, ...]] = field(default_factory=list)
@@ -57,14 +46,10 @@ class _Encoded:
 
     @property
     def needs_grad(self) -> bool:
-        """Whether an output encoded here requires grad. A frozen tower fed inputs without
-        one can still return such outputs: a forward hook inside it (transformers'
-        ``enable_input_require_grads``, which ``gradient_checkpointing_enable`` installs on
-        the tower's embeddings) makes its activations require grad on the ranks that run
-        it, and only on those."""
-        return (
-            _needs_grad(self.kept) or _needs_grad(self.received) or _needs_grad([self.placeholder])
-        )
+        """Whether an output encoded here requires grad: even a frozen tower's may, on the
+        ranks that run it (transformers' ``enable_input_require_grads`` hook)."""
+        pieces = (*self.kept, *self.received, self.placeholder)
+        return any(t.requires_grad for piece in pieces for t in piece)
 
 
 class Exchanged:
@@ -102,8 +87,7 @@ class Exchanged:
 
     def run(self) -> tuple[Any, Tensor | None]:
         """The call's forward in protocol order (inputs out, encode, status, outputs back),
-        one step per collective, so every rank issues them alike; an encoding error waits
-        for the status gather, where every rank learns of it and none is left waiting."""
+        so every rank issues the collectives alike."""
         in_route, send_fields, link = self._input_route()
         kept_items = self._items(self.kept)
         # A tower without units runs twice: on the items it keeps while the others'
@@ -126,9 +110,8 @@ class Exchanged:
         return self._outputs(done, in_token, leaves, needs_grad)
 
     def _input_route(self) -> tuple[Route, list[Tensor], Tensor]:
-        """The inputs of the items that change rank, one buffer per field, and the rows
-        each rank sends and receives: one all_to_all then carries every field, and its
-        inverse the input gradients; ``link`` ties those gradients into the graph."""
+        """The route of the moved items' inputs, one send buffer per field, and ``link``,
+        which ties the input gradients into the graph."""
         t = self.t
         nfields = len(t.fields)
         send_fields = []
@@ -142,7 +125,6 @@ class Exchanged:
             self.route.per_peer(t.rank, [[item[f] for item in rows] for rows in t.rows])
             for f in range(nfields)
         ]
-        differentiable = t.grad_enabled
         in_route = Route(
             send_rows=tuple(send for send, _ in splits),
             recv_rows=tuple(recv for _, recv in splits),
@@ -152,14 +134,11 @@ class Exchanged:
             group=self.group,
             device=self.device,
         )
-        link = torch.zeros(
-            (), device=self.device, requires_grad=differentiable and any(t.input_grads)
-        )
-        return in_route, send_fields, link
+        grads = t.grad_enabled and any(t.input_grads)
+        return in_route, send_fields, torch.zeros((), device=self.device, requires_grad=grads)
 
     def _received_items(self, received: Sequence[Tensor]) -> list[MediaItem]:
-        """The items other ranks sent here, cut out of the received fields in the order
-        they were assigned: the order their outputs go back in."""
+        """The items other ranks sent here, in the order they were assigned."""
         t = self.t
         nfields = len(t.fields)
         recv_items = []
@@ -182,9 +161,8 @@ class Exchanged:
         recv_items: list[MediaItem],
         overlap: bool,
     ) -> None:
-        """Encode this rank's share (what ``run`` has not encoded while the inputs
-        travelled), or a placeholder where the tower's units must gather on every rank;
-        an error is kept in ``done`` for the status gather, not raised here."""
+        """Encode what ``run`` has not of this rank's share, or a placeholder where the
+        tower's units must gather on every rank; an error is kept in ``done``."""
         try:
             if overlap:
                 _, done.received = self._encode(recv_items)
@@ -197,14 +175,14 @@ class Exchanged:
             done.failure = raised
 
     def _check_status(self, done: _Encoded) -> tuple[set[int], bool]:
-        """The status gather: an error on one rank becomes an error on every rank (before
-        any rank waits for outputs that will not come), and ranks agree on the number of
-        output tensors and on whether any rank's outputs need a gradient. Returns the
-        agreed numbers (at most one) and that answer."""
+        """The status gather: an error on one rank raises on every rank (before any waits
+        for outputs that will not come); ranks agree on the number of output tensors
+        (returned, at most one) and on whether any rank's outputs need a gradient."""
         bits = (_FAILED if done.failure is not None else 0) | (
             _NEEDS_GRAD if done.failure is None and done.needs_grad else 0
         )
-        statuses = _status(bits, done.produced, self.group, self.device)
+        status = torch.tensor([bits, done.produced], dtype=torch.int64, device=self.device)
+        statuses = [row.cpu() for row in gather(status, self.group)]
         failed = [r for r, row in enumerate(statuses) if int(row[0]) & _FAILED]
         if failed:
             if done.failure is not None:
@@ -224,12 +202,8 @@ class Exchanged:
         self, done: _Encoded, in_token: Tensor, leaves: set[int], needs_grad: bool
     ) -> tuple[Any, Tensor | None]:
         """Outputs of moved items back to their owners; this rank's output in call order.
-
-        Whether gradients come back is agreed (``needs_grad``: some rank's outputs require
-        grad), never read from this rank's tensors alone: a rank whose outputs require grad
-        would otherwise record the exchange's backward (and its kept items' tower backward,
-        with its units' all-gathers) while a rank whose outputs do not records neither, and
-        the two wait in different collectives of the backward."""
+        Whether gradients come back is agreed (``needs_grad``), never read from this
+        rank's tensors alone, or ranks would record different backward collectives."""
         t, out_spec = self.t, done.spec
         if len(t.costs[t.rank]) and out_spec is None:
             raise RuntimeError(
@@ -258,8 +232,7 @@ class Exchanged:
         return output, zero_term
 
     def _output_buffers(self, done: _Encoded) -> list[Tensor]:
-        """The outputs of the items encoded here for other ranks, one buffer per output
-        tensor (empty ones too): the all_to_all sends every tensor whatever its dtype."""
+        """The outputs encoded here for other ranks, one buffer per output tensor."""
         out_spec = done.spec
         nleaves = len(out_spec.dtypes) if out_spec is not None else 0
         return [
@@ -275,9 +248,8 @@ class Exchanged:
     def _output_route(
         self, done: _Encoded, leaves: set[int], differentiable: bool, through: bool
     ) -> Route:
-        """The route of the outputs: rows to each owner and from each encoder (every rank
-        derives both from the table alike), and which tensors carry gradients back along
-        its inverse."""
+        """The route of the outputs: rows to each owner and from each encoder, and which
+        tensors carry gradients back."""
         t, owners, out_spec = self.t, self.route.owners, done.spec
         rank, world = t.rank, t.world
         nleaves = len(out_spec.dtypes) if out_spec is not None else 0
@@ -322,9 +294,7 @@ class Exchanged:
     def _in_call_order(
         self, out_spec: OutputSpec, kept: Sequence[Tensor], returned: Sequence[Tensor]
     ) -> list[tuple[Tensor, ...]]:
-        """Each item's output pieces in the order of this rank's call: the kept items' rows,
-        then the others' by source rank, cut apart so the layout can join them as the tower
-        would have returned them."""
+        """Each item's output pieces in the order of this rank's call."""
         t, rank = self.t, self.t.rank
         nleaves = len(out_spec.dtypes)
         by_item: dict[int, tuple[Tensor, ...]] = {}
@@ -346,11 +316,9 @@ def placeholder_run(
     runner: Callable[..., Any],
     device: torch.device,
 ) -> list[Tensor]:
-    """Run the tower on a placeholder shaped like the cheapest item; return each output
-    tensor summed and times 0 (a zero scalar; integer tensors give a constant zero), to be
-    linked into the exchange of the outputs: in backward the tower then runs for the
-    outputs that have a gradient on some rank, and only for those, as on the ranks with
-    items."""
+    """Run the tower on a placeholder shaped like the cheapest item: each output tensor
+    summed times 0, linked into the outputs' exchange so that in backward the tower runs
+    for the outputs some rank has a gradient for, as on the ranks with items."""
     spec = table.spec
     if spec is None:  # pragma: no cover - a balanced table always has one
         raise RuntimeError("balanced tower call: a placeholder without a call spec")

@@ -1,15 +1,12 @@
 """The metadata of a round of balanced calls: what every rank learns before items move.
 
-One ``all_gather`` of a fixed-size slot per rank (``SLOT_INTS`` int64): a header (which
-module the rank calls in this round, if any, its item count, the fields' dtypes and row
-shapes, whether inputs need gradients, an error flag) and, inline, the item table
-(cost, rows per field and sizes per item) and the pickled blob a rank without a call
-needs (the ``CallSpec`` of a balanced call, the placeholder description of a joined
-one). A rank whose table and blob do not fit inline (more than ``INLINE_INTS`` words)
-says so in its header, and every rank then runs one more ``all_gather`` holding each
-rank's whole table, padded to the longest; the rule is the same on every rank, so
-``exchange_traffic`` predicts it. Every rank reads the same rows, so every check here
-fails on every rank alike.
+One ``all_gather`` of a fixed-size slot per rank (``SLOT_INTS`` int64): a header (the
+module called, item count, fields' dtypes and row shapes, gradient and error flags) and,
+inline, the item table (cost, rows per field, sizes) and the pickled blob a rank without
+a call needs (a balanced call's ``CallSpec``, a joined call's placeholder description).
+When some rank's table and blob exceed ``INLINE_INTS`` words, one more ``all_gather``
+carries every rank's, padded to the longest (``exchange_traffic`` predicts it). Every
+rank reads the same rows, so every check here fails on every rank alike.
 """
 
 from __future__ import annotations
@@ -33,9 +30,6 @@ __all__ = [
     "SLOT_INTS",
     "ITEM_INTS",
     "STATUS_INTS",
-    "MAX_FIELDS",
-    "MAX_ROW_DIMS",
-    "MAX_SIZES",
     "Entry",
     "RoundTable",
     "Table",
@@ -71,7 +65,16 @@ _DTYPES: Final[tuple[torch.dtype, ...]] = (
 
 
 def payload_ints(items: int, blob_bytes: int) -> int:
-    """Words of one rank's item table and blob (inline when at most ``INLINE_INTS``)."""
+    """Words of one rank's item table and blob in a round's metadata.
+
+    Args:
+        items: the items of its call.
+        blob_bytes: the bytes of its blob (the pickled ``CallSpec``, or a joined call's
+            description).
+
+    Returns:
+        The words (inline in the slot when at most ``INLINE_INTS``).
+    """
     return items * ITEM_INTS + math.ceil(blob_bytes / 8)
 
 
@@ -83,10 +86,9 @@ class _Header:
 
 @dataclass(frozen=True)
 class Entry:
-    """What a rank brings to a round: the index of the module it calls, that module's
-    identity (its path and kind: ranks must agree on the module list), whether it has
-    trainable parameters, and the call: items with their spec (a balanced call), or the
-    blob a rank without a call needs (a joined call: ``call`` is ``None``)."""
+    """What a rank brings to a round: the module it calls, its identity (ranks must agree
+    on it), whether it is trainable, and the call (a balanced call's items) or the blob a
+    rank without the call needs (a joined call)."""
 
     module: int
     identity: str
@@ -130,40 +132,30 @@ class RoundTable:
         return sorted({m for m in self.modules if m >= 0})
 
     def module_table(self, module: int, *, balanced: bool = True) -> Table:
-        """The call of ``module``: its callers' items; every other rank has none. For a
-        balanced module the callers' specs must agree (the pass-through arguments)."""
+        """The call of ``module``: its callers' items (every other rank has none), whose
+        specs must agree for a balanced module (the pass-through arguments)."""
         callers = tuple(r for r, m in enumerate(self.modules) if m == module)
         costs: list[tuple[int, ...]] = []
         item_rows: list[tuple[tuple[int, ...], ...]] = []
         sizes: list[tuple[tuple[int, ...], ...]] = []
-        for r in range(self.world):
-            if r not in callers:
-                costs.append(())
-                item_rows.append(())
-                sizes.append(())
-                continue
-            row, table = self.headers[r], self.tables[r]
+        for r, row in enumerate(self.headers):
             n, nf, ns = (int(row[k]) for k in (_Header.ITEMS, _Header.FIELDS, _Header.SIZES))
-            entries = table[: n * ITEM_INTS].view(n, ITEM_INTS).tolist() if n else []
-            costs.append(tuple(int(e[0]) for e in entries))
-            item_rows.append(tuple(tuple(int(x) for x in e[1 : 1 + nf]) for e in entries))
-            sizes.append(
-                tuple(
-                    tuple(int(x) for x in e[1 + MAX_FIELDS : 1 + MAX_FIELDS + ns]) for e in entries
+            table = self.tables[r][: n * ITEM_INTS]
+            entries = table.view(n, ITEM_INTS).tolist() if n and r in callers else []
+            costs.append(tuple(e[0] for e in entries))
+            item_rows.append(tuple(tuple(e[1 : 1 + nf]) for e in entries))
+            sizes.append(tuple(tuple(e[1 + MAX_FIELDS : 1 + MAX_FIELDS + ns]) for e in entries))
+        specs = {r: _field_specs(self.headers[r]) for r in callers if costs[r]}
+        reference = next(iter(specs), None)
+        fields = specs[reference] if reference is not None else ()
+        for r, found in specs.items():
+            if found != fields:
+                raise ValueError(
+                    f"balanced tower call: rank {r}'s items have fields {found} but rank "
+                    f"{reference}'s have {fields}; items must share dtype and row shape to be "
+                    "encoded together"
                 )
-            )
-        with_items = [r for r in callers if costs[r]]
-        if with_items:
-            reference = _field_specs(self.headers[with_items[0]])
-            for r in with_items[1:]:
-                if _field_specs(self.headers[r]) != reference:
-                    raise ValueError(
-                        f"balanced tower call: rank {r}'s items have fields "
-                        f"{_field_specs(self.headers[r])} but rank {with_items[0]}'s have "
-                        f"{reference}; items must share dtype and row shape to be encoded "
-                        "together"
-                    )
-        fields = _field_specs(self.headers[with_items[0]]) if with_items else ()
+        with_items = list(specs)
         grads = tuple(
             bool(fields[f].dtype.is_floating_point)
             and any(int(self.headers[r][_FIXED + f * _FIELD_INTS + 1]) for r in with_items)
@@ -281,13 +273,9 @@ def _table(
     items: Sequence[tuple[int, tuple[int, ...], tuple[int, ...]]], blob: bytes, words: int
 ) -> Tensor:
     table = torch.zeros(words, dtype=torch.int64)
-    for i, (cost, rows, sizes) in enumerate(items):
-        base = i * ITEM_INTS
-        table[base] = cost
-        for f, count in enumerate(rows):
-            table[base + 1 + f] = count
-        for s, size in enumerate(sizes):
-            table[base + 1 + MAX_FIELDS + s] = size
+    for i, (cost, rows, sizes) in enumerate(items):  # _describe checked the field/size counts
+        entry = [cost, *rows, *[0] * (MAX_FIELDS - len(rows)), *sizes]
+        table[i * ITEM_INTS : i * ITEM_INTS + len(entry)] = torch.tensor(entry)
     if blob:
         start = len(items) * ITEM_INTS
         padded = blob + bytes((words - start) * 8 - len(blob))

@@ -1,12 +1,8 @@
 """What the ``balance_media`` hook plans, as data below the hook: its members and sizes.
 
-The hook ([`multimodal_fsdp.runtime.balance_media`][multimodal_fsdp.runtime.balance_media])
-installs the exchange; the estimates read the same plan data to count what it costs. Both
-need the balanced towers and joined modules, the size of a balance group and the bytes of
-the joined layers' decisions, so these live here, in the balance group below both, and
-``BalancePlanned`` says what the estimates read of a planned hook without importing it.
-The hook's plan data types are published with the hook, in
-``multimodal_fsdp.runtime.balance_media``.
+The hook ([`multimodal_fsdp.runtime.balance_media`][multimodal_fsdp.runtime.balance_media],
+which publishes these types) and the estimates both need them, so they live below both;
+``BalancePlanned`` is what the estimates read of a planned hook without importing it.
 """
 
 from __future__ import annotations
@@ -55,13 +51,10 @@ def blob_words(blob_bytes: int) -> int:
 
 @dataclass(frozen=True)
 class BalancedTower:
-    """One balanced tower as planned: its module path, the name of its layout adapter
-    (``multimodal_fsdp.balance.media_layout_for``), whether it owns FSDP units (then it
-    runs on a placeholder on a rank with nothing to encode, and is balanced in every
-    forward), whether it has trainable parameters (its output gradients go back
-    through the exchange in backward), and what the plan-time probe found for the
-    layout. The path is an encoder inside the discovered tower when the tower's own
-    calls cannot be cut by item (``multimodal_fsdp.balance.targets``)."""
+    """One balanced tower as planned: its module path (an encoder inside the discovered
+    tower when the tower's calls cannot be cut by item), its layout's name, whether it
+    owns FSDP units (then a rank with nothing to encode runs a placeholder), whether it
+    is trainable (its output gradients go back through the exchange)."""
 
     path: str
     layout: str
@@ -71,15 +64,12 @@ class BalancedTower:
     probe: str = ""
 
     def collectives_per_call(self) -> dict[str, int]:
-        """The collectives of one call that moves items (every item staying home costs
-        the slot gather alone), by phase and kind
-        (``"forward all_gather"``, ``"forward all_to_all"``, ``"backward all_to_all"``), as
+        """The collectives of one call that moves items, as
         [`exchange_traffic`][multimodal_fsdp.balance.traffic.exchange_traffic] counts them
-        (backward: the output gradients of a trainable tower; inputs that need a
-        gradient add one more).
+        (inputs that need a gradient add one more).
 
         Returns:
-            ``{"phase kind": count}``.
+            ``{"phase kind": count}``, e.g. ``"forward all_to_all"``.
         """
         moved = [[1, 1], []]  # two items on one rank: one of them moves
         rounds = exchange_traffic(
@@ -100,27 +90,23 @@ class BalancedTower:
 
 @dataclass(frozen=True)
 class JoinedModule:
-    """A module with FSDP units of its own that only ranks with media call (a projector
-    or connector with layers): its calls go through the rounds of the balanced towers,
-    unbalanced, and a rank without the call runs it on a placeholder
-    (``multimodal_fsdp.balance.placeholder``) in the same round, so its units' collectives
-    match on every rank."""
+    """A module with FSDP units that only ranks with media call (a projector with
+    layers): its calls go through the rounds unbalanced, and a rank without the call runs
+    it on a placeholder in the same round, so its units' collectives match."""
 
     path: str
     trainable: bool
 
 
-#: ``balance_media_group="auto"`` (the default) balances within blocks of at most this
-#: many consecutive data-parallel ranks: one balanced call's host work (slot gather,
-#: assignment) grows with its group, and balance quality with it (docs/benchmark.md 8b).
+#: ``balance_media_group="auto"`` balances within blocks of at most this many
+#: data-parallel ranks: a call's host work grows with its group (docs/benchmark.md 8b).
 AUTO_GROUP_RANKS: Final = 64
 
 
 def auto_group_size(ranks: int) -> int:
-    """The block size ``"auto"`` balances within on ``ranks`` data-parallel ranks: all of
-    them up to ``AUTO_GROUP_RANKS``; above, the largest divisor of ``ranks`` up to it
-    when that is at least half of it, else the smallest divisor above it (every rank on
-    a prime size). Always a divisor (equal blocks), never a group under half the bound."""
+    """The block size ``"auto"`` balances within on ``ranks`` data-parallel ranks: all up
+    to ``AUTO_GROUP_RANKS``; above, the largest divisor up to it when at least half of it,
+    else the smallest divisor above it (equal blocks, never under half the bound)."""
     if ranks <= AUTO_GROUP_RANKS:
         return ranks
     below = max(d for d in range(1, AUTO_GROUP_RANKS + 1) if ranks % d == 0)
@@ -146,11 +132,9 @@ def group_size(group: str | int, world_size: int, dp_replicate: int = 1) -> int:
 
 
 def sharded_on_data_group(model: nn.Module, paths: Sequence[str]) -> tuple[str, ...]:
-    """Of ``paths`` (the balanced towers and joined modules), those with a parameter that
-    is a DTensor on a mesh dimension whose ranks hold the same batch (the caller
-    tensor-parallelised the module over TP): their TP collectives pair the ranks of a data
-    group, which must then run the same items, so the group cannot share their encoding
-    (``multimodal_fsdp.balance._step_media.shares_encoding``) nor sum their gradients.
+    """Of ``paths``, those with a DTensor parameter on a mesh dimension whose ranks hold
+    the same batch (tensor-parallelised): their TP collectives need the same items on a
+    data group's ranks, so the group cannot share their encoding.
 
     Args:
         model: the planned model.
@@ -193,12 +177,10 @@ class BalancePlanned(Protocol):
 
     @property
     def sharded_on_data_group(self) -> tuple[str, ...]:
-        """The balanced towers and joined modules sharded on a data-group dimension
-        (``sharded_on_data_group``): non-empty, the data group does not share the
-        encoding."""
+        """The members sharded on a data-group dimension (``sharded_on_data_group``)."""
         ...
 
     def replay_layers(self, model: nn.Module, media: StepMedia) -> Removable | None:
-        """The joined layers on ``model`` (an unsharded copy), each decision read from
-        ``media`` instead of a collective; ``None`` when nothing needs replaying."""
+        """The joined layers on ``model`` (an unsharded copy), decisions read from
+        ``media``; ``None`` when nothing needs replaying."""
         ...

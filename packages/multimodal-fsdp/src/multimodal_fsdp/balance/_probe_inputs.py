@@ -9,13 +9,12 @@ the tower runs on.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
-from multimodal_fsdp.balance._arguments import forward_signature
+from multimodal_fsdp.balance._arguments import named_parameters
 
 __all__ = [
     "config_value",
@@ -124,14 +123,7 @@ def mask_arguments(tower: nn.Module, main: str) -> list[str]:
     """The forward's mask arguments besides ``main`` (``attention_mask``,
     ``input_features_mask``, ``padding_mask``...): audio encoders read each clip's length
     from them, some even when they are optional."""
-    params = forward_signature(tower).parameters.items()
-    return [
-        name
-        for name, p in params
-        if name != main
-        and name.endswith("mask")
-        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    ]
+    return [name for name in named_parameters(tower) if name != main and name.endswith("mask")]
 
 
 def mask_lengths(row: tuple[int, ...]) -> list[int]:

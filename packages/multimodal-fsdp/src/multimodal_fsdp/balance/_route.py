@@ -1,21 +1,14 @@
 """The byte all-to-all of a balanced call, differentiable.
 
 Every field (or output tensor) of every item crosses in ONE ``all_to_all_single`` of
-raw bytes, whatever the dtypes, so the number of collectives never depends on them and
-a rank with nothing to send still takes part with empty buffers. The autograd function
-sends the gradients of the floating fields back along the inverse route.
-
-An output tensor the loss never reads has no gradient (``None``), and one process would
-leave the parameters that feed only it without one. So a route with ``flags`` sends, in
-front of its gradient bytes to every rank, one byte per field saying whether this rank
-has a gradient for it; a field that no rank has one for gets ``None`` back on every rank
-(the same answer everywhere, so the tower's FSDP units reduce the same parameters).
-
-Rows a rank keeps (items it encodes itself) never enter the collective: they pass
-through the function untouched (``kept``), only so that their gradients count in those
-flags. The forward collective can be started early (``Pending``, ``async_op``) and
-waited for inside the function, so a rank encodes the items it keeps while the others'
-arrive.
+raw bytes, whatever the dtypes, and the gradients of the floating fields come back
+along the inverse route. An output the loss never reads has no gradient, and one process
+would leave the parameters feeding only it without one: so a route with ``flags`` sends,
+before its gradient bytes to every rank, one has-gradient byte per field, and a field no
+rank has a gradient for gets ``None`` on every rank (so FSDP units reduce the same
+parameters everywhere). Rows a rank keeps pass through untouched (``kept``), only so
+their gradients count in the flags. The forward collective can start early
+(``Pending``, ``async_op``) so a rank encodes its kept items while the others' arrive.
 """
 
 from __future__ import annotations
@@ -53,14 +46,13 @@ class Route:
         return rows * math.prod(self.row_shapes[field]) * self.dtypes[field].itemsize
 
 
-def _bytes_of(tensor: Tensor) -> Tensor:
+def bytes_of(tensor: Tensor) -> Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 class Pending:
-    """One byte ``all_to_all_single`` of a route, started (``async_op``) and not yet
-    waited for: ``wait`` returns each field's received rows, concatenated in
-    source-rank order, and the flags received (one row per source)."""
+    """One byte ``all_to_all_single`` of a route, started: ``wait`` returns each field's
+    received rows (in source-rank order) and the flags received (a row per source)."""
 
     def __init__(
         self,
@@ -84,7 +76,7 @@ class Pending:
             for k, field in enumerate(fields):
                 rows = rows_out[k][dest]
                 if rows:
-                    chunks.append(_bytes_of(tensors[k][offsets[k] : offsets[k] + rows]))
+                    chunks.append(bytes_of(tensors[k][offsets[k] : offsets[k] + rows]))
                     offsets[k] += rows
                 send_sizes[dest] += route.nbytes(field, rows)
         recv_sizes = [
@@ -146,19 +138,13 @@ def start_forward(route: Route, tensors: Sequence[Tensor], *, async_op: bool) ->
 
 
 class Exchange(torch.autograd.Function):
-    """All fields through one byte all_to_all; gradients of the floating fields that
-    ``route.grads`` marks return along the inverse route. ``link`` is a scalar that
-    orders this exchange after whatever produced it in backward (and keeps the node in
-    the graph when no field needs a gradient locally); the last output is a zero scalar
-    that callers add to their loss so the backward collective runs on every rank.
-    ``pending``: the forward collective, already started (``start_forward``), or
-    ``None`` to run it here.
-
-    After the fields come ``len(route.kept)`` tensors passed through untouched (rows
-    this rank keeps; their gradients count in the flags of their field), then
-    ``route.flags`` scalars, one per field (a rank with no field of its own: a
-    placeholder run's outputs, summed times 0): each gets a zero gradient when some
-    rank has a gradient for that field, else ``None``."""
+    """All fields through one byte all_to_all; the gradients ``route.grads`` marks return
+    along the inverse route. ``link`` orders this exchange after what produced it in
+    backward (and keeps the node in the graph); the last output is a zero scalar for the
+    loss, so the backward collective runs on every rank. ``pending``: the forward
+    collective already started, or ``None``. After the fields come ``len(route.kept)``
+    tensors passed through, then ``route.flags`` scalars (a placeholder run's outputs,
+    summed times 0), each given a zero gradient when some rank has one for its field."""
 
     @staticmethod
     def forward(

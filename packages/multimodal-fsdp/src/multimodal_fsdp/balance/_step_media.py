@@ -1,16 +1,14 @@
 """What a step's balanced media cost: the step's calls per rank (``StepMedia``), the
 rounds the exchange runs for them, and one rank's tally, from the exchange's own decision
-(``multimodal_fsdp.balance.assign.route_call``) and byte rules
-(``multimodal_fsdp.balance.traffic``). The ``balance_media`` hook
-(``BalanceMediaRuntimeHook.collectives``) and the estimates read it; the public names and
-how calls pair into rounds are in ``multimodal_fsdp.estimate.exchange``.
+(``route_call``) and byte rules (``multimodal_fsdp.balance.traffic``), for the
+``balance_media`` hook and the estimates (published in ``multimodal_fsdp.estimate.exchange``).
 """
 
 from __future__ import annotations
 
 import pickle
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fsdp_core.collective_count import CommTally
 from multimodal_fsdp.balance._data_group import gathered_bytes, share_of_position
@@ -48,10 +46,9 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ItemSizes:
-    """One media item of a balanced call: its ``cost`` (what the assignment balances,
-    patches or pixels), the bytes of its input rows (every field) and of its output rows
-    (every output tensor), and of those the bytes that gradients carry back (floating
-    outputs; floating inputs that require a gradient, usually none)."""
+    """One media item of a balanced call: its ``cost`` (patches or pixels), the bytes of
+    its input rows (every field) and output rows (every output tensor), and of those
+    the bytes gradients carry back (floating outputs; inputs that require grad)."""
 
     cost: int
     input_bytes: int
@@ -62,13 +59,10 @@ class ItemSizes:
 
 @dataclass(frozen=True)
 class BalancedCall:
-    """One call of the balanced tower at ``tower`` (its path) on one rank: the call's
-    ``spec`` (its pickled size travels in the metadata; ranks calling together share
-    it), its ``items`` in call order, and how many tensors the tower's output holds
-    (``output_tensors``; the gradient exchange sends one flag byte per tensor and rank).
-    A call of a *joined* module (``joined=True``: a projector with units of its own) has
-    no items; ``blob_bytes`` is the size of its call's description
-    (``multimodal_fsdp.balance.placeholder.describe_call``)."""
+    """One rank's call of the balanced tower at path ``tower``: its ``spec`` (pickled into
+    the metadata; ranks calling together share it), ``items`` in call order and the
+    tensors of the tower's output. A *joined* module's call (``joined=True``) has no
+    items; ``blob_bytes`` is its description's size (``describe_call``)."""
 
     tower: str
     spec: CallSpec
@@ -78,7 +72,11 @@ class BalancedCall:
     blob_bytes: int = 0
 
     def payload(self) -> int:
-        """Words of its item table and blob in the round's metadata."""
+        """Words of its item table and blob in the round's metadata.
+
+        Returns:
+            The words (``payload_ints``).
+        """
         if self.joined:
             return payload_ints(0, self.blob_bytes)
         return payload_ints(len(self.items), len(pickle.dumps(self.spec)))
@@ -86,11 +84,10 @@ class BalancedCall:
 
 @dataclass(frozen=True)
 class StepMedia:
-    """The balanced tower calls of one training step: ``ranks[r]`` is rank ``r``'s calls
-    in forward order, of balanced towers and joined modules (one entry per rank of the
-    balance group: all data-parallel ranks by default), ``rank`` the rank whose
-    collectives are predicted; ``layers`` what each rank does with the joined decoder
-    layers."""
+    """The balanced calls of one training step: ``ranks[r]`` is rank ``r``'s calls of
+    balanced towers and joined modules in forward order (one entry per rank of the
+    balance group), ``rank`` the rank whose collectives are predicted, ``layers`` what
+    each rank does with the joined decoder layers."""
 
     ranks: tuple[tuple[BalancedCall, ...], ...]
     rank: int = 0
@@ -123,8 +120,20 @@ class StepMedia:
         rank: int = 0,
         layers: Sequence[bytes] = (),
     ) -> StepMedia:
-        """Every rank makes ``calls`` (what the fake process group runs: every rank looks
-        like the calling one) and runs the joined layers ``layers`` describes."""
+        """Every rank makes the same calls (what the fake process group runs).
+
+        Args:
+            calls: each rank's calls.
+            world_size: the ranks of the balance group.
+            rank: the rank whose collectives are predicted.
+            layers: each rank's joined decoder layers (as ``StepMedia.layers``' rows).
+
+        Returns:
+            The step's media.
+
+        Raises:
+            ValueError: ``world_size`` is not a positive int.
+        """
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         return cls(
@@ -134,7 +143,11 @@ class StepMedia:
         )
 
     def towers(self) -> tuple[str, ...]:
-        """The tower paths the calls name, in first-call order."""
+        """The tower paths the calls name.
+
+        Returns:
+            The paths, in first-call order.
+        """
         seen: dict[str, None] = {}
         for calls in self.ranks:
             for call in calls:
@@ -149,9 +162,7 @@ def _rounds(
     media: StepMedia, members: Sequence[Member]
 ) -> list[tuple[list[BalancedCall | None], str]]:
     """The step's rounds as the exchange runs them: per round each rank's pending call
-    (``None``: it joins) and the module the round runs, the lowest in the hook's order
-    among those called; its callers move on to their next call, the others bring theirs
-    again."""
+    (``None``: it joins) and the module run (the lowest called in the hook's order)."""
     order = {member.path: index for index, member in enumerate(members)}
     position = [0] * media.world_size
     result: list[tuple[list[BalancedCall | None], str]] = []
@@ -186,19 +197,17 @@ def _subcall_traffic(
     tensors = max(
         (call.output_tensors for call in mine if call is not None and call.items), default=1
     )
+
+    def sizes(name: str) -> list[list[int]]:
+        return [[getattr(item, name) for item in group] for group in items]
+
     return call_traffic(
-        [[item.cost for item in group] for group in items],
+        sizes("cost"),
         rank=rank,
-        input_bytes=[[item.input_bytes for item in group] for group in items],
-        output_bytes=[[item.output_bytes for item in group] for group in items],
-        output_grad_bytes=(
-            [[item.output_grad_bytes for item in group] for group in items]
-            if tower.trainable or inputs_grad
-            else None
-        ),
-        input_grad_bytes=(
-            [[item.input_grad_bytes for item in group] for group in items] if inputs_grad else None
-        ),
+        input_bytes=sizes("input_bytes"),
+        output_bytes=sizes("output_bytes"),
+        output_grad_bytes=sizes("output_grad_bytes") if tower.trainable or inputs_grad else None,
+        input_grad_bytes=sizes("input_grad_bytes") if inputs_grad else None,
         output_tensors=tensors,
         run_when_empty=tower.run_when_empty,
     )
@@ -206,10 +215,9 @@ def _subcall_traffic(
 
 @dataclass(frozen=True)
 class CallBuffers:
-    """What one of this rank's balanced calls moves, for the memory model: the input
-    bytes it sends and receives, the output bytes it sends and receives, the input and
-    output bytes of the items it keeps, and the output gradient bytes it sends and
-    receives in backward (``None`` without that exchange)."""
+    """What one of this rank's balanced calls moves, for the memory model: input and
+    output bytes sent and received, input and output bytes of the items it keeps, and
+    output gradient bytes sent and received (``None`` without that exchange)."""
 
     inputs: tuple[int, int]
     outputs: tuple[int, int]
@@ -220,8 +228,16 @@ class CallBuffers:
 def call_buffers(
     media: StepMedia, tower: BalancedTower, members: Sequence[Member]
 ) -> list[CallBuffers | None]:
-    """Per call ``media.rank`` makes of ``tower``, in order, what it moves (``None``:
-    every item stays home, nothing is exchanged)."""
+    """What each call ``media.rank`` makes of ``tower`` moves.
+
+    Args:
+        media: the step's media.
+        tower: the balanced tower.
+        members: the hook's balanced towers and joined modules, in its order.
+
+    Returns:
+        Per call, in order, its buffers (``None``: nothing is exchanged).
+    """
     result: list[CallBuffers | None] = []
     for calls, chosen in _rounds(media, members):
         own = calls[media.rank]
@@ -248,11 +264,17 @@ def call_buffers(
 
 
 def module_runs(media: StepMedia, path: str, members: Sequence[Member]) -> int:
-    """How often the balanced or joined module at ``path`` runs on each rank in the step
-    when it owns FSDP units: once per round that runs it in which some rank has an item
-    of it (a balanced tower: a rank encodes its share, or a placeholder) or calls it (a
-    joined module: the callers' own calls, a placeholder elsewhere); its units'
-    collectives repeat that often (none in a step without its media)."""
+    """How often the balanced or joined module at ``path``, when it owns FSDP units,
+    runs on each rank in the step (its units' collectives repeat that often).
+
+    Args:
+        media: the step's media.
+        path: the module's path.
+        members: the hook's balanced towers and joined modules, in its order.
+
+    Returns:
+        The rounds that run it in which some rank has an item of it or calls it.
+    """
     count = 0
     for heads, chosen in _rounds(media, members):
         if chosen != path:
@@ -264,8 +286,15 @@ def module_runs(media: StepMedia, path: str, members: Sequence[Member]) -> int:
 
 
 def layer_runs(media: StepMedia, index: int) -> int:
-    """Whether (1) or not (0) the ``index``-th joined decoder layer runs on every rank in
-    the step: some rank runs it (the others join it on a placeholder), or none does."""
+    """Whether the ``index``-th joined decoder layer runs on every rank in the step.
+
+    Args:
+        media: the step's media.
+        index: the layer's position in the hook's order.
+
+    Returns:
+        1 when some rank runs it (the others on a placeholder), else 0.
+    """
     if not media.layers:
         return 1
     return int(any(blobs[index] for blobs in media.layers))
@@ -289,14 +318,26 @@ def exchange_tally(
     joined: Sequence[JoinedModule] = (),
     layers: int = 0,
 ) -> CommTally:
-    """The collectives ``media.rank`` runs in one training step's exchanges: each round
-    of calls of the balanced ``towers`` and ``joined`` modules, then the join barrier's
-    last round; and the decisions of ``layers`` joined decoder layers (with the shapes'
-    all_reduce where ``media.layers`` says some ranks run a layer and others skip it).
-    ``world_size``: the ranks of the balance group. ``all_gather`` bytes are the gathered
-    output (every rank's slot), ``all_to_all`` bytes those this rank sends, with what it
-    receives beside them, as [`fsdp_core.CommCounter`][fsdp_core.collective_count.CommCounter]
-    counts them."""
+    """The collectives ``media.rank`` runs in one step's exchanges: each round, the join
+    barrier's last round, and the joined decoder layers' decisions (with the shapes'
+    all_reduce where some ranks skip a layer), counted as
+    [`fsdp_core.CommCounter`][fsdp_core.collective_count.CommCounter] counts them.
+
+    Args:
+        media: the step's media.
+        towers: the balanced towers, in the hook's order.
+        world_size: the ranks of the balance group.
+        joined: the joined modules, after the towers.
+        layers: the joined decoder layers.
+
+    Returns:
+        The tally.
+
+    Raises:
+        TypeError: ``media`` is not a ``StepMedia``.
+        ValueError: ``media`` describes another number of ranks, or names a tower the
+            plan does not balance.
+    """
     if not isinstance(media, StepMedia):
         raise TypeError(f"media must be a StepMedia, got {type(media).__name__}")
     if media.world_size != world_size:
@@ -330,39 +371,22 @@ def exchange_tally(
 
 
 def data_group_media(media: StepMedia, size: int) -> StepMedia:
-    """``media`` (per rank of the balance group, each its data group's calls) as the
-    rounds see it when data groups of ``size`` ranks share the encoding
-    (``multimodal_fsdp.balance._data_group``): per rank of the balance group, the ranks of
-    its data group in order, each with its share of every split call; the predicted rank
-    is the first of ``media.rank``'s data group (every rank of the fake process group is
-    the calling one, rank 0)."""
-    ranks = []
-    for calls in media.ranks:
-        for position in range(size):
-            ranks.append(
-                tuple(
-                    call
-                    if call.joined
-                    else BalancedCall(
-                        tower=call.tower,
-                        spec=call.spec,
-                        items=call.items[
-                            slice(*share_of_position(len(call.items), position, size))
-                        ],
-                        output_tensors=call.output_tensors,
-                        blob_bytes=call.blob_bytes,
-                    )
-                    for call in calls
-                )
-            )
+    """``media`` as the rounds see it when data groups of ``size`` ranks share the
+    encoding: each rank replaced by its data group's ranks, each with its share of every
+    split call; the predicted rank is the first of ``media.rank``'s data group."""
+
+    def share(call: BalancedCall, position: int) -> BalancedCall:
+        items = call.items[slice(*share_of_position(len(call.items), position, size))]
+        return call if call.joined else replace(call, items=items)
+
+    ranks = [tuple(share(call, p) for call in calls) for calls in media.ranks for p in range(size)]
     layers = tuple(row for row in media.layers for _ in range(size))
     return StepMedia(ranks=tuple(ranks), rank=media.rank * size, layers=layers)
 
 
 def data_group_tally(media: StepMedia, size: int, *, indexed: bool = False) -> CommTally:
-    """The gathers within ``media.rank``'s data group of ``size`` ranks after each of its
-    split calls (``media`` per rank of the balance group, unsplit); ``indexed`` (CP): the
-    header with the item masks after every call, and the all_to_all of needed items."""
+    """The gathers within ``media.rank``'s data group of ``size`` ranks after its calls;
+    ``indexed`` (CP): the header with the item masks, then the needed items' all_to_all."""
     tally = CommTally()
     kinds = ("all_gather", "all_to_all" if indexed else "all_gather")
     for call in media.ranks[media.rank]:
@@ -377,16 +401,11 @@ def data_group_tally(media: StepMedia, size: int, *, indexed: bool = False) -> C
 
 def shares_encoding(planned: BalancePlanned, data_group: int, *, indexed: bool = False) -> bool:
     """Whether the data groups of ``data_group`` ranks share the encoding: more than one
-    rank, no balanced module sharded on a data-group dimension (its TP collectives pair
-    the group's ranks, which must run the same items: ``planned.sharded_on_data_group``,
-    decided at plan time), and with CP (``indexed``) no trainable balanced tower or joined
-    module (a CP rank needs the gradients of the items it reads; TP ranks all get the
-    whole gradient, and ``ParallelDims.sharing_mesh`` sums the parameters' over the
-    group)."""
+    rank, no balanced module sharded on a data-group dimension (its TP collectives need
+    the same items on the group's ranks), and with CP (``indexed``) nothing trainable
+    (a CP rank needs the gradients of the items it reads)."""
     trainable = any(t.trainable for t in planned.towers) or any(m.trainable for m in planned.joined)
-    if data_group == 1 or planned.sharded_on_data_group:
-        return False
-    return not (indexed and trainable)
+    return data_group != 1 and not planned.sharded_on_data_group and not (indexed and trainable)
 
 
 def planned_tally(
@@ -398,12 +417,10 @@ def planned_tally(
     data_group: int = 1,
     indexed: bool = False,
 ) -> CommTally:
-    """The ``balance_media`` hook's collectives in one step on ``world_size`` ranks: with
-    the step's media, its exchange (rounds, barrier and layer decisions); without, only
-    the joined layers' decisions, which do not depend on the media. ``data_group``: the
-    ranks holding each data-parallel rank's batch (TP x CP); when they share the
-    encoding, the rounds run over the balance group's data groups together, each rank
-    with its share, and each data group gathers its split calls' outputs."""
+    """The ``balance_media`` hook's collectives in one step on ``world_size`` ranks: the
+    exchange of the step's media, or without media the joined layers' decisions alone.
+    ``data_group``: the ranks holding each data-parallel rank's batch (TP x CP); when they
+    share the encoding, the rounds run over their shares and each group gathers."""
     if media is not None:
         size = group_size(planned.group, world_size, dp_replicate)
         layers = len(planned.layers) if world_size > 1 else 0
@@ -429,8 +446,7 @@ def planned_tally(
 
 def planned_runs(planned: BalancePlanned, media: StepMedia | None) -> dict[str, int]:
     """Per balanced tower or joined module that owns units, and per joined decoder layer,
-    how often it runs in the step's media (its units' collectives repeat per run); empty
-    without media (every module runs once)."""
+    how often it runs in the step's media; empty without media (each runs once)."""
     if media is None:
         return {}
     members: tuple[Member, ...] = (*planned.towers, *planned.joined)

@@ -16,13 +16,11 @@ __all__ = ["CallRoute", "assign_items", "route_call"]
 def assign_items(costs_by_rank: Sequence[Sequence[int]]) -> list[list[int]]:
     """The encoding rank of each item: ``owners[r][i]`` for item ``i`` of rank ``r``.
 
-    Longest processing time first: items by falling cost (then by position, then by
-    owner, so equal items alternate between owners) go to the least-loaded rank,
-    preferring the item's owner, then the lowest rank. With positive costs this gives
-    every rank at least one item when there are at least as many items as ranks, and a
-    most-loaded rank within 4/3 of the best possible. A second pass moves an item back
-    to its owner wherever that raises no rank above the most-loaded one (fewer bytes
-    exchanged, the same step time), keeping every rank non-empty.
+    Longest processing time first: items by falling cost (ties by position, then owner)
+    go to the least-loaded rank, preferring the owner, then the lowest rank; every rank
+    gets an item when there are enough, and the most-loaded is within 4/3 of the best.
+    A second pass sends items home wherever that raises no rank above the most-loaded
+    one (fewer bytes, the same step time), keeping every rank non-empty.
 
     Args:
         costs_by_rank: each rank's items' costs (positive integers), in call order.
@@ -76,8 +74,7 @@ def assign_items(costs_by_rank: Sequence[Sequence[int]]) -> list[list[int]]:
 @dataclass(frozen=True)
 class CallRoute:
     """Where one balanced call's items are encoded (``owners``, as ``assign_items``
-    returns it), and so what moves: the one decision the exchange runs and the cost
-    model counts, derived from the item costs alone."""
+    returns it): the one decision the exchange runs and the cost model counts."""
 
     owners: tuple[tuple[int, ...], ...]
 
@@ -127,8 +124,8 @@ class CallRoute:
         self, rank: int, sizes: Sequence[Sequence[int]]
     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """What ``rank``'s items encoded elsewhere weigh per encoding rank, and what the
-        items it encodes for others weigh per owner, for per-item ``sizes`` (rows of a
-        field, bytes): the inputs' send and receive splits (the outputs' in reverse).
+        items it encodes for others weigh per owner: the inputs' send and receive splits
+        (the outputs' in reverse).
 
         Args:
             rank: a rank of the balance group.
@@ -147,11 +144,9 @@ class CallRoute:
 
 
 def route_call(costs_by_rank: Sequence[Sequence[int]], *, run_when_empty: bool) -> CallRoute | None:
-    """The route of one balanced call, or ``None`` when it exchanges nothing and every
-    caller runs its own call, as without balancing: no rank has an item, or every item
-    stays on its rank and no rank must run the module on a placeholder (a module with
-    FSDP units, ``run_when_empty``, where some rank would encode nothing; the exchange
-    links the placeholder's run to the others' gradients).
+    """The route of one balanced call, or ``None`` when it exchanges nothing (every
+    caller runs its own call): no rank has an item, or none moves and no rank must run
+    a placeholder (``run_when_empty`` where some rank would encode nothing).
 
     Args:
         costs_by_rank: each rank's items' costs (positive integers), in call order.

@@ -1,23 +1,17 @@
 """Context parallelism: each CP rank gets the media features of its own sequence shard.
 
-Under context parallelism the ranks of a CP group hold different tokens of the same
-samples, and the same media. With ``balance_media=True`` and frozen towers the CP
-group is part of the rank's *data group* (``multimodal_fsdp.balance._data_group``):
-each rank encodes a share of every tower call's items. Inside
+The ranks of a CP group hold different tokens of the same samples and the same media;
+with ``balance_media=True`` and frozen towers they form part of a *data group*
+(``multimodal_fsdp.balance._data_group``) and each encodes a share of every call's
+items. Inside
 [`context_parallel_media`][multimodal_fsdp.balance.context_parallel.context_parallel_media]
-a rank names, per balanced tower call, the items its shard's media tokens need, and the
-call returns the outputs of those items only, in call order: the data group sends each
-rank the needed outputs it did not encode itself (one ``all_to_all`` of their bytes
-after a header gather that carries every rank's item mask), so no rank holds the
-features of the whole sample.
-[`items_of_tokens`][multimodal_fsdp.balance.context_parallel.items_of_tokens] turns
-the ordinals of a shard's media tokens into those items and the rows to take.
-
-A long video whose frames are separate items (one row of ``pixel_values`` per frame, the
-``batch-first`` layout) is split over the CP group frame by frame this way. A video that
-is one item of a ``packed-by-grid`` call (Qwen2-VL's ``(t, h, w)``) is cut into ``t``
-one-frame items with ``frames=True`` (its tower attends within a frame, so the frames'
-outputs, in order, are the video's); without it the video is one item.
+a rank names, per balanced call, the items its shard's media tokens need, and gets only
+those items' outputs (from the ranks that encoded them), so no rank holds the features
+of a whole sample;
+[`items_of_tokens`][multimodal_fsdp.balance.context_parallel.items_of_tokens] turns a
+shard's media token ordinals into those items. A video that is one ``packed-by-grid``
+item (``(t, h, w)``) is cut into ``t`` one-frame items with ``frames=True`` (its tower
+attends within a frame); a ``batch-first`` video is already one item per frame.
 """
 
 from __future__ import annotations
@@ -53,12 +47,8 @@ _NEEDS: ContextVar[_Needs | None] = ContextVar("multimodal_fsdp_cp_needs", defau
 @contextmanager
 def context_parallel_media(*calls: Sequence[int], frames: bool = False) -> Iterator[None]:
     """Inside, this rank's ``k``-th balanced tower call returns the outputs of the items
-    ``calls[k]`` (indices into the call's items, increasing) instead of every item's.
-
-    For CP ranks of a job whose mesh has a CP dimension and whose towers are balanced
-    on data groups (``balance_media=True``, frozen towers): the ranks of the data group
-    exchange which items each needs, so a wrong index raises a ``ValueError`` on every
-    rank of it. Calls beyond ``calls`` return every item, as without the context.
+    ``calls[k]`` only (later calls: every item). For CP ranks whose towers are balanced
+    on data groups; a wrong index raises a ``ValueError`` on every rank of the group.
 
     Args:
         calls: per balanced tower call in the forward(s) inside, the items this rank's
@@ -87,8 +77,7 @@ def context_parallel_media(*calls: Sequence[int], frames: bool = False) -> Itera
 
 
 def take_needs() -> tuple[int, ...] | None:
-    """The items this rank's next balanced call needs (``None``: every item); each call
-    takes the next entry of the enclosing ``context_parallel_media``."""
+    """The items this rank's next balanced call needs (``None``: every item)."""
     needs = _NEEDS.get()
     if needs is None or needs.taken >= len(needs.calls):
         return None
@@ -98,9 +87,8 @@ def take_needs() -> tuple[int, ...] | None:
 
 def split_frames(layout: MediaLayout, call: MediaCall) -> MediaCall:
     """``call`` with each ``(t, h, w)`` item of a ``packed-by-grid`` call cut into ``t``
-    items of one frame, inside ``context_parallel_media(..., frames=True)``; else
-    ``call``. A field with a row per patch is cut with the patches, the grid row becomes
-    ``(1, h, w)``, any other field (one row per item) goes with every frame."""
+    one-frame items inside ``context_parallel_media(..., frames=True)``: per-patch
+    fields are cut, the grid row becomes ``(1, h, w)``, other fields go with every frame."""
     needs = _NEEDS.get()
     if needs is None or not needs.frames or not isinstance(layout, PackedByGridLayout):
         return call
@@ -128,9 +116,8 @@ def split_frames(layout: MediaLayout, call: MediaCall) -> MediaCall:
 def own_items(
     layout: MediaLayout, tower: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
 ) -> Any:
-    """``output`` of a call a rank ran locally (an eval or ``no_grad`` forward of a tower
-    without units: not balanced, each rank encodes its whole call) reduced to the items
-    named for it, as a balanced call would return them."""
+    """``output`` of a call a rank ran unbalanced (eval or ``no_grad``) reduced to the
+    items named for it, as a balanced call would return them."""
     needs = take_needs()
     if needs is None:
         return output

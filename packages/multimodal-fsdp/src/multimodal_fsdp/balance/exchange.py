@@ -1,60 +1,46 @@
 """Balanced calls: exchange item sizes, send items, encode a share, send back.
 
-Every rank of ``group`` takes part in every *round*: in a round each rank brings at
-most one call of one of the protocol's modules (``Rounds``: the balanced towers, then
-the joined modules, in a fixed order), or none (a rank joining the others' calls). One
-metadata gather tells every rank who calls what; the round then runs the call of the
-lowest module called (a rank that brought another module's call runs that one as a
-rank without it, and brings its own again in the next round). A rank's own call of the
-module runs after the module's pre-forward hooks (FSDP gathers a module that is a unit
-there), so a rank without the call gathers such a module right after the metadata. The
-module's call runs as follows:
+Every rank of ``group`` takes part in every *round*: each brings at most one call of one
+of the protocol's modules (``Rounds``: the balanced towers, then the joined modules, in
+a fixed order), or none. One metadata gather tells every rank who calls what; the round
+runs the call of the lowest module called, and a rank that brought another module's
+call joins this one and brings its own again next round. A caller runs the module after
+its pre-forward hooks (FSDP's gather of a unit), so a rank without the call gathers such
+a module right after the metadata.
 
-- a **balanced** module (a tower with a layout adapter): ``route_call`` assigns its
-  items to ranks (the one decision the cost model counts too). When every item stays on
-  its rank and no rank that would encode nothing must run the module (a tower without
-  FSDP units, or every rank has an item), each caller simply runs its own call: nothing
-  more is exchanged. Otherwise the items that change rank are exchanged (one
-  ``all_to_all`` of their inputs, which a rank overlaps with encoding the items it
-  keeps when the tower owns no units), every rank encodes its share (or a placeholder,
-  for a tower with units), a status ``all_gather`` makes an error on one rank an error
-  on every rank, and one ``all_to_all`` sends the outputs of moved items back;
-- a **joined** module (a projector with FSDP units of its own): its callers run it on
-  their own inputs; every other rank runs it on a placeholder shaped like the first
-  caller's inputs (``multimodal_fsdp.balance.placeholder``), whose output counts zero,
-  so the module's units issue their collectives on every rank.
+- a **balanced** module (a tower with a layout adapter): ``route_call`` assigns its items
+  to ranks (the decision the cost model counts too). When nothing moves and no rank must
+  run a placeholder, each caller runs its own call. Otherwise the moved items' inputs go
+  out in one ``all_to_all`` (overlapped with encoding the kept items when the tower owns
+  no units), every rank encodes its share (or a placeholder), a status ``all_gather``
+  turns an error on one rank into an error on all, and one ``all_to_all`` brings the
+  outputs back;
+- a **joined** module (a projector with FSDP units): its callers run it on their inputs,
+  every other rank on a placeholder shaped like the first caller's
+  (``multimodal_fsdp.balance.placeholder``) whose output counts zero, so its units'
+  collectives run on every rank.
 
 Collectives, in order (``W`` ranks):
 
-1. ``all_gather`` of the slot: ``SLOT_INTS`` int64 per rank (``W * SLOT_INTS * 8``
-   bytes received); when some rank's item table and blob exceed ``INLINE_INTS`` words,
-   one more ``all_gather`` of every rank's table, padded to the longest. A round in
-   which no rank calls (the last round of ``join_remaining_calls``) ends here.
-2. Per balanced module with moved items (or a rank that must run a placeholder):
-   ``all_to_all_single`` (uint8) of the inputs of the items that change rank (a rank
-   sends nothing to itself), ``all_gather`` of the status (``STATUS_INTS`` int64), and
-   ``all_to_all_single`` of the outputs of the items encoded away from their owner.
-3. With a data group (``data``) and a call of at least as many items as it has ranks,
-   after the call: two ``all_gather`` on the data group, a fixed header and the shares'
-   outputs (``multimodal_fsdp.balance._data_group``).
+1. ``all_gather`` of the slot (``SLOT_INTS`` int64 per rank), plus one of every rank's
+   item table, padded to the longest, when one exceeds ``INLINE_INTS`` words. A round
+   in which no rank calls (the last of ``join_remaining_calls``) ends here.
+2. Per balanced call that exchanges: ``all_to_all_single`` (uint8) of the moved inputs,
+   ``all_gather`` of the status (``STATUS_INTS`` int64), ``all_to_all_single`` of the
+   outputs encoded away from their owner.
+3. With a data group (``data``) and a call of at least as many items as it has ranks:
+   two ``all_gather`` on the data group (``multimodal_fsdp.balance._data_group``).
 
-Backward, for a balanced module that exchanged and when gradients are needed (grad
-mode on and the tower trainable, some rank's floating input requiring grad, or some
-rank's tower outputs requiring grad, which the status gather tells every rank): one
-``all_to_all_single`` with the output gradients along the inverse route of the
-outputs, led by ``L`` flag bytes to every rank, itself included (``L`` output tensors:
-whether this rank has a gradient for each, for the items it kept or got back; an output
-no rank has one for gets ``None`` on every rank, so parameters that feed only unread
-outputs keep no gradient, as in one process); then, when some rank's floating input
-requires grad, one with the input gradients along the inverse route of the inputs.
+Backward, when gradients are needed (a trainable tower, an input or, on some rank, an
+output requiring grad): one ``all_to_all_single`` of the output gradients along the
+inverse route, led by one has-gradient byte per output tensor to every rank (an output
+no rank has a gradient for gets ``None`` everywhere, as in one process); then, when an
+input requires grad, one of the input gradients.
 
-[exchange_traffic][multimodal_fsdp.balance.traffic.exchange_traffic] computes each
+[exchange_traffic][multimodal_fsdp.balance.traffic.exchange_traffic] predicts each
 rank's list with its bytes. Under the fake process group every rank looks like the
-calling one (the gathers start from its own values), so the same code runs there.
-
-All tensors are sent as raw bytes, so one collective carries every field or output
-tensor whatever their dtypes, and a rank that sends and receives nothing still takes
-part with empty buffers.
+calling one, so the same code runs there. Tensors travel as raw bytes: one collective
+carries every field whatever its dtype, and a rank with nothing to send still takes part.
 """
 
 from __future__ import annotations
@@ -74,11 +60,7 @@ from multimodal_fsdp.balance._exchanged import Exchanged
 from multimodal_fsdp.balance._metadata import Entry, RoundTable, exchange_round
 from multimodal_fsdp.balance.assign import route_call
 from multimodal_fsdp.balance.context_parallel import split_frames, take_needs
-from multimodal_fsdp.balance.layouts import (
-    CallSpec,
-    MediaCall,
-    MediaLayout,
-)
+from multimodal_fsdp.balance.layouts import CallSpec, MediaCall, MediaLayout
 from multimodal_fsdp.balance.placeholder import describe_call, placeholder_call
 from multimodal_fsdp.balance.registry import media_layout_for
 
@@ -100,8 +82,8 @@ Call = tuple[tuple[Any, ...], dict[str, Any]]
 @dataclass(frozen=True)
 class EnteredCall:
     """A call ``Rounds.enter`` brought to its round: the member, the round's table, the
-    call split into items (a balanced member) and the device of the metadata; with a
-    data group, ``call`` is this rank's share and ``whole`` the call it is a share of."""
+    call's items (a balanced member; with a data group this rank's share of ``whole``)
+    and the metadata's device."""
 
     index: int
     table: RoundTable
@@ -113,18 +95,16 @@ class EnteredCall:
 @dataclass(frozen=True)
 class Member:
     """One module of the round protocol: a balanced tower (``layout``) or a joined
-    module (``layout=None``); ``identity`` is what ranks check they agree on (its path
-    and kind); ``run_when_empty``: it owns FSDP units, so a rank with nothing of its own
-    runs it on a placeholder; ``runner`` runs it on a rank inside its own call (the
-    original forward, for a hook), ``joiner`` on a rank that joins the call (through
-    the module's ``__call__``)."""
+    module (``layout=None``); ``identity``: what ranks check they agree on;
+    ``run_when_empty``: it owns FSDP units, so a rank with nothing runs a placeholder;
+    ``runner`` runs it inside a rank's own call (a hook's original forward), ``joiner``
+    on a rank that joins the call."""
 
     module: nn.Module
     identity: str
     layout: MediaLayout | None
     run_when_empty: bool
     runner: Callable[..., Any]
-    #: Runs it on a rank without a call of its own in the round (default ``runner``).
     joiner: Callable[..., Any] | None = None
 
     def run(self, own: bool) -> Callable[..., Any]:
@@ -140,24 +120,26 @@ class Member:
 
 
 def zero_loss_term(output: Any) -> Tensor | None:
-    """Every floating tensor of ``output`` summed, times 0: a scalar to add to the loss
-    so that a placeholder run's backward (its units' collectives) runs; ``None`` when no
-    output needs a gradient.
+    """Every floating tensor of ``output`` summed, times 0: added to the loss, it makes a
+    placeholder run's backward (its units' collectives) run.
 
     Args:
         output: a placeholder run's output.
 
     Returns:
-        The zero scalar, or None.
+        The zero scalar, or None when no output needs a gradient.
     """
     leaves: list[Tensor] = []
     _tensors(output, leaves)
-    parts = [t.sum().float() * 0 for t in leaves if t.is_floating_point() and t.requires_grad]
-    if not parts:
-        return None
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part.to(total.device)
+    needed = [t for t in leaves if t.is_floating_point() and t.requires_grad]
+    return _total([t.sum().float() * 0 for t in needed])
+
+
+def _total(terms: Sequence[Tensor]) -> Tensor | None:
+    """The terms summed on the first one's device (None without terms)."""
+    total: Tensor | None = None
+    for term in terms:
+        total = term if total is None else total + term.to(total.device)
     return total
 
 
@@ -177,7 +159,6 @@ def _tensors(value: Any, leaves: list[Tensor], depth: int = 0) -> None:
 
 
 def _weights(call: MediaCall) -> list[int]:
-    """Each item's weight (its main field's rows), as the output specs read them."""
     return [item.fields[0].shape[0] for item in call.items]
 
 
@@ -196,13 +177,12 @@ def _device(members: Sequence[Member], call: MediaCall | None, group: Any) -> to
 
 class Rounds:
     """The round protocol over ``members`` on ``group`` (see the module docstring).
-    ``data``: the ranks holding this rank's batch (``multimodal_fsdp.balance._data_group``),
-    ``group`` then spans their data groups; each brings its share of a balanced call.
 
     Args:
         members: the protocol's modules, in round order (every rank the same).
-        group: the balance group.
-        data: this rank's data group, when ranks hold the same batch.
+        group: the balance group (with ``data``: spanning the data groups).
+        data: this rank's data group (``multimodal_fsdp.balance._data_group``), when
+            ranks hold the same batch: each brings its share of a balanced call.
     """
 
     def __init__(
@@ -212,17 +192,13 @@ class Rounds:
         self.group = group
         self.data = data
 
-    # ------------------------------------------------------------------ entry points
     def enter(
         self, index: int, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None
     ) -> tuple[EnteredCall, list[Tensor]]:
         """The rounds of this rank's call of member ``index`` up to the one that runs it
-        (collective): a round whose lowest called module is another runs that module's
-        call here, as a rank without it (its zero loss terms are returned), and this rank brings
-        its call again in the next round. Then ``finish`` runs the call: a hook calls
-        ``enter`` before the module's own pre-forward hooks (FSDP's all-gather of a module
-        that is a unit) and ``finish`` inside its forward, so every rank issues the
-        module's collectives at the same point of the round.
+        (collective), joining other modules' calls on the way. A hook calls ``enter``
+        before the module's pre-forward hooks (FSDP's all-gather) and ``finish`` inside
+        its forward, so every rank issues the module's collectives at the same point.
 
         Args:
             index: the member this rank calls.
@@ -271,8 +247,7 @@ class Rounds:
     def finish(
         self, entered: EnteredCall, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None
     ) -> tuple[Any, Tensor | None]:
-        """This rank's call of the member ``enter`` brought to its round: the output and,
-        for a balanced call that exchanged with gradients flowing back, its zero_term.
+        """This rank's call of the member ``enter`` brought to its round.
 
         Args:
             entered: what ``enter`` returned.
@@ -285,34 +260,26 @@ class Rounds:
         Raises:
             Exception: what a joined member's own call raised, after the other ranks were
                 told (they raise in their next round).
-            RuntimeError: a balanced entered call without its layout or share (a bug).
         """
         member = self.members[entered.index]
         original: Call = (tuple(args), dict(kwargs or {}))
         if member.layout is None:  # joined: the caller's own call, as without balancing
-            try:
-                return member.run(own=True)(*original[0], **original[1]), None
-            except Exception as raised:
-                self._fail(raised, entered.device)
+            return self._own(member, original, entered.device)
         layout, share, needs = member.layout, entered.call, take_needs()
-        if layout is None or share is None:  # pragma: no cover - a balanced call has both
-            raise RuntimeError("balanced call of a joined module")
-        data = self.data
-        if data is None:
-            output, zero_term = self._balanced(
-                member, entered.table, entered.index, share, original, entered.device
-            )
-            if needs is not None:  # CP without a data group: this rank encoded every item
-                output = select_items(layout, output, _weights(share), needs)
-            return output, zero_term
-        own: Call | None = original  # an unsplit call: every rank of the group encodes all of it
-        if entered.whole is not None:
+        assert share is not None  # a balanced entered call has its items
+        own: Call | None = original  # unsplit: every rank of a data group encodes all of it
+        if entered.whole is not None:  # this rank's share of a call split over its data group
             own = layout.build_call(share.spec, share.items) if share.items else None
         output, zero_term = self._balanced(
             member, entered.table, entered.index, share, own, entered.device
         )
-        weights = _weights(entered.whole or share)
-        return gather_outputs(layout, data, output, weights, entered.device, needs), zero_term
+        if self.data is not None:
+            weights = _weights(entered.whole or share)
+            output = gather_outputs(layout, self.data, output, weights, entered.device, needs)
+            return output, zero_term
+        if needs is not None:  # CP without a data group: this rank encoded every item
+            output = select_items(layout, output, _weights(share), needs)
+        return output, zero_term
 
     def call(
         self,
@@ -322,12 +289,9 @@ class Rounds:
         *,
         zero_terms: list[Tensor] | None = None,
     ) -> Any:
-        """This rank's call of member ``index``: ``enter`` then ``finish`` (collective);
-        the zero loss terms of the rounds' exchanges and placeholder runs go to ``zero_terms``.
-
-        A direct caller has no pre-forward hook between ``enter`` and ``finish``, so a
-        member that is an FSDP unit is gathered here, at the point where a rank joining
-        the call gathers it (``_join_module``); its own pre-forward then gathers nothing.
+        """This rank's call of member ``index``: ``enter`` then ``finish`` (collective).
+        With no pre-forward hook between them, a member that is an FSDP unit is gathered
+        here, where a rank joining the call gathers it.
 
         Args:
             index: the member this rank calls.
@@ -348,8 +312,7 @@ class Rounds:
         return output
 
     def join_one(self) -> tuple[list[Tensor], bool]:
-        """One round without a call of this rank's own: the zero loss terms of what it joined
-        and whether any rank called.
+        """One round without a call of this rank's own.
 
         Returns:
             The zero loss terms of the call joined, and whether any rank called.
@@ -362,73 +325,54 @@ class Rounds:
         return ([zero_term] if zero_term is not None else []), True
 
     def join(self) -> tuple[Tensor | None, int]:
-        """Rounds without a call of this rank's own until one in which no rank calls:
-        the sum of their zero loss terms (``None`` if none) and the number of rounds joined.
+        """Rounds without a call of this rank's own until one in which no rank calls.
 
         Returns:
             The summed zero loss terms (or None) and the number of rounds joined.
         """
-        total: Tensor | None = None
+        terms: list[Tensor] = []
         joined = 0
         while True:
             made, called = self.join_one()
             if not called:
-                return total, joined
+                return _total(terms), joined
             joined += 1
-            for zero_term in made:
-                total = zero_term if total is None else total + zero_term.to(total.device)
+            terms += made
 
-    # ------------------------------------------------------------------ one round
     def _join_module(self, module: int, table: RoundTable, device: torch.device) -> Tensor | None:
-        """Member ``module``'s call in this round, on a rank that does not make it. A
-        member that is an FSDP unit itself is gathered first: its callers' pre-forward
-        hooks gathered it right after the round's metadata."""
+        """Member ``module``'s call in this round on a rank that does not make it: its zero
+        loss term (a placeholder run, or the exchange's)."""
         member = self.members[module]
-        self._gather_unit(member)
-        if member.layout is None:
-            _, zero_term = self._joined(member, table, module, None, device)
-        else:
-            _, zero_term = self._balanced(member, table, module, None, None, device)
-        return zero_term
+        self._gather_unit(member)  # the callers' pre-forward gathered it after the metadata
+        if member.layout is not None:
+            return self._balanced(member, table, module, None, None, device)[1]
+        if not member.run_when_empty:
+            return None
+        try:
+            args, kwargs = placeholder_call(table.module_table(module, balanced=False).blob, device)
+            output = member.run(own=False)(*args, **kwargs)
+        except Exception as raised:
+            self._fail(raised, device)
+        return zero_loss_term(output)
 
     @staticmethod
     def _gather_unit(member: Member) -> None:
-        """All-gather a member that is an FSDP unit run on every rank, at the point of the
-        round where each rank's module collectives start (the callers' pre-forward)."""
+        """All-gather a member that is an FSDP unit run on every rank."""
         if isinstance(member.module, FSDPModule) and member.run_when_empty:
             member.module.unshard()
 
     def _fail(self, error: BaseException, device: torch.device) -> NoReturn:
-        """A local run failed: tell every rank in one more round (their next round
-        raises), then raise here."""
+        """Tell every rank of a local failure (their next round raises), then raise."""
         exchange_round(None, error, group=self.group, device=device)
         raise error  # exchange_round re-raises it; this line keeps the type checker sure
 
-    # ------------------------------------------------------------------ joined
-    def _joined(
-        self,
-        member: Member,
-        table: RoundTable,
-        module: int,
-        original: Call | None,
-        device: torch.device,
-    ) -> tuple[Any, Tensor | None]:
-        if original is not None:  # a caller: its own call, as without balancing
-            try:
-                return member.run(own=True)(*original[0], **original[1]), None
-            except Exception as raised:
-                self._fail(raised, device)
-        if not member.run_when_empty:
-            return None, None
-        t = table.module_table(module, balanced=False)
+    def _own(self, member: Member, original: Call, device: torch.device) -> tuple[Any, None]:
+        """The caller's own call, as without balancing."""
         try:
-            args, kwargs = placeholder_call(t.blob, device)
-            output = member.run(own=False)(*args, **kwargs)
+            return member.run(own=True)(*original[0], **original[1]), None
         except Exception as raised:
             self._fail(raised, device)
-        return None, zero_loss_term(output)
 
-    # ------------------------------------------------------------------ balanced
     def _balanced(
         self,
         member: Member,
@@ -450,12 +394,7 @@ class Rounds:
             )
         route = route_call(t.costs, run_when_empty=member.run_when_empty)
         if route is None:  # every item stays home: the caller's own call, nothing exchanged
-            if original is None:
-                return None, None
-            try:
-                return member.run(own=True)(*original[0], **original[1]), None
-            except Exception as raised:
-                self._fail(raised, device)
+            return (None, None) if original is None else self._own(member, original, device)
         if logger.isEnabledFor(logging.DEBUG):
             loads = [0] * t.world
             for r, costs in enumerate(t.costs):
@@ -467,10 +406,8 @@ class Rounds:
                 [sum(costs) for costs in t.costs],
                 loads,
             )
-        layout = member.layout
-        if layout is None:  # pragma: no cover - members with a layout only
-            raise RuntimeError("balanced call of a joined module")
-        return Exchanged(member, layout, t, route, call, device, self.group).run()
+        assert member.layout is not None  # a balanced member has a layout
+        return Exchanged(member, member.layout, t, route, call, device, self.group).run()
 
 
 def _single(
@@ -504,17 +441,8 @@ def balanced_call(
 ) -> Any:
     """``tower(*args, **kwargs)``, with the items of every rank's call spread evenly over
     the ranks of ``group`` (collective: every rank calls this or ``join_without_call``).
-
-    Returns what the tower would have returned for this rank's items, built from pieces
-    encoded anywhere (``None`` for a call with no items while other ranks have some:
-    use ``join_without_call`` there); gradients flow back to the encoding ranks and,
-    where inputs require grad, to the inputs. ``runner`` runs the tower on the local share (default
-    ``tower`` itself; a hook that replaces the tower's forward passes the original).
-    ``run_when_empty``: run the tower on a placeholder whose output counts 0 when this
-    rank gets nothing to encode (for towers that own FSDP units). ``zero_terms``: a list
-    that gets the call's zero loss term when gradients flow back; add it to the loss (as
-    ``join_without_call``'s) so this rank runs the exchange's backward collectives even
-    when its loss reads none of the outputs, as the ranks that joined do.
+    Gradients flow back to the encoding ranks and, where inputs require grad, to the
+    inputs.
 
     Args:
         tower: the tower (or encoder) called.
@@ -522,12 +450,17 @@ def balanced_call(
         kwargs: the call's keyword arguments.
         layout: the tower's layout (chosen for it when None).
         group: the ranks that balance (the default group when None).
-        run_when_empty: run the tower on a placeholder when this rank gets no item.
-        runner: runs the tower on this rank's share (``tower`` when None).
-        zero_terms: a list that receives the call's zero loss term.
+        run_when_empty: run the tower on a placeholder whose output counts 0 when this
+            rank gets no item (towers that own FSDP units).
+        runner: runs the tower on this rank's share (``tower`` when None; a hook that
+            replaces the tower's forward passes the original).
+        zero_terms: a list that receives the call's zero loss term when gradients flow
+            back: add it to the loss so this rank runs the exchange's backward even when
+            its loss reads none of the outputs.
 
     Returns:
-        The tower's output for this rank's call.
+        The tower's output for this rank's items, built from pieces encoded anywhere
+        (``None`` for a call without items while other ranks have some).
     """
     rounds = _single(tower, layout, group, run_when_empty, runner)
     return rounds.call(0, tuple(args), kwargs, zero_terms=zero_terms)
@@ -542,8 +475,7 @@ def join_without_call(
     runner: Callable[..., Any] | None = None,
 ) -> Tensor:
     """Take part in a balanced call of ``tower`` on a rank whose forward has no call of
-    it (a text-only batch): this rank may still encode others' items. Returns a zero
-    scalar; add it to the loss so this rank joins the exchange's backward collectives.
+    it (a text-only batch): this rank may still encode others' items.
 
     Args:
         tower: the tower other ranks call.
@@ -553,14 +485,10 @@ def join_without_call(
         runner: runs the tower on this rank's share (``tower`` when None).
 
     Returns:
-        A zero scalar to add to the loss.
+        A zero scalar to add to the loss (this rank then joins the backward collectives).
     """
-    rounds = _single(tower, layout, group, run_when_empty, runner)
-    made, _ = rounds.join_one()
-    total = torch.zeros(())
-    for zero_term in made:
-        total = total + zero_term.to(total.device)
-    return total
+    made, _ = _single(tower, layout, group, run_when_empty, runner).join_one()
+    return sum((term.to("cpu") for term in made), torch.zeros(()))
 
 
 def join_remaining_calls(
@@ -573,13 +501,9 @@ def join_remaining_calls(
 ) -> tuple[Tensor, int]:
     """Join, as a rank without a call, every balanced call of ``tower`` that other ranks
     still make, until a round in which no rank calls (collective: every rank calls this
-    once it has made all of its own calls of this forward, e.g. just before the decoder).
-
-    Ranks need not know each other's number of calls (text-only batches, an image call
-    here and an image and a video call there, one call per image). Returns the sum of the
-    zero loss terms (add it to a tensor the loss depends on, before the decoder, so the
-    backward collectives keep their order) and the number of calls joined. The last
-    round costs one ``all_gather`` of the slot.
+    once it has made all of its own calls of this forward, e.g. just before the decoder),
+    so ranks need not know each other's number of calls. The last round costs one
+    ``all_gather`` of the slot.
 
     Args:
         tower: the tower other ranks call.
@@ -589,8 +513,8 @@ def join_remaining_calls(
         runner: runs the tower on this rank's share (``tower`` when None).
 
     Returns:
-        The summed zero loss terms and the number of calls joined.
+        The summed zero loss terms (add them to a tensor the loss depends on, before the
+        decoder, so the backward collectives keep their order) and the calls joined.
     """
-    rounds = _single(tower, layout, group, run_when_empty, runner)
-    total, joined = rounds.join()
+    total, joined = _single(tower, layout, group, run_when_empty, runner).join()
     return (total if total is not None else torch.zeros(())), joined

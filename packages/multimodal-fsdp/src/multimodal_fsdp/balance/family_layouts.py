@@ -1,15 +1,5 @@
-"""Layouts of tower families whose items have sizes of their own.
-
-- ``packed-by-size`` (``PackedBySizeLayout``): Pixtral (Mistral 3, LLaVA with a Pixtral
-  tower): a padded batch of images in, ``image_sizes`` saying each one's size, every
-  image's patch tokens packed into one sequence out (``(1, tokens, D)``).
-- ``packed-by-length`` (``PackedByLengthLayout``): Qwen2.5-Omni's audio encoder: the mel
-  frames of every clip concatenated along the time axis (``(mel, frames)``),
-  ``feature_lens`` (and ``aftercnn_lens``) per clip, and per clip a number of tokens out
-  given by the encoder's convolutions and pooling.
-- ``tiled`` (``TiledLayout``): Mllama: per sample, its images, each with its tiles
-  (``(batch, images, tiles, C, H, W)``, ``aspect_ratio_ids``, ``aspect_ratio_mask``),
-  out per sample, image and tile.
+"""Layouts of tower families whose items have sizes of their own: ``packed-by-size``
+(Pixtral), ``packed-by-length`` (Qwen2.5-Omni's audio encoder) and ``tiled`` (Mllama).
 
 Items travel as rows of fixed shape (a patch, a mel frame, an image's tiles), so items
 of different sizes from different ranks meet in one call; ``build_call`` pads them
@@ -27,9 +17,8 @@ from torch import Tensor, nn
 
 from multimodal_fsdp.balance._arguments import (
     arguments_by_name,
-    check_constants_hold_no_tensor,
+    call_spec,
     forward_signature,
-    positional_only_names,
     scalar_arguments,
     scalar_rows,
 )
@@ -67,35 +56,13 @@ def _refuse_others(
     return scalars
 
 
-def _spec(
-    tower: nn.Module,
-    layout: str,
-    named: Mapping[str, Any],
-    fields: Sequence[str],
-    scalars: Sequence[str],
-    cut: Sequence[str],
-) -> CallSpec:
-    constants = {n: v for n, v in named.items() if n not in cut and n not in scalars}
-    check_constants_hold_no_tensor(tower, constants, layout)
-    return CallSpec(
-        fields=(*fields, *scalars),
-        constants=tuple(constants.items()),
-        positional=positional_only_names(tower),
-        scalars=tuple(scalars),
-    )
-
-
 # --------------------------------------------------------------------------- Pixtral
 class PackedBySizeLayout(MediaLayout):
-    """Pixtral: ``vision_tower(pixel_values, image_sizes=...)`` with ``pixel_values``
-    padded to the largest image of the call and ``image_sizes`` each image's ``(h, w)``;
-    the output packs every image's ``(h // p) * (w // p)`` patch tokens into one sequence,
-    ``(1, tokens, D)``, hidden states alike.
-
-    An item is one image as rows of whole patches (``(patches, C, p, p)``; the pixels the
-    tower crops away never travel), its sizes the patch grid ``(h // p, w // p)``, its cost
-    the patches; a call rebuilds the padded batch and ``image_sizes`` from them. The
-    output splits along dim 1, one token per patch. ``p`` is the tower's ``patch_size``.
+    """Pixtral (Mistral 3, LLaVA with a Pixtral tower): ``vision_tower(pixel_values,
+    image_sizes=...)``, images padded to the largest, every image's patch tokens packed
+    into one ``(1, tokens, D)`` output. An item is one image as rows of whole patches
+    (``(patches, C, p, p)``: cropped pixels never travel), its sizes the patch grid, its
+    cost the patches; its output is one token per patch along dim 1.
 
     Args:
         patch: the tower's patch size (``bind`` reads it from the tower when None).
@@ -165,12 +132,9 @@ class PackedBySizeLayout(MediaLayout):
             )
         count, channels, height, width = pixels.shape
         given = named.get(self.sizes_argument)
+        given = given.tolist() if isinstance(given, Tensor) else given
         sizes = (
-            [(int(h), int(w)) for h, w in given.tolist()]
-            if isinstance(given, Tensor)
-            else [(int(h), int(w)) for h, w in given]
-            if given is not None
-            else [(height, width)] * count
+            [(int(h), int(w)) for h, w in given] if given is not None else [(height, width)] * count
         )
         if len(sizes) != count:
             raise ValueError(
@@ -195,7 +159,7 @@ class PackedBySizeLayout(MediaLayout):
                 .reshape(hp * wp, channels, patch, patch)
             )
             items.append(MediaItem(fields=(rows, *extra), cost=hp * wp, sizes=(hp, wp)))
-        spec = _spec(tower, self.name, named, (self.pixel_argument,), scalars, cut)
+        spec = call_spec(tower, self.name, named, cut[:1], scalars, rebuilt=cut[1:])
         return MediaCall(spec=spec, items=tuple(items))
 
     def build_call(
@@ -233,12 +197,10 @@ LengthsFn = Callable[[Tensor], tuple[Tensor, Tensor]]
 
 class PackedByLengthLayout(MediaLayout):
     """Qwen2.5-Omni's audio encoder: ``audio_tower(input_features, feature_lens=...,
-    aftercnn_lens=...)``, the mel frames of every clip concatenated along the time axis
-    (``(mel, frames)``), ``feature_lens`` each clip's frames. An item is one clip as rows
-    of frames (``(frames, mel)``) with its ``feature_lens`` and ``aftercnn_lens`` rows; its
-    cost the frames. The encoder's convolutions and pooling give a clip of ``L`` frames
-    ``((L - 1) // 2 + 1 - 2) // 2 + 1`` tokens: the output rows follow the tower's own
-    ``_get_feat_extract_output_lengths`` when it has one, else are proportional.
+    aftercnn_lens=...)``, every clip's mel frames concatenated (``(mel, frames)``). An
+    item is one clip as rows of frames (``(frames, mel)``) with its lengths, its cost the
+    frames; its output rows follow the tower's ``_get_feat_extract_output_lengths`` (its
+    convolutions and pooling) when it has one, else are proportional.
 
     Args:
         lengths: a clip's output tokens from its frames (``bind`` takes the tower's own
@@ -285,14 +247,12 @@ class PackedByLengthLayout(MediaLayout):
         generator = torch.Generator().manual_seed(0)
         features = torch.randn((mel, 20), generator=generator).to(floating_dtype(tower))
         lens = torch.tensor([8, 12])
+        first = next(iter(forward_signature(tower).parameters))
         calls = []
         for count in (1, 2):
-            kwargs: dict[str, Any] = {
-                self.lengths_argument: lens[:count],
-            }
+            kwargs: dict[str, Any] = {self.lengths_argument: lens[:count]}
             if self.lengths is not None:
                 kwargs[self.after_argument] = self.lengths(lens[:count])[0]
-            first = next(iter(forward_signature(tower).parameters))
             kwargs[first] = features[:, : int(lens[:count].sum())]
             calls.append(ProbeCall((), kwargs))
         return [(calls[0], calls[1])]
@@ -338,8 +298,7 @@ class PackedByLengthLayout(MediaLayout):
             offset += length
             side = [named[n][index : index + 1] for n in cut[1:]]
             items.append(MediaItem(fields=(rows, *side, *extra), cost=length, sizes=(length,)))
-        spec = _spec(tower, self.name, named, cut, scalars, cut)
-        return MediaCall(spec=spec, items=tuple(items))
+        return MediaCall(call_spec(tower, self.name, named, cut, scalars), tuple(items))
 
     def build_call(
         self, spec: CallSpec, items: Sequence[MediaItem]
@@ -373,16 +332,10 @@ class PackedByLengthLayout(MediaLayout):
 # ---------------------------------------------------------------------------- Mllama
 class TiledLayout(MediaLayout):
     """Mllama: ``vision_model(pixel_values, aspect_ratio_ids, aspect_ratio_mask)`` with
-    ``pixel_values`` of shape ``(batch, images, tiles, C, H, W)`` (images padded to the
-    most of any sample, tiles to the model's maximum), ``aspect_ratio_ids``
-    ``(batch, images)``, ``aspect_ratio_mask`` ``(batch, images, tiles)``; the output is
-    ``(batch, images, tiles, patches, D)``.
-
-    An item is one sample: its images as rows (of tiles), with their ids and masks, so
-    samples with different numbers of images, from ranks whose calls pad differently,
-    meet in one call, padded again to the most images there (zero pixels, id 0, mask 0:
-    what the processor pads with). Its cost is its pixels. The output of a sample is its
-    images' rows; a call's output stacks its samples again."""
+    ``pixel_values`` of shape ``(batch, images, tiles, C, H, W)`` and an output of
+    ``(batch, images, tiles, patches, D)``. An item is one sample (its images as rows,
+    with their ids and masks; its cost its pixels); a call pads its samples again to the
+    most images there, as the processor does (zeros)."""
 
     name: ClassVar[str] = "tiled"
     pixel_argument: ClassVar[str] = "pixel_values"
@@ -446,8 +399,7 @@ class TiledLayout(MediaLayout):
             )
             for b in range(batch)
         )
-        spec = _spec(tower, self.name, named, cut, scalars, cut)
-        return MediaCall(spec=spec, items=items)
+        return MediaCall(call_spec(tower, self.name, named, cut, scalars), items)
 
     def build_call(
         self, spec: CallSpec, items: Sequence[MediaItem]

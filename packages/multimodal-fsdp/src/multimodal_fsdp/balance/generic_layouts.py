@@ -18,10 +18,10 @@ from torch import Tensor, nn
 
 from multimodal_fsdp.balance._arguments import (
     arguments_by_name,
-    check_constants_hold_no_tensor,
+    call_spec,
     forward_signature,
     indexed_like_items,
-    positional_only_names,
+    named_parameters,
     scalar_arguments,
     scalar_rows,
 )
@@ -77,11 +77,7 @@ class BatchFirstLayout(MediaLayout):
         Returns:
             The argument whose rows are the items, or None without named arguments.
         """
-        names = [
-            name
-            for name, p in forward_signature(tower).parameters.items()
-            if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-        ]
+        names = list(named_parameters(tower))
         if self.pixel_argument in names:
             return self.pixel_argument
         return names[0] if names else None
@@ -104,10 +100,8 @@ class BatchFirstLayout(MediaLayout):
             return []
         others: dict[str, Any] = {
             name: None
-            for name, p in forward_signature(tower).parameters.items()
-            if name != main
-            and p.default is inspect.Parameter.empty
-            and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+            for name, p in named_parameters(tower).items()
+            if name != main and p.default is inspect.Parameter.empty
         }
         rows = candidate_rows(tower, main)
         masks = mask_arguments(tower, main)
@@ -148,8 +142,7 @@ class BatchFirstLayout(MediaLayout):
                     f"{tuple(value.shape)}; register a layout adapter for "
                     f"{type(tower).__name__}"
                 )
-        constants = {n: v for n, v in named.items() if n not in names and n not in scalars}
-        check_constants_hold_no_tensor(tower, constants, self.name)
+        spec = call_spec(tower, self.name, named, names, scalars)
         cost = max(1, pixels[0].numel()) if count else 1
         items = tuple(
             MediaItem(
@@ -157,12 +150,6 @@ class BatchFirstLayout(MediaLayout):
                 cost=cost,
             )
             for i in range(count)
-        )
-        spec = CallSpec(
-            fields=(*names, *scalars),
-            constants=tuple(constants.items()),
-            positional=positional_only_names(tower),
-            scalars=tuple(scalars),
         )
         return MediaCall(spec=spec, items=items)
 
@@ -253,16 +240,8 @@ class PackedByGridLayout(MediaLayout):
             )
             for i, (r, size) in enumerate(zip(rows, sizes, strict=True))
         )
-        cut = (first, self.grid_argument, *per_row, *per_item, *scalars)
-        constants = {n: v for n, v in named.items() if n not in cut}
-        check_constants_hold_no_tensor(tower, constants, self.name)
-        spec = CallSpec(
-            fields=cut,
-            constants=tuple(constants.items()),
-            positional=positional_only_names(tower),
-            scalars=tuple(scalars),
-        )
-        return MediaCall(spec=spec, items=items)
+        fields = (first, self.grid_argument, *per_row, *per_item)
+        return MediaCall(call_spec(tower, self.name, named, fields, scalars), items)
 
     def placeholder(
         self, spec: CallSpec, fields: Sequence[FieldSpec], sizes: tuple[int, ...]

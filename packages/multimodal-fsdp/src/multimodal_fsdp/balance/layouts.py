@@ -1,27 +1,18 @@
 """Layout adapters: how one tower call splits into media items and back.
 
 Balancing moves single images, tiles or clips between ranks, so something must know
-which rows of which call argument belong to one item, what an item costs to encode,
-and which rows of the tower's output are that item's. A
-[MediaLayout][multimodal_fsdp.balance.layouts.MediaLayout] says so for one family of
-tower forward signatures:
-
-- ``split_call`` turns the call's ``(args, kwargs)`` into a
-  [MediaCall][multimodal_fsdp.balance.layouts.MediaCall]: the per-item tensor arguments
-  (*fields*, cut into items by rows of dim 0) and the rest, passed through unchanged;
-- ``build_call`` rebuilds call arguments from any list of items, wherever they came from;
-- ``split_output`` / ``join_output`` cut the tower's output (a tensor, a tuple or list,
-  a mapping or a dataclass such as a transformers ``ModelOutput``, nested) into per-item
-  pieces and join pieces back into an output of the same structure and types.
-
-Each output tensor is split along dim 0 in proportion to the rows of the item's first
-field (one row per image for batch-first towers, ``t*h*w`` patches for packed ones),
-which also covers outputs with fewer rows than patches (a spatial merge).
-
-Two generic layouts are built in (``multimodal_fsdp.balance.generic_layouts``):
-``batch-first`` ([BatchFirstLayout][multimodal_fsdp.balance.generic_layouts.BatchFirstLayout])
-and ``packed-by-grid``
-([PackedByGridLayout][multimodal_fsdp.balance.generic_layouts.PackedByGridLayout]).
+which rows of which argument belong to an item, what it costs to encode, and which rows
+of the output are its. A [MediaLayout][multimodal_fsdp.balance.layouts.MediaLayout]
+says so for one family of tower signatures: ``split_call`` cuts a call into a
+[MediaCall][multimodal_fsdp.balance.layouts.MediaCall] (per-item *fields*, cut by rows
+of dim 0, and pass-through arguments), ``build_call`` rebuilds a call from any items,
+and ``split_output`` / ``join_output`` cut an output (nested tensors, tuples, mappings,
+dataclasses such as ``ModelOutput``) into per-item pieces and back, each tensor in
+proportion to the rows of the item's first field (which also covers a spatial merge).
+The built-in layouts are in ``multimodal_fsdp.balance.generic_layouts``
+([BatchFirstLayout][multimodal_fsdp.balance.generic_layouts.BatchFirstLayout],
+[PackedByGridLayout][multimodal_fsdp.balance.generic_layouts.PackedByGridLayout]) and
+``multimodal_fsdp.balance.family_layouts``.
 """
 
 from __future__ import annotations
@@ -51,12 +42,9 @@ __all__ = [
 
 @dataclass(frozen=True)
 class MediaItem:
-    """One image, tile or clip of a tower call.
-
-    ``fields`` holds this item's rows of each per-item argument (in
-    ``CallSpec.fields`` order), ``cost`` what encoding it costs (patches or pixels),
-    ``sizes`` small layout-specific integers another rank needs to rebuild the item
-    or a placeholder of it (``(t, h, w)`` for packed towers)."""
+    """One image, tile or clip of a tower call: its rows of each per-item argument
+    (``CallSpec.fields`` order), what encoding it costs (patches or pixels), and small
+    integers another rank needs to rebuild it or a placeholder (``(t, h, w)``)."""
 
     fields: tuple[Tensor, ...]
     cost: int
@@ -65,15 +53,11 @@ class MediaItem:
 
 @dataclass(frozen=True)
 class CallSpec:
-    """What a call passes besides the items: the names of the per-item tensor arguments
-    (``fields``), the other arguments by name (``constants``, passed through unchanged
-    and sent to ranks that have no call of their own, so they must be picklable), and
-    which names are positional-only.
-
-    ``scalars`` names the fields that hold a 0-d tensor argument (transformers'
-    ``num_items_in_batch``): it is not cut by item but travels with each item as one
-    row (ranks may pass different values), and a call built from items gets it back as
-    a 0-d tensor, the value of its first item."""
+    """What a call passes besides the items: the per-item tensor arguments' names
+    (``fields``), the other arguments (``constants``: passed through, and pickled to
+    ranks without a call), the positional-only names, and the fields that hold a 0-d
+    tensor (``scalars``, e.g. ``num_items_in_batch``: one row per item, given back to a
+    rebuilt call as its first item's value)."""
 
     fields: tuple[str, ...]
     constants: tuple[tuple[str, Any], ...] = ()
@@ -99,8 +83,7 @@ class ProbeCall:
 
 @dataclass(frozen=True)
 class FieldSpec:
-    """One per-item field as another rank sees it: dtype, the shape of one row, and the
-    number of rows the item has (used for placeholders)."""
+    """One per-item field as another rank sees it: dtype, row shape, the item's rows."""
 
     dtype: torch.dtype
     row_shape: tuple[int, ...]
@@ -109,10 +92,9 @@ class FieldSpec:
 
 @dataclass(frozen=True)
 class RowRule:
-    """Rows of an output tensor that belong to an item, as a function of the item's
-    weight (its first field's rows) when they are not proportional to it: Whisper-style
-    audio encoders give ``((frames - 1) // 2 + 1 - 2) // 2 + 1`` tokens for ``frames``
-    mel frames. ``name`` says which rule in plans and messages."""
+    """An item's rows of an output tensor from its weight (its first field's rows), where
+    they are not proportional to it (an audio encoder's tokens per clip); ``name`` says
+    which rule in plans and messages."""
 
     name: str
     rows: Callable[[int], int]
@@ -123,14 +105,11 @@ class RowRule:
 
 @dataclass(frozen=True)
 class OutputSpec:
-    """The structure of a tower output with its tensors taken out (``tree``), and for each
-    tensor (*leaf*, in walk order) its dtype, row shape and rows per unit of item weight.
-
-    ``rules`` (per leaf, or empty): a [RowRule][multimodal_fsdp.balance.layouts.RowRule]
-    where a leaf's rows per item are not proportional to the weight. ``axes`` (per leaf,
-    or empty): the dimension the items' rows run along, 0, or 1 for a packed output of
-    shape ``(1, rows, ...)`` (Pixtral's hidden states); the pieces hold rows along
-    dim 0 either way and ``row_shapes`` is the shape after that dimension."""
+    """A tower output's structure without its tensors (``tree``) and, per tensor (*leaf*,
+    in walk order), its dtype, row shape and rows per unit of item weight; ``rules``
+    (per leaf, or empty): a [RowRule][multimodal_fsdp.balance.layouts.RowRule] where
+    rows are not proportional; ``axes`` (per leaf, or empty): 1 for a packed
+    ``(1, rows, ...)`` leaf (its pieces still hold rows along dim 0), else 0."""
 
     tree: Any
     dtypes: tuple[torch.dtype, ...]
@@ -175,7 +154,7 @@ class OutputSpec:
         return self.axes[leaf] if self.axes else 0
 
     def describe(self, leaf: int) -> str:
-        """How leaf ``leaf`` splits, for plans: ``"16 rows per item row"`` and the like.
+        """How leaf ``leaf`` splits, for plans.
 
         Args:
             leaf: the output tensor's index.
@@ -189,20 +168,11 @@ class OutputSpec:
         return how + where
 
 
-# ----------------------------------------------------------------------- the protocol
-def _scalar_value(spec: CallSpec, items: Sequence[MediaItem], name: str) -> Tensor:
-    """A scalar field's value for a call on ``items``: its first item's, as a 0-d tensor."""
-    return items[0].fields[spec.fields.index(name)].reshape(())
-
-
 class MediaLayout(ABC):
     """How calls of one family of towers split into items (see the module docstring).
-
-    Subclass it for a tower whose call neither built-in layout covers, and register an
-    instance with ``register_media_layout``. ``split_output``/``join_output`` are
-    generic; a subclass implements ``applies_to``, ``split_call`` and ``build_call`` and
-    may override ``placeholder``.
-    """
+    For a tower no built-in layout covers, subclass it (``applies_to``, ``split_call``;
+    the other methods where their defaults do not fit) and register an instance with
+    ``register_media_layout``."""
 
     #: The name plans and messages use.
     name: ClassVar[str] = ""
@@ -222,7 +192,7 @@ class MediaLayout(ABC):
     def split_call(
         self, tower: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> MediaCall:
-        """Split one call of ``tower`` into items; raise ValueError/TypeError if it cannot.
+        """Split one call of ``tower`` into items.
 
         Args:
             tower: the tower (or encoder) whose calls are balanced.
@@ -240,8 +210,7 @@ class MediaLayout(ABC):
     def build_call(
         self, spec: CallSpec, items: Sequence[MediaItem]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Call arguments for ``items`` (any number, from any rank): each field's rows are
-        concatenated along dim 0, the constants passed through.
+        """Call arguments for ``items`` (from any rank): each field's rows concatenated.
 
         Args:
             spec: what the split call recorded (fields, constants, positional names).
@@ -265,9 +234,9 @@ class MediaLayout(ABC):
     def _arguments(
         self, spec: CallSpec, items: Sequence[MediaItem], fields: Mapping[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Call arguments from the rebuilt per-item ``fields``, the call's scalars (its first
-        item's values) and constants, positional-only names first."""
-        scalars = {name: _scalar_value(spec, items, name) for name in spec.scalars}
+        """Call arguments from the rebuilt per-item ``fields``, the scalars (the first
+        item's) and constants."""
+        scalars = {n: items[0].fields[spec.fields.index(n)].reshape(()) for n in spec.scalars}
         named: dict[str, Any] = {**fields, **scalars, **dict(spec.constants)}
         args = tuple(named.pop(name) for name in spec.positional if name in named)
         return args, named
@@ -275,8 +244,8 @@ class MediaLayout(ABC):
     def placeholder(
         self, spec: CallSpec, fields: Sequence[FieldSpec], sizes: tuple[int, ...]
     ) -> MediaItem:
-        """An item of the given shape whose values keep the tower finite: zeros for floating
-        fields, ones for the others (an all-valid mask). Its output is multiplied by 0.
+        """An item whose values keep the tower finite (zeros; ones for integer fields: an
+        all-valid mask); its output is multiplied by 0.
 
         Args:
             spec: the call's spec.
@@ -294,13 +263,10 @@ class MediaLayout(ABC):
         )
         return MediaItem(fields=tensors, cost=1, sizes=sizes)
 
-    # ---------------------------------------------------------------- outputs (generic)
     def split_output(
         self, output: Any, weights: Sequence[int]
     ) -> tuple[OutputSpec, list[tuple[Tensor, ...]]]:
-        """Cut ``output`` (of a call on items of the given weights, in call order) into one
-        piece per item: each piece holds that item's rows of every output tensor, along
-        dim 0 (see ``OutputSpec.axes`` for packed ``(1, rows, ...)`` outputs).
+        """Cut ``output`` into one piece per item: its rows of every output tensor.
 
         Args:
             output: the tower's output for a call.
@@ -368,9 +334,7 @@ class MediaLayout(ABC):
         return spec, pieces
 
     def join_output(self, spec: OutputSpec, pieces: Sequence[Sequence[Tensor]]) -> Any:
-        """The output a call on the pieces' items would give: each tensor's pieces are
-        concatenated along dim 0 (a packed leaf gets its leading 1 back) and the structure
-        rebuilt with its own types.
+        """The output a call on the pieces' items would give.
 
         Args:
             spec: what ``split_output`` recorded.
@@ -389,10 +353,9 @@ class MediaLayout(ABC):
             leaves.append(leaf.unsqueeze(0) if spec.axis(i) == 1 else leaf)
         return put_tensors_back(spec.tree, leaves)
 
-    # ---------------------------------------------------------------- layout hooks
     def item_axis(self, leaf: Tensor, items: int) -> int:
-        """The dimension of an output tensor the items' rows run along (0 here; a layout
-        of packed ``(1, rows, ...)`` outputs answers 1).
+        """The dimension of an output tensor the items' rows run along (1 for a packed
+        ``(1, rows, ...)`` output).
 
         Args:
             leaf: one output tensor.
@@ -404,18 +367,16 @@ class MediaLayout(ABC):
         return 0
 
     def row_rules(self) -> Sequence[RowRule]:
-        """Rules for output rows that are not proportional to an item's weight, tried in
-        order before the proportional split (none here).
+        """Rules for output rows not proportional to an item's weight.
 
         Returns:
-            The rules, first match wins.
+            The rules, tried in order before the proportional split.
         """
         return ()
 
     def bind(self, tower: nn.Module) -> MediaLayout:
-        """This layout for calls of ``tower``: a layout that needs facts about the tower
-        beyond its call (a patch size, its output-length rule) returns a copy that holds
-        them; the others return themselves.
+        """This layout for calls of ``tower``: a copy holding facts about the tower beyond
+        its call (a patch size, an output-length rule), or itself.
 
         Args:
             tower: the tower (or encoder) whose calls are balanced.
@@ -426,11 +387,10 @@ class MediaLayout(ABC):
         return self
 
     def probe_calls(self, tower: nn.Module) -> Sequence[tuple[ProbeCall, ProbeCall]]:
-        """Pairs of tiny calls of ``tower`` for the plan-time probe
-        ([`probe_layout`][multimodal_fsdp.balance.probe.probe_layout]), with one and two
-        items, the one-item call's item being the two-item call's first; several pairs
-        when the input shape is a guess (the probe keeps the first the tower runs on),
-        none when this layout cannot make them (it is then used unprobed if ``trusted``).
+        """Tiny calls of ``tower`` for the plan-time probe
+        ([`probe_layout`][multimodal_fsdp.balance.probe.probe_layout]): one item, then
+        two items with the same first; several pairs when the input shape is a guess,
+        none when this layout cannot make them (then it is used unprobed if ``trusted``).
 
         Args:
             tower: the tower (or encoder) whose calls are balanced.
@@ -441,9 +401,8 @@ class MediaLayout(ABC):
         return ()
 
     def trusted(self, tower: nn.Module) -> bool:
-        """Whether calls of ``tower`` use this layout when the probe cannot run (no probe
-        calls, the tower cannot run on the meta device and its weights are not real): a
-        layout written for a tower family is, a generic one only on a telling signature.
+        """Whether calls of ``tower`` use this layout when the probe cannot run (a family
+        layout does, a generic one only on a telling signature).
 
         Args:
             tower: the tower (or encoder) whose calls are balanced.

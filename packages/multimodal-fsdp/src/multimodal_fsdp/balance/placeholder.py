@@ -1,18 +1,13 @@
 """A placeholder call of a module another rank calls: its shapes, with harmless values.
 
-A module that owns FSDP units and runs only on ranks with media (a projector with
-layers of its own, a cross-attention decoder layer) must run on every rank, or its
-all-gathers meet other collectives on the ranks without media. Those ranks have no
-arguments to call it with, so a rank that calls it describes its call
-(``describe_call``: every tensor's dtype, shape and whether it requires a gradient,
-the other arguments when they are plain values) and the others rebuild a call of the
-same shapes from that description (``placeholder_call``): floating tensors are zeros,
-integer and boolean ones are ones (an all-valid mask, in-range indices), so the module
-stays finite and its output, multiplied by 0, changes nothing. Floating tensors that
-required a gradient get a leaf that does, so the placeholder's backward runs as the
-real call's does (FSDP2 reduces the module's gradients at the same point of backward).
-
-Objects that are not plain values (a cache, a config) are passed as ``None``.
+A module that owns FSDP units and runs only on ranks with media (a projector, a
+cross-attention decoder layer) must run on every rank, or its all-gathers meet other
+collectives. A caller describes its call (``describe_call``: each tensor's dtype, shape
+and requires-grad, plain values as they are, other objects as ``None``) and the others
+rebuild it (``placeholder_call``): zeros for floating tensors, ones for the others (an
+all-valid mask, in-range indices), so the module stays finite and its output, times 0,
+changes nothing; a floating leaf requires grad where the real one did, so the
+placeholder's backward runs as the real call's does.
 """
 
 from __future__ import annotations

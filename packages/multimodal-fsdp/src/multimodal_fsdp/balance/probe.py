@@ -2,32 +2,23 @@
 
 A layout that does not fit its tower must be found when the plan is made, not at the
 first step. ``probe_layout`` runs the tower on the layout's two tiny probe calls (one
-item, then two items, the first the same), on the meta device when the tower runs there
-(no compute, any size), or on its weights when they are real, not yet sharded and
-either small (``REAL_PROBE_PARAMETERS``) or the tower cannot run on the meta device (in
-eval mode, without gradients, the random state left as it was). Then it checks what
-balancing relies on:
-
-- the layout splits each call into 1 and 2 items, and each output into one piece per
-  item, with a whole number of rows per item (the rows of a ``(1, tokens, D)`` packed
-  output included);
-- an item's piece has the same shape whether the call held one item or two (its rows
-  do not depend on the other items), and, on real weights, the same values (items are
-  encoded independently; batch norms that use batch statistics are refused outright);
-- the pieces join back into an output of the call's structure and shapes.
-
-What it learns is the plan's description of the tower
-(``ProbeReport.summary``): the per-item inputs with their rows per item, and each
-output tensor's rows per item (proportional to an input, or a rule such as an audio
-encoder's tokens per clip). Results are kept per tower and layout.
+item, then two with the same first) on the meta device, or on its real, unsharded
+weights when they are small (``REAL_PROBE_PARAMETERS``) or it cannot run on meta (eval
+mode, no gradients, random state kept), and checks what balancing relies on: the
+layout splits the calls into 1 and 2 items and each output into a whole number of rows
+per item; an item's piece has the same shape (and, on real weights, values) beside
+another item (batch norms using batch statistics are refused outright); the pieces join
+back into the call's structure and shapes. The report (``ProbeReport.summary``) is the
+plan's description of the tower; results are kept per tower and layout.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -107,23 +98,14 @@ def _sharded(tower: nn.Module) -> bool:
     )
 
 
-def _on_meta(value: Any, *, integers: bool) -> Any:
-    if isinstance(value, Tensor) and (value.is_floating_point() or integers):
-        return value.to("meta")
-    if isinstance(value, (tuple, list)):
-        return type(value)(_on_meta(v, integers=integers) for v in value)
-    if isinstance(value, Mapping):
-        return {k: _on_meta(v, integers=integers) for k, v in value.items()}
-    return value
-
-
-def _to(value: Any, device: torch.device) -> Any:
+def _map(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    """``value`` with ``fn`` applied to the tensors of its tuples, lists and mappings."""
     if isinstance(value, Tensor):
-        return value.to(device)
+        return fn(value)
     if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
+        return type(value)(_map(v, fn) for v in value)
     if isinstance(value, Mapping):
-        return {k: _to(v, device) for k, v in value.items()}
+        return {k: _map(v, fn) for k, v in value.items()}
     return value
 
 
@@ -139,8 +121,8 @@ def _numpy_random() -> Any:
 
 @contextlib.contextmanager
 def _quietly(tower: nn.Module) -> Iterator[None]:
-    """Eval mode and no gradients for a probe run on real weights, every module's mode
-    and the random states (torch's, numpy's) restored after it."""
+    """Eval mode and no gradients for a probe run, every module's mode and the random
+    states (torch's, numpy's) restored after it."""
     modes = [(m, m.training) for m in tower.modules()]
     numpy_random = _numpy_random()
     numpy_state = numpy_random.get_state() if numpy_random is not None else None
@@ -161,22 +143,23 @@ def _run_meta(tower: nn.Module, call: ProbeCall, *, integers: bool) -> Any:
         name: torch.empty_like(t, device="meta")
         for name, t in (*tower.named_parameters(), *tower.named_buffers())
     }
-    args = _on_meta(call.args, integers=integers)
-    kwargs = _on_meta(dict(call.kwargs), integers=integers)
-    modes = [(m, m.training) for m in tower.modules()]
-    try:
-        tower.train(False)
-        with torch.no_grad():
-            return functional_call(tower, state, args, kwargs, strict=False)
-    finally:
-        for module, training in modes:
-            module.training = training
+
+    def meta(t: Tensor) -> Tensor:
+        return t.to("meta") if t.is_floating_point() or integers else t
+
+    with _quietly(tower):
+        kwargs = _map(dict(call.kwargs), meta)
+        return functional_call(tower, state, _map(call.args, meta), kwargs, strict=False)
 
 
 def _run_real(tower: nn.Module, call: ProbeCall) -> Any:
     device = next((p.device for p in tower.parameters()), torch.device("cpu"))
+
+    def to(t: Tensor) -> Tensor:
+        return t.to(device)
+
     with _quietly(tower):
-        return tower(*_to(call.args, device), **_to(dict(call.kwargs), device))
+        return tower(*_map(call.args, to), **_map(dict(call.kwargs), to))
 
 
 def _outputs(
@@ -374,13 +357,7 @@ def _probe(tower: nn.Module, layout: MediaLayout) -> ProbeReport:
             report = _check(tower, layout, pair, outs, values=ran_on != "meta")
         except _MisfitError as misfit:
             return ProbeReport(layout.name, MISFIT, ran_on=ran_on, reason=str(misfit))
-        return ProbeReport(
-            layout=report.layout,
-            status=FITS,
-            ran_on=ran_on,
-            inputs=report.inputs,
-            outputs=report.outputs,
-        )
+        return dataclasses.replace(report, ran_on=ran_on)
     where = "on the meta device" + (" or on its weights" if real else "")
     return ProbeReport(
         layout.name,

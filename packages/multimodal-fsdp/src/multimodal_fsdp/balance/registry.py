@@ -1,16 +1,12 @@
 """Which layout adapter a tower's calls use: registered adapters first, then built-ins,
 the first whose plan-time probe says it fits.
 
-A layout that does not fit its tower is an error when balancing is planned, not a
-silent imbalance or a crash at the first step: ``choose_media_layout`` probes each
-layout whose signature test passes
-([`probe_layout`][multimodal_fsdp.balance.probe.probe_layout]) and takes the first that
-fits. A layout the probe cannot try (it has no probe call for the tower, the tower runs
-neither on the meta device nor on real weights) is taken when nothing fits and it is
-*trusted* for the tower (a registered adapter, a family layout on its signature,
-``batch-first`` on ``pixel_values``); the plan then says it was not probed. Otherwise
-``choose_media_layout`` raises, naming the tower's class, its forward signature, what
-each layout's probe found, and how to register an adapter.
+A layout that does not fit is an error at plan time, not a silent imbalance or a crash
+at the first step: ``choose_media_layout`` probes each layout whose signature test
+passes ([`probe_layout`][multimodal_fsdp.balance.probe.probe_layout]). When none fits,
+one the probe could not try is taken if it is *trusted* for the tower (a registered
+adapter, a family layout, ``batch-first`` on ``pixel_values``); otherwise it raises,
+naming the tower, its signature, what each probe found and how to register an adapter.
 """
 
 from __future__ import annotations
@@ -36,8 +32,7 @@ logger = logging.getLogger(__name__)
 
 #: Adapters registered by users and model packages, newest first.
 _REGISTERED: list[MediaLayout] = []
-#: The built-in adapters, asked after the registered ones (family layouts first: their
-#: signature tests are narrow; batch-first last: it applies to any forward).
+#: The built-in adapters, narrowest signature test first (batch-first takes any forward).
 _BUILTIN: tuple[MediaLayout, ...] = (
     PackedByGridLayout(),
     PackedByLengthLayout(),
@@ -102,8 +97,7 @@ _REMEDY = (
 
 
 def choose_media_layout(tower: nn.Module) -> LayoutChoice:
-    """The layout for calls of ``tower`` and its probe report (see the module docstring);
-    a ValueError when none fits.
+    """The layout for calls of ``tower`` and its probe report (see the module docstring).
 
     Args:
         tower: the tower (or encoder).

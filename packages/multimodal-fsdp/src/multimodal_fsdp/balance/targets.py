@@ -1,13 +1,10 @@
 """What a balanced tower's calls are: the tower's own, or the encoders it calls.
 
-Most discovered towers are the encoder: their calls carry the media and nothing else.
-Some are wrappers that also take text: Phi-4-multimodal's image and audio embeddings
-(``embed_tokens_extend.image_embed``, ``.audio_embed``) take the token ids and the
-text embeddings, call their encoder (``img_processor``, ``encoder``) on the media, and
-merge the features into the text. No layout can cut such a call by item, but the
-encoder's call can be: ``balance_targets`` then balances the encoders it holds, each
-with its own layout, provided every FSDP unit under the tower lies inside one of them
-(a unit outside would run only on the ranks that call the wrapper).
+Some discovered towers are wrappers that also take text (Phi-4-multimodal's image and
+audio embeddings call their encoder on the media and merge the features into the text).
+No layout can cut such a call by item, but the encoder's call can be:
+``balance_targets`` then balances the encoders inside, provided every FSDP unit under
+the tower lies inside one of them (one outside would run only on the calling ranks).
 """
 
 from __future__ import annotations
@@ -62,9 +59,7 @@ def inner_encoders(tower: nn.Module, path: str) -> list[str]:
 def balance_targets(model: nn.Module, path: str, unit_paths: Sequence[str]) -> list[BalanceTarget]:
     """The modules whose calls balance the discovered tower at ``path``: the tower itself
     when a layout fits it, else the encoders inside it (``inner_encoders``) when a layout
-    fits each and every unit of ``unit_paths`` under the tower lies inside one; else the
-    tower's own ValueError (naming it, its signature and the remedy), with the encoders
-    tried.
+    fits each and every unit under the tower lies inside one.
 
     Args:
         model: the model.
@@ -75,7 +70,8 @@ def balance_targets(model: nn.Module, path: str, unit_paths: Sequence[str]) -> l
         The modules to balance, each with its layout.
 
     Raises:
-        ValueError: neither the tower nor its encoders can be balanced.
+        ValueError: neither the tower nor its encoders can be balanced (the tower's own
+            error, with the encoders tried).
     """
     tower = model.get_submodule(path) if path else model
     try:

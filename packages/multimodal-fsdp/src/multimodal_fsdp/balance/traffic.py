@@ -1,19 +1,10 @@
 """The collectives of a round of balanced calls and their bytes, predicted from the items.
 
-Plan costs must predict the exchange exactly, so the rule lives beside the exchange, takes
-who encodes what from the exchange's own decision (``route_call``), and a test compares it
-with the bytes the exchange really moves. Sizes are per item, in call order, for every
-rank: what its fields weigh (``input_bytes``: rows times row elements times item size,
-summed over the fields) and what its output pieces weigh (``output_bytes``, summed over
-the output tensors). In backward the output gradients carry one has-gradient byte per
-output tensor to every rank (``output_tensors``), so an output no loss reads gets no
-gradient anywhere.
-
-A round is its metadata (``metadata_traffic``: one slot gather, and one more when some
-rank's item table and blob do not fit inline) and then, per balanced module called in
-it, that call's exchange (``call_traffic``: nothing when every item stays home, else
-the inputs, the status and the outputs, and the gradients in backward).
-``exchange_traffic`` is a round with one balanced call.
+Plan costs must predict the exchange exactly, so the rule lives beside the exchange and
+takes who encodes what from the exchange's own decision (``route_call``); a test
+compares it with the bytes really moved. A round is its metadata (``metadata_traffic``)
+and then each balanced call's exchange (``call_traffic``); ``exchange_traffic`` is a
+round with one balanced call. Sizes are per item, in call order, for every rank.
 """
 
 from __future__ import annotations
@@ -60,18 +51,17 @@ class ExchangeCollective:
     received: int
 
 
-def _check(name: str, sizes: Sequence[Sequence[int]], costs: Sequence[Sequence[int]]) -> None:
-    if [len(s) for s in sizes] != [len(c) for c in costs]:
-        raise ValueError(
-            f"{name} must give one size per item of every rank: items per rank "
-            f"{[len(c) for c in costs]}, sizes per rank {[len(s) for s in sizes]}"
-        )
-
-
 def metadata_traffic(payloads: Sequence[int]) -> list[ExchangeCollective]:
-    """A round's metadata on any rank, from each rank's payload in words (item table and
-    blob, ``payload_ints``; 0 for a rank without a call): the slot gather, and a gather
-    of every rank's table, padded to the longest, when one exceeds ``INLINE_INTS``."""
+    """A round's metadata on any rank: the slot gather, and a gather of every rank's
+    table, padded to the longest, when one exceeds ``INLINE_INTS`` words.
+
+    Args:
+        payloads: per rank, its item table and blob in words (``payload_ints``; 0 for a
+            rank without a call).
+
+    Returns:
+        The collectives, in order.
+    """
     world = len(payloads)
     result = [ExchangeCollective("all_gather", "forward", SLOT_INTS * 8, world * SLOT_INTS * 8)]
     most = max(payloads, default=0)
@@ -91,9 +81,30 @@ def call_traffic(
     output_tensors: int | None = None,
     run_when_empty: bool = False,
 ) -> list[ExchangeCollective]:
-    """The collectives ``rank`` runs for one balanced call after the round's metadata
-    (see ``exchange_traffic`` for the arguments): none when no rank has an item or every
-    item stays on its rank (and, for a module with units, every rank encodes one)."""
+    """The collectives ``rank`` runs for one balanced call after the round's metadata.
+
+    Args:
+        costs_by_rank: each rank's items' costs, in call order.
+        rank: the rank whose collectives are predicted.
+        input_bytes: per rank and item, the bytes of its fields.
+        output_bytes: per rank and item, the bytes of its output pieces.
+        input_grad_bytes: as ``input_bytes`` for the floating inputs that require grad
+            (None: none does).
+        output_grad_bytes: as ``output_bytes`` for the floating outputs (None: no
+            gradient flows back).
+        output_tensors: the tensors in the tower's output, required with
+            ``output_grad_bytes`` (one has-gradient byte each to every rank).
+        run_when_empty: the tower owns FSDP units (a rank without items runs a
+            placeholder, which needs the exchange).
+
+    Returns:
+        The collectives, in order: none when no rank has an item or nothing moves and
+        no rank must run a placeholder.
+
+    Raises:
+        ValueError: ``rank`` is outside the group, a size list does not match the
+            costs, or ``output_tensors`` is missing.
+    """
     world = len(costs_by_rank)
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in a group of {world} ranks")
@@ -103,8 +114,12 @@ def call_traffic(
         ("input_grad_bytes", input_grad_bytes),
         ("output_grad_bytes", output_grad_bytes),
     ):
-        if sizes is not None:
-            _check(name, sizes, costs_by_rank)
+        items = [len(costs) for costs in costs_by_rank]
+        if sizes is not None and [len(s) for s in sizes] != items:
+            raise ValueError(
+                f"{name} must give one size per item of every rank: items per rank "
+                f"{items}, sizes per rank {[len(s) for s in sizes]}"
+            )
     if output_grad_bytes is not None and (
         isinstance(output_tensors, bool)
         or not isinstance(output_tensors, int)
@@ -161,20 +176,29 @@ def exchange_traffic(
     run_when_empty: bool = False,
     callers: Sequence[int] | None = None,
 ) -> list[ExchangeCollective]:
-    """The collectives ``rank`` runs in one round with one balanced call, in order.
+    """The collectives ``rank`` runs in one round with one balanced call.
 
-    ``spec`` is the calls' ``CallSpec`` (``None`` when no rank calls the tower: the
-    last round of ``join_remaining_calls``, one slot gather).
-    ``output_grad_bytes`` is ``None`` when no gradient flows back (grad mode off, or a
-    frozen tower with inputs that need none), else the floating output bytes per item;
-    ``input_grad_bytes`` likewise for the inputs (``None`` unless some rank's floating
-    input requires grad). ``output_tensors``, required with ``output_grad_bytes``: how
-    many tensors the tower's output holds (all of them, floating or not); the gradient
-    all_to_all sends that many flag bytes to every rank, itself included.
-    ``run_when_empty``: the tower owns FSDP units (a rank that would encode nothing runs
-    a placeholder, which needs the exchange). ``callers``: the ranks that call (default:
-    those with items; every rank when none has one), whose item tables and specs travel
-    in the metadata.
+    Args:
+        costs_by_rank: each rank's items' costs, in call order.
+        rank: the rank whose collectives are predicted.
+        spec: the calls' ``CallSpec`` (None when no rank calls: the last round of
+            ``join_remaining_calls``, one slot gather).
+        input_bytes: per rank and item, the bytes of its fields (rows times row
+            elements times item size, summed over the fields).
+        output_bytes: per rank and item, the bytes of its output pieces.
+        input_grad_bytes: as ``input_bytes`` for the floating inputs that require grad
+            (None: none does).
+        output_grad_bytes: as ``output_bytes`` for the floating outputs (None: no
+            gradient flows back, e.g. a frozen tower under inputs that need none).
+        output_tensors: the tensors in the tower's output, floating or not, required
+            with ``output_grad_bytes`` (one has-gradient byte each to every rank).
+        run_when_empty: the tower owns FSDP units (a rank without items runs a
+            placeholder, which needs the exchange).
+        callers: the ranks that call, whose item tables and specs travel in the
+            metadata (default: those with items; every rank when none has one).
+
+    Returns:
+        The collectives, in order.
     """
     traffic = call_traffic(  # checks the arguments, also for a round without a call
         costs_by_rank,
