@@ -163,12 +163,10 @@ class CommTally:
         """
         result: dict[str, dict[str, dict[str, int]]] = {}
         for phase, kind in self.pairs():
-            entry = {
-                "count": self.counts[(phase, kind)],
-                "bytes": self.nbytes.get((phase, kind), 0),
-            }
-            if (phase, kind) in self.received:
-                entry["received_bytes"] = self.received[(phase, kind)]
+            key = (phase, kind)
+            entry = {"count": self.counts[key], "bytes": self.nbytes.get(key, 0)}
+            if key in self.received:
+                entry["received_bytes"] = self.received[key]
             result.setdefault(phase, {})[kind] = entry
         return result
 
@@ -262,11 +260,7 @@ class CommCounter(TorchDispatchMode):
             if kind in _BUFFER:
                 nbytes, dtype = _buffer(args[_BUFFER[kind]])
                 received = _buffer(args[_RECEIVED[kind]])[0] if kind in _RECEIVED else None
-                self.records.append(
-                    CollectiveRecord(
-                        kind=kind, phase=self._phase, nbytes=nbytes, dtype=dtype, received=received
-                    )
-                )
+                self.records.append(CollectiveRecord(kind, self._phase, nbytes, dtype, received))
         return func(*args, **(kwargs or {}))
 
     def tally(self) -> CommTally:

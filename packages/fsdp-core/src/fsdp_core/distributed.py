@@ -124,9 +124,8 @@ def _choose_backend(backend: str | None, local_world_size: int) -> str:
                     f"ranks but {torch.cuda.device_count()} GPUs; use 'gloo' or fewer ranks"
                 )
         return name
-    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
-        return "nccl"
-    return "gloo"
+    enough_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size
+    return "nccl" if enough_gpus else "gloo"
 
 
 def _group_backend() -> str:

@@ -323,8 +323,8 @@ class ParallelDims:
 
     @property
     def expert_replica_names(self) -> tuple[str, ...]:
-        """The dimensions over which an expert shard is replicated: the data-parallel and
-        CP ones (their ranks see other tokens, so an expert's gradient sums over them)."""
+        """The dimensions an expert shard is replicated over (its gradient sums over them):
+        the data-parallel and CP ones."""
         return tuple(n for n in self.names if n in self.dp_names or n in self.cp_names)
 
     @property
@@ -361,9 +361,9 @@ class ParallelDims:
 
     @property
     def sharing_names(self) -> tuple[str, ...]:
-        """The data-group dimensions whose ranks may split a trainable encoder's items
-        and sum its parameters' gradients: TP's, whose ranks all get the whole gradient of
-        a replicated input; none with CP, whose ranks need other items' gradients."""
+        """The data-group dimensions whose ranks may split a trainable encoder's items and
+        sum its gradients: TP's, whose ranks each get a replicated input's whole gradient
+        (none with CP, whose ranks need other items' gradients)."""
         return () if self.cp_names else self.data_group_names
 
     @property
