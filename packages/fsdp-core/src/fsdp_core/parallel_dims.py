@@ -62,10 +62,7 @@ def dimension_role(name: str) -> str | None:
     Returns:
         Its role, or None.
     """
-    for role, names in DIMENSION_ROLES.items():
-        if name in names:
-            return role
-    return None
+    return next((role for role, names in DIMENSION_ROLES.items() if name in names), None)
 
 
 def holds_same_batch(name: str) -> bool:
@@ -90,9 +87,7 @@ def local_shape(tensor: torch.Tensor) -> torch.Size:
     Returns:
         Its local shape.
     """
-    if isinstance(tensor, DTensor):
-        return tensor.to_local().shape
-    return tensor.shape
+    return tensor.to_local().shape if isinstance(tensor, DTensor) else tensor.shape
 
 
 @dataclass(frozen=True)

@@ -357,9 +357,8 @@ def _probe_object(unit: FSDPModule, where: str) -> list[object]:
 
 
 def _has(obj: object, probe: Probe) -> bool:
-    if hasattr(obj, probe.name):
-        return True
-    return probe.created_by is not None and hasattr(type(obj), probe.created_by)
+    lazy = probe.created_by is not None and hasattr(type(obj), probe.created_by)
+    return hasattr(obj, probe.name) or lazy
 
 
 def missing_internals(
