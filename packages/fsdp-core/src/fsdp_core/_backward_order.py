@@ -84,13 +84,11 @@ class _InputGradHook:
 def _any_requires_grad(*values: object) -> bool:
     """Whether a tensor in ``values`` (nested in tuples, lists and dicts) requires grad."""
     for value in values:
-        if isinstance(value, torch.Tensor):
-            if value.requires_grad:
-                return True
-        elif isinstance(value, (tuple, list)):
-            if _any_requires_grad(*value):
-                return True
-        elif isinstance(value, dict) and _any_requires_grad(*value.values()):
+        if isinstance(value, dict):
+            value = tuple(value.values())
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            return True
+        if isinstance(value, (tuple, list)) and _any_requires_grad(*value):
             return True
     return False
 

@@ -76,19 +76,11 @@ def group_ranks(
     """
     if not dist.is_initialized():
         return ()
-    meshes: dict[int, DeviceMesh] = {}
-    if mesh is not None:
-        meshes[id(mesh)] = mesh
-    elif model is not None:
-        for tensor in (*model.parameters(), *model.buffers()):
-            if isinstance(tensor, DTensor):
-                meshes.setdefault(id(tensor.device_mesh), tensor.device_mesh)
-    if not meshes:
-        return tuple(range(dist.get_world_size()))
-    ranks: set[int] = set()
-    for each in meshes.values():
-        ranks.update(int(r) for r in each.mesh.flatten().tolist())
-    return tuple(sorted(ranks))
+    tensors = (*model.parameters(), *model.buffers()) if model is not None and mesh is None else ()
+    meshes = {id(t.device_mesh): t.device_mesh for t in tensors if isinstance(t, DTensor)}
+    chosen = [mesh] if mesh is not None else meshes.values()
+    ranks = {int(r) for each in chosen for r in each.mesh.flatten().tolist()}
+    return tuple(sorted(ranks)) if ranks else tuple(range(dist.get_world_size()))
 
 
 def whole_world_ranks(model: nn.Module, what: str, instead: str) -> tuple[int, ...]:
@@ -174,15 +166,13 @@ class _CallPoints(RankAgreement):
                 f"(the limit: the process group's timeout, or {TIMEOUT_ENV})"
             )
         failures = {r: p for r, (kind, p) in said.items() if kind == "fail"}
-        values = {r: p for r, (kind, p) in said.items() if kind == "value"}
         lowest = self.ranks[0]
-        reference = values.get(lowest, {}).get("value")
-        for rank, said_value in values.items():
-            value, what = said_value["value"], said_value["what"]
-            if reference is not None and value != reference:
+        reference = said[lowest][1].get("value") if said[lowest][0] == "value" else None
+        for rank, (kind, p) in said.items():
+            if kind == "value" and reference is not None and p["value"] != reference:
                 problem = self.value_error(
-                    f"rank {rank}'s {what} differs from rank {lowest}'s ({value[:16]} vs "
-                    f"{reference[:16]}); every rank must pass the same"
+                    f"rank {rank}'s {p['what']} differs from rank {lowest}'s ({p['value'][:16]} "
+                    f"vs {reference[:16]}); every rank must pass the same"
                 )
                 failures[rank] = _failure_payload(problem, self.call.name, rank, step)
         if not failures:

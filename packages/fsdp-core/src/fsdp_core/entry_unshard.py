@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_core import internals
@@ -85,7 +85,8 @@ class _Entry:
     path: str
     owners: tuple[FSDPModule, ...]
     labels: tuple[str, ...]
-    policy: MixedPrecisionPolicy | None
+    #: The parameter dtype floating inputs are cast to (the owners' mixed precision).
+    dtype: torch.dtype | None
 
 
 @dataclass
@@ -124,20 +125,13 @@ class EntryUnshardHook:
             module: the entry module.
             entry: its owner units and what the hook records of its calls.
         """
-
-        def before(
-            mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-        ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-            return self._before(mod, entry, args, kwargs)
-
-        def after(mod: nn.Module, _args: Any, output: Any) -> None:
-            self._after(mod, entry, output)
-
+        before = functools.partial(self._before, entry)
         self._handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+        after = functools.partial(self._after, entry)
         self._handles.append(module.register_forward_hook(after, always_call=True))
 
     def _before(
-        self, module: nn.Module, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, entry: _Entry, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if self._depth or internals.in_backward():
             return None  # inside the model's forward (or a recomputation): FSDP gathers
@@ -149,10 +143,9 @@ class EntryUnshardHook:
         if gathered:
             self.calls += 1
             logger.debug("gathered %s to run %r outside the forward", entry.labels, entry.path)
-        if entry.policy is None:
+        if entry.dtype is None:
             return None
-        dtype = entry.policy.param_dtype
-        return _cast(args, dtype), {key: _cast(value, dtype) for key, value in kwargs.items()}
+        return _cast(args, entry.dtype), {k: _cast(v, entry.dtype) for k, v in kwargs.items()}
 
     def _gather(self, units: Iterable[FSDPModule], gathered: list[FSDPModule]) -> None:
         """All-gather each of ``units`` not gathered yet into ``gathered``, after making
@@ -197,7 +190,7 @@ class EntryUnshardHook:
         object.__setattr__(module, "generate", generate)
         self._generators.append(module)
 
-    def _after(self, module: nn.Module, entry: _Entry, output: Any) -> None:
+    def _after(self, entry: _Entry, module: nn.Module, _args: Any, output: Any) -> None:
         if not self._frames or self._frames[-1][0] is not module:
             return
         _, gathered = self._frames.pop()
@@ -247,17 +240,9 @@ def install_entry_unshard(
     entries: dict[str, tuple[FSDPModule, ...]] = {}
     for path, units in owners.items():
         modules = tuple(_unit_module(model, unit.paths[0]) for unit in units)
-        policies = [
-            unit.mp_policy
-            for unit in units
-            if unit.mp_policy.param_dtype is not None and unit.mp_policy.cast_forward_inputs
-        ]
-        entry = _Entry(
-            path=path,
-            owners=modules,
-            labels=tuple(unit.label for unit in units),
-            policy=policies[0] if policies else None,
-        )
+        casts = [u.mp_policy.param_dtype for u in units if u.mp_policy.cast_forward_inputs]
+        dtype = next((dtype for dtype in casts if dtype is not None), None)
+        entry = _Entry(path, modules, tuple(unit.label for unit in units), dtype)
         hook.attach(model.get_submodule(path) if path else model, entry)
         entries[path] = modules
     for path, module in model.named_modules():

@@ -103,14 +103,8 @@ class RankStep:
 
 def agrees(steps: Sequence[RankStep]) -> bool:
     """Whether ``steps`` are the same forward, none empty or with gradient sync changed."""
-    first = steps[0]
-    return all(
-        (s.grad, s.sync, s.forwards, s.micro)
-        == (first.grad, first.sync, first.forwards, first.micro)
-        and not s.empty
-        and not s.changed
-        for s in steps
-    )
+    same = len({(s.grad, s.sync, s.forwards, s.micro) for s in steps}) == 1
+    return same and not any(s.empty or s.changed for s in steps)
 
 
 def is_empty_batch(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
