@@ -95,12 +95,8 @@ class ModuleTreeFingerprint:
         wrapped = [n for n in removed if _base_layer_name(n) in set(added)]
         if wrapped:
             moved = {_base_layer_name(n) for n in wrapped}
-            parts.append(
-                _listed(
-                    "wrapped by adapters (weights moved under 'base_layer')",
-                    dict.fromkeys(n.rpartition(".")[0] for n in wrapped),
-                )
-            )
+            layers = dict.fromkeys(n.rpartition(".")[0] for n in wrapped)
+            parts.append(_listed("wrapped by adapters (weights moved under 'base_layer')", layers))
             added = [n for n in added if n not in moved]
             removed = [n for n in removed if n not in set(wrapped)]
             old.update({_base_layer_name(n): old[n] for n in wrapped})
@@ -240,12 +236,8 @@ def _common_prefix(removed: list[str], added: list[str]) -> str:
     """A prefix that turns every removed name into an added one (a wrapper), or ''."""
     added_set = set(added)
     for first in removed:
-        candidates = {n[: -len(first)] for n in added if n.endswith("." + first)}
-        candidates |= {
-            n[: -len(_base_layer_name(first))]
-            for n in added
-            if n.endswith("." + _base_layer_name(first))
-        }
+        forms = (first, _base_layer_name(first))
+        candidates = {n[: -len(f)] for f in forms for n in added if n.endswith("." + f)}
         for prefix in sorted(candidates):
             if all({prefix + n, _base_layer_name(prefix + n)} & added_set for n in removed):
                 return prefix
