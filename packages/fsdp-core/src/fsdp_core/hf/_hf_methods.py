@@ -187,7 +187,15 @@ def save_peft_model(
     if merge_adapters:
         save_pretrained(self, save_directory, merge_adapters=True, timeout=timeout)
         return
-    _export_adapters(self, Path(save_directory), adapters, save_embedding_layers, timeout)
+    root = Path(save_directory)
+    for adapter in sorted(adapters, key=lambda a: a != "default"):  # "default" (root) first
+        export_adapter(
+            self,
+            root if adapter == "default" else root / adapter,
+            adapter=adapter,
+            save_embedding_layers=save_embedding_layers,
+            timeout=timeout,
+        )
 
 
 def _selected_adapters(model: nn.Module, selected_adapters: object) -> list[str]:
@@ -211,21 +219,3 @@ def _selected_adapters(model: nn.Module, selected_adapters: object) -> list[str]
             f"{unknown}; the model's adapters: {list(known)}"
         )
     return adapters
-
-
-def _export_adapters(
-    model: nn.Module,
-    root: Path,
-    adapters: list[str],
-    save_embedding_layers: bool | str,
-    timeout: float | timedelta | None,
-) -> None:
-    """One collective adapter export per adapter, ``"default"`` (in ``root``) first."""
-    for adapter in sorted(adapters, key=lambda a: a != "default"):
-        export_adapter(
-            model,
-            root if adapter == "default" else root / adapter,
-            adapter=adapter,
-            save_embedding_layers=save_embedding_layers,
-            timeout=timeout,
-        )

@@ -53,17 +53,6 @@ def is_lora_model(model: nn.Module) -> bool:
     return _lora.is_peft_model(model) or bool(_lora.wrapped_modules(model))
 
 
-def _refusal(where: str, kind: object) -> ValueError:
-    return ValueError(
-        f"{where} has init_lora_weights={kind!r}; loading a base checkpoint into a LoRA model "
-        f"computes only the initialisations that need no base weight ({list(SUPPORTED_INITS)}). "
-        "Load the base weights, then add the adapters, on a model built on the CPU "
-        "(from_pretrained, get_peft_model, parallelize), or load a trained adapter from an "
-        "adapter export (load_pretrained(peft_model, base_dir), then "
-        "load_pretrained(peft_model, adapter_dir))"
-    )
-
-
 def _init_kind(model: nn.Module, adapter: str, path: str) -> object:
     config = getattr(model, "peft_config", None)
     if not isinstance(config, dict) or adapter not in config:
@@ -76,7 +65,14 @@ def _init_kind(model: nn.Module, adapter: str, path: str) -> object:
         return "gaussian"
     if kind is True:
         return True
-    raise _refusal(f"adapter {adapter!r}", kind)
+    raise ValueError(
+        f"adapter {adapter!r} has init_lora_weights={kind!r}; loading a base checkpoint into a "
+        "LoRA model computes only the initialisations that need no base weight "
+        f"({list(SUPPORTED_INITS)}). Load the base weights, then add the adapters, on a model "
+        "built on the CPU (from_pretrained, get_peft_model, parallelize), or load a trained "
+        "adapter from an adapter export (load_pretrained(peft_model, base_dir), then "
+        "load_pretrained(peft_model, adapter_dir))"
+    )
 
 
 def _layer_adapters(model: nn.Module, path: str, layer: nn.Module) -> list[AdapterInit]:
