@@ -72,13 +72,12 @@ def choose_frozen_policy(
     **options: Any,
 ) -> PolicyChoice:
     """[`multimodal_fsdp.estimate.choose.choose_frozen_policy`][multimodal_fsdp.estimate.choose.choose_frozen_policy]
-    planning with ``parallelizer``, a default ``MultimodalParallelizer()`` when ``None``
-    (the chooser itself takes any planner and imports no parallelizer).
+    with a default ``MultimodalParallelizer()``.
 
     Args:
         model: the model (on ``meta`` is enough).
         budget: the per-rank memory budget, bytes or e.g. ``"40GiB"``.
-        parallelizer: the planner of the alternatives.
+        parallelizer: the planner of the alternatives (``MultimodalParallelizer()`` if None).
         **options: the chooser's other options.
 
     Returns:

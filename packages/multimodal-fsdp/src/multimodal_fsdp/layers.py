@@ -30,11 +30,8 @@ def _is_module_container(module: nn.Module) -> bool:
 
 
 def _container_items(module: nn.Module) -> list[tuple[object, nn.Module]]:
-    """``(key, item)`` pairs of any module, as the reference enumerates them.
-
-    An ``nn.ModuleDict`` gives its ``str`` keys; every other module is enumerated
-    with ``int`` positions: a list or ``nn.Sequential`` in iteration order (an
-    item registered twice appears twice), any other module over its children.
+    """``(key, item)`` pairs of any module, as the reference enumerates them: ``str`` keys
+    of an ``nn.ModuleDict``, else ``int`` positions (over the children of a non-list).
 
     Args:
         module: any module.
@@ -52,15 +49,9 @@ def _container_items(module: nn.Module) -> list[tuple[object, nn.Module]]:
 def _shard_layer_containers_recursively(
     module: nn.Module, shard_module: Callable[[nn.Module], object]
 ) -> bool:
-    """Call ``shard_module`` on every leaf item of every container below ``module``.
-
-    Containers are searched at any depth outside items; lists nested directly
-    in lists are flattened, and items are not searched further (their inner
-    lists belong to their unit). Adapter dicts beside the module they adapt
-    ([`fsdp_core.containers.is_branch_dict`][fsdp_core.containers.is_branch_dict]) are no
-    containers. Returns whether anything was sharded. The walk is
-    [`fsdp_core.containers.iter_layer_items`][fsdp_core.containers.iter_layer_items], the one
-    the planner uses.
+    """Call ``shard_module`` on every leaf item of every container below ``module``, each
+    once (the planner's walk,
+    [`iter_layer_items`][fsdp_core.containers.iter_layer_items]).
 
     Args:
         module: where to search.
@@ -69,20 +60,21 @@ def _shard_layer_containers_recursively(
     Returns:
         Whether ``shard_module`` was called at all.
     """
-    seen: set[int] = set()
-    for _, item in iter_layer_items(module):
-        if id(item) not in seen:  # a layer registered in two containers is one unit
-            seen.add(id(item))
-            shard_module(item)
-    return bool(seen)
+    items = _unique_items(module)
+    for item in items:
+        shard_module(item)
+    return bool(items)
+
+
+def _unique_items(module: nn.Module) -> list[nn.Module]:
+    """The leaf items of ``module``'s containers, each once (a layer registered in two
+    containers is one unit)."""
+    return list({id(item): item for _, item in iter_layer_items(module)}.values())
 
 
 def multimodal_unit_paths(model: nn.Module, path: str = "") -> list[str]:
-    """The units of the module at ``path`` of ``model`` at layer-container granularity:
-    the paths (as ``model.named_modules()`` names them) of the leaf items of its
-    containers, each once, or ``[path]`` when it has none. What the planner makes units
-    of, and what [`shard_multimodal_module`][multimodal_fsdp.layers.shard_multimodal_module]
-    shards.
+    """The units of the module at ``path`` at layer-container granularity: the paths of
+    the leaf items of its containers, each once, or ``[path]`` when it has none.
 
     Args:
         model: the model.
@@ -91,21 +83,13 @@ def multimodal_unit_paths(model: nn.Module, path: str = "") -> list[str]:
     Returns:
         The unit paths.
     """
-    module = model.get_submodule(path) if path else model
     names = {id(sub): name for name, sub in model.named_modules()}
-    seen: set[int] = set()
-    paths: list[str] = []
-    for _, item in iter_layer_items(module):
-        if id(item) not in seen:  # a layer registered in two containers is one unit
-            seen.add(id(item))
-            paths.append(names[id(item)])
-    return paths or [path]
+    return [names[id(item)] for item in _unique_items(model.get_submodule(path))] or [path]
 
 
 def shard_multimodal_module(module: nn.Module, shard_module: Callable[[nn.Module], object]) -> None:
-    """Shard ``module`` at layer-container granularity, or whole when it has no containers:
-    ``shard_module`` is called on each unit
-    [`multimodal_unit_paths`][multimodal_fsdp.layers.multimodal_unit_paths] names, in order.
+    """Shard ``module`` at layer-container granularity, or whole when it has no containers
+    (the units of [`multimodal_unit_paths`][multimodal_fsdp.layers.multimodal_unit_paths]).
 
     Args:
         module: a tower, projector or any module.
@@ -119,4 +103,4 @@ def shard_multimodal_module(module: nn.Module, shard_module: Callable[[nn.Module
     if not callable(shard_module):
         raise TypeError(f"shard_module must be callable, got {type(shard_module).__name__}")
     for path in multimodal_unit_paths(module):
-        shard_module(module.get_submodule(path) if path else module)
+        shard_module(module.get_submodule(path))

@@ -1,11 +1,5 @@
-"""What a model holds for multimodal planning, found once by ``discover``.
-
-A plan reads the towers and projectors of the model (each split into its frozen and
-trainable parts) and the decoder layers that run only with media many times: for its
-units, replicated parameters, notes, record and runtime hooks. They are found once,
-into a frozen [`Discovery`][multimodal_fsdp.model_discovery.Discovery], and the plan is
-built from it; the chooser, which plans one model under many policies, discovers once
-and passes the same discovery to every plan.
+"""What a model holds for multimodal planning, found once by ``discover`` (a plan reads
+it many times; the chooser passes one discovery to every plan it makes).
 """
 
 from __future__ import annotations
@@ -39,8 +33,7 @@ class DiscoveryOptions:
         extra_projector_names: Iterable[str] = (),
         exclude: Iterable[str] = (),
     ) -> DiscoveryOptions:
-        """The options from user input, each collection checked (a ``TypeError`` or
-        ``ValueError`` naming the bad entry).
+        """The options from user input, each collection checked.
 
         Args:
             extra_tower_names: more attribute names of towers.
@@ -62,11 +55,9 @@ class DiscoveryOptions:
 @dataclass(frozen=True)
 class Discovery:
     """One model's towers and projectors with their frozen and trainable parts, and its
-    decoder layers that run only with media, as found with ``options``.
-
-    The split into parts depends on which parameters are trainable, so a discovery
-    belongs to the model and to the ``requires_grad`` flags it was made with
-    ([`matches`][multimodal_fsdp.model_discovery.Discovery.matches])."""
+    decoder layers that run only with media, as found with ``options`` (and the model's
+    ``requires_grad`` flags at the time, see
+    [`matches`][multimodal_fsdp.model_discovery.Discovery.matches])."""
 
     model: nn.Module = field(compare=False)
     options: DiscoveryOptions
@@ -113,12 +104,8 @@ def discover(
     extra_projector_names: Iterable[str] = (),
     exclude: Iterable[str] = (),
 ) -> Discovery:
-    """Find the towers and projectors of ``model`` (split into maximal frozen and trainable
-    parts, [`multimodal_fsdp.parts`][multimodal_fsdp.parts]) and its media-dependent
-    decoder layers
-    ([`multimodal_fsdp.discovery.conditional`][multimodal_fsdp.discovery.conditional]),
-    once. The options mean what they mean for
-    [`MultimodalParallelizer`][multimodal_fsdp.parallelizer.MultimodalParallelizer].
+    """Find the towers and projectors of ``model``, split into frozen and trainable parts,
+    and its media-dependent decoder layers, once.
 
     Args:
         model: the model.

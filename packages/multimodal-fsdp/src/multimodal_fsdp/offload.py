@@ -1,12 +1,8 @@
 """CPU offload per part of a vision-language model: towers, projectors, the language model.
 
-A frozen tower needs no gradient and no optimizer state, so its sharded parameters
-can wait in host memory while the language model, which trains, stays on the device.
-[`PartOffload`][multimodal_fsdp.offload.PartOffload] is that choice, checked once where it
-enters (the ``offload=`` option of
-[`MultimodalParallelizer`][multimodal_fsdp.parallelizer.MultimodalParallelizer]); the
-planner gives each unit the policy of the part its parameters belong to
-([`UnitPlan.offload_policy`][fsdp_core.plan.UnitPlan]).
+A frozen tower needs no gradient or optimizer state, so its shards can wait in host
+memory while the language model trains on the device. The planner gives each unit the
+policy of the part its parameters belong to.
 """
 
 from __future__ import annotations
@@ -30,10 +26,8 @@ OFFLOAD_PARTS: Final[tuple[OffloadPart, ...]] = get_args(OffloadPart)
 
 @dataclass(frozen=True)
 class PartOffload:
-    """The offload policy of each part; ``None`` keeps a part's shards on the device.
-
-    A plain ``OffloadPolicy()`` (FSDP2's "no offload") counts as ``None``.
-    """
+    """The offload policy of each part; ``None`` (or FSDP2's plain ``OffloadPolicy()``)
+    keeps a part's shards on the device."""
 
     tower: OffloadPolicy | None = None
     projector: OffloadPolicy | None = None
@@ -52,10 +46,8 @@ class PartOffload:
 
     @classmethod
     def parse(cls, value: object) -> PartOffload:
-        """``offload=`` as given: ``None`` (nothing offloaded), one ``OffloadPolicy`` (every
-        part, every unit: what ``offload_policy=`` always meant), a mapping from part names
-        (``"tower"``, ``"projector"``, ``"language_model"``) to policies, or a
-        ``PartOffload``.
+        """``offload=`` as given: ``None``, one ``OffloadPolicy`` for every part, a mapping
+        from part names to policies, or a ``PartOffload``.
 
         Args:
             value: the ``offload=`` option.

@@ -1,16 +1,6 @@
-"""How a multimodal module splits into the pieces the frozen-tower policy acts on.
-
-A tower or projector is fully frozen, fully trainable, or partly trainable (a
-trainable merger inside a frozen tower, LoRA adapters in frozen blocks). The
-parallelizer plans each piece differently, so the split is its own concept:
-
-- [`split_frozen_parts`][multimodal_fsdp.parts.split_frozen_parts]: the maximal fully frozen and
-  fully trainable submodules;
-- [`classify_layers`][multimodal_fsdp.parts.classify_layers]: each layer-container item of a partly
-  trainable module as *frozen*, *trainable* or *adapted* (frozen weights with trainable ones
-  inside);
-- [`partly_trainable_note`][multimodal_fsdp.parts.partly_trainable_note]: the one-line plan note
-  that summarises them.
+"""How a multimodal module splits into the pieces the frozen-tower policy acts on: its
+maximal fully frozen and fully trainable submodules, and for a partly trainable module
+(LoRA in frozen blocks) each layer as *frozen*, *trainable* or *adapted*.
 """
 
 from __future__ import annotations
@@ -24,7 +14,7 @@ from torch import nn
 
 from fsdp_core.containers import iter_layer_items, join_path
 from multimodal_fsdp.discovery.names import MultimodalModule
-from multimodal_fsdp.policy import frozen_policy, module_is_fully_frozen
+from multimodal_fsdp.policy import frozen_policy
 
 __all__ = [
     "LayerKind",
@@ -52,14 +42,9 @@ class MultimodalParts:
         )
 
 
-def _has_frozen_param(module: nn.Module) -> bool:
-    return any(not p.requires_grad for p in module.parameters())
-
-
 def split_frozen_parts(module: nn.Module, path: str) -> tuple[list[str], list[str]]:
-    """Maximal fully frozen and maximal fully trainable submodules of ``module``.
-
-    Parameters held directly by a mixed module stay with the enclosing unit.
+    """Maximal fully frozen and maximal fully trainable submodules of ``module`` (a mixed
+    module's own parameters stay with the enclosing unit).
 
     Args:
         module: a discovered tower or projector.
@@ -68,10 +53,9 @@ def split_frozen_parts(module: nn.Module, path: str) -> tuple[list[str], list[st
     Returns:
         ``(frozen paths, trainable paths)``.
     """
-    if module_is_fully_frozen(module):
-        return [path], []
-    if not _has_frozen_param(module):
-        return [], ([path] if any(True for _ in module.parameters()) else [])
+    kind = layer_kind(module)
+    if kind != "adapted":
+        return ([path] if kind == "frozen" else []), ([path] if kind == "trainable" else [])
     frozen: list[str] = []
     trainable: list[str] = []
     for name, child in module.named_children():
@@ -102,8 +86,7 @@ def layer_kind(module: nn.Module) -> LayerKind:
 
 
 def classify_layers(part: MultimodalParts) -> list[tuple[str, LayerKind]]:
-    """The layers of ``part`` (its layer-container items, or itself without any), each
-    fully frozen, fully trainable, or *adapted* (frozen weights with trainable ones).
+    """The kind of each layer of ``part`` (its layer-container items, or itself).
 
     Args:
         part: a discovered module's parts.

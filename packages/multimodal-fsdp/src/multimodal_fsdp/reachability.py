@@ -1,12 +1,8 @@
 """The backward-reachability rule: which frozen modules no gradient ever reaches.
 
-FSDP2 runs a unit's backward (and re-gathers its parameters for it) only when
-its output needs a gradient. Frozen parts of towers and projectors that come
-before every trainable parameter of their modality see only media inputs
-(pixels, audio), so their backward never runs.
-[`multimodal_fsdp.estimate.costs`][multimodal_fsdp.estimate.costs]
-uses this judgement to count backward all-gathers and the prefetch guard's
-savings; it lives here so that the rule has one home and one test surface.
+Frozen parts of towers and projectors that come before every trainable parameter of
+their modality see only media inputs, so FSDP2 never runs (or re-gathers for) their
+backward; the costs count backward all-gathers and the prefetch guard's savings by it.
 """
 
 from __future__ import annotations
@@ -37,17 +33,13 @@ def backward_free_paths(
     *,
     parts: Sequence[MultimodalParts] | None = None,
 ) -> list[str]:
-    """Frozen module paths that no gradient reaches in a step.
-
-    Per modality, towers then projectors are walked in registration order; the
-    frozen parts met before the first trainable parameter (or the first module
-    holding one directly) see only media inputs, so their backward never runs.
-    ``parts`` are the discovered parts when the caller has them (the planner, which
-    records the result in the plan); else discovery with default options finds them.
+    """Frozen module paths that no gradient reaches in a step: per modality, the frozen
+    parts of its towers then projectors met before the first trainable parameter.
 
     Args:
         model: the model.
-        parts: the discovered towers' and projectors' parts, if known.
+        parts: the discovered towers' and projectors' parts (default: discovery with
+            default options).
 
     Returns:
         The qualified names of those frozen modules.

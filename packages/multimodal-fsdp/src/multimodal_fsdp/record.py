@@ -1,9 +1,8 @@
 """What ``MultimodalParallelizer.plan()`` found and decided, recorded in the plan.
 
-Later stages (the media regions, the costs, the chooser, the CLI) read this record
-from [`ShardingPlan.records`][fsdp_core.plan.ShardingPlan.records] instead of asking the
-parallelizer to discover the model again: discovery runs once, in ``plan()``. The
-record is plain data (paths and names, no modules) and not part of plan equality.
+Later stages (costs, chooser, CLI) read it from
+[`ShardingPlan.records`][fsdp_core.plan.ShardingPlan.records] instead of discovering the
+model again. Plain data, not part of plan equality.
 """
 
 from __future__ import annotations
@@ -21,10 +20,8 @@ __all__ = ["MultimodalRecord", "PlannedPart", "media_regions_of", "plan_record"]
 
 @dataclass(frozen=True)
 class PlannedPart:
-    """One discovered tower or projector as planned: where it is, the discovery rule
-    that found it (``"name:<attr>"``, ``"extra:<attr>"`` or a structural rule, see
-    [`MultimodalModule`][multimodal_fsdp.discovery.names.MultimodalModule]), its
-    maximal frozen and trainable submodules, and the frozen-tower policy it follows."""
+    """One discovered tower or projector as planned: its path, discovery rule, frozen
+    and trainable submodules, and policy."""
 
     path: str
     rule: str
@@ -48,9 +45,7 @@ class MultimodalRecord:
     conditional_layers: tuple[str, ...]
     #: The media regions of the plan's units, as planned.
     media_regions: tuple[MediaRegion, ...]
-    #: The frozen-tower policies the plan was made with (its ``label`` as the option
-    #: reads, its ``default`` for modules the option does not name); each part's own
-    #: policy is ``PlannedPart.policy``.
+    #: The frozen-tower policies the plan was made with (each part's: ``PlannedPart.policy``).
     policies: FrozenPolicies
     uneven_media: bool
     #: Towers whose calls ``balance_media=True`` spreads over every rank (no media regions).
@@ -61,14 +56,13 @@ class MultimodalRecord:
 
 
 def plan_record(plan: ShardingPlan) -> MultimodalRecord | None:
-    """The multimodal record of ``plan``; ``None`` for plans made otherwise (by hand,
-    by a plain ``ModelParallelizer``).
+    """The multimodal record of ``plan``.
 
     Args:
         plan: any plan.
 
     Returns:
-        Its ``MultimodalRecord``, or None.
+        Its ``MultimodalRecord``, or None for plans made otherwise.
     """
     return plan.record(MultimodalRecord)
 
@@ -82,8 +76,6 @@ def media_regions_of(
 ) -> list[MediaRegion]:
     """Modules that only run with media and own units of ``plan``: towers and projectors
     with units inside, then media-dependent decoder layers that are units themselves.
-    ``balanced`` modules (towers, and the projectors and layers ``balance_media=True``
-    joins) are none: every rank takes part in each of their calls.
 
     Args:
         parts: the planned towers' and projectors' parts.

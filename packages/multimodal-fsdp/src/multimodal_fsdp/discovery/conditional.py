@@ -1,18 +1,10 @@
 """Decoder layers that only run when the batch has media, found by structure.
 
-Cross-attention VLMs (Mllama and its kind) interleave layers that read the image
-features into the decoder's layer stack and skip them on a text-only batch. When
-such a layer is its own FSDP unit, a text-only rank beside an image rank issues
-fewer all-gathers, and the ranks' collectives stop lining up (a crash on gloo, a
-hang or wrong data on NCCL), whatever the frozen-tower policy.
-
-The structural signal: a layer container holding items of more than one class,
-where the items of a minority class require a forward argument that the majority
-class does not require. A layer that cannot run without an input the ordinary
-layers can do without (``cross_attention_states``, the media features) is the one
-the decoder leaves out when that input is missing. Heterogeneous stacks whose
-layers all take the same inputs (attention beside state-space layers, dense
-beside MoE layers) are not flagged.
+Cross-attention VLMs (Mllama) interleave layers that read the image features and are
+skipped on a text-only batch; as FSDP units they would make the ranks' collectives
+diverge. The signal: in a layer container of mixed classes, a minority class that
+requires a forward argument (``cross_attention_states``) the majority does not.
+Stacks whose layers all take the same inputs (dense beside MoE) are not flagged.
 """
 
 from __future__ import annotations
@@ -68,7 +60,7 @@ def _containers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     seen: set[int] = set()
     for path, _item in iter_layer_items(model):
         parent = path.rpartition(".")[0]
-        container = model.get_submodule(parent) if parent else model
+        container = model.get_submodule(parent)
         if id(container) not in seen and is_module_container(container):
             seen.add(id(container))
             yield parent, container

@@ -1,15 +1,8 @@
 """The vocabulary of discovery: tower and projector names, modalities, the result type.
 
-Discovery ([`multimodal_fsdp.discovery.walk`][multimodal_fsdp.discovery.walk]) matches modules
-first by the
-attribute name under which they are registered, then by structure
-([`multimodal_fsdp.discovery.structure`][multimodal_fsdp.discovery.structure]). The tables of
-known names, the keyword
-rules that give a caller-supplied name its modality, and
-[`MultimodalModule`][multimodal_fsdp.discovery.names.MultimodalModule] (what both report) live
-here, so the
-long list of model families reads in one place and the matching code stays short; the walk
-([`multimodal_fsdp.discovery.walk`][multimodal_fsdp.discovery.walk]) applies them.
+The tables of known names and the keywords that give a caller-supplied name its modality
+live here, so the list of model families reads in one place; the
+[`walk`][multimodal_fsdp.discovery.walk] applies them.
 """
 
 from __future__ import annotations
@@ -131,11 +124,8 @@ MULTIMODAL_MODULE_NAMES: tuple[str, ...] = MULTIMODAL_TOWER_NAMES + MULTIMODAL_P
 """Towers first, then projectors."""
 
 LANGUAGE_MODEL_NAMES: tuple[str, ...] = ("language_model", "text_model", "text_decoder", "llm")
-"""Attribute names of text decoders; nothing strictly below them is a tower or projector.
-
-A whole VLM registered under one of these names would therefore be hidden; pass the inner
-model itself to discovery in that case.
-"""
+"""Attribute names of text decoders; nothing strictly below them is a tower or projector
+(a whole VLM registered under one of them is hidden: pass the inner model)."""
 
 # Keyword -> modality, for names the user adds (built-in names use the tables above).
 _MODALITY_KEYWORDS: tuple[tuple[str, Modality], ...] = (
@@ -167,14 +157,10 @@ _INPUT_MODALITY_KEYWORDS: tuple[tuple[str, Modality], ...] = tuple(
 class MultimodalModule:
     """One discovered tower or projector.
 
-    ``modality`` comes from the matched name (caller-supplied names are read for keywords
-    such as "audio" or "image"); a modality-neutral projector name such as
-    ``multi_modal_projector`` takes the modality of the towers registered beside it, and is
-    "unknown" when they disagree (Video-LLaVA) or there are none. ``rule`` records why it
-    matched, so that surprising results can be traced: ``"name:<attr>"`` for a built-in
-    name, ``"extra:<attr>"`` for a caller-supplied one, or a structural rule:
-    ``"config:<sub-config attribute>"``, ``"main_input:<arg>"``, ``"forward:<arg>"``,
-    ``"features:<arg>"`` or ``"bundle:<child>+<child>"``.
+    A modality-neutral projector takes the modality of the towers beside it ("unknown"
+    when they disagree or there are none). ``rule`` records why it matched:
+    ``"name:<attr>"``, ``"extra:<attr>"``, ``"config:<attr>"``, ``"main_input:<arg>"``,
+    ``"forward:<arg>"``, ``"features:<arg>"`` or ``"bundle:<child>+<child>"``.
     """
 
     path: str
@@ -202,12 +188,8 @@ _BUILTIN_RULES: Mapping[str, _Rule] = _builtin_rules()
 
 
 def is_multimodal_module_name(name: str) -> bool:
-    """Whether the last component of a (possibly dotted) qualified name is a known name.
-
-    Only the name is checked; the structural guards of
-    [`iter_multimodal_modules`][multimodal_fsdp.discovery.walk.iter_multimodal_modules] need the
-    module
-    tree and are not applied here.
+    """Whether the last component of a (possibly dotted) qualified name is a known name
+    (the walk's structural guards are not applied).
 
     Args:
         name: a qualified module name.

@@ -1,14 +1,10 @@
 """The structural rules of discovery: towers and projectors found by shape, not name.
 
-Where names fail (towers registered as plain ``encoder``), these rules match what
-transformers models expose without naming any model: a model built from an enclosing
-model's media sub-config, a model whose ``main_input_name`` is a media input, a child
-encoder taking media (or a projector taking a tower's output) and no text right where
-media meets text, and an encoder holding nothing but two or more towers (its call runs
-them all). A match that shares (ties) a parameter with the rest of the model is
-dropped. The walk that applies them, with its maximality and guard rules, is
-[`multimodal_fsdp.discovery.walk`][multimodal_fsdp.discovery.walk]; the
-rules live here so each can be read and tested on its own.
+Where names fail (a tower registered as plain ``encoder``), these rules match what
+transformers models expose: a media sub-config, a media ``main_input_name``, an encoder
+taking media and no text where media meets text, an encoder of two or more towers. A
+match that ties a parameter to the rest of the model is dropped. The walk applying them
+is [`multimodal_fsdp.discovery.walk`][multimodal_fsdp.discovery.walk].
 """
 
 from __future__ import annotations
@@ -71,10 +67,7 @@ _FORWARD_ARGUMENTS: dict[type, frozenset[str]] = {}
 
 
 def _forward_arguments(module: nn.Module) -> frozenset[str]:
-    """Names of the parameters of ``forward`` (empty when it cannot be inspected).
-
-    Cached per class: a model walk asks once per module and classes repeat a lot.
-    """
+    """Names of the parameters of ``forward`` (cached per class; empty if uninspectable)."""
     cls = type(module)
     arguments = _FORWARD_ARGUMENTS.get(cls)
     if arguments is None:
@@ -96,10 +89,7 @@ def _first_media(arguments: frozenset[str], table: Mapping[str, Modality]) -> st
 
 
 def _model_config(module: nn.Module) -> object | None:
-    """The config of a transformers-style model: it has a ``main_input_name`` and a config.
-
-    Duck-typed, so that discovery does not import transformers.
-    """
+    """The config of a transformers-style model (duck-typed: no transformers import)."""
     if not isinstance(getattr(module, "main_input_name", None), str):
         return None
     return getattr(module, "config", None)
@@ -137,11 +127,8 @@ def _is_text_model(module: nn.Module, subconfigs: Mapping[int, tuple[str, object
 
 
 def _config_modality(module: nn.Module, attr: str) -> Modality:
-    """Modality of a model built from sub-config ``attr``: from its name, else its type.
-
-    ``vision_config`` / ``audio_config`` say it in the name; a neutral ``encoder`` config
-    says it in its ``model_type`` (``vit``, ``wav2vec2``, ``granite_speech_encoder``).
-    """
+    """Modality of a model built from sub-config ``attr``: from its name, else (a neutral
+    ``encoder`` config) from its ``model_type``."""
     modality = _modality_from_keywords(attr, _INPUT_MODALITY_KEYWORDS)
     if modality == "unknown" and attr in ("encoder", "encoder_model"):
         model_type = getattr(_model_config(module), "model_type", "")
@@ -155,20 +142,9 @@ def _match_structure(
     parent: nn.Module,
     subconfigs: Mapping[int, tuple[str, object]],
 ) -> MultimodalModule | None:
-    """The structural rules, strongest first; ``None`` when none applies.
-
-    1. ``config:<attr>`` -- a model built from an ancestor's media sub-config
-       (``vision_config``, ``audio_config``, an ``encoder`` config of a vision/audio type).
-    2. ``main_input:<name>`` -- a model whose ``main_input_name`` is a media input.
-    3. ``forward:<arg>`` / ``features:<arg>`` -- a child of the module where media meets
-       text (its parent's forward takes both) whose own forward takes no text and either
-       media, when it has a layer stack of its own (a tower), or a tower's output (a
-       projector).
-
-    None of them matches a module whose forward takes text or cross-attends, since a tower
-    encodes media alone. Activation-checkpoint and compile wrappers are looked through;
-    the wrapper itself is reported, being what is registered in the tree.
-    """
+    """The structural rules, strongest first (``config:``, ``main_input:``, then
+    ``forward:`` / ``features:`` for a child of the media entry); ``None`` when none
+    applies or the module takes text. Wrappers are looked through but reported."""
     reported, module, parent = module, unwrap_module(module), unwrap_module(parent)
     arguments = _forward_arguments(module)
     if _takes_text(arguments):
@@ -205,13 +181,8 @@ def _match_structure(
 def _shares_parameters(
     model: nn.Module, path: str, module: nn.Module, uses: dict[int, int]
 ) -> bool:
-    """Whether a parameter of ``module`` is also registered outside it (tied weights).
-
-    A structural match must be separable from the rest of the model: a patch embedding
-    whose weights are tied to one inside the text encoder is not a tower of its own, and
-    giving it an FSDP unit would split a tied parameter across units. ``uses`` counts the
-    registrations of each parameter in ``model``, filled on the first call.
-    """
+    """Whether a parameter of ``module`` is also registered outside it (tied weights);
+    ``uses`` counts each parameter's registrations in ``model``, filled on first call."""
     if not uses:
         for _, param in model.named_parameters(remove_duplicate=False):
             uses[id(param)] = uses.get(id(param), 0) + 1
@@ -225,11 +196,8 @@ def _shares_parameters(
 
 
 def _is_media_entry(module: nn.Module) -> bool:
-    """Media meets text here: forward takes both, and no layer stack is owned directly.
-
-    A module that owns its layer list (``layers``, ``block``) is a text stack with an
-    image-patch input, whose parts are not separate towers.
-    """
+    """Media meets text here: forward takes both, and no layer stack is owned directly
+    (that would be a text stack with an image-patch input)."""
     arguments = _forward_arguments(module)
     if not _takes_text(arguments) or _first_media(arguments, MEDIA_INPUTS) is None:
         return False
@@ -249,17 +217,8 @@ def _has_layer_container(module: nn.Module) -> bool:
 
 
 def _absorb_bundles(model: nn.Module, found: list[MultimodalModule]) -> list[MultimodalModule]:
-    """Report a module whose parameters all belong to discovered towers instead of them.
-
-    A parent that owns no parameters itself, whose children with parameters are all
-    discovered towers, two or more of them, and whose call runs them (an encoder: media
-    in, no text, every media input required; see ``_encodes_media_alone``) is the
-    maximal tower: two image encoders fused into one, for example. A parent that runs
-    on every batch and calls its towers only with media (a text model's feature
-    embedding holding an image and an audio encoder) is not: its towers are reported,
-    since they are what only ranks with media run. Repeated upwards; the root is never
-    reported; towers and projectors are not merged, to keep the roles apart.
-    """
+    """Report a parent made only of two or more discovered towers, whose call runs them
+    all (``_encodes_media_alone``), instead of them; repeated upwards, never the root."""
     changed = True
     while changed:
         changed = False
@@ -300,15 +259,8 @@ def _bundle(
 
 
 def _encodes_media_alone(module: nn.Module) -> bool:
-    """Whether a call of ``module`` is a call of an encoder: its forward takes no text,
-    needs a media input, and has no media input it can do without.
-
-    Only then does entering it mean that its towers run. A module that takes the text
-    stream runs on every batch and calls its towers only when media came with it
-    (Phi-4-multimodal's feature embedding); one with optional media inputs may run
-    some of its towers and not the others; a plain container is never called, its
-    towers are. In each case the towers are what runs with media: they are reported.
-    """
+    """Whether a call of ``module`` runs its towers: its forward takes no text and
+    requires every media input it has (at least one)."""
     arguments = _forward_arguments(module)
     media = {name for name in arguments if name in MEDIA_INPUTS}
     return (

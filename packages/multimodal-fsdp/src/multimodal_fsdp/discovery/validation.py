@@ -1,8 +1,5 @@
-"""Checks of user-given names and paths, shared by discovery and the parallelizers.
-
-Model packages take the same options (``extra_tower_names``, ``exclude``, ...) and
-must reject bad values with the same messages, so these checks are public.
-"""
+"""Checks of user-given names and paths, public so that model packages taking the same
+options reject bad values with the same messages."""
 
 from __future__ import annotations
 
@@ -13,8 +10,6 @@ __all__ = ["check_attribute_names", "check_module_paths"]
 
 def check_attribute_names(names: Iterable[str], argument: str) -> tuple[str, ...]:
     """Attribute names (``"vision_tower"``): a collection of non-empty str without dots.
-
-    ``argument`` names the option in the error message.
 
     Args:
         names: the user's names.

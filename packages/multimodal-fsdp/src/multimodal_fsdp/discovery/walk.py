@@ -1,45 +1,19 @@
 """Find the modality towers and multimodal projectors of a vision/audio-language model.
 
-Sharding frameworks treat these modules differently from the text decoder (their own FSDP
-unit, their own mixed-precision policy, often frozen), so they need to be located by
-qualified name in an arbitrary ``nn.Module`` tree.
+Sharding treats these modules unlike the text decoder (their own units, often frozen), so
+they are located by qualified name. A submodule matches by the attribute name it is
+registered under ([`names`][multimodal_fsdp.discovery.names]) or, where names fail, by
+the [`structural`][multimodal_fsdp.discovery.structure] rules. Which matches are reported:
 
-A submodule matches by its *name* when the attribute name under which it is registered (the
-last component of its qualified name) is a known tower or projector name. Where names fail
-(towers registered as plain ``encoder``), *structural* rules match what transformers models
-expose, without naming any model: a model built from an enclosing model's media sub-config
-(``vision_config``, ``audio_config``, an ``encoder`` config of a vision or audio type), a
-model whose ``main_input_name`` is a media input, a child encoder taking media (or a
-projector taking a tower's output) and no text right where media meets text, and an encoder
-holding nothing but two or more towers (media in, no text: its call runs them; a module that
-takes the text stream, such as a feature embedding calling its encoders only with media, is
-not one, and its towers are reported). A structural match that shares (ties) a parameter
-with the rest of the model is dropped. Each result records the rule that matched. Three
-rules decide which matches are reported:
+* **Maximality** -- the walk is ``named_modules()`` pre-order and a match hides its
+  subtree (a tower's internal ``merger`` is never a projector).
+* **Repeated-block guard** -- nothing inside a numbered item of an ``nn.ModuleList``,
+  ``nn.Sequential`` or ``nn.ModuleDict`` (``layers.3``) matches: towers are singletons
+  wired in by attribute.
+* **Language-model guard** -- nothing below a language-model name (``language_model``)
+  or a model built from a text sub-config matches.
 
-* **Maximality** -- the walk is ``model.named_modules()`` in pre-order, and a match hides its
-  whole subtree, so ``model.vision_tower`` is reported but ``model.vision_tower.vision_model``
-  is not, and a tower's internal ``merger`` (Qwen2-VL) is never mistaken for a projector.
-* **Repeated-block guard** -- nothing inside a *numbered item* of an ``nn.ModuleList``,
-  ``nn.Sequential`` or ``nn.ModuleDict`` (a child registered under an integer key such as
-  ``layers.3``) can match. Such items are one of N identical blocks (decoder layers,
-  cross-attention layers, resampler stages); a modality tower or projector is a singleton
-  wired in by attribute, never the inside of the k-th layer of a stack. This is structural,
-  so it covers decoder layers whatever the language model is called (``model.layers.N``,
-  ``transformer.h.N``, Mllama's ``language_model.layers.N.cross_attn``).
-* **Language-model guard** -- nothing strictly below a module registered under a
-  language-model name
-  ([`LANGUAGE_MODEL_NAMES`][multimodal_fsdp.discovery.walk.LANGUAGE_MODEL_NAMES],
-  e.g. ``language_model``) can match, nor anything in a model built from an enclosing model's text
-  or decoder sub-config, so helper modules that a text decoder keeps outside its layer stack are not
-  mistaken for towers either.
-
-The root module is never reported: discovery is about parts of a model, not the model.
-
-The name tables live in [`multimodal_fsdp.discovery.names`][multimodal_fsdp.discovery.names] and
-the structural rules in
-[`multimodal_fsdp.discovery.structure`][multimodal_fsdp.discovery.structure]; this module is the
-walk that applies them.
+The root module is never reported.
 """
 
 from __future__ import annotations
@@ -77,10 +51,9 @@ logger = logging.getLogger(__name__)
 def iter_multimodal_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """Yield ``(qualified_name, module)`` for the maximal towers and projectors of ``model``.
 
-    Same walk and rules (names and structure) as
-    [`resolve_multimodal_modules`][multimodal_fsdp.discovery.walk.resolve_multimodal_modules] with
-    no
-    extra names or excludes; results come in ``named_modules()`` pre-order.
+    Same walk as
+    [`resolve_multimodal_modules`][multimodal_fsdp.discovery.walk.resolve_multimodal_modules]
+    with no extra names or excludes.
 
     Args:
         model: the model to search.
@@ -103,20 +76,12 @@ def resolve_multimodal_modules(
 ) -> tuple[MultimodalModule, ...]:
     """Return the maximal towers and projectors of ``model`` with their role and modality.
 
-    ``extra_tower_names`` / ``extra_projector_names`` add attribute names (not dotted paths)
-    for models whose towers use names this module does not know; they obey the same
-    maximality and guard rules as the built-in names. ``exclude`` lists qualified paths
-    whose whole subtree is skipped; every entry must name a module of ``model`` (as reported
-    by ``named_modules()``), otherwise a ``ValueError`` names it, so a typo cannot silently
-    disable the exclusion. ``structural=False`` turns off the rules that look past names
-    (media inputs, sub-configs, forward signatures, bundles), leaving name matching only.
-
     Args:
         model: the model to search.
-        extra_tower_names: more attribute names of towers.
+        extra_tower_names: more attribute names (not dotted paths) of towers.
         extra_projector_names: more attribute names of projectors.
-        exclude: qualified paths whose subtrees are skipped.
-        structural: whether the structural rules apply.
+        exclude: qualified paths whose subtrees are skipped (each must name a module).
+        structural: whether the structural rules apply (else names only).
 
     Returns:
         Each match with its path, role, modality and the rule that found it.
@@ -169,15 +134,8 @@ def _walk(
     *,
     structural: bool,
 ) -> list[MultimodalModule]:
-    """The single pre-order walk behind both public entry points.
-
-    ``closed`` holds, for every visited path, whether its subtree is already decided:
-    it was matched, excluded, or is inside a guarded region (repeated block or language
-    model). Parents are always visited before children, so one dict lookup per module
-    propagates the state without re-scanning ancestors. ``subconfigs`` maps each sub-config
-    object of an open model's config to the attribute it is stored under, so a submodule
-    built from it can be recognised by identity.
-    """
+    """The single pre-order walk behind both public entry points. ``closed``: whether a
+    visited path's subtree is decided (matched, excluded or guarded)."""
     closed: dict[str, bool] = {}
     modules: dict[str, nn.Module] = {}
     subconfigs: dict[int, tuple[str, object]] = {}
@@ -243,12 +201,7 @@ def _match_name(
 
 
 def _infer_projector_modality(parent: nn.Module, rules: Mapping[str, _Rule]) -> Modality:
-    """Modality of a neutrally named projector, taken from the towers next to it.
-
-    A projector maps the output of the towers registered beside it (LLaVA's
-    ``multi_modal_projector`` sits next to ``vision_tower``, Qwen2-Audio's next to
-    ``audio_tower``). When those towers disagree or are absent the answer is "unknown".
-    """
+    """Modality of a neutrally named projector: that of the towers beside it, if one."""
     modalities = {
         rule.modality
         for child_name, _ in parent.named_children()
