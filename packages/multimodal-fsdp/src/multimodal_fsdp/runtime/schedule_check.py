@@ -103,27 +103,53 @@ class ScheduleLayout:
         Returns:
             The number of checkpoints.
         """
-        armed = True
-        count = 0
+        walk = _Walk()
         region_paths = {r.path for r in self.regions}
         parts = dict(self.parts)
-        inside: list[list[str | None]] = []  # [region, part] of the region calls running
+        count = 0
         for event, path in self.order:
             if event == "enter":
-                part = parts.get(path)
-                count += part is not None
-                inside.append([path, part])
-                armed = False
+                count += walk.enter(path, parts.get(path))
             elif event == "exit":
-                inside.pop()
-                armed = True
-            elif inside and is_under(path, str(inside[-1][0])):
-                if _enters_part(parts.get(path), inside[-1]):
-                    count += 1
-            elif armed or (path in self.successors and path not in region_paths):
-                count += 1
-                armed = False
+                walk.exit()
+            else:
+                follows = path in self.successors and path not in region_paths
+                count += walk.unit(path, parts.get(path), follows=follows)
         return count + int(self.end_check)
+
+
+class _Walk:
+    """Where one forward is, and whether a module's all-gather there is a checkpoint:
+    shared by the check and the layout's count."""
+
+    def __init__(self) -> None:
+        self.armed = True
+        #: [region, part entered last] of each region call now running, innermost last.
+        self.inside: list[list[str | None]] = []
+
+    def enter(self, region: str, own: str | None) -> bool:
+        """A region call starts (a checkpoint when the region is a unit itself)."""
+        self.armed = False
+        self.inside.append([region, own])
+        return own is not None
+
+    def exit(self) -> None:
+        if self.inside:
+            self.inside.pop()
+        self.armed = True
+
+    def unit(self, path: str, part: str | None, *, follows: bool) -> bool:
+        """Inside a region call, a checkpoint where it enters a part (the trunk only as
+        the call's first); else the first unit after the start or a region."""
+        if self.inside and is_under(path, str(self.inside[-1][0])):
+            region, current = self.inside[-1]
+            if part is None or part == current or (part == region and current is not None):
+                return False
+            self.inside[-1][1] = part
+            return True
+        checkpoint = self.armed or follows
+        self.armed = False  # already False when this is no checkpoint
+        return checkpoint
 
 
 def plan_schedule_layout(
@@ -227,9 +253,7 @@ class ScheduleCheck:
         agreement.register(POSITION, self._explain, self._describe_value, first=True)
         self._parts = dict(layout.parts)
         self._calls: list[int] = []
-        self._armed = True
-        #: [region, part entered last] of each region call now running, innermost last.
-        self._inside: list[list[str | None]] = []
+        self._walk = _Walk()
         #: Checkpoints run in the last forward (for tests and the benchmark).
         self.last_checkpoints = 0
         self._start()
@@ -256,8 +280,7 @@ class ScheduleCheck:
 
     def _start(self, *_: object) -> None:
         self._calls = [0] * len(self.layout.sites)
-        self._armed = True
-        self._inside = []
+        self._walk = _Walk()
         self.last_checkpoints = 0
 
     def _checkpoint(self, site: int) -> None:
@@ -344,20 +367,14 @@ class ScheduleCheck:
         own = self._parts.get(path)  # the region is a unit: its all-gather comes first
 
         def hook(*_: object) -> None:
-            if in_backward():
-                return
-            self._armed = False
-            self._inside.append([path, own])
-            if own is not None:
+            if not in_backward() and self._walk.enter(path, own):
                 self._checkpoint(site)
 
         return hook
 
     def _exit(self, *_: object) -> None:
         if not in_backward():
-            if self._inside:
-                self._inside.pop()
-            self._armed = True
+            self._walk.exit()
 
     def _unit(self, path: str) -> Any:
         site = self._site(path, region=False)
@@ -365,15 +382,7 @@ class ScheduleCheck:
         part = self._parts.get(path)
 
         def hook(*_: object) -> None:
-            if in_backward():
-                return
-            if self._inside and is_under(path, str(self._inside[-1][0])):
-                # Inside a region call: a checkpoint where it enters a part.
-                if _enters_part(part, self._inside[-1]):
-                    self._checkpoint(site)
-                return
-            if self._armed or follows_region:
-                self._armed = False
+            if not in_backward() and self._walk.unit(path, part, follows=follows_region):
                 self._checkpoint(site)
 
         return hook
@@ -406,16 +415,6 @@ def _covered(path: str, layout: ScheduleLayout) -> bool:
         if parts.get(path) in (None, parts.get(outer)):
             return True
     return False
-
-
-def _enters_part(part: str | None, call: list[str | None]) -> bool:
-    """Whether a module of ``part`` gathering in a region ``call`` ([region, part entered
-    last]) starts a part there (and records it): the trunk only as the call's first."""
-    region, current = call
-    if part is None or part == current or (part == region and current is not None):
-        return False
-    call[1] = part
-    return True
 
 
 def _ranks(ranks: list[int], shown: int = 8) -> str:
