@@ -9,6 +9,7 @@ is [`multimodal_fsdp.discovery.walk`][multimodal_fsdp.discovery.walk].
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from collections.abc import Mapping
@@ -63,20 +64,17 @@ _TEXT_INPUTS = frozenset({"input_ids", "inputs_embeds", "encoder_hidden_states"}
 _TEXT_CONFIG_ATTRS = frozenset({"text", "decoder", "language", "llm", "text_decoder"})
 
 
-_FORWARD_ARGUMENTS: dict[type, frozenset[str]] = {}
-
-
 def _forward_arguments(module: nn.Module) -> frozenset[str]:
-    """Names of the parameters of ``forward`` (cached per class; empty if uninspectable)."""
-    cls = type(module)
-    arguments = _FORWARD_ARGUMENTS.get(cls)
-    if arguments is None:
-        try:
-            arguments = frozenset(inspect.signature(cls.forward).parameters)
-        except (TypeError, ValueError):
-            arguments = frozenset()
-        _FORWARD_ARGUMENTS[cls] = arguments
-    return arguments
+    """Names of the parameters of ``forward`` (empty if uninspectable)."""
+    return _class_forward_arguments(type(module))
+
+
+@functools.cache
+def _class_forward_arguments(cls: type[nn.Module]) -> frozenset[str]:
+    try:
+        return frozenset(inspect.signature(cls.forward).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
 
 
 def _takes_text(arguments: frozenset[str]) -> bool:

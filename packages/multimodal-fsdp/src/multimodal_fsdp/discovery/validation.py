@@ -3,7 +3,7 @@ options reject bad values with the same messages."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 __all__ = ["check_attribute_names", "check_module_paths"]
 
@@ -22,13 +22,7 @@ def check_attribute_names(names: Iterable[str], argument: str) -> tuple[str, ...
         TypeError: ``names`` is a bare string or holds a non-string.
         ValueError: a name is empty or dotted.
     """
-    checked = _check_str_collection(names, argument)
-    for name in checked:
-        if not name or "." in name:
-            raise ValueError(
-                f"{argument} entries must be attribute names without dots, got {name!r}"
-            )
-    return checked
+    return _checked(names, argument, "attribute names without dots", lambda n: "." in n)
 
 
 def check_module_paths(paths: Iterable[str], argument: str = "exclude") -> tuple[str, ...]:
@@ -46,14 +40,18 @@ def check_module_paths(paths: Iterable[str], argument: str = "exclude") -> tuple
         TypeError: ``paths`` is a bare string or holds a non-string.
         ValueError: a path is empty.
     """
-    checked = _check_str_collection(paths, argument)
-    for path in checked:
-        if not path or path.startswith(".") or path.endswith(".") or ".." in path:
-            raise ValueError(f"{argument} entries must be qualified module paths, got {path!r}")
-    return checked
+    return _checked(
+        paths,
+        argument,
+        "qualified module paths",
+        lambda p: p.startswith(".") or p.endswith(".") or ".." in p,
+    )
 
 
-def _check_str_collection(values: Iterable[str], argument: str) -> tuple[str, ...]:
+def _checked(
+    values: Iterable[str], argument: str, what: str, bad: Callable[[str], bool]
+) -> tuple[str, ...]:
+    """``values`` as a tuple of non-empty str, none of them ``bad``."""
     # A bare str is iterable too; treating "vision" as ("v", "i", ...) would be a silent bug.
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise TypeError(
@@ -65,4 +63,7 @@ def _check_str_collection(values: Iterable[str], argument: str) -> tuple[str, ..
             raise TypeError(
                 f"{argument} entries must be str, got {type(value).__name__}: {value!r}"
             )
+    for value in checked:
+        if not value or bad(value):
+            raise ValueError(f"{argument} entries must be {what}, got {value!r}")
     return checked

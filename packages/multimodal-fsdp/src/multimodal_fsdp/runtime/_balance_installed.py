@@ -90,7 +90,7 @@ class BalanceMedia:
         self.towers = towers
         self.joined = joined
         self.join_site = join_site
-        self._group = group
+
         self._modules: list[tuple[nn.Module, Member]] = []
         self._in_forward = 0
         self._training = False
@@ -116,13 +116,10 @@ class BalanceMedia:
         self._entered: list[list[EnteredCall]] = [[] for _ in found]
         members = [self._install_member(index, *entry) for index, entry in enumerate(found)]
         self._rounds = Rounds(members, group, data=data)
-        self._layers = (
-            JoinedLayers(
-                model, layers, layer_group if layer_group is not None else group, self._live
-            )
-            if layers
-            else None
-        )
+        decide_over = group if layer_group is None else layer_group
+        self._layers: JoinedLayers | None = None
+        if layers:
+            self._layers = JoinedLayers(model, layers, decide_over, lambda: bool(self._in_forward))
         #: Modules whose ``generate`` is wrapped: (module, instance attribute it replaced,
         #: the wrapper).
         self._generators: list[tuple[nn.Module, Any, Callable[..., Any]]] = []
@@ -161,16 +158,12 @@ class BalanceMedia:
                 self._wrap_generate(module)
 
     # ------------------------------------------------------------- decisions
-    def _live(self) -> bool:
-        return bool(self._in_forward)
-
     def _active(self, member: Member) -> bool:
         return member.run_when_empty or self._training
 
     def _balances(self, member: Member) -> bool:
-        if not self._in_forward or self._joined or self._bypass or in_backward():
-            return False
-        return self._active(member)
+        idle = not self._in_forward or self._joined or self._bypass or in_backward()
+        return not idle and self._active(member)
 
     def _place_join(self, model: nn.Module) -> None:
         """Put the join on the outermost wrapper of the join site (also one applied after

@@ -168,17 +168,15 @@ class JoinedLayers:
         for position, path in enumerate(paths):
             self._index[id(unwrap_module(model.get_submodule(path)))] = position
             parent_path, _, name = path.rpartition(".")
-            container = model.get_submodule(parent_path) if parent_path else model
+            container = model.get_submodule(parent_path)
             if not isinstance(container, nn.ModuleList) or not name.isdigit():
                 raise ValueError(
                     f"balance_media: the media-dependent layer {path!r} is not an item of an "
                     "nn.ModuleList; only layers a decoder runs in order can be joined"
                 )
-            owner_path = parent_path.rpartition(".")[0]
-            key = id(container)
-            if key not in containers:
-                containers[key] = (model.get_submodule(owner_path), _Container(container))
-            containers[key][1].joined.append(int(name))
+            owner = model.get_submodule(parent_path.rpartition(".")[0])
+            entry = containers.setdefault(id(container), (owner, _Container(container)))
+            entry[1].joined.append(int(name))
         for owner, state in containers.values():
             state.joined = sorted(set(state.joined))
             handles.append(owner.register_forward_pre_hook(self._reset(state), prepend=True))
