@@ -132,7 +132,6 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
         self.uneven_media = uneven_media
         self.balance_media = balance_media
         self.balance_media_group = check_balance_group(balance_media_group)
-        self.frozen_policies = FrozenPolicies()
         self._set_frozen_sharding(frozen_multimodal_sharding)
         self.extra_tower_names = check_attribute_names(extra_tower_names, "extra_tower_names")
         self.extra_projector_names = check_attribute_names(

@@ -177,14 +177,10 @@ class _Rule:
     label: str
 
 
-def _builtin_rules() -> dict[str, _Rule]:
-    rules = {name: _Rule("tower", mod, f"name:{name}") for name, mod in _TOWER_MODALITY.items()}
-    for name, modality in _PROJECTOR_MODALITY.items():
-        rules[name] = _Rule("projector", modality, f"name:{name}")
-    return rules
-
-
-_BUILTIN_RULES: Mapping[str, _Rule] = _builtin_rules()
+_BUILTIN_RULES: Mapping[str, _Rule] = {
+    **{name: _Rule("tower", m, f"name:{name}") for name, m in _TOWER_MODALITY.items()},
+    **{name: _Rule("projector", m, f"name:{name}") for name, m in _PROJECTOR_MODALITY.items()},
+}
 
 
 def is_multimodal_module_name(name: str) -> bool:
@@ -209,7 +205,4 @@ def _modality_from_keywords(
     name: str, keywords: tuple[tuple[str, Modality], ...] = _MODALITY_KEYWORDS
 ) -> Modality:
     lowered = name.lower()
-    for keyword, modality in keywords:
-        if keyword in lowered:
-            return modality
-    return "unknown"
+    return next((modality for keyword, modality in keywords if keyword in lowered), "unknown")

@@ -9,7 +9,6 @@ is [`multimodal_fsdp.discovery.walk`][multimodal_fsdp.discovery.walk].
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 from collections.abc import Mapping
@@ -64,17 +63,18 @@ _TEXT_INPUTS = frozenset({"input_ids", "inputs_embeds", "encoder_hidden_states"}
 _TEXT_CONFIG_ATTRS = frozenset({"text", "decoder", "language", "llm", "text_decoder"})
 
 
+_FORWARD_ARGUMENTS: dict[type, frozenset[str]] = {}
+
+
 def _forward_arguments(module: nn.Module) -> frozenset[str]:
-    """Names of the parameters of ``forward`` (empty if uninspectable)."""
-    return _class_forward_arguments(type(module))
-
-
-@functools.cache
-def _class_forward_arguments(cls: type[nn.Module]) -> frozenset[str]:
-    try:
-        return frozenset(inspect.signature(cls.forward).parameters)
-    except (TypeError, ValueError):
-        return frozenset()
+    """Names of the parameters of ``forward`` (cached per class; empty if uninspectable)."""
+    cls = type(module)
+    if cls not in _FORWARD_ARGUMENTS:
+        try:
+            _FORWARD_ARGUMENTS[cls] = frozenset(inspect.signature(cls.forward).parameters)
+        except (TypeError, ValueError):
+            _FORWARD_ARGUMENTS[cls] = frozenset()
+    return _FORWARD_ARGUMENTS[cls]
 
 
 def _takes_text(arguments: frozenset[str]) -> bool:
