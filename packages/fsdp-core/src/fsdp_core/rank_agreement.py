@@ -6,9 +6,9 @@ points (the forward agreement, the schedule check) and each library collective c
 ([collective_entry][fsdp_core.collective_entry]) *meet* here: each rank says what it is
 about to do (a kind, then what the hook needs) at the next numbered point, and goes on
 only when every lockstep rank
-([ParallelDims.lockstep_ranks][fsdp_core.parallel_dims.ParallelDims.lockstep_ranks])
-said something the hooks accept. Otherwise every rank raises the same exception before
-any collective of the point: the process group stays usable.
+([ParallelDims.lockstep_ranks][fsdp_core.parallel_dims.ParallelDims.lockstep_ranks]:
+all dimensions but PP) said something the hooks accept. Otherwise every rank raises the
+same exception before any collective of the point: the process group stays usable.
 
 Meetings go through the c10d store, never a collective (no device synchronisation): per
 point a rank writes its value and counts itself in, the last to come records the
@@ -309,8 +309,8 @@ class RankAgreement:
         return entry[1](value) if entry is not None else value
 
     def _meeting(self, point: int, *, complete: bool = False) -> Meeting:
-        """Each rank's last point and value, read from the store (one round trip when
-        every rank is known to have come, two once every rank has sharded the model)."""
+        """Who said what at ``point``, and the others' last point and value, read from the
+        store (one round trip when every rank is known to have come, else two or more)."""
         keys = {rank: status_key(self._base, rank) for rank in self.ranks}
         if complete or self._store.check(list(keys.values())):
             raw = dict(zip(keys, self._store.multi_get(list(keys.values())), strict=True))
