@@ -259,12 +259,11 @@ def exchange_round(
         padded = torch.zeros(most, dtype=torch.int64)
         padded[:words] = table
         tables = [t.cpu() for t in gather(padded.to(device), group)]
-    headers = [row[:HEADER_INTS] for row in rows]
     return RoundTable(
         world=world,
         rank=rank,
         modules=tuple(int(row[_Header.MODULE]) for row in rows),
-        headers=tuple(headers),
+        headers=tuple(row[:HEADER_INTS] for row in rows),
         tables=tuple(tables),
     )
 
@@ -292,14 +291,14 @@ def _describe(call: MediaCall, header: Tensor) -> bytes:
         )
     header[_Header.ITEMS] = len(call.items)
     header[_Header.FIELDS] = len(spec.fields)
-    first = call.items[0] if call.items else None
     for item in call.items:
         if len(item.sizes) > MAX_SIZES:
             raise ValueError(f"an item has at most {MAX_SIZES} sizes, got {item.sizes}")
         if isinstance(item.cost, bool) or not isinstance(item.cost, int) or item.cost < 1:
             raise ValueError(f"item costs must be positive integers, got {item.cost!r}")
-    header[_Header.SIZES] = len(first.sizes) if first is not None else 0
-    if first is not None:
+    if call.items:  # the header's field and size entries stay 0 without items
+        first = call.items[0]
+        header[_Header.SIZES] = len(first.sizes)
         for f, (name, tensor) in enumerate(zip(spec.fields, first.fields, strict=True)):
             if tensor.dtype not in _DTYPES:
                 raise TypeError(
@@ -316,12 +315,10 @@ def _describe(call: MediaCall, header: Tensor) -> bytes:
                     or item.fields[f].dtype != tensor.dtype
                 ):
                     raise ValueError(f"field {name!r} rows differ in shape or dtype between items")
+            grad = any(item.fields[f].requires_grad for item in call.items)
+            entry = [_DTYPES.index(tensor.dtype), int(grad), len(row_shape), *row_shape]
             base = _FIXED + f * _FIELD_INTS
-            header[base] = _DTYPES.index(tensor.dtype)
-            header[base + 1] = int(any(item.fields[f].requires_grad for item in call.items))
-            header[base + 2] = len(row_shape)
-            for d, size in enumerate(row_shape):
-                header[base + 3 + d] = size
+            header[base : base + len(entry)] = torch.tensor(entry)
     try:
         return pickle.dumps(spec)
     except Exception as error:  # pickling raises many types

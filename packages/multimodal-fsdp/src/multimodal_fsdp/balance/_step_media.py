@@ -91,10 +91,8 @@ class StepMedia:
 
     ranks: tuple[tuple[BalancedCall, ...], ...]
     rank: int = 0
-    #: Per rank (as ``ranks``; other groups alike), per joined decoder layer in the
-    #: hook's order, the description of its call on that rank
-    #: (``multimodal_fsdp.balance.placeholder.describe_call``; ``b""``: the rank skips
-    #: the layer). Empty: every rank runs every joined layer (no placeholder).
+    #: Per rank, per joined decoder layer (the hook's order), its call's ``describe_call``
+    #: (``b""``: the rank skips it); empty: every rank runs every joined layer.
     layers: tuple[tuple[bytes, ...], ...] = ()
 
     def __post_init__(self) -> None:

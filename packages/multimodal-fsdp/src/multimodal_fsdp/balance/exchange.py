@@ -236,10 +236,7 @@ class Rounds:
             table = exchange_round(entry, error, group=self.group, device=device)
             chosen = min(table.called())
             if chosen == index:
-                entered = EnteredCall(
-                    index=index, table=table, call=call, device=device, whole=whole
-                )
-                return entered, zero_terms
+                return EnteredCall(index, table, call, device, whole), zero_terms
             zero_term = self._join_module(chosen, table, device)
             if zero_term is not None:
                 zero_terms.append(zero_term)
@@ -348,8 +345,9 @@ class Rounds:
             return self._balanced(member, table, module, None, None, device)[1]
         if not member.run_when_empty:
             return None
+        blob = table.module_table(module, balanced=False).blob
         try:
-            args, kwargs = placeholder_call(table.module_table(module, balanced=False).blob, device)
+            args, kwargs = placeholder_call(blob, device)
             output = member.run(own=False)(*args, **kwargs)
         except Exception as raised:
             self._fail(raised, device)

@@ -305,10 +305,7 @@ class MediaLayout(ABC):
                 (r for r in self.row_rules() if sum(r(w) for w in weights) == rows_total), None
             )
             ratio = Fraction(rows_total, total)
-            if rule is not None:
-                rows = [Fraction(rule(w)) for w in weights]
-            else:
-                rows = [ratio * w for w in weights]
+            rows = [Fraction(rule(w)) if rule is not None else ratio * w for w in weights]
             if any(r.denominator != 1 or r < 0 for r in rows):
                 raise ValueError(
                     f"tower output tensor {index} has {rows_total} rows for items of "
