@@ -1,11 +1,6 @@
-"""``plan``'s job dimensions and the copies of the parallelizer its options ask for.
-
-``--world-size``/``--dp-replicate``/``--tp``/``--cp``/``--ep``/``--pp`` make the job's
-[`ParallelDims`][fsdp_core.parallel_dims.ParallelDims]; ``--tp`` applies the model's
-TP plan to the meta model, ``--ep`` its EP plan (the preset's ``ep_plan``), ``--pp``
-cuts it into pipeline stages, each planned and costed on its own;
-``--balance-media`` and ``--offload`` copy the parallelizer.
-Moved out of [`multimodal_fsdp.cli.main`][multimodal_fsdp.cli.main], which uses them.
+"""``plan``'s job dimensions: ``--world-size``/``--dp-replicate``/``--tp``/``--cp``/``--ep``/
+``--pp`` make the job's [`ParallelDims`][fsdp_core.parallel_dims.ParallelDims]; ``--tp`` and
+``--ep`` apply the model's TP or EP plan to the meta model, ``--pp`` cuts it into stages.
 """
 
 from __future__ import annotations
@@ -13,7 +8,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-from collections.abc import Sequence
 
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -93,19 +87,14 @@ def _add_parallel_options(plan: argparse.ArgumentParser) -> None:
     )
 
 
-def _balancing(parallelizer: MultimodalParallelizer) -> MultimodalParallelizer:
-    """A copy of ``parallelizer`` with ``balance_media=True`` (``--balance-media``)."""
-    clone = copy.copy(parallelizer)
-    clone.balance_media = True
-    return clone
-
-
-def _offloading(
-    parallelizer: MultimodalParallelizer, parts: Sequence[str]
+def _options(
+    args: argparse.Namespace, parallelizer: MultimodalParallelizer
 ) -> MultimodalParallelizer:
-    """A copy of ``parallelizer`` that offloads ``parts`` to host memory (``--offload``)."""
+    """A copy of ``parallelizer`` with ``--balance-media`` and ``--offload`` (host memory)."""
     clone = copy.copy(parallelizer)
-    clone.offload = PartOffload.parse(dict.fromkeys(parts, CPUOffloadPolicy()))
+    clone.balance_media = clone.balance_media or args.balance_media
+    if args.offload:
+        clone.offload = PartOffload.parse(dict.fromkeys(args.offload, CPUOffloadPolicy()))
     return clone
 
 
@@ -212,8 +201,8 @@ def _tensor_parallel(
     """Apply ``--tp``'s plan (or ``--ep``'s) to the meta model over a fake group that
     ``stack`` keeps open while the plan is costed; returns the note saying what was
     sharded, after ``--cp``'s."""
-    notes = (_context_parallel(args), _sharded_first(args, model, stack))
-    return "; ".join(note for note in notes if note) or None
+    sharded = _expert_parallel(args, model, stack) if args.ep > 1 else _tp(args, model, stack)
+    return "; ".join(note for note in (_context_parallel(args), sharded) if note) or None
 
 
 def _context_parallel(args: argparse.Namespace) -> str | None:
@@ -234,12 +223,8 @@ def _context_parallel(args: argparse.Namespace) -> str | None:
     )
 
 
-def _sharded_first(
-    args: argparse.Namespace, model: nn.Module, stack: contextlib.ExitStack
-) -> str | None:
-    """The TP or EP plan applied to the meta model (``_tensor_parallel``)."""
-    if args.ep > 1:
-        return _expert_parallel(args, model, stack)
+def _tp(args: argparse.Namespace, model: nn.Module, stack: contextlib.ExitStack) -> str | None:
+    """The TP plan applied to the meta model (``_tensor_parallel``)."""
     if args.tp == 1:
         return None
     preset = model_presets().get(args.model)

@@ -6,19 +6,13 @@
     multimodal-fsdp plan --model path/to/config.json --world-size 8
     multimodal-fsdp plan --model deepseek-v41-base --world-size 16 --tp 2
 
-The model is built on the meta device (no memory, no weights). ``--model``
-takes a preset that an installed model package registers (the DeepSeek-V4.1
-reference presets come with ``model-deepseek-v41``; see
-[`multimodal_fsdp.cli.presets`][multimodal_fsdp.cli.presets]), a transformers ``model_type`` or a
-local
-``config.json`` / model directory (needs the ``multimodal-fsdp[transformers]``
-extra).
-
-``--tp N`` plans a ``('dp', 'tp')`` job: the model's tensor-parallel plan (the preset's,
-else [`llama_style_plan`][multimodal_fsdp.tensor_parallel.llama_style_plan]) is applied
-on the meta model over a fake ``tp`` group first, as a job applies it before the
-library, so every figure counts a TP-sharded parameter by its 1/N local shard, which
-FSDP then shards over the ``world-size / (tp x dp-replicate)`` data-parallel ranks.
+The model is built on the meta device (no memory, no weights). ``--model`` takes a preset
+an installed model package registers (see
+[`multimodal_fsdp.cli.presets`][multimodal_fsdp.cli.presets]), a transformers
+``model_type`` or a local ``config.json`` / model directory (needs the
+``multimodal-fsdp[transformers]`` extra). ``--tp N`` applies the model's TP plan on the
+meta model over a fake ``tp`` group first, as a job does, so every figure counts a
+TP-sharded parameter by its local shard.
 """
 
 from __future__ import annotations
@@ -32,7 +26,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -44,14 +38,13 @@ from fsdp_core.sizes import parse_size
 from multimodal_fsdp.cli._parallel import (
     CliError,
     _add_parallel_options,
-    _balancing,
-    _offloading,
+    _options,
     _parallel_dims,
     _pipeline_stages,
     _positive_int,
     _tensor_parallel,
 )
-from multimodal_fsdp.cli.presets import ModelPreset, model_presets
+from multimodal_fsdp.cli.presets import model_presets
 from multimodal_fsdp.estimate.choose import PolicyChoice, choose_frozen_policy
 from multimodal_fsdp.estimate.costs import PlanCosts
 from multimodal_fsdp.estimate.memory import OPTIMIZER_STATES
@@ -60,7 +53,6 @@ from multimodal_fsdp.offload import OFFLOAD_PARTS
 from multimodal_fsdp.parallelizer import MultimodalParallelizer
 from multimodal_fsdp.policy import (
     VALID_FROZEN_MULTIMODAL_SHARDING,
-    FrozenMultimodalSharding,
     normalize_frozen_multimodal_sharding,
 )
 
@@ -72,6 +64,7 @@ logger = logging.getLogger(__name__)
 #: or all towers and projectors.
 FREEZE_CHOICES: tuple[str, ...] = ("none", "vision", "audio", "video", "towers", "multimodal")
 _TRANSFORMERS_EXTRA = "pip install 'multimodal-fsdp[transformers]'"
+_T = TypeVar("_T")
 
 
 def _dtype_name(value: str) -> str:
@@ -84,19 +77,16 @@ def _dtype_name(value: str) -> str:
     return value
 
 
-def _policy(value: str) -> FrozenMultimodalSharding:
-    """Every spelling the API accepts (``per-layer``, ``Per_Layer`` ...)."""
-    try:
-        return normalize_frozen_multimodal_sharding(value)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+def _argument(parse: Callable[[str], _T]) -> Callable[[str], _T]:
+    """``parse`` as an argparse type: its ValueError's message is the usage error."""
 
+    def convert(value: str) -> _T:
+        try:
+            return parse(value)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
 
-def _size(value: str) -> int:
-    try:
-        return parse_size(value)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+    return convert
 
 
 def _batch(value: str) -> tuple[int, int]:
@@ -172,7 +162,7 @@ def _add_model_options(plan: argparse.ArgumentParser) -> None:
         required=True,
         help=(
             "a registered preset ("
-            + (", ".join(_presets()) or "none installed")
+            + (", ".join(model_presets()) or "none installed")
             + ") | a transformers model_type (e.g. llava, qwen2_vl) | path to a "
             "config.json or model directory"
         ),
@@ -208,14 +198,14 @@ def _add_policy_options(plan: argparse.ArgumentParser) -> None:
     whether tower calls are balanced, and what is frozen."""
     plan.add_argument(
         "--policy",
-        type=_policy,
+        type=_argument(normalize_frozen_multimodal_sharding),  # per-layer, Per_Layer ...
         default=None,
         metavar="{" + ",".join(VALID_FROZEN_MULTIMODAL_SHARDING) + "}",
         help="frozen-tower policy (default root, or the one --memory-budget chooses)",
     )
     plan.add_argument(
         "--memory-budget",
-        type=_size,
+        type=_argument(parse_size),
         default=None,
         metavar="SIZE",
         help=(
@@ -285,7 +275,7 @@ def _add_memory_options(plan: argparse.ArgumentParser) -> None:
     )
     plan.add_argument(
         "--activations",
-        type=_size,
+        type=_argument(parse_size),
         default=None,
         metavar="SIZE",
         help=(
@@ -304,13 +294,6 @@ def _add_memory_options(plan: argparse.ArgumentParser) -> None:
             "each) to predict activations and the peak; materialises the model on the CPU"
         ),
     )
-
-
-# --------------------------------------------------------------------------- models
-def _presets() -> dict[str, ModelPreset]:
-    """Presets registered by installed model packages (see
-    [`multimodal_fsdp.cli.presets`][multimodal_fsdp.cli.presets])."""
-    return model_presets()
 
 
 def _transformers() -> Any:
@@ -363,7 +346,7 @@ def _hf_config(name: str) -> tuple[Any, str]:
     if name not in known and name.count("/") == 1 and not name.endswith(".json"):
         raise _hub_id_error(transformers, name)
     if name not in known:
-        presets = list(_presets())
+        presets = list(model_presets())
         close = difflib.get_close_matches(name, [*presets, *known], n=5)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise CliError(
@@ -382,8 +365,8 @@ def _hf_config(name: str) -> tuple[Any, str]:
 
 
 def _hf_model(name: str, storage: torch.dtype) -> tuple[nn.Module, str]:
-    transformers = _transformers()
     config, source = _hf_config(name)
+    transformers = _transformers()
     errors = []
     for auto in ("AutoModelForImageTextToText", "AutoModelForCausalLM", "AutoModel"):
         cls = getattr(transformers, auto, None)
@@ -399,19 +382,12 @@ def _hf_model(name: str, storage: torch.dtype) -> tuple[nn.Module, str]:
     raise CliError(f"no transformers model class for {name!r}: " + "; ".join(errors))
 
 
-def build_model(name: str, storage: torch.dtype) -> tuple[nn.Module, MultimodalParallelizer]:
-    """The meta-device model for ``--model`` and the parallelizer that serves it."""
-    model, parallelizer, _ = _build_described(name, storage)
-    return model, parallelizer
-
-
 def _build_described(
     name: str, storage: torch.dtype
 ) -> tuple[nn.Module, MultimodalParallelizer, str]:
-    """``build_model`` and a note saying which model and config were planned: a bare
-    model type plans the type's default config, which users should not mistake for
-    the checkpoint they meant."""
-    preset = _presets().get(name)
+    """The meta-device model for ``--model``, its parallelizer, and a note saying which
+    model and config were planned (a bare model type plans the type's defaults)."""
+    preset = model_presets().get(name)
     if preset is not None:
         model, parallelizer = preset.build(storage)
         source = f"the registered preset {name!r}"
@@ -454,14 +430,13 @@ def freeze(model: nn.Module, parallelizer: MultimodalParallelizer, what: str) ->
     return [m.path for m in chosen]
 
 
-# --------------------------------------------------------------------------- main
 def _batch_loss(args: argparse.Namespace) -> Callable[[nn.Module], torch.Tensor] | None:
     """The loss of one ``--batch`` for the activation trace (DeepSeek-V4.1 presets)."""
     if args.batch is None:
         return None
-    preset = _presets().get(args.model)
+    preset = model_presets().get(args.model)
     if preset is None or preset.batch_loss is None:
-        with_batches = [name for name, p in _presets().items() if p.batch_loss is not None]
+        with_batches = [name for name, p in model_presets().items() if p.batch_loss is not None]
         raise CliError(
             f"--batch works with presets that make their own batches "
             f"({', '.join(with_batches) or 'none installed'}); "
@@ -537,23 +512,20 @@ def _plan(
             "--tp give --activations SIZE"
         )
     model, parallelizer, described = _build_described(args.model, parse_dtype(args.storage_dtype))
-    if args.balance_media:
-        parallelizer = _balancing(parallelizer)
-    if args.offload:
-        parallelizer = _offloading(parallelizer, args.offload)
+    if args.balance_media or args.offload:
+        parallelizer = _options(args, parallelizer)
     frozen = freeze(model, parallelizer, args.freeze)
+    frozen_note = (
+        f"frozen: {', '.join(frozen)}"
+        if frozen
+        else "nothing frozen: the frozen-tower policy changes nothing (see --freeze)"
+    )
     staged = []
     with contextlib.ExitStack() as stack:
         tensor_parallel = _tensor_parallel(args, model, stack)
         for stage_note, stage in _pipeline_stages(args, model, parallelizer):
             costs, choice = _costs(args, stage, parallelizer, dims)
-            first = [described, tensor_parallel, stage_note]
-            if frozen:
-                first.insert(1, f"frozen: {', '.join(frozen)}")
-            else:
-                first.insert(
-                    1, "nothing frozen: the frozen-tower policy changes nothing (see --freeze)"
-                )
+            first = [described, frozen_note, tensor_parallel, stage_note]
             notes = [n for n in first if n is not None] + list(costs.notes)
             notes.append("memory figures are predicted from the plan; nothing here is measured")
             staged.append((dataclasses.replace(costs, notes=tuple(notes)), choice))
@@ -577,13 +549,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     if args.json:
-        stages = []
-        for costs, choice in staged:
-            data = costs.as_dict()
-            if choice is not None:
-                data["policy_choice"] = choice.as_dict()
-            stages.append(data)
-        data = stages[0] if len(stages) == 1 else {"stages": stages}
+        stages = [
+            {**costs.as_dict(), **({} if choice is None else {"policy_choice": choice.as_dict()})}
+            for costs, choice in staged
+        ]
+        data: dict[str, Any] = stages[0] if len(stages) == 1 else {"stages": stages}
         data["parallel_dims"] = {
             "names": list(dims.names),
             "sizes": list(dims.sizes),

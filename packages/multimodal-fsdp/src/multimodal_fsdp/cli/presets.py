@@ -1,18 +1,11 @@
 """Named model presets that other packages register, for the plan command line.
 
-A lower layer must not import an upper one, so the command line cannot know which
-model packages exist. A model package registers its presets under the entry-point
-group [`ENTRY_POINT_GROUP`][multimodal_fsdp.cli.presets.ENTRY_POINT_GROUP] in its
-``pyproject.toml``::
+A lower layer must not import an upper one, so a model package registers a function
+returning its [`ModelPreset`][multimodal_fsdp.cli.presets.ModelPreset] objects under the
+entry-point group [`ENTRY_POINT_GROUP`][multimodal_fsdp.cli.presets.ENTRY_POINT_GROUP]::
 
     [project.entry-points."multimodal_fsdp.models"]
     my-model = "my_model_package.presets:model_presets"
-
-The entry point names a function that takes no argument and returns
-[`ModelPreset`][multimodal_fsdp.cli.presets.ModelPreset] objects.
-[`model_presets`][multimodal_fsdp.cli.presets.model_presets] collects them from every installed
-package
-(a third model package plugs in the same way as ``model-deepseek-v41``).
 """
 
 from __future__ import annotations
@@ -42,15 +35,13 @@ ENTRY_POINT_GROUP: Final[str] = "multimodal_fsdp.models"
 class ModelPreset:
     """A model the command line can plan by name.
 
-    ``build(storage_dtype)`` returns the model on the ``meta`` device (no memory, no
-    weights) and the parallelizer that serves it. ``batch_loss(samples, tokens)``, when
-    given, returns the loss of one batch of that shape, so the command line can trace
-    a step's activations (``plan --batch``). ``tp_plan(model, tp_size)``, when given,
-    returns the model's tensor-parallel plan (``{module path: ParallelStyle}``) that
-    ``plan --tp`` applies; without it ``--tp`` uses
-    [`llama_style_plan`][multimodal_fsdp.tensor_parallel.llama_style_plan].
-    ``ep_plan(model, ep_mesh)``, when given, shards the model's routed experts over the
-    1-D ``ep_mesh`` and returns the names of the parameters it placed (``plan --ep``).
+    ``build(storage_dtype)`` returns the model on the ``meta`` device and its
+    parallelizer. Optional: ``batch_loss(samples, tokens)`` returns one batch's loss
+    (``plan --batch``); ``tp_plan(model, tp_size)`` the ``{path: ParallelStyle}`` plan of
+    ``plan --tp`` (default
+    [`llama_style_plan`][multimodal_fsdp.tensor_parallel.llama_style_plan]);
+    ``ep_plan(model, ep_mesh)`` shards the routed experts and returns the parameter
+    names it placed (``plan --ep``).
     """
 
     name: str
@@ -62,11 +53,8 @@ class ModelPreset:
 
 
 def model_presets() -> dict[str, ModelPreset]:
-    """Every preset registered by an installed package, by name.
-
-    A registration that fails to load, or returns something other than presets, is
-    logged and left out, so one broken plugin cannot break the command line; two
-    presets of the same name are an error naming both packages.
+    """Every preset registered by an installed package, by name (one that fails to load
+    is logged and left out: a broken plugin cannot break the command line).
 
     Returns:
         ``{name: preset}``.

@@ -30,23 +30,12 @@ from multimodal_fsdp.balance._planned import BalancedTower, Removable
 from multimodal_fsdp.balance.context_parallel import split_frames
 from multimodal_fsdp.balance.layouts import MediaLayout, OutputSpec
 
-__all__ = ["all_to_all_buffer_bytes", "gather_buffer_bytes", "trace_shares"]
-
 
 class _Live(Protocol):
     def bump(self, nbytes: int, *, gathered: bool = False) -> None: ...
 
 
-def gather_buffer_bytes(own: int, longest: int, size: int) -> tuple[int, int]:
-    """The gather's buffers beside the share's output (``own`` bytes) on a data group of
-    ``size`` ranks whose longest share's outputs take ``longest`` bytes: during the
-    ``all_gather`` its send buffer, the share's bytes flattened into it and the receive
-    buffers (one per rank); after it, until the whole output is joined, the receive
-    buffers alone."""
-    return longest + own + size * longest, size * longest
-
-
-def all_to_all_buffer_bytes(
+def _all_to_all_buffer_bytes(
     item_bytes: Sequence[int], needs: Sequence[Sequence[int]], shares: Sequence[tuple[int, int]]
 ) -> tuple[int, int]:
     """The all_to_all's buffers of a CP data group's rank at position 0 after a split call
@@ -115,10 +104,13 @@ class _Share:
             return self.layout.join_output(spec, [mine[i] for i in needs[0]])
         item_bytes = [sum(_item_bytes(spec, w)) for w in weights]
         if all(len(n) == len(weights) for n in needs):
+            # during the all_gather: its send buffer, the share's bytes flattened into it
+            # and a receive buffer per rank; after it, until the output is joined, those
             totals = [sum(item_bytes[slice(*share)]) for share in shares]
-            during, after = gather_buffer_bytes(totals[0], max(totals), self.size)
+            after = self.size * max(totals)
+            during = max(totals) + totals[0] + after
         else:
-            during, after = all_to_all_buffer_bytes(item_bytes, needs, shares)
+            during, after = _all_to_all_buffer_bytes(item_bytes, needs, shares)
         self.live.bump(during)
         self.live.bump(after - during)
         pieces: Sequence[Sequence[torch.Tensor]] = [
@@ -142,7 +134,7 @@ def trace_shares(
     ``indexed``; remove them after the step."""
     handles: list[Removable] = []
     for tower in towers:
-        module = twin.get_submodule(tower.path) if tower.path else twin
+        module = twin.get_submodule(tower.path)
         share = _Share(media_layout_for(module, name=tower.layout), live, size, indexed=indexed)
         pre: Callable[..., Any] = share.pre
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))

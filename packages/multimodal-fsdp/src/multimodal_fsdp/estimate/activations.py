@@ -1,17 +1,12 @@
 """What one batch costs beside the parameters, from one traced step (no process group).
 
-[`trace_activations`][multimodal_fsdp.estimate.activations.trace_activations] runs one forward and
-backward
-of a batch on an unsharded copy of the model, in one process, with every parameter in the dtype
-it computes in under the plan and FSDP2's casts at unit boundaries, and follows
-the bytes that are alive: what forward creates (what autograd saves, and the rest
-while it lives), what backward creates, and - replayed unit by unit as FSDP2 does it -
-the gathered parameters with the all-gather output FSDP2 keeps in forward, each
-unit's unsharded gradients and reduce-scatter input, and the sharded gradients.
-With balanced towers and the step's media, each tower call also adds the exchange's
-buffers (inputs and outputs sent and received) at the moments they exist.
-[`multimodal_fsdp.estimate.memory`][multimodal_fsdp.estimate.memory] adds the result to the plan's
-other figures.
+[`trace_activations`][multimodal_fsdp.estimate.activations.trace_activations] runs one
+forward and backward of a batch on an unsharded copy of the model in the plan's compute
+dtypes, and follows the live bytes: what forward and backward create and, replayed unit by
+unit as FSDP2 does it, the gathered parameters, the unsharded and sharded gradients and,
+with balanced towers, the exchange's buffers.
+[`multimodal_fsdp.estimate.memory`][multimodal_fsdp.estimate.memory] adds the result to
+the plan's other figures.
 """
 
 from __future__ import annotations
@@ -29,12 +24,13 @@ from fsdp_core import ShardingPlan
 from fsdp_core.internals import TorchDispatchMode
 from fsdp_core.plan import unit_parameters
 from fsdp_core.runtime import output_tensors
-from multimodal_fsdp.balance._planned import BalancedTower, JoinedModule, Removable
+from multimodal_fsdp.balance._planned import BalancedTower, BalancePlanned, JoinedModule
 from multimodal_fsdp.balance._step_media import data_group_media, shares_encoding
 from multimodal_fsdp.estimate._data_group_trace import trace_shares
 from multimodal_fsdp.estimate.compute_copy import add_cast_hooks, compute_copy
 from multimodal_fsdp.estimate.exchange import (
     CallBuffers,
+    LossFn,
     StepMedia,
     balance_hook,
     call_buffers,
@@ -49,9 +45,6 @@ from multimodal_fsdp.estimate.units import (
 __all__ = ["ActivationTrace", "LossFn", "exchange_buffer_bytes", "trace_activations"]
 
 logger = logging.getLogger(__name__)
-
-#: Runs the forward of one batch and returns the scalar loss.
-LossFn = Callable[[nn.Module], torch.Tensor]
 
 
 def check_shard(shard: int) -> None:
@@ -152,29 +145,30 @@ def trace_activations(
     """What one training step of one batch needs beside parameters, per rank, under ``plan``.
 
     Runs ``loss_fn`` and its backward once on an unsharded copy of ``model``
-    (materialised on the CPU if it is on meta) whose parameters are in the
-    plan's compute dtypes and whose units cast inputs and outputs as FSDP2 does.
-    Forward: each storage that autograd saves counts once, parameters excluded
-    (they are in the gathered figures), plus the loss (``saved_bytes``); the step's
-    peak also follows every other tensor forward creates while it lives, and the
-    all-gather output FSDP2 keeps beside a unit's parameters (``_Gathers``), so that
-    a peak inside forward (a tower in the root unit) is predicted. Backward: the live bytes
-    of those activations and of every tensor backward creates, with each unit's
-    gradients handled as FSDP2 does on a shard group of ``shard`` ranks: the
-    unit's unsharded gradients stay until its last one is accumulated, then its
-    reduce-scatter input (reduce dtype) exists beside them, then both give way to
-    the unit's sharded gradients. Activations themselves do not depend on
-    sharding: every rank runs its own batch through the whole model.
+    (materialised on the CPU if on meta) in the plan's compute dtypes, with FSDP2's casts
+    at unit boundaries. Each storage autograd saves counts once (parameters excluded),
+    every other tensor while it lives; the all-gather output FSDP2 keeps beside a unit's
+    parameters (``_Gathers``) and each unit's gradients on a shard group of ``shard``
+    ranks (``_GradStaging``) are replayed. Balanced tower calls add their exchange's
+    buffers ([`exchange_buffer_bytes`][multimodal_fsdp.estimate.activations.exchange_buffer_bytes]);
+    calls this rank only joins run no tower in the trace.
 
-    ``media`` (a plan with balanced towers): each local call of a balanced tower adds
-    the exchange's buffers of ``media.rank`` for that call (``exchange_buffer_bytes``).
-    The tower's own activations are traced on this rank's items, which the balanced
-    step encodes elsewhere in exchange for others' items of about the same cost; calls
-    this rank only joins (a text-only batch) run no tower in the trace. ``data_group``:
-    the TP ranks holding this rank's batch; when they share the encoding
-    (``shares_encoding``), the tower is traced on this rank's share of each call, the
-    exchange's rounds on the shares (``data_group_media``), and the group's gather of
-    the shares' outputs adds its buffers (``multimodal_fsdp.estimate._data_group_trace``).
+    Args:
+        plan: The plan whose compute dtypes, casts and units the step follows.
+        model: The model (the meta device is enough).
+        loss_fn: Runs the forward of one batch and returns the scalar loss.
+        shard: The shard-group size of the gradients' reduce-scatter.
+        media: The step's media for the plan's balanced towers (``media.rank``'s calls).
+        data_group: TP (and CP) ranks holding this rank's batch; when they share the
+            encoding, the tower runs on this rank's share, plus the gather's buffers.
+        indexed: The data group has CP ranks (each keeps the items it needs).
+
+    Returns:
+        The saved bytes, the backward peak and the step's peak.
+
+    Raises:
+        TypeError: ``loss_fn`` is not callable or returns no scalar tensor.
+        ValueError: ``shard`` is not a positive int.
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
@@ -194,18 +188,14 @@ def trace_activations(
     gathers = _Gathers(plan, model, twin, live, shard)
     handles += gathers.hooks
     handles += _GradStaging(plan, model, twin, live, shard, gathers).hooks
-    joined = None
     hook = balance_hook(plan)
-    if (
-        media is not None
-        and hook is not None
-        and shares_encoding(hook, data_group, indexed=indexed)
-    ):
-        media = data_group_media(media, data_group)
-        handles += trace_shares(twin, hook.towers, live, data_group, indexed=indexed)
-    if media is not None:
-        handles += _ExchangeBuffers(plan, twin, live, media).hooks
-        joined = _joined_layers(plan, twin, media)
+    if media is not None and hook is not None:
+        if shares_encoding(hook, data_group, indexed=indexed):
+            media = data_group_media(media, data_group)
+            handles += trace_shares(twin, hook.towers, live, data_group, indexed=indexed)
+        handles += _ExchangeBuffers(hook, twin, live, media).hooks
+        # a joined layer this rank skips and another runs: the step's placeholder runs it
+        handles.append(hook.replay_layers(twin, media))
     try:
         # Forward's own transients (outputs not yet consumed, values not saved) count
         # while they live, as the tracker counts them: a peak can fall in forward.
@@ -224,9 +214,8 @@ def trace_activations(
                 torch.autograd.backward(loss)
     finally:
         for handle in handles:
-            handle.remove()
-        if joined is not None:
-            joined.remove()
+            if handle is not None:
+                handle.remove()
     return ActivationTrace(
         saved_bytes=saved, backward_peak_bytes=live.working_peak, step_peak_bytes=live.peak
     )
@@ -234,19 +223,13 @@ def trace_activations(
 
 class _Gathers:
     """Replays FSDP2's gathered parameters on the traced copy: a unit is gathered at its
-    first member's pre-forward and, if it reshards, freed after its last member's
-    forward. In backward a unit with trainable parameters is gathered when the
-    gradient of its output arrives (its pre-backward), together with the next unit
-    in reverse forward order (the implicit prefetch), and freed when its gradients
-    are complete. Units that keep their parameters (the root) stay gathered until
-    then. Frozen units are not gathered in backward.
+    first member's pre-forward and, if it reshards, freed after its last member's forward;
+    in backward a trainable unit is gathered at its pre-backward with the next unit in
+    reverse order (the implicit prefetch) and freed when its gradients are complete.
 
-    In forward, FSDP2 (torch 2.13, ``wait_for_unshard``) keeps each all-gather's output
-    buffer (the unit's gathered bytes) after copying the parameters out of it, until the
-    next unit's all-gather has arrived or the root's forward ends: the root's buffer
-    stays beside its unsharded parameters while the first modules under the root run
-    (a tower in the root unit). Only all-gathers on more than one rank keep it; in
-    backward the buffer is freed at once (the prefetched unit's gather stands for it)."""
+    In forward FSDP2 (torch 2.13, ``wait_for_unshard``) keeps each all-gather's output
+    buffer until the next unit's all-gather arrives or the root's forward ends (only on
+    more than one rank); in backward it is freed at once."""
 
     def __init__(
         self, plan: ShardingPlan, model: nn.Module, twin: nn.Module, live: _LiveBytes, shard: int
@@ -413,24 +396,27 @@ class _GradStaging:
 def exchange_buffer_bytes(
     inputs: tuple[int, int], outputs: tuple[int, int], kept: tuple[int, int] = (0, 0)
 ) -> tuple[int, int, int, int]:
-    """The balanced exchange's buffers in one tower call that moves items, from the bytes
-    of inputs and outputs this rank (sends, receives) and those of the items it keeps
-    (inputs, outputs): the peak while inputs are exchanged, what stays while the tower
-    runs, what stays after it, and the peak while outputs are exchanged (on top of what
-    stays after the tower and of the tower's output), in the order
-    ``multimodal_fsdp.balance.exchange`` allocates them. A call in which every item stays
-    home allocates none of them.
+    """The balanced exchange's buffers in one tower call that moves items (none when
+    every item stays home), in the order ``multimodal_fsdp.balance.exchange`` allocates
+    them; the exchange saves nothing for backward.
 
-    Inputs (``S`` sent, ``R`` received): the items sent, gathered (``S``), their send
-    buffer (``S``), the receive buffer, its pieces and the fields rebuilt from them
-    (``3R``); the gathered items and the fields stay until the call returns
-    (``S + R``), and the tower's input built from the kept items (``K``) and the
-    received ones beside them while the tower runs (``S + 2R + K``). Outputs (``s``
-    sent, ``r`` received, ``k`` kept): the outputs sent, gathered (``s``), the kept
-    ones gathered (``k``), the send buffer (``s``), the receive buffer, its pieces and
-    the outputs rebuilt from them (``3r``); then the call's output joined from the kept
-    and returned rows (``k + r``) beside the rebuilt and kept ones. The exchange saves
-    nothing for backward."""
+    Inputs, ``S`` sent and ``R`` received: the sent items gathered and their send buffer
+    (``2S``), the receive buffer, its pieces and the rebuilt fields (``3R``); the
+    gathered items and fields stay (``S + R``), beside the tower's input of the kept
+    (``K``) and received items while it runs. Outputs (``s``, ``r``, ``k`` kept): the
+    sent ones gathered, the kept ones gathered, the send buffer, ``3r`` received; then
+    the joined output (``k + r``) beside the rebuilt and kept ones.
+
+    Args:
+        inputs: Input bytes this rank sends and receives.
+        outputs: Output bytes this rank sends and receives.
+        kept: Input and output bytes of the items it keeps.
+
+    Returns:
+        The peak while inputs are exchanged, what stays while the tower runs, what stays
+        after it, and the peak while outputs are exchanged (beyond what stays after the
+        tower and the tower's output).
+    """
     (sent, received), (out_sent, out_received), (kept_in, kept_out) = inputs, outputs, kept
     return (
         2 * sent + 3 * received,
@@ -448,18 +434,14 @@ class _ExchangeBuffers:
     rebuilt from them replaces the local one)."""
 
     def __init__(
-        self, plan: ShardingPlan, twin: nn.Module, live: _LiveBytes, media: StepMedia
+        self, hook: BalancePlanned, twin: nn.Module, live: _LiveBytes, media: StepMedia
     ) -> None:
         self.live = live
         self.hooks: list[Any] = []
-        hook = balance_hook(plan)
-        towers = () if hook is None else hook.towers
-        members: tuple[BalancedTower | JoinedModule, ...] = (
-            () if hook is None else (*hook.towers, *hook.joined)
-        )
-        for tower in towers:
+        members: tuple[BalancedTower | JoinedModule, ...] = (*hook.towers, *hook.joined)
+        for tower in hook.towers:
             buffers = call_buffers(media, tower, members)
-            module = twin.get_submodule(tower.path) if tower.path else twin
+            module = twin.get_submodule(tower.path)
             calls = [0]
             self.hooks.append(module.register_forward_pre_hook(self._pre(buffers, calls)))
             self.hooks.append(module.register_forward_hook(self._post(buffers, calls)))
@@ -511,15 +493,6 @@ class _ExchangeBuffers:
         return hook
 
 
-def _joined_layers(plan: ShardingPlan, twin: nn.Module, media: StepMedia) -> Removable | None:
-    """Where ``media`` says this rank skips a joined decoder layer that another rank runs,
-    the trace runs it on the same placeholder as the step: the plan's ``balance_media``
-    hook replays its joined layers, its decisions read from ``media.layers`` instead of a
-    collective."""
-    hook = balance_hook(plan)
-    return None if hook is None else hook.replay_layers(twin, media)
-
-
 def _packer(live: _LiveBytes) -> Callable[[torch.Tensor], torch.Tensor]:
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         live.mark_saved(tensor)
@@ -530,14 +503,7 @@ def _packer(live: _LiveBytes) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def _storage_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors holding ``tensor``'s memory: itself, or a wrapper subclass's
-    (DTensor, ``AsyncCollectiveTensor``) inner tensors, through ``__tensor_flatten__``.
-
-    Args:
-        tensor: any tensor.
-
-    Returns:
-        The tensors whose storage holds its memory.
-    """
+    (DTensor, ``AsyncCollectiveTensor``) inner tensors, through ``__tensor_flatten__``."""
     flatten = getattr(type(tensor), "__tensor_flatten__", None)
     if flatten is None:
         return [tensor]

@@ -1,31 +1,22 @@
 """Choose the frozen-tower policy of each frozen module from a per-rank memory budget.
 
-Every frozen tower and projector (each discovered multimodal module with frozen
-parameters) may follow its own policy (see
-[`MultimodalParallelizer`][multimodal_fsdp.parallelizer.MultimodalParallelizer]), so the chooser
-plans and costs every combination: ``len(policies) ** k`` plans for ``k`` frozen modules, at most
-[`MAX_COMBINATIONS`][multimodal_fsdp.estimate.choose.MAX_COMBINATIONS] (restrict ``policies`` to
-search more
-modules). Among the combinations whose predicted per-rank peak fits the budget, the one that
-communicates least per step wins (bytes, then number of collectives, then the lower peak; ties go to
-the earlier policy in ``policies``). Memory and communication are those of the whole plan, so a
-combination is judged as it will run, not as a sum of separate guesses.
+Every frozen tower and projector may follow its own policy, so the chooser plans and costs
+every combination (``len(policies) ** k`` plans for ``k`` frozen modules, at most
+[`MAX_COMBINATIONS`][multimodal_fsdp.estimate.choose.MAX_COMBINATIONS]). Among those whose
+predicted per-rank peak fits the budget, the one that communicates least wins (bytes, then
+collectives, then the lower peak; ties go to the earlier policy in ``policies``), judged
+on the whole plan as it will run.
 
-What to expect per module: ``replicate`` communicates nothing for it and keeps it
-whole at every moment; ``per_layer`` needs the least memory and communicates the most.
-``root`` never communicates less than ``replicate`` and stores a shard, but holds the
-module gathered only from the start of forward to the end of the root's backward (FSDP2
-reshards the root unit before its reduce-scatter). So it needs the module's shard more
-than ``replicate`` when the step peaks in forward or backward, and the whole module less
-its shard less when the step peaks after the root's backward (large trainable
-embeddings beside a small batch): it is chosen when it fits and ``replicate`` does not,
-or when ``replicate`` is left out of ``policies``. A tight budget often gathers the big
-tower block by block and replicates the small projector. docs/memory.md has the numbers.
+Per module, ``replicate`` communicates nothing and keeps it whole; ``per_layer`` needs the
+least memory and communicates most; ``root`` holds it gathered from the start of forward
+to the end of the root's backward, so it wins when it fits and ``replicate`` does not
+(large trainable embeddings beside a small batch). docs/memory.md has the numbers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -84,11 +75,29 @@ class PolicyPlanner(Protocol):
         *,
         mp_policy: MixedPrecisionPolicy | None = ...,
         reshard_after_forward: bool | int | None = ...,
-    ) -> ShardingPlan: ...
+    ) -> ShardingPlan:
+        """Plan a model.
 
-    def with_options(
-        self, *, frozen_multimodal_sharding: str | Mapping[str, str]
-    ) -> PolicyPlanner: ...
+        Args:
+            model: The model.
+            mp_policy: The mixed-precision policy of every unit.
+            reshard_after_forward: FSDP's setting for every unit.
+
+        Returns:
+            The plan, with its multimodal record.
+        """
+        ...
+
+    def with_options(self, *, frozen_multimodal_sharding: str | Mapping[str, str]) -> PolicyPlanner:
+        """A copy with other frozen-tower policies.
+
+        Args:
+            frozen_multimodal_sharding: One policy, or ``{path: policy}``.
+
+        Returns:
+            The copy.
+        """
+        ...
 
 
 @runtime_checkable
@@ -136,6 +145,10 @@ class PolicyCandidate:
     policies: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
+        """The candidate, JSON-ready.
+
+        Returns:
+            Its fields by name."""
         return dataclasses.asdict(self)
 
 
@@ -157,6 +170,10 @@ class PolicyChoice:
     plan: ShardingPlan | None = None
 
     def as_dict(self) -> dict[str, Any]:
+        """The choice, JSON-ready (the costs apart).
+
+        Returns:
+            The policies, the budget, every candidate and the notes."""
         return {
             "policy": self.policy,
             "policies": dict(self.policies),
@@ -302,9 +319,7 @@ def _notes(
 def _check_planner(base: object) -> None:
     """The chooser calls only ``plan`` and ``with_options``; anything else fails here,
     before a plan is made."""
-    if not callable(getattr(base, "plan", None)) or not callable(
-        getattr(base, "with_options", None)
-    ):
+    if not all(callable(getattr(base, name, None)) for name in ("plan", "with_options")):
         raise TypeError(
             "parallelizer must plan models and take with_options(frozen_multimodal_sharding=...) "
             f"(e.g. a MultimodalParallelizer), got {type(base).__name__}"
@@ -324,21 +339,6 @@ class _Planning:
     #: The model's discovery, made once, when the planner can plan from one.
     discovery: Discovery | None = None
 
-    @classmethod
-    def start(
-        cls,
-        base: PolicyPlanner,
-        model: nn.Module,
-        mp_policy: MixedPrecisionPolicy,
-        reshard_after_forward: bool | int | None,
-    ) -> _Planning:
-        """The planning of ``model``, discovering it once if ``base`` can plan from a
-        discovery (every plan then reuses it)."""
-        found = None
-        if isinstance(base, DiscoveringPlanner) and isinstance(model, nn.Module):
-            found = base.discover(model)
-        return cls(base, model, mp_policy, reshard_after_forward, found)
-
     def plan(
         self, option: str | Mapping[str, str] | None = None
     ) -> tuple[PolicyPlanner, ShardingPlan]:
@@ -349,19 +349,12 @@ class _Planning:
             if option is None
             else self.base.with_options(frozen_multimodal_sharding=option)
         )
+        plan_with = planner.plan
         if self.discovery is not None and isinstance(planner, DiscoveringPlanner):
-            plan = planner.plan(
-                self.model,
-                mp_policy=self.mp_policy,
-                reshard_after_forward=self.reshard_after_forward,
-                discovery=self.discovery,
-            )
-        else:
-            plan = planner.plan(
-                self.model,
-                mp_policy=self.mp_policy,
-                reshard_after_forward=self.reshard_after_forward,
-            )
+            plan_with = functools.partial(planner.plan, discovery=self.discovery)
+        plan = plan_with(
+            self.model, mp_policy=self.mp_policy, reshard_after_forward=self.reshard_after_forward
+        )
         return planner, plan
 
 
@@ -402,37 +395,6 @@ def _uneven_media_safe(
 
 
 @dataclass(frozen=True)
-class _Costing:
-    """How every combination's plan is costed: the same mesh, batch, precision and
-    optimizer for all, so candidates differ by their policies only."""
-
-    model: nn.Module
-    shape: MeshShape
-    precision: str
-    prefetch_guard: bool
-    optimizer: str
-    loss_fn: Callable[[nn.Module], torch.Tensor] | None
-    activations: ActivationTrace | int | None
-    media: StepMedia | None
-
-    def costs(self, plan: ShardingPlan, label: str) -> PlanCosts:
-        """The plan's collectives and predicted memory (traced activations, given ones, or
-        none), labelled with its policies."""
-        return inspect_model(
-            plan,
-            self.model,
-            mesh=self.shape,
-            prefetch_guard=self.prefetch_guard,
-            optimizer=self.optimizer,
-            loss_fn=self.loss_fn,
-            activations=self.activations,
-            precision=self.precision,
-            policy=label,
-            media=self.media,
-        )
-
-
-@dataclass(frozen=True)
 class _Costed:
     """One combination costed: its candidate, and the costs, parallelizer and plan the
     choice hands back when it wins."""
@@ -445,13 +407,14 @@ class _Costed:
 
 def _cost_all(
     planning: _Planning,
-    costing: _Costing,
+    costing: Callable[..., PlanCosts],
     record: MultimodalRecord,
     frozen: list[PlannedPart],
     names: tuple[FrozenMultimodalSharding, ...],
     limit: int,
 ) -> list[_Costed]:
-    """Every combination planned and costed, in ``_combinations`` order."""
+    """Every combination planned and costed (``costing(plan, policy=label)``), in
+    ``_combinations`` order."""
     costed: list[_Costed] = []
     for index, assignment in enumerate(_combinations(frozen, names)):
         fallback = names[index] if not frozen else record.policies.default
@@ -462,7 +425,7 @@ def _cost_all(
         )
         planner, plan = planning.plan(option)
         label = _label(assignment, fallback)
-        costs = costing.costs(plan, label)
+        costs = costing(plan, policy=label)
         assert costs.memory is not None
         peak = costs.memory.peak_bytes
         candidate = PolicyCandidate(
@@ -484,15 +447,8 @@ def _best(candidates: list[PolicyCandidate], limit: int, traced: bool) -> int:
     if not fitting:
         smallest = min(candidates, key=lambda c: (c.peak_bytes, c.comm_bytes, c.comm_count))
         raise MemoryBudgetError(limit, smallest, traced)
-    return min(
-        fitting,
-        key=lambda i: (
-            candidates[i].comm_bytes,
-            candidates[i].comm_count,
-            candidates[i].peak_bytes,
-            i,
-        ),
-    )
+    c = candidates
+    return min(fitting, key=lambda i: (c[i].comm_bytes, c[i].comm_count, c[i].peak_bytes, i))
 
 
 def _choice(
@@ -546,25 +502,38 @@ def choose_frozen_policy(
     media: StepMedia | None = None,
 ) -> PolicyChoice:
     """For each frozen tower and projector, the policy such that the whole plan
-    communicates least while its predicted per-rank peak fits ``budget`` (bytes, or
-    a size such as ``"40GiB"``).
+    communicates least while its predicted per-rank peak fits ``budget``.
 
-    Activations come from ``loss_fn`` (one step traced per combination, see
-    [`trace_activations`][multimodal_fsdp.estimate.activations.trace_activations]), or
-    ``activations``, or are left out (the notes say so). Raises
-    [`MemoryBudgetError`][multimodal_fsdp.estimate.choose.MemoryBudgetError] naming the smallest
-    achievable peak and its policies when nothing fits, and ``ValueError`` when more than
-    [`MAX_COMBINATIONS`][multimodal_fsdp.estimate.choose.MAX_COMBINATIONS] plans would be
-    needed. ``parallelizer`` plans each combination
-    (``multimodal_fsdp.MultimodalParallelizer()`` by default when called as
-    ``multimodal_fsdp.choose_frozen_policy``); the frozen modules, the default policy and
-    ``uneven_media`` are read from its plan's record. Per-module policies the given
-    ``parallelizer`` already has are replaced by the choice; with ``uneven_media=True`` (and no
-    ``balance_media``) it never chooses ``per_layer``, which that option then refuses. A
-    parallelizer with ``balance_media=True`` has its exchange counted in every plan, as
-    [`inspect_model`][multimodal_fsdp.estimate.predict.inspect_model] counts it: for ``media``, by
-    default that of ``loss_fn``'s batch on every rank (see
-    [`step_media`][multimodal_fsdp.estimate.exchange.step_media]).
+    The frozen modules, the default policy and ``uneven_media`` are read from
+    ``parallelizer``'s plan record; its per-module policies are replaced by the choice.
+    With ``uneven_media=True`` (and no ``balance_media``) ``per_layer`` is never chosen.
+
+    Args:
+        model: The model (the meta device is enough without ``loss_fn``).
+        budget: Bytes per rank, or a size such as ``"40GiB"``.
+        policies: The policies to combine.
+        world_size: Ranks of a data-parallel mesh; or give ``mesh``.
+        dp_replicate: HSDP replicas of ``world_size``.
+        mesh: The mesh shape.
+        precision: The compute (all-gather) dtype.
+        reduce_precision: The gradient reduction dtype.
+        parallelizer: Plans each combination (with ``balance_media=True`` its exchange is
+            counted in every plan, as ``inspect_model`` counts it).
+        reshard_after_forward: FSDP's setting for every unit.
+        prefetch_guard: Whether the prefetch guard is installed.
+        optimizer: The optimizer whose state is counted.
+        loss_fn: One batch's loss, its step traced for each combination.
+        activations: Activations given instead (a trace or bytes); with neither, peaks
+            leave them out and the notes say so.
+        media: The step's media for balanced towers (default: ``loss_fn``'s batch).
+
+    Returns:
+        The chosen policies, their costs, every candidate and the notes that say why.
+
+    Raises:
+        MemoryBudgetError: nothing fits (it names the smallest peak and its policies).
+        TypeError: ``parallelizer`` cannot plan or its plans carry no multimodal record.
+        ValueError: more than ``MAX_COMBINATIONS`` plans, or an invalid argument.
     """
     limit = _budget(budget)
     names = _policies(policies)
@@ -572,16 +541,26 @@ def choose_frozen_policy(
     shape = resolve_cost_mesh(mesh, world_size, dp_replicate)
     check_reshard_after_forward(reshard_after_forward, shape.dp_shard)
     mp = mixed_precision_policy(precision, reduce_precision)
-    planning = _Planning.start(parallelizer, model, mp, reshard_after_forward)
+    found = None  # one discovery for every plan, when the planner can plan from one
+    if isinstance(parallelizer, DiscoveringPlanner) and isinstance(model, nn.Module):
+        found = parallelizer.discover(model)
+    planning = _Planning(parallelizer, model, mp, reshard_after_forward, found)
     record = _first_record(planning)
     names, left_out = _uneven_media_safe(names, record, parallelizer)
     if loss_fn is not None and activations is not None:
         raise ValueError("give loss_fn (to trace activations) or activations, not both")
     check_optimizer(optimizer)
     frozen = [part for part in record.parts if part.frozen]
-    precision_label = f"param={precision} reduce={reduce_precision}"
-    costing = _Costing(
-        model, shape, precision_label, prefetch_guard, optimizer, loss_fn, activations, media
+    costing = functools.partial(
+        inspect_model,
+        model=model,
+        mesh=shape,
+        prefetch_guard=prefetch_guard,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        activations=activations,
+        precision=f"param={precision} reduce={reduce_precision}",
+        media=media,
     )
     costed = _cost_all(planning, costing, record, frozen, names, limit)
     traced = activations is not None or loss_fn is not None

@@ -1,11 +1,6 @@
 """The unsharded copy of a model that the one-process traces run: every parameter in
-the dtype it computes in under a plan, with FSDP2's casts at unit boundaries.
-
-Both the activation trace
-([`multimodal_fsdp.estimate.activations`][multimodal_fsdp.estimate.activations]) and the
-record of a step's balanced tower calls
-([`multimodal_fsdp.estimate.exchange`][multimodal_fsdp.estimate.exchange]) run a forward on
-such a copy, so that sizes match what the sharded model computes.
+the dtype it computes in under a plan, with FSDP2's casts at unit boundaries, so that the
+activation trace and the record of a step's media see the sizes the sharded model computes.
 """
 
 from __future__ import annotations
@@ -27,7 +22,15 @@ logger = logging.getLogger(__name__)
 
 
 def cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    """``value`` with its floating tensors cast (tensors, tuples, lists, plain dicts)."""
+    """Cast the floating tensors of a value.
+
+    Args:
+        value: A tensor, or tuples, lists and plain dicts of them (other values pass).
+        dtype: The dtype to cast to.
+
+    Returns:
+        ``value`` with its floating tensors cast.
+    """
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() else value
     if isinstance(value, tuple | list):
@@ -39,7 +42,15 @@ def cast_floats(value: Any, dtype: torch.dtype) -> Any:
 
 def add_cast_hooks(module: nn.Module, policy: MixedPrecisionPolicy) -> list[Any]:
     """What FSDP2 does at a unit's boundary: cast inputs to the compute dtype, outputs
-    to ``output_dtype``."""
+    to ``output_dtype``.
+
+    Args:
+        module: A member module of the unit.
+        policy: The unit's mixed-precision policy.
+
+    Returns:
+        The hooks' handles (remove them when done).
+    """
     handles = []
     param_dtype, output_dtype = policy.param_dtype, policy.output_dtype
     if policy.cast_forward_inputs and param_dtype is not None:
@@ -58,7 +69,11 @@ def add_cast_hooks(module: nn.Module, policy: MixedPrecisionPolicy) -> list[Any]
 
 
 def materialise(model: nn.Module) -> None:
-    """Give a meta-device copy real (random) values: sizes do not depend on them."""
+    """Give a meta-device model real (random) values on the CPU: sizes do not depend on them.
+
+    Args:
+        model: The model, changed in place (nothing happens unless it has meta tensors).
+    """
     if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         return
     logger.info("activation trace: materialising a meta-device copy on the CPU")
@@ -73,8 +88,15 @@ def materialise(model: nn.Module) -> None:
 
 
 def compute_copy(model: nn.Module, plan: ShardingPlan) -> nn.Module:
-    """An unsharded copy with every parameter in the dtype it computes in under ``plan``
-    (replicated parameters: the dtypes the planner recorded)."""
+    """An unsharded copy of ``model`` in its compute dtypes.
+
+    Args:
+        model: The model (materialised on the CPU if on meta).
+        plan: The plan whose units' ``param_dtype`` (and replicated dtypes) apply.
+
+    Returns:
+        The copy.
+    """
     replicated = dict(plan.replicated_param_dtypes)
     twin = copy.deepcopy(model)
     materialise(twin)

@@ -1,65 +1,26 @@
-"""What a sharding plan costs, computed from the plan alone (no process group).
+"""What a sharding plan costs per rank and step, from the plan alone (no process group).
 
-Users pick a frozen-tower policy, fp32 islands and reshard settings; this
-module turns a [`ShardingPlan`][fsdp_core.plan.ShardingPlan] and its (meta-device) model
-into the numbers that decide between them: per FSDP unit and per rank, the
-sharded bytes, the collectives of a training step and the peak of gathered
-parameters. [`multimodal_fsdp.measure.comm`][multimodal_fsdp.measure.comm] counts the same
-collectives on a
-real step; the two agree exactly (the project's tests hold them to it).
+Users choose frozen-tower policies, fp32 islands and reshard settings from these numbers;
+[`multimodal_fsdp.measure.comm`][multimodal_fsdp.measure.comm] counts the same collectives
+on a real step and the tests hold the two equal. **One step** is one forward and backward
+of a batch in which every module runs once. Per rank, FSDP2 (torch 2.13) then issues:
 
-**One step** is one forward and one backward of one batch in which every
-module runs once and every trainable parameter receives a gradient. Per rank
-and per step, FSDP2 (torch 2.13) then issues:
-
-- forward: one all-gather per unit that owns parameters (the root included);
-- backward: one all-gather per unit that is resharded after forward (every
-  non-root unit unless ``reshard_after_forward=False``; the root only when
-  asked) *and whose backward runs* - a unit runs backward when its output
-  needs a gradient, i.e. it has trainable parameters or a gradient flows
-  through it. Frozen parts of towers and projectors ahead of every trainable
-  parameter of their modality see no gradient (their inputs are pixels or
-  audio); ``no_backward``/``with_backward`` override that judgement;
-- backward: one reduce-scatter per unit with trainable parameters (plus one
-  all-reduce of the reduced shard per unit on an HSDP mesh);
-- nothing for parameters outside FSDP (``replicate``);
-- backward: one all-reduce of one byte per trainable FSDP parameter (per mesh
-  dimension) of the ``unused_params`` hook ([`fsdp_core.unused_params`][fsdp_core.unused_params]);
-  the divergence guards (step agreement, schedule check) agree through the store and
-  issue no collective;
-- backward: one all-reduce per parameter (per dimension of its mesh) of the
-  ``replica_grad_reduce`` hook ([`fsdp_core.replica_grad`][fsdp_core.replica_grad]):
-  experts an EP plan placed (over their replicas), trainable balanced towers on TP
-  ranks (over the data group);
-- with ``balance_media=True``: the exchange of each balanced tower call (all-gathers of
-  sizes, all-to-alls of inputs, outputs and, in backward, gradients) and the join
-  barrier's last round per tower. They depend on the step's media, so they are counted
-  only for a given [`StepMedia`][multimodal_fsdp.estimate.exchange.StepMedia]
-  (``media=``); without it the plan's notes give the fixed collectives per call.
-
-The hooks' collectives are each hook's own cost model
-([`RuntimeHook.collectives`][fsdp_core.runtime.RuntimeHook.collectives], and
-[`unit_runs`][fsdp_core.runtime.RuntimeHook.unit_runs] for the units a balanced tower
-repeats), read from the plan's hook objects: ``plan_costs`` is a loop over the units and
-the hooks, and no estimate imports a hook's module.
+- forward: one all-gather per unit that owns parameters;
+- backward: one all-gather per unit resharded after forward whose backward runs (frozen
+  towers ahead of every trainable parameter see no gradient; ``no_backward`` and
+  ``with_backward`` override that judgement), one reduce-scatter per trainable unit (and
+  one all-reduce of the shard on an HSDP mesh); nothing for ``replicate`` parameters;
+- the runtime hooks' collectives, each hook's own cost model
+  ([`RuntimeHook.collectives`][fsdp_core.runtime.RuntimeHook.collectives]), e.g. the
+  ``unused_params`` and ``replica_grad_reduce`` all-reduces and, for a given
+  [`StepMedia`][multimodal_fsdp.estimate.exchange.StepMedia], the balanced-media exchange.
 
 Without the prefetch guard
-([`multimodal_fsdp.runtime.prefetch_guard`][multimodal_fsdp.runtime.prefetch_guard]) the unit that
-finishes its forward right after a unit without backward re-gathers that unit
-in its pre-backward; ``prefetch_guard=False`` accounts for that waste.
-
-The parts of the model live in their own modules, one concept each:
-[`multimodal_fsdp.estimate.units`][multimodal_fsdp.estimate.units]
-(each unit in the step and the byte rules;
-[`CommTally`][fsdp_core.collective_count.CommTally] is fsdp-core's),
-[`multimodal_fsdp.reachability`][multimodal_fsdp.reachability] (which frozen modules see no
-gradient), [`multimodal_fsdp.estimate.timeline`][multimodal_fsdp.estimate.timeline] (the peak of
-gathered parameters),
-[`multimodal_fsdp.estimate.render`][multimodal_fsdp.estimate.render] (the printed tree) and
-[`multimodal_fsdp.estimate.rewrite`][multimodal_fsdp.estimate.rewrite] (plan variants such as
-[`ungroup_units`][multimodal_fsdp.estimate.rewrite.ungroup_units]);
-[`inspect_model`][multimodal_fsdp.estimate.predict.inspect_model] adds the memory estimate
-(the one path the command line, the chooser and the measurements take).
+([`multimodal_fsdp.runtime.prefetch_guard`][multimodal_fsdp.runtime.prefetch_guard]) the
+unit that finishes its forward right after a unit without backward re-gathers that unit in
+its pre-backward; ``prefetch_guard=False`` counts that waste. The byte rules live in
+[`multimodal_fsdp.estimate.units`][multimodal_fsdp.estimate.units], the peak of gathered
+parameters in [`multimodal_fsdp.estimate.timeline`][multimodal_fsdp.estimate.timeline].
 """
 
 from __future__ import annotations
@@ -83,7 +44,6 @@ from multimodal_fsdp.balance.traffic import SLOT_INTS, STATUS_INTS
 from multimodal_fsdp.estimate.exchange import (
     StepMedia,
     balance_hook,
-    balanced_towers,
     exchange_tally,
 )
 from multimodal_fsdp.estimate.render import format_bytes, format_costs
@@ -139,6 +99,10 @@ class UnitCost:
         return "frozen" if self.trainable_numel == 0 else "mixed"
 
     def as_dict(self) -> dict[str, Any]:
+        """The unit's figures, JSON-ready.
+
+        Returns:
+            ``{name: value}``, with the tallies as dicts."""
         return {
             "index": self.index,
             "label": self.label,
@@ -213,10 +177,17 @@ class PlanCosts:
         return total
 
     def role_counts(self) -> dict[str, int]:
+        """How many units each role has.
+
+        Returns:
+            ``{role: units}``."""
         return dict(Counter(u.role for u in self.units))
 
     def as_dict(self) -> dict[str, Any]:
-        """Everything, JSON-ready."""
+        """Everything, JSON-ready.
+
+        Returns:
+            The totals, units, notes, hooks and memory as plain dicts and lists."""
         return {
             "model": self.model,
             "world_size": self.world_size,
@@ -256,7 +227,14 @@ class PlanCosts:
         }
 
     def format(self, *, collapse: bool = True) -> str:
-        """The plan as a tree of units with their costs, then the totals."""
+        """The plan as a tree of units with their costs, then the totals.
+
+        Args:
+            collapse: Merge runs of identical numbered layers into one row.
+
+        Returns:
+            The text the ``plan`` command prints.
+        """
         return format_costs(self, collapse=collapse)
 
 
@@ -267,8 +245,20 @@ def _short(dtype: torch.dtype) -> str:
 def resolve_cost_mesh(
     mesh: MeshShape | ParallelDims | None, world_size: int | None, dp_replicate: int
 ) -> MeshShape:
-    """The data-parallel mesh shape costs are computed for: ``mesh`` (of a
-    ``ParallelDims``, its data-parallel shape), else one of ``world_size`` ranks."""
+    """The data-parallel mesh shape costs are computed for.
+
+    Args:
+        mesh: A mesh shape, or a ``ParallelDims`` (its data-parallel shape); or ``None``.
+        world_size: Ranks of the mesh when ``mesh`` is ``None``.
+        dp_replicate: HSDP replicas of ``world_size``.
+
+    Returns:
+        The shape.
+
+    Raises:
+        TypeError: ``mesh`` is neither a ``MeshShape`` nor a ``ParallelDims``.
+        ValueError: neither ``mesh`` nor ``world_size`` is given.
+    """
     if isinstance(mesh, ParallelDims):
         return mesh.dp_shape
     if mesh is not None:
@@ -299,25 +289,31 @@ def plan_costs(
 ) -> PlanCosts:
     """Cost ``plan`` for ``model`` on a mesh (``world_size``/``dp_replicate`` or ``mesh``).
 
-    ``mesh`` may be the job's [`ParallelDims`][fsdp_core.parallel_dims.ParallelDims] when
-    the mesh has other dimensions (TP, CP, EP, PP): the units are costed on its
-    data-parallel shape, parameters that are already DTensors on another dimension by
-    their local shards, and the runtime hooks' checks over the ranks that run the
-    forward together.
+    ``model`` may be on the meta device (shapes, dtypes and ``requires_grad`` are read);
+    the rest comes from the plan as ``plan()`` recorded it: the hooks' collectives, the
+    replicated dtypes, the paths no gradient reaches (a hand-built plan gets
+    [`backward_free_paths`][multimodal_fsdp.reachability.backward_free_paths]).
 
-    ``model`` may be on the meta device (only shapes, dtypes and
-    ``requires_grad`` are read). Everything else comes from the plan: the runtime hooks'
-    collectives (each planned hook's own cost model), the replicated parameters' dtypes,
-    which module paths no gradient reaches and the policy label, as ``plan()`` recorded
-    them (a plan built by hand without that judgement gets
-    [`backward_free_paths`][multimodal_fsdp.reachability.backward_free_paths] under default
-    discovery). ``no_backward`` replaces that judgement; ``with_backward`` forces units
-    under those paths to count as running backward; ``policy`` and ``precision`` are
-    labels for the report. ``media`` describes the step's media for the towers the plan
-    balances (``balance_media=True``; see
-    [`record_step_media`][multimodal_fsdp.estimate.exchange.record_step_media]): their
-    exchange's collectives are then counted for ``media.rank``; without it they are
-    not, and a note gives their fixed collectives per call.
+    Args:
+        plan: The plan to cost.
+        model: The model it was made for.
+        world_size: Ranks of a data-parallel mesh; or give ``mesh``.
+        dp_replicate: HSDP replicas of ``world_size``.
+        mesh: The mesh shape, or the job's ``ParallelDims`` (units are costed on its
+            data-parallel shape, DTensor parameters by their local shard).
+        no_backward: Module paths no gradient reaches, replacing the plan's judgement.
+        with_backward: Paths whose units count as running backward all the same.
+        prefetch_guard: Whether the prefetch guard is installed.
+        policy: A label for the report (default: the plan's policy).
+        precision: A label for the report.
+        media: The step's media for the towers the plan balances: their exchange is
+            counted for ``media.rank`` (without, a note gives its collectives per call).
+
+    Returns:
+        The costs (without memory: see ``inspect_model``).
+
+    Raises:
+        TypeError: ``plan`` or ``model`` has the wrong type.
     """
     if not isinstance(plan, ShardingPlan):
         raise TypeError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
@@ -336,7 +332,9 @@ def plan_costs(
     ]
     _prefetch_waste(units, shape.dp_shard)
     balance = balance_hook(plan)
-    counted: object = balance if media is not None and balanced_towers(plan) else None
+    counted: object = (
+        balance if media is not None and balance is not None and balance.towers else None
+    )
     extra, exchange = CommTally(), None
     for hook in hooks:
         tally = hook.collectives(step.hook)
@@ -357,8 +355,7 @@ def _costs_of(
     policy: str | None,
     precision: str | None,
 ) -> PlanCosts:
-    """The report from the tallies: totals, peaks and the notes that say what the numbers
-    leave out, so that a reader sees the same figures as the tests compare."""
+    """The report from the tallies: totals, peaks and the notes on what they leave out."""
     total = CommTally()
     for item in units:
         total.merge(item.comm)
@@ -369,6 +366,7 @@ def _costs_of(
     replicated_numel, replicated_bytes = _replicated(plan, step.model)
     forward_peak, backward_peak = _peaks(units, step.spans[""][1], guard=prefetch_guard)
     notes = list(plan.notes)
+    record = plan_record(plan)
     if step.free and step.free_judged:
         notes.append(f"no gradient reaches {sorted(step.free)} (media inputs only)")
     hook = balance_hook(plan)
@@ -377,7 +375,7 @@ def _costs_of(
         world = group_size(hook.group, shape.world_size, shape.dp_replicate)
         notes.append(_exchange_note(towers, world, shape.world_size))
     return PlanCosts(
-        model=_model_name(step.model),
+        model=original_class(step.model).__name__,  # not FSDP2's ``FSDP<name>``
         mesh=shape,
         units=tuple(_unit_cost(i, item, shape.dp_shard) for i, item in enumerate(units)),
         comm=total,
@@ -388,7 +386,7 @@ def _costs_of(
         replicated_numel=replicated_numel,
         peak_gathered_forward_bytes=forward_peak,
         peak_gathered_backward_bytes=backward_peak,
-        policy=policy or _planned_policy(plan),
+        policy=policy or (None if record is None else record.policies.label),
         precision=precision,
         notes=tuple(notes),
         hooks=plan.hooks,
@@ -398,9 +396,8 @@ def _costs_of(
 
 
 def _exchange_note(towers: Iterable[BalancedTower], world: int, ranks: int) -> str:
-    """What the exchange of each balanced tower costs per call, where the plan alone
-    cannot count it, and over how many of the ``ranks`` data-parallel ranks (``world``,
-    its balance group) each call is balanced."""
+    """What each balanced tower's exchange costs per call, when no media says how many
+    calls there are, balanced over ``world`` of the ``ranks`` data-parallel ranks."""
     slot = format_bytes(world * SLOT_INTS * 8)
     status = format_bytes(world * STATUS_INTS * 8)
     parts = []
@@ -425,20 +422,9 @@ def _exchange_note(towers: Iterable[BalancedTower], world: int, ranks: int) -> s
     )
 
 
-def _model_name(model: nn.Module) -> str:
-    """The model's own class name (FSDP2 swaps in a subclass named ``FSDP<name>``)."""
-    return original_class(model).__name__
-
-
-def _planned_policy(plan: ShardingPlan) -> str | None:
-    """The frozen-tower policy the plan was made with, as its options read."""
-    record = plan_record(plan)
-    return None if record is None else record.policies.label
-
-
 def _replicated(plan: ShardingPlan, model: nn.Module) -> tuple[int, int]:
-    """Elements and per-rank bytes of parameters kept whole (ignored) on every rank, in
-    the dtypes the planner recorded (their own where it recorded none)."""
+    """Elements and per-rank bytes of ignored parameters, in the dtypes the planner
+    recorded (else their own)."""
     named = dict(model.named_parameters())
     names = [n for n in plan.ignored_param_names if n in named]
     dtypes = dict(plan.replicated_param_dtypes)

@@ -1,30 +1,14 @@
 """What balanced media costs in a step: the exchange's collectives, from the step's media.
 
-The cost model itself belongs to the ``balance_media`` hook
-([`BalanceMediaRuntimeHook.collectives`][multimodal_fsdp.runtime.balance_media.BalanceMediaRuntimeHook.collectives]),
-computed in the balance group below it; its data types and functions are published here,
-with the readers of the plan's hook data and the recording of a batch's media.
-
 A plan made with ``balance_media=True`` spreads every call of its balanced towers over
-the data-parallel ranks. The exchange's collectives are fixed per call (see
-[`multimodal_fsdp.balance.exchange`][multimodal_fsdp.balance.exchange]), but how many
-calls a step makes and what each moves depend on the step's images and videos, which a
-plan does not know. [`StepMedia`][multimodal_fsdp.estimate.exchange.StepMedia] says it,
-small and explicit: per rank of the balanced group, its calls of each balanced tower in
-forward order, each with its items' costs and sizes.
-[`record_step_media`][multimodal_fsdp.estimate.exchange.record_step_media] fills it in
-from one batch, run on an unsharded copy with the plan's compute dtypes, through the
-tower's layout adapter.
-
-[`exchange_tally`][multimodal_fsdp.estimate.exchange.exchange_tally] turns it into the
-collectives one rank runs, with
-[`exchange_traffic`][multimodal_fsdp.balance.traffic.exchange_traffic]'s byte rules:
-calls pair across ranks by their order in the forward (round ``k`` holds each rank's
-``k``-th call of any balanced or joined module; a rank with fewer calls joins the
-others' with none of its own); every training forward ends with the join barrier's last
-round (one slot ``all_gather``). Joined decoder layers add their decisions (one
-``all_reduce`` each per forward) and, where some ranks run a layer and others skip it,
-the ``all_reduce`` that brings the call's shapes (``StepMedia.layers``).
+the data-parallel ranks. The exchange's collectives per call are fixed (see
+[`multimodal_fsdp.balance.exchange`][multimodal_fsdp.balance.exchange]), but how many calls
+a step makes and what each moves depend on the step's media, which
+[`StepMedia`][multimodal_fsdp.estimate.exchange.StepMedia] says: per rank, its calls of
+each balanced tower in forward order, with their items' costs and sizes.
+[`record_step_media`][multimodal_fsdp.estimate.exchange.record_step_media] records it
+from one batch; the cost model itself is the ``balance_media`` hook's
+([`BalanceMediaRuntimeHook.collectives`][multimodal_fsdp.runtime.balance_media.BalanceMediaRuntimeHook.collectives]).
 """
 
 from __future__ import annotations
@@ -73,21 +57,13 @@ LossFn = Callable[[nn.Module], torch.Tensor]
 
 
 def balance_hook(plan: ShardingPlan) -> BalancePlanned | None:
-    """The plan's ``balance_media`` hook object (its towers, joined modules and layers,
-    balance group), read without importing the hook's module; ``None`` without one (a
-    hand-built entry without its object balances nothing here, as always)."""
+    """The plan's ``balance_media`` hook object (towers, joined modules, layers, balance
+    group), read without importing the hook's module; ``None`` without one."""
     planned = plan.hook(BALANCE_MEDIA)
     hook: object = None if planned is None else planned.hook
     return hook if isinstance(hook, BalancePlanned) else None
 
 
-def balanced_towers(plan: ShardingPlan) -> tuple[BalancedTower, ...]:
-    """The towers the plan's ``balance_media`` hook balances (none without the hook)."""
-    hook = balance_hook(plan)
-    return () if hook is None else hook.towers
-
-
-# --------------------------------------------------------------------------- recording
 def _nbytes(tensors: Sequence[torch.Tensor], *, floating: bool = False) -> int:
     return sum(t.nbytes for t in tensors if t.is_floating_point() or not floating)
 
@@ -125,14 +101,26 @@ def record_step_media(
     world_size: int,
     rank: int = 0,
 ) -> StepMedia:
-    """The balanced tower calls of one forward of ``loss_fn``'s batch, on every one of
-    ``world_size`` ranks (as the fake process group runs it).
+    """The balanced tower calls of one forward of ``loss_fn``'s batch, on every rank.
 
     Runs the forward once on an unsharded copy of ``model`` (materialised on the CPU if
-    it is on meta) with the plan's compute dtypes and FSDP2's casts at unit boundaries,
-    and splits each call of a balanced tower with its layout adapter. For ranks with
-    different media, record each rank's batch and build
-    ``StepMedia(ranks=(calls_of_rank_0, calls_of_rank_1, ...), rank=...)``."""
+    on meta) with the plan's compute dtypes and casts, and splits each call of a balanced
+    tower with its layout adapter. For ranks with different media, record each rank's
+    batch and build ``StepMedia(ranks=(calls_of_rank_0, ...), rank=...)``.
+
+    Args:
+        plan: A plan made with ``balance_media=True`` (else the media are empty).
+        model: The model it was made for.
+        loss_fn: Runs the forward of one batch.
+        world_size: Ranks of the balance group (as the fake process group runs it).
+        rank: The rank the media are costed for.
+
+    Returns:
+        The same calls on every rank.
+
+    Raises:
+        TypeError: ``loss_fn`` is not callable.
+    """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     hook = balance_hook(plan)
@@ -153,25 +141,17 @@ def record_step_media(
         ) -> None:
             calls.append(_recorded_call(module, tower.path, tower.layout, args, kwargs, output))
 
-        module = twin.get_submodule(tower.path) if tower.path else twin
+        module = twin.get_submodule(tower.path)
         # First among the forward hooks: the output as the tower's forward returns it,
         # before a unit's output cast (the exchange carries it so).
         handles.append(module.register_forward_hook(capture, with_kwargs=True, prepend=True))
     for joined in hook.joined:
 
         def enter(_module: nn.Module, args: Any, kwargs: Any, path: str = joined.path) -> None:
-            blob = describe_call(tuple(args), dict(kwargs))
-            calls.append(
-                BalancedCall(
-                    tower=path,
-                    spec=CallSpec(fields=()),
-                    items=(),
-                    joined=True,
-                    blob_bytes=len(blob),
-                )
-            )
+            blob = len(describe_call(tuple(args), dict(kwargs)))
+            calls.append(BalancedCall(path, CallSpec(()), (), joined=True, blob_bytes=blob))
 
-        module = twin.get_submodule(joined.path) if joined.path else twin
+        module = twin.get_submodule(joined.path)
         handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
     for index, path in enumerate(layers):
 
@@ -196,11 +176,22 @@ def step_media(
     rank: int = 0,
     media: StepMedia | None = None,
 ) -> StepMedia | None:
-    """The media a plan is costed for, the same rule everywhere a batch may be given:
-    ``media`` when given, else, when the plan balances a tower and ``loss_fn`` runs a
-    batch, that batch's media on every rank
-    ([`record_step_media`][multimodal_fsdp.estimate.exchange.record_step_media]);
-    ``None`` otherwise (no exchange to count, or nothing to count it from)."""
-    if media is not None or loss_fn is None or not balanced_towers(plan):
+    """The media a plan is costed for, the same rule wherever a batch may be given.
+
+    Args:
+        plan: The plan.
+        model: The model it was made for.
+        loss_fn: Runs one batch, or ``None``.
+        world_size: Ranks of the balance group.
+        rank: The rank the media are costed for.
+        media: Media given by the caller, used as they are.
+
+    Returns:
+        ``media`` when given, else ``loss_fn``'s batch on every rank
+        ([`record_step_media`][multimodal_fsdp.estimate.exchange.record_step_media]) when
+        the plan balances a tower; ``None`` otherwise.
+    """
+    hook = None if media is not None or loss_fn is None else balance_hook(plan)
+    if loss_fn is None or hook is None or not hook.towers:
         return media
     return record_step_media(plan, model, loss_fn, world_size=world_size, rank=rank)

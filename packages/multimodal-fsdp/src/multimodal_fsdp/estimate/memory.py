@@ -1,47 +1,22 @@
 """Per-rank memory of a sharding plan: parameters, gradients, optimizer state, activations.
 
-[`plan_costs`][multimodal_fsdp.estimate.costs.plan_costs] already gives the parameter figures
-(the sharded bytes at rest, the replicated bytes, the peaks of gathered
-parameters in forward and in backward). This module adds what a training step
-keeps beside them, so that the plan predicts the whole per-rank peak:
+[`plan_costs`][multimodal_fsdp.estimate.costs.plan_costs] gives the parameter figures;
+this module adds what a training step keeps beside them:
 
-- **gradients**: FSDP2 reduces in the reduce dtype but stores each sharded
-  gradient in the sharded parameter's dtype (the storage dtype), one padded
-  shard per trainable parameter;
-- **optimizer state**: per trainable sharded parameter, ``adamw``/``adam`` keep
-  two tensors of the parameter's shape and dtype plus a 4-byte ``step``;
-  ``sgd_momentum`` keeps one; ``sgd`` and ``none`` keep nothing;
-- **activations**: what the forward saves for backward. They do not depend on
-  sharding (each rank runs its own batch), so
-  [`trace_activations`][multimodal_fsdp.estimate.activations.trace_activations] runs
-  one step of the batch on an unsharded copy in one process, with the plan's
-  compute dtypes and input casts, adds up the tensors autograd saves, and
-  follows the live bytes through backward. With context parallelism a rank holds
-  ``1/cp`` of each sequence: the traced batch is that share
-  ([`inspect_model`][multimodal_fsdp.estimate.predict.inspect_model]).
+- **gradients**: one padded shard per trainable parameter, in its storage dtype (FSDP2
+  reduces in the reduce dtype and casts back);
+- **optimizer state**: per trainable shard, ``adamw``/``adam`` keep two tensors of its
+  shape and dtype plus a 4-byte ``step``; ``sgd_momentum`` one; ``sgd`` and ``none`` none;
+- **activations**: from
+  [`trace_activations`][multimodal_fsdp.estimate.activations.trace_activations], which
+  also replays FSDP2's gathers and gradients, so the peak is the resting bytes (sharded
+  and replicated parameters, optimizer state) plus the traced step's peak. Without a
+  batch it is the largest of resting bytes plus the forward or backward peak of gathered
+  parameters, or plus every gradient. docs/memory.md compares both with a measured step.
 
-**The peak total.** With a traced step, the trace also replays what FSDP2 holds
-beside the activations, unit by unit: gathered parameters (gathered at a
-unit's forward, freed after it if it reshards, with the all-gather output FSDP2
-keeps until the next unit's gather; in backward gathered when its
-output's gradient arrives, with the next unit prefetched, freed when its
-gradients are complete), each unit's unsharded gradients and reduce-scatter
-input, and the sharded gradients. The predicted peak is the resting bytes plus
-the traced step's peak. Without a batch it is the largest of three moments that
-leave activations out: resting bytes plus the forward or the backward peak of
-gathered parameters, or plus every gradient. docs/memory.md holds both against
-a measured step.
-
-Resting bytes are the sharded and replicated parameters and the optimizer
-state; gradients are assumed freed between steps (``zero_grad()`` sets them
-to ``None``, the default).
-
-**Offloaded units.** A unit the plan offloads (``UnitPlan.offload_policy``, e.g. a
-frozen tower under ``MultimodalParallelizer(offload={"tower": CPUOffloadPolicy()})``)
-keeps its sharded parameters, its sharded gradients and the optimizer state of its
-trainable parameters in host memory: those bytes count as ``host_*`` figures instead of
-device ones. What FSDP2 copies to the device to gather them (the gathered peaks, the
-unsharded gradients of the traced step) stays on the device and is counted as before.
+A unit the plan offloads (``UnitPlan.offload_policy``) keeps its shards, sharded gradients
+and optimizer state in host memory: those count as ``host_*`` figures; what FSDP2 copies
+to the device to gather them is counted as before.
 """
 
 from __future__ import annotations
@@ -49,13 +24,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy
 
 from fsdp_core import ShardingPlan
-from fsdp_core.mesh import MeshShape
 from fsdp_core.parallel_dims import local_shape
 from fsdp_core.plan import UnitPlan, unit_parameters
 from multimodal_fsdp.estimate.activations import ActivationTrace, check_shard
@@ -93,7 +67,17 @@ _STEP_BYTES = 4
 
 
 def check_optimizer(name: str) -> str:
-    """``name`` if it is a known optimizer, else a ValueError listing the choices."""
+    """Check an optimizer name.
+
+    Args:
+        name: A key of [`OPTIMIZER_STATES`][multimodal_fsdp.estimate.memory.OPTIMIZER_STATES].
+
+    Returns:
+        ``name``.
+
+    Raises:
+        ValueError: an unknown name (the message lists the choices).
+    """
     if not isinstance(name, str) or name not in OPTIMIZER_STATES:
         raise ValueError(
             f"unknown optimizer {name!r}; valid choices: {', '.join(OPTIMIZER_STATES)}"
@@ -101,7 +85,6 @@ def check_optimizer(name: str) -> str:
     return name
 
 
-# --------------------------------------------------------------------------- result
 #: The figures a predicted and a measured step both report, in their JSON order.
 _FIGURES = (
     "optimizer",
@@ -117,8 +100,15 @@ _FIGURES = (
 
 
 def memory_figures(memory: Any, *, source: str) -> dict[str, Any]:
-    """The figures a predicted and a measured step share, JSON-ready and marked with their
-    ``source`` (``"predicted"`` or ``"measured"``), so the two read side by side."""
+    """The figures a predicted and a measured step share, so the two read side by side.
+
+    Args:
+        memory: A ``MemoryEstimate`` or a ``MeasuredMemory``.
+        source: ``"predicted"`` or ``"measured"``.
+
+    Returns:
+        The figures, JSON-ready, with their ``source``.
+    """
     return {"source": source, **{name: getattr(memory, name) for name in _FIGURES}}
 
 
@@ -189,7 +179,14 @@ class MemoryEstimate:
         return max(self.peak_forward_bytes, self.peak_backward_bytes)
 
     def with_activations(self, activations: ActivationTrace | int | None) -> MemoryEstimate:
-        """The same estimate with other activations (a trace, a number of bytes or none)."""
+        """The same estimate with other activations.
+
+        Args:
+            activations: A trace, a number of bytes or ``None``.
+
+        Returns:
+            The new estimate.
+        """
         saved, working, step = _activation_figures(activations)
         return dataclasses.replace(
             self,
@@ -199,7 +196,11 @@ class MemoryEstimate:
         )
 
     def format_lines(self) -> list[str]:
-        """Lines for the plan's totals, each marked as predicted."""
+        """The estimate as the plan's totals print it.
+
+        Returns:
+            Lines, each marked as predicted.
+        """
         act = (
             "not estimated (no batch given)"
             if self.activation_bytes is None
@@ -224,7 +225,11 @@ class MemoryEstimate:
         return lines
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready, every figure marked as predicted."""
+        """Every figure, JSON-ready.
+
+        Returns:
+            The figures, marked as predicted, with the resting bytes and the peak.
+        """
         return {
             **memory_figures(self, source="predicted"),
             "step_peak_bytes": self.step_peak_bytes,
@@ -237,13 +242,11 @@ class MemoryEstimate:
         }
 
 
-# --------------------------------------------------------------------------- parameters
 def _trainable_shards(
     plan: ShardingPlan, model: nn.Module, shard: int, *, offloaded: bool = False
 ) -> list[int]:
-    """Bytes of each trainable parameter one rank holds on the device (FSDP shards of
-    units kept there, and replicated ones), or with ``offloaded=True`` in host memory
-    (FSDP shards of offloaded units)."""
+    """Bytes of each trainable parameter one rank holds on the device (shards of units
+    kept there, replicated ones) or, ``offloaded``, in host memory."""
     sizes: list[int] = []
     for unit, params in zip(plan.units, unit_parameters(plan, model), strict=True):
         if _is_offloaded(unit) != offloaded:
@@ -262,12 +265,20 @@ def _trainable_shards(
 
 
 def _is_offloaded(unit: UnitPlan) -> bool:
-    """Whether the plan keeps the unit's shards in host memory (a ``CPUOffloadPolicy``)."""
     return isinstance(unit.offload_policy, CPUOffloadPolicy)
 
 
 def host_param_bytes(plan: ShardingPlan, model: nn.Module, *, shard: int) -> int:
-    """Per-rank bytes of the sharded parameters of offloaded units (held in host memory)."""
+    """Per-rank bytes of the sharded parameters of offloaded units (in host memory).
+
+    Args:
+        plan: The plan.
+        model: The model it was made for.
+        shard: The shard-group size.
+
+    Returns:
+        The bytes.
+    """
     check_shard(shard)
     return sum(
         padded_shard_numel(p, shard) * p.dtype.itemsize
@@ -281,8 +292,17 @@ def gradient_bytes(
     plan: ShardingPlan, model: nn.Module, *, shard: int, offloaded: bool = False
 ) -> int:
     """Per-rank gradient bytes after backward: one padded shard per trainable parameter,
-    in the parameter's storage dtype (FSDP2 casts the reduced gradient back to it); on
-    the device, or with ``offloaded=True`` those of offloaded units, in host memory."""
+    in its storage dtype (FSDP2 casts the reduced gradient back to it).
+
+    Args:
+        plan: The plan.
+        model: The model it was made for.
+        shard: The shard-group size.
+        offloaded: Count the offloaded units' gradients (in host memory), not the device's.
+
+    Returns:
+        The bytes.
+    """
     check_shard(shard)
     return sum(_trainable_shards(plan, model, shard, offloaded=offloaded))
 
@@ -296,10 +316,19 @@ def optimizer_state_bytes(
     offloaded: bool = False,
 ) -> int:
     """Per-rank optimizer state:
-    [`OPTIMIZER_STATES`][multimodal_fsdp.estimate.memory.OPTIMIZER_STATES]
-    tensors per trainable shard, plus Adam's 4-byte ``step`` per parameter; on the
-    device, or with ``offloaded=True`` that of offloaded units (the optimizer keeps
-    state beside the parameter, in host memory)."""
+    [`OPTIMIZER_STATES`][multimodal_fsdp.estimate.memory.OPTIMIZER_STATES] tensors per
+    trainable shard, plus Adam's 4-byte ``step`` per parameter.
+
+    Args:
+        plan: The plan.
+        model: The model it was made for.
+        shard: The shard-group size.
+        optimizer: The optimizer's name.
+        offloaded: Count the offloaded units' state (in host memory), not the device's.
+
+    Returns:
+        The bytes.
+    """
     check_shard(shard)
     states = OPTIMIZER_STATES[check_optimizer(optimizer)]
     sizes = _trainable_shards(plan, model, shard, offloaded=offloaded)
@@ -307,26 +336,14 @@ def optimizer_state_bytes(
     return states * sum(sizes) + steps
 
 
-# --------------------------------------------------------------------------- one call
-@runtime_checkable
-class _ParameterFigures(Protocol):
-    """What the memory estimate reads of a plan's costs (``PlanCosts`` has them): the
-    mesh and the parameter figures, so that it needs no import of the costs module."""
-
-    @property
-    def mesh(self) -> MeshShape: ...
-
-    @property
-    def sharded_param_bytes(self) -> int: ...
-
-    @property
-    def replicated_param_bytes(self) -> int: ...
-
-    @property
-    def peak_gathered_forward_bytes(self) -> int: ...
-
-    @property
-    def peak_gathered_backward_bytes(self) -> int: ...
+#: What the estimate reads of a plan's costs (``PlanCosts`` has them; no import needed).
+_PARAMETER_FIGURES = (
+    "mesh",
+    "sharded_param_bytes",
+    "replicated_param_bytes",
+    "peak_gathered_forward_bytes",
+    "peak_gathered_backward_bytes",
+)
 
 
 def estimate_memory(
@@ -337,16 +354,27 @@ def estimate_memory(
     optimizer: str = "adamw",
     activations: ActivationTrace | int | None = None,
 ) -> MemoryEstimate:
-    """The whole per-rank memory estimate of ``plan`` (costed as ``costs``) for ``model``:
-    device bytes, and the host bytes of the units the plan offloads.
+    """The per-rank memory of ``plan``: device bytes, and host bytes of offloaded units.
 
-    ``activations`` comes from
-    [`trace_activations`][multimodal_fsdp.estimate.activations.trace_activations],
-    or is a number of bytes (taken for the end of forward and for backward alike), or ``None``
-    (the peak then leaves activations out and says so).
+    Args:
+        costs: The plan's costs.
+        plan: The plan.
+        model: The model it was made for.
+        optimizer: The optimizer whose state is counted.
+        activations: A trace from
+            [`trace_activations`][multimodal_fsdp.estimate.activations.trace_activations],
+            bytes (for the end of forward and backward alike), or ``None`` (the peak leaves
+            activations out and says so).
+
+    Returns:
+        The estimate.
+
+    Raises:
+        TypeError: ``costs`` is not a ``PlanCosts``.
+        ValueError: an unknown optimizer or invalid ``activations``.
     """
     check_optimizer(optimizer)
-    if not isinstance(costs, _ParameterFigures):
+    if not all(hasattr(costs, name) for name in _PARAMETER_FIGURES):
         raise TypeError(f"costs must be a PlanCosts, got {type(costs).__name__}")
     saved, working, step = _activation_figures(activations)
     shard = costs.mesh.dp_shard
@@ -395,6 +423,17 @@ def with_memory(
     optimizer: str = "adamw",
     activations: ActivationTrace | int | None = None,
 ) -> PlanCosts:
-    """``costs`` with its [`memory`][multimodal_fsdp.estimate.costs.PlanCosts.memory] filled in."""
+    """``costs`` with its [`memory`][multimodal_fsdp.estimate.costs.PlanCosts.memory] filled in.
+
+    Args:
+        costs: The plan's costs.
+        plan: The plan.
+        model: The model it was made for.
+        optimizer: As [`estimate_memory`][multimodal_fsdp.estimate.memory.estimate_memory].
+        activations: As ``estimate_memory``.
+
+    Returns:
+        The costs with their memory.
+    """
     estimate = estimate_memory(costs, plan, model, optimizer=optimizer, activations=activations)
     return dataclasses.replace(costs, memory=estimate)

@@ -1,12 +1,9 @@
 """One path from a plan to its costs and memory, for every reader of the estimates.
 
 [`inspect_model`][multimodal_fsdp.estimate.predict.inspect_model] resolves the step's
-media, costs the plan ([`plan_costs`][multimodal_fsdp.estimate.costs.plan_costs]), traces
-the activations of a batch and predicts the memory
-([`multimodal_fsdp.estimate.memory`][multimodal_fsdp.estimate.memory]) in that order. The
-command line, the policy chooser and the measurements call it, so a figure they show is
-computed once, the same way; it sits above the costs and the memory so that neither
-imports the other.
+media, costs the plan, traces a batch's activations and predicts the memory, for the
+command line, the chooser and the measurements alike; it sits above the costs and the
+memory so that neither imports the other.
 """
 
 from __future__ import annotations
@@ -59,11 +56,8 @@ def inspect_model(
         no_backward: Module paths no gradient reaches (default: the plan's judgement).
         optimizer: The optimizer whose state the memory counts; ``None``: costs only.
         loss_fn: One batch's loss: its activations are traced and included in the peak.
-            With CP in ``mesh``, the batch of one CP rank: each sequence cut to its
-            ``1/cp`` share of the tokens, holding every sample's media tokens (the
-            trace cannot run a shard beside the others, so it runs the shard's tokens
-            as one sequence; the tower's exchange is then counted as if the rank needed
-            every item, an upper bound).
+            With CP, one CP rank's batch: each sequence cut to ``1/cp`` of its tokens,
+            holding every sample's media tokens (its exchange an upper bound).
         activations: Activations given instead (a trace or bytes), applied after a trace.
         precision: A label for the report (e.g. ``"param=bf16 reduce=fp32"``).
         policy: A label for the report (default: the plan's policy).
@@ -77,12 +71,13 @@ def inspect_model(
     """
     shape = resolve_cost_mesh(mesh, world_size, dp_replicate)
     # FSDP's shard dimension holds CP's ranks; the balance group is the data-parallel one
-    cp = mesh.role_size("cp") if isinstance(mesh, ParallelDims) else 1
+    dims = mesh if isinstance(mesh, ParallelDims) else None
+    cp = 1 if dims is None else dims.role_size("cp")
     media = step_media(plan, model, loss_fn, world_size=shape.world_size // cp, media=media)
     costs = plan_costs(
         plan,
         model,
-        mesh=mesh if isinstance(mesh, ParallelDims) else shape,
+        mesh=shape if dims is None else dims,
         prefetch_guard=prefetch_guard,
         no_backward=no_backward,
         policy=policy,
@@ -91,28 +86,20 @@ def inspect_model(
     )
     if optimizer is None:
         return costs
-    traced = (
-        None
-        if loss_fn is None
-        else trace_activations(
+    traced = None
+    if loss_fn is not None:  # the TP and CP ranks holding a batch share its towers' encoding
+        group = 1 if dims is None else math.prod(dims.size(n) for n in dims.data_group_names)
+        indexed = dims is not None and bool(dims.cp_names)
+        traced = trace_activations(
             plan,
             model,
             loss_fn,
             shard=shape.dp_shard,
             media=media,
-            data_group=_sharing_ranks(mesh),
-            indexed=isinstance(mesh, ParallelDims) and bool(mesh.cp_names),
+            data_group=group,
+            indexed=indexed,
         )
-    )
     costs = with_memory(costs, plan, model, optimizer=optimizer, activations=traced)
     if activations is None or costs.memory is None:
         return costs
     return dataclasses.replace(costs, memory=costs.memory.with_activations(activations))
-
-
-def _sharing_ranks(mesh: MeshShape | ParallelDims | None) -> int:
-    """The TP and CP ranks holding each batch, whose balanced towers share the encoding
-    (the trace follows one rank's share); 1 without them."""
-    if not isinstance(mesh, ParallelDims):
-        return 1
-    return math.prod(mesh.size(name) for name in mesh.data_group_names)

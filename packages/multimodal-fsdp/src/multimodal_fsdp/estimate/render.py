@@ -1,10 +1,8 @@
 """Text rendering of plan costs: the unit tree, the totals, sizes and counts.
 
-What the ``plan`` command line prints and what
-[`PlanCosts.format`][multimodal_fsdp.estimate.costs.PlanCosts.format] returns. The figures come from
-[`multimodal_fsdp.estimate.costs`][multimodal_fsdp.estimate.costs]; this module only decides how
-they read, so that
-the layout can change without touching the accounting.
+What the ``plan`` command prints and
+[`PlanCosts.format`][multimodal_fsdp.estimate.costs.PlanCosts.format] returns, apart from
+the accounting so that the layout can change without touching it.
 """
 
 from __future__ import annotations
@@ -19,13 +17,20 @@ __all__ = ["format_bytes", "format_costs", "format_count"]
 
 
 def format_bytes(value: float) -> str:
-    """``1.5 MiB``-style sizes (binary units)."""
+    """A size in binary units.
+
+    Args:
+        value: Bytes.
+
+    Returns:
+        ``1.5 MiB``-style text.
+    """
     size = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024:
             return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
-    raise AssertionError("unreachable")
+    return f"{size:.1f} TiB"
 
 
 _SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
@@ -36,7 +41,14 @@ def _dt(name: str) -> str:
 
 
 def format_count(value: int) -> str:
-    """``1.2M``-style parameter counts."""
+    """A parameter count at a glance.
+
+    Args:
+        value: The count.
+
+    Returns:
+        ``1.2M``-style text.
+    """
     for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if value >= size:
             return f"{value / size:.1f}{unit}"
@@ -172,7 +184,15 @@ def _collapsed(children: list[_Node]) -> list[tuple[str, _Node]]:
 
 
 def format_costs(costs: PlanCosts, *, collapse: bool = True) -> str:
-    """A readable tree of the units with their per-rank costs, then the totals."""
+    """A readable tree of the units with their per-rank costs, then the totals.
+
+    Args:
+        costs: The plan's costs.
+        collapse: Merge runs of identical numbered layers into one row.
+
+    Returns:
+        The text.
+    """
     mesh = costs.mesh
     head = f"{costs.model}: {len(costs.units)} FSDP units, world size {costs.world_size}"
     head += (
@@ -186,26 +206,24 @@ def format_costs(costs: PlanCosts, *, collapse: bool = True) -> str:
         head += f", {costs.precision}"
     table = [_HEADER]
     for name, unit in _tree_rows(costs, collapse):
-        table.append([name, *(["" for _ in _HEADER[1:]] if unit is None else _unit_columns(unit))])
+        table.append([name, *([""] * (len(_HEADER) - 1) if unit is None else _unit_columns(unit))])
     widths = [max(len(row[c]) for row in table) for c in range(len(_HEADER))]
-    lines = [head, ""]
-    for row in table:
-        lines.append("  ".join(cell.ljust(widths[c]) for c, cell in enumerate(row)).rstrip())
-    lines.append("")
-    lines.append("totals per rank and step (one forward + backward, every module runs):")
     roles = ", ".join(f"{k} {v}" for k, v in sorted(costs.role_counts().items()))
-    lines.append(f"  units                     {len(costs.units)} ({roles})")
-    lines.append(
+    lines = [
+        head,
+        "",
+        *("  ".join(cell.ljust(widths[c]) for c, cell in enumerate(row)).rstrip() for row in table),
+        "",
+        "totals per rank and step (one forward + backward, every module runs):",
+        f"  units                     {len(costs.units)} ({roles})",
         f"  parameters                {format_count(costs.numel)} "
         f"(trainable {format_count(costs.trainable_numel)}, "
-        f"kept whole on every rank {format_count(costs.replicated_numel)})"
-    )
-    lines.append(f"  sharded parameter bytes   {format_bytes(costs.sharded_param_bytes)}")
-    lines.append(f"  replicated param bytes    {format_bytes(costs.replicated_param_bytes)}")
-    lines.append(
+        f"kept whole on every rank {format_count(costs.replicated_numel)})",
+        f"  sharded parameter bytes   {format_bytes(costs.sharded_param_bytes)}",
+        f"  replicated param bytes    {format_bytes(costs.replicated_param_bytes)}",
         f"  peak gathered params      forward {format_bytes(costs.peak_gathered_forward_bytes)},"
-        f" backward {format_bytes(costs.peak_gathered_backward_bytes)}"
-    )
+        f" backward {format_bytes(costs.peak_gathered_backward_bytes)}",
+    ]
     if costs.memory is not None:
         lines.extend(costs.memory.format_lines())
     for phase, kind in costs.comm.pairs():

@@ -1,11 +1,4 @@
-"""Plan rewriting: variants of a plan that answer what-if questions.
-
-A rewrite takes a [`ShardingPlan`][fsdp_core.plan.ShardingPlan] and returns another one, so
-that [`multimodal_fsdp.estimate.costs`][multimodal_fsdp.estimate.costs] and
-[`multimodal_fsdp.measure.comm`][multimodal_fsdp.measure.comm] can cost or run the variant exactly
-like the
-original (for example, to count what grouped units save over one unit per member module).
-"""
+"""Plan variants that answer what-if questions, costed or run exactly like the original."""
 
 from __future__ import annotations
 
@@ -19,9 +12,18 @@ __all__ = ["ungroup_units"]
 
 
 def ungroup_units(plan: ShardingPlan, role: str | None = None) -> ShardingPlan:
-    """The same plan with every grouped unit (of ``role``, if given) split into one
-    unit per member module: the layout torch without grouped casting would need,
-    used to count what grouping saves."""
+    """The plan without grouped units, to count what grouping saves.
+
+    Args:
+        plan: The plan.
+        role: Split only the groups of this role (``None``: every group).
+
+    Returns:
+        The same plan with each grouped unit split into one unit per member module.
+
+    Raises:
+        TypeError: ``plan`` is not a ``ShardingPlan``.
+    """
     if not isinstance(plan, ShardingPlan):
         raise TypeError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
     calls: list[ShardCall] = []
@@ -40,13 +42,6 @@ def ungroup_units(plan: ShardingPlan, role: str | None = None) -> ShardingPlan:
                 offload_policy=call.offload_policy,
             )
             calls.append(
-                ShardCall(
-                    paths=(path,),
-                    mp_policy=call.mp_policy,
-                    reshard_after_forward=call.reshard_after_forward,
-                    ignored_param_names=ignored,
-                    units=(unit,),
-                    offload_policy=call.offload_policy,
-                )
+                dataclasses.replace(call, paths=(path,), ignored_param_names=ignored, units=(unit,))
             )
     return dataclasses.replace(plan, calls=tuple(calls))

@@ -1,22 +1,13 @@
 """The parameter-memory timeline: when each unit's parameters are gathered.
 
-Peak gathered memory is a timeline model over module positions (pre-order
-``named_modules`` order, the forward order of the models this project serves):
-each unit is gathered from its first member's forward to its last member's, and
-kept until backward when it is not resharded; in backward each unit is gathered
-from its pre-backward to its post-backward, and the implicit prefetch gathers
-the next one early. Without the prefetch guard
-([`multimodal_fsdp.runtime.prefetch_guard`][multimodal_fsdp.runtime.prefetch_guard]) the unit that
-finishes its forward right
-after a unit without backward re-gathers that unit in its pre-backward, which is wasted
-communication. All-gather output buffers are not included (the activation trace's
-replay holds the one FSDP2 keeps in forward beside a unit's parameters).
-
-[`multimodal_fsdp.estimate.costs`][multimodal_fsdp.estimate.costs] places the units of a plan on
-this timeline; the
-rules of order, prefetch and peak live here, apart from the byte rules
-([`multimodal_fsdp.estimate.units`][multimodal_fsdp.estimate.units]) and the report
-([`multimodal_fsdp.estimate.render`][multimodal_fsdp.estimate.render]).
+A timeline over module positions (pre-order ``named_modules``, the forward order of the
+models this project serves): each unit is gathered from its first member's forward to its
+last member's, and kept until backward when not resharded; in backward from its
+pre-backward to its post-backward, the implicit prefetch gathering the next one early.
+Without the prefetch guard
+([`multimodal_fsdp.runtime.prefetch_guard`][multimodal_fsdp.runtime.prefetch_guard]) the
+unit finishing its forward right after a unit without backward re-gathers that unit, which
+is wasted communication. All-gather output buffers are left to the activation trace.
 """
 
 from __future__ import annotations
@@ -49,8 +40,16 @@ class _Unit:
 
 
 def effective_reshard(unit: UnitPlan, shard: int) -> bool | int:
-    """What FSDP2 does after forward: root ``None`` keeps, others ``None`` reshard; an int
-    1 keeps (FSDP2 checks it before comparing with the shard-group size)."""
+    """What FSDP2 does after forward.
+
+    Args:
+        unit: The unit.
+        shard: The shard-group size.
+
+    Returns:
+        ``True`` to reshard, ``False`` to keep, or the group size to reshard to: root
+        ``None`` keeps, others ``None`` reshard; 1 keeps, ``shard`` reshards.
+    """
     value = unit.reshard_after_forward
     if value is None:
         return not unit.is_root
@@ -68,8 +67,16 @@ def _kept(reshard: bool | int, size: int) -> int:
 
 
 def kept_after_forward(unit: UnitPlan, size: int, shard: int) -> int:
-    """Gathered bytes (of ``size``) ``unit`` keeps after forward: the one rule of the
-    parameter timeline and the activation replay."""
+    """The keep rule of the parameter timeline and the activation replay.
+
+    Args:
+        unit: The unit.
+        size: Its gathered bytes.
+        shard: The shard-group size.
+
+    Returns:
+        The gathered bytes ``unit`` keeps after forward.
+    """
     return _kept(effective_reshard(unit, shard), size)
 
 

@@ -1,17 +1,10 @@
-"""Each unit of a plan in the step it is costed for: the byte rules, what the unit stores
-and gathers, and the collectives it issues.
+"""Each unit of a plan in the step it is costed for, and the byte rules of every estimate.
 
 [`plan_costs`][multimodal_fsdp.estimate.costs.plan_costs] resolves the plan on its mesh
-once (``resolve_step``): which module paths no gradient reaches, where each module sits
-in the forward, which parameters each unit owns, and the
-[`HookStep`][fsdp_core.runtime.HookStep] every runtime hook's cost model reads. Each unit
-is then placed in that step (``place_unit``): whether its backward runs, what it gathers
-and stores, and the collectives it issues as often as the hooks say it runs.
-
-The byte rules live here, in one place, for every estimate (collectives, activation
-replay, memory): each collective moves the unsharded buffer, with FSDP's padding of every
-parameter's dim 0 to a multiple of the shard-group size, in the dtype on the wire (the
-compute dtype for all-gathers, the reduce dtype for reduce-scatters), as
+once (``resolve_step``), then places each unit in that step (``place_unit``): whether its
+backward runs, what it gathers and stores, and its collectives. Each collective moves the
+unsharded buffer, every parameter's dim 0 padded to a multiple of the shard-group size, in
+the dtype on the wire (compute dtype for all-gathers, reduce dtype for reduce-scatters), as
 [`CommCounter`][fsdp_core.collective_count.CommCounter] counts it.
 """
 
@@ -61,21 +54,47 @@ def _dim0_padded_numel(shape: torch.Size, factor: int) -> int:
 
 
 def padded_shard_numel(param: nn.Parameter, shard: int) -> int:
-    """Elements of one rank's shard after FSDP pads dim 0 to a multiple of ``shard`` (the
-    one padding rule of the estimates: collectives, activation replay, memory)."""
+    """The padding rule of every estimate.
+
+    Args:
+        param: A parameter (a DTensor counts by its local shard).
+        shard: The shard-group size.
+
+    Returns:
+        Elements of one rank's shard after FSDP pads dim 0 to a multiple of ``shard``.
+
+    Raises:
+        ValueError: ``param`` is a scalar (FSDP2 refuses them).
+    """
     return _dim0_padded_numel(local_shape(param), shard) // shard
 
 
 def param_compute_dtype(param: nn.Parameter, policy: MixedPrecisionPolicy) -> torch.dtype:
-    """The dtype ``param`` is gathered and computes in: the policy's ``param_dtype`` for a
-    floating parameter, else its own (the one dtype rule of the estimates)."""
+    """The dtype rule of every estimate.
+
+    Args:
+        param: A parameter.
+        policy: Its unit's mixed-precision policy.
+
+    Returns:
+        The dtype ``param`` is gathered and computes in: the policy's ``param_dtype`` for
+        a floating parameter, else its own.
+    """
     if param.dtype.is_floating_point:
         return compute_dtype(policy, param.dtype)
     return param.dtype
 
 
 def param_reduce_dtype(param: nn.Parameter, policy: MixedPrecisionPolicy) -> torch.dtype:
-    """The dtype ``param``'s gradient is reduced in: ``reduce_dtype``, else its compute dtype."""
+    """The dtype ``param``'s gradient is reduced in.
+
+    Args:
+        param: A parameter.
+        policy: Its unit's mixed-precision policy.
+
+    Returns:
+        The policy's ``reduce_dtype``, else ``param``'s compute dtype.
+    """
     if policy.reduce_dtype is not None:
         return policy.reduce_dtype
     return param_compute_dtype(param, policy)
@@ -84,48 +103,36 @@ def param_reduce_dtype(param: nn.Parameter, policy: MixedPrecisionPolicy) -> tor
 def unit_reduce_dtype(
     params: list[tuple[str, nn.Parameter]], policy: MixedPrecisionPolicy
 ) -> torch.dtype:
-    """The reduce dtype of a unit: that of its first trainable (else first) parameter."""
+    """The reduce dtype of a unit.
+
+    Args:
+        params: The unit's ``(name, parameter)`` pairs.
+        policy: Its mixed-precision policy.
+
+    Returns:
+        That of its first trainable (else first) parameter.
+    """
     trainable = [p for _, p in params if p.requires_grad] or [p for _, p in params]
     if not trainable:
         return policy.reduce_dtype or policy.param_dtype or torch.float32
     return param_reduce_dtype(trainable[0], policy)
 
 
-def _gathered_bytes(
-    params: list[tuple[str, nn.Parameter]], policy: MixedPrecisionPolicy, shard: int
-) -> int:
-    """All-gather output bytes: every parameter padded, in its compute dtype."""
-    return sum(
-        _dim0_padded_numel(local_shape(p), shard) * param_compute_dtype(p, policy).itemsize
-        for _, p in params
-    )
-
-
-def _sharded_bytes(params: list[tuple[str, nn.Parameter]], shard: int) -> int:
-    """Bytes one rank stores: its padded shard of each parameter, in the storage dtype."""
-    return sum(
-        _dim0_padded_numel(local_shape(p), shard) // shard * p.dtype.itemsize for _, p in params
-    )
-
-
 def _unit_collectives(
     params: list[tuple[str, nn.Parameter]],
     policy: MixedPrecisionPolicy,
-    *,
     gathered: int,
-    reshard: bool | int,
-    runs_backward: bool,
-    shard: int,
-    replicate: int,
+    regathers: bool,
+    shape: MeshShape,
 ) -> CommTally:
-    """The collectives one unit issues in a step (see
-    [`multimodal_fsdp.estimate.costs`][multimodal_fsdp.estimate.costs])."""
+    """The collectives one unit issues in a step (``regathers``: in backward too)."""
     tally = CommTally()
+    shard, replicate = shape.dp_shard, shape.dp_replicate
     if not params:
         return tally
     if shard > 1:
         tally.add("forward", "all_gather", gathered)
-        if reshard is not False and runs_backward:
+        if regathers:
             tally.add("backward", "all_gather", gathered)
     trainable = [p for _, p in params if p.requires_grad]
     if not trainable:
@@ -184,8 +191,25 @@ def resolve_step(
     *,
     parallel: ParallelDims | None = None,
 ) -> CostedStep:
-    """Check the plan against the mesh and read, once, what the tallies share; the
-    checks run in the order users have always seen their errors."""
+    """Check the plan against the mesh and read, once, what the tallies share (the checks
+    run in the order users have always seen their errors).
+
+    Args:
+        plan: The plan.
+        model: The model it was made for.
+        shape: The data-parallel mesh shape.
+        no_backward: Paths no gradient reaches (``None``: the plan's judgement).
+        with_backward: Paths whose units run backward all the same.
+        media: The step's media, or ``None``.
+        parallel: The job's dimensions beyond data parallelism, if any.
+
+    Returns:
+        The step.
+
+    Raises:
+        TypeError: ``media`` is not a ``StepMedia``.
+        ValueError: a unit's ``reshard_after_forward`` does not fit the mesh.
+    """
     for unit in plan.units:
         check_reshard_after_forward(unit.reshard_after_forward, shape.dp_shard)
     if no_backward is not None:
@@ -194,22 +218,14 @@ def resolve_step(
         free = list(plan.backward_free_paths)
     else:
         free = backward_free_paths(model)
-    forced = tuple(with_backward)
     spans = module_spans(model)
     any_trainable = any(p.requires_grad for p in model.parameters())
     owned = unit_parameters(plan, model)
     if media is not None and not isinstance(media, StepMedia):
         raise TypeError(f"media must be a StepMedia, got {type(media).__name__}")
+    hook = HookStep(plan=plan, model=model, mesh=shape, owned=owned, media=media, parallel=parallel)
     return CostedStep(
-        hook=HookStep(
-            plan=plan, model=model, mesh=shape, owned=owned, media=media, parallel=parallel
-        ),
-        free=free,
-        free_judged=no_backward is None,
-        forced=forced,
-        spans=spans,
-        any_trainable=any_trainable,
-        owned=owned,
+        hook, free, no_backward is None, tuple(with_backward), spans, any_trainable, owned
     )
 
 
@@ -219,9 +235,20 @@ def place_unit(
     step: CostedStep,
     runs: Mapping[str, int],
 ) -> _Unit:
-    """One unit where it runs in the step, with the collectives it issues there (``runs``:
-    how often the units under a module path run, as the hooks say): the timeline of
-    gathered parameters and the prefetch waste are computed from these."""
+    """One unit where it runs in the step, with the collectives it issues there.
+
+    Args:
+        unit: The unit.
+        params: Its ``(name, parameter)`` pairs.
+        step: The resolved step.
+        runs: How often the units under a module path run, as the hooks say.
+
+    Returns:
+        The unit on the parameter timeline.
+
+    Raises:
+        ValueError: a scalar parameter, or a unit path with no module.
+    """
     scalars = [name for name, p in params if p.dim() == 0]
     if scalars:
         raise ValueError(
@@ -234,16 +261,12 @@ def place_unit(
     shard = step.shape.dp_shard
     runs_backward = _runs_backward(unit, params, step)
     reshard = effective_reshard(unit, shard)
-    gathered = _gathered_bytes(params, unit.mp_policy, shard)
-    collectives = _unit_collectives(
-        params,
-        unit.mp_policy,
-        gathered=gathered,
-        reshard=reshard,
-        runs_backward=runs_backward,
-        shard=shard,
-        replicate=step.shape.dp_replicate,
+    gathered = sum(  # every parameter padded, in its compute dtype
+        _dim0_padded_numel(local_shape(p), shard) * param_compute_dtype(p, unit.mp_policy).itemsize
+        for _, p in params
     )
+    regathers = reshard is not False and runs_backward
+    collectives = _unit_collectives(params, unit.mp_policy, gathered, regathers, step.shape)
     repeated = CommTally()
     repeated.merge(collectives, _unit_runs(unit, runs))
     return _Unit(
@@ -254,7 +277,7 @@ def place_unit(
         reshard=reshard,
         runs_backward=runs_backward,
         gathered=gathered,
-        sharded=_sharded_bytes(params, shard),
+        sharded=sum(padded_shard_numel(p, shard) * p.dtype.itemsize for _, p in params),
         comm=repeated,
     )
 

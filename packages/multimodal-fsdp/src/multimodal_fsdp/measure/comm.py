@@ -1,22 +1,21 @@
 """The measured counterpart of [`multimodal_fsdp.estimate.costs`][multimodal_fsdp.estimate.costs]:
 count a real step.
 
-[`measure_step`][multimodal_fsdp.measure.comm.measure_step] runs one forward and one backward of an
-already sharded model inside [`fsdp_core.CommCounter`][fsdp_core.collective_count.CommCounter]
-(a dispatch mode over the ``c10d`` ops), tagging each collective with its phase.
-[`measure_plan`][multimodal_fsdp.measure.comm.measure_plan] does the whole round trip in one
-process:
-cost the plan analytically, shard the model under the fake process group (or the process group
-already initialised, e.g. real gloo ranks), run the step and compare. Under the fake group the
-numbers the model computes are meaningless, but the collectives and their sizes are
-exactly those of a real job.
+[`measure_step`][multimodal_fsdp.measure.comm.measure_step] runs one step of a sharded
+model inside [`fsdp_core.CommCounter`][fsdp_core.collective_count.CommCounter], tagging
+each collective with its phase. [`measure_plan`][multimodal_fsdp.measure.comm.measure_plan]
+costs a plan, shards the model under the fake process group (or the initialised one), runs
+the step and compares: under the fake group the values are meaningless, but the
+collectives and their sizes are exactly those of a real job.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +30,7 @@ from fsdp_core.mesh import MeshShape, resolve_mesh_shape
 from fsdp_core.parallel_dims import ParallelDims
 from fsdp_core.parallelizer import apply_plan
 from multimodal_fsdp.estimate.costs import PlanCosts
-from multimodal_fsdp.estimate.exchange import StepMedia, step_media
+from multimodal_fsdp.estimate.exchange import LossFn, StepMedia, step_media
 from multimodal_fsdp.estimate.predict import inspect_model
 from multimodal_fsdp.runtime.prefetch_guard import (
     backward_prefetch_guard,
@@ -50,14 +49,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Runs the forward of one batch on the sharded model and returns the scalar loss.
-LossFn = Callable[[nn.Module], torch.Tensor]
-
-
-def _rank() -> int:
-    """This process's rank (0 outside a process group)."""
-    return dist.get_rank() if dist.is_initialized() else 0
-
 
 @dataclass(frozen=True)
 class MeasuredStep:
@@ -70,8 +61,18 @@ class MeasuredStep:
 def measure_step(model: nn.Module, loss_fn: LossFn, *, steps: int = 1) -> MeasuredStep:
     """Run ``steps`` forward+backward passes of a sharded ``model``; count the last one.
 
-    Earlier steps (if any) only warm up; gradients accumulate in the sharded
-    parameters, which does not change the collectives.
+    Args:
+        model: The sharded model.
+        loss_fn: Runs the forward of one batch and returns the scalar loss.
+        steps: Passes in all; the earlier ones only warm up (their gradients accumulate,
+            which does not change the collectives).
+
+    Returns:
+        The last pass's collectives and the units the prefetch guard kept sharded.
+
+    Raises:
+        TypeError: ``loss_fn`` is not callable or returns no scalar tensor.
+        ValueError: ``steps`` is not a positive int.
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
@@ -104,11 +105,20 @@ class Comparison:
         return self.expected == self.measured
 
     def differences(self) -> list[str]:
+        """What differs.
+
+        Returns:
+            One line per differing (phase, kind), empty when they match.
+        """
         return self.expected.differences(self.measured)
 
     def format(self) -> str:
-        """A table of both tallies, one row per (phase, kind) seen on either side, with
-        the bytes received beside an ``all_to_all``'s."""
+        """Both tallies side by side.
+
+        Returns:
+            A table, one row per (phase, kind) seen on either side, with the bytes
+            received beside an ``all_to_all``'s.
+        """
         plan, seen = self.expected, self.measured
         head = ("phase", "kind", "plan", "measured", "plan B", "measured B")
         lines = ["{:<9} {:<15} {:>6} {:>9} {:>12} {:>12}".format(*head)]
@@ -127,7 +137,15 @@ class Comparison:
 
 
 def compare(expected: CommTally | PlanCosts, measured: CommTally | MeasuredStep) -> Comparison:
-    """The plan's (or a tally's) collectives against a measured step's."""
+    """The plan's (or a tally's) collectives against a measured step's.
+
+    Args:
+        expected: The costs, or their tally.
+        measured: The measured step, or its tally.
+
+    Returns:
+        The comparison.
+    """
     return Comparison(
         expected=expected.comm if isinstance(expected, PlanCosts) else expected,
         measured=measured.comm if isinstance(measured, MeasuredStep) else measured,
@@ -155,9 +173,17 @@ def measured_shape(
     dp_dims: str | Sequence[str] | None,
     dp_replicate: int = 1,
 ) -> tuple[ParallelDims | None, MeshShape]:
-    """The caller's ``mesh`` as ``ParallelDims`` (``None`` without one) and the
-    data-parallel shape a measurement shards over: the mesh's, else ``world_size`` ranks
-    with ``dp_replicate`` replicas.
+    """The caller's mesh and the data-parallel shape a measurement shards over.
+
+    Args:
+        world_size: Ranks of the job.
+        mesh: The caller's mesh, or ``None``.
+        dp_dims: The mesh's data-parallel dimensions, as ``parallelize`` takes them.
+        dp_replicate: HSDP replicas of ``world_size`` without a mesh.
+
+    Returns:
+        ``mesh`` as ``ParallelDims`` (``None`` without one), and its data-parallel shape,
+        else ``world_size`` ranks with ``dp_replicate`` replicas.
 
     Raises:
         ValueError: ``world_size`` is not the mesh's number of ranks.
@@ -189,49 +215,39 @@ def measure_plan(
 ) -> Measurement:
     """Cost ``plan``, apply it to ``model`` (sharded in place, from the plan alone: see
     [`fsdp_core.parallelizer.apply_plan`][fsdp_core.parallelizer.apply_plan]) and run
-    one step.
+    one step, under the initialised process group or else a fake one of ``world_size``.
 
-    Runs under the initialised process group, or else under the fake group of
-    ``world_size`` ranks. ``prefetch_guard=False`` removes the guard after sharding,
-    to show what FSDP2 does by default.
+    Args:
+        plan: The plan.
+        model: The model it was made for (on meta, or real).
+        loss_fn: Runs the forward of one batch and returns the scalar loss.
+        world_size: Ranks of the job.
+        dp_replicate: HSDP replicas of ``world_size`` (without ``mesh``).
+        prefetch_guard: ``False`` removes the guard after sharding, to show what FSDP2
+            does by default.
+        no_backward: Module paths no gradient reaches, for the costs.
+        steps: Steps run; the last is counted.
+        media: The step's media for balanced towers (default: ``loss_fn``'s batch on
+            every rank, as the fake group runs it; real ranks may give their own).
+        mesh: A mesh the caller built under the initialised group (e.g. with TP).
+        dp_dims: ``mesh``'s data-parallel dimensions, as ``parallelize`` takes them.
 
-    A plan with balanced towers (``balance_media=True``) is costed for ``media``, by
-    default the media of ``loss_fn``'s batch on every rank
-    ([`record_step_media`][multimodal_fsdp.estimate.exchange.record_step_media]): what
-    the fake group runs, where every rank looks like the calling one. On real ranks
-    with different media, give ``media`` with each rank's calls.
-
-    ``mesh`` (and ``dp_dims``, as ``parallelize`` takes them) measures on a mesh the
-    caller built under the initialised group, e.g. one whose other dimensions TP
-    already sharded ``model`` over; its data-parallel shape replaces ``dp_replicate``.
+    Returns:
+        The plan, its costs, the measured step and their comparison.
     """
-    dims, shape = measured_shape(world_size, mesh=mesh, dp_dims=dp_dims, dp_replicate=dp_replicate)
-    with current_or_fake_group(world_size):
-        # Collective on a real group: every rank arrives, and a failure while costing
-        # on one rank is raised on all (no-ops under the fake group).
-        call = enter_collective("measure_plan")
-        if mesh is None:
-            mesh = build_mesh(dp_replicate=shape.dp_replicate, dp_shard=shape.dp_shard)
-
-        # the balance group is the data-parallel one: FSDP's shard dimension holds CP's
-        cp = 1 if dims is None else dims.role_size("cp")
-
-        def prepare() -> PlanCosts:
-            costed_media = step_media(
-                plan, model, loss_fn, world_size=shape.world_size // cp, rank=_rank(), media=media
-            )
-            return inspect_model(
-                plan,
-                model,
-                mesh=shape if dims is None else dims,
-                prefetch_guard=prefetch_guard,
-                no_backward=no_backward,
-                optimizer=None,
-                media=costed_media,
-            )
-
-        costs = call.run(prepare, step="costing the plan")
-        apply_plan(model, plan, mesh=mesh, dp_dims=dp_dims)
+    estimate = {"prefetch_guard": prefetch_guard, "no_backward": no_backward, "optimizer": None}
+    with _costed_and_sharded(
+        "measure_plan",
+        plan,
+        model,
+        loss_fn,
+        media=media,
+        estimate=estimate,
+        world_size=world_size,
+        dp_replicate=dp_replicate,
+        mesh=mesh,
+        dp_dims=dp_dims,
+    ) as costs:
         if not prefetch_guard:
             remove_backward_prefetch_guard(model)
         measured = measure_step(model, loss_fn, steps=steps)
@@ -243,3 +259,42 @@ def measure_plan(
             "\n".join(comparison.differences()),
         )
     return Measurement(plan=plan, costs=costs, measured=measured, comparison=comparison)
+
+
+@contextlib.contextmanager
+def _costed_and_sharded(
+    name: str,
+    plan: ShardingPlan,
+    model: nn.Module,
+    loss_fn: LossFn,
+    *,
+    media: StepMedia | None,
+    estimate: dict[str, Any],
+    world_size: int,
+    dp_replicate: int,
+    mesh: DeviceMesh | None,
+    dp_dims: str | Sequence[str] | None,
+) -> Iterator[PlanCosts]:
+    """Under the initialised or a fake group: cost ``plan`` (``inspect_model(**estimate)``),
+    apply it to ``model``, yield the costs."""
+    dims, dp = measured_shape(world_size, mesh=mesh, dp_dims=dp_dims, dp_replicate=dp_replicate)
+    with current_or_fake_group(world_size):
+        # Collective on a real group: every rank arrives, and a failure while costing
+        # on one rank is raised on all (no-ops under the fake group).
+        call = enter_collective(name)
+        if mesh is None:
+            mesh = build_mesh(dp_replicate=dp.dp_replicate, dp_shard=dp.dp_shard)
+        # the balance group is the data-parallel one: FSDP's shard dimension holds CP's
+        cp = 1 if dims is None else dims.role_size("cp")
+
+        def prepare() -> PlanCosts:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            group = dp.world_size // cp
+            costed = step_media(plan, model, loss_fn, world_size=group, rank=rank, media=media)
+            return inspect_model(
+                plan, model, mesh=dp if dims is None else dims, media=costed, **estimate
+            )
+
+        costs = call.run(prepare, step="costing the plan")
+        apply_plan(model, plan, mesh=mesh, dp_dims=dp_dims)
+        yield costs

@@ -2,51 +2,38 @@
 [`multimodal_fsdp.estimate.memory`][multimodal_fsdp.estimate.memory]: bytes of a real
 step, per rank.
 
-[`measure_memory`][multimodal_fsdp.measure.memory.measure_memory] runs warm-up steps of an already
-sharded model, then one tracked step (forward, backward, optimizer step) under torch's
-``FSDPMemTracker``, which attributes every tensor storage on the rank to a
-category (sharded and unsharded parameters, all-gather buffers, gradients,
-activations, temporaries, optimizer state). Parameters that FSDP ignores
-(``replicate``) are invisible to it, so they are registered with it as inputs
-and counted separately. [`measure_plan_memory`][multimodal_fsdp.measure.memory.measure_plan_memory]
-does the whole round trip like
-[`multimodal_fsdp.measure.comm.measure_plan`][multimodal_fsdp.measure.comm.measure_plan] for a
-plan and its model: predict (with the activation trace), shard, measure - under the
-initialised process group or else the fake one, where tensor sizes are exactly those of a
-real job.
-
-The tracker lives in a private torch module, and the timeline needs its per-operation
-method and state: only
+[`measure_memory`][multimodal_fsdp.measure.memory.measure_memory] runs warm-up steps of a
+sharded model, then one tracked step under torch's ``FSDPMemTracker``, which attributes
+every storage to a category (parameters, all-gather buffers, gradients, activations,
+temporaries, optimizer state); ignored (``replicate``) parameters are registered with it as
+inputs and counted apart.
+[`measure_plan_memory`][multimodal_fsdp.measure.memory.measure_plan_memory] predicts,
+shards and measures a plan like
+[`measure_plan`][multimodal_fsdp.measure.comm.measure_plan]. Only
 [`memory_timeline_tracker`][fsdp_core.internals.torch_modules.memory_timeline_tracker]
-touches them, and checks them up front, so that a torch without them fails with a
-message naming what is missing.
+touches the tracker's private module, and names what a torch without it lacks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_core import ShardingPlan, build_mesh, internals
-from fsdp_core.collective_entry import enter_collective
-from fsdp_core.fake_group import current_or_fake_group
+from fsdp_core import ShardingPlan, internals
 from fsdp_core.internals.torch_modules import memory_timeline_tracker
 from fsdp_core.parallel_dims import local_shape
-from fsdp_core.parallelizer import apply_plan
 from multimodal_fsdp.estimate.costs import PlanCosts
-from multimodal_fsdp.estimate.exchange import StepMedia, step_media
+from multimodal_fsdp.estimate.exchange import LossFn, StepMedia
 from multimodal_fsdp.estimate.memory import check_optimizer, memory_figures
-from multimodal_fsdp.estimate.predict import inspect_model
-from multimodal_fsdp.measure.comm import measured_shape
+from multimodal_fsdp.measure.comm import _costed_and_sharded
 
 __all__ = [
     "MeasuredMemory",
@@ -58,9 +45,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Runs the forward of one batch on the sharded model and returns the scalar loss.
-LossFn = Callable[[nn.Module], torch.Tensor]
 
 # The tracker's category names (``_FSDPRefType`` values).
 _SHARDED = "Sharded Param"
@@ -76,7 +60,6 @@ _INPUTS = "Inputs"
 _TOTAL = "Total"
 
 
-# --------------------------------------------------------------------------- the tracker
 def _new_tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
     """An ``FSDPMemTracker`` that also records a timeline point whenever bytes change
     (its ``points``)."""
@@ -129,7 +112,6 @@ def _module_snapshots(tracker: Any) -> Iterator[tuple[str, dict[str, int]]]:
                 yield str(state.value), _cpu_or_first(snap)
 
 
-# --------------------------------------------------------------------------- results
 @dataclass(frozen=True)
 class MemoryPoint:
     """One moment of the tracked step: the phase, gathered parameter bytes, activations
@@ -173,7 +155,11 @@ class MeasuredMemory:
     host_optimizer_bytes: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready, every figure marked as measured."""
+        """Every figure, JSON-ready.
+
+        Returns:
+            The figures, marked as measured, with the peak and its breakdown.
+        """
         return {
             **memory_figures(self, source="measured"),
             "peak_bytes": self.peak_bytes,
@@ -184,13 +170,19 @@ class MeasuredMemory:
         }
 
 
-# --------------------------------------------------------------------------- running
 def make_optimizer(
     name: str, params: Iterable[nn.Parameter], *, lr: float = 1e-3
 ) -> torch.optim.Optimizer | None:
-    """The optimizer that ``name`` (a key of
-    [`OPTIMIZER_STATES`][multimodal_fsdp.estimate.memory.OPTIMIZER_STATES]) names
-    (``None`` for ``"none"`` or when nothing is trainable)."""
+    """The optimizer a name stands for.
+
+    Args:
+        name: A key of [`OPTIMIZER_STATES`][multimodal_fsdp.estimate.memory.OPTIMIZER_STATES].
+        params: The parameters (only trainable ones are optimized).
+        lr: The learning rate.
+
+    Returns:
+        The optimizer; ``None`` for ``"none"`` or when nothing is trainable.
+    """
     check_optimizer(name)
     trainable = [p for p in params if p.requires_grad]
     if name == "none" or not trainable:
@@ -236,10 +228,21 @@ def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
 def measure_memory(
     model: nn.Module, loss_fn: LossFn, *, optimizer: str = "adamw", warmup: int = 1
 ) -> MeasuredMemory:
-    """Measure one training step of a sharded ``model`` after ``warmup`` untracked steps.
+    """Measure one training step of a sharded ``model`` after ``warmup`` untracked steps
+    (which create the optimizer state and FSDP's lazy buffers: a steady-state step).
 
-    Warm-up steps create the optimizer state (and FSDP's lazy buffers), so the
-    tracked step is a steady-state one. The tracker follows one step at a time.
+    Args:
+        model: The sharded model.
+        loss_fn: Runs the forward of one batch and returns the scalar loss.
+        optimizer: The optimizer to step (see ``make_optimizer``).
+        warmup: Untracked steps first.
+
+    Returns:
+        The step's figures.
+
+    Raises:
+        TypeError: ``model`` is not sharded or ``loss_fn`` is not callable.
+        ValueError: ``warmup`` is not a positive int.
     """
     if not isinstance(model, FSDPModule):
         raise TypeError(
@@ -258,46 +261,16 @@ def measure_memory(
     tracker = _new_tracker(model, opt)
     tracker.track_inputs(tuple(replicated))
     with tracker:
-        resting_all = tracker.get_tracker_snapshot("current")
+        snapshots = [tracker.get_tracker_snapshot("current")]  # resting
         torch.autograd.backward(_loss(model, loss_fn))
-        after_backward_all = tracker.get_tracker_snapshot("current")
+        snapshots.append(tracker.get_tracker_snapshot("current"))  # after backward
         replicated_grads = _nbytes(p.grad for p in replicated if p.grad is not None)
         if opt is not None:
             opt.step()
             opt.zero_grad()
-        after_step_all = tracker.get_tracker_snapshot("current")
+        snapshots.append(tracker.get_tracker_snapshot("current"))  # after the step
+    resting, after_backward, after_step = (_cpu_or_first(snap) for snap in snapshots)
     peak = _cpu_or_first(tracker.get_tracker_snapshot("peak"))
-    measured = _result(
-        tracker,
-        optimizer,
-        replicated,
-        _cpu_or_first(resting_all),
-        _cpu_or_first(after_backward_all),
-        _cpu_or_first(after_step_all),
-        peak,
-        replicated_grads,
-    )
-    host = [_host_of(snap) for snap in (resting_all, after_backward_all, after_step_all)]
-    if host[0] is None or host[1] is None or host[2] is None:
-        return measured
-    return dataclasses.replace(
-        measured,
-        host_param_bytes=host[0].get(_SHARDED, 0),
-        host_gradient_bytes=host[1].get(_GRAD, 0),
-        host_optimizer_bytes=host[2].get(_OPT, 0),
-    )
-
-
-def _result(
-    tracker: Any,
-    optimizer: str,
-    replicated: list[nn.Parameter],
-    resting: dict[str, int],
-    after_backward: dict[str, int],
-    after_step: dict[str, int],
-    peak: dict[str, int],
-    replicated_grads: int,
-) -> MeasuredMemory:
     forward = backward = activations = 0
     for state, snap in _module_snapshots(tracker):
         if "Backward" in state:
@@ -306,7 +279,7 @@ def _result(
             activations = max(activations, snap.get(_ACT, 0))
         else:
             forward = max(forward, snap.get(_UNSHARDED, 0))
-    return MeasuredMemory(
+    measured = MeasuredMemory(
         optimizer=optimizer,
         sharded_param_bytes=resting.get(_SHARDED, 0),
         replicated_param_bytes=_nbytes(replicated),
@@ -322,9 +295,17 @@ def _result(
         peak_breakdown=tuple((str(k), v) for k, v in peak.items() if v and str(k) != _TOTAL),
         timeline=tuple(tracker.points),
     )
+    host = [_host_of(snap) for snap in snapshots]
+    if host[0] is None or host[1] is None or host[2] is None:
+        return measured
+    return dataclasses.replace(
+        measured,
+        host_param_bytes=host[0].get(_SHARDED, 0),
+        host_gradient_bytes=host[1].get(_GRAD, 0),
+        host_optimizer_bytes=host[2].get(_OPT, 0),
+    )
 
 
-# --------------------------------------------------------------------------- round trip
 @dataclass(frozen=True)
 class MemoryMeasurement:
     """One plan: its predicted memory (``costs.memory``) and the measured step."""
@@ -347,39 +328,37 @@ def measure_plan_memory(
     dp_dims: str | Sequence[str] | None = None,
 ) -> MemoryMeasurement:
     """Predict the memory of ``plan`` (tracing the activations of ``loss_fn`` on an
-    unsharded copy of ``model``), apply it to ``model`` from the plan alone and measure
-    a step.
+    unsharded copy of ``model``), apply it to ``model`` from the plan alone and measure a
+    step, as [`measure_plan`][multimodal_fsdp.measure.comm.measure_plan] does.
 
-    A plan with balanced towers is predicted for ``media`` (by default the media of
-    ``loss_fn``'s batch on every rank, what the fake group runs; see
-    [`measure_plan`][multimodal_fsdp.measure.comm.measure_plan]). ``mesh`` and ``dp_dims``
-    measure on the caller's mesh, as ``measure_plan`` takes them."""
+    Args:
+        plan: The plan.
+        model: The model it was made for.
+        loss_fn: Runs the forward of one batch and returns the scalar loss.
+        world_size: Ranks of the job.
+        optimizer: The optimizer whose state is predicted and measured.
+        warmup: Untracked steps before the measured one.
+        media: The step's media for balanced towers (by default ``loss_fn``'s batch on
+            every rank, what the fake group runs).
+        mesh: A mesh the caller built under the initialised group.
+        dp_dims: ``mesh``'s data-parallel dimensions.
+
+    Returns:
+        The plan, its costs with their ``memory`` and the measured step.
+    """
     check_optimizer(optimizer)
-    dims, shape = measured_shape(world_size, mesh=mesh, dp_dims=dp_dims)
-    with current_or_fake_group(world_size):
-        # Collective on a real group (no-ops under the fake group): see measure_plan.
-        call = enter_collective("measure_plan_memory")
-        if mesh is None:
-            mesh = build_mesh(dp_shard=shape.dp_shard)
-
-        # the balance group is the data-parallel one: FSDP's shard dimension holds CP's
-        cp = 1 if dims is None else dims.role_size("cp")
-
-        def prepare() -> PlanCosts:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            costed_media = step_media(
-                plan, model, loss_fn, world_size=shape.world_size // cp, rank=rank, media=media
-            )
-            return inspect_model(
-                plan,
-                model,
-                mesh=shape if dims is None else dims,
-                optimizer=optimizer,
-                loss_fn=loss_fn,
-                media=costed_media,
-            )
-
-        costs = call.run(prepare, step="costing the plan")
-        apply_plan(model, plan, mesh=mesh, dp_dims=dp_dims)
+    estimate = {"optimizer": optimizer, "loss_fn": loss_fn}
+    with _costed_and_sharded(
+        "measure_plan_memory",
+        plan,
+        model,
+        loss_fn,
+        media=media,
+        estimate=estimate,
+        world_size=world_size,
+        dp_replicate=1,
+        mesh=mesh,
+        dp_dims=dp_dims,
+    ) as costs:
         measured = measure_memory(model, loss_fn, optimizer=optimizer, warmup=warmup)
     return MemoryMeasurement(plan=plan, costs=costs, measured=measured)
