@@ -41,18 +41,6 @@ _OURS = {monorepo.get_package(name).import_name for name in PACKAGE_NAMES}
 #: engineers working in them at the time). Only shrinks.
 PENDING: frozenset[str] = frozenset(
     {
-        "multimodal_fsdp.estimate.activations",
-        "multimodal_fsdp.estimate.choose",
-        "multimodal_fsdp.estimate.compute_copy",
-        "multimodal_fsdp.estimate.costs",
-        "multimodal_fsdp.estimate.exchange",
-        "multimodal_fsdp.estimate.memory",
-        "multimodal_fsdp.estimate.render",
-        "multimodal_fsdp.estimate.rewrite",
-        "multimodal_fsdp.estimate.timeline",
-        "multimodal_fsdp.estimate.units",
-        "multimodal_fsdp.measure.comm",
-        "multimodal_fsdp.measure.memory",
     }
 )
 _NO_VALUE = {None, "None", "NoReturn", "typing.NoReturn", "Never", inspect.Signature.empty}
