@@ -144,12 +144,8 @@ def island_policy(
         The island's policy.
     """
     dtype = parse_dtype(island_dtype)
-    outer = surrounding.param_dtype if surrounding.param_dtype is not None else surrounding_dtype
-    reduce = (
-        dtype
-        if surrounding.reduce_dtype is None
-        else torch.promote_types(dtype, surrounding.reduce_dtype)
-    )
+    outer = surrounding.param_dtype or surrounding_dtype
+    reduce = torch.promote_types(dtype, surrounding.reduce_dtype or dtype)
     return MixedPrecisionPolicy(
         param_dtype=dtype,
         reduce_dtype=reduce,

@@ -193,9 +193,7 @@ def owned_ignored_params(
     Returns:
         Those the members own, or None.
     """
-    if not ignored_params:
-        return None
-    wanted = set(ignored_params)
+    wanted = set(ignored_params or ())
     owned = {p for m in modules for p in m.parameters() if p in wanted}
     return owned or None
 
