@@ -7,14 +7,13 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import OffloadPolicy
 
 from fsdp_core import ShardingPlan
 from fsdp_core.containers import is_under
 from fsdp_core.plan import ShardCall, format_offload, unit_parameters
 from fsdp_core.plan_context import PlanContext
 from multimodal_fsdp.model_discovery import Discovery, DiscoveryOptions
-from multimodal_fsdp.offload import OffloadPart, PartOffload
+from multimodal_fsdp.offload import OffloadPart, PartOffload, _offload_text
 from multimodal_fsdp.parts import MultimodalParts, partly_trainable_note, summarise
 from multimodal_fsdp.policy import FrozenMultimodalSharding, FrozenPolicies, frozen_policy
 from multimodal_fsdp.runtime.schedule_check import MediaRegion
@@ -86,10 +85,6 @@ def _check_offload(
                 "own; use frozen_multimodal_sharding='per_layer' for it (a unit per block "
                 "and one for the rest), or give it the language model's offload"
             )
-
-
-def _offload_text(policy: OffloadPolicy | None) -> str:
-    return "-" if policy is None else format_offload(policy)
 
 
 def _check_discovery(discovery: object, model: nn.Module, options: DiscoveryOptions) -> None:

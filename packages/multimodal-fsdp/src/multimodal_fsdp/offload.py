@@ -101,8 +101,8 @@ class PartOffload:
         Returns:
             The label.
         """
-        return ", ".join(
-            f"{part}={'-' if policy is None else format_offload(policy)}"
-            for part in OFFLOAD_PARTS
-            for policy in (self.for_part(part),)
-        )
+        return ", ".join(f"{part}={_offload_text(self.for_part(part))}" for part in OFFLOAD_PARTS)
+
+
+def _offload_text(policy: OffloadPolicy | None) -> str:
+    return "-" if policy is None else format_offload(policy)

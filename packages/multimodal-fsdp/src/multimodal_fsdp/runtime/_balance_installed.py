@@ -120,11 +120,14 @@ class BalanceMedia:
         self._layers: JoinedLayers | None = None
         if layers:
             self._layers = JoinedLayers(model, layers, decide_over, lambda: bool(self._in_forward))
-        #: Modules whose ``generate`` is wrapped: (module, instance attribute it replaced,
-        #: the wrapper).
+        #: (module, the instance ``generate`` it replaced, the wrapper) per wrapped module.
         self._generators: list[tuple[nn.Module, Any, Callable[..., Any]]] = []
         if any(member.run_when_empty for member in members) or layers:
-            self._wrap_generators(model)
+            # Each generate() is one balanced scope: its tower calls before the first
+            # forward would otherwise gather on some ranks only.
+            for module in model.modules():
+                if callable(getattr(type(module), "generate", None)):
+                    self._wrap_generate(module)
 
     def _install_member(
         self, index: int, module: nn.Module, path: str, layout: MediaLayout | None, empty: bool
@@ -149,13 +152,6 @@ class BalanceMedia:
         )
         module.forward = self._balanced_forward(module, index, member, path, original)
         return member
-
-    def _wrap_generators(self, model: nn.Module) -> None:
-        """Make every ``generate()`` in the model one balanced scope (its tower calls
-        before the first forward would otherwise gather on some ranks only)."""
-        for module in model.modules():
-            if callable(getattr(type(module), "generate", None)):
-                self._wrap_generate(module)
 
     # ------------------------------------------------------------- decisions
     def _active(self, member: Member) -> bool:

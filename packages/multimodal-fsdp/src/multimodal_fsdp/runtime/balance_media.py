@@ -73,8 +73,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-NAME = BALANCE_MEDIA
-
 #: Bytes one rank puts into the last round of the join barrier (one slot gather).
 BARRIER_BYTES = SLOT_INTS * 8
 
@@ -179,7 +177,7 @@ class BalanceMediaRuntimeHook(RuntimeHook):
     balance group, and the modules sharded on a data-group dimension (whose data group
     then runs the same items instead of sharing the encoding)."""
 
-    name: ClassVar[str] = NAME
+    name: ClassVar[str] = BALANCE_MEDIA
     reads: ClassVar[tuple[Probe, ...]] = (GRAPH_TASK,)
 
     towers: tuple[BalancedTower, ...]
