@@ -186,14 +186,11 @@ def latest_checkpoint(root: PathLike, *, timeout: float | timedelta | None = Non
     checkpoint, so that no rank resumes from another step than the others.
 
     Args:
-        root: The directory holding the checkpoint directories. It need not exist yet
-            (a first run).
-        timeout: How long to wait for every rank to arrive (seconds or a
-            ``timedelta``; default the process group's timeout).
+        root: The directory of checkpoint directories (it need not exist yet).
+        timeout: How long to wait for every rank to arrive (seconds or a ``timedelta``).
 
     Returns:
-        The newest complete checkpoint's directory (``root`` joined with its name), or
-        ``None`` when ``root`` does not exist or holds no complete checkpoint.
+        The newest complete checkpoint's directory, or ``None`` when there is none.
 
     Raises:
         TypeError: ``root`` is not a ``str`` or ``os.PathLike``.

@@ -1,19 +1,11 @@
 """Adapters to the training frameworks users already run, one module per framework.
 
-The library shards the model; the framework trains it; checkpoints and exports go
-through the library's collective, atomic functions
-([`fsdp_core.checkpoint`][fsdp_core.checkpoint], [`fsdp_core.hf`][fsdp_core.hf]).
-Importing this package imports no framework; each module imports its own (install the
-extra of the same name):
-[`transformers`][fsdp_core.integrations.transformers] (`ShardedTrainer`),
-[`trl`][fsdp_core.integrations.trl] (`ShardedSFTTrainer`),
-[`accelerate`][fsdp_core.integrations.accelerate] (`prepare`),
-[`lightning`][fsdp_core.integrations.lightning] (`ModelParallelStrategy`) and
-[`torchtitan`][fsdp_core.integrations.torchtitan] (`parallelize_fn`; these last two
-import no framework). A framework that would mishandle a sharded model on its own (wrap
-it in `DistributedDataParallel`) stops with
-[`IntegrationRequiredError`][fsdp_core.integrations.IntegrationRequiredError], which
-names the adapter to use.
+The library shards the model, the framework trains it, and checkpoints and exports go
+through the library's collective, atomic functions. Importing this package imports no
+framework; each module imports its own (install the extra of the same name). A framework
+that would mishandle a sharded model on its own (wrap it in `DistributedDataParallel`)
+stops with [`IntegrationRequiredError`][fsdp_core.integrations.IntegrationRequiredError],
+which names the adapter to use.
 """
 
 from __future__ import annotations
