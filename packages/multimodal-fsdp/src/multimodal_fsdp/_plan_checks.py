@@ -1,5 +1,5 @@
 """Checks the multimodal planner runs while planning (offload, a given discovery,
-``uneven_media`` folding), its plan notes and the small lookups it shares."""
+``uneven_media`` folding), its offload notes and the small lookups it shares."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from fsdp_core.plan import ShardCall, format_offload, unit_parameters
 from fsdp_core.plan_context import PlanContext
 from multimodal_fsdp.model_discovery import Discovery, DiscoveryOptions
 from multimodal_fsdp.offload import OffloadPart, PartOffload, _offload_text
-from multimodal_fsdp.parts import MultimodalParts, partly_trainable_note, summarise
-from multimodal_fsdp.policy import FrozenMultimodalSharding, FrozenPolicies, frozen_policy
+from multimodal_fsdp.parts import MultimodalParts, summarise
+from multimodal_fsdp.policy import FrozenMultimodalSharding, frozen_policy
 from multimodal_fsdp.runtime.schedule_check import MediaRegion
 
 
@@ -114,60 +114,6 @@ def _check_folded(regions: Iterable[MediaRegion]) -> None:
             "them the model's dtype, or use uneven_media=False and the same media "
             "calls on every rank."
         )
-
-
-def _plan_notes_of(
-    ctx: PlanContext[Discovery],
-    parts: list[tuple[MultimodalParts, FrozenMultimodalSharding]],
-    *,
-    balanced: bool,
-    uneven_media: bool,
-    balance_media: bool,
-    policies: FrozenPolicies,
-    offload: PartOffload,
-) -> list[str]:
-    """The multimodal parallelizer's plan notes."""
-    notes = []
-    found = ctx.found
-    conditional = found.conditional
-    if conditional:
-        where = (
-            "join the root unit"
-            if uneven_media
-            else "are joined by ranks that skip them"
-            if balanced
-            else "are media regions"
-        )
-        notes.append(
-            f"{len(conditional)} decoder layers run only with media "
-            f"({summarise(conditional)}) and {where}"
-        )
-    if uneven_media and balance_media:
-        notes.append(
-            "uneven_media=True with balance_media=True: projectors join the root unit, "
-            "balanced towers keep their units"
-        )
-    elif balanced:
-        notes.append(
-            "balance_media=True: projectors with units and media-dependent decoder layers "
-            "are joined by ranks without media"
-        )
-    elif uneven_media:
-        notes.append("uneven_media=True: towers and projectors join the root unit")
-    if policies.by_path:
-        notes.append(f"frozen-tower policies per module: {policies.label}")
-    if offload.any:
-        notes.append(f"offload per part: {offload.label()}")
-        notes.extend(_offload_kept_notes(offload, ctx, found))
-    for part, policy in parts:
-        head = f"{part.found.role} {part.found.path!r} ({part.found.modality})"
-        if not part.frozen:
-            notes.append(f"{head}: trainable, sharded like any other module")
-        elif not part.trainable:
-            notes.append(f"{head}: frozen, policy {policy!r}")
-        else:
-            notes.append(f"{head}: {partly_trainable_note(part, policy)}")
-    return notes
 
 
 def _param_names_under(model: nn.Module, roots: Iterable[str]) -> list[str]:

@@ -42,9 +42,9 @@ from multimodal_fsdp._plan_checks import (
     _check_folded,
     _check_offload,
     _compute_dtype,
+    _offload_kept_notes,
     _param_names_under,
     _part_of,
-    _plan_notes_of,
 )
 from multimodal_fsdp.discovery.validation import check_attribute_names, check_module_paths
 from multimodal_fsdp.layers import multimodal_unit_paths
@@ -54,6 +54,8 @@ from multimodal_fsdp.offload import OffloadPart, PartOffload
 from multimodal_fsdp.parts import (
     MultimodalParts,
     classify_layers,
+    partly_trainable_note,
+    summarise,
 )
 from multimodal_fsdp.policy import FrozenMultimodalSharding, FrozenPolicies, frozen_policy
 from multimodal_fsdp.reachability import backward_free_paths
@@ -262,8 +264,8 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
                 paths.extend(frozen_policy(policy).partly_trainable_units(layers))
                 continue
             for trainable in part.trainable:
-                module = model.get_submodule(trainable) if trainable else model
-                paths.extend(join_path(trainable, p) for p, _ in iter_layer_items(module))
+                items = iter_layer_items(model.get_submodule(trainable))
+                paths.extend(join_path(trainable, p) for p, _ in items)
             if frozen_policy(policy).layer_units:
                 for frozen in part.frozen:
                     paths.extend(multimodal_unit_paths(model, frozen))
@@ -304,15 +306,47 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
         return chosen[0]
 
     def _plan_notes(self, ctx: PlanContext[Discovery]) -> list[str]:
-        return _plan_notes_of(
-            ctx,
-            self._parts_with_policies(ctx.found),
-            balanced=bool(self._balanced_towers(ctx.found)),
-            uneven_media=self.uneven_media,
-            balance_media=self.balance_media,
-            policies=self.frozen_policies,
-            offload=self.offload,
-        )
+        notes = []
+        found = ctx.found
+        balanced = bool(self._balanced_towers(found))
+        if found.conditional:
+            where = (
+                "join the root unit"
+                if self.uneven_media
+                else "are joined by ranks that skip them"
+                if balanced
+                else "are media regions"
+            )
+            notes.append(
+                f"{len(found.conditional)} decoder layers run only with media "
+                f"({summarise(found.conditional)}) and {where}"
+            )
+        if self.uneven_media and self.balance_media:
+            notes.append(
+                "uneven_media=True with balance_media=True: projectors join the root unit, "
+                "balanced towers keep their units"
+            )
+        elif balanced:
+            notes.append(
+                "balance_media=True: projectors with units and media-dependent decoder layers "
+                "are joined by ranks without media"
+            )
+        elif self.uneven_media:
+            notes.append("uneven_media=True: towers and projectors join the root unit")
+        if self.frozen_policies.by_path:
+            notes.append(f"frozen-tower policies per module: {self.frozen_policies.label}")
+        if self.offload.any:
+            notes.append(f"offload per part: {self.offload.label()}")
+            notes.extend(_offload_kept_notes(self.offload, ctx, found))
+        for part, policy in self._parts_with_policies(found):
+            head = f"{part.found.role} {part.found.path!r} ({part.found.modality})"
+            if not part.frozen:
+                notes.append(f"{head}: trainable, sharded like any other module")
+            elif not part.trainable:
+                notes.append(f"{head}: frozen, policy {policy!r}")
+            else:
+                notes.append(f"{head}: {partly_trainable_note(part, policy)}")
+        return notes
 
     def plan(
         self,
