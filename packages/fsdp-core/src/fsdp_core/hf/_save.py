@@ -342,11 +342,7 @@ def _plan_adapter(
         adapter=name,
         save_embedding_layers=save_embedding_layers,
     )
-    found: list[tuple[str, Slot]] = []
-    for slot in slots:
-        alias = next((n for n in slot.names if n in table), None)
-        if alias is not None:
-            found.append((table[alias], slot))
+    found = [(slot.names[0], slot) for slot in renamed(slots, table)]
     entries = sorted(_unique(found), key=lambda entry: entry[0])
     if any(is_meta(slot.tensor) for _, slot in entries):
         raise ValueError("the model still has tensors on the meta device: load or fill it first")
