@@ -148,8 +148,8 @@ def trace_activations(
     (materialised on the CPU if on meta) in the plan's compute dtypes, with FSDP2's casts
     at unit boundaries. Each storage autograd saves counts once (parameters excluded),
     every other tensor while it lives; the all-gather output FSDP2 keeps beside a unit's
-    parameters (``_Gathers``) and each unit's gradients on a shard group of ``shard``
-    ranks (``_GradStaging``) are replayed. Balanced tower calls add their exchange's
+    parameters and each unit's gradients on a shard group of ``shard`` ranks are replayed
+    (``_Units``). Balanced tower calls add their exchange's
     buffers ([`exchange_buffer_bytes`][multimodal_fsdp.estimate.activations.exchange_buffer_bytes]);
     calls this rank only joins run no tower in the trace.
 
@@ -185,9 +185,7 @@ def trace_activations(
     for unit in plan.units:
         for path in unit.paths:
             handles += add_cast_hooks(twin.get_submodule(path), unit.mp_policy)
-    gathers = _Gathers(plan, model, twin, live, shard)
-    handles += gathers.hooks
-    handles += _GradStaging(plan, model, twin, live, shard, gathers).hooks
+    handles += _Units(plan, model, twin, live, shard).hooks
     hook = balance_hook(plan)
     if media is not None and hook is not None:
         if shares_encoding(hook, data_group, indexed=indexed):
@@ -221,15 +219,17 @@ def trace_activations(
     )
 
 
-class _Gathers:
-    """Replays FSDP2's gathered parameters on the traced copy: a unit is gathered at its
-    first member's pre-forward and, if it reshards, freed after its last member's forward;
-    in backward a trainable unit is gathered at its pre-backward with the next unit in
-    reverse order (the implicit prefetch) and freed when its gradients are complete.
+class _Units:
+    """Replays on the traced copy what FSDP2 holds per unit. Gathered parameters: a unit
+    is gathered at its first member's pre-forward and, if it reshards, freed after its
+    last member's forward; in backward a trainable unit is gathered at its pre-backward
+    with the next unit in reverse order (the implicit prefetch) and freed when its
+    gradients are complete. In forward FSDP2 (torch 2.13, ``wait_for_unshard``) keeps each
+    all-gather's output buffer until the next unit's all-gather arrives or the root's
+    forward ends (only on more than one rank); in backward it is freed at once.
 
-    In forward FSDP2 (torch 2.13, ``wait_for_unshard``) keeps each all-gather's output
-    buffer until the next unit's all-gather arrives or the root's forward ends (only on
-    more than one rank); in backward it is freed at once."""
+    Gradients: a unit's unsharded gradients stay until its last one is accumulated, then
+    its reduce-scatter input exists beside them, then both give way to the sharded ones."""
 
     def __init__(
         self, plan: ShardingPlan, model: nn.Module, twin: nn.Module, live: _LiveBytes, shard: int
@@ -241,12 +241,18 @@ class _Gathers:
         self.held: dict[int, int] = {}
         self.members: dict[int, int] = {}
         self.done: dict[int, int] = {}
-        self.trainable: set[int] = set()
         self.order: list[int] = []
         self.started: set[int] = set()
         self.stages = shard > 1
         self.staged = 0
         self.forward_open = False
+        #: Per trainable unit: the names of gradients not yet accumulated, its parameters
+        #: on the copy, and the bytes of its reduce-scatter input and sharded gradients.
+        self.pending: dict[int, set[str]] = {}
+        self.grads: dict[int, list[nn.Parameter]] = {}
+        self.reduce_bytes: dict[int, int] = {}
+        self.sharded_bytes: dict[int, int] = {}
+        named = dict(twin.named_parameters())
         self.hooks.append(twin.register_forward_pre_hook(self._root_pre, prepend=True))
         self.hooks.append(twin.register_forward_hook(self._root_post))
         for index, (unit, params) in enumerate(
@@ -264,12 +270,26 @@ class _Gathers:
             self.kept[index] = kept_after_forward(unit, size, shard)
             self.held[index] = 0
             self.members[index] = len(unit.paths)
-            if any(p.requires_grad for _, p in params):
-                self.trainable.add(index)
             for path in unit.paths:
                 module = twin.get_submodule(path)
                 self.hooks.append(module.register_forward_pre_hook(self._pre(index)))
                 self.hooks.append(module.register_forward_hook(self._post(index)))
+            trainable = [(n, p) for n, p in params if p.requires_grad]
+            if not trainable:
+                continue
+            policy = unit.mp_policy
+            self.pending[index] = {n for n, _ in trainable}
+            self.grads[index] = [named[n] for n, _ in trainable]
+            self.reduce_bytes[index] = sum(
+                padded_shard_numel(p, shard) * shard * param_reduce_dtype(p, policy).itemsize
+                for _, p in trainable
+            )
+            self.sharded_bytes[index] = sum(
+                padded_shard_numel(p, shard) * p.dtype.itemsize for _, p in trainable
+            )
+            for name, _ in trainable:
+                hook = named[name].register_post_accumulate_grad_hook
+                self.hooks.append(hook(self._accumulated(index, name)))  # type: ignore[no-untyped-call]
 
     def _set(self, index: int, nbytes: int) -> None:
         self.live.bump(nbytes - self.held[index], gathered=True)
@@ -310,7 +330,7 @@ class _Gathers:
                 return
             self.done[index] = 0
             self._set(index, self.kept[index])
-            if index not in self.trainable:
+            if index not in self.pending:
                 return
             if index not in self.order:
                 self.order.append(index)
@@ -332,61 +352,15 @@ class _Gathers:
 
         return hook
 
-    def finished(self, index: int) -> None:
-        """A unit's gradients are complete: it reshards."""
-        if index in self.size:
-            self._set(index, 0)
-
-
-class _GradStaging:
-    """Post-accumulate hooks that give the traced copy FSDP2's per-unit gradient lifetimes."""
-
-    def __init__(
-        self,
-        plan: ShardingPlan,
-        model: nn.Module,
-        twin: nn.Module,
-        live: _LiveBytes,
-        shard: int,
-        gathers: _Gathers,
-    ) -> None:
-        self.live = live
-        self.gathers = gathers
-        self.hooks: list[Any] = []
-        self.pending: dict[int, set[str]] = {}
-        self.members: dict[int, list[nn.Parameter]] = {}
-        self.reduce_bytes: dict[int, int] = {}
-        self.sharded_bytes: dict[int, int] = {}
-        named = dict(twin.named_parameters())
-        for index, (unit, params) in enumerate(
-            zip(plan.units, unit_parameters(plan, model), strict=True)
-        ):
-            trainable = [(n, p) for n, p in params if p.requires_grad]
-            if not trainable:
-                continue
-            policy = unit.mp_policy
-            self.pending[index] = {n for n, _ in trainable}
-            self.members[index] = [named[n] for n, _ in trainable]
-            self.reduce_bytes[index] = sum(
-                padded_shard_numel(p, shard) * shard * param_reduce_dtype(p, policy).itemsize
-                for _, p in trainable
-            )
-            self.sharded_bytes[index] = sum(
-                padded_shard_numel(p, shard) * p.dtype.itemsize for _, p in trainable
-            )
-            for name, _ in trainable:
-                hook = named[name].register_post_accumulate_grad_hook
-                self.hooks.append(hook(self._accumulated(index, name)))  # type: ignore[no-untyped-call]
-
     def _accumulated(self, index: int, name: str) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
             waiting = self.pending[index]
             waiting.discard(name)
             if waiting:
                 return
-            self.gathers.finished(index)
+            self._set(index, 0)  # the unit reshards
             self.live.bump(self.reduce_bytes[index])  # reduce-scatter input beside the grads
-            for param in self.members[index]:
+            for param in self.grads[index]:
                 param.grad = None
             self.live.bump(self.sharded_bytes[index] - self.reduce_bytes[index])
 
