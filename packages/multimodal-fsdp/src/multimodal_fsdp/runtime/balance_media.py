@@ -116,7 +116,11 @@ def _balanced_group(mesh: DeviceMesh) -> Any:
     """One process group over every rank of ``mesh`` (collective over the mesh's ranks)."""
     if mesh.ndim == 1:
         return mesh.get_group(0)
-    ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+    return _group_over(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
+
+
+def _group_over(ranks: list[int]) -> Any:
+    """The default group when ``ranks`` are every rank, else a new group of them."""
     if ranks == list(range(dist.get_world_size())):
         return dist.group.WORLD
     return dist.new_group(ranks=ranks, use_local_synchronization=True)
@@ -398,19 +402,13 @@ class BalanceMediaRuntimeHook(RuntimeHook):
         groups = balance_group_ranks(rows, self.group)
         if len(groups) == 1:
             return
-        bad = []
-
-        for path, trainable, units in [
+        # Frozen units gather over a replica's row: fine when each row lies in one group.
+        rows_fit = all(any(set(row) <= set(group) for group in groups) for row in rows)
+        modules = [
             *((t.path, t.trainable, t.run_when_empty) for t in self.towers),
             *((m.path, m.trainable, True) for m in self.joined),
-        ]:
-            if not units:
-                continue
-            fits = not trainable and all(
-                any(set(row) <= set(group) for group in groups) for row in rows
-            )
-            if not fits:
-                bad.append(path)
+        ]
+        bad = [path for path, trainable, units in modules if units and (trainable or not rows_fit)]
         if bad:
             raise ValueError(
                 f"balance_media_group={self.group!r} balances within {len(groups)} groups, but "
@@ -484,13 +482,10 @@ def _data_groups(dims: ParallelDims) -> list[list[int]]:
 
 def _spanning(dims: ParallelDims, mesh: DeviceMesh, spec: str | int) -> tuple[Any, int]:
     """The group of this rank's balance group plus its members' data groups, and its size."""
-
     me = dist.get_rank()
     mine = next(g for g in balance_group_ranks(_mesh_rows(mesh), spec) if me in g)
     spanned = sorted(r for group in _data_groups(dims) if set(group) & set(mine) for r in group)
-    if spanned == list(range(dist.get_world_size())):
-        return dist.group.WORLD, len(spanned)
-    return dist.new_group(ranks=spanned, use_local_synchronization=True), len(spanned)
+    return _group_over(spanned), len(spanned)
 
 
 def _media(step: HookStep) -> StepMedia | None:

@@ -298,8 +298,8 @@ class JoinedLayers:
     def _decide(
         self, layer: nn.Module, *, ran: tuple[tuple[Any, ...], dict[str, Any]] | None
     ) -> Tensor | None:
-        """Decide one joined layer; the placeholder run's zero loss term where it ran."""
-
+        """Decide one joined layer; on a rank that skipped it while another ran it, the
+        placeholder run's zero loss term."""
         device = self._device(layer)
         blob = describe_call(*ran) if ran is not None else None
         source = self._agreement(self._index[id(unwrap_module(layer))], blob, device)
