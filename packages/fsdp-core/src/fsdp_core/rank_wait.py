@@ -100,15 +100,10 @@ def wait_limits(default_timeout_s: float) -> WaitLimits:
     Raises:
         ValueError: a setting is set to something else than positive seconds.
     """
-    settings = {}
-    for name in (TIMEOUT_ENV, WARN_ENV):
-        raw = os.environ.get(name, "").strip()
-        if raw:
-            settings[name] = seconds_setting(name, raw)
-    return WaitLimits(
-        timeout_s=settings.get(TIMEOUT_ENV, default_timeout_s),
-        warn_after_s=settings.get(WARN_ENV, DEFAULT_WARN_AFTER_S),
-    )
+    raw = {name: os.environ.get(name, "").strip() for name in (TIMEOUT_ENV, WARN_ENV)}
+    found = {name: seconds_setting(name, text) for name, text in raw.items() if text}
+    timeout_s = found.get(TIMEOUT_ENV, default_timeout_s)
+    return WaitLimits(timeout_s, found.get(WARN_ENV, DEFAULT_WARN_AFTER_S))
 
 
 def ranks_text(ranks: Iterable[int]) -> str:
