@@ -60,16 +60,12 @@ def backward_free_paths(
             ]
             events += [(spans[p][0], "trainable", p) for p in part.trainable if p in spans]
             # Trainable parameters held directly by a mixed module stop the walk there.
-            root = part.found.module
-            for name, sub in root.named_modules(prefix=part.found.path):
+            for name, sub in part.found.module.named_modules(prefix=part.found.path):
                 if any(p.requires_grad for p in sub.parameters(recurse=False)) and name in spans:
                     events.append((spans[name][0], "trainable", name))
-            stop = False
-            for _, kind, path in sorted(events):
-                if kind == "trainable":
-                    stop = True
-                    break
-                free.append(path)
-            if stop:
+            ordered = sorted(events)
+            cut = next((i for i, (_, kind, _) in enumerate(ordered) if kind == "trainable"), None)
+            free.extend(path for _, _, path in ordered[:cut])
+            if cut is not None:  # a trainable parameter: the rest of this modality sees it
                 break
     return free
