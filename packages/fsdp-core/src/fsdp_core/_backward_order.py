@@ -1,16 +1,12 @@
 """The same reduce-scatter order on every rank, whatever each rank's inputs need.
 
-FSDP2 reduces a unit early (from a hook on its forward inputs that require a gradient)
-or, when none does, late (at the end of the backward, root first). A partly trainable
-module that runs on some ranks only (LoRA in a tower, with one rank text-only) makes the
-first decoder layer's input require a gradient on some ranks alone: their
-reduce-scatters then meet other units' (a gloo size mismatch, an NCCL hang or mixed
-gradients). ``make_unit_inputs_require_grad`` routes one input of every non-root
-trainable unit whose inputs need no gradient (``hidden_states``, else the first floating
-positional one: never a mask or rotary table) through a no-op autograd function tied to
-a leaf, before FSDP's pre-forward hook, so every rank reduces the unit right after its
-backward. The root stays as it is (its optional ``pixel_values`` must not move it); the
-cost is the routed input's gradient.
+FSDP2 reduces a unit right after its backward when one of its inputs requires a
+gradient, else at the end of the backward. LoRA in a tower that runs on some ranks only
+makes the first decoder layer's input require one on those ranks alone, and the ranks'
+reduce-scatters of different units meet (gloo size mismatch, NCCL hang).
+``make_unit_inputs_require_grad`` routes one input of every non-root trainable unit (its
+activations: ``hidden_states``, else the first floating positional one, never a mask)
+through a no-op autograd function tied to a leaf, so every rank reduces it early.
 """
 
 from __future__ import annotations

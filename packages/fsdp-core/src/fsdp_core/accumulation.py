@@ -1,16 +1,13 @@
 """Make gradient accumulation safe when some units have not run yet.
 
-Two FSDP2 behaviours (torch 2.13) break accumulation in VLM training (ranks skipping
-parameters is [`fsdp_core.unused_params`][fsdp_core.unused_params]); one pre-forward hook
-on the root, [`install_unshard_warmup`][fsdp_core.accumulation.install_unshard_warmup],
-fixes both on every rank:
+A pre-forward hook on the root
+([`install_unshard_warmup`][fsdp_core.accumulation.install_unshard_warmup]) works around
+two FSDP2 failures (torch 2.13) of non-syncing backwards, on every rank:
 
-- a unit never unsharded (a tower that saw no image yet) crashes the first non-syncing
-  backward (``'FSDPParam' object has no attribute '_unsharded_param'``): it is unsharded
-  and resharded once;
-- with a reduce dtype, a non-syncing backward accumulates fp32 gradients only for the
-  parameters it reached, and one reached later meets the reduce-scatter in bf16
-  (``reduce-scatter expects uniform gradient dtype``): it gets a zero fp32 one.
+- a unit never unsharded (a tower that saw no image yet) fails with ``'FSDPParam' object
+  has no attribute '_unsharded_param'``: it is unsharded and resharded once;
+- with a reduce dtype, a parameter first reached after a non-syncing backward fails with
+  ``reduce-scatter expects uniform gradient dtype``: it gets a zero accumulated gradient.
 """
 
 from __future__ import annotations

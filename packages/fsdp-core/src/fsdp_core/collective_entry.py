@@ -1,16 +1,12 @@
 """How every rank enters and leaves a collective library call.
 
-A function that all ranks must call (``save_pretrained``, ``apply_plan``, the
-measurements) first checks, with a bounded wait, that every rank of its group arrived
-in the same function, then lets the ranks agree after each step that may fail on some.
-So ``if rank == 0: save_pretrained(...)`` or an unwritable directory on one rank raises
-the same exception on every rank instead of leaving the others blocked in a collective.
-
-Arrival and steps are points of a [RankAgreement][fsdp_core.rank_agreement.RankAgreement]
-on the c10d store, never collectives (the group stays usable, measured collectives are
-unchanged); each call has its own namespace, numbered per group of ranks. A rank that
-comes to a call the others gave up on skips it, so the numbers meet again. Without a
-process group, under ``fake`` or alone, every check is a no-op.
+A function all ranks must call (``save_pretrained``, ``apply_plan``, measurements) first
+checks that every rank arrived in it, then agrees after each step that may fail on some,
+so ``if rank == 0: save_pretrained(...)`` or a full disk on one rank raises the same
+exception everywhere instead of a hang. Arrival and steps are points of a
+[RankAgreement][fsdp_core.rank_agreement.RankAgreement] (the c10d store, no collective),
+one namespace per call, numbered per group of ranks; a rank late to a call the others
+gave up on skips it. No-ops without a process group, under ``fake`` or alone.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """Modules called outside the model's forward: gather the units that own their parameters.
 
-A tower or projector usually has no unit of its own: its parameters belong to the root
-unit, which is gathered only during the root forward. Yet ``generate()`` computes image
-features before the first forward and users call towers by hand; the tower then meets
-sharded DTensors (``got mixed torch.Tensor and DTensor``), and a tower block run before
-the first forward would become FSDP's root.
-
-[EntryUnshardHook][fsdp_core.entry_unshard.EntryUnshardHook] hooks each *entry module*
-a parallelizer names: inside the root forward it does nothing; outside, it makes the
-model FSDP's root, all-gathers each owning unit not gathered yet, casts floating inputs
-as the unit's mixed-precision policy would, and reshards afterwards (one all-gather per
-owning unit per call). ``generate`` is wrapped to hold the owners gathered for the whole
-call, so a rank without images runs the same collectives as one with them. A backward
-through such a call raises: FSDP cannot reduce gradients of parameters gathered outside
-their unit's forward.
+A tower's parameters usually belong to the root unit, gathered only during the root
+forward, yet ``generate()`` and users call towers on their own (``got mixed torch.Tensor
+and DTensor``; a tower block run first would even become FSDP's root).
+[EntryUnshardHook][fsdp_core.entry_unshard.EntryUnshardHook] hooks each entry module a
+parallelizer names: outside the root forward it makes the model FSDP's root, all-gathers
+the owning units, casts inputs as their mixed precision would and reshards afterwards.
+``generate`` holds the owners gathered for the whole call, so a rank without images runs
+the same collectives. A backward through such a call raises: FSDP cannot reduce those
+gradients.
 """
 
 from __future__ import annotations

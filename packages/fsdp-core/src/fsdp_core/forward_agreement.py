@@ -1,18 +1,15 @@
 """Before each call of the model, every rank agrees on it: a call on some ranks only, or a
 step that differs, fails on every rank instead of hanging.
 
-Under FSDP the model's forward is collective, so ``if rank == 0: model.eval();
-model(**batch)`` leaves rank 0 in an all-gather nobody joins, and uneven micro-batch
-counts or an empty batch make the ranks' reduce-scatters differ. This hook numbers the
-model's *calls* (root forwards, ``generate()``, a tower called outside the forward) and
-before each meets the lockstep ranks at the model's
-[agreement][fsdp_core.rank_agreement] (the c10d store, no collective), saying the call
-and, for a forward, this rank's [step][fsdp_core.step_agreement.RankStep]. Different
-calls under one number, or ranks that do not come, raise
-[CollectiveCallError][fsdp_core.rank_agreement.CollectiveCallError] on every rank;
-different steps raise [StepMismatchError][fsdp_core.step_agreement.StepMismatchError]
-or [EmptyBatchError][fsdp_core.step_agreement.EmptyBatchError]. Forwards inside backward
-(recomputation) or inside an agreed ``generate()`` meet nowhere.
+``if rank == 0: model.eval(); model(**batch)`` leaves rank 0 in an all-gather nobody
+joins; uneven micro-batch counts or an empty batch make reduce-scatters differ. So the
+model's *calls* (root forwards, ``generate()``, a tower called outside the forward) are
+numbered and each meets the lockstep ranks at the model's
+[agreement][fsdp_core.rank_agreement] with the call and this rank's
+[step][fsdp_core.step_agreement.RankStep]: different calls or missing ranks raise
+[CollectiveCallError][fsdp_core.rank_agreement.CollectiveCallError], different steps
+[StepMismatchError][fsdp_core.step_agreement.StepMismatchError], on every rank.
+Recomputations and forwards inside an agreed ``generate()`` meet nowhere.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """The one agreement of the ranks that run a model's forward together: the divergence guard.
 
-Every call of a sharded model is collective, and so is every point where the ranks'
-schedules may part (a tower that runs only with images). The hooks that guard those
-points (the forward agreement, the schedule check) and each library collective call
-([collective_entry][fsdp_core.collective_entry]) *meet* here: each rank says what it is
-about to do (a kind, then what the hook needs) at the next numbered point, and goes on
-only when every lockstep rank
-([ParallelDims.lockstep_ranks][fsdp_core.parallel_dims.ParallelDims.lockstep_ranks]:
-all dimensions but PP) said something the hooks accept. Otherwise every rank raises the
-same exception before any collective of the point: the process group stays usable.
-
-Meetings go through the c10d store, never a collective (no device synchronisation): per
-point a rank writes its value and counts itself in, the last to come records the
-decision and the others wait for it ([rank_wait][fsdp_core.rank_wait]), four to six
-round trips in all. A rank that comes to a point the others gave up on raises their
-error. Under ``fake``, without a process group or on one rank, a rank meets itself.
+Every call of a sharded model, and every point where the ranks' schedules may part, is
+collective. The hooks guarding them (forward agreement, schedule check) and each library
+collective call ([collective_entry][fsdp_core.collective_entry]) meet here: each rank
+says what it is about to do at the next numbered point, and the
+[lockstep ranks][fsdp_core.parallel_dims.ParallelDims.lockstep_ranks] (all but PP) go on
+only when the hooks accept what every rank said; otherwise every rank raises the same
+exception before any collective, and the group stays usable. Meetings use the c10d store
+(four to six round trips, no collective, no device sync) and wait as
+[rank_wait][fsdp_core.rank_wait] says; under ``fake`` or alone, a rank meets itself.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """How a rank waits on the c10d store for the other ranks: the one wait of every guard.
 
-The divergence guards ([rank_agreement][fsdp_core.rank_agreement],
-[collective_entry][fsdp_core.collective_entry]) make a rank wait until the others reach
-the same call or step. So that a rank that never comes does not leave it silent, the
-wait warns after ``warn_after_s`` (then after twice, four times, ... that delay), naming
-the missing ranks and what each last did, and gives up after ``timeout_s`` (default: the
-process group's timeout), letting the guard raise. Both are set per job, read at each
-wait:
-
-- ``FSDP_CORE_RANK_WAIT_TIMEOUT_S``: seconds before a waiting rank gives up;
-- ``FSDP_CORE_RANK_WAIT_WARN_S``: seconds before its first warning (default 60).
-
-It polls ``store.check`` (a timed-out ``store.wait`` logs a warning of its own), quickly
-at first, then every ``POLL_S``; a rank that does not wait pays no store operation.
+The guards ([rank_agreement][fsdp_core.rank_agreement],
+[collective_entry][fsdp_core.collective_entry]) wait until the others reach the same
+call or step. The wait warns after ``FSDP_CORE_RANK_WAIT_WARN_S`` (default 60 s; then
+after twice, four times, ... that) naming the missing ranks and what each last did, and
+gives up after ``FSDP_CORE_RANK_WAIT_TIMEOUT_S`` (default: the process group's timeout)
+so the guard raises; both are read at each wait. It polls ``store.check`` (a timed-out
+``store.wait`` logs warnings of its own); a rank that does not wait pays nothing.
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """Gradient reductions over ranks FSDP does not reduce over: the ``replica_grad_reduce`` hook.
 
-Two kinds of trainable parameters need a gradient sum beyond FSDP's, each over a mesh of
-[`ParallelDims`][fsdp_core.parallel_dims.ParallelDims] (``REPLICA_MESHES``):
+Summed over a mesh of [`ParallelDims`][fsdp_core.parallel_dims.ParallelDims]
+(``REPLICA_MESHES``), by a gradient hook on the parameter object each module holds when
+it runs (``to_empty`` and checkpoint loading may replace it):
 
-- ``expert_replicas``: experts an EP plan sharded, kept out of FSDP
-  ([`fsdp_core.expert_parallel`][fsdp_core.expert_parallel]): summed over the ranks
-  holding the same expert shard and divided by FSDP's divisor, so experts and the rest
-  see the same loss normalisation.
-- ``data_group``: trainable balanced towers and joined modules whose items the ranks of a
-  TP data group split: summed over that group before FSDP averages them.
-
-A gradient hook per parameter, put on the object its module holds when it runs
-(``to_empty`` and checkpoint loading may replace it after the plan is applied).
+- ``expert_replicas``: experts an EP plan sharded, outside FSDP
+  ([`fsdp_core.expert_parallel`][fsdp_core.expert_parallel]), over the ranks holding the
+  same expert shard, divided like FSDP's gradients;
+- ``data_group``: trainable balanced modules whose items a TP data group splits, over
+  that group, before FSDP averages them.
 """
 
 from __future__ import annotations

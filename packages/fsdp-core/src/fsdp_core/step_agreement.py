@@ -1,18 +1,14 @@
 """What a rank brings to the agreement before each forward: its step.
 
-Some mistakes make the ranks' FSDP collectives differ unnoticed: uneven micro-batch
-counts (one rank reduce-scatters while another accumulates: gloo aborts, NCCL hangs),
-an empty batch on one rank, a forward with gradients on some ranks only. So the
-[forward agreement][fsdp_core.forward_agreement] says this rank's
-[RankStep][fsdp_core.step_agreement.RankStep] at the ranks' meeting point, and every
-rank raises the same [StepMismatchError][fsdp_core.step_agreement.StepMismatchError]
-(or [EmptyBatchError][fsdp_core.step_agreement.EmptyBatchError]) when they differ. The
-gradient sync flag therefore counts at the forward: one changed before the backward is
-set back for it (with a warning) and the next forward raises.
-
-A global optimizer step pre-hook raises
-[UnreducedGradientsError][fsdp_core.step_agreement.UnreducedGradientsError] when no
-backward since the last step reduced the gradients (the step would change nothing).
+Uneven micro-batch counts (gloo aborts, NCCL hangs), an empty batch on one rank or a
+forward with gradients on some ranks only make the ranks' collectives differ. The
+[forward agreement][fsdp_core.forward_agreement] carries each rank's
+[RankStep][fsdp_core.step_agreement.RankStep], and differing steps raise the same
+[StepMismatchError][fsdp_core.step_agreement.StepMismatchError] (or
+[EmptyBatchError][fsdp_core.step_agreement.EmptyBatchError]) on every rank. Gradient
+sync therefore counts at the forward: a flag changed before the backward is set back
+(with a warning) and the next forward raises. An optimizer step after backwards that
+reduced nothing raises [UnreducedGradientsError][fsdp_core.step_agreement.UnreducedGradientsError].
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """Parameters some ranks skip: equal reduce-scatters, and no gradient where no rank used one.
 
-FSDP2 reduce-scatters only the parameters that got a gradient on this rank, so ranks
-that skip different parts of a unit (a text-only batch and the projector, unrouted MoE
-experts) send different sizes and crash or hang. ``set_reduce_scatter_unused_params``
-makes every rank send zeros instead, but then a parameter no rank used gets a zero
-gradient that AdamW still moves. [`UnusedParamsHook`][fsdp_core.unused_params.UnusedParamsHook]
-sets that flag and records, per parameter, whether autograd accumulated a gradient into
-it here; after each syncing backward one all-reduce (MAX, a byte per parameter tensor)
-over the data-parallel mesh finds the parameters no rank used, whose gradients go back
-to ``None`` (micro-batches OR their usage until then). It also makes an input of every
-non-root trainable unit require a gradient (``fsdp_core._backward_order``), so every
-rank reduces the units in the same order.
+Ranks that skip different parts of a unit (the projector on a text-only batch, unrouted
+experts) would reduce-scatter different sizes; ``set_reduce_scatter_unused_params`` sends
+zeros instead, but gives a parameter no rank used a zero gradient that AdamW still moves.
+[`UnusedParamsHook`][fsdp_core.unused_params.UnusedParamsHook] records which parameters
+got a gradient, and after each syncing backward one all-reduce (MAX, a byte per tensor)
+over the data-parallel mesh sets the gradients no rank made back to ``None``. It also
+evens the reduce-scatter order (``fsdp_core._backward_order``).
 """
 
 from __future__ import annotations
