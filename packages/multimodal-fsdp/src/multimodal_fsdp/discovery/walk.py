@@ -62,7 +62,7 @@ def iter_multimodal_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]
         ``(qualified name, module)`` per tower or projector.
     """
     _check_model(model)
-    found = _walk(model, _BUILTIN_RULES, frozenset(), structural=True)
+    found = _walk(model, _BUILTIN_RULES, frozenset(), set(), structural=True)
     return iter([(item.path, item.module) for item in found])
 
 
@@ -130,7 +130,7 @@ def _walk(
     model: nn.Module,
     rules: Mapping[str, _Rule],
     excluded: frozenset[str],
-    seen_excludes: set[str] | None = None,
+    seen_excludes: set[str],
     *,
     structural: bool,
 ) -> list[MultimodalModule]:
@@ -150,8 +150,7 @@ def _walk(
             continue
         parent_path, _, name = path.rpartition(".")
         if path in excluded:
-            if seen_excludes is not None:
-                seen_excludes.add(path)
+            seen_excludes.add(path)
             logger.debug("skipping excluded subtree %s", path)
             closed[path] = True
             continue

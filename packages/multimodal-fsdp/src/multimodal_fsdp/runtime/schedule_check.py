@@ -252,10 +252,6 @@ class ScheduleCheck:
         # more meets the others' next call there.
         agreement.register(POSITION, self._explain, self._describe_value, first=True)
         self._parts = dict(layout.parts)
-        self._calls: list[int] = []
-        self._walk = _Walk()
-        #: Checkpoints run in the last forward (for tests and the benchmark).
-        self.last_checkpoints = 0
         self._start()
         handles = [model.register_forward_pre_hook(self._start, prepend=True)]
         for region in layout.regions:
@@ -281,6 +277,7 @@ class ScheduleCheck:
     def _start(self, *_: object) -> None:
         self._calls = [0] * len(self.layout.sites)
         self._walk = _Walk()
+        #: Checkpoints run in the last forward (for tests and the benchmark).
         self.last_checkpoints = 0
 
     def _checkpoint(self, site: int) -> None:
