@@ -107,15 +107,12 @@ def whole_world_ranks(model: nn.Module, what: str, instead: str) -> tuple[int, .
 def _seconds(timeout: float | timedelta | None, default: float) -> float:
     if timeout is None:
         return default
-    if isinstance(timeout, timedelta):
-        value = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        value = float(timeout)
-    else:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, timedelta)):
         raise TypeError(
             f"timeout must be seconds (a number) or a datetime.timedelta, got "
             f"{type(timeout).__name__} ({timeout!r})"
         )
+    value = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     if not value > 0:
         raise ValueError(f"timeout must be positive, got {timeout!r}")
     return value

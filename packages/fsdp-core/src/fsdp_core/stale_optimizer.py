@@ -59,11 +59,9 @@ def mark_replaced_parameters(
         The names of the parameters sharding replaced.
     """
     now = {id(p) for p in model.parameters()}
-    replaced = []
-    for name, param in before.items():
-        if id(param) not in now:
-            setattr(param, _TAG, name)
-            replaced.append(name)
+    replaced = [name for name, param in before.items() if id(param) not in now]
+    for name in replaced:
+        setattr(before[name], _TAG, name)
     if replaced:
         _STATE.generation += 1
         if _STATE.handle is None:  # one global optimizer step pre-hook per process
