@@ -31,7 +31,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 
 from fsdp_core import ShardingPlan
 from fsdp_core.parallel_dims import local_shape
-from fsdp_core.plan import UnitPlan, unit_parameters
+from fsdp_core.plan import unit_parameters
 from multimodal_fsdp.estimate.activations import ActivationTrace, check_shard
 from multimodal_fsdp.estimate.render import format_bytes
 from multimodal_fsdp.estimate.units import padded_shard_numel
@@ -243,17 +243,17 @@ class MemoryEstimate:
 
 
 def _trainable_shards(
-    plan: ShardingPlan, model: nn.Module, shard: int, *, offloaded: bool = False
+    plan: ShardingPlan, model: nn.Module, shard: int, *, offloaded: bool, frozen: bool = False
 ) -> list[int]:
-    """Bytes of each trainable parameter one rank holds on the device (shards of units
-    kept there, replicated ones) or, ``offloaded``, in host memory."""
-    sizes: list[int] = []
-    for unit, params in zip(plan.units, unit_parameters(plan, model), strict=True):
-        if _is_offloaded(unit) != offloaded:
-            continue
-        sizes += [
-            padded_shard_numel(p, shard) * p.dtype.itemsize for _, p in params if p.requires_grad
-        ]
+    """Bytes of each trainable (or, ``frozen``, any) parameter one rank holds on the device
+    (shards of units kept there, replicated ones) or, ``offloaded``, in host memory."""
+    sizes = [
+        padded_shard_numel(p, shard) * p.dtype.itemsize
+        for unit, params in zip(plan.units, unit_parameters(plan, model), strict=True)
+        if isinstance(unit.offload_policy, CPUOffloadPolicy) == offloaded
+        for _, p in params
+        if p.requires_grad or frozen
+    ]
     if offloaded:
         return sizes
     named = dict(model.named_parameters())
@@ -262,10 +262,6 @@ def _trainable_shards(
         if param is not None and param.requires_grad:
             sizes.append(local_shape(param).numel() * param.dtype.itemsize)
     return sizes
-
-
-def _is_offloaded(unit: UnitPlan) -> bool:
-    return isinstance(unit.offload_policy, CPUOffloadPolicy)
 
 
 def host_param_bytes(plan: ShardingPlan, model: nn.Module, *, shard: int) -> int:
@@ -280,12 +276,7 @@ def host_param_bytes(plan: ShardingPlan, model: nn.Module, *, shard: int) -> int
         The bytes.
     """
     check_shard(shard)
-    return sum(
-        padded_shard_numel(p, shard) * p.dtype.itemsize
-        for unit, params in zip(plan.units, unit_parameters(plan, model), strict=True)
-        if _is_offloaded(unit)
-        for _, p in params
-    )
+    return sum(_trainable_shards(plan, model, shard, offloaded=True, frozen=True))
 
 
 def gradient_bytes(
