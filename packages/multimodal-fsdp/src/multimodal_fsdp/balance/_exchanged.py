@@ -205,12 +205,18 @@ class Exchanged:
         Whether gradients come back is agreed (``needs_grad``), never read from this
         rank's tensors alone, or ranks would record different backward collectives."""
         t, out_spec = self.t, done.spec
-        if len(t.costs[t.rank]) and out_spec is None:
-            raise RuntimeError(
-                "balanced tower call: a rank with items encoded none"
-            )  # the rule prevents it
+        if len(t.costs[t.rank]) and out_spec is None:  # the rule prevents it
+            raise RuntimeError("balanced tower call: a rank with items encoded none")
         nleaves = len(out_spec.dtypes) if out_spec is not None else 0
-        out_send = self._output_buffers(done)
+        out_send = [  # the outputs encoded here for other ranks, one buffer per tensor
+            torch.cat([piece[leaf] for piece in done.received])
+            if done.received
+            else torch.empty(
+                (0, *out_spec.row_shapes[leaf]), dtype=out_spec.dtypes[leaf], device=self.device
+            )
+            for leaf in range(nleaves)
+            if out_spec is not None
+        ]
         differentiable = t.grad_enabled and (t.trainable or any(t.input_grads) or needs_grad)
         kept = [
             torch.cat([piece[leaf] for piece in done.kept]) for leaf in range(nleaves) if done.kept
@@ -231,63 +237,33 @@ class Exchanged:
         output = self.layout.join_output(out_spec, self._in_call_order(out_spec, kept, returned))
         return output, zero_term
 
-    def _output_buffers(self, done: _Encoded) -> list[Tensor]:
-        """The outputs encoded here for other ranks, one buffer per output tensor."""
-        out_spec = done.spec
-        nleaves = len(out_spec.dtypes) if out_spec is not None else 0
-        return [
-            torch.cat([piece[leaf] for piece in done.received])
-            if done.received
-            else torch.empty(
-                (0, *out_spec.row_shapes[leaf]), dtype=out_spec.dtypes[leaf], device=self.device
-            )
-            for leaf in range(nleaves)
-            if out_spec is not None
-        ]
-
     def _output_route(
         self, done: _Encoded, leaves: set[int], differentiable: bool, through: bool
     ) -> Route:
         """The route of the outputs: rows to each owner and from each encoder, and which
         tensors carry gradients back."""
-        t, owners, out_spec = self.t, self.route.owners, done.spec
-        rank, world = t.rank, t.world
-        nleaves = len(out_spec.dtypes) if out_spec is not None else 0
-        out_send_rows = tuple(
-            tuple(
-                sum(
-                    piece[leaf].shape[0]
-                    for (s, _), piece in zip(self.assigned, done.received, strict=True)
-                    if s == d
-                )
-                for d in range(world)
-            )
-            for leaf in range(nleaves)
-        )
-        out_recv_rows = tuple(
-            tuple(
-                sum(
-                    out_spec.rows(leaf, t.rows[rank][i][0])
-                    for i in self.away
-                    if owners[rank][i] == s
-                )
-                if out_spec is not None
-                else 0
-                for s in range(world)
-            )
-            for leaf in range(nleaves)
-        )
+        t, spec = self.t, done.spec
+        flags = max(leaves, default=0) if differentiable else 0
+        if spec is None:  # nothing encoded here (no items of its own either)
+            return Route((), (), (), (), (), self.group, self.device, flags=flags)
+        nleaves = len(spec.dtypes)
+        send = [[0] * t.world for _ in range(nleaves)]
+        for (owner, _), piece in zip(self.assigned, done.received, strict=True):
+            for leaf in range(nleaves):
+                send[leaf][owner] += piece[leaf].shape[0]
+        recv = [[0] * t.world for _ in range(nleaves)]
+        for i in self.away:
+            for leaf in range(nleaves):
+                recv[leaf][self.route.owners[t.rank][i]] += spec.rows(leaf, t.rows[t.rank][i][0])
         return Route(
-            send_rows=out_send_rows,
-            recv_rows=out_recv_rows,
-            dtypes=out_spec.dtypes if out_spec is not None else (),
-            row_shapes=out_spec.row_shapes if out_spec is not None else (),
-            grads=tuple(differentiable and d.is_floating_point for d in out_spec.dtypes)
-            if out_spec
-            else (),
+            send_rows=tuple(map(tuple, send)),
+            recv_rows=tuple(map(tuple, recv)),
+            dtypes=spec.dtypes,
+            row_shapes=spec.row_shapes,
+            grads=tuple(differentiable and d.is_floating_point for d in spec.dtypes),
             group=self.group,
             device=self.device,
-            flags=max(leaves, default=0) if differentiable else 0,
+            flags=flags,
             kept=tuple(range(nleaves)) if through else (),
         )
 

@@ -419,26 +419,23 @@ def planned_tally(
     exchange of the step's media, or without media the joined layers' decisions alone.
     ``data_group``: the ranks holding each data-parallel rank's batch (TP x CP); when they
     share the encoding, the rounds run over their shares and each group gathers."""
-    if media is not None:
-        size = group_size(planned.group, world_size, dp_replicate)
-        layers = len(planned.layers) if world_size > 1 else 0
-        if not shares_encoding(planned, data_group, indexed=indexed):
-            return exchange_tally(
-                media, planned.towers, world_size=size, joined=planned.joined, layers=layers
-            )
-        tally = exchange_tally(
-            data_group_media(media, data_group),
-            planned.towers,
-            world_size=size * data_group,
-            joined=planned.joined,
-            layers=layers,
-        )
-        tally.merge(data_group_tally(media, data_group, indexed=indexed))
-        return tally
-    tally = CommTally()
-    if world_size > 1:
-        for _ in planned.layers:  # the joined layers' decisions, whatever the media
+    layers = len(planned.layers) if world_size > 1 else 0
+    if media is None:
+        tally = CommTally()
+        for _ in range(layers):  # the joined layers' decisions, whatever the media
             tally.add("forward", "all_reduce", DECISION_BYTES)
+        return tally
+    size = group_size(planned.group, world_size, dp_replicate)
+    shared = shares_encoding(planned, data_group, indexed=indexed)
+    tally = exchange_tally(
+        data_group_media(media, data_group) if shared else media,
+        planned.towers,
+        world_size=size * data_group if shared else size,
+        joined=planned.joined,
+        layers=layers,
+    )
+    if shared:
+        tally.merge(data_group_tally(media, data_group, indexed=indexed))
     return tally
 
 

@@ -20,7 +20,7 @@ a module right after the metadata.
   (``multimodal_fsdp.balance.placeholder``) whose output counts zero, so its units'
   collectives run on every rank.
 
-Collectives, in order (``W`` ranks):
+Collectives, in order:
 
 1. ``all_gather`` of the slot (``SLOT_INTS`` int64 per rank), plus one of every rank's
    item table, padded to the longest, when one exceeds ``INLINE_INTS`` words. A round

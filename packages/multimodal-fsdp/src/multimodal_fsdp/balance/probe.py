@@ -220,10 +220,10 @@ def _mixing(tower: nn.Module) -> str:
 
 
 # ------------------------------------------------------------------------ checking
-def _leaves(output: Any) -> list[Tensor]:
+def _shapes(output: Any) -> list[tuple[int, ...]]:
     leaves: list[Tensor] = []
     take_tensors_out(output, leaves)
-    return leaves
+    return [tuple(t.shape) for t in leaves]
 
 
 def _check(
@@ -260,15 +260,13 @@ def _check(
                 joined = layout.join_output(spec, cut)
             except (ValueError, RuntimeError) as error:
                 raise _MisfitError(f"its pieces do not join back: {error}") from None
-            want, got = _leaves(out), _leaves(joined)
-            if [tuple(t.shape) for t in want] != [tuple(t.shape) for t in got]:
+            want, got = _shapes(out), _shapes(joined)
+            if want != got:
                 raise _MisfitError(
-                    "its pieces join into tensors of shapes "
-                    f"{[tuple(t.shape) for t in got]}, not the call's "
-                    f"{[tuple(t.shape) for t in want]}"
+                    f"its pieces join into tensors of shapes {got}, not the call's {want}"
                 )
     alone, together = pieces
-    shapes = ([tuple(t.shape) for t in alone], [tuple(t.shape) for t in together])
+    shapes = (_shapes(alone), _shapes(together))
     if shapes[0] != shapes[1]:
         raise _MisfitError(
             "an item's output rows depend on the other items of the call: "
