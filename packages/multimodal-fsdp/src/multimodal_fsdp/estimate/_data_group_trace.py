@@ -1,19 +1,12 @@
-"""The traced step of a rank whose data group (TP ranks holding the same batch) shares
-the encoding: the rank encodes its share of each split call and the group gathers the
-shares' outputs (``multimodal_fsdp.balance._data_group``).
+"""The traced step of a rank whose data group (TP ranks holding the same batch) shares the
+encoding (``multimodal_fsdp.balance._data_group``): the tower runs on the share of the
+rank at position 0 (the rank the estimates predict), and the whole call's output is
+rebuilt as ``gather_outputs`` does, with the gather's buffers bumped while they live.
 
-The trace calls the tower on the share the rank at position 0 brings (the rank the
-estimates predict), then rebuilds the whole call's output as ``gather_outputs`` does:
-the other shares' items as new tensors (there, copies out of the receive buffer) joined
-with its own, and bumps the gather's buffers no traced tensor holds while they live.
-
-With CP ranks in the group (``indexed``) the gather is the header with every rank's item
-mask, then the ``all_to_all`` of the items each rank needs (the ``all_gather`` when every
-rank needs every item), and a rank keeps the items it needs. The trace runs one CP
-rank's tokens as one sequence holding every sample's media tokens
-(``multimodal_fsdp.estimate.predict.inspect_model``), so it needs every item: its
-exchange is the ``all_gather`` after the larger header, an upper bound of a rank whose
-shard holds only some of the media tokens.
+With CP ranks in the group (``indexed``) a header with every rank's item mask precedes an
+``all_to_all`` of the items each rank needs. The trace runs one CP rank's tokens as one
+sequence holding every media token, so it needs every item: its exchange is the
+``all_gather`` after the larger header, an upper bound.
 """
 
 from __future__ import annotations

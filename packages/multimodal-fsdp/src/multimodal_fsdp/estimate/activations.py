@@ -147,10 +147,10 @@ def trace_activations(
     Runs ``loss_fn`` and its backward once on an unsharded copy of ``model``
     (materialised on the CPU if on meta) in the plan's compute dtypes, with FSDP2's casts
     at unit boundaries. Each storage autograd saves counts once (parameters excluded),
-    every other tensor while it lives; the all-gather output FSDP2 keeps beside a unit's
-    parameters and each unit's gradients on a shard group of ``shard`` ranks are replayed
-    (``_Units``). Balanced tower calls add their exchange's
-    buffers ([`exchange_buffer_bytes`][multimodal_fsdp.estimate.activations.exchange_buffer_bytes]);
+    every other tensor while it lives; each unit's gathered parameters (with the
+    all-gather output FSDP2 keeps beside them) and gradients on a shard group of ``shard``
+    ranks are replayed (``_Units``). Balanced tower calls add their exchange's buffers
+    ([`exchange_buffer_bytes`][multimodal_fsdp.estimate.activations.exchange_buffer_bytes]);
     calls this rank only joins run no tower in the trace.
 
     Args:
