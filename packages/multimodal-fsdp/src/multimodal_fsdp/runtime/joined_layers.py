@@ -54,11 +54,11 @@ def _sum_terms(terms: Iterable[Tensor]) -> Tensor | None:
 
 
 def add_to_first_tensor(value: Any, zero_term: Tensor) -> tuple[Any, bool]:
-    """``value`` with ``zero_term`` added to its first floating tensor (walking tuples,
-    lists and mappings); whether one was found.
+    """``value`` with ``zero_term`` added to its first floating tensor (walking tuples and
+    lists); whether one was found.
 
     Args:
-        value: a tensor, or tuples, lists and mappings holding tensors.
+        value: a tensor, or tuples and lists holding tensors.
         zero_term: a zero-valued scalar tied to a backward that must run.
 
     Returns:
