@@ -313,7 +313,7 @@ def load_checkpoint(
     Raises:
         ValueError: a tensor changed shape, or the freeze set differs (on every rank).
     """
-    return _load(path, model, optimizer, stage=False, timeout=timeout, name="load_checkpoint").step
+    return _load(path, model, optimizer, stage=False, timeout=timeout).step
 
 
 def load_stage_checkpoint(
@@ -342,9 +342,7 @@ def load_stage_checkpoint(
     Raises:
         ValueError: a model tensor changed shape or is missing (on every rank).
     """
-    report = _load(
-        path, model, optimizer, stage=True, timeout=timeout, name="load_stage_checkpoint"
-    )
+    report = _load(path, model, optimizer, stage=True, timeout=timeout)
     if optimizer is not None:
         logger.info(
             "stage checkpoint %s (step %s): optimizer state restored for %d parameters, "
@@ -429,8 +427,8 @@ def _load(
     *,
     stage: bool,
     timeout: float | timedelta | None,
-    name: str,
 ) -> StageLoadReport:
+    name = "load_stage_checkpoint" if stage else "load_checkpoint"
     ranks = whole_world_ranks(model, name, _STAGES)
     with enter_collective(name, ranks=ranks, timeout=timeout) as call:
         model_state = call.run(lambda: get_model_state_dict(model), step="collecting the state")
