@@ -131,3 +131,15 @@ def test_an_initialisation_that_needs_the_base_is_refused_before_reading(tmp_pat
     with pytest.raises(ValueError, match=r"init_lora_weights='pissa'.*adapter export"):
         load_pretrained(model, tmp_path / "base")
     assert model.base_model.model.proj.base_layer.weight.is_meta  # type: ignore[union-attr]
+
+
+def test_a_nested_adapter_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    _checkpoint(tmp_path / "base")
+    with torch.device("meta"):
+        model = FakePeft()
+        outer = model.base_model.model.proj
+        outer.base_layer = LoraLayer(outer.base_layer)  # type: ignore[union-attr]
+    with pytest.raises(
+        ValueError, match=r"nested adapters are not initialised by the load: load the base"
+    ):
+        load_pretrained(model, tmp_path / "base")

@@ -84,7 +84,10 @@ def _layer_adapters(model: nn.Module, path: str, layer: nn.Module) -> list[Adapt
             "LoRA); load the base weights before adding adapters, on a CPU-built model"
         )
     if _lora._is_tuner_layer(layer._modules["base_layer"] or nn.Module()):
-        raise ValueError(f"{path!r} ({kind}) wraps another adapter layer; nested adapters are not")
+        raise ValueError(
+            f"{path!r} ({kind}) wraps another adapter layer; nested adapters are not initialised "
+            "by the load: load the base weights before adding adapters, on a CPU-built model"
+        )
     embedding = layer._modules.get("lora_embedding_A")
     if isinstance(embedding, (nn.ParameterDict, nn.ModuleDict)) and len(embedding):
         raise ValueError(
