@@ -361,7 +361,7 @@ class MultimodalParallelizer(ModelParallelizer[Discovery]):
 
         Args:
             model: the model (on ``meta`` is enough).
-            mp_policy: the mixed-precision policy (bf16 compute, fp32 reduction if None).
+            mp_policy: the mixed-precision policy (None: ``MixedPrecisionPolicy()``, no casts).
             reshard_after_forward: as ``fully_shard`` takes it.
             ignored_params: parameters FSDP leaves alone (besides the replicated ones).
             discovery: the model's discovery (this parallelizer's ``discover``), to reuse.
