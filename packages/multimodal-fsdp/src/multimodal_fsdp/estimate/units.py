@@ -42,17 +42,6 @@ __all__ = [
 ]
 
 
-def _dim0_padded_numel(shape: torch.Size, factor: int) -> int:
-    """Elements after FSDP pads dim 0 to a multiple of ``factor``; FSDP2 refuses scalar
-    (0-d) parameters, so they have none."""
-    if not shape:
-        raise ValueError(
-            "fully_shard does not support scalar parameters; make them 1-D (numel 1) or ignore them"
-        )
-    rows = math.ceil(shape[0] / factor) * factor
-    return rows * math.prod(shape[1:])
-
-
 def padded_shard_numel(param: nn.Parameter, shard: int) -> int:
     """The padding rule of every estimate.
 
@@ -66,7 +55,12 @@ def padded_shard_numel(param: nn.Parameter, shard: int) -> int:
     Raises:
         ValueError: ``param`` is a scalar (FSDP2 refuses them).
     """
-    return _dim0_padded_numel(local_shape(param), shard) // shard
+    shape = local_shape(param)
+    if not shape:
+        raise ValueError(
+            "fully_shard does not support scalar parameters; make them 1-D (numel 1) or ignore them"
+        )
+    return math.ceil(shape[0] / shard) * math.prod(shape[1:])
 
 
 def param_compute_dtype(param: nn.Parameter, policy: MixedPrecisionPolicy) -> torch.dtype:
@@ -138,7 +132,7 @@ def _unit_collectives(
     if not trainable:
         return tally
     reduce = unit_reduce_dtype(params, policy)
-    padded = sum(_dim0_padded_numel(local_shape(p), shard) for p in trainable)
+    padded = sum(padded_shard_numel(p, shard) * shard for p in trainable)
     if shard > 1:
         tally.add("backward", "reduce_scatter", padded * reduce.itemsize)
     if replicate > 1:
@@ -262,7 +256,7 @@ def place_unit(
     runs_backward = _runs_backward(unit, params, step)
     reshard = effective_reshard(unit, shard)
     gathered = sum(  # every parameter padded, in its compute dtype
-        _dim0_padded_numel(local_shape(p), shard) * param_compute_dtype(p, unit.mp_policy).itemsize
+        padded_shard_numel(p, shard) * shard * param_compute_dtype(p, unit.mp_policy).itemsize
         for _, p in params
     )
     regathers = reshard is not False and runs_backward

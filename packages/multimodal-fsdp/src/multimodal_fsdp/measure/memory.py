@@ -202,13 +202,6 @@ def _loss(model: nn.Module, loss_fn: LossFn) -> torch.Tensor:
     return loss
 
 
-def _step(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None) -> None:
-    torch.autograd.backward(_loss(model, loss_fn))
-    if optimizer is not None:
-        optimizer.step()
-        optimizer.zero_grad()
-
-
 def _replicated(model: nn.Module) -> list[nn.Parameter]:
     """Parameters no FSDP unit manages (ignored: kept whole on every rank, or experts an
     EP plan placed, each rank holding its shard)."""
@@ -256,7 +249,10 @@ def measure_memory(
         )
     opt = make_optimizer(optimizer, model.parameters())
     for _ in range(warmup):
-        _step(model, loss_fn, opt)
+        torch.autograd.backward(_loss(model, loss_fn))
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
     replicated = _replicated(model)
     tracker = _new_tracker(model, opt)
     tracker.track_inputs(tuple(replicated))
