@@ -377,7 +377,7 @@ def _costs_of(
     return PlanCosts(
         model=original_class(step.model).__name__,  # not FSDP2's ``FSDP<name>``
         mesh=shape,
-        units=tuple(_unit_cost(i, item, shape.dp_shard) for i, item in enumerate(units)),
+        units=tuple(_unit_cost(i, item) for i, item in enumerate(units)),
         comm=total,
         extra=extra,
         prefetch_guard=prefetch_guard,
@@ -435,7 +435,7 @@ def _replicated(plan: ShardingPlan, model: nn.Module) -> tuple[int, int]:
     return sum(named[n].numel() for n in names), total
 
 
-def _unit_cost(index: int, item: _Unit, shard: int) -> UnitCost:
+def _unit_cost(index: int, item: _Unit) -> UnitCost:
     params = [p for _, p in item.params]
     policy = item.plan.mp_policy
     compute = sorted({_short(param_compute_dtype(p, policy)) for p in params}) or ["-"]
