@@ -37,12 +37,6 @@ import monorepo  # noqa: E402
 
 PACKAGE_NAMES = sorted(monorepo.packages())
 _OURS = {monorepo.get_package(name).import_name for name in PACKAGE_NAMES}
-#: Modules whose public docstrings still lack sections (issue 36 item 4 left them to the
-#: engineers working in them at the time). Only shrinks.
-PENDING: frozenset[str] = frozenset(
-    {
-    }
-)
 _NO_VALUE = {None, "None", "NoReturn", "typing.NoReturn", "Never", inspect.Signature.empty}
 
 
@@ -245,19 +239,8 @@ def test_the_checker_names_each_missing_section() -> None:
 @pytest.mark.parametrize("package", PACKAGE_NAMES)
 def test_public_docstrings_have_google_sections(package: str) -> None:
     import_name = monorepo.get_package(package).import_name
-    problems = [text for module, text in docstring_problems(import_name) if module not in PENDING]
+    problems = [text for _, text in docstring_problems(import_name)]
     assert not problems, (
         f"{len(problems)} public callables of {package} lack Google-style sections "
         "(Args:/Returns:/Raises:):\n" + "\n".join(problems)
     )
-
-
-def test_the_pending_modules_still_lack_sections() -> None:
-    """``PENDING`` only shrinks: a module whose docstrings are done leaves it."""
-    lacking = {
-        module
-        for package in PACKAGE_NAMES
-        for module, _ in docstring_problems(monorepo.get_package(package).import_name)
-    }
-    done = sorted(PENDING - lacking)
-    assert not done, f"remove these modules from PENDING, their docstrings are done: {done}"
