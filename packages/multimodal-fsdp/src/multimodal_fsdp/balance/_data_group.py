@@ -184,9 +184,9 @@ def gather_outputs(
             f"{items} items (this rank asked for {list(wanted)})"
         )
     masks = [row[3:] for row in rows] if data.indexed else [[1] * items] * data.size
-    owner = [p for p, share in enumerate(shares) for _ in range(*share)] if split else None
-    if owner is None:  # unsplit: every rank holds the whole call
+    if not split:  # every rank holds the whole call
         return layout.join_output(spec, [mine[i] for i in range(items) if masks[data.position][i]])
+    owner = [p for p, share in enumerate(shares) for _ in range(*share)]
     if all(all(m) for m in masks):
         received = _all_gathered(mine, max(totals), data, device)
     else:
@@ -195,11 +195,10 @@ def gather_outputs(
     offsets = [0] * data.size
     for item, weight in enumerate(weights):
         source = owner[item]
-        if source == data.position:
-            if masks[data.position][item]:
-                pieces.append(mine[item - start])
-            continue
         if not masks[data.position][item]:
+            continue
+        if source == data.position:
+            pieces.append(mine[item - start])
             continue
         piece = []
         for leaf, size in enumerate(_share_bytes(spec, [weight])[0]):

@@ -138,10 +138,14 @@ class RoundTable:
         costs: list[tuple[int, ...]] = []
         item_rows: list[tuple[tuple[int, ...], ...]] = []
         sizes: list[tuple[tuple[int, ...], ...]] = []
+        blobs: dict[int, bytes] = {}
         for r, row in enumerate(self.headers):
             n, nf, ns = (int(row[k]) for k in (_Header.ITEMS, _Header.FIELDS, _Header.SIZES))
             table = self.tables[r][: n * ITEM_INTS]
             entries = table.view(n, ITEM_INTS).tolist() if n and r in callers else []
+            if r in callers:
+                blob = self.tables[r][n * ITEM_INTS :].numpy().tobytes()
+                blobs[r] = blob[: int(row[_Header.BLOB])]
             costs.append(tuple(e[0] for e in entries))
             item_rows.append(tuple(tuple(e[1 : 1 + nf]) for e in entries))
             sizes.append(tuple(tuple(e[1 + MAX_FIELDS : 1 + MAX_FIELDS + ns]) for e in entries))
@@ -155,17 +159,11 @@ class RoundTable:
                     f"{reference}'s have {fields}; items must share dtype and row shape to be "
                     "encoded together"
                 )
-        with_items = list(specs)
         grads = tuple(
             bool(fields[f].dtype.is_floating_point)
-            and any(int(self.headers[r][_FIXED + f * _FIELD_INTS + 1]) for r in with_items)
+            and any(int(self.headers[r][_FIXED + f * _FIELD_INTS + 1]) for r in specs)
             for f in range(len(fields))
         )
-        blobs = {}
-        for r in callers:
-            n = int(self.headers[r][_Header.ITEMS])
-            length = int(self.headers[r][_Header.BLOB])
-            blobs[r] = self.tables[r][n * ITEM_INTS :].numpy().tobytes()[:length]
         first = blobs[callers[0]] if callers else b""
         spec = None
         if balanced and callers:

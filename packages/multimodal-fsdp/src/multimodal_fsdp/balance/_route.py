@@ -174,19 +174,9 @@ class Exchange(torch.autograd.Function):
         fields = [f for f, needed in enumerate(route.grads) if needed]
         flags = None
         if route.flags:
+            kept_have = {k for g, k in zip(kept_grads, route.kept, strict=True) if g is not None}
             have = [
-                int(
-                    f < nfields
-                    and route.grads[f]
-                    and (
-                        grads[f] is not None
-                        or any(
-                            g is not None
-                            for g, k in zip(kept_grads, route.kept, strict=True)
-                            if k == f
-                        )
-                    )
-                )
+                int(f < nfields and route.grads[f] and (grads[f] is not None or f in kept_have))
                 for f in range(route.flags)
             ]
             flags = torch.tensor(have, dtype=torch.uint8, device=route.device)
