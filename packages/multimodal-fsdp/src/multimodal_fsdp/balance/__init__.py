@@ -1,14 +1,11 @@
 """Balanced media: every rank encodes an even share of a step's images and videos.
 
-The pieces a runtime hook puts together: layout adapters that split a tower call into
-items (``MediaLayout``; the built-in ``batch-first``, ``packed-by-grid``,
-``packed-by-size``, ``packed-by-length`` and ``tiled`` layouts), chosen per tower when
-the plan is made by a probe that runs the tower on tiny calls (``choose_media_layout``,
-``probe_layout``; ``media_layout_for`` returns the layout), the deterministic rule that
-assigns items to ranks (``assign_items``), and the differentiable exchange that runs one
-tower call balanced (``balanced_call``; ``join_without_call`` for a rank without that call, and
-``join_remaining_calls``, the barrier for ranks that made fewer calls),
-with its collectives and bytes predicted by ``exchange_traffic``.
+Layout adapters split a tower call into items (``MediaLayout``, built-in or registered),
+chosen per tower at plan time by a probe on tiny calls (``choose_media_layout``,
+``probe_layout``, ``media_layout_for``); ``assign_items`` gives each rank its items;
+``balanced_call`` runs one call balanced (``join_without_call`` and
+``join_remaining_calls`` for ranks without it), with the collectives and bytes that
+``exchange_traffic`` predicts.
 """
 
 from multimodal_fsdp.balance.assign import assign_items
