@@ -344,15 +344,14 @@ def exchange_tally(
             "give one entry per rank of the balance group"
         )
     members: list[Member] = [*towers, *joined]
-    known = {member.path for member in members}
-    unknown = [path for path in media.towers() if path not in known]
+    by_path = {member.path: member for member in members}
+    unknown = [path for path in media.towers() if path not in by_path]
     if unknown:
         raise ValueError(
             f"media names towers {unknown} that the plan does not balance; balanced towers: "
-            f"{sorted(known)}"
+            f"{sorted(by_path)}"
         )
     tally = CommTally()
-    by_path = {member.path: member for member in members}
     for heads, chosen in _rounds(media, members):  # per round its metadata, then its call
         _tally(tally, metadata_traffic([c.payload() if c is not None else 0 for c in heads]))
         member = by_path[chosen]

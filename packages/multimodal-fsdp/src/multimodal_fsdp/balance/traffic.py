@@ -86,16 +86,12 @@ def call_traffic(
     Args:
         costs_by_rank: each rank's items' costs, in call order.
         rank: the rank whose collectives are predicted.
-        input_bytes: per rank and item, the bytes of its fields.
-        output_bytes: per rank and item, the bytes of its output pieces.
-        input_grad_bytes: as ``input_bytes`` for the floating inputs that require grad
-            (None: none does).
-        output_grad_bytes: as ``output_bytes`` for the floating outputs (None: no
-            gradient flows back).
-        output_tensors: the tensors in the tower's output, required with
-            ``output_grad_bytes`` (one has-gradient byte each to every rank).
-        run_when_empty: the tower owns FSDP units (a rank without items runs a
-            placeholder, which needs the exchange).
+        input_bytes: as for ``exchange_traffic``.
+        output_bytes: as for ``exchange_traffic``.
+        input_grad_bytes: as for ``exchange_traffic``.
+        output_grad_bytes: as for ``exchange_traffic``.
+        output_tensors: as for ``exchange_traffic``.
+        run_when_empty: as for ``exchange_traffic``.
 
     Returns:
         The collectives, in order: none when no rank has an item or nothing moves and
