@@ -112,11 +112,7 @@ def candidate_rows(tower: nn.Module, main: str | None = None) -> list[tuple[int,
     waveform = main == "input_values" or (isinstance(layer, nn.Conv1d) and layer.in_channels == 1)
     if waveform:  # raw audio: samples per clip, with or without the channel axis
         rows += [(_WAVEFORM_SAMPLES,), (1, _WAVEFORM_SAMPLES)]
-    unique: list[tuple[int, ...]] = []
-    for row in rows:
-        if row not in unique:
-            unique.append(row)
-    return unique
+    return list(dict.fromkeys(rows))  # without repeats, most likely first
 
 
 def mask_arguments(tower: nn.Module, main: str) -> list[str]:
