@@ -16,6 +16,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from fsdp_core.rank_wait import names_text
+
 __all__ = ["CheckpointContents", "check_model_matches"]
 
 _LISTED = 8
@@ -81,11 +83,6 @@ def _shape(value: Any) -> tuple[int, ...] | None:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 
-def _listed(names: list[str]) -> str:
-    more = f" and {len(names) - _LISTED} more" if len(names) > _LISTED else ""
-    return ", ".join(names[:_LISTED]) + more
-
-
 def check_model_matches(
     contents: CheckpointContents, model_state: Mapping[str, Any], path: str | os.PathLike[str]
 ) -> None:
@@ -109,9 +106,10 @@ def check_model_matches(
     if changed:
         raise ValueError(
             f"{len(changed)} tensors of the model changed shape since the checkpoint "
-            f"{str(path)!r} was saved ({_listed(changed)}); a checkpoint loads into the shapes "
-            "it was saved from: load it into a model of those shapes, then resize (e.g. "
-            "resize_token_embeddings), or load the tensors that match yourself"
+            f"{str(path)!r} was saved ({names_text(changed, _LISTED, show=str)}); a "
+            "checkpoint loads into the shapes it was saved from: load it into a model of "
+            "those shapes, then resize (e.g. resize_token_embeddings), or load the tensors "
+            "that match yourself"
         )
     missing = sorted(
         name
@@ -121,5 +119,6 @@ def check_model_matches(
     if missing:
         raise ValueError(
             f"the checkpoint {str(path)!r} has no value for {len(missing)} tensors of the "
-            f"model ({_listed(missing)}); it was saved from a model without them"
+            f"model ({names_text(missing, _LISTED, show=str)}); it was saved from a model "
+            "without them"
         )

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from fsdp_core.rank_wait import names_text
 from fsdp_core.sharding import original_class
 from fsdp_core.weights_check import check_weights_given, record_meta_tensors
 
@@ -253,9 +254,5 @@ def _base_layer_name(name: str) -> str:
 
 def _listed(what: str, names: Iterable[str], change: Callable[[str], str] | None = None) -> str:
     """``what: 'a', 'b' and 3 more``, each name followed by its ``change``; ``""`` for none."""
-    items = list(names)
-    if not items:
-        return ""
-    shown = ", ".join(repr(n) + (f" {change(n)}" if change else "") for n in items[:_LIMIT])
-    more = f" and {len(items) - _LIMIT} more" if len(items) > _LIMIT else ""
-    return f"{what}: {shown}{more}"
+    text = names_text(names, _LIMIT, show=lambda n: repr(n) + (f" {change(n)}" if change else ""))
+    return f"{what}: {text}" if text else ""

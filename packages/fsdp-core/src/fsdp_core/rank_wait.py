@@ -25,6 +25,7 @@ __all__ = [
     "TIMEOUT_ENV",
     "WARN_ENV",
     "WaitLimits",
+    "names_text",
     "ranks_text",
     "seconds_setting",
     "wait_for_ranks",
@@ -109,9 +110,28 @@ def ranks_text(ranks: Iterable[int]) -> str:
     Returns:
         The text.
     """
-    items = sorted(ranks)
-    more = f" and {len(items) - LISTED} more" if len(items) > LISTED else ""
-    return f"{items[:LISTED]}{more}"
+    return names_text(sorted(ranks), LISTED, as_list=True)
+
+
+def names_text(
+    names: Iterable[Any], limit: int = 3, *, show: Callable[..., str] = repr, as_list: bool = False
+) -> str:
+    """The first ``limit`` names and how many more (``'a', 'b', 'c' and 4 more``), so a
+    message stays short.
+
+    Args:
+        names: what to list, in order.
+        limit: how many to name.
+        show: how one is written.
+        as_list: name them as a list, ``['a', 'b'] and 4 more``.
+
+    Returns:
+        The text; ``""`` (``"[]"`` as a list) for none.
+    """
+    items = list(names)
+    shown = ", ".join(show(name) for name in items[:limit])
+    more = f" and {len(items) - limit} more" if len(items) > limit else ""
+    return (f"[{shown}]" if as_list else shown) + more
 
 
 def wait_for_ranks(

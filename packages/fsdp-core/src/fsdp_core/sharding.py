@@ -25,6 +25,7 @@ from torch.distributed.fsdp import (
 
 from fsdp_core import compat
 from fsdp_core.ddp_guard import refuse_ddp
+from fsdp_core.rank_wait import names_text
 
 __all__ = [
     "ShardTarget",
@@ -355,11 +356,11 @@ def check_ignored_params_supported(
     causes = []
     if given:
         causes.append(
-            f"{len(given)} given as ignored_params= ({_names(given)}): pass no ignored_params="
+            f"{len(given)} given as ignored_params= ({names_text(given)}): pass no ignored_params="
         )
     if replicated:
         causes.append(
-            f"{len(replicated)} replicated by the parallelizer itself ({_names(replicated)}): "
+            f"{len(replicated)} replicated by the parallelizer itself ({names_text(replicated)}): "
             "use a frozen-tower policy other than 'replicate', or make them trainable "
             "(a parallelizer may replicate some frozen parameters under every policy)"
         )
@@ -368,8 +369,3 @@ def check_ignored_params_supported(
         f"parameter can be kept out of FSDP, but the plan keeps {len(ignored_param_names)} "
         f"out; nothing was sharded. They are {'; and '.join(causes)}."
     )
-
-
-def _names(names: Sequence[str], limit: int = 3) -> str:
-    shown = ", ".join(repr(n) for n in names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

@@ -20,6 +20,8 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from fsdp_core.rank_wait import names_text
+
 __all__ = ["StaleOptimizerError", "mark_replaced_parameters"]
 
 #: Attribute set on a parameter that sharding replaced: its qualified name.
@@ -80,12 +82,10 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     if not stale:
         _STATE.checked[optimizer] = key
         return
-    shown = ", ".join(repr(name) for name in stale[:_LIMIT])
-    more = f" and {len(stale) - _LIMIT} more" if len(stale) > _LIMIT else ""
     raise StaleOptimizerError(
         f"{type(optimizer).__name__} was built before the model was sharded: it holds "
-        f"{len(stale)} parameters that sharding replaced ({shown}{more}), so its steps "
-        "would update tensors the model no longer uses and training would silently do "
-        "nothing; build the optimizer after parallelize (or apply_plan) and after "
-        "loading weights: optimizer = torch.optim.AdamW(model.parameters(), ...)."
+        f"{len(stale)} parameters that sharding replaced ({names_text(stale, _LIMIT)}), so "
+        "its steps would update tensors the model no longer uses and training would "
+        "silently do nothing; build the optimizer after parallelize (or apply_plan) and "
+        "after loading weights: optimizer = torch.optim.AdamW(model.parameters(), ...)."
     )

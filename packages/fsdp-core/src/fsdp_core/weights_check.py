@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from fsdp_core.rank_wait import names_text
 
 __all__ = [
     "MetaTensors",
@@ -244,12 +245,6 @@ def refill_unset_buffers(model: nn.Module) -> list[str]:
     return done
 
 
-def _listed(names: Iterable[str]) -> str:
-    items = list(names)
-    more = f" and {len(items) - _LIMIT} more" if len(items) > _LIMIT else ""
-    return ", ".join(repr(n) for n in items[:_LIMIT]) + more
-
-
 _LOADERS: Final = (
     "fsdp_core.hf.load_pretrained(model, directory) for a Hugging Face checkpoint "
     "directory (it allocates the model itself, no to_empty() needed, and recomputes "
@@ -278,8 +273,8 @@ def check_weights_given(model: nn.Module, record: MetaTensors, *, name: str) -> 
     if still:
         raise UninitializedWeightsError(
             f"{name} was sharded on the meta device and {len(still)} of its tensors are "
-            f"still there ({_listed(still)}): it has no weights to run with. Load them "
-            f"after parallelize: {_LOADERS}."
+            f"still there ({names_text(still, _LIMIT)}): it has no weights to run with. "
+            f"Load them after parallelize: {_LOADERS}."
         )
     wanted = [params[n] for n in record.parameters if n in params]
     if wanted and not any(_written(p) for p in wanted):
@@ -295,9 +290,10 @@ def check_weights_given(model: nn.Module, record: MetaTensors, *, name: str) -> 
     if unset:
         raise UninitializedWeightsError(
             f"{name} was sharded on the meta device and its non-persistent buffers "
-            f"{_listed(unset)} were never given values after to_empty(): no checkpoint or "
-            "state dict holds them. Recompute them: fsdp_core.hf.load_pretrained does it "
-            "for transformers models (and load_checkpoint / load_full_state_dict for "
-            "transformers models too), materialize_from_full takes buffers={name: tensor}, "
-            "or copy the values in place (model.get_buffer(name).copy_(value))."
+            f"{names_text(unset, _LIMIT)} were never given values after to_empty(): no "
+            "checkpoint or state dict holds them. Recompute them: "
+            "fsdp_core.hf.load_pretrained does it for transformers models (and "
+            "load_checkpoint / load_full_state_dict for transformers models too), "
+            "materialize_from_full takes buffers={name: tensor}, or copy the values in place "
+            "(model.get_buffer(name).copy_(value))."
         )

@@ -13,6 +13,7 @@ from typing import Literal
 from torch import nn
 
 from fsdp_core.containers import iter_layer_items, join_path
+from fsdp_core.rank_wait import names_text
 from multimodal_fsdp.discovery.names import MultimodalModule
 from multimodal_fsdp.policy import frozen_policy
 
@@ -130,8 +131,6 @@ def summarise(paths: Iterable[str], limit: int = 3) -> str:
         limit: how many to name.
 
     Returns:
-        E.g. ``"a, b, c and 4 more"``.
+        E.g. ``'a', 'b', 'c' and 4 more``.
     """
-    items = list(paths)
-    head = ", ".join(repr(p) for p in items[:limit])
-    return head + (f" and {len(items) - limit} more" if len(items) > limit else "")
+    return names_text(paths, limit)

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_core.rank_wait import names_text
+
 _LISTED = 4
 #: What the error for an adapter-wrapped model tells users to do instead.
 MERGE_HINT = (
@@ -86,16 +88,15 @@ def wrapped_modules(model: nn.Module) -> tuple[str, ...]:
     return tuple(found)
 
 
-def _listed(items: Sequence[str]) -> str:
-    more = f" and {len(items) - _LISTED} more" if len(items) > _LISTED else ""
-    return f"{list(items[:_LISTED])}{more}"
+def _listed(paths: Sequence[str]) -> str:
+    return names_text(sorted(paths), _LISTED, as_list=True)
 
 
 def wrapped_error(model: nn.Module, paths: Sequence[str]) -> ValueError:
     """The error for a plain export of a model with adapter-wrapped modules."""
     return ValueError(
         f"{type(model).__name__} has {len(paths)} adapter-wrapped modules "
-        f"{_listed(sorted(paths))}: saved as they are, their weights get names such as "
+        f"{_listed(paths)}: saved as they are, their weights get names such as "
         "'<module>.base_layer.weight' and '<module>.lora_A.<adapter>.weight', which "
         "from_pretrained of the base model does not load (it would initialise those "
         f"modules at random); {MERGE_HINT}"
@@ -122,7 +123,7 @@ def wrapped_load_error(model: nn.Module, paths: Sequence[str]) -> ValueError:
     """The error for loading a base checkpoint into a model with adapter-wrapped modules."""
     return ValueError(
         f"{type(model).__name__} has {len(paths)} adapter-wrapped modules "
-        f"{_listed(sorted(paths))}: a base checkpoint has no keys for their tensors "
+        f"{_listed(paths)}: a base checkpoint has no keys for their tensors "
         "('<module>.base_layer.weight'), and the adapters' own weights are in no base "
         "checkpoint. Load the base weights before adding adapters (from_pretrained, then "
         "get_peft_model, then parallelize), or pass key_mapping= and strict=False and "

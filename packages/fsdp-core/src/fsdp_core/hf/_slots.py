@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_core.hf import _hf_model, _lora
 from fsdp_core.hf._safetensors_dir import require_safetensors
 from fsdp_core.module_tree import check_unchanged_since_sharding
+from fsdp_core.rank_wait import names_text
 
 PathLike = str | os.PathLike[str]
 
@@ -90,9 +91,7 @@ def is_meta(tensor: torch.Tensor) -> bool:
 
 def listed(names: Iterable[str]) -> str:
     """The first names, sorted, for an error message that stays readable."""
-    items = sorted(names)
-    more = f" and {len(items) - _LISTED} more" if len(items) > _LISTED else ""
-    return f"{items[:_LISTED]}{more}"
+    return names_text(sorted(names), _LISTED, as_list=True)
 
 
 def hf_names(model: nn.Module, slots: Sequence[Slot]) -> dict[str, str]:

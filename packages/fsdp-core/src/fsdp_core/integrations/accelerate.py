@@ -30,6 +30,7 @@ from fsdp_core.checkpoint import export_full_state_dict, load_checkpoint, save_c
 from fsdp_core.hf import save_pretrained
 from fsdp_core.hf._save import DEFAULT_MAX_SHARD_SIZE
 from fsdp_core.integrations import IntegrationRequiredError, _require_release
+from fsdp_core.rank_wait import names_text
 
 try:
     from accelerate import Accelerator
@@ -313,12 +314,11 @@ def _save(
     """Refused for DTensors: the main process would write its shards as if whole."""
     found = list(_dtensor_keys(obj))
     if found:
-        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         raise ValueError(
-            f"accelerator.save of DTensor shards ({shown}): the main process would write its "
-            "own shards only, in a file that looks whole. Save a model's weights with "
-            "accelerator.get_state_dict(model) (whole tensors on the main process) or "
-            "accelerator.save_model(model, directory); its optimizer with "
+            f"accelerator.save of DTensor shards ({names_text(found, show=str)}): the main "
+            "process would write its own shards only, in a file that looks whole. Save a "
+            "model's weights with accelerator.get_state_dict(model) (whole tensors on the "
+            "main process) or accelerator.save_model(model, directory); its optimizer with "
             f"accelerator.save_state (in {CHECKPOINT_DIR}/)"
         )
     Accelerator.save(self, obj, f, safe_serialization=safe_serialization)
