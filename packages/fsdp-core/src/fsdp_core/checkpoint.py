@@ -37,12 +37,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from fsdp_core import _export_swap
 from fsdp_core.checkpoint_contents import CheckpointContents, check_model_matches
-from fsdp_core.collective_entry import (
-    CollectiveCall,
-    enter_collective,
-    group_ranks,
-    whole_world_ranks,
-)
+from fsdp_core.collective_entry import enter_collective, group_ranks, whole_world_ranks
 from fsdp_core.rank_agreement import CollectiveCallError
 from fsdp_core.weights_check import refill_unset_buffers
 
@@ -145,7 +140,7 @@ def save_checkpoint(
         ranks=whole_world_ranks(model, "save_checkpoint", _STAGES),
         timeout=timeout,
     ) as call:
-        main = _is_main(call)
+        main = call.is_main
         work = _work_dir(root)
         state = call.run(lambda: _state(model, optimizer), step="collecting the state")
         try:
@@ -167,10 +162,6 @@ def save_checkpoint(
 
 def _save_state(state: dict[str, Any], work: Path) -> None:
     dcp_save(state, checkpoint_id=work)
-
-
-def _is_main(call: CollectiveCall) -> bool:
-    return call.rank == (call.ranks[0] if call.active else call.rank)
 
 
 def latest_checkpoint(root: PathLike, *, timeout: float | timedelta | None = None) -> Path | None:
@@ -205,7 +196,7 @@ def latest_checkpoint(root: PathLike, *, timeout: float | timedelta | None = Non
     directory = Path(root)
     with enter_collective("latest_checkpoint", timeout=timeout) as call:
         newest = call.run(
-            lambda: _newest_checkpoint(directory, log=_is_main(call)),
+            lambda: _newest_checkpoint(directory, log=call.is_main),
             step=f"looking for checkpoints in {str(directory)!r}",
         )
         call.agree_on(

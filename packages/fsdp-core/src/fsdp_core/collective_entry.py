@@ -234,6 +234,16 @@ class CollectiveCall:
         if self.active and self.rank not in ranks:
             raise ValueError(f"rank {self.rank} is not one of the ranks {list(ranks)}")
 
+    @property
+    def is_main(self) -> bool:
+        """Whether this rank writes, logs or broadcasts for the call.
+
+        Returns:
+            True on the lowest of ``ranks``, and on every rank of a call that meets no
+            other rank.
+        """
+        return not self.active or self.rank == self.ranks[0]
+
     def _enter(self) -> None:
         """Meet at this call's arrival, skipping the calls the others gave up on without
         this rank (so the ranks' call numbers meet again)."""

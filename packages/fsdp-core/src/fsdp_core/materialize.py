@@ -159,9 +159,8 @@ def load_full_state_dict(
         full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0, strict=strict
     )
     with enter_collective("load_full_state_dict", ranks=ranks, timeout=timeout) as call:
-        main = call.rank == (call.ranks[0] if call.active else call.rank)
         call.run(
-            lambda: _check_state_dict(state_dict, needed=main or not broadcast_from_rank0),
+            lambda: _check_state_dict(state_dict, needed=call.is_main or not broadcast_from_rank0),
             step="checking the state dict",
         )
         set_model_state_dict(model, dict(state_dict or {}), options=options)

@@ -366,10 +366,9 @@ def _staging_directory(
 ) -> Iterator[Path | None]:
     """A directory beside ``directory`` for the writing rank (``None`` on the others),
     swapped in when the block ends well (replacing the files ``replaces`` accepts)."""
-    main = call.rank == (call.ranks[0] if call.active else call.rank)
     root = _export_swap.destination(directory)
     work = call.run(
-        lambda: _export_swap.prepare(root, total_size) if main else None,
+        lambda: _export_swap.prepare(root, total_size) if call.is_main else None,
         step=f"preparing a directory beside {str(root)!r}",
     )
     try:
