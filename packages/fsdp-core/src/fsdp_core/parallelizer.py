@@ -9,7 +9,9 @@ hooks; [`apply_plan`][fsdp_core.parallelizer.apply_plan] needs nothing but the p
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar, Generic, cast
 
@@ -18,13 +20,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp_core import internals
-from fsdp_core._parallelizer_helpers import (
-    _check_hook_names,
-    _hook_object,
-    _names,
-    _paths_text,
-    _plan_digest,
-)
 from fsdp_core.accumulation import AccumulationWarmupRuntimeHook
 from fsdp_core.collective_entry import enter_collective
 from fsdp_core.containers import iter_layer_items
@@ -47,6 +42,7 @@ from fsdp_core.parallel_dims import ParallelDims
 from fsdp_core.plan import ShardCall, ShardingPlan, UnitPlan
 from fsdp_core.plan_context import FoundT, PlanAdditions, PlanContext
 from fsdp_core.precision import island_policy
+from fsdp_core.rank_wait import names_text
 from fsdp_core.replica_grad import ReplicaGradReduceRuntimeHook
 from fsdp_core.replicated import place_replicated_params
 from fsdp_core.runtime import HookPlan, RuntimeHook, register_installed_hook
@@ -127,7 +123,7 @@ class ModelParallelizer(Generic[FoundT]):
         if not isinstance(dtype_safe, bool):
             raise TypeError(f"dtype_safe must be a bool, got {dtype_safe!r}")
         self.dtype_safe = dtype_safe
-        self.disabled_hooks = _check_hook_names(disabled_hooks, _names(self.HOOKS))
+        self.disabled_hooks = _check_hook_names(disabled_hooks, self.HOOKS)
 
     # ----------------------------------------------------------------- public API
     def parallelize(
@@ -531,3 +527,55 @@ def _apply(
         ", ".join(plan.hook_names()) or "none",
     )
     return model
+
+
+def _paths_text(units: list[tuple[str, ...]]) -> str:
+    return names_text(units, 4, show=lambda paths: str([p or "<root>" for p in paths])) or "none"
+
+
+def _check_hook_names(names: Iterable[str], hooks: Iterable[type[RuntimeHook]]) -> frozenset[str]:
+    known = tuple(hook.name for hook in hooks)
+    if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
+        raise TypeError(
+            f"disabled_hooks must be a collection of hook names, got {type(names).__name__} "
+            f"({names!r}); valid names: {', '.join(known)}"
+        )
+    names = list(names)
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"disabled_hooks entries must be str, got {type(name).__name__}")
+        if name not in known:
+            raise ValueError(f"unknown runtime hook {name!r}; valid names: {', '.join(known)}")
+    return frozenset(names)
+
+
+def _plan_digest(plan: ShardingPlan) -> str:
+    """A hash of what applying ``plan`` does, the same on every rank that holds the same
+    plan: ranks that differ in any of it would meet in different collectives."""
+    text = repr(
+        (
+            plan.calls,
+            plan.ignored_param_names,
+            plan.replicated_param_names,
+            plan.replicated_param_dtypes,
+            plan.sync_replicated,
+            plan.hook_names(),
+        )
+    )
+    return hashlib.sha256(re.sub(r" at 0x[0-9a-f]+", "", text).encode()).hexdigest()
+
+
+def _hook_object(planned: HookPlan, parallelizer: ModelParallelizer[Any] | None) -> RuntimeHook:
+    """The hook object of a planned hook; with a parallelizer, one of its ``HOOKS``."""
+    hook = planned.hook
+    if hook is None:
+        raise ValueError(
+            f"the plan lists a runtime hook {planned.name!r} without its hook object; "
+            "plans made by a parallelizer's plan() carry it"
+        )
+    if parallelizer is not None and not isinstance(hook, parallelizer.HOOKS):
+        raise ValueError(
+            f"{type(parallelizer).__name__} cannot install a runtime hook named "
+            f"{planned.name!r}; it installs {', '.join(h.name for h in parallelizer.HOOKS)}"
+        )
+    return hook
