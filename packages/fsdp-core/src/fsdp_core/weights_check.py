@@ -68,8 +68,9 @@ class MetaTensors:
 _RECORDS: weakref.WeakKeyDictionary[nn.Module, MetaTensors] = weakref.WeakKeyDictionary()
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+def is_meta(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (or a DTensor's local shard) still has no storage."""
+    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).is_meta
 
 
 def non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -93,7 +94,7 @@ def meta_tensors(model: nn.Module) -> MetaTensors | None:
     Returns:
         Its parameters and buffers on ``meta``, or None.
     """
-    params = tuple(n for n, p in model.named_parameters() if _local(p).is_meta)
+    params = tuple(n for n, p in model.named_parameters() if is_meta(p))
     buffers = tuple(n for n, b in non_persistent_buffers(model).items() if b.is_meta)
     if not params and not buffers:
         return None
@@ -268,7 +269,7 @@ def check_weights_given(model: nn.Module, record: MetaTensors, *, name: str) -> 
     """
     params = dict(model.named_parameters())
     buffers = non_persistent_buffers(model)
-    still = [n for n in record.parameters if n in params and _local(params[n]).is_meta]
+    still = [n for n in record.parameters if n in params and is_meta(params[n])]
     still += [n for n in record.buffers if n in buffers and buffers[n].is_meta]
     if still:
         raise UninitializedWeightsError(

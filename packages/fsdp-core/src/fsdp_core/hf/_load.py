@@ -33,13 +33,13 @@ from fsdp_core.hf._slots import (
     Slot,
     check_call,
     hf_names,
-    is_meta,
     listed,
     persistent_slots,
     renamed,
     reshard,
 )
 from fsdp_core.weights_check import (
+    is_meta,
     mark_weights_loaded,
     non_persistent_buffers,
     sentinel_fill,

@@ -39,13 +39,13 @@ from fsdp_core.hf._slots import (
     Slot,
     check_call,
     hf_names,
-    is_meta,
     listed,
     persistent_slots,
     renamed,
     reshard,
 )
 from fsdp_core.sizes import parse_size
+from fsdp_core.weights_check import is_meta
 
 # The public module's logger: the split into private modules keeps the name users configure.
 logger = logging.getLogger("fsdp_core.hf.pretrained")

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from fsdp_core.hf import _hf_model, _lora
 from fsdp_core.hf._safetensors_dir import require_safetensors
@@ -81,12 +80,6 @@ def reshard(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
-
-
-def is_meta(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` (or a DTensor's local shard) still has no storage."""
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local.is_meta
 
 
 def listed(names: Iterable[str]) -> str:
