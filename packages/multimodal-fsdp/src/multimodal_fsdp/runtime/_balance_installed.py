@@ -37,19 +37,38 @@ __all__ = ["BalanceMedia"]
 logger = logging.getLogger("multimodal_fsdp.runtime.balance_media")
 
 
+def _outermost(model: nn.Module, path: str) -> str:
+    """The path of the outermost wrapper (``checkpoint_wrapper``, ``torch.compile``) of the
+    module at ``path``: a hook inside an activation checkpoint would break recomputation."""
+    inner = unwrap_module(model.get_submodule(path))
+    while path:
+        parent = path.rpartition(".")[0]
+        if unwrap_module(model.get_submodule(parent)) is not inner:
+            break
+        path = parent
+    return path
+
+
+#: A balanced or joined module, the outermost wrapper its hook goes on, its path, layout
+#: and ``run_when_empty``.
+_Found = tuple[nn.Module, nn.Module, str, MediaLayout | None, bool]
+
+
 def _balanced_modules(
     model: nn.Module, towers: Sequence[BalancedTower], joined: Sequence[JoinedModule]
-) -> list[tuple[nn.Module, str, MediaLayout | None, bool]]:
-    """Each balanced or joined module with its path, layout and ``run_when_empty``, all
-    checked before any is changed."""
-    found: list[tuple[nn.Module, str, MediaLayout | None, bool]] = []
+) -> list[_Found]:
+    """Each balanced or joined module with its hook's module, path, layout and
+    ``run_when_empty``, all checked before any is changed."""
+    found: list[_Found] = []
     for tower in towers:
         module = model.get_submodule(tower.path)
         layout = media_layout_for(module, name=tower.layout)
-        found.append((module, tower.path, layout, tower.run_when_empty))
+        site = model.get_submodule(_outermost(model, tower.path))
+        found.append((module, site, tower.path, layout, tower.run_when_empty))
     for item in joined:
-        found.append((model.get_submodule(item.path), item.path, None, True))
-    for module, path, _, _ in found:
+        site = model.get_submodule(_outermost(model, item.path))
+        found.append((model.get_submodule(item.path), site, item.path, None, True))
+    for _, module, path, _, _ in found:
         if "forward" in vars(module):
             raise ValueError(
                 f"balance_media: module {path!r} already has an instance forward "
@@ -130,11 +149,18 @@ class BalanceMedia:
                     self._wrap_generate(module)
 
     def _install_member(
-        self, index: int, module: nn.Module, path: str, layout: MediaLayout | None, empty: bool
+        self,
+        index: int,
+        module: nn.Module,
+        site: nn.Module,
+        path: str,
+        layout: MediaLayout | None,
+        empty: bool,
     ) -> Member:
-        """Send one module's calls through the rounds: a prepended pre-hook enters the
-        round (before FSDP's all-gather), its instance forward finishes the call."""
-        original = module.forward
+        """Send one module's calls through the rounds: on its outermost wrapper ``site``,
+        a prepended pre-hook enters the round (before FSDP's all-gather), its instance
+        forward finishes the call."""
+        original = site.forward
         kind = layout.name if layout is not None else "joined"
         member = Member(
             module=module,
@@ -142,15 +168,15 @@ class BalanceMedia:
             layout=layout,
             run_when_empty=empty,
             runner=original,
-            joiner=self._runner(module),
+            joiner=self._runner(site),
         )
-        self._modules.append((module, member))
+        self._modules.append((site, member))
         self._handles.append(
-            module.register_forward_pre_hook(
+            site.register_forward_pre_hook(
                 self._enter(index, member), prepend=True, with_kwargs=True
             )
         )
-        module.forward = self._balanced_forward(module, index, member, path, original)
+        site.forward = self._balanced_forward(index, member, path, original)
         return member
 
     # ------------------------------------------------------------- decisions
@@ -166,14 +192,7 @@ class BalanceMedia:
         install): inside an activation checkpoint the join would break recomputation."""
         if not self.join_site:
             return
-        path = self.join_site
-        site = unwrap_module(model.get_submodule(path))
-        while path:
-            parent = path.rpartition(".")[0]
-            if unwrap_module(model.get_submodule(parent)) is not site:
-                break
-            path = parent
-        outermost = model.get_submodule(path)
+        outermost = model.get_submodule(_outermost(model, self.join_site))
         if outermost is self._site:
             return
         if self._site_handle is not None:
@@ -220,12 +239,7 @@ class BalanceMedia:
         return hook
 
     def _balanced_forward(
-        self,
-        module: nn.Module,
-        index: int,
-        member: Member,
-        path: str,
-        original: Callable[..., Any],
+        self, index: int, member: Member, path: str, original: Callable[..., Any]
     ) -> Callable[..., Any]:
         @functools.wraps(original)
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -236,7 +250,7 @@ class BalanceMedia:
                 output = original(*args, **kwargs)
                 if self._bypass or not self._in_forward or in_backward() or member.layout is None:
                     return output
-                return own_items(member.layout, module, args, kwargs, output)  # CP: its needs
+                return own_items(member.layout, member.module, args, kwargs, output)  # CP
             self.last_calls += 1
             output, zero_term = self._rounds.finish(entered_calls.pop(), args, kwargs)
             if zero_term is not None:

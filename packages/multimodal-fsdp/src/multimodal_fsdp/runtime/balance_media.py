@@ -14,8 +14,9 @@ exchange's backward collectives in the same order.
 A call is balanced inside the planned model's forward (not in a backward's recomputation)
 and, for a tower that owns units, also in eval and in ``generate()`` (a rank with nothing
 to encode runs a placeholder: ``run_when_empty``); other towers only in training
-forwards. The hook is the tower's instance ``forward``, so its class and module hooks are
-untouched.
+forwards. The hook is the instance ``forward`` of the tower's outermost wrapper (its
+``checkpoint_wrapper``, so a checkpoint recomputes what the rank ran), so its class and
+module hooks are untouched.
 """
 
 from __future__ import annotations
