@@ -2,10 +2,9 @@
 
 Each rank builds the tiny DeepSeek-V4.1 VLM with its vision tower under torch's
 ``checkpoint_wrapper`` (``form``: the whole tower, or each of its blocks) before
-planning, or after ``parallelize`` (``*_after``), parallelizes it with
-``balance_media=True`` (``per_layer``: the tower owns units), runs one training step on
-its own batch (rank 0 every image, rank 1 none) and writes its loss and full gradients,
-or the error it raised.
+planning, parallelizes it with ``balance_media=True`` (``per_layer``: the tower owns
+units), runs one training step on its own batch (rank 0 every image, rank 1 none) and
+writes its loss and full gradients, or the error it raised.
 """
 
 from __future__ import annotations
@@ -26,33 +25,27 @@ from model_deepseek_v41 import DeepseekV41Config, build_deepseek_v41, make_batch
 from multimodal_fsdp import MultimodalParallelizer
 
 CONFIG = DeepseekV41Config.tiny()
-#: (what is wrapped, checkpoint implementation) per case; ``*_after``: wrapped after
-#: ``parallelize``.
+#: (what is wrapped, checkpoint implementation) per case.
 CASES = {
     "whole": ("whole", CheckpointImpl.NO_REENTRANT),
     "whole_reentrant": ("whole", CheckpointImpl.REENTRANT),
     "blocks": ("blocks", CheckpointImpl.NO_REENTRANT),
     "blocks_reentrant": ("blocks", CheckpointImpl.REENTRANT),
-    "whole_after": ("whole", CheckpointImpl.NO_REENTRANT),
-    "whole_after_reentrant": ("whole", CheckpointImpl.REENTRANT),
 }
 
 
 def build(case: str | None) -> nn.Module:
     """The model, its tower wrapped as ``case`` says (``None``: unwrapped)."""
     model = build_deepseek_v41(CONFIG, seed=0, dtype=torch.float32)
-    return model if case is None else wrap(model, case)
-
-
-def wrap(model: nn.Module, case: str) -> nn.Module:
-    """Wrap ``model``'s tower as ``case`` says."""
+    if case is None:
+        return model
     form, impl = CASES[case]
-    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=impl)
+    wrap = functools.partial(checkpoint_wrapper, checkpoint_impl=impl)
     if form == "whole":
-        model.vision = wrapper(model.vision)
+        model.vision = wrap(model.vision)
     else:
         for index, block in enumerate(model.vision.blocks):  # type: ignore[arg-type]
-            model.vision.blocks[index] = wrapper(block)  # type: ignore[index]
+            model.vision.blocks[index] = wrap(block)  # type: ignore[index]
     return model
 
 
@@ -72,16 +65,13 @@ def plain_name(name: str) -> str:
 def run_case(rank: int, _world: int, case: str, out: str) -> None:
     result: dict[str, object]
     try:
-        after = "_after" in case
-        model = build(None if after else case)
+        model = build(case)
         parallelizer = MultimodalParallelizer(
             frozen_multimodal_sharding="per_layer",
             extra_tower_names=("vision",),
             balance_media=True,
         )
         parallelizer.parallelize(model, mesh=build_mesh())
-        if after:
-            wrap(model, case)
         loss = model(**batch(rank))
         loss.backward()
         grads = {
@@ -93,23 +83,3 @@ def run_case(rank: int, _world: int, case: str, out: str) -> None:
     except Exception as error:  # recorded for the test to show
         result = {"error": f"{type(error).__name__}: {error}"[:2000]}
     Path(out, f"{case}_rank{rank}.json").write_text(json.dumps(result))
-
-
-def run_patched_wrapper(rank: int, _world: int, out: str) -> None:
-    """Wrap the tower after ``parallelize`` in a wrapper whose forward is patched; write
-    the error the first forward raised."""
-    model = build(None)
-    MultimodalParallelizer(
-        frozen_multimodal_sharding="per_layer",
-        extra_tower_names=("vision",),
-        balance_media=True,
-    ).parallelize(model, mesh=build_mesh())
-    wrapper = checkpoint_wrapper(model.vision)
-    wrapper.forward = functools.partial(type(wrapper).forward, wrapper)  # another patch
-    model.vision = wrapper
-    try:
-        model(**batch(rank))
-        error = ""
-    except ValueError as raised:
-        error = str(raised)
-    Path(out, f"patched_rank{rank}.json").write_text(json.dumps(error))

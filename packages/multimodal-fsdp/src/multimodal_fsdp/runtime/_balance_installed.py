@@ -110,11 +110,7 @@ class BalanceMedia:
         self.joined = joined
         self.join_site = join_site
 
-        #: Per member: the module its hooks are on (see ``_place_members``), the member,
-        #: its path and its pre-hook.
         self._modules: list[tuple[nn.Module, Member]] = []
-        self._paths: list[str] = []
-        self._member_handles: list[RemovableHandle] = []
         self._in_forward = 0
         self._training = False
         self._joined = True
@@ -164,51 +160,24 @@ class BalanceMedia:
         """Send one module's calls through the rounds: on its outermost wrapper ``site``,
         a prepended pre-hook enters the round (before FSDP's all-gather), its instance
         forward finishes the call."""
+        original = site.forward
         kind = layout.name if layout is not None else "joined"
         member = Member(
             module=module,
             identity=f"{path}|{kind}",
             layout=layout,
             run_when_empty=empty,
-            runner=self._runner(index, joining=False),
-            joiner=self._runner(index, joining=True),
+            runner=original,
+            joiner=self._runner(site),
         )
         self._modules.append((site, member))
-        self._paths.append(path)
-        self._hook_member(index)
-        return member
-
-    def _hook_member(self, index: int) -> None:
-        site, member = self._modules[index]
-        handle = site.register_forward_pre_hook(
-            self._enter(index, member), prepend=True, with_kwargs=True
+        self._handles.append(
+            site.register_forward_pre_hook(
+                self._enter(index, member), prepend=True, with_kwargs=True
+            )
         )
-        if index < len(self._member_handles):
-            self._member_handles[index] = handle
-        else:
-            self._member_handles.append(handle)
-        original = site.forward
-        site.forward = self._balanced_forward(index, member, self._paths[index], original)
-
-    def _place_members(self, model: nn.Module) -> None:
-        """Move each member's hooks to its outermost wrapper when that changed (a
-        ``checkpoint_wrapper`` applied after install): inside the checkpoint, its
-        recomputation would not rerun what the rank ran."""
-        for index, (site, member) in enumerate(self._modules):
-            path = _outermost(model, self._paths[index])
-            outermost = model.get_submodule(path)
-            if outermost is site:
-                continue
-            if "forward" in vars(outermost):
-                raise ValueError(
-                    f"balance_media: the module {self._paths[index]!r} was wrapped after "
-                    f"parallelize in {path!r}, which has an instance forward (another hook, "
-                    "torch.compile); wrap it before parallelize, or wrap its blocks"
-                )
-            self._member_handles[index].remove()
-            vars(site).pop("forward", None)
-            self._modules[index] = (outermost, member)
-            self._hook_member(index)
+        site.forward = self._balanced_forward(index, member, path, original)
+        return member
 
     # ------------------------------------------------------------- decisions
     def _active(self, member: Member) -> bool:
@@ -234,11 +203,9 @@ class BalanceMedia:
         )
 
     def _start(self, module: nn.Module, _args: Any) -> None:
-        if not self._in_forward:  # before any collective, the same on every rank
-            self._place_members(module)
-            self._place_join(module)
         self._in_forward += 1
         if self._in_forward == 1:
+            self._place_join(module)
             self._training = module.training and torch.is_grad_enabled()
             self._joined = in_backward()
             self.last_calls = 0
@@ -304,18 +271,13 @@ class BalanceMedia:
             repr(self.join_site) if self.join_site else "the end of the forward",
         )
 
-    def _runner(self, index: int, joining: bool) -> Callable[..., Any]:
-        """Runs member ``index`` on its current site: its class forward inside the rank's
-        own call, or (``joining`` a call the rank does not make) ``site(...)``, not
-        balanced again."""
+    def _runner(self, module: nn.Module) -> Callable[..., Any]:
+        """How a rank joins a call it does not make: ``module(...)``, not balanced again."""
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            site = self._modules[index][0]
-            if not joining:
-                return type(site).forward(site, *args, **kwargs)
             self._bypass += 1
             try:
-                return site(*args, **kwargs)
+                return module(*args, **kwargs)
             finally:
                 self._bypass -= 1
 
@@ -390,10 +352,9 @@ class BalanceMedia:
 
     def remove(self) -> None:
         """Take every hook off and give the modules their own forwards back."""
-        for handle in self._handles + self._member_handles:
+        for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._member_handles.clear()
         if self._site_handle is not None:
             self._site_handle.remove()
             self._site_handle = None
