@@ -4,7 +4,7 @@ Each rank builds the tiny DeepSeek-V4.1 VLM with its vision tower under torch's
 ``checkpoint_wrapper`` (``form``: the whole tower, or each of its blocks) before
 planning, parallelizes it with ``balance_media=True`` (``per_layer``: the tower owns
 units), runs one training step on its own batch (rank 0 every image, rank 1 none) and
-writes its loss and full gradients, or the error it raised.
+writes its loss and full gradients, or the error it raised; one launch runs every case.
 """
 
 from __future__ import annotations
@@ -34,11 +34,9 @@ CASES = {
 }
 
 
-def build(case: str | None) -> nn.Module:
-    """The model, its tower wrapped as ``case`` says (``None``: unwrapped)."""
+def build(case: str) -> nn.Module:
+    """The model, its tower wrapped as ``case`` says."""
     model = build_deepseek_v41(CONFIG, seed=0, dtype=torch.float32)
-    if case is None:
-        return model
     form, impl = CASES[case]
     wrap = functools.partial(checkpoint_wrapper, checkpoint_impl=impl)
     if form == "whole":
@@ -62,7 +60,13 @@ def plain_name(name: str) -> str:
     )
 
 
-def run_case(rank: int, _world: int, case: str, out: str) -> None:
+def run_cases(rank: int, _world: int, out: str) -> None:
+    """Every case in one launch, one result file per case and rank."""
+    for case in CASES:
+        _run_case(rank, case, out)
+
+
+def _run_case(rank: int, case: str, out: str) -> None:
     result: dict[str, object]
     try:
         model = build(case)

@@ -10,7 +10,7 @@ reduce-scatter; reentrant: the balanced call ran under the checkpoint's ``no_gra
 that rank only, "grad mode differs between ranks"). The balanced call now wraps the
 outermost wrapper, so every rank's checkpoint recomputes what it ran.
 
-Each case runs one step on 2 gloo ranks (rank 0 every image, rank 1 none) and compares
+One launch of 2 gloo ranks runs one step per case (rank 0 every image, rank 1 none) and compares
 the losses and gradients with one process running both ranks' batches under the same
 checkpointing (a reentrant checkpoint of the whole tower, whose pixels need no gradient,
 gives the tower's parameters none, as in one process).
@@ -48,12 +48,17 @@ def _reference(case: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     return [loss.item() for loss in losses], grads  # type: ignore[misc]
 
 
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One launch of 2 gloo ranks runs every case."""
+    directory = tmp_path_factory.mktemp("wrapped_tower")
+    run_on_gloo_ranks(rank_fn.run_cases, 2, str(directory), timeout_s=240)
+    return directory
+
+
 @pytest.mark.parametrize("case", sorted(rank_fn.CASES))
-def test_a_checkpoint_wrapped_tower_trains_balanced_like_one_process(
-    case: str, tmp_path: Path
-) -> None:
-    run_on_gloo_ranks(rank_fn.run_case, 2, case, str(tmp_path), timeout_s=120)
-    results = [json.loads((tmp_path / f"{case}_rank{r}.json").read_text()) for r in range(2)]
+def test_a_checkpoint_wrapped_tower_trains_balanced_like_one_process(case: str, out: Path) -> None:
+    results = [json.loads((out / f"{case}_rank{r}.json").read_text()) for r in range(2)]
     errors = [result.get("error", "") for result in results]
     assert errors == ["", ""], errors
     losses, want = _reference(case)
